@@ -1,0 +1,172 @@
+//! Typed errors: every failure names the verb, the device and, where there is
+//! one, the queue pair, so a log line is enough to find the cause.
+//!
+//! Building an error never allocates: device names are shared `Arc<str>`s and
+//! errno values stay raw until displayed, so errors can be returned from the
+//! data path.
+
+use std::fmt;
+use std::io;
+use std::sync::Arc;
+
+use crate::verbs::{WcOpcode, WcStatus};
+
+/// Result alias used across the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong, with enough context to act on it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A verbs call returned an error code.
+    #[error("{verb} failed on {device}{}: {}", qpn_suffix(*.qpn), io::Error::from_raw_os_error(*.errno))]
+    Verbs {
+        /// The verb that failed, e.g. `ibv_modify_qp(RTR)`.
+        verb: &'static str,
+        /// The errno it reported.
+        errno: i32,
+        /// The device it ran on.
+        device: Arc<str>,
+        /// The queue pair involved, if any.
+        qpn: Option<u32>,
+    },
+    /// Posting work requests failed; the first `posted` of the list went out.
+    #[error("{verb} failed on {device} (QP {qpn}) after {posted} work request(s) were posted: {}", io::Error::from_raw_os_error(*.errno))]
+    Post {
+        /// `ibv_post_send` or `ibv_post_recv`.
+        verb: &'static str,
+        /// The errno it reported (`ENOMEM`: the queue is full).
+        errno: i32,
+        /// The device.
+        device: Arc<str>,
+        /// The queue pair.
+        qpn: u32,
+        /// How many requests of the list were accepted before the failing one.
+        posted: usize,
+    },
+    /// The device or provider does not implement a verb.
+    #[error("{verb} is not supported by {device}")]
+    Unsupported {
+        /// The verb that is missing.
+        verb: &'static str,
+        /// The device that lacks it.
+        device: Arc<str>,
+    },
+    /// A work request completed with an error status.
+    #[error(
+        "{opcode} work request {wr_id:#x} on QP {qpn} failed: {status} (vendor error {vendor_err:#x})"
+    )]
+    Completion {
+        /// Completion status, e.g. `IBV_WC_REM_ACCESS_ERR`.
+        status: WcStatus,
+        /// The operation as reported by the completion.
+        opcode: WcOpcode,
+        /// The QP the completion belongs to.
+        qpn: u32,
+        /// The work request id the poster chose.
+        wr_id: u64,
+        /// Provider-specific detail.
+        vendor_err: u32,
+    },
+    /// No RDMA device matched (or none exists at all).
+    #[error("no RDMA device {0}")]
+    NoDevice(String),
+    /// The port is not usable.
+    #[error("{device} port {port}: {reason}")]
+    Port {
+        /// The device.
+        device: Arc<str>,
+        /// The port number (1-based).
+        port: u8,
+        /// Why it cannot be used.
+        reason: String,
+    },
+    /// A local or remote range lies outside its registered region.
+    #[error("{what}: range {offset}+{len} is outside the region of {size} bytes")]
+    OutOfBounds {
+        /// Which descriptor was out of bounds.
+        what: &'static str,
+        /// Requested offset into the region.
+        offset: u64,
+        /// Requested length.
+        len: u64,
+        /// Size of the region.
+        size: u64,
+    },
+    /// A request was malformed before it reached the device.
+    #[error("invalid request: {0}")]
+    InvalidArgument(&'static str),
+    /// An inline payload exceeds the QP's `max_inline_data`.
+    #[error("inline payload of {len} bytes exceeds the QP's max_inline_data of {max}")]
+    InlineTooLarge {
+        /// Payload length.
+        len: usize,
+        /// The QP's limit.
+        max: u32,
+    },
+    /// An operating-system call outside libibverbs failed.
+    #[error("{what}: {source}")]
+    Os {
+        /// What we were doing.
+        what: &'static str,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn qpn_suffix(qpn: Option<u32>) -> String {
+    qpn.map(|n| format!(" (QP {n})")).unwrap_or_default()
+}
+
+impl Error {
+    /// The errno carried by a verbs or OS error, if any.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            Error::Verbs { errno, .. } | Error::Post { errno, .. } => Some(*errno),
+            Error::Os { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+
+    /// True when a post failed because the send or receive queue is full
+    /// (providers report `ENOMEM`); the caller should poll and retry.
+    pub fn is_queue_full(&self) -> bool {
+        matches!(self, Error::Verbs { errno, .. } | Error::Post { errno, .. } if *errno == libc::ENOMEM)
+    }
+
+    /// The completion status, when this error came from a failed completion.
+    pub fn completion_status(&self) -> Option<WcStatus> {
+        match self {
+            Error::Completion { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// Shorthand used by the verbs modules to build a [`Error::Verbs`].
+pub(crate) fn verbs_error(
+    verb: &'static str,
+    errno: i32,
+    device: &Arc<str>,
+    qpn: Option<u32>,
+) -> Error {
+    Error::Verbs {
+        verb,
+        errno,
+        device: Arc::clone(device),
+        qpn,
+    }
+}
+
+impl fmt::Display for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl fmt::Display for WcOpcode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}

@@ -1,0 +1,81 @@
+//! Safe, RAII wrappers over libibverbs.
+//!
+//! Ownership mirrors the verbs object tree: a [`QueuePair`] holds its
+//! [`ProtectionDomain`] and both [`CompletionQueue`]s, a [`MemoryRegion`] holds
+//! its PD, and every object holds the device [`Context`]. Whatever order the
+//! user drops handles in, a QP is destroyed before its CQs, an MR before its PD
+//! and everything before the device is closed.
+//!
+//! All `unsafe` FFI lives in this module tree; each block says why it is sound.
+
+mod cq;
+mod device;
+mod mr;
+mod pd;
+mod qp;
+mod wr;
+
+pub use cq::{CompletionChannel, CompletionQueue, CqId, WcOpcode, WcStatus, WorkCompletion};
+pub use device::{
+    Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState, devices,
+};
+pub use mr::{AccessFlags, LocalSlice, MemoryRegion, RemoteRegion, RemoteSlice};
+pub use pd::ProtectionDomain;
+pub use qp::{QpConfig, QpEndpoint, QpState, QueuePair};
+pub use wr::{RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
+
+use std::os::raw::c_int;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+/// Turns a verb's integer result into a `Result`.
+///
+/// Verbs disagree on conventions: most return an errno value, a few return -1
+/// and set `errno`, and some providers return `-errno`. All three end up here.
+pub(crate) fn check_rc(
+    rc: c_int,
+    verb: &'static str,
+    device: &Arc<str>,
+    qpn: Option<u32>,
+) -> Result<()> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let errno = match rc {
+        -1 => std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO),
+        r if r < 0 => -r,
+        r => r,
+    };
+    Err(errno_error(verb, errno, device, qpn))
+}
+
+/// Turns a verb's returned pointer into a `NonNull`, reading `errno` on NULL.
+pub(crate) fn check_ptr<T>(
+    ptr: *mut T,
+    verb: &'static str,
+    device: &Arc<str>,
+) -> Result<NonNull<T>> {
+    NonNull::new(ptr).ok_or_else(|| {
+        // A NULL without errno happens with some providers; EINVAL is the closest.
+        let errno = match std::io::Error::last_os_error().raw_os_error() {
+            Some(0) | None => libc::EINVAL,
+            Some(e) => e,
+        };
+        errno_error(verb, errno, device, None)
+    })
+}
+
+fn errno_error(verb: &'static str, errno: i32, device: &Arc<str>, qpn: Option<u32>) -> Error {
+    if errno == libc::EOPNOTSUPP {
+        Error::Unsupported {
+            verb,
+            device: Arc::clone(device),
+        }
+    } else {
+        crate::error::verbs_error(verb, errno, device, qpn)
+    }
+}

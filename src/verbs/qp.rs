@@ -1,0 +1,557 @@
+//! Reliable-connected queue pairs: creation, the INIT→RTR→RTS handshake and posting.
+
+use std::fmt;
+use std::os::raw::c_int;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::sys;
+
+use super::cq::{CompletionQueue, CqInner};
+use super::device::{Gid, LinkLayer, Mtu};
+use super::mr::AccessFlags;
+use super::pd::{PdInner, ProtectionDomain};
+use super::wr::{RecvBatch, RecvRequest, SendBatch, WorkRequest};
+use super::{check_ptr, check_rc};
+
+type PostSendFn = unsafe extern "C" fn(
+    *mut sys::ibv_qp,
+    *mut sys::ibv_send_wr,
+    *mut *mut sys::ibv_send_wr,
+) -> c_int;
+type PostRecvFn = unsafe extern "C" fn(
+    *mut sys::ibv_qp,
+    *mut sys::ibv_recv_wr,
+    *mut *mut sys::ibv_recv_wr,
+) -> c_int;
+
+/// How to build and connect an RC queue pair. `Default` suits most uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QpConfig {
+    /// Port to use (1-based); `None` picks the first ACTIVE port.
+    pub port: Option<u8>,
+    /// GID index to use; `None` picks one (see [`Context::select_gid`](super::Context::select_gid)).
+    pub gid_index: Option<u32>,
+    /// Send-queue depth.
+    pub max_send_wr: u32,
+    /// Receive-queue depth.
+    pub max_recv_wr: u32,
+    /// Scatter/gather entries per send request.
+    pub max_send_sge: u32,
+    /// Scatter/gather entries per receive request.
+    pub max_recv_sge: u32,
+    /// Inline payload size to ask for (the provider may grant more).
+    pub max_inline_data: u32,
+    /// What the peer may do to this QP's memory: `REMOTE_WRITE` and/or
+    /// `REMOTE_READ`. Empty by default (least privilege).
+    pub remote_access: AccessFlags,
+    /// Outstanding READs this QP may issue (and serve, as a target).
+    pub max_rd_atomic: u8,
+    /// Local ACK timeout exponent: 4.096 µs × 2^timeout.
+    pub timeout: u8,
+    /// Transport retries before `IBV_WC_RETRY_EXC_ERR`.
+    pub retry_cnt: u8,
+    /// RNR retries (7 = forever).
+    pub rnr_retry: u8,
+    /// Minimum RNR NAK timer code advertised to the peer.
+    pub min_rnr_timer: u8,
+    /// Initial send PSN; `None` draws a random one.
+    pub psn: Option<u32>,
+}
+
+impl Default for QpConfig {
+    fn default() -> Self {
+        Self {
+            port: None,
+            gid_index: None,
+            max_send_wr: 256,
+            max_recv_wr: 256,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 64,
+            remote_access: AccessFlags::empty(),
+            max_rd_atomic: 1,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            psn: None,
+        }
+    }
+}
+
+/// What a peer needs to connect to one of our QPs (exchanged out of band).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpEndpoint {
+    /// QP number.
+    pub qpn: u32,
+    /// First packet sequence number (24 bits).
+    pub psn: u32,
+    /// The port's GID (needed on RoCE, optional on InfiniBand).
+    pub gid: Gid,
+    /// The port's LID (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// The MTU this side can carry; the connection uses the smaller of both.
+    pub mtu: Mtu,
+}
+
+/// Queue pair state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub enum QpState {
+    Reset,
+    Init,
+    ReadyToReceive,
+    ReadyToSend,
+    SendQueueDrain,
+    SendQueueError,
+    Error,
+    Unknown(u32),
+}
+
+impl QpState {
+    fn from_raw(raw: u32) -> Self {
+        match raw {
+            sys::IBV_QPS_RESET => Self::Reset,
+            sys::IBV_QPS_INIT => Self::Init,
+            sys::IBV_QPS_RTR => Self::ReadyToReceive,
+            sys::IBV_QPS_RTS => Self::ReadyToSend,
+            sys::IBV_QPS_SQD => Self::SendQueueDrain,
+            sys::IBV_QPS_SQE => Self::SendQueueError,
+            sys::IBV_QPS_ERR => Self::Error,
+            other => Self::Unknown(other),
+        }
+    }
+}
+
+/// A reliable-connected queue pair.
+///
+/// Created in INIT (so receives can be posted before the peer connects);
+/// [`connect`](Self::connect) takes it to RTS. Holds its PD and CQs, so they
+/// outlive it whatever order handles are dropped in.
+///
+/// ```no_run
+/// use rdma_comm_core::verbs::*;
+/// let ctx = Context::open_default(None)?;
+/// let pd = ctx.alloc_pd()?;
+/// let cq = ctx.create_cq(512, None)?;
+/// let mut qp = pd.create_qp(&cq, &cq, &QpConfig::default())?;
+/// let mine = qp.endpoint();        // send this to the peer
+/// # let theirs = mine;
+/// qp.connect(&theirs)?;            // with what the peer sent back
+/// # Ok::<(), rdma_comm_core::Error>(())
+/// ```
+pub struct QueuePair {
+    qp: NonNull<sys::ibv_qp>,
+    post_send_fn: PostSendFn,
+    post_recv_fn: PostRecvFn,
+    qpn: u32,
+    port: u8,
+    gid_index: u32,
+    use_grh: bool,
+    local: QpEndpoint,
+    max_inline_data: u32,
+    max_send_wr: u32,
+    max_recv_wr: u32,
+    config: QpConfig,
+    // Dropped after the QP is destroyed in Drop: CQs, then the PD.
+    _send_cq: Arc<CqInner>,
+    _recv_cq: Arc<CqInner>,
+    pd: Arc<PdInner>,
+}
+
+// SAFETY: libibverbs QPs may be used from any thread, and posting is internally
+// synchronised by the provider; the handle is freed only in Drop.
+unsafe impl Send for QueuePair {}
+// SAFETY: see Send.
+unsafe impl Sync for QueuePair {}
+
+impl fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QueuePair")
+            .field("device", &self.pd.ctx.name)
+            .field("qpn", &self.qpn)
+            .field("port", &self.port)
+            .field("gid_index", &self.gid_index)
+            .finish()
+    }
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        // SAFETY: the QP came from ibv_create_qp and is destroyed once, before
+        // the CQs and PD it uses (held by the fields below).
+        let rc = unsafe { sys::ibv_destroy_qp(self.qp.as_ptr()) };
+        if let Err(err) = check_rc(rc, "ibv_destroy_qp", &self.pd.ctx.name, Some(self.qpn)) {
+            log::error!("{err}");
+        }
+    }
+}
+
+impl ProtectionDomain {
+    /// Creates an RC queue pair on `send_cq`/`recv_cq` (which may be the same
+    /// CQ, or CQs shared with other QPs) and moves it to INIT.
+    pub fn create_qp(
+        &self,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        config: &QpConfig,
+    ) -> Result<QueuePair> {
+        let ctx = self.context();
+        let name = &self.inner.ctx.name;
+        let port = match config.port {
+            Some(p) => p,
+            None => ctx.first_active_port()?,
+        };
+        let port_attr = ctx.query_port(port)?;
+        let gid = match (config.gid_index, port_attr.link_layer) {
+            (None, LinkLayer::InfiniBand) => ctx
+                .gid_table(port)?
+                .into_iter()
+                .next()
+                .map_or((0, Gid::default()), |e| (e.index, e.gid)),
+            (index, _) => ctx.select_gid(port, index).map(|e| (e.index, e.gid))?,
+        };
+
+        let mut init_attr = sys::ibv_qp_init_attr {
+            send_cq: send_cq.inner.cq.as_ptr(),
+            recv_cq: recv_cq.inner.cq.as_ptr(),
+            cap: sys::ibv_qp_cap {
+                max_send_wr: config.max_send_wr,
+                max_recv_wr: config.max_recv_wr,
+                max_send_sge: config.max_send_sge,
+                max_recv_sge: config.max_recv_sge,
+                max_inline_data: config.max_inline_data,
+            },
+            qp_type: sys::IBV_QPT_RC,
+            sq_sig_all: 0,
+            ..Default::default()
+        };
+        // SAFETY: PD and CQs are live (we hold Arcs from here on); init_attr is
+        // fully initialised and the provider writes back the granted caps.
+        let raw = unsafe { sys::ibv_create_qp(self.inner.pd.as_ptr(), &mut init_attr) };
+        let qp = check_ptr(raw, "ibv_create_qp", name)?;
+        // SAFETY: the QP is live; its context's ops table never changes, so the
+        // post functions are read once here instead of on every post.
+        let (qpn, post_send_fn, post_recv_fn) = unsafe {
+            let ops = &(*(*qp.as_ptr()).context).ops;
+            ((*qp.as_ptr()).qp_num, ops.post_send, ops.post_recv)
+        };
+        let psn = config.psn.unwrap_or_else(random_psn) & 0x00ff_ffff;
+        let local = QpEndpoint {
+            qpn,
+            psn,
+            gid: gid.1,
+            lid: port_attr.lid,
+            mtu: port_attr.active_mtu,
+        };
+        let (Some(post_send_fn), Some(post_recv_fn)) = (post_send_fn, post_recv_fn) else {
+            // SAFETY: the QP is live and not yet owned by a QueuePair.
+            unsafe { sys::ibv_destroy_qp(qp.as_ptr()) };
+            return Err(Error::Unsupported {
+                verb: "ibv_post_send",
+                device: Arc::clone(name),
+            });
+        };
+        let mut qp = QueuePair {
+            qp,
+            post_send_fn,
+            post_recv_fn,
+            qpn,
+            port,
+            gid_index: gid.0,
+            // InfiniBand routes by LID; a GRH is needed only across subnets,
+            // which the caller signals by choosing a GID index.
+            use_grh: port_attr.link_layer != LinkLayer::InfiniBand || config.gid_index.is_some(),
+            local,
+            max_inline_data: init_attr.cap.max_inline_data,
+            max_send_wr: init_attr.cap.max_send_wr,
+            max_recv_wr: init_attr.cap.max_recv_wr,
+            config: config.clone(),
+            _send_cq: Arc::clone(&send_cq.inner),
+            _recv_cq: Arc::clone(&recv_cq.inner),
+            pd: Arc::clone(&self.inner),
+        };
+        qp.enter_init()?;
+        Ok(qp)
+    }
+}
+
+/// A random 24-bit PSN, so a restarted peer never matches stale packets.
+fn random_psn() -> u32 {
+    let mut buf = [0u8; 4];
+    // SAFETY: getrandom writes at most buf.len() bytes into buf.
+    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n != buf.len() as isize {
+        // Without entropy, mix the clock and pid: still differs across restarts.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        return nanos ^ std::process::id().rotate_left(12);
+    }
+    u32::from_ne_bytes(buf) & 0x00ff_ffff
+}
+
+impl QueuePair {
+    /// The QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// The port in use.
+    pub fn port(&self) -> u8 {
+        self.port
+    }
+
+    /// The GID index in use.
+    pub fn gid_index(&self) -> u32 {
+        self.gid_index
+    }
+
+    /// What the peer needs to connect to this QP.
+    pub fn endpoint(&self) -> QpEndpoint {
+        self.local
+    }
+
+    /// The inline payload limit the provider granted.
+    pub fn max_inline_data(&self) -> u32 {
+        self.max_inline_data
+    }
+
+    /// The send-queue depth the provider granted.
+    pub fn max_send_wr(&self) -> u32 {
+        self.max_send_wr
+    }
+
+    /// The receive-queue depth the provider granted.
+    pub fn max_recv_wr(&self) -> u32 {
+        self.max_recv_wr
+    }
+
+    fn modify(&self, attr: &mut sys::ibv_qp_attr, mask: u32, verb: &'static str) -> Result<()> {
+        // SAFETY: the QP is live and `attr` is initialised for every bit in `mask`.
+        let rc = unsafe { sys::ibv_modify_qp(self.qp.as_ptr(), attr, mask as c_int) };
+        check_rc(rc, verb, &self.pd.ctx.name, Some(self.qpn))
+    }
+
+    fn enter_init(&mut self) -> Result<()> {
+        let mut attr = sys::ibv_qp_attr {
+            qp_state: sys::IBV_QPS_INIT,
+            pkey_index: 0,
+            port_num: self.port,
+            qp_access_flags: self.config.remote_access.bits(),
+            ..Default::default()
+        };
+        let mask = sys::IBV_QP_STATE
+            | sys::IBV_QP_PKEY_INDEX
+            | sys::IBV_QP_PORT
+            | sys::IBV_QP_ACCESS_FLAGS;
+        self.modify(&mut attr, mask, "ibv_modify_qp(RESET->INIT)")
+    }
+
+    /// Connects to the peer described by `remote`: INIT→RTR→RTS.
+    ///
+    /// The path MTU is the smaller of ours (the port's active MTU) and theirs.
+    pub fn connect(&mut self, remote: &QpEndpoint) -> Result<()> {
+        let mtu = remote.mtu.min(self.local.mtu);
+        let mut attr = sys::ibv_qp_attr {
+            qp_state: sys::IBV_QPS_RTR,
+            path_mtu: mtu.to_raw(),
+            dest_qp_num: remote.qpn,
+            rq_psn: remote.psn & 0x00ff_ffff,
+            max_dest_rd_atomic: self.config.max_rd_atomic,
+            min_rnr_timer: self.config.min_rnr_timer,
+            ..Default::default()
+        };
+        attr.ah_attr.dlid = remote.lid;
+        attr.ah_attr.port_num = self.port;
+        if self.use_grh {
+            attr.ah_attr.is_global = 1;
+            attr.ah_attr.grh.dgid.raw = remote.gid.0;
+            attr.ah_attr.grh.sgid_index = self.gid_index as u8;
+            attr.ah_attr.grh.hop_limit = 64;
+        }
+        let mask = sys::IBV_QP_STATE
+            | sys::IBV_QP_AV
+            | sys::IBV_QP_PATH_MTU
+            | sys::IBV_QP_DEST_QPN
+            | sys::IBV_QP_RQ_PSN
+            | sys::IBV_QP_MAX_DEST_RD_ATOMIC
+            | sys::IBV_QP_MIN_RNR_TIMER;
+        self.modify(&mut attr, mask, "ibv_modify_qp(INIT->RTR)")?;
+
+        let mut attr = sys::ibv_qp_attr {
+            qp_state: sys::IBV_QPS_RTS,
+            timeout: self.config.timeout,
+            retry_cnt: self.config.retry_cnt,
+            rnr_retry: self.config.rnr_retry,
+            sq_psn: self.local.psn,
+            max_rd_atomic: self.config.max_rd_atomic,
+            ..Default::default()
+        };
+        let mask = sys::IBV_QP_STATE
+            | sys::IBV_QP_TIMEOUT
+            | sys::IBV_QP_RETRY_CNT
+            | sys::IBV_QP_RNR_RETRY
+            | sys::IBV_QP_SQ_PSN
+            | sys::IBV_QP_MAX_QP_RD_ATOMIC;
+        self.modify(&mut attr, mask, "ibv_modify_qp(RTR->RTS)")
+    }
+
+    /// Moves the QP to the error state: outstanding work completes with
+    /// `IBV_WC_WR_FLUSH_ERR`, which is how a graceful close drains it.
+    pub fn set_error(&self) -> Result<()> {
+        let mut attr = sys::ibv_qp_attr {
+            qp_state: sys::IBV_QPS_ERR,
+            ..Default::default()
+        };
+        self.modify(&mut attr, sys::IBV_QP_STATE, "ibv_modify_qp(->ERR)")
+    }
+
+    /// The current state, as the device reports it.
+    pub fn state(&self) -> Result<QpState> {
+        let mut attr = sys::ibv_qp_attr::default();
+        let mut init = sys::ibv_qp_init_attr::default();
+        // SAFETY: the QP is live and both out-pointers are valid.
+        let rc = unsafe {
+            sys::ibv_query_qp(
+                self.qp.as_ptr(),
+                &mut attr,
+                sys::IBV_QP_STATE as c_int,
+                &mut init,
+            )
+        };
+        check_rc(rc, "ibv_query_qp", &self.pd.ctx.name, Some(self.qpn))?;
+        Ok(QpState::from_raw(attr.qp_state))
+    }
+
+    /// Posts one send-queue request.
+    #[inline]
+    pub fn post_send(&self, request: WorkRequest<'_>) -> Result<()> {
+        let mut request = request;
+        self.check_inline(&request)?;
+        request.wr.next = ptr::null_mut();
+        request.wr.sg_list = &raw mut request.sge;
+        self.post_send_list(&raw mut request.wr, 1)
+    }
+
+    /// Posts every request of `batch` as one linked list (one doorbell), then
+    /// clears the batch. On error the batch is kept and
+    /// [`Error::Post`] says how many went out.
+    #[inline]
+    pub fn post_send_batch<const N: usize>(&self, batch: &mut SendBatch<'_, N>) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        for request in &batch.requests {
+            self.check_inline(request)?;
+        }
+        let len = batch.len();
+        let head = batch.link();
+        self.post_send_list(head, len)?;
+        batch.clear();
+        Ok(())
+    }
+
+    #[inline]
+    fn check_inline(&self, request: &WorkRequest<'_>) -> Result<()> {
+        if request.wr.send_flags & sys::IBV_SEND_INLINE != 0
+            && request.sge.length > self.max_inline_data
+        {
+            return Err(Error::InlineTooLarge {
+                len: request.sge.length as usize,
+                max: self.max_inline_data,
+            });
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn post_send_list(&self, head: *mut sys::ibv_send_wr, len: usize) -> Result<()> {
+        let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
+        // SAFETY: `head` is a NULL-terminated list whose nodes and SGEs live in
+        // the caller's frame or batch for the duration of the call; the provider
+        // copies them (or the inline payload) before returning.
+        let rc = unsafe { (self.post_send_fn)(self.qp.as_ptr(), head, &mut bad) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(self.post_error("ibv_post_send", rc, count_before(head, bad, len)))
+        }
+    }
+
+    /// Posts one receive.
+    #[inline]
+    pub fn post_recv(&self, request: RecvRequest<'_>) -> Result<()> {
+        let mut request = request;
+        request.wr.next = ptr::null_mut();
+        request.wr.sg_list = &raw mut request.sge;
+        self.post_recv_list(&raw mut request.wr, 1)
+    }
+
+    /// Posts every request of `batch` with one `ibv_post_recv`, then clears it.
+    #[inline]
+    pub fn post_recv_batch<const N: usize>(&self, batch: &mut RecvBatch<'_, N>) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let len = batch.len();
+        let head = batch.link();
+        self.post_recv_list(head, len)?;
+        batch.clear();
+        Ok(())
+    }
+
+    #[inline]
+    fn post_recv_list(&self, head: *mut sys::ibv_recv_wr, len: usize) -> Result<()> {
+        let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
+        // SAFETY: as in post_send_list.
+        let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(self.post_error("ibv_post_recv", rc, count_before(head, bad, len)))
+        }
+    }
+
+    #[cold]
+    fn post_error(&self, verb: &'static str, rc: c_int, posted: usize) -> Error {
+        Error::Post {
+            verb,
+            errno: rc.abs(),
+            device: Arc::clone(&self.pd.ctx.name),
+            qpn: self.qpn,
+            posted,
+        }
+    }
+}
+
+/// How many list nodes precede `bad` (all of them if `bad` is not in the list).
+fn count_before<W: NextPtr>(head: *mut W, bad: *mut W, len: usize) -> usize {
+    let mut cur = head;
+    let mut n = 0;
+    while !cur.is_null() && cur != bad && n < len {
+        // SAFETY: `cur` walks the list we built; it is still alive in the caller.
+        cur = unsafe { (*cur).next_ptr() };
+        n += 1;
+    }
+    n
+}
+
+trait NextPtr {
+    fn next_ptr(&self) -> *mut Self;
+}
+
+impl NextPtr for sys::ibv_send_wr {
+    fn next_ptr(&self) -> *mut Self {
+        self.next
+    }
+}
+
+impl NextPtr for sys::ibv_recv_wr {
+    fn next_ptr(&self) -> *mut Self {
+        self.next
+    }
+}

@@ -1,0 +1,410 @@
+//! Work requests and fixed-capacity batches of them.
+//!
+//! A [`WorkRequest`] is an `ibv_send_wr` with its one scatter/gather entry
+//! beside it. The `next` and `sg_list` pointers are filled in only at post time,
+//! so requests and batches can be moved and reused freely; a [`SendBatch`] is
+//! posted as one linked list in one `ibv_post_send` (one doorbell).
+
+use std::marker::PhantomData;
+
+use arrayvec::ArrayVec;
+
+use crate::error::{Error, Result};
+use crate::sys;
+
+use super::mr::{AccessFlags, LocalSlice, RemoteSlice};
+
+bitflags::bitflags! {
+    /// Per-request send flags.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct SendFlags: u32 {
+        /// Generate a completion for this request (selective signaling leaves
+        /// it off on most requests).
+        const SIGNALED = sys::IBV_SEND_SIGNALED;
+        /// Copy the payload into the WQE; the buffer is free on return.
+        const INLINE = sys::IBV_SEND_INLINE;
+        /// Wake a peer waiting for solicited events only.
+        const SOLICITED = sys::IBV_SEND_SOLICITED;
+        /// Wait for earlier READs to finish before this request starts.
+        const FENCE = sys::IBV_SEND_FENCE;
+    }
+}
+
+/// One send-queue request: SEND, SEND_WITH_IMM, WRITE, WRITE_WITH_IMM or READ.
+///
+/// ```no_run
+/// # use rdma_comm_core::verbs::*;
+/// # fn demo(qp: &QueuePair, mr: &MemoryRegion, peer: RemoteRegion) -> rdma_comm_core::Result<()> {
+/// let local = mr.slice(0, 64)?;
+/// let target = peer.slice(128, 64)?; // bounds-checked against what the peer exported
+/// qp.post_send(WorkRequest::write_with_imm(1, local, target, 0xfeed)?.signaled())?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Copy)]
+pub struct WorkRequest<'a> {
+    pub(crate) wr: sys::ibv_send_wr,
+    pub(crate) sge: sys::ibv_sge,
+    _buffers: PhantomData<&'a [u8]>,
+}
+
+impl std::fmt::Debug for WorkRequest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkRequest")
+            .field("wr_id", &self.wr.wr_id)
+            .field("opcode", &self.wr.opcode)
+            .field("flags", &SendFlags::from_bits_retain(self.wr.send_flags))
+            .field("len", &self.sge.length)
+            .finish()
+    }
+}
+
+impl<'a> WorkRequest<'a> {
+    fn new(wr_id: u64, opcode: sys::ibv_wr_opcode, sge: sys::ibv_sge) -> Self {
+        let wr = sys::ibv_send_wr {
+            wr_id,
+            opcode,
+            // A zero-length request carries no SGE (a valid, common notification).
+            num_sge: i32::from(sge.length > 0),
+            ..Default::default()
+        };
+        Self {
+            wr,
+            sge,
+            _buffers: PhantomData,
+        }
+    }
+
+    fn with_remote(mut self, remote: RemoteSlice) -> Self {
+        self.wr.wr.rdma.remote_addr = remote.addr;
+        self.wr.wr.rdma.rkey = remote.rkey;
+        self
+    }
+
+    fn with_imm_data(mut self, imm: u32) -> Self {
+        self.wr.__bindgen_anon_1.imm_data = imm.to_be();
+        self
+    }
+
+    /// SEND `local` to the peer's next posted RECV.
+    pub fn send(wr_id: u64, local: LocalSlice<'a>) -> Self {
+        Self::new(wr_id, sys::IBV_WR_SEND, sge(&local))
+    }
+
+    /// SEND with a 32-bit immediate value delivered in the peer's completion.
+    pub fn send_with_imm(wr_id: u64, local: LocalSlice<'a>, imm: u32) -> Self {
+        Self::new(wr_id, sys::IBV_WR_SEND_WITH_IMM, sge(&local)).with_imm_data(imm)
+    }
+
+    /// SEND a small payload from any memory, copied inline into the WQE.
+    /// It must fit the QP's `max_inline_data` (checked at post time).
+    pub fn send_inline(wr_id: u64, data: &'a [u8]) -> Self {
+        let sge = sys::ibv_sge {
+            addr: data.as_ptr() as u64,
+            length: data.len() as u32,
+            lkey: 0,
+        };
+        let mut wr = Self::new(wr_id, sys::IBV_WR_SEND, sge);
+        wr.wr.send_flags |= sys::IBV_SEND_INLINE;
+        wr
+    }
+
+    /// RDMA WRITE `local` to `remote`; both must have the same length.
+    pub fn write(wr_id: u64, local: LocalSlice<'a>, remote: RemoteSlice) -> Result<Self> {
+        same_len(&local, &remote)?;
+        Ok(Self::new(wr_id, sys::IBV_WR_RDMA_WRITE, sge(&local)).with_remote(remote))
+    }
+
+    /// RDMA WRITE that also consumes one of the peer's RECVs, delivering `imm`.
+    pub fn write_with_imm(
+        wr_id: u64,
+        local: LocalSlice<'a>,
+        remote: RemoteSlice,
+        imm: u32,
+    ) -> Result<Self> {
+        same_len(&local, &remote)?;
+        Ok(
+            Self::new(wr_id, sys::IBV_WR_RDMA_WRITE_WITH_IMM, sge(&local))
+                .with_remote(remote)
+                .with_imm_data(imm),
+        )
+    }
+
+    /// RDMA READ `remote` into `local` (which needs `LOCAL_WRITE`).
+    pub fn read(wr_id: u64, local: LocalSlice<'a>, remote: RemoteSlice) -> Result<Self> {
+        same_len(&local, &remote)?;
+        if !local.access.contains(AccessFlags::LOCAL_WRITE) {
+            return Err(Error::InvalidArgument(
+                "a READ target must be registered with LOCAL_WRITE",
+            ));
+        }
+        Ok(Self::new(wr_id, sys::IBV_WR_RDMA_READ, sge(&local)).with_remote(remote))
+    }
+
+    /// Requests a completion for this request.
+    pub fn signaled(self) -> Self {
+        self.with_flags(SendFlags::SIGNALED)
+    }
+
+    /// Adds send flags.
+    pub fn with_flags(mut self, flags: SendFlags) -> Self {
+        self.wr.send_flags |= flags.bits();
+        self
+    }
+
+    /// The caller's id for this request.
+    pub fn wr_id(&self) -> u64 {
+        self.wr.wr_id
+    }
+
+    /// Payload length in bytes.
+    pub fn len(&self) -> u32 {
+        self.sge.length
+    }
+
+    /// True for a zero-length request.
+    pub fn is_empty(&self) -> bool {
+        self.sge.length == 0
+    }
+
+    /// The flags set so far.
+    pub fn flags(&self) -> SendFlags {
+        SendFlags::from_bits_retain(self.wr.send_flags)
+    }
+}
+
+fn sge(local: &LocalSlice<'_>) -> sys::ibv_sge {
+    sys::ibv_sge {
+        addr: local.addr,
+        length: local.len,
+        lkey: local.lkey,
+    }
+}
+
+fn same_len(local: &LocalSlice<'_>, remote: &RemoteSlice) -> Result<()> {
+    if local.len == remote.len {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(
+            "local and remote lengths of an RDMA operation differ",
+        ))
+    }
+}
+
+/// Up to `N` send requests, posted together as one linked list (one doorbell).
+///
+/// Preallocate one per QP and reuse it: pushing and posting never allocate.
+#[derive(Debug)]
+pub struct SendBatch<'a, const N: usize> {
+    pub(crate) requests: ArrayVec<WorkRequest<'a>, N>,
+}
+
+impl<const N: usize> Default for SendBatch<'_, N> {
+    fn default() -> Self {
+        Self {
+            requests: ArrayVec::new(),
+        }
+    }
+}
+
+impl<'a, const N: usize> SendBatch<'a, N> {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a request; hands it back when the batch is full.
+    // Handing the request back by value is the point: boxing it would allocate.
+    #[allow(clippy::result_large_err)]
+    pub fn push(&mut self, request: WorkRequest<'a>) -> Result<(), WorkRequest<'a>> {
+        self.requests.try_push(request).map_err(|e| e.element())
+    }
+
+    /// Number of staged requests.
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// True when nothing is staged.
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// True when no more requests fit.
+    pub fn is_full(&self) -> bool {
+        self.requests.is_full()
+    }
+
+    /// Drops all staged requests.
+    pub fn clear(&mut self) {
+        self.requests.clear();
+    }
+
+    /// Links the requests for posting and returns the head (NULL when empty).
+    ///
+    /// The pointers are valid until `self` is moved or modified.
+    pub(crate) fn link(&mut self) -> *mut sys::ibv_send_wr {
+        link_list(
+            &mut self.requests,
+            |r| (&raw mut r.wr, &raw mut r.sge),
+            |wr, sge, next| {
+                wr.sg_list = sge;
+                wr.next = next;
+            },
+        )
+    }
+}
+
+/// One receive request: where the next incoming SEND (or WRITE_WITH_IMM's
+/// notification) lands.
+#[derive(Clone, Copy)]
+pub struct RecvRequest<'a> {
+    pub(crate) wr: sys::ibv_recv_wr,
+    pub(crate) sge: sys::ibv_sge,
+    _buffer: PhantomData<&'a [u8]>,
+}
+
+impl std::fmt::Debug for RecvRequest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecvRequest")
+            .field("wr_id", &self.wr.wr_id)
+            .field("len", &self.sge.length)
+            .finish()
+    }
+}
+
+impl<'a> RecvRequest<'a> {
+    /// A receive into `local`, which must be registered with `LOCAL_WRITE`.
+    /// An empty slice receives only immediates and zero-byte messages.
+    pub fn new(wr_id: u64, local: LocalSlice<'a>) -> Result<Self> {
+        if !local.access.contains(AccessFlags::LOCAL_WRITE) {
+            return Err(Error::InvalidArgument(
+                "a RECV buffer must be registered with LOCAL_WRITE",
+            ));
+        }
+        let sge = sge(&local);
+        let wr = sys::ibv_recv_wr {
+            wr_id,
+            num_sge: i32::from(sge.length > 0),
+            ..Default::default()
+        };
+        Ok(Self {
+            wr,
+            sge,
+            _buffer: PhantomData,
+        })
+    }
+
+    /// The caller's id for this request.
+    pub fn wr_id(&self) -> u64 {
+        self.wr.wr_id
+    }
+}
+
+/// Up to `N` receive requests, posted with one `ibv_post_recv`.
+#[derive(Debug)]
+pub struct RecvBatch<'a, const N: usize> {
+    pub(crate) requests: ArrayVec<RecvRequest<'a>, N>,
+}
+
+impl<const N: usize> Default for RecvBatch<'_, N> {
+    fn default() -> Self {
+        Self {
+            requests: ArrayVec::new(),
+        }
+    }
+}
+
+impl<'a, const N: usize> RecvBatch<'a, N> {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a request; hands it back when the batch is full.
+    #[allow(clippy::result_large_err)]
+    pub fn push(&mut self, request: RecvRequest<'a>) -> Result<(), RecvRequest<'a>> {
+        self.requests.try_push(request).map_err(|e| e.element())
+    }
+
+    /// Number of staged requests.
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// True when nothing is staged.
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// Drops all staged requests.
+    pub fn clear(&mut self) {
+        self.requests.clear();
+    }
+
+    pub(crate) fn link(&mut self) -> *mut sys::ibv_recv_wr {
+        link_list(
+            &mut self.requests,
+            |r| (&raw mut r.wr, &raw mut r.sge),
+            |wr, sge, next| {
+                wr.sg_list = sge;
+                wr.next = next;
+            },
+        )
+    }
+}
+
+/// Points each request at its own SGE and at the next request; returns the head.
+fn link_list<R, W>(
+    requests: &mut [R],
+    parts: impl Fn(&mut R) -> (*mut W, *mut sys::ibv_sge),
+    set: impl Fn(&mut W, *mut sys::ibv_sge, *mut W),
+) -> *mut W {
+    let mut next: *mut W = std::ptr::null_mut();
+    for request in requests.iter_mut().rev() {
+        let (wr, sge) = parts(request);
+        // SAFETY: `wr` points into `request`, which we borrow mutably right now.
+        set(unsafe { &mut *wr }, sge, next);
+        next = wr;
+    }
+    next
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_links_requests_in_order() {
+        let data = [1u8, 2, 3];
+        let mut batch = SendBatch::<4>::new();
+        for id in 0..4 {
+            batch.push(WorkRequest::send_inline(id, &data)).unwrap();
+        }
+        assert!(
+            batch.push(WorkRequest::send_inline(9, &data)).is_err(),
+            "a full batch refuses more"
+        );
+        let mut cur = batch.link();
+        let mut ids = Vec::new();
+        while !cur.is_null() {
+            // SAFETY: the list points into `batch`, alive and unmodified here.
+            let wr = unsafe { &*cur };
+            ids.push(wr.wr_id);
+            // SAFETY: as above.
+            assert_eq!(unsafe { (*wr.sg_list).length }, 3);
+            cur = wr.next;
+        }
+        assert_eq!(ids, [0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn immediates_travel_in_network_order() {
+        let wr = WorkRequest::send_inline(1, &[]).with_imm_data(0x0102_0304);
+        // SAFETY: imm_data is the member we just wrote.
+        assert_eq!(
+            unsafe { wr.wr.__bindgen_anon_1.imm_data },
+            0x0102_0304u32.to_be()
+        );
+        assert_eq!(wr.wr.num_sge, 0, "an empty payload carries no SGE");
+    }
+}
