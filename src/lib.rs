@@ -50,3 +50,8 @@ pub mod sys;
 pub mod verbs;
 
 pub use error::{Error, Result};
+
+/// Compiles the README's code examples as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -28,7 +28,8 @@ pub fn devices() -> Result<Vec<String>> {
 
 /// The `ibv_get_device_list` array, freed on drop.
 struct DeviceList {
-    devices: NonNull<*mut sys::ibv_device>,
+    /// NULL when the kernel has no RDMA support at all (an empty list).
+    devices: *mut *mut sys::ibv_device,
     len: usize,
 }
 
@@ -37,11 +38,19 @@ impl DeviceList {
         let mut len = 0;
         // SAFETY: `len` is a valid out-pointer; the returned array is owned by
         // this DeviceList and freed exactly once in Drop.
-        let raw = unsafe { sys::ibv_get_device_list(&mut len) };
-        let devices = NonNull::new(raw).ok_or_else(|| Error::Os {
-            what: "ibv_get_device_list",
-            source: std::io::Error::last_os_error(),
-        })?;
+        let devices = unsafe { sys::ibv_get_device_list(&mut len) };
+        if devices.is_null() {
+            let err = std::io::Error::last_os_error();
+            // ENOSYS: the kernel has no uverbs support, which for the caller is
+            // the same as having no device.
+            if err.raw_os_error() != Some(libc::ENOSYS) {
+                return Err(Error::Os {
+                    what: "ibv_get_device_list",
+                    source: err,
+                });
+            }
+            len = 0;
+        }
         Ok(Self {
             devices,
             len: len.max(0) as usize,
@@ -49,15 +58,18 @@ impl DeviceList {
     }
 
     fn iter(&self) -> impl Iterator<Item = NonNull<sys::ibv_device>> + '_ {
-        // SAFETY: libibverbs guarantees `len` valid, non-NULL entries.
-        (0..self.len).filter_map(move |i| NonNull::new(unsafe { *self.devices.as_ptr().add(i) }))
+        // SAFETY: libibverbs guarantees `len` valid entries when the list is non-NULL
+        // (len is 0 otherwise).
+        (0..self.len).filter_map(move |i| NonNull::new(unsafe { *self.devices.add(i) }))
     }
 }
 
 impl Drop for DeviceList {
     fn drop(&mut self) {
-        // SAFETY: the pointer came from ibv_get_device_list and is freed once.
-        unsafe { sys::ibv_free_device_list(self.devices.as_ptr()) };
+        if !self.devices.is_null() {
+            // SAFETY: the pointer came from ibv_get_device_list and is freed once.
+            unsafe { sys::ibv_free_device_list(self.devices) };
+        }
     }
 }
 
@@ -101,7 +113,7 @@ impl Drop for ContextInner {
 /// let ctx = Context::open_default(None)?; // first device with an active port
 /// let port = ctx.query_port(1)?;
 /// let gid = ctx.select_gid(1, None)?;
-/// println!("{} port 1: {:?}, MTU {}, GID[{}] {}", ctx.name(), port.state, port.active_mtu, gid.index, gid.gid);
+/// println!("{} port 1: {:?}, MTU {}, GID[{}] {}", ctx.name(), port.state, port.active_mtu.bytes(), gid.index, gid.gid);
 /// # Ok::<(), rdma_comm_core::Error>(())
 /// ```
 #[derive(Clone)]

@@ -1,0 +1,128 @@
+//! Failures become typed errors, never panics, and the process carries on.
+//! Gated as described in `tests/util/mod.rs`: runs in the Soft-RoCE guest.
+
+mod util;
+
+use rdma_comm_core::Error;
+use rdma_comm_core::verbs::*;
+use util::*;
+
+/// Posts `wr` on a fresh pair and returns its (failed) completion as an error.
+fn remote_failure(
+    make: impl FnOnce(&MemoryRegion, RemoteRegion) -> (u64, u32, u32, bool),
+) -> Error {
+    let mut p = Pair::with_remote_access();
+    let local = p.pd.alloc_mr(8192, AccessFlags::LOCAL_WRITE).unwrap();
+    let exported =
+        p.pd.alloc_mr(4096, AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ)
+            .unwrap();
+    let (addr, len, rkey, is_read) = make(&exported, exported.remote().unwrap());
+    let target = RemoteSlice::unchecked(addr, len, rkey);
+    let src = local.slice(0, len as usize).unwrap();
+    let wr = if is_read {
+        WorkRequest::read(5, src, target)
+    } else {
+        WorkRequest::write(5, src, target)
+    };
+    p.a.post_send(wr.unwrap().signaled())
+        .expect("posting succeeds; the device rejects it later");
+    let wc = wait_for(&mut p.cq_a, 1)[0];
+    let err = wc.ok().expect_err("the access must fail");
+    // The QP is now in the error state; anything posted after it is flushed.
+    assert_eq!(p.a.state().unwrap(), QpState::Error);
+    err
+}
+
+verbs_test! {
+    fn bad_rkey_is_a_typed_remote_access_error() {
+        let err = remote_failure(|mr, peer| (mr.addr(), 64, peer.rkey() ^ 0x00ff_ff00, false));
+        assert_eq!(err.completion_status(), Some(WcStatus::REM_ACCESS_ERR), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("IBV_WC_REM_ACCESS_ERR") && text.contains("QP "), "{text}");
+    }
+}
+
+verbs_test! {
+    fn out_of_range_remote_address_is_a_typed_remote_access_error() {
+        // Past the end of the exported region, for both WRITE and READ.
+        let err = remote_failure(|mr, peer| (mr.addr() + 4000, 200, peer.rkey(), false));
+        assert_eq!(err.completion_status(), Some(WcStatus::REM_ACCESS_ERR), "{err}");
+        let err = remote_failure(|mr, peer| (mr.addr() + 4096, 1, peer.rkey(), true));
+        assert_eq!(err.completion_status(), Some(WcStatus::REM_ACCESS_ERR), "{err}");
+    }
+}
+
+verbs_test! {
+    fn bounds_checks_refuse_bad_descriptors_before_posting() {
+        let p = Pair::with_remote_access();
+        let mr = p.pd.alloc_mr(4096, AccessFlags::REMOTE_WRITE).unwrap();
+        let peer = mr.remote().unwrap();
+        assert!(matches!(peer.slice(4000, 200), Err(Error::OutOfBounds { .. })));
+        assert!(matches!(mr.slice(4096, 1), Err(Error::OutOfBounds { .. })));
+        assert!(matches!(mr.write(usize::MAX, b"x"), Err(Error::OutOfBounds { .. })));
+        // Local-only memory has no rkey worth exporting.
+        let private = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+        assert!(matches!(private.remote(), Err(Error::InvalidArgument(_))));
+        // Lengths of the two sides of an RDMA op must agree.
+        let wr = WorkRequest::write(1, mr.slice(0, 10).unwrap(), peer.slice(0, 11).unwrap());
+        assert!(matches!(wr, Err(Error::InvalidArgument(_))));
+        // RECV and READ targets must be locally writable.
+        let read_only = p.pd.alloc_mr(64, AccessFlags::REMOTE_READ).unwrap();
+        assert!(RecvRequest::new(1, read_only.slice(0, 64).unwrap()).is_err());
+    }
+}
+
+verbs_test! {
+    fn after_a_failed_qp_the_process_goes_on() {
+        let err = remote_failure(|mr, peer| (mr.addr(), 8, peer.rkey().wrapping_add(1), false));
+        assert!(err.completion_status().is_some());
+        // A fresh pair on the same device works as usual.
+        let mut p = Pair::with_remote_access();
+        let local = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+        let exported = p.pd.alloc_mr(64, AccessFlags::REMOTE_WRITE).unwrap();
+        local.write(0, b"still alive").unwrap();
+        let wr = WorkRequest::write(1, local.slice(0, 11).unwrap(), exported.remote().unwrap().slice(0, 11).unwrap()).unwrap();
+        p.a.post_send(wr.signaled()).unwrap();
+        wait_ok(&mut p.cq_a);
+        assert_eq!(read_back(&exported, 0, 11), b"still alive");
+    }
+}
+
+verbs_test! {
+    fn a_qp_without_remote_access_refuses_writes() {
+        // Least privilege on the QP too: the default config grants no remote access.
+        let mut p = Pair::new(&QpConfig::default());
+        let local = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+        let exported = p.pd.alloc_mr(64, AccessFlags::REMOTE_WRITE).unwrap();
+        let wr = WorkRequest::write(1, local.slice(0, 8).unwrap(), exported.remote().unwrap().slice(0, 8).unwrap()).unwrap();
+        p.a.post_send(wr.signaled()).unwrap();
+        let wc = wait_for(&mut p.cq_a, 1)[0];
+        let err = wc.ok().unwrap_err();
+        assert!(
+            matches!(err.completion_status(), Some(s) if s == WcStatus::REM_ACCESS_ERR || s == WcStatus::REM_INV_REQ_ERR),
+            "{err}"
+        );
+    }
+}
+
+verbs_test! {
+    fn a_full_send_queue_reports_queue_full() {
+        let mut config = QpConfig::default();
+        config.max_send_wr = 8;
+        let p = Pair::new(&config);
+        let depth = p.a.max_send_wr() as usize;
+        // Nobody polls and no RECV is posted, so nothing frees SQ slots: the
+        // SENDs sit in RNR retry (rnr_retry 7 = forever).
+        let mut posted = 0;
+        let err = loop {
+            match p.a.post_send(WorkRequest::send_inline(posted as u64, b"x").signaled()) {
+                Ok(()) => posted += 1,
+                Err(err) => break err,
+            }
+            // Providers round queues up (rxe to a power of two), so allow slack.
+            assert!(posted <= 4 * depth + 64, "posted {posted} into a queue of {depth} without ENOMEM");
+        };
+        assert!(err.is_queue_full(), "{err}");
+        assert!(posted >= depth.min(8), "posted {posted} of {depth}");
+    }
+}
