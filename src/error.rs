@@ -7,7 +7,11 @@
 
 use std::fmt;
 use std::io;
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
+
+use crate::session::wire::WireError;
 
 use crate::verbs::{WcOpcode, WcStatus};
 
@@ -103,6 +107,46 @@ pub enum Error {
         len: usize,
         /// The QP's limit.
         max: u32,
+    },
+    /// The out-of-band handshake with a peer failed (bad or truncated message,
+    /// wrong version, timeout, reset).
+    #[error("handshake with {peer} failed: {source}")]
+    Handshake {
+        /// The peer's address.
+        peer: SocketAddr,
+        /// What was wrong.
+        #[source]
+        source: WireError,
+    },
+    /// The peer understood us and said no.
+    #[error("{peer} rejected the connection (code {code}): {reason}")]
+    Rejected {
+        /// The peer's address.
+        peer: SocketAddr,
+        /// Reason code.
+        code: u16,
+        /// The peer's reason.
+        reason: String,
+    },
+    /// The peer sent a well-formed message that makes no sense at this point.
+    #[error("protocol error with {peer}: {what}")]
+    Protocol {
+        /// The peer's address.
+        peer: SocketAddr,
+        /// What was unexpected.
+        what: String,
+    },
+    /// Connecting kept failing until the deadline.
+    #[error("could not connect to {addr} within {elapsed:?} ({attempts} attempts): {last}")]
+    ConnectTimeout {
+        /// The address we tried.
+        addr: String,
+        /// How many connection attempts were made.
+        attempts: u32,
+        /// Time spent.
+        elapsed: Duration,
+        /// The last attempt's error.
+        last: io::Error,
     },
     /// An operating-system call outside libibverbs failed.
     #[error("{what}: {source}")]

@@ -46,6 +46,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod error;
+pub mod pool;
+pub mod session;
 pub mod sys;
 pub mod verbs;
 

@@ -163,7 +163,55 @@ impl Context {
     }
 }
 
+/// A non-polling reference to a CQ, for creating QPs on it from other threads
+/// (a session acceptor, say) while one owner keeps polling.
+#[derive(Clone)]
+pub struct SharedCq {
+    pub(crate) inner: Arc<CqInner>,
+}
+
+impl fmt::Debug for SharedCq {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // SAFETY: the CQ is live while any reference to it is.
+        f.debug_struct("SharedCq")
+            .field("id", &CqId(unsafe { (*self.inner.cq.as_ptr()).handle }))
+            .finish()
+    }
+}
+
+/// Anything a QP can be attached to: the polling handle or a shared reference.
+pub trait CqSource: sealed::Sealed {
+    /// A shared reference to the CQ.
+    fn as_shared(&self) -> SharedCq;
+}
+
+impl CqSource for CompletionQueue {
+    fn as_shared(&self) -> SharedCq {
+        self.shared()
+    }
+}
+
+impl CqSource for SharedCq {
+    fn as_shared(&self) -> SharedCq {
+        self.clone()
+    }
+}
+
+mod sealed {
+    /// Only this crate's CQ types can be attached to QPs.
+    pub trait Sealed {}
+    impl Sealed for super::CompletionQueue {}
+    impl Sealed for super::SharedCq {}
+}
+
 impl CompletionQueue {
+    /// A reference other threads can create QPs on; polling stays with `self`.
+    pub fn shared(&self) -> SharedCq {
+        SharedCq {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+
     /// The id events from a shared channel carry for this CQ.
     pub fn id(&self) -> CqId {
         // SAFETY: the CQ is live while `self` is.

@@ -15,7 +15,10 @@ mod pd;
 mod qp;
 mod wr;
 
-pub use cq::{CompletionChannel, CompletionQueue, CqId, WcOpcode, WcStatus, WorkCompletion};
+pub use cq::{
+    CompletionChannel, CompletionQueue, CqId, CqSource, SharedCq, WcOpcode, WcStatus,
+    WorkCompletion,
+};
 pub use device::{
     Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState, devices,
 };

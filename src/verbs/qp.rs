@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::sys;
 
-use super::cq::{CompletionQueue, CqInner};
+use super::cq::{CqInner, CqSource};
 use super::device::{Gid, LinkLayer, Mtu};
 use super::mr::AccessFlags;
 use super::pd::{PdInner, ProtectionDomain};
@@ -195,10 +195,11 @@ impl ProtectionDomain {
     /// CQ, or CQs shared with other QPs) and moves it to INIT.
     pub fn create_qp(
         &self,
-        send_cq: &CompletionQueue,
-        recv_cq: &CompletionQueue,
+        send_cq: &impl CqSource,
+        recv_cq: &impl CqSource,
         config: &QpConfig,
     ) -> Result<QueuePair> {
+        let (send_cq, recv_cq) = (send_cq.as_shared(), recv_cq.as_shared());
         let ctx = self.context();
         let name = &self.inner.ctx.name;
         let port = match config.port {
@@ -270,8 +271,8 @@ impl ProtectionDomain {
             max_send_wr: init_attr.cap.max_send_wr,
             max_recv_wr: init_attr.cap.max_recv_wr,
             config: config.clone(),
-            _send_cq: Arc::clone(&send_cq.inner),
-            _recv_cq: Arc::clone(&recv_cq.inner),
+            _send_cq: send_cq.inner,
+            _recv_cq: recv_cq.inner,
             pd: Arc::clone(&self.inner),
         };
         qp.enter_init()?;

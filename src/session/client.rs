@@ -1,0 +1,152 @@
+//! The connecting side: TCP with retry and backoff, then the handshake.
+
+use std::io;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use super::wire::Message;
+use super::{
+    ChannelSpec, Control, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, build_channels,
+    check_channel_names, connect_channels, local_handshake,
+};
+use crate::error::{Error, Result};
+use crate::verbs::ProtectionDomain;
+
+/// What a client asks for and how hard it tries.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Channels to open (at least one).
+    pub channels: Vec<ChannelSpec>,
+    /// Regions to export to the server.
+    pub exports: Vec<Export>,
+    /// Give up connecting (all retries included) after this long.
+    pub connect_deadline: Duration,
+    /// First pause between attempts; doubles up to `max_backoff`.
+    pub initial_backoff: Duration,
+    /// Longest pause between attempts.
+    pub max_backoff: Duration,
+    /// Time the handshake may take once TCP is up.
+    pub handshake_timeout: Duration,
+}
+
+impl ClientConfig {
+    /// Opens `channels`, exporting nothing, with default timeouts.
+    pub fn new(channels: Vec<ChannelSpec>) -> Self {
+        Self {
+            channels,
+            exports: Vec::new(),
+            connect_deadline: Duration::from_secs(30),
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_secs(1),
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+        }
+    }
+
+    /// Adds regions to export.
+    pub fn with_exports(mut self, exports: Vec<Export>) -> Self {
+        self.exports = exports;
+        self
+    }
+}
+
+/// Connects to a [`ServerSession`](super::ServerSession).
+#[derive(Debug)]
+pub struct ClientSession;
+
+impl ClientSession {
+    /// Connects to `addr`, retrying refused or unreachable attempts with
+    /// exponential backoff until the deadline, then runs the handshake.
+    ///
+    /// Either every channel is connected and ready, or an error is returned and
+    /// every resource created on the way is destroyed: never half-connected.
+    pub fn connect(
+        addr: impl ToSocketAddrs,
+        pd: &ProtectionDomain,
+        config: &ClientConfig,
+    ) -> Result<Endpoint> {
+        if config.channels.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a client needs at least one channel",
+            ));
+        }
+        check_channel_names(&config.channels)?;
+        let (stream, peer) = connect_with_retry(&addr, config)?;
+        let mut control = Control::new(stream, peer, config.handshake_timeout);
+
+        let mut channels = build_channels(pd, &config.channels)?;
+        control.send(&Message::Hello(local_handshake(
+            &channels,
+            &config.exports,
+        )?))?;
+        let accept = match control.recv()? {
+            Message::Accept(accept) => accept,
+            Message::Reject { code, reason } => return Err(Error::Rejected { peer, code, reason }),
+            other => return Err(control.protocol_error(format!("expected Accept, got {other:?}"))),
+        };
+        connect_channels(&control, &mut channels, &accept.channels)?;
+        control.send(&Message::Ready)?;
+        match control.recv()? {
+            Message::Ready => {}
+            other => return Err(control.protocol_error(format!("expected Ready, got {other:?}"))),
+        }
+        Ok(Endpoint::new(
+            peer,
+            channels,
+            config.exports.clone(),
+            accept.regions,
+            control.into_stream(),
+        ))
+    }
+}
+
+fn connect_with_retry(
+    addr: &impl ToSocketAddrs,
+    config: &ClientConfig,
+) -> Result<(TcpStream, SocketAddr)> {
+    let start = Instant::now();
+    let describe = || {
+        addr.to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .map_or_else(|| "the server".to_string(), |a| a.to_string())
+    };
+    let mut backoff = config.initial_backoff;
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let left = config.connect_deadline.saturating_sub(start.elapsed());
+        let last = match resolve_and_connect(addr, left.max(Duration::from_millis(1))) {
+            Ok(conn) => return Ok(conn),
+            Err(err) => err,
+        };
+        if start.elapsed() + backoff >= config.connect_deadline {
+            return Err(Error::ConnectTimeout {
+                addr: describe(),
+                attempts,
+                elapsed: start.elapsed(),
+                last,
+            });
+        }
+        log::debug!(
+            "connect attempt {attempts} to {} failed: {last}; retrying in {backoff:?}",
+            describe()
+        );
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(config.max_backoff);
+    }
+}
+
+fn resolve_and_connect(
+    addr: &impl ToSocketAddrs,
+    timeout: Duration,
+) -> io::Result<(TcpStream, SocketAddr)> {
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "the address resolved to nothing");
+    // Name resolution is retried too: a peer's DNS entry may appear late.
+    for candidate in addr.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&candidate, timeout) {
+            Ok(stream) => return Ok((stream, candidate)),
+            Err(err) => last = err,
+        }
+    }
+    Err(last)
+}

@@ -1,0 +1,310 @@
+//! A connected peer: its channels, the regions it exported, and the control
+//! connection that carries the disconnect and reveals a dead peer.
+
+use std::fmt;
+use std::io::{self, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use super::Export;
+use super::wire::{Message, RegionInfo};
+use crate::error::{Error, Result};
+use crate::verbs::{CompletionQueue, QueuePair, RemoteRegion, WorkCompletion};
+
+/// How long a graceful close waits for flushed completions on private CQs.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One RC queue pair of an endpoint.
+pub struct Channel {
+    name: String,
+    // Field order: the QP is destroyed before its private CQ.
+    qp: QueuePair,
+    cq: Option<CompletionQueue>,
+}
+
+impl fmt::Debug for Channel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Channel")
+            .field("name", &self.name)
+            .field("qpn", &self.qp.qpn())
+            .field("private_cq", &self.cq.is_some())
+            .finish()
+    }
+}
+
+impl Channel {
+    pub(super) fn new(name: String, qp: QueuePair, cq: Option<CompletionQueue>) -> Self {
+        Self { name, qp, cq }
+    }
+
+    /// The channel's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The queue pair, for posting.
+    pub fn qp(&self) -> &QueuePair {
+        &self.qp
+    }
+
+    /// The queue pair, mutably.
+    pub fn qp_mut(&mut self) -> &mut QueuePair {
+        &mut self.qp
+    }
+
+    /// The private CQ to poll, or `None` when the channel uses a shared CQ.
+    pub fn cq_mut(&mut self) -> Option<&mut CompletionQueue> {
+        self.cq.as_mut()
+    }
+
+    /// The QP and its private CQ together (for post-then-poll loops).
+    pub fn split_mut(&mut self) -> (&QueuePair, Option<&mut CompletionQueue>) {
+        (&self.qp, self.cq.as_mut())
+    }
+}
+
+/// A region the peer exported to us.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedRegion {
+    /// The peer's id for it.
+    pub id: u32,
+    /// The peer's name for it.
+    pub name: String,
+    /// The bounds-checked descriptor for WRITE and READ.
+    pub region: RemoteRegion,
+}
+
+impl From<RegionInfo> for NamedRegion {
+    fn from(info: RegionInfo) -> Self {
+        Self {
+            id: info.id,
+            name: info.name,
+            region: RemoteRegion::new(info.addr, info.len, info.rkey),
+        }
+    }
+}
+
+/// What [`Endpoint::check_peer`] found on the control connection.
+#[derive(Debug)]
+pub enum PeerStatus {
+    /// Nothing to report.
+    Alive,
+    /// The peer closed gracefully with this code.
+    Disconnected {
+        /// The peer's reason code (0 = normal).
+        code: u16,
+    },
+    /// The connection is gone without a goodbye (crash, kill, reset, garbage).
+    Lost(Error),
+}
+
+/// What a graceful close drained.
+#[derive(Debug, Default)]
+pub struct CloseReport {
+    /// Completions polled from private CQs after the QPs entered the error
+    /// state: flushed work that never ran, plus anything that finished late.
+    pub drained: Vec<WorkCompletion>,
+    /// True if the disconnect message reached the socket.
+    pub peer_notified: bool,
+}
+
+/// A connected peer: one or more channels plus the control connection.
+pub struct Endpoint {
+    peer: SocketAddr,
+    // Field order is drop order: channels (QPs, then private CQs) go before
+    // the exported regions the peer may have been writing into.
+    channels: Vec<Channel>,
+    exports: Vec<Export>,
+    remote_regions: Vec<NamedRegion>,
+    control: TcpStream,
+    closed: bool,
+}
+
+impl fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("peer", &self.peer)
+            .field("channels", &self.channels)
+            .field("remote_regions", &self.remote_regions)
+            .finish()
+    }
+}
+
+impl Endpoint {
+    pub(super) fn new(
+        peer: SocketAddr,
+        channels: Vec<Channel>,
+        exports: Vec<Export>,
+        remote_regions: Vec<RegionInfo>,
+        control: TcpStream,
+    ) -> Self {
+        let remote_regions = remote_regions.into_iter().map(NamedRegion::from).collect();
+        Self {
+            peer,
+            channels,
+            exports,
+            remote_regions,
+            control,
+            closed: false,
+        }
+    }
+
+    /// The peer's control address.
+    pub fn peer(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// All channels, in the order they were negotiated.
+    pub fn channels(&self) -> &[Channel] {
+        &self.channels
+    }
+
+    /// All channels, mutably.
+    pub fn channels_mut(&mut self) -> &mut [Channel] {
+        &mut self.channels
+    }
+
+    /// Channel by index.
+    pub fn channel(&mut self, index: usize) -> Option<&mut Channel> {
+        self.channels.get_mut(index)
+    }
+
+    /// Channel by name.
+    pub fn channel_by_name(&mut self, name: &str) -> Option<&mut Channel> {
+        self.channels.iter_mut().find(|c| c.name == name)
+    }
+
+    /// Regions the peer exported.
+    pub fn remote_regions(&self) -> &[NamedRegion] {
+        &self.remote_regions
+    }
+
+    /// The peer's region called `name`.
+    pub fn remote_region(&self, name: &str) -> Option<RemoteRegion> {
+        self.remote_regions
+            .iter()
+            .find(|r| r.name == name)
+            .map(|r| r.region)
+    }
+
+    /// Our regions this peer may access.
+    pub fn exports(&self) -> &[Export] {
+        &self.exports
+    }
+
+    /// Looks at the control connection without blocking: a disconnect message,
+    /// EOF, a reset or garbage all mean the peer is gone.
+    pub fn check_peer(&mut self) -> PeerStatus {
+        if let Err(err) = self.control.set_nonblocking(true) {
+            return PeerStatus::Lost(self.lost(err));
+        }
+        let mut first = [0u8; 1];
+        let peeked = self.control.peek(&mut first);
+        let _ = self.control.set_nonblocking(false);
+        match peeked {
+            Ok(0) => PeerStatus::Lost(self.lost(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "control connection closed without a disconnect message",
+            ))),
+            Ok(_) => self.read_control_message(),
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => PeerStatus::Alive,
+            Err(err) => PeerStatus::Lost(self.lost(err)),
+        }
+    }
+
+    fn read_control_message(&mut self) -> PeerStatus {
+        // A frame started arriving; the rest follows within moments or never.
+        let _ = self.control.set_read_timeout(Some(Duration::from_secs(2)));
+        let result = Message::read_from(&mut self.control);
+        let _ = self.control.set_read_timeout(None);
+        match result {
+            Ok(Message::Disconnect { code }) => PeerStatus::Disconnected { code },
+            Ok(other) => PeerStatus::Lost(Error::Protocol {
+                peer: self.peer,
+                what: format!("unexpected control message {other:?} on an established endpoint"),
+            }),
+            Err(source) => PeerStatus::Lost(Error::Handshake {
+                peer: self.peer,
+                source,
+            }),
+        }
+    }
+
+    fn lost(&self, err: io::Error) -> Error {
+        Error::Handshake {
+            peer: self.peer,
+            source: err.into(),
+        }
+    }
+
+    /// Closes gracefully: sends the disconnect message, moves every QP to the
+    /// error state, drains private CQs (reporting what was flushed), then
+    /// destroys everything. Shared CQs are drained by their owner.
+    pub fn close(mut self) -> Result<CloseReport> {
+        let mut report = CloseReport {
+            peer_notified: self.notify_peer(0),
+            ..Default::default()
+        };
+        let mut first_error = None;
+        for channel in &self.channels {
+            if let Err(err) = channel.qp.set_error() {
+                first_error.get_or_insert(err);
+            }
+        }
+        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        let mut wcs = [WorkCompletion::default(); 32];
+        for channel in &mut self.channels {
+            let Some(cq) = channel.cq.as_mut() else {
+                continue;
+            };
+            // Flushes arrive promptly after ERR; stop at the first empty poll
+            // after a short quiet period, or at the deadline.
+            let mut quiet_since = Instant::now();
+            while Instant::now() < deadline && quiet_since.elapsed() < Duration::from_millis(50) {
+                match cq.poll(&mut wcs) {
+                    Ok([]) => std::thread::yield_now(),
+                    Ok(done) => {
+                        report.drained.extend_from_slice(done);
+                        quiet_since = Instant::now();
+                    }
+                    Err(err) => {
+                        first_error.get_or_insert(err);
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = self.control.shutdown(Shutdown::Both);
+        self.closed = true;
+        match first_error {
+            Some(err) => Err(err),
+            None => Ok(report),
+        }
+    }
+
+    fn notify_peer(&mut self, code: u16) -> bool {
+        let _ = self
+            .control
+            .set_write_timeout(Some(Duration::from_millis(500)));
+        self.control
+            .write_all(&Message::Disconnect { code }.encode())
+            .is_ok()
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        // Dropped without close(): still tell the peer and stop the QPs, so the
+        // peer sees a clean disconnect instead of transport retries.
+        self.notify_peer(0);
+        for channel in &self.channels {
+            if let Err(err) = channel.qp.set_error() {
+                log::debug!("closing endpoint {}: {err}", self.peer);
+            }
+        }
+        let _ = self.control.shutdown(Shutdown::Both);
+    }
+}
