@@ -118,6 +118,16 @@ pub enum Error {
         #[source]
         source: WireError,
     },
+    /// An established peer went away without a disconnect message, or sent
+    /// something that is not part of the protocol.
+    #[error("peer {peer} is gone: {source}")]
+    PeerGone {
+        /// The peer's address.
+        peer: SocketAddr,
+        /// What the control connection showed.
+        #[source]
+        source: WireError,
+    },
     /// The peer understood us and said no.
     #[error("{peer} rejected the connection (code {code}): {reason}")]
     Rejected {
