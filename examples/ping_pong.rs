@@ -332,7 +332,7 @@ fn echo(
         if done.is_empty() {
             idle_polls = idle_polls.wrapping_add(1);
             // The control connection is checked now and then, not per poll.
-            if idle_polls % 4096 == 0 {
+            if idle_polls.is_multiple_of(4096) {
                 match endpoint.check_peer() {
                     PeerStatus::Alive => {}
                     PeerStatus::Disconnected { .. } => return Ok(seq),
