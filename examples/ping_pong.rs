@@ -274,7 +274,7 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     let mut served = 0;
     loop {
         for failure in server.take_failures() {
-            println!("handshake from {} failed: {}", failure.peer, failure.error);
+            println!("rejected {}: {}", failure.peer, failure.error);
         }
         if args.max_peers.is_some_and(|max| served >= max) {
             break;
@@ -295,6 +295,13 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     }
     for worker in workers {
         let _ = worker.join();
+    }
+    // Report handshakes still in progress too (each ends by its timeout).
+    while server.pending_handshakes() > 0 {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for failure in server.take_failures() {
+        println!("rejected {}: {}", failure.peer, failure.error);
     }
     Ok(true)
 }

@@ -83,6 +83,9 @@ pub struct ServerSession {
     local_addr: SocketAddr,
     accepted: Receiver<Endpoint>,
     failures: Arc<Mutex<Vec<HandshakeFailure>>>,
+    // Not the whole `Shared`: its Sender must die with the acceptor and the
+    // handshake threads, so that accept() sees the end.
+    pending: Arc<AtomicUsize>,
     shutdown: Arc<AtomicBool>,
     acceptor: Option<JoinHandle<()>>,
 }
@@ -101,7 +104,7 @@ struct Shared {
     config: ServerConfig,
     accepted: Sender<Endpoint>,
     failures: Arc<Mutex<Vec<HandshakeFailure>>>,
-    pending: AtomicUsize,
+    pending: Arc<AtomicUsize>,
     established: AtomicUsize,
     local_addr: SocketAddr,
 }
@@ -124,12 +127,13 @@ impl ServerSession {
         let (tx, rx) = mpsc::channel();
         let failures = Arc::new(Mutex::new(Vec::new()));
         let shutdown = Arc::new(AtomicBool::new(false));
+        let pending = Arc::new(AtomicUsize::new(0));
         let shared = Arc::new(Shared {
             pd: pd.clone(),
             config,
             accepted: tx,
             failures: Arc::clone(&failures),
-            pending: AtomicUsize::new(0),
+            pending: Arc::clone(&pending),
             established: AtomicUsize::new(0),
             local_addr,
         });
@@ -145,6 +149,7 @@ impl ServerSession {
             local_addr,
             accepted: rx,
             failures,
+            pending,
             shutdown,
             acceptor: Some(acceptor),
         })
@@ -164,6 +169,11 @@ impl ServerSession {
     /// Like [`accept`](Self::accept), giving up after `timeout`.
     pub fn accept_timeout(&self, timeout: Duration) -> Option<Endpoint> {
         self.accepted.recv_timeout(timeout).ok()
+    }
+
+    /// Handshakes in progress right now (each ends within the handshake timeout).
+    pub fn pending_handshakes(&self) -> usize {
+        self.pending.load(Ordering::Acquire)
     }
 
     /// Handshakes that failed since the last call (each was also logged).

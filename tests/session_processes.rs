@@ -1,0 +1,258 @@
+//! Sessions across processes: one `ping_pong --server` and many client
+//! processes, with stray TCP clients and a client killed mid-transfer.
+//! Gated as described in `tests/util/mod.rs`: runs in the Soft-RoCE guest.
+
+mod util;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rdma_comm_core::session::wire::MAGIC;
+
+/// Generous: eight client processes share two emulated cores in the guest.
+const PROCESS_DEADLINE: Duration = Duration::from_secs(240);
+
+fn ping_pong_binary() -> PathBuf {
+    // Integration tests live in target/<profile>/deps; examples one level up.
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/ping_pong");
+    assert!(
+        path.exists(),
+        "{} is missing: build the examples first (tools/test does)",
+        path.display()
+    );
+    path
+}
+
+/// A child process whose stdout lines arrive on a channel.
+struct Proc {
+    child: Child,
+    lines: Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Proc {
+    fn spawn(args: &[&str]) -> Self {
+        let mut child = Command::new(ping_pong_binary())
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn ping_pong");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits for a line containing `needle` and returns it.
+    #[track_caller]
+    fn expect_line(&mut self, needle: &str) -> String {
+        let start = Instant::now();
+        loop {
+            if let Some(line) = self.seen.iter().find(|l| l.contains(needle)) {
+                return line.clone();
+            }
+            let left = PROCESS_DEADLINE.saturating_sub(start.elapsed());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.seen.push(line),
+                Err(_) => panic!(
+                    "no line containing {needle:?} within {PROCESS_DEADLINE:?}; saw {:#?}",
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    /// Waits until `count` lines contain `needle`.
+    #[track_caller]
+    fn expect_lines(&mut self, needle: &str, count: usize) {
+        let start = Instant::now();
+        while self.seen.iter().filter(|l| l.contains(needle)).count() < count {
+            let left = PROCESS_DEADLINE.saturating_sub(start.elapsed());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.seen.push(line),
+                Err(_) => panic!(
+                    "fewer than {count} lines containing {needle:?}; saw {:#?}",
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    /// Waits for exit; returns success and all stdout.
+    #[track_caller]
+    fn finish(mut self) -> (bool, Vec<String>) {
+        let start = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if start.elapsed() > PROCESS_DEADLINE {
+                let _ = self.child.kill();
+                panic!(
+                    "process did not exit within {PROCESS_DEADLINE:?}; saw {:#?}",
+                    self.seen
+                );
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        self.seen.extend(self.lines.iter());
+        (status.success(), std::mem::take(&mut self.seen))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_server(max_peers: usize) -> (Proc, SocketAddr) {
+    let max = max_peers.to_string();
+    let mut server = Proc::spawn(&[
+        "--server",
+        "--listen",
+        "127.0.0.1:0",
+        "--max-peers",
+        &max,
+        "--handshake-timeout-ms",
+        "2000",
+    ]);
+    let line = server.expect_line("listening on ");
+    let addr = line
+        .trim_start_matches("listening on ")
+        .parse()
+        .expect("server prints its address");
+    (server, addr)
+}
+
+fn client(addr: SocketAddr, iters: u64, size: usize, op: &str) -> Proc {
+    Proc::spawn(&[
+        "--connect",
+        &addr.to_string(),
+        "--iters",
+        &iters.to_string(),
+        "--size",
+        &size.to_string(),
+        "--op",
+        op,
+    ])
+}
+
+/// Bad clients: garbage, a truncated handshake, a 4 GiB length prefix, and one
+/// that connects and says nothing (held until the server gives up on it).
+fn misbehave(addr: SocketAddr) -> Vec<thread::JoinHandle<()>> {
+    let mut frame_start = MAGIC.to_le_bytes().to_vec();
+    frame_start.extend_from_slice(&1u16.to_le_bytes());
+    frame_start.extend_from_slice(&1u16.to_le_bytes());
+    let truncated = [
+        frame_start.clone(),
+        200u32.to_le_bytes().to_vec(),
+        vec![1, 2, 3],
+    ]
+    .concat();
+    let oversized = [frame_start, u32::MAX.to_le_bytes().to_vec()].concat();
+    let payloads: Vec<Vec<u8>> = vec![
+        b"\x16\x03\x01 definitely not our protocol".to_vec(),
+        truncated,
+        oversized,
+        Vec::new(),
+    ];
+    payloads
+        .into_iter()
+        .map(|bytes| {
+            thread::spawn(move || {
+                let mut stream = TcpStream::connect(addr).unwrap();
+                let _ = stream.write_all(&bytes);
+                if !bytes.is_empty() {
+                    // Hang up mid-message; the silent client instead holds on.
+                    let _ = stream.shutdown(std::net::Shutdown::Write);
+                }
+                // Keep the socket until the server closes it: it must time out or reject on its own.
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+                let _ = std::io::Read::read(&mut stream, &mut [0u8; 64]);
+            })
+        })
+        .collect()
+}
+
+verbs_test! {
+    fn eight_client_processes_verify_their_traffic_despite_stray_clients() {
+        let (mut server, addr) = start_server(8);
+        let strays = misbehave(addr);
+        let clients: Vec<Proc> = (0..8)
+            .map(|i| {
+                let op = ["both", "send", "write-imm"][i % 3];
+                client(addr, 150, [64, 1000, 4096, 1][i % 4], op)
+            })
+            .collect();
+        for (i, c) in clients.into_iter().enumerate() {
+            let (ok, out) = c.finish();
+            assert!(ok, "client {i} failed: {out:#?}");
+            assert!(out.iter().any(|l| l.contains("150 round trips, 0 mismatches")), "client {i}: {out:#?}");
+        }
+        server.expect_lines("rejected ", 4);
+        for handle in strays {
+            handle.join().unwrap();
+        }
+        let (ok, out) = server.finish();
+        assert!(ok, "server failed: {out:#?}");
+        assert_eq!(out.iter().filter(|l| l.contains("messages verified and echoed")).count(), 8, "{out:#?}");
+        let failures: Vec<&String> = out.iter().filter(|l| l.starts_with("rejected ")).collect();
+        assert_eq!(failures.len(), 4, "one logged error per stray client: {failures:#?}");
+        for expected in ["bad magic", "truncated", "exceeds the maximum", "timed out"] {
+            assert!(failures.iter().any(|l| l.contains(expected)), "no failure mentions {expected:?}: {failures:#?}");
+        }
+    }
+}
+
+verbs_test! {
+    fn a_client_killed_mid_transfer_is_reported_and_the_server_keeps_serving() {
+        let (mut server, addr) = start_server(3);
+        let mut doomed = client(addr, 100_000_000, 256, "both");
+        let mut survivor = client(addr, 100_000_000, 64, "send");
+        doomed.expect_line("connected to");
+        survivor.expect_line("connected to");
+        // Let traffic flow, then kill -9 in the middle of it.
+        thread::sleep(Duration::from_millis(500));
+        let doomed_pid = doomed.child.id();
+        doomed.child.kill().unwrap();
+        let _ = doomed.child.wait();
+
+        let line = server.expect_line(" error: ");
+        assert!(line.contains("peer 127.0.0.1:"), "the error names the peer: {line}");
+        // The other client was never disturbed, and a new client is served.
+        assert!(survivor.child.try_wait().unwrap().is_none(), "survivor still running");
+        let (ok, out) = client(addr, 100, 128, "both").finish();
+        assert!(ok, "a new client after the kill failed: {out:#?}");
+        assert!(survivor.child.try_wait().unwrap().is_none(), "survivor still running");
+        survivor.child.kill().unwrap();
+        let _ = survivor.child.wait();
+        let (_, out) = server.finish();
+        let errors = out.iter().filter(|l| l.contains(" error: ")).count();
+        assert!(errors >= 1, "killed peer {doomed_pid} reported: {out:#?}");
+        assert!(out.iter().any(|l| l.contains("done: 100 messages")), "new client served: {out:#?}");
+    }
+}
