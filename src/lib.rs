@@ -47,6 +47,7 @@
 
 pub mod error;
 pub mod pool;
+pub mod reactor;
 pub mod session;
 pub mod sys;
 pub mod verbs;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::sys;
 
-use super::cq::{CqInner, CqSource};
+use super::cq::{CqId, CqInner, CqSource};
 use super::device::{Gid, LinkLayer, Mtu};
 use super::mr::AccessFlags;
 use super::pd::{PdInner, ProtectionDomain};
@@ -157,8 +157,8 @@ pub struct QueuePair {
     max_recv_wr: u32,
     config: QpConfig,
     // Dropped after the QP is destroyed in Drop: CQs, then the PD.
-    _send_cq: Arc<CqInner>,
-    _recv_cq: Arc<CqInner>,
+    send_cq: Arc<CqInner>,
+    recv_cq: Arc<CqInner>,
     pd: Arc<PdInner>,
 }
 
@@ -271,8 +271,8 @@ impl ProtectionDomain {
             max_send_wr: init_attr.cap.max_send_wr,
             max_recv_wr: init_attr.cap.max_recv_wr,
             config: config.clone(),
-            _send_cq: send_cq.inner,
-            _recv_cq: recv_cq.inner,
+            send_cq: send_cq.inner,
+            recv_cq: recv_cq.inner,
             pd: Arc::clone(&self.inner),
         };
         qp.enter_init()?;
@@ -299,6 +299,18 @@ impl QueuePair {
     /// The QP number.
     pub fn qpn(&self) -> u32 {
         self.qpn
+    }
+
+    /// The CQ that send completions go to.
+    pub fn send_cq_id(&self) -> CqId {
+        // SAFETY: the CQ is alive while this QP holds it.
+        CqId(unsafe { (*self.send_cq.cq.as_ptr()).handle })
+    }
+
+    /// The CQ that receive completions go to.
+    pub fn recv_cq_id(&self) -> CqId {
+        // SAFETY: as above.
+        CqId(unsafe { (*self.recv_cq.cq.as_ptr()).handle })
     }
 
     /// The port in use.

@@ -85,6 +85,36 @@ impl<'a> WorkRequest<'a> {
         self
     }
 
+    /// A request over memory the caller keeps registered until completion:
+    /// used by the reactor, which owns its regions for as long as it posts.
+    pub(crate) fn from_raw(
+        wr_id: u64,
+        opcode: sys::ibv_wr_opcode,
+        addr: u64,
+        len: u32,
+        lkey: u32,
+    ) -> Self {
+        Self::new(
+            wr_id,
+            opcode,
+            sys::ibv_sge {
+                addr,
+                length: len,
+                lkey,
+            },
+        )
+    }
+
+    /// Sets the remote target of a WRITE or READ built with `from_raw`.
+    pub(crate) fn to_remote(self, remote: RemoteSlice) -> Self {
+        self.with_remote(remote)
+    }
+
+    /// Sets the immediate of a `*_WITH_IMM` request built with `from_raw`.
+    pub(crate) fn imm(self, imm: u32) -> Self {
+        self.with_imm_data(imm)
+    }
+
     /// SEND `local` to the peer's next posted RECV.
     pub fn send(wr_id: u64, local: LocalSlice<'a>) -> Self {
         Self::new(wr_id, sys::IBV_WR_SEND, sge(&local))
@@ -269,6 +299,27 @@ impl std::fmt::Debug for RecvRequest<'_> {
             .field("wr_id", &self.wr.wr_id)
             .field("len", &self.sge.length)
             .finish()
+    }
+}
+
+impl RecvRequest<'static> {
+    /// A receive into memory the reactor keeps registered (see `WorkRequest::from_raw`).
+    pub(crate) fn from_raw(wr_id: u64, addr: u64, len: u32, lkey: u32) -> Self {
+        let sge = sys::ibv_sge {
+            addr,
+            length: len,
+            lkey,
+        };
+        let wr = sys::ibv_recv_wr {
+            wr_id,
+            num_sge: i32::from(len > 0),
+            ..Default::default()
+        };
+        Self {
+            wr,
+            sge,
+            _buffer: PhantomData,
+        }
     }
 }
 

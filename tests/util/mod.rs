@@ -8,6 +8,8 @@
 //! Soft-RoCE guest (`tools/rxe-vm`), where a missing device is a failure.
 #![allow(dead_code)]
 
+pub mod reactor;
+
 use std::time::{Duration, Instant};
 
 use rdma_comm_core::verbs::*;

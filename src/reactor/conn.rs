@@ -1,0 +1,557 @@
+//! Per-connection state of the reactor: the receive ring, the send-slot ring,
+//! send-queue accounting with selective signaling, credits, and the staging
+//! batches that become one doorbell per pass.
+//!
+//! Everything here is sized at registration and never grows: the data path
+//! only moves indices around preallocated arrays.
+
+use crate::error::Error;
+use crate::sys;
+use crate::verbs::{
+    LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, RecvRequest, RemoteSlice,
+    SendBatch, WorkRequest,
+};
+
+use super::{ConnId, ReactorConfig, SendError};
+
+/// Bytes in front of every SEND payload: the sender's cumulative count of
+/// receives it has posted (piggybacked credits), then 4 reserved bytes.
+pub(crate) const HEADER_LEN: usize = 8;
+/// Most requests staged for one QP in one pass (one doorbell).
+pub(crate) const MAX_STAGED: usize = 64;
+/// Most receives reposted with one `ibv_post_recv`.
+pub(crate) const MAX_REPOST: usize = 64;
+
+const KIND_RECV: u64 = 1;
+const KIND_SEND: u64 = 2;
+
+/// `wr_id` layout: connection (24 bits) | kind (8 bits) | index (32 bits).
+#[inline]
+pub(crate) fn wr_id(conn: u32, kind: u64, index: u32) -> u64 {
+    (u64::from(conn) << 40) | (kind << 32) | u64::from(index)
+}
+
+/// What a completion's `wr_id` says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WrKind {
+    Recv { slot: u32 },
+    Send { seq: u32 },
+    Unknown,
+}
+
+#[inline]
+pub(crate) fn decode_wr_id(wr_id: u64) -> (u32, WrKind) {
+    let conn = (wr_id >> 40) as u32;
+    let index = wr_id as u32;
+    let kind = match (wr_id >> 32) & 0xff {
+        KIND_RECV => WrKind::Recv { slot: index },
+        KIND_SEND => WrKind::Send { seq: index },
+        _ => WrKind::Unknown,
+    };
+    (conn, kind)
+}
+
+/// An operation on the send queue, remembered until a signaled completion
+/// at or after it proves it done.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct SqOp {
+    pub(crate) kind: OpKind,
+    /// Send slot to release, or `NO_SLOT`.
+    pub(crate) slot: u32,
+}
+
+pub(crate) const NO_SLOT: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum OpKind {
+    #[default]
+    Credit,
+    Send,
+    Write,
+    Read,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ConnState {
+    /// Waiting for the peer's first credit update.
+    Connecting,
+    Established,
+    /// A completion failed or posting failed; the handler was told.
+    Failed,
+}
+
+pub(crate) struct Conn {
+    pub(crate) id: ConnId,
+    pub(crate) session: usize,
+    pub(crate) channel: usize,
+    pub(crate) state: ConnState,
+    // Regions: receive ring and send slots, each `slot_size` per slot.
+    pub(crate) recv_region: MemoryRegion,
+    pub(crate) send_region: MemoryRegion,
+    pub(crate) slot_size: usize,
+    recv_depth: u32,
+    send_slots: u32,
+    // Send-slot ring: slots are used and released in SQ order.
+    send_head: u32,
+    send_in_use: u32,
+    // Send-queue accounting: ops[seq % depth] for seq in [sq_done, sq_next).
+    ops: Box<[SqOp]>,
+    sq_depth: u32,
+    sq_next: u32,
+    sq_done: u32,
+    since_signal: u32,
+    signal_interval: u32,
+    max_inline: u32,
+    // Credits (all cumulative, wrapping): receives the peer has posted, RECV-
+    // consuming requests we have posted, receives we have posted and told.
+    peer_posted: u32,
+    consumed: u32,
+    posted: u32,
+    advertised: u32,
+    credit_threshold: u32,
+    // Staging.
+    pub(crate) batch: SendBatch<'static, MAX_STAGED>,
+    has_staged_send: bool,
+    pub(crate) reposts: RecvBatch<'static, MAX_REPOST>,
+    repost_threshold: usize,
+}
+
+// SAFETY: the raw pointers inside the staged batches point into this Conn's own
+// regions (or nowhere, until posting links them); moving the Conn to another
+// thread moves their owner with them.
+unsafe impl Send for Conn {}
+
+impl Conn {
+    pub(crate) fn new(
+        id: ConnId,
+        session: usize,
+        channel: usize,
+        pd: &ProtectionDomain,
+        qp: &QueuePair,
+        config: &ReactorConfig,
+    ) -> crate::Result<Self> {
+        let slot_size = config.slot_size.max(HEADER_LEN);
+        let recv_depth = config.recv_depth.min(qp.max_recv_wr()).max(2);
+        // A power of two, so `seq % sq_depth` stays continuous when seq wraps.
+        let sq_depth = prev_power_of_two(config.sq_depth.min(qp.max_send_wr()).max(4));
+        let signal_interval = config.signal_interval.clamp(1, sq_depth / 2);
+        let send_slots = config.send_slots.max(2 * signal_interval);
+        let recv_region = pd.alloc_mr(
+            slot_size * recv_depth as usize,
+            crate::verbs::AccessFlags::LOCAL_WRITE,
+        )?;
+        let send_region = pd.alloc_mr(
+            slot_size * send_slots as usize,
+            crate::verbs::AccessFlags::empty(),
+        )?;
+        Ok(Self {
+            id,
+            session,
+            channel,
+            state: ConnState::Connecting,
+            recv_region,
+            send_region,
+            slot_size,
+            recv_depth,
+            send_slots,
+            send_head: 0,
+            send_in_use: 0,
+            ops: vec![SqOp::default(); sq_depth as usize].into_boxed_slice(),
+            sq_depth,
+            sq_next: 0,
+            sq_done: 0,
+            since_signal: 0,
+            signal_interval,
+            max_inline: qp.max_inline_data(),
+            peer_posted: 0,
+            consumed: 0,
+            posted: 0,
+            advertised: 0,
+            credit_threshold: (recv_depth / 4).max(1),
+            batch: SendBatch::new(),
+            has_staged_send: false,
+            reposts: RecvBatch::new(),
+            repost_threshold: (config.repost_batch as usize)
+                .clamp(1, MAX_REPOST.min(recv_depth as usize / 2).max(1)),
+        })
+    }
+
+    /// Largest payload of one SEND.
+    pub(crate) fn max_payload(&self) -> usize {
+        self.slot_size - HEADER_LEN
+    }
+
+    /// Credits available for RECV-consuming requests (may be negative before
+    /// the peer's first update).
+    #[inline]
+    fn credits(&self) -> i32 {
+        self.peer_posted.wrapping_sub(self.consumed) as i32
+    }
+
+    /// Send-queue entries in use (posted or staged, not known complete).
+    #[inline]
+    fn sq_used(&self) -> u32 {
+        self.sq_next.wrapping_sub(self.sq_done)
+    }
+
+    /// Posts the whole receive ring; called once at registration.
+    pub(crate) fn post_initial_receives(&mut self, qp: &QueuePair) -> crate::Result<()> {
+        for slot in 0..self.recv_depth {
+            self.queue_repost(slot);
+            if self.reposts.len() == MAX_REPOST {
+                self.flush_reposts(qp)?;
+            }
+        }
+        self.flush_reposts(qp)
+    }
+
+    #[inline]
+    pub(crate) fn queue_repost(&mut self, slot: u32) {
+        let addr = self.recv_region.addr() + u64::from(slot) * self.slot_size as u64;
+        let request = RecvRequest::from_raw(
+            wr_id(self.id.0, KIND_RECV, slot),
+            addr,
+            self.slot_size as u32,
+            self.recv_region.lkey(),
+        );
+        // Capacity is checked by the caller flushing at MAX_REPOST.
+        let _ = self.reposts.push(request);
+    }
+
+    /// True when enough receives are consumed to repost them now.
+    #[inline]
+    pub(crate) fn reposts_due(&self) -> bool {
+        self.reposts.len() >= self.repost_threshold
+    }
+
+    #[inline]
+    pub(crate) fn flush_reposts(&mut self, qp: &QueuePair) -> crate::Result<()> {
+        let count = self.reposts.len() as u32;
+        if count == 0 {
+            return Ok(());
+        }
+        qp.post_recv_batch(&mut self.reposts)?;
+        self.posted = self.posted.wrapping_add(count);
+        Ok(())
+    }
+
+    /// The bytes of receive slot `slot`.
+    #[inline]
+    pub(crate) fn recv_bytes(&self, slot: u32, len: usize) -> &[u8] {
+        let start = slot as usize * self.slot_size;
+        let len = len.min(self.slot_size);
+        // SAFETY: the slot's receive completed and it is not reposted until the
+        // handler returns, so no DMA writes it now; the range is in the region.
+        unsafe { std::slice::from_raw_parts(self.recv_region.as_ptr().add(start), len) }
+    }
+
+    /// Applies a credit value the peer sent (in a header or an immediate).
+    /// Returns true if this is the first one (the connection is now usable).
+    #[inline]
+    pub(crate) fn peer_credit(&mut self, total: u32) -> bool {
+        if total.wrapping_sub(self.peer_posted) as i32 > 0 {
+            self.peer_posted = total;
+        }
+        if self.state == ConnState::Connecting && self.peer_posted != 0 {
+            self.state = ConnState::Established;
+            return true;
+        }
+        false
+    }
+
+    /// Whether posting a request now would be refused, and why.
+    #[inline]
+    fn admit(&self, consumes_recv: bool, needs_slot: bool) -> Result<(), SendError> {
+        match self.state {
+            ConnState::Established => {}
+            ConnState::Connecting => return Err(SendError::WouldBlock),
+            ConnState::Failed => return Err(SendError::Closed),
+        }
+        // One SQ entry and one credit stay reserved for credit updates, so a
+        // busy sender can always tell its peer that it may send again.
+        if self.sq_used() + 1 >= self.sq_depth || self.batch.is_full() {
+            return Err(SendError::WouldBlock);
+        }
+        if consumes_recv && self.credits() < 2 {
+            return Err(SendError::WouldBlock);
+        }
+        if needs_slot && self.send_in_use >= self.send_slots {
+            return Err(SendError::WouldBlock);
+        }
+        Ok(())
+    }
+
+    /// Records `op` in the SQ ring, decides its signaling, and stages it.
+    #[inline]
+    fn stage(&mut self, request: WorkRequest<'static>, op: SqOp) -> u32 {
+        self.stage_signaled(request, op, false)
+    }
+
+    #[inline]
+    fn stage_signaled(
+        &mut self,
+        request: WorkRequest<'static>,
+        op: SqOp,
+        force_signal: bool,
+    ) -> u32 {
+        let seq = self.sq_next;
+        self.sq_next = seq.wrapping_add(1);
+        self.ops[(seq % self.sq_depth) as usize] = op;
+        // Selective signaling: every Nth request, and early whenever the SQ or
+        // the slot ring gets low, so resources held by unsignaled requests are
+        // always freed by a later signaled one.
+        let sq_left = self.sq_depth - self.sq_used();
+        let slots_left = self.send_slots - self.send_in_use;
+        self.since_signal += 1;
+        let signal = force_signal
+            || self.since_signal >= self.signal_interval
+            || sq_left <= self.signal_interval
+            || slots_left < self.signal_interval;
+        let mut request = request;
+        request.wr.wr_id = wr_id(self.id.0, KIND_SEND, seq);
+        if signal {
+            request.wr.send_flags |= sys::IBV_SEND_SIGNALED;
+            self.since_signal = 0;
+        }
+        if (request.sge.length as usize) <= self.max_inline as usize
+            && request.wr.opcode != sys::IBV_WR_RDMA_READ
+        {
+            request.wr.send_flags |= sys::IBV_SEND_INLINE;
+        }
+        // admit() checked the room.
+        let _ = self.batch.push(request);
+        seq
+    }
+
+    /// Stages a SEND of `len` payload bytes written by `fill` into a send slot.
+    #[inline]
+    pub(crate) fn stage_send(
+        &mut self,
+        len: usize,
+        imm: Option<u32>,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<u32, SendError> {
+        if len > self.max_payload() {
+            return Err(SendError::TooLarge {
+                len,
+                max: self.max_payload(),
+            });
+        }
+        self.admit(true, true)?;
+        let slot = (self.send_head + self.send_in_use) % self.send_slots;
+        self.send_in_use += 1;
+        let start = slot as usize * self.slot_size;
+        // SAFETY: the slot was free (not referenced by any posted request) and
+        // lies inside the send region; we hold &mut self.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(self.send_region.as_ptr().add(start), HEADER_LEN + len)
+        };
+        fill(&mut bytes[HEADER_LEN..]);
+        let addr = self.send_region.addr() + start as u64;
+        let (lkey, total) = (self.send_region.lkey(), (HEADER_LEN + len) as u32);
+        let request = match imm {
+            Some(imm) => {
+                WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, addr, total, lkey).imm(imm)
+            }
+            None => WorkRequest::from_raw(0, sys::IBV_WR_SEND, addr, total, lkey),
+        };
+        self.consumed = self.consumed.wrapping_add(1);
+        self.has_staged_send = true;
+        Ok(self.stage(
+            request,
+            SqOp {
+                kind: OpKind::Send,
+                slot,
+            },
+        ))
+    }
+
+    /// Stages a WRITE (or WRITE_WITH_IMM, which consumes a peer receive).
+    #[inline]
+    pub(crate) fn stage_write(
+        &mut self,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+        imm: Option<u32>,
+    ) -> Result<u32, SendError> {
+        if local.len() != remote.len() {
+            return Err(SendError::Invalid(Error::InvalidArgument(
+                "local and remote lengths of an RDMA operation differ",
+            )));
+        }
+        self.admit(imm.is_some(), false)?;
+        let (addr, len, lkey) = (local.addr, local.len, local.lkey);
+        let request = match imm {
+            Some(imm) => {
+                self.consumed = self.consumed.wrapping_add(1);
+                WorkRequest::from_raw(0, sys::IBV_WR_RDMA_WRITE_WITH_IMM, addr, len, lkey).imm(imm)
+            }
+            None => WorkRequest::from_raw(0, sys::IBV_WR_RDMA_WRITE, addr, len, lkey),
+        };
+        Ok(self.stage(
+            request.to_remote(remote),
+            SqOp {
+                kind: OpKind::Write,
+                slot: NO_SLOT,
+            },
+        ))
+    }
+
+    /// Stages a READ of `remote` into `local`.
+    #[inline]
+    pub(crate) fn stage_read(
+        &mut self,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+    ) -> Result<u32, SendError> {
+        if local.len() != remote.len() {
+            return Err(SendError::Invalid(Error::InvalidArgument(
+                "local and remote lengths of an RDMA operation differ",
+            )));
+        }
+        if !local
+            .access
+            .contains(crate::verbs::AccessFlags::LOCAL_WRITE)
+        {
+            return Err(SendError::Invalid(Error::InvalidArgument(
+                "a READ target must be registered with LOCAL_WRITE",
+            )));
+        }
+        self.admit(false, false)?;
+        let request =
+            WorkRequest::from_raw(0, sys::IBV_WR_RDMA_READ, local.addr, local.len, local.lkey);
+        Ok(self.stage(
+            request.to_remote(remote),
+            SqOp {
+                kind: OpKind::Read,
+                slot: NO_SLOT,
+            },
+        ))
+    }
+
+    /// Before the doorbell: stamps our receive count into every staged SEND's
+    /// header, or stages an explicit credit update if none carries it and
+    /// enough receives went unannounced.
+    #[inline]
+    pub(crate) fn prepare_flush(&mut self) {
+        let unannounced = self.posted.wrapping_sub(self.advertised);
+        if self.has_staged_send {
+            let total = self.posted.to_le_bytes();
+            for request in self.batch.requests.iter() {
+                if matches!(
+                    request.wr.opcode,
+                    sys::IBV_WR_SEND | sys::IBV_WR_SEND_WITH_IMM
+                ) && request.sge.length >= HEADER_LEN as u32
+                {
+                    // SAFETY: the SGE points at a send slot we own, staged but
+                    // not yet posted; the header's 4 bytes are inside it.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            total.as_ptr(),
+                            request.sge.addr as *mut u8,
+                            4,
+                        )
+                    };
+                }
+            }
+            self.advertised = self.posted;
+            self.has_staged_send = false;
+        } else if unannounced >= self.credit_threshold
+            && self.credits() >= 1
+            && self.sq_used() < self.sq_depth
+            && !self.batch.is_full()
+        {
+            // A zero-length SEND_WITH_IMM: the immediate is the count.
+            let request =
+                WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, 0, 0, 0).imm(self.posted);
+            self.consumed = self.consumed.wrapping_add(1);
+            self.advertised = self.posted;
+            self.stage(
+                request,
+                SqOp {
+                    kind: OpKind::Credit,
+                    slot: NO_SLOT,
+                },
+            );
+        }
+    }
+
+    /// True if requests went out unsignaled since the last signaled one: their
+    /// completions are only reported once a later signaled request completes.
+    pub(crate) fn has_unsignaled_tail(&self) -> bool {
+        self.since_signal > 0 && self.state == ConnState::Established
+    }
+
+    /// Makes the unsignaled tail complete: a signaled credit update (the one
+    /// request that needs no payload and only the reserved credit). Skipped
+    /// without a credit; the peer's next update brings one.
+    pub(crate) fn stage_tail_signal(&mut self) {
+        if self.credits() >= 1 && self.sq_used() < self.sq_depth && !self.batch.is_full() {
+            let request =
+                WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, 0, 0, 0).imm(self.posted);
+            self.consumed = self.consumed.wrapping_add(1);
+            self.advertised = self.posted;
+            self.stage_signaled(
+                request,
+                SqOp {
+                    kind: OpKind::Credit,
+                    slot: NO_SLOT,
+                },
+                true,
+            );
+        }
+    }
+
+    /// Sends the first credit update; allowed before any credit is known
+    /// because our receive ring is posted and the peer retries on RNR.
+    pub(crate) fn stage_initial_update(&mut self) {
+        let request = WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, 0, 0, 0).imm(self.posted);
+        self.consumed = self.consumed.wrapping_add(1);
+        self.advertised = self.posted;
+        self.stage(
+            request,
+            SqOp {
+                kind: OpKind::Credit,
+                slot: NO_SLOT,
+            },
+        );
+    }
+
+    /// How many ops a signaled completion of `seq` retires: it and every
+    /// earlier one (RC completes the send queue in order). Zero if `seq` is
+    /// not in flight.
+    #[inline]
+    pub(crate) fn retire_count(&self, seq: u32) -> u32 {
+        let count = seq.wrapping_sub(self.sq_done).wrapping_add(1);
+        if count <= self.sq_used() { count } else { 0 }
+    }
+
+    /// Retires the oldest op, releasing its send slot.
+    #[inline]
+    pub(crate) fn pop_oldest(&mut self) -> (u32, SqOp) {
+        let seq = self.sq_done;
+        let op = self.ops[(seq % self.sq_depth) as usize];
+        self.sq_done = seq.wrapping_add(1);
+        if op.slot != NO_SLOT {
+            self.send_head = (self.send_head + 1) % self.send_slots;
+            self.send_in_use -= 1;
+        }
+        (seq, op)
+    }
+
+    /// Marks everything staged and in flight as dead (after a failure).
+    pub(crate) fn fail(&mut self) {
+        self.state = ConnState::Failed;
+        self.batch.clear();
+        self.reposts.clear();
+    }
+
+    /// Queue depths in use (for tests and diagnostics).
+    pub(crate) fn stats(&self) -> (u32, u32, i32) {
+        (self.sq_used(), self.send_in_use, self.credits())
+    }
+}
+
+fn prev_power_of_two(n: u32) -> u32 {
+    1 << (31 - n.leading_zeros())
+}

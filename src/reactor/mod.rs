@@ -1,0 +1,721 @@
+//! The run-to-completion reactor: one thread, shared CQs, preposted receive
+//! rings, credit flow control, selective signaling and one doorbell per QP per
+//! pass. After sessions are added, a pass allocates nothing.
+//!
+//! # How a message flows
+//! 1. A handler stages work through [`Ctx`] (`send`, `write`, `read`). A SEND's
+//!    payload is written straight into a registered send slot.
+//! 2. At the end of the pass the reactor reposts consumed receives with one
+//!    `ibv_post_recv`. Then it stamps its receive count into each staged SEND's
+//!    8-byte header (piggybacked credits) and posts all staged requests of a
+//!    QP as one linked list: one doorbell.
+//! 3. The next pass polls the CQs in batches and routes each completion by
+//!    its `wr_id` (connection, kind, slot or sequence number) to the owning
+//!    session's [`Handler`]. Receives go to `on_message`/`on_write_imm` and
+//!    signaled sends retire every earlier unsignaled one.
+//!
+//! # Flow control
+//! A sender never posts more RECV-consuming requests (SEND, WRITE_WITH_IMM)
+//! than the peer has receives posted. Each side counts the receives it has
+//! posted and tells the peer in SEND headers, or, when it has nothing to send,
+//! with a zero-length SEND_WITH_IMM. One credit and one send-queue entry are
+//! kept back for those updates, so two peers can never starve each other. A
+//! slow receiver therefore slows the sender ([`SendError::WouldBlock`]): no
+//! RNR, no loss.
+//!
+//! ```no_run
+//! use rdma_comm_core::reactor::*;
+//! use rdma_comm_core::session::*;
+//! use rdma_comm_core::verbs::*;
+//!
+//! struct Echo;
+//! impl Handler for Echo {
+//!     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+//!         let _ = ctx.send(conn, data, imm); // echo; WouldBlock only under overload
+//!     }
+//! }
+//!
+//! let ctx = Context::open_default(None)?;
+//! let pd = ctx.alloc_pd()?;
+//! let mut reactor = Reactor::new(&pd, ReactorConfig::default())?;
+//! let config = ClientConfig::new(vec![reactor.channel_spec("rpc")]);
+//! let endpoint = ClientSession::connect("server:7471", &pd, &config)?;
+//! reactor.add(endpoint, Echo)?;
+//! reactor.run()?; // until a Stopper stops it
+//! # Ok::<(), rdma_comm_core::Error>(())
+//! ```
+
+mod conn;
+pub mod placement;
+mod wait;
+
+use std::fmt;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::session::{ChannelSpec, CqChoice, Endpoint, ServerConfig};
+use crate::verbs::{
+    AccessFlags, CompletionChannel, CompletionQueue, CqId, LocalSlice, ProtectionDomain, QpConfig,
+    RemoteSlice, WcOpcode, WorkCompletion,
+};
+
+use conn::{Conn, ConnState, HEADER_LEN, OpKind, WrKind, decode_wr_id};
+pub use placement::{CorePreference, Placement, pin_current_thread};
+use wait::Waiter;
+pub use wait::Waker;
+
+/// How the reactor waits when there is nothing to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EventMode {
+    /// Spin on the CQs: lowest latency, one core at 100 %.
+    #[default]
+    BusyPoll,
+    /// Arm the CQs and block on their shared completion channel.
+    Blocking,
+    /// Arm the CQs and wait in epoll over one channel per CQ; the epoll fd is
+    /// available to embed in another event loop.
+    Epoll,
+}
+
+/// One reactor per QP, or many QPs on one reactor's shared CQs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ThreadMode {
+    /// Every QP gets its own reactor on its own pinned thread.
+    PerQp,
+    /// All QPs share one reactor and its CQs.
+    #[default]
+    SharedCq,
+}
+
+/// Reactor sizing and behaviour. `Default` suits small-message RPC.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReactorConfig {
+    /// How to wait when idle.
+    pub event_mode: EventMode,
+    /// CQs the reactor owns; channels are spread over them.
+    pub cq_count: u32,
+    /// Entries per CQ.
+    pub cq_size: u32,
+    /// Bytes per send and receive slot (the largest SEND is 8 bytes less).
+    pub slot_size: usize,
+    /// Receives kept posted per QP.
+    pub recv_depth: u32,
+    /// Consumed receives are reposted in batches of this many.
+    pub repost_batch: u32,
+    /// Send-queue depth per QP (rounded down to a power of two).
+    pub sq_depth: u32,
+    /// Send slots per QP.
+    pub send_slots: u32,
+    /// Signal every Nth send-queue request.
+    pub signal_interval: u32,
+    /// Inline payload size to ask the QP for.
+    pub max_inline: u32,
+    /// Longest sleep in the Blocking and Epoll modes before `on_idle` runs.
+    pub idle_timeout: Duration,
+}
+
+impl Default for ReactorConfig {
+    fn default() -> Self {
+        Self {
+            event_mode: EventMode::BusyPoll,
+            cq_count: 1,
+            cq_size: 4096,
+            slot_size: 4096,
+            recv_depth: 128,
+            repost_batch: 16,
+            sq_depth: 256,
+            send_slots: 64,
+            signal_interval: 16,
+            max_inline: 64,
+            idle_timeout: Duration::from_millis(10),
+        }
+    }
+}
+
+/// A connection (one channel of one session) within a reactor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(pub u32);
+
+/// A session (one endpoint and its handler) within a reactor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionId(pub usize);
+
+/// Why a request was not staged.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// No credit, send-queue entry or send slot right now: retry after a
+    /// completion or on the next `on_idle`.
+    #[error("would block: the peer has no receive posted or the send queue is full")]
+    WouldBlock,
+    /// The payload exceeds the slot size.
+    #[error("payload of {len} bytes exceeds the maximum of {max}")]
+    TooLarge {
+        /// Requested length.
+        len: usize,
+        /// The connection's maximum payload.
+        max: usize,
+    },
+    /// The connection failed or does not exist.
+    #[error("the connection is closed")]
+    Closed,
+    /// The request itself is invalid.
+    #[error(transparent)]
+    Invalid(Error),
+}
+
+/// Callbacks a session implements. Only `on_message` is required.
+///
+/// Callbacks run on the reactor thread and must not block; work they stage
+/// through the [`Ctx`] goes out at the end of the pass.
+#[allow(unused_variables)]
+pub trait Handler {
+    /// The peer's first credit update arrived: the connection can send.
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {}
+    /// A SEND arrived. `data` is valid only during the call.
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>);
+    /// A WRITE_WITH_IMM of `len` bytes landed in one of our exported regions.
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {}
+    /// A SEND staged with sequence number `seq` completed locally.
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}
+    /// A WRITE staged with sequence number `seq` completed.
+    fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}
+    /// A READ staged with sequence number `seq` completed: the bytes are local.
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}
+    /// The connection failed (a completion error or a failed post). It stays
+    /// closed; other connections are unaffected.
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {}
+    /// A pass found no completions (busy poll) or a wait timed out.
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {}
+}
+
+impl<H: Handler + ?Sized> Handler for Box<H> {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        (**self).on_established(ctx, conn)
+    }
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        (**self).on_message(ctx, conn, data, imm)
+    }
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
+        (**self).on_write_imm(ctx, conn, imm, len)
+    }
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        (**self).on_send_complete(ctx, conn, seq)
+    }
+    fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        (**self).on_write_complete(ctx, conn, seq)
+    }
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        (**self).on_read_complete(ctx, conn, seq)
+    }
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
+        (**self).on_error(ctx, conn, error)
+    }
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        (**self).on_idle(ctx)
+    }
+}
+
+/// What a callback may do: stage work on any connection of the reactor.
+pub struct Ctx<'a> {
+    conns: &'a mut [Conn],
+    stop: &'a AtomicBool,
+}
+
+impl fmt::Debug for Ctx<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ctx")
+            .field("conns", &self.conns.len())
+            .finish()
+    }
+}
+
+impl Ctx<'_> {
+    fn conn(&mut self, conn: ConnId) -> Result<&mut Conn, SendError> {
+        self.conns.get_mut(conn.0 as usize).ok_or(SendError::Closed)
+    }
+
+    /// Stages a SEND of `data` (copied into a registered send slot).
+    /// Returns the sequence number `on_send_complete` will report.
+    #[inline]
+    pub fn send(&mut self, conn: ConnId, data: &[u8], imm: Option<u32>) -> Result<u32, SendError> {
+        self.send_with(conn, data.len(), imm, |buf| buf.copy_from_slice(data))
+    }
+
+    /// Stages a SEND of `len` bytes that `fill` writes directly into the
+    /// registered send slot (no intermediate copy).
+    #[inline]
+    pub fn send_with(
+        &mut self,
+        conn: ConnId,
+        len: usize,
+        imm: Option<u32>,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<u32, SendError> {
+        self.conn(conn)?.stage_send(len, imm, fill)
+    }
+
+    /// Stages an RDMA WRITE from `local` to `remote`; with `imm` it consumes
+    /// one of the peer's receives and needs a credit. `local`'s region must
+    /// stay registered until `on_write_complete`.
+    #[inline]
+    pub fn write(
+        &mut self,
+        conn: ConnId,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+        imm: Option<u32>,
+    ) -> Result<u32, SendError> {
+        self.conn(conn)?.stage_write(local, remote, imm)
+    }
+
+    /// Stages an RDMA READ of `remote` into `local` (registered with
+    /// `LOCAL_WRITE`, and kept registered until `on_read_complete`).
+    #[inline]
+    pub fn read(
+        &mut self,
+        conn: ConnId,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+    ) -> Result<u32, SendError> {
+        self.conn(conn)?.stage_read(local, remote)
+    }
+
+    /// Largest payload one SEND on `conn` can carry.
+    pub fn max_payload(&self, conn: ConnId) -> usize {
+        self.conns.get(conn.0 as usize).map_or(0, Conn::max_payload)
+    }
+
+    /// True once the connection can send.
+    pub fn is_established(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(conn.0 as usize)
+            .is_some_and(|c| c.state == ConnState::Established)
+    }
+
+    /// The channel index of `conn` within its session's endpoint.
+    pub fn channel_index(&self, conn: ConnId) -> usize {
+        self.conns.get(conn.0 as usize).map_or(0, |c| c.channel)
+    }
+
+    /// Asks the reactor's `run` loop to return after this pass.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+/// Stops a running reactor from any thread.
+#[derive(Debug, Clone)]
+pub struct Stopper {
+    flag: Arc<AtomicBool>,
+    waker: Waker,
+}
+
+impl Stopper {
+    /// Makes `run` return after its current pass.
+    pub fn stop(&self) {
+        self.flag.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+}
+
+/// Completions polled per CQ per call.
+const POLL_BATCH: usize = 32;
+/// Empty busy-poll passes after which unsignaled tails are signaled out.
+const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
+
+/// A run-to-completion reactor. See the module docs.
+pub struct Reactor<H: Handler> {
+    config: ReactorConfig,
+    // Drop order: QPs (in the endpoints) first, then the regions in the
+    // connections, then the CQs and their channels.
+    endpoints: Vec<Endpoint>,
+    conns: Vec<Conn>,
+    handlers: Vec<H>,
+    cqs: Vec<CompletionQueue>,
+    channels: Vec<CompletionChannel>,
+    waiter: Waiter,
+    pd: ProtectionDomain,
+    wcs: [WorkCompletion; POLL_BATCH],
+    next_cq: usize,
+    idle_passes: u32,
+    stop: Arc<AtomicBool>,
+}
+
+impl<H: Handler> fmt::Debug for Reactor<H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reactor")
+            .field("config", &self.config)
+            .field("sessions", &self.endpoints.len())
+            .field("conns", &self.conns.len())
+            .finish()
+    }
+}
+
+impl<H: Handler> Reactor<H> {
+    /// Creates the reactor's CQs (and completion channels in the event modes).
+    pub fn new(pd: &ProtectionDomain, config: ReactorConfig) -> Result<Self> {
+        let ctx = pd.context();
+        let cq_count = config.cq_count.max(1) as usize;
+        let channels: Vec<CompletionChannel> = match config.event_mode {
+            EventMode::BusyPoll => Vec::new(),
+            EventMode::Blocking => vec![ctx.create_comp_channel()?],
+            EventMode::Epoll => (0..cq_count)
+                .map(|_| ctx.create_comp_channel())
+                .collect::<Result<_>>()?,
+        };
+        let cqs = (0..cq_count)
+            .map(|i| ctx.create_cq(config.cq_size, channels.get(i).or(channels.first())))
+            .collect::<Result<Vec<_>>>()?;
+        let waiter = Waiter::new(config.event_mode, &channels)?;
+        Ok(Self {
+            config,
+            endpoints: Vec::new(),
+            conns: Vec::new(),
+            handlers: Vec::new(),
+            cqs,
+            channels,
+            waiter,
+            pd: pd.clone(),
+            wcs: [WorkCompletion::default(); POLL_BATCH],
+            next_cq: 0,
+            idle_passes: 0,
+            stop: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &ReactorConfig {
+        &self.config
+    }
+
+    /// A channel spec whose QP reports to this reactor's CQs (spread over them
+    /// round-robin) with queue depths matching the reactor's settings.
+    pub fn channel_spec(&mut self, name: impl Into<String>) -> ChannelSpec {
+        let cq = self.cqs[self.next_cq % self.cqs.len()].shared();
+        self.next_cq += 1;
+        let qp = QpConfig {
+            max_send_wr: self.config.sq_depth,
+            max_recv_wr: self.config.recv_depth,
+            max_inline_data: self.config.max_inline,
+            ..QpConfig::default()
+        };
+        ChannelSpec {
+            name: name.into(),
+            cq: CqChoice::Shared(cq),
+            qp,
+        }
+    }
+
+    /// Like [`channel_spec`](Self::channel_spec), also letting the peer WRITE
+    /// and/or READ the regions this side exports.
+    pub fn channel_spec_with_access(
+        &mut self,
+        name: impl Into<String>,
+        remote_access: AccessFlags,
+    ) -> ChannelSpec {
+        let mut spec = self.channel_spec(name);
+        spec.qp.remote_access = remote_access;
+        spec
+    }
+
+    /// A server configuration whose QPs report to this reactor, with
+    /// `remote_access` granted to peers.
+    pub fn server_config(&mut self, remote_access: AccessFlags) -> ServerConfig {
+        let spec = self.channel_spec_with_access("", remote_access);
+        ServerConfig {
+            qp: spec.qp,
+            cq: spec.cq,
+            ..ServerConfig::default()
+        }
+    }
+
+    /// Takes over a connected endpoint (built from [`channel_spec`](Self::channel_spec)s):
+    /// posts its receive rings and sends the initial credit updates.
+    /// `handler` gets every callback for its channels.
+    pub fn add(&mut self, endpoint: Endpoint, handler: H) -> Result<SessionId> {
+        let ours: Vec<CqId> = self.cqs.iter().map(CompletionQueue::id).collect();
+        for channel in endpoint.channels() {
+            let qp = channel.qp();
+            if !ours.contains(&qp.send_cq_id()) || !ours.contains(&qp.recv_cq_id()) {
+                return Err(Error::InvalidArgument(
+                    "channel was not created on this reactor's CQs (build it from Reactor::channel_spec)",
+                ));
+            }
+        }
+        let session = self.endpoints.len();
+        let first = self.conns.len();
+        let mut conns = Vec::with_capacity(endpoint.channels().len());
+        for (index, channel) in endpoint.channels().iter().enumerate() {
+            let id = ConnId((first + index) as u32);
+            let mut conn = Conn::new(id, session, index, &self.pd, channel.qp(), &self.config)?;
+            conn.post_initial_receives(channel.qp())?;
+            conn.stage_initial_update();
+            channel.qp().post_send_batch(&mut conn.batch)?;
+            conns.push(conn);
+        }
+        self.conns.extend(conns);
+        self.endpoints.push(endpoint);
+        self.handlers.push(handler);
+        Ok(SessionId(session))
+    }
+
+    /// A handle that stops [`run`](Self::run) from any thread.
+    pub fn stopper(&self) -> Stopper {
+        Stopper {
+            flag: Arc::clone(&self.stop),
+            waker: self.waiter.waker.clone(),
+        }
+    }
+
+    /// The handler of a session.
+    pub fn handler(&self, session: SessionId) -> &H {
+        &self.handlers[session.0]
+    }
+
+    /// The handler of a session, mutably.
+    pub fn handler_mut(&mut self, session: SessionId) -> &mut H {
+        &mut self.handlers[session.0]
+    }
+
+    /// The endpoint of a session.
+    pub fn endpoint(&self, session: SessionId) -> &Endpoint {
+        &self.endpoints[session.0]
+    }
+
+    /// The connections of a session, in channel order.
+    pub fn conns(&self, session: SessionId) -> impl Iterator<Item = ConnId> + '_ {
+        self.conns
+            .iter()
+            .filter(move |c| c.session == session.0)
+            .map(|c| c.id)
+    }
+
+    /// Send-queue entries in use, send slots in use and credits of `conn`.
+    pub fn conn_stats(&self, conn: ConnId) -> Option<(u32, u32, i32)> {
+        self.conns.get(conn.0 as usize).map(Conn::stats)
+    }
+
+    /// Runs passes until a [`Stopper`] or [`Ctx::stop`] asks it to return.
+    pub fn run(&mut self) -> Result<()> {
+        while !self.stop.swap(false, Ordering::AcqRel) {
+            self.turn()?;
+        }
+        Ok(())
+    }
+
+    /// One pass, then (in the event modes, if it found nothing) one wait.
+    pub fn turn(&mut self) -> Result<usize> {
+        let done = self.poll_once()?;
+        if done == 0 && self.config.event_mode != EventMode::BusyPoll && self.prepare_wait()? {
+            self.waiter.wait(self.config.idle_timeout)?;
+            self.drain_channel_events()?;
+        }
+        Ok(done)
+    }
+
+    /// Polls every CQ once (in batches), dispatches, then flushes: reposts
+    /// receives and rings one doorbell per QP with staged work. Calls
+    /// `on_idle` when nothing completed. Returns the completions handled.
+    pub fn poll_once(&mut self) -> Result<usize> {
+        let mut done = 0;
+        for cq_index in 0..self.cqs.len() {
+            loop {
+                let n = self.cqs[cq_index].poll(&mut self.wcs)?.len();
+                for i in 0..n {
+                    let wc = self.wcs[i];
+                    self.dispatch(&wc);
+                }
+                done += n;
+                if n < POLL_BATCH {
+                    break;
+                }
+            }
+        }
+        if done == 0 {
+            let mut ctx = Ctx {
+                conns: &mut self.conns,
+                stop: &self.stop,
+            };
+            for handler in &mut self.handlers {
+                handler.on_idle(&mut ctx);
+            }
+        }
+        if done == 0 {
+            self.idle_passes = self.idle_passes.saturating_add(1);
+        } else {
+            self.idle_passes = 0;
+        }
+        // Unsignaled requests left at the tail of a burst would never report
+        // completion; after a while with nothing to do, signal them out.
+        let signal_tails = self.idle_passes == TAIL_SIGNAL_IDLE_PASSES;
+        self.flush(done == 0, signal_tails);
+        Ok(done)
+    }
+
+    /// Arms every CQ and polls once more. Returns true if nothing is pending,
+    /// so the caller may sleep on [`event_fd`](Self::event_fd) without
+    /// missing a completion that raced the arming.
+    pub fn prepare_wait(&mut self) -> Result<bool> {
+        if self.config.event_mode == EventMode::BusyPoll {
+            return Ok(false);
+        }
+        // Sleeping with an unsignaled tail would leave its completions
+        // unreported: signal it out first. Its completion (or, without a
+        // credit, the peer's next credit update) then wakes us.
+        self.flush(true, true);
+        for cq in &mut self.cqs {
+            cq.req_notify(false)?;
+        }
+        Ok(self.poll_once()? == 0)
+    }
+
+    /// Consumes the completion events that woke us (acked in batches).
+    pub fn drain_channel_events(&mut self) -> Result<()> {
+        for channel in &self.channels {
+            while channel.try_get_event()?.is_some() {}
+        }
+        Ok(())
+    }
+
+    /// The descriptor to wait on in another event loop (Epoll: the epoll set;
+    /// Blocking: the completion channel). Call [`prepare_wait`](Self::prepare_wait)
+    /// before sleeping on it and [`drain_channel_events`](Self::drain_channel_events)
+    /// plus [`poll_once`](Self::poll_once) when it fires.
+    pub fn event_fd(&self) -> Option<RawFd> {
+        self.waiter.fd()
+    }
+
+    #[inline]
+    fn dispatch(&mut self, wc: &WorkCompletion) {
+        let (index, kind) = decode_wr_id(wc.wr_id());
+        let Some(conn) = self.conns.get_mut(index as usize) else {
+            log::warn!("completion for unknown connection {index}: {wc:?}");
+            return;
+        };
+        let session = conn.session;
+        let id = conn.id;
+        if conn.state == ConnState::Failed {
+            return;
+        }
+        if !wc.is_success() {
+            self.fail(
+                id,
+                session,
+                wc.ok()
+                    .err()
+                    .unwrap_or(Error::InvalidArgument("failed completion")),
+            );
+            return;
+        }
+        let handler = &mut self.handlers[session];
+        match kind {
+            WrKind::Recv { slot } => {
+                let len = wc.byte_len() as usize;
+                if wc.opcode() == WcOpcode::RECV_RDMA_WITH_IMM {
+                    conn.queue_repost(slot);
+                    let imm = wc.imm().unwrap_or(0);
+                    let mut ctx = Ctx {
+                        conns: &mut self.conns,
+                        stop: &self.stop,
+                    };
+                    handler.on_write_imm(&mut ctx, id, imm, len as u32);
+                } else if len < HEADER_LEN {
+                    // A credit update: the immediate is the peer's receive count.
+                    conn.queue_repost(slot);
+                    let established = conn.peer_credit(wc.imm().unwrap_or(0));
+                    if established {
+                        let mut ctx = Ctx {
+                            conns: &mut self.conns,
+                            stop: &self.stop,
+                        };
+                        handler.on_established(&mut ctx, id);
+                    }
+                } else {
+                    let bytes = conn.recv_bytes(slot, len);
+                    let credit = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+                    let (data_ptr, data_len) = (bytes[HEADER_LEN..].as_ptr(), len - HEADER_LEN);
+                    let established = conn.peer_credit(credit);
+                    let mut ctx = Ctx {
+                        conns: &mut self.conns,
+                        stop: &self.stop,
+                    };
+                    if established {
+                        handler.on_established(&mut ctx, id);
+                    }
+                    // SAFETY: the bytes live in the connection's receive region,
+                    // which outlives this call; the slot is reposted only after
+                    // the handler returns, so the NIC does not write it meanwhile,
+                    // and nothing reachable through `ctx` can.
+                    let data = unsafe { std::slice::from_raw_parts(data_ptr, data_len) };
+                    handler.on_message(&mut ctx, id, data, wc.imm());
+                    self.conns[index as usize].queue_repost(slot);
+                }
+            }
+            WrKind::Send { seq } => {
+                let count = conn.retire_count(seq);
+                for _ in 0..count {
+                    let (seq, op) = self.conns[index as usize].pop_oldest();
+                    let mut ctx = Ctx {
+                        conns: &mut self.conns,
+                        stop: &self.stop,
+                    };
+                    match op.kind {
+                        OpKind::Send => handler.on_send_complete(&mut ctx, id, seq),
+                        OpKind::Write => handler.on_write_complete(&mut ctx, id, seq),
+                        OpKind::Read => handler.on_read_complete(&mut ctx, id, seq),
+                        OpKind::Credit => {}
+                    }
+                }
+            }
+            WrKind::Unknown => log::warn!("completion with a foreign wr_id: {wc:?}"),
+        }
+    }
+
+    #[cold]
+    fn fail(&mut self, id: ConnId, session: usize, error: Error) {
+        let conn = &mut self.conns[id.0 as usize];
+        conn.fail();
+        let channel = conn.channel;
+        if let Some(ch) = self.endpoints[session].channels().get(channel) {
+            // Stops the QP, so the peer sees the failure too; errors here add nothing.
+            let _ = ch.qp().set_error();
+        }
+        let mut ctx = Ctx {
+            conns: &mut self.conns,
+            stop: &self.stop,
+        };
+        self.handlers[session].on_error(&mut ctx, id, &error);
+    }
+
+    /// End of pass: repost receives, then one doorbell per QP.
+    #[inline]
+    fn flush(&mut self, idle: bool, signal_tails: bool) {
+        for index in 0..self.conns.len() {
+            let conn = &mut self.conns[index];
+            if conn.state == ConnState::Failed {
+                continue;
+            }
+            let (session, channel, id) = (conn.session, conn.channel, conn.id);
+            let qp = self.endpoints[session].channels()[channel].qp();
+            let mut result = Ok(());
+            if (idle && !conn.reposts.is_empty()) || conn.reposts_due() {
+                result = conn.flush_reposts(qp);
+            }
+            if result.is_ok() {
+                conn.prepare_flush();
+                if signal_tails && conn.batch.is_empty() && conn.has_unsignaled_tail() {
+                    conn.stage_tail_signal();
+                }
+                if !conn.batch.is_empty() {
+                    result = qp.post_send_batch(&mut conn.batch);
+                }
+            }
+            if let Err(error) = result {
+                self.fail(id, session, error);
+            }
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! Every event mode in both thread modes passes the same verified ping-pong
+//! and streaming tests. Gated as described in `tests/util/mod.rs`.
+
+mod util;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use rdma_comm_core::reactor::*;
+use util::reactor::*;
+use util::*;
+
+const RUN_DEADLINE: Duration = Duration::from_secs(120);
+const PING_ITERS: u64 = 2_000;
+const STREAM_MESSAGES: u64 = 20_000;
+
+fn config(event_mode: EventMode) -> ReactorConfig {
+    ReactorConfig {
+        event_mode,
+        slot_size: 2048,
+        recv_depth: 64,
+        send_slots: 64,
+        signal_interval: 8,
+        ..Default::default()
+    }
+}
+
+#[track_caller]
+fn check(what: &str, outcome: &Outcome, expected_done: u64) {
+    assert_eq!(outcome.errors.load(Ordering::Relaxed), 0, "{what}: errors");
+    assert_eq!(
+        outcome.bad.load(Ordering::Relaxed),
+        0,
+        "{what}: corrupted, lost or reordered messages"
+    );
+    assert_eq!(
+        outcome.done.load(Ordering::Relaxed),
+        expected_done,
+        "{what}: messages completed"
+    );
+}
+
+fn ping_pong(event_mode: EventMode, thread_mode: ThreadMode, size: usize) {
+    let ctx = open_device();
+    let pd = ctx.alloc_pd().unwrap();
+    match thread_mode {
+        ThreadMode::SharedCq => {
+            let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config(event_mode)).unwrap();
+            // Both ends of the ping-pong on the one reactor's shared CQ.
+            let (ping_a, echo_a) =
+                add_ping_pong(&pd, Sides::One(&mut reactor), PING_ITERS, size, true);
+            let cancel = watchdog(vec![reactor.stopper()], RUN_DEADLINE);
+            reactor.run().unwrap();
+            cancel.store(true, Ordering::Release);
+            check("pinger", &ping_a, PING_ITERS);
+            check("echoer", &echo_a, PING_ITERS);
+        }
+        ThreadMode::PerQp => {
+            let mut server: Reactor<BoxedHandler> = Reactor::new(&pd, config(event_mode)).unwrap();
+            let mut client: Reactor<BoxedHandler> = Reactor::new(&pd, config(event_mode)).unwrap();
+            let (ping, echo) = add_ping_pong(
+                &pd,
+                Sides::Two {
+                    server: &mut server,
+                    client: &mut client,
+                },
+                PING_ITERS,
+                size,
+                true,
+            );
+            let (server_stop, client_stop) = (server.stopper(), client.stopper());
+            let cancel = watchdog(vec![server_stop.clone(), client_stop], RUN_DEADLINE);
+            let server = spawn(server, 0);
+            let client = spawn(client, 1);
+            client.join().expect("client reactor thread");
+            server_stop.stop();
+            server.join().expect("server reactor thread");
+            cancel.store(true, Ordering::Release);
+            check("pinger", &ping, PING_ITERS);
+            check("echoer", &echo, PING_ITERS);
+        }
+    }
+}
+
+fn stream(event_mode: EventMode, thread_mode: ThreadMode, slow: Option<Duration>) {
+    let ctx = open_device();
+    let pd = ctx.alloc_pd().unwrap();
+    let max = 1500;
+    match thread_mode {
+        ThreadMode::SharedCq => {
+            let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config(event_mode)).unwrap();
+            let (sent, received) = add_stream(
+                &pd,
+                Sides::One(&mut reactor),
+                STREAM_MESSAGES,
+                max,
+                slow,
+                false,
+            );
+            let cancel = watchdog(vec![reactor.stopper()], RUN_DEADLINE);
+            reactor.run().unwrap();
+            cancel.store(true, Ordering::Release);
+            check("sink", &received, STREAM_MESSAGES);
+            assert_eq!(sent.errors.load(Ordering::Relaxed), 0);
+        }
+        ThreadMode::PerQp => {
+            let mut server: Reactor<BoxedHandler> = Reactor::new(&pd, config(event_mode)).unwrap();
+            let mut client: Reactor<BoxedHandler> = Reactor::new(&pd, config(event_mode)).unwrap();
+            let (sent, received) = add_stream(
+                &pd,
+                Sides::Two {
+                    server: &mut server,
+                    client: &mut client,
+                },
+                STREAM_MESSAGES,
+                max,
+                slow,
+                true,
+            );
+            let cancel = watchdog(vec![server.stopper(), client.stopper()], RUN_DEADLINE);
+            let server = spawn(server, 0);
+            let client = spawn(client, 1);
+            server.join().expect("sink reactor thread");
+            client.join().expect("stream reactor thread");
+            cancel.store(true, Ordering::Release);
+            check("sink", &received, STREAM_MESSAGES);
+            assert_eq!(sent.errors.load(Ordering::Relaxed), 0);
+        }
+    }
+}
+
+macro_rules! matrix {
+    ($($name:ident: $event:ident, $thread:ident;)*) => {
+        mod ping_pong {
+            use super::*;
+            $(verbs_test! { fn $name() { ping_pong(EventMode::$event, ThreadMode::$thread, 256); } })*
+        }
+        mod streaming {
+            use super::*;
+            $(verbs_test! { fn $name() { stream(EventMode::$event, ThreadMode::$thread, None); } })*
+        }
+    };
+}
+
+matrix! {
+    busy_poll_shared_cq: BusyPoll, SharedCq;
+    busy_poll_per_qp: BusyPoll, PerQp;
+    blocking_shared_cq: Blocking, SharedCq;
+    blocking_per_qp: Blocking, PerQp;
+    epoll_shared_cq: Epoll, SharedCq;
+    epoll_per_qp: Epoll, PerQp;
+}
+
+verbs_test! {
+    fn small_and_inline_messages_ping_pong() {
+        ping_pong(EventMode::BusyPoll, ThreadMode::SharedCq, 8);
+    }
+}
+
+verbs_test! {
+    fn a_slow_receiver_slows_the_sender_without_loss_or_reordering() {
+        stream(EventMode::BusyPoll, ThreadMode::PerQp, Some(Duration::from_millis(3)));
+        stream(EventMode::Blocking, ThreadMode::PerQp, Some(Duration::from_millis(3)));
+    }
+}
