@@ -83,7 +83,7 @@ impl Pinger {
     fn ping(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
         let seq = self.seq;
         let size = self.size;
-        let result = if !self.use_write_imm || seq % 2 == 0 {
+        let result = if !self.use_write_imm || seq.is_multiple_of(2) {
             ctx.send_with(conn, size, Some(seq as u32), |buf| fill(buf, seq))
         } else {
             fill(&mut self.scratch, seq);
@@ -321,7 +321,7 @@ impl Handler for Sink {
         self.expected += 1;
         self.outcome.done.store(self.expected, Ordering::Relaxed);
         if let Some(pause) = self.slow
-            && self.expected % 256 == 0
+            && self.expected.is_multiple_of(256)
         {
             thread::sleep(pause);
         }
