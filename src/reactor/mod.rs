@@ -433,7 +433,8 @@ impl<H: Handler> Reactor<H> {
     }
 
     /// Takes over a connected endpoint (built from [`channel_spec`](Self::channel_spec)s):
-    /// posts its receive rings and sends the initial credit updates.
+    /// posts its receive rings now and sends the initial credit updates with
+    /// the next pass.
     /// `handler` gets every callback for its channels.
     pub fn add(&mut self, endpoint: Endpoint, handler: H) -> Result<SessionId> {
         let ours: Vec<CqId> = self.cqs.iter().map(CompletionQueue::id).collect();
@@ -452,8 +453,9 @@ impl<H: Handler> Reactor<H> {
             let id = ConnId((first + index) as u32);
             let mut conn = Conn::new(id, session, index, &self.pd, channel.qp(), &self.config)?;
             conn.post_initial_receives(channel.qp())?;
+            // Goes out with the first pass, so a test (or an application)
+            // that adds both ends before running either sees no RNR at all.
             conn.stage_initial_update();
-            channel.qp().post_send_batch(&mut conn.batch)?;
             conns.push(conn);
         }
         self.conns.extend(conns);

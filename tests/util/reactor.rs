@@ -34,6 +34,8 @@ pub fn matches(buf: &[u8], seq: u64) -> bool {
 /// Shared outcome counters (atomics: no locks, no allocation).
 #[derive(Default, Debug)]
 pub struct Outcome {
+    /// Round trips the pinger should reach before stopping the reactor.
+    pub limit: AtomicU64,
     pub done: AtomicU64,
     pub bad: AtomicU64,
     pub errors: AtomicU64,
@@ -42,7 +44,6 @@ pub struct Outcome {
 
 /// Alternates SEND and WRITE_WITH_IMM pings and checks every echo.
 pub struct Pinger {
-    pub iters: u64,
     pub size: usize,
     seq: u64,
     pending: bool,
@@ -65,8 +66,8 @@ impl Pinger {
         peer_inbox: RemoteRegion,
         outcome: Arc<Outcome>,
     ) -> Self {
+        outcome.limit.store(iters, Ordering::Relaxed);
         Self {
-            iters,
             size,
             seq: 0,
             pending: false,
@@ -110,7 +111,7 @@ impl Pinger {
         }
         self.seq += 1;
         self.outcome.done.store(self.seq, Ordering::Relaxed);
-        if self.seq == self.iters {
+        if self.seq >= self.outcome.limit.load(Ordering::Relaxed) {
             self.outcome.finished.store(true, Ordering::Release);
             ctx.stop();
         } else {
@@ -145,7 +146,13 @@ impl Handler for Pinger {
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        if self.pending {
+        // Resume after a WouldBlock, or after the limit was raised.
+        let resumed = self.outcome.finished.load(Ordering::Acquire)
+            && self.seq < self.outcome.limit.load(Ordering::Relaxed);
+        if resumed {
+            self.outcome.finished.store(false, Ordering::Release);
+        }
+        if self.pending || resumed {
             self.ping(ctx, self.conn);
         }
     }

@@ -1,0 +1,91 @@
+//! The reactor's data path allocates nothing: after warm-up, 1,000,000
+//! ping-pong round trips (SEND/RECV and WRITE_WITH_IMM, alternating) make zero
+//! heap allocations on the reactor thread. Gated as in `tests/util/mod.rs`.
+
+mod util;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rdma_comm_core::reactor::*;
+use util::reactor::*;
+use util::*;
+
+/// Counts allocations made by threads that opted in.
+struct CountingAllocator;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+}
+
+fn note_allocation() {
+    if COUNTING.with(Cell::get) {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: every call is forwarded to the system allocator unchanged.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note_allocation();
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note_allocation();
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note_allocation();
+        // SAFETY: forwarded with the caller's pointer and layouts.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded with the caller's pointer and layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: CountingAllocator = CountingAllocator;
+
+const WARM_UP: u64 = 10_000;
+const MEASURED: u64 = 1_000_000;
+
+verbs_test! {
+    fn a_million_round_trips_allocate_nothing() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let config = ReactorConfig { slot_size: 1024, ..ReactorConfig::default() };
+        let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config).unwrap();
+        let (ping, echo) = add_ping_pong(&pd, Sides::One(&mut reactor), WARM_UP, 32, true);
+        reactor.run().unwrap();
+        assert_eq!(ping.done.load(Ordering::Relaxed), WARM_UP, "warm-up completed");
+
+        // The counter itself proves it works: this allocation must be seen.
+        COUNTING.with(|c| c.set(true));
+        drop(std::hint::black_box(Box::new(1u8)));
+        COUNTING.with(|c| c.set(false));
+        assert_eq!(ALLOCATIONS.swap(0, Ordering::Relaxed), 1, "the counting allocator counts");
+
+        ping.limit.store(WARM_UP + MEASURED, Ordering::Relaxed);
+        COUNTING.with(|c| c.set(true));
+        let result = reactor.run();
+        COUNTING.with(|c| c.set(false));
+        result.unwrap();
+
+        let allocations = ALLOCATIONS.load(Ordering::Relaxed);
+        println!("{MEASURED} round trips through the reactor: {allocations} heap allocations");
+        assert_eq!(ping.done.load(Ordering::Relaxed), WARM_UP + MEASURED);
+        assert_eq!(ping.bad.load(Ordering::Relaxed) + echo.bad.load(Ordering::Relaxed), 0, "every echo verified");
+        assert_eq!(ping.errors.load(Ordering::Relaxed) + echo.errors.load(Ordering::Relaxed), 0);
+        assert_eq!(allocations, 0, "the data path allocated");
+    }
+}
