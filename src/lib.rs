@@ -46,6 +46,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod error;
+pub mod perf;
 pub mod pool;
 pub mod reactor;
 pub mod session;

@@ -420,13 +420,24 @@ impl Conn {
         self.admit(false, false)?;
         let request =
             WorkRequest::from_raw(0, sys::IBV_WR_RDMA_READ, local.addr, local.len, local.lkey);
-        Ok(self.stage(
+        // Always signaled: a READ's completion is the only sign its data has
+        // landed, and callers wait for it.
+        Ok(self.stage_signaled(
             request.to_remote(remote),
             SqOp {
                 kind: OpKind::Read,
                 slot: NO_SLOT,
             },
+            true,
         ))
+    }
+
+    /// Nothing staged, nothing to repost, no credit update due.
+    #[inline]
+    pub(crate) fn is_quiet(&self) -> bool {
+        self.batch.is_empty()
+            && self.reposts.is_empty()
+            && self.posted.wrapping_sub(self.advertised) < self.credit_threshold
     }
 
     /// Before the doorbell: stamps our receive count into every staged SEND's

@@ -283,6 +283,12 @@ impl Ctx<'_> {
         self.conn(conn)?.stage_read(local, remote)
     }
 
+    /// Requests staged on `conn` in this pass so far (they leave in one
+    /// doorbell at its end): lets a sender cap its batch size.
+    pub fn staged(&self, conn: ConnId) -> usize {
+        self.conns.get(conn.0 as usize).map_or(0, |c| c.batch.len())
+    }
+
     /// Largest payload one SEND on `conn` can carry.
     pub fn max_payload(&self, conn: ConnId) -> usize {
         self.conns.get(conn.0 as usize).map_or(0, Conn::max_payload)
@@ -697,7 +703,10 @@ impl<H: Handler> Reactor<H> {
     fn flush(&mut self, idle: bool, signal_tails: bool) {
         for index in 0..self.conns.len() {
             let conn = &mut self.conns[index];
-            if conn.state == ConnState::Failed {
+            // Most passes on a busy-poll reactor find nothing: keep those cheap.
+            if conn.state == ConnState::Failed
+                || (conn.is_quiet() && !(signal_tails && conn.has_unsignaled_tail()))
+            {
                 continue;
             }
             let (session, channel, id) = (conn.session, conn.channel, conn.id);

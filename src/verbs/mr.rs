@@ -347,6 +347,15 @@ impl MemoryRegion {
         Ok(())
     }
 
+    /// Reads one byte with a volatile load: for polling a byte that a peer's
+    /// RDMA WRITE will change (the compiler may not cache it).
+    #[inline]
+    pub fn load_byte(&self, offset: usize) -> Option<u8> {
+        // SAFETY: in bounds (checked by `get`-style comparison); a volatile u8
+        // read of registered memory races only with the NIC, never with Rust code.
+        (offset < self.len).then(|| unsafe { std::ptr::read_volatile(self.as_ptr().add(offset)) })
+    }
+
     /// Views the whole region as a slice.
     ///
     /// # Safety

@@ -1,0 +1,327 @@
+//! Latency and bandwidth through the reactor, printed the way perftest prints.
+//!
+//! ```text
+//! lat_bw --server --op write --test lat [--size 8 | --all]
+//! lat_bw --connect HOST:7474 --op write --test lat [--size 8 | --all] [--iters 1000]
+//! lat_bw --connect HOST:7474 --op send --test bw --size 64 --batch 16 --signal 16 [--report-gbits]
+//! ```
+//!
+//! Both sides take the same `--op/--test/--size/--all/--iters` flags, as with
+//! perftest. The client prints the table (and `--json FILE` writes it).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use rdma_comm_core::perf::*;
+use rdma_comm_core::reactor::*;
+use rdma_comm_core::session::*;
+use rdma_comm_core::verbs::*;
+
+/// Latency and bandwidth benchmark with perftest-compatible output.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Wait for the client.
+    #[arg(long, conflicts_with = "connect")]
+    server: bool,
+    /// Address to listen on (server).
+    #[arg(long, default_value = "0.0.0.0:7474")]
+    listen: String,
+    /// Server to connect to (client).
+    #[arg(long, value_name = "HOST:PORT", required_unless_present = "server")]
+    connect: Option<String>,
+    /// Operation.
+    #[arg(long, value_enum, default_value_t = OpArg::Write)]
+    op: OpArg,
+    /// Latency or bandwidth.
+    #[arg(long = "test", value_enum, default_value_t = TestArg::Lat)]
+    test: TestArg,
+    /// Message size in bytes.
+    #[arg(short = 's', long, default_value_t = 2)]
+    size: usize,
+    /// Every power of two from 2 B to 8 MiB (perftest's -a).
+    #[arg(short = 'a', long)]
+    all: bool,
+    /// Measured iterations per size.
+    #[arg(short = 'n', long, default_value_t = 1000)]
+    iters: u64,
+    /// Unmeasured iterations first (latency).
+    #[arg(long, default_value_t = 100)]
+    warmup: u64,
+    /// Most requests per doorbell (bandwidth).
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Signal every Nth request.
+    #[arg(long = "signal", default_value_t = 16)]
+    signal_interval: u32,
+    /// How the reactor waits.
+    #[arg(long, value_enum, default_value_t = EventArg::Busy)]
+    event_mode: EventArg,
+    /// Report bandwidth in Gb/s.
+    #[arg(long)]
+    report_gbits: bool,
+    /// Also write the results as JSON to this file (client).
+    #[arg(long, value_name = "FILE")]
+    json: Option<String>,
+    /// RDMA device (default: first with an active port).
+    #[arg(short = 'd', long)]
+    device: Option<String>,
+    /// Port number (default: first active).
+    #[arg(short = 'i', long)]
+    ib_port: Option<u8>,
+    /// GID index (default: RoCE v2 IPv4-mapped).
+    #[arg(short = 'x', long)]
+    gid_index: Option<u32>,
+    /// Pin the reactor to this CPU (default: a core near the NIC; the server
+    /// takes the first, the client the second).
+    #[arg(long, conflicts_with = "no_pin")]
+    core: Option<usize>,
+    /// Leave the reactor thread unpinned.
+    #[arg(long)]
+    no_pin: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OpArg {
+    Send,
+    Write,
+    WriteImm,
+    Read,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TestArg {
+    Lat,
+    Bw,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum EventArg {
+    Busy,
+    Blocking,
+    Epoll,
+}
+
+const MAX_SIZE: usize = 8 << 20;
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("lat_bw: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn sizes(args: &Args) -> Vec<usize> {
+    if args.all {
+        (1..=23).map(|shift| 1usize << shift).collect()
+    } else {
+        vec![args.size.clamp(1, MAX_SIZE)]
+    }
+}
+
+fn spec(args: &Args, size: usize) -> PerfSpec {
+    let op = match args.op {
+        OpArg::Send => PerfOp::Send,
+        OpArg::Write => PerfOp::Write,
+        OpArg::WriteImm => PerfOp::WriteImm,
+        OpArg::Read => PerfOp::Read,
+    };
+    PerfSpec {
+        op,
+        size,
+        iters: args.iters.max(1),
+        warmup: args.warmup,
+        batch: args.batch.max(1),
+    }
+}
+
+/// Slots only matter for SEND; keep the receive ring under ~64 MiB.
+fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
+    let slot_size = if args.op == OpArg::Send {
+        size + 64
+    } else {
+        64
+    };
+    let depth = ((64 << 20) / slot_size).clamp(8, 256) as u32;
+    // A server that only serves one-sided READs or WRITEs has nothing to poll
+    // for but the done marker: let it sleep, as perftest's does, so it leaves
+    // the CPU to the NIC (with Soft-RoCE the NIC *is* the CPU).
+    let passive = args.server
+        && ((args.test == TestArg::Lat && args.op == OpArg::Read)
+            || (args.test == TestArg::Bw && args.op != OpArg::Send));
+    ReactorConfig {
+        event_mode: match args.event_mode {
+            _ if passive => EventMode::Blocking,
+            EventArg::Busy => EventMode::BusyPoll,
+            EventArg::Blocking => EventMode::Blocking,
+            EventArg::Epoll => EventMode::Epoll,
+        },
+        slot_size,
+        recv_depth: depth,
+        send_slots: depth.min(128).max(2 * args.signal_interval),
+        sq_depth: 512,
+        signal_interval: args.signal_interval,
+        ..ReactorConfig::default()
+    }
+}
+
+fn run(args: &Args) -> rdma_comm_core::Result<()> {
+    let ctx = Context::open_default(args.device.as_deref())?;
+    let pd = ctx.alloc_pd()?;
+    let placement = match (args.core, args.no_pin) {
+        (_, true) => pin_current_thread(ctx.name(), CorePreference::Unpinned, 0),
+        (Some(core), _) => pin_current_thread(ctx.name(), CorePreference::Core(core), 0),
+        (None, _) => pin_current_thread(
+            ctx.name(),
+            CorePreference::NearDevice,
+            usize::from(!args.server),
+        ),
+    };
+    if let Some(reason) = &placement.fallback {
+        eprintln!("lat_bw: {reason}; pinned to core {:?}", placement.core);
+    }
+    let mut results = Vec::new();
+    if !args.server {
+        print_banner(args, &ctx)?;
+    }
+    for size in sizes(args) {
+        let spec = spec(args, size);
+        let mut reactor: Reactor<PerfHandler> = Reactor::new(&pd, reactor_config(args, size))?;
+        let buffer = Arc::new(pd.alloc_mr(
+            2 * size,
+            AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+        )?);
+        let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        let endpoint = if args.server {
+            let mut config = reactor.server_config(access);
+            config.qp.port = args.ib_port;
+            config.qp.gid_index = args.gid_index;
+            config.max_peers = Some(1);
+            let export = Arc::clone(&buffer);
+            config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
+                Ok(vec![Export::new(1, "perf", Arc::clone(&export))])
+            }));
+            let server = ServerSession::bind(args.listen.as_str(), &pd, config)?;
+            let endpoint = server
+                .accept()
+                .ok_or(rdma_comm_core::Error::InvalidArgument(
+                    "the listener stopped",
+                ))?;
+            for failure in server.take_failures() {
+                eprintln!("lat_bw: rejected {}: {}", failure.peer, failure.error);
+            }
+            endpoint
+        } else {
+            let mut spec = reactor.channel_spec_with_access("perf", access);
+            spec.qp.port = args.ib_port;
+            spec.qp.gid_index = args.gid_index;
+            let mut config = ClientConfig::new(vec![spec]).with_exports(vec![Export::new(
+                1,
+                "perf",
+                Arc::clone(&buffer),
+            )]);
+            config.connect_deadline = Duration::from_secs(60);
+            ClientSession::connect(args.connect.as_deref().unwrap_or_default(), &pd, &config)?
+        };
+        let peer =
+            endpoint
+                .remote_region("perf")
+                .ok_or_else(|| rdma_comm_core::Error::Protocol {
+                    peer: endpoint.peer(),
+                    what: "peer exported no \"perf\" region".into(),
+                })?;
+        let buffers = PerfBuffers { buffer, peer };
+        let handler = match (args.server, args.test) {
+            (true, TestArg::Lat) => PerfHandler::Reflect(Reflector::new(spec, buffers)),
+            (true, TestArg::Bw) => PerfHandler::Sink(RateSink::default()),
+            (false, TestArg::Lat) => PerfHandler::Latency(LatencyClient::new(spec, buffers)),
+            (false, TestArg::Bw) => PerfHandler::Rate(RateSender::new(spec, buffers)),
+        };
+        let session = reactor.add(endpoint, handler)?;
+        reactor.run()?;
+        let handler = reactor.handler(session);
+        if let Some(failure) = handler.failure() {
+            return Err(rdma_comm_core::Error::Protocol {
+                peer: reactor.endpoint(session).peer(),
+                what: failure.to_string(),
+            });
+        }
+        match handler {
+            PerfHandler::Latency(client) => {
+                if let Some(stats) = LatencyStats::from_ns(size, &client.latencies_ns()) {
+                    println!("{}", stats.row());
+                    results.push(serde_json::json!({
+                        "bytes": size, "iterations": stats.iters, "t_min_us": stats.min_us, "t_max_us": stats.max_us,
+                        "t_typical_us": stats.typical_us, "t_avg_us": stats.avg_us, "t_stdev_us": stats.stdev_us,
+                        "p99_us": stats.p99_us, "p999_us": stats.p999_us,
+                    }));
+                }
+            }
+            PerfHandler::Rate(sender) => {
+                let stats = sender.stats();
+                println!("{}", stats.row(args.report_gbits));
+                results.push(serde_json::json!({
+                    "bytes": size, "iterations": stats.iters, "bw_peak_mib_s": stats.peak_bytes_per_sec / 1048576.0,
+                    "bw_avg_mib_s": stats.avg_bytes_per_sec / 1048576.0, "msg_rate_mpps": stats.msg_rate_mpps,
+                }));
+            }
+            _ => {}
+        }
+    }
+    if !args.server {
+        println!("{}", "-".repeat(87));
+        if let Some(path) = &args.json {
+            let doc = serde_json::json!({
+                "op": format!("{:?}", args.op), "test": format!("{:?}", args.test), "device": ctx.name(),
+                "event_mode": format!("{:?}", args.event_mode), "signal_interval": args.signal_interval,
+                "batch": args.batch, "results": results,
+            });
+            std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(
+                |source| rdma_comm_core::Error::Os {
+                    what: "writing the JSON report",
+                    source,
+                },
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn print_banner(args: &Args, ctx: &Context) -> rdma_comm_core::Result<()> {
+    let port = args.ib_port.map_or_else(|| ctx.first_active_port(), Ok)?;
+    let attr = ctx.query_port(port)?;
+    let gid = ctx.select_gid(port, args.gid_index)?;
+    let title = match (args.op, args.test) {
+        (OpArg::Send, TestArg::Lat) => "Send Latency Test",
+        (OpArg::Write, TestArg::Lat) => "RDMA_Write Latency Test",
+        (OpArg::WriteImm, TestArg::Lat) => "RDMA_Write_Imm Latency Test",
+        (OpArg::Read, TestArg::Lat) => "RDMA_Read Latency Test",
+        (OpArg::Send, TestArg::Bw) => "Send BW Test",
+        (OpArg::Write, TestArg::Bw) => "RDMA_Write BW Test",
+        (OpArg::WriteImm, TestArg::Bw) => "RDMA_Write_Imm BW Test",
+        (OpArg::Read, TestArg::Bw) => "RDMA_Read BW Test",
+    };
+    println!("{}", "-".repeat(87));
+    println!("                    {title} (rdma-comm-core reactor)");
+    println!(
+        " Device: {}  Port: {port}  GID index: {}  MTU: {}  Event mode: {:?}  Signal: every {}  Batch: {}",
+        ctx.name(),
+        gid.index,
+        attr.active_mtu.bytes(),
+        args.event_mode,
+        args.signal_interval,
+        args.batch
+    );
+    println!("{}", "-".repeat(87));
+    match args.test {
+        TestArg::Lat => println!("{LATENCY_HEADER}"),
+        TestArg::Bw => println!("{}", bandwidth_header(args.report_gbits)),
+    }
+    Ok(())
+}

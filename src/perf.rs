@@ -1,0 +1,755 @@
+//! Latency and bandwidth measurement through the reactor, with perftest's
+//! method and output format. Shared by `examples/lat_bw`, the criterion
+//! benchmarks and `tools/compare-perftest`.
+//!
+//! Latency is a ping-pong: SEND and WRITE_WITH_IMM are answered the same way,
+//! and WRITE is answered by a WRITE that the peer notices by polling the last
+//! byte of its buffer, as `ib_write_lat` does. SEND and WRITE report half the
+//! round trip; READ reports the full time of one READ. Times come from the TSC
+//! (quanta). Bandwidth streams `iters` messages with at most `batch` requests
+//! per doorbell. Both sides end when the client sends a final marker message.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::Error;
+use crate::reactor::{ConnId, Ctx, Handler, SendError};
+use crate::verbs::{MemoryRegion, RemoteRegion};
+
+/// Immediate value of the message that ends a run.
+pub const DONE_MARKER: u32 = u32::MAX;
+
+/// The operation measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PerfOp {
+    /// SEND/RECV.
+    Send,
+    /// RDMA WRITE (latency: answered by a WRITE the peer detects by polling).
+    Write,
+    /// RDMA WRITE_WITH_IMM (answered the same way).
+    WriteImm,
+    /// RDMA READ.
+    Read,
+}
+
+impl fmt::Display for PerfOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PerfOp::Send => "send",
+            PerfOp::Write => "write",
+            PerfOp::WriteImm => "write_imm",
+            PerfOp::Read => "read",
+        })
+    }
+}
+
+/// What to measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PerfSpec {
+    /// The operation.
+    pub op: PerfOp,
+    /// Message size in bytes.
+    pub size: usize,
+    /// Measured iterations.
+    pub iters: u64,
+    /// Unmeasured iterations first.
+    pub warmup: u64,
+    /// Bandwidth: most requests per doorbell.
+    pub batch: usize,
+}
+
+/// Buffers one side needs. `buffer` holds `2 × size` bytes and is exported:
+/// the first half is where the peer's WRITEs land (and what READs fetch), the
+/// second half is the source of our own WRITEs, so polling the landing half
+/// never sees our own marker.
+#[derive(Debug, Clone)]
+pub struct PerfBuffers {
+    /// This side's buffer.
+    pub buffer: Arc<MemoryRegion>,
+    /// The peer's exported buffer.
+    pub peer: RemoteRegion,
+}
+
+/// Cycle-accurate timestamps.
+#[derive(Debug)]
+struct Clock {
+    clock: quanta::Clock,
+}
+
+impl Clock {
+    fn now(&self) -> u64 {
+        self.clock.raw()
+    }
+
+    fn nanos(&self, start: u64, end: u64) -> u64 {
+        self.clock.delta_as_nanos(start, end)
+    }
+}
+
+/// Measures round trips (or READs) and keeps one sample per iteration.
+#[derive(Debug)]
+pub struct LatencyClient {
+    spec: PerfSpec,
+    buffers: PerfBuffers,
+    conn: Option<ConnId>,
+    seq: u64,
+    started_at: u64,
+    in_flight: bool,
+    clock: Clock,
+    samples: Vec<u64>,
+    failed: Option<String>,
+    done: bool,
+}
+
+impl LatencyClient {
+    /// A client for `spec` with preallocated sample storage.
+    pub fn new(spec: PerfSpec, buffers: PerfBuffers) -> Self {
+        Self {
+            spec,
+            buffers,
+            conn: None,
+            seq: 0,
+            started_at: 0,
+            in_flight: false,
+            clock: Clock {
+                clock: quanta::Clock::new(),
+            },
+            samples: Vec::with_capacity(spec.iters as usize),
+            failed: None,
+            done: false,
+        }
+    }
+
+    /// Per-iteration latencies in nanoseconds (half round trips for SEND and
+    /// WRITE, full READs), once finished.
+    pub fn latencies_ns(&self) -> Vec<u64> {
+        let halve = self.spec.op != PerfOp::Read;
+        self.samples
+            .iter()
+            .map(|&ns| if halve { ns / 2 } else { ns })
+            .collect()
+    }
+
+    /// The error that ended the run early, if any.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    /// True when every iteration was measured.
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// The byte that marks iteration `seq` (never 0, so a fresh buffer differs).
+    fn marker(seq: u64) -> u8 {
+        (seq % 255) as u8 + 1
+    }
+
+    fn issue(&mut self, ctx: &mut Ctx<'_>) {
+        let Some(conn) = self.conn else { return };
+        let size = self.spec.size;
+        let seq = self.seq;
+        let marker = Self::marker(seq);
+        self.started_at = self.clock.now();
+        let buffer = &self.buffers.buffer;
+        let result = match self.spec.op {
+            PerfOp::Send => ctx.send_with(conn, size, None, |buf| {
+                if let Some(last) = buf.last_mut() {
+                    *last = marker;
+                }
+            }),
+            PerfOp::Write | PerfOp::WriteImm => {
+                let imm = (self.spec.op == PerfOp::WriteImm).then_some(seq as u32);
+                let wrote = buffer.write(2 * size - 1, &[marker]);
+                match (
+                    wrote,
+                    buffer.slice(size, size),
+                    self.buffers.peer.slice(0, size as u64),
+                ) {
+                    (Ok(()), Ok(local), Ok(remote)) => ctx.write(conn, &local, remote, imm),
+                    (Err(e), ..) | (_, Err(e), _) | (.., Err(e)) => Err(SendError::Invalid(e)),
+                }
+            }
+            PerfOp::Read => match (
+                buffer.slice(0, size),
+                self.buffers.peer.slice(0, size as u64),
+            ) {
+                (Ok(local), Ok(remote)) => ctx.read(conn, &local, remote),
+                (Err(e), _) | (_, Err(e)) => Err(SendError::Invalid(e)),
+            },
+        };
+        match result {
+            Ok(_) => self.in_flight = true,
+            Err(SendError::WouldBlock) => self.in_flight = false,
+            Err(err) => {
+                self.failed = Some(err.to_string());
+                ctx.stop();
+            }
+        }
+    }
+
+    fn answered(&mut self, ctx: &mut Ctx<'_>) {
+        let elapsed = self.clock.nanos(self.started_at, self.clock.now());
+        self.in_flight = false;
+        if self.seq >= self.spec.warmup {
+            self.samples.push(elapsed);
+        }
+        self.seq += 1;
+        if self.seq == self.spec.warmup + self.spec.iters {
+            self.done = true;
+            if let Some(conn) = self.conn {
+                // Tell the server to stop; it answers nothing.
+                let _ = ctx.send(conn, &[0], Some(DONE_MARKER));
+            }
+            ctx.stop();
+        } else {
+            self.issue(ctx);
+        }
+    }
+}
+
+impl Handler for LatencyClient {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.conn = Some(conn);
+        self.issue(ctx);
+    }
+
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _data: &[u8], _imm: Option<u32>) {
+        if self.spec.op == PerfOp::Send && self.in_flight {
+            self.answered(ctx);
+        }
+    }
+
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _imm: u32, _len: u32) {
+        if self.spec.op == PerfOp::WriteImm && self.in_flight {
+            self.answered(ctx);
+        }
+    }
+
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
+        if self.spec.op == PerfOp::Read && self.in_flight {
+            self.answered(ctx);
+        }
+    }
+
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
+        self.failed = Some(error.to_string());
+        ctx.stop();
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        if self.done || self.conn.is_none() {
+            return;
+        }
+        if !self.in_flight {
+            self.issue(ctx);
+        } else if self.spec.op == PerfOp::Write
+            && self.buffers.buffer.load_byte(self.spec.size - 1) == Some(Self::marker(self.seq))
+        {
+            // The reflector's WRITE carried our marker back into our landing half.
+            self.answered(ctx);
+        }
+    }
+}
+
+/// Answers a latency client: SEND by SEND, WRITE_WITH_IMM by WRITE_WITH_IMM,
+/// WRITE by WRITE (after noticing the new marker by polling). Stops on the
+/// client's done marker.
+#[derive(Debug)]
+pub struct Reflector {
+    spec: PerfSpec,
+    buffers: PerfBuffers,
+    conn: Option<ConnId>,
+    last_marker: u8,
+    failed: Option<String>,
+}
+
+impl Reflector {
+    /// A reflector for `spec`.
+    pub fn new(spec: PerfSpec, buffers: PerfBuffers) -> Self {
+        Self {
+            spec,
+            buffers,
+            conn: None,
+            last_marker: 0,
+            failed: None,
+        }
+    }
+
+    /// The error that ended the run early, if any.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    fn write_back(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: Option<u32>) {
+        let size = self.spec.size;
+        let buffer = &self.buffers.buffer;
+        let result = match (
+            buffer.slice(0, size),
+            self.buffers.peer.slice(0, size as u64),
+        ) {
+            (Ok(local), Ok(remote)) => ctx.write(conn, &local, remote, imm),
+            (Err(e), _) | (_, Err(e)) => Err(SendError::Invalid(e)),
+        };
+        if let Err(err) = result {
+            self.failed = Some(err.to_string());
+            ctx.stop();
+        }
+    }
+}
+
+impl Handler for Reflector {
+    fn on_established(&mut self, _ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.conn = Some(conn);
+    }
+
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        if imm == Some(DONE_MARKER) {
+            ctx.stop();
+        } else if self.spec.op == PerfOp::Send
+            && let Err(err) = ctx.send(conn, data, None)
+        {
+            self.failed = Some(err.to_string());
+            ctx.stop();
+        }
+    }
+
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, _len: u32) {
+        self.write_back(ctx, conn, Some(imm));
+    }
+
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
+        self.failed = Some(error.to_string());
+        ctx.stop();
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        // WRITE ping-pong: the client's WRITE changed the last byte of our
+        // landing half; write that half straight back.
+        if self.spec.op != PerfOp::Write {
+            return;
+        }
+        let Some(conn) = self.conn else { return };
+        let Some(marker) = self.buffers.buffer.load_byte(self.spec.size - 1) else {
+            return;
+        };
+        if marker != 0 && marker != self.last_marker {
+            self.last_marker = marker;
+            self.write_back(ctx, conn, None);
+        }
+    }
+}
+
+/// Streams `iters` messages as fast as the reactor allows, at most `batch`
+/// requests per doorbell, and times the whole run.
+#[derive(Debug)]
+pub struct RateSender {
+    spec: PerfSpec,
+    buffers: PerfBuffers,
+    conn: Option<ConnId>,
+    posted: u64,
+    completed: u64,
+    clock: Clock,
+    started_at: u64,
+    /// (completions so far, timestamp), every `iters / PEAK_WINDOWS` completions.
+    marks: Vec<(u64, u64)>,
+    failed: Option<String>,
+    done: bool,
+}
+
+const PEAK_WINDOWS: u64 = 16;
+
+impl RateSender {
+    /// A sender for `spec`.
+    pub fn new(spec: PerfSpec, buffers: PerfBuffers) -> Self {
+        Self {
+            spec,
+            buffers,
+            conn: None,
+            posted: 0,
+            completed: 0,
+            clock: Clock {
+                clock: quanta::Clock::new(),
+            },
+            started_at: 0,
+            marks: Vec::with_capacity(PEAK_WINDOWS as usize + 2),
+            failed: None,
+            done: false,
+        }
+    }
+
+    /// The error that ended the run early, if any.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    /// True when every message completed.
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Bandwidth figures, once done.
+    pub fn stats(&self) -> BandwidthStats {
+        let elapsed_ns = |from: u64, to: u64| self.clock.nanos(from, to).max(1) as f64;
+        let (first, last) = (self.marks.first().copied(), self.marks.last().copied());
+        let avg_secs = match (first, last) {
+            (Some((_, start)), Some((_, end))) => elapsed_ns(start, end) / 1e9,
+            _ => f64::INFINITY,
+        };
+        let bytes = self.spec.size as f64;
+        let peak = self
+            .marks
+            .windows(2)
+            .map(|w| (w[1].0 - w[0].0) as f64 * bytes / (elapsed_ns(w[0].1, w[1].1) / 1e9))
+            .fold(0.0, f64::max);
+        let avg = self.spec.iters as f64 * bytes / avg_secs;
+        BandwidthStats {
+            bytes: self.spec.size,
+            iters: self.spec.iters,
+            peak_bytes_per_sec: peak.max(avg),
+            avg_bytes_per_sec: avg,
+            msg_rate_mpps: self.spec.iters as f64 / avg_secs / 1e6,
+        }
+    }
+
+    fn pump(&mut self, ctx: &mut Ctx<'_>) {
+        let Some(conn) = self.conn else { return };
+        let size = self.spec.size;
+        while self.posted < self.spec.iters && ctx.staged(conn) < self.spec.batch {
+            let result = match self.spec.op {
+                // The payload's content does not matter for a rate test.
+                PerfOp::Send => ctx.send_with(conn, size, None, |_| {}),
+                PerfOp::Write | PerfOp::WriteImm | PerfOp::Read => {
+                    match (
+                        self.buffers.buffer.slice(size, size),
+                        self.buffers.peer.slice(0, size as u64),
+                    ) {
+                        (Ok(local), Ok(remote)) => match self.spec.op {
+                            PerfOp::Read => ctx.read(conn, &local, remote),
+                            PerfOp::WriteImm => ctx.write(conn, &local, remote, Some(0)),
+                            _ => ctx.write(conn, &local, remote, None),
+                        },
+                        (Err(e), _) | (_, Err(e)) => Err(SendError::Invalid(e)),
+                    }
+                }
+            };
+            match result {
+                Ok(_) => {
+                    if self.posted == 0 {
+                        self.started_at = self.clock.now();
+                        self.marks.push((0, self.started_at));
+                    }
+                    self.posted += 1;
+                }
+                Err(SendError::WouldBlock) => break,
+                Err(err) => {
+                    self.failed = Some(err.to_string());
+                    ctx.stop();
+                    break;
+                }
+            }
+        }
+    }
+
+    fn completed_one(&mut self, ctx: &mut Ctx<'_>) {
+        self.completed += 1;
+        let window = (self.spec.iters / PEAK_WINDOWS).max(1);
+        if self.completed.is_multiple_of(window) || self.completed == self.spec.iters {
+            self.marks.push((self.completed, self.clock.now()));
+        }
+        if self.completed == self.spec.iters {
+            self.done = true;
+            if let Some(conn) = self.conn {
+                let _ = ctx.send(conn, &[0], Some(DONE_MARKER));
+            }
+            ctx.stop();
+        } else {
+            self.pump(ctx);
+        }
+    }
+}
+
+impl Handler for RateSender {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.conn = Some(conn);
+        self.pump(ctx);
+    }
+
+    fn on_message(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, _data: &[u8], _imm: Option<u32>) {}
+
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
+        if !self.done && self.spec.op == PerfOp::Send {
+            self.completed_one(ctx);
+        }
+    }
+
+    fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
+        if !self.done {
+            self.completed_one(ctx);
+        }
+    }
+
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
+        if !self.done {
+            self.completed_one(ctx);
+        }
+    }
+
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
+        self.failed = Some(error.to_string());
+        ctx.stop();
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        if !self.done {
+            self.pump(ctx);
+        }
+    }
+}
+
+/// The server side of a bandwidth run: absorbs SENDs (and WRITE_WITH_IMM
+/// notifications) and stops on the done marker.
+#[derive(Debug, Default)]
+pub struct RateSink {
+    received: u64,
+    failed: Option<String>,
+}
+
+impl RateSink {
+    /// Messages received so far.
+    pub fn received(&self) -> u64 {
+        self.received
+    }
+
+    /// The error that ended the run early, if any.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+}
+
+impl Handler for RateSink {
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _data: &[u8], imm: Option<u32>) {
+        if imm == Some(DONE_MARKER) {
+            ctx.stop();
+        } else {
+            self.received += 1;
+        }
+    }
+
+    fn on_write_imm(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, _imm: u32, _len: u32) {
+        self.received += 1;
+    }
+
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
+        self.failed = Some(error.to_string());
+        ctx.stop();
+    }
+}
+
+/// Any of the measurement roles, so one reactor type serves them all.
+#[allow(missing_docs, clippy::large_enum_variant)]
+pub enum PerfHandler {
+    Latency(LatencyClient),
+    Reflect(Reflector),
+    Rate(RateSender),
+    Sink(RateSink),
+}
+
+impl fmt::Debug for PerfHandler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PerfHandler::Latency(_) => "PerfHandler::Latency",
+            PerfHandler::Reflect(_) => "PerfHandler::Reflect",
+            PerfHandler::Rate(_) => "PerfHandler::Rate",
+            PerfHandler::Sink(_) => "PerfHandler::Sink",
+        })
+    }
+}
+
+impl PerfHandler {
+    /// The error that ended the run early, if any.
+    pub fn failure(&self) -> Option<&str> {
+        match self {
+            PerfHandler::Latency(h) => h.failure(),
+            PerfHandler::Reflect(h) => h.failure(),
+            PerfHandler::Rate(h) => h.failure(),
+            PerfHandler::Sink(h) => h.failure(),
+        }
+    }
+
+    fn inner(&mut self) -> &mut dyn Handler {
+        match self {
+            PerfHandler::Latency(h) => h,
+            PerfHandler::Reflect(h) => h,
+            PerfHandler::Rate(h) => h,
+            PerfHandler::Sink(h) => h,
+        }
+    }
+}
+
+impl Handler for PerfHandler {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.inner().on_established(ctx, conn)
+    }
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        self.inner().on_message(ctx, conn, data, imm)
+    }
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
+        self.inner().on_write_imm(ctx, conn, imm, len)
+    }
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.inner().on_send_complete(ctx, conn, seq)
+    }
+    fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.inner().on_write_complete(ctx, conn, seq)
+    }
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.inner().on_read_complete(ctx, conn, seq)
+    }
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
+        self.inner().on_error(ctx, conn, error)
+    }
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        self.inner().on_idle(ctx)
+    }
+}
+
+/// perftest's latency columns for one message size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LatencyStats {
+    /// Message size.
+    pub bytes: usize,
+    /// Samples.
+    pub iters: usize,
+    /// Fastest, µs.
+    pub min_us: f64,
+    /// Slowest, µs.
+    pub max_us: f64,
+    /// Median, µs (perftest's t_typical).
+    pub typical_us: f64,
+    /// Mean, µs.
+    pub avg_us: f64,
+    /// Standard deviation, µs.
+    pub stdev_us: f64,
+    /// 99th percentile, µs.
+    pub p99_us: f64,
+    /// 99.9th percentile, µs.
+    pub p999_us: f64,
+}
+
+/// The column header perftest prints for latency tests.
+pub const LATENCY_HEADER: &str = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] ";
+
+impl LatencyStats {
+    /// Computes the columns from per-iteration latencies in nanoseconds.
+    pub fn from_ns(bytes: usize, samples_ns: &[u64]) -> Option<Self> {
+        if samples_ns.is_empty() {
+            return None;
+        }
+        let mut us: Vec<f64> = samples_ns.iter().map(|&ns| ns as f64 / 1000.0).collect();
+        us.sort_by(f64::total_cmp);
+        let n = us.len();
+        let avg = us.iter().sum::<f64>() / n as f64;
+        let var = us.iter().map(|v| (v - avg).powi(2)).sum::<f64>() / n as f64;
+        let pct = |p: f64| us[(((n as f64) * p).ceil() as usize).clamp(1, n) - 1];
+        Some(Self {
+            bytes,
+            iters: n,
+            min_us: us[0],
+            max_us: us[n - 1],
+            typical_us: us[n / 2],
+            avg_us: avg,
+            stdev_us: var.sqrt(),
+            p99_us: pct(0.99),
+            p999_us: pct(0.999),
+        })
+    }
+
+    /// One row in perftest's layout.
+    pub fn row(&self) -> String {
+        format!(
+            " {:<7} {:<10}    {:<7.2}        {:<7.2}      {:<7.2}          {:<7.2}        {:<7.2}          {:<7.2}                {:<7.2}",
+            self.bytes,
+            self.iters,
+            self.min_us,
+            self.max_us,
+            self.typical_us,
+            self.avg_us,
+            self.stdev_us,
+            self.p99_us,
+            self.p999_us
+        )
+    }
+}
+
+/// perftest's bandwidth columns for one message size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BandwidthStats {
+    /// Message size.
+    pub bytes: usize,
+    /// Messages.
+    pub iters: u64,
+    /// Best window, bytes per second.
+    pub peak_bytes_per_sec: f64,
+    /// Whole run, bytes per second.
+    pub avg_bytes_per_sec: f64,
+    /// Messages per second, in millions.
+    pub msg_rate_mpps: f64,
+}
+
+/// The column header for bandwidth tests, in MiB/s or Gb/s.
+pub fn bandwidth_header(gbits: bool) -> String {
+    let unit = if gbits { "Gb/sec" } else { "MiB/sec" };
+    format!(" #bytes     #iterations    BW peak[{unit}]    BW average[{unit}]   MsgRate[Mpps]")
+}
+
+impl BandwidthStats {
+    /// One row in perftest's layout (MiB/s, or Gb/s with `gbits`).
+    pub fn row(&self, gbits: bool) -> String {
+        let scale = |bps: f64| {
+            if gbits {
+                bps * 8.0 / 1e9
+            } else {
+                bps / (1024.0 * 1024.0)
+            }
+        };
+        format!(
+            " {:<10} {:<10}       {:<7.2}            {:<7.2}               {:<7.6}",
+            self.bytes,
+            self.iters,
+            scale(self.peak_bytes_per_sec),
+            scale(self.avg_bytes_per_sec),
+            self.msg_rate_mpps
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_columns_follow_perftest() {
+        let samples: Vec<u64> = (1..=1000).map(|i| i * 1000).collect();
+        let stats = LatencyStats::from_ns(8, &samples).unwrap();
+        assert_eq!((stats.min_us, stats.max_us), (1.0, 1000.0));
+        assert_eq!(stats.typical_us, 501.0);
+        assert_eq!((stats.p99_us, stats.p999_us), (990.0, 999.0));
+        assert!((stats.avg_us - 500.5).abs() < 1e-9);
+        assert!(stats.row().starts_with(" 8       1000"));
+        assert!(LatencyStats::from_ns(8, &[]).is_none());
+    }
+
+    #[test]
+    fn bandwidth_rows_scale_units() {
+        let stats = BandwidthStats {
+            bytes: 65536,
+            iters: 10,
+            peak_bytes_per_sec: 1024.0 * 1024.0 * 2.0,
+            avg_bytes_per_sec: 1024.0 * 1024.0,
+            msg_rate_mpps: 0.5,
+        };
+        assert!(stats.row(false).contains("2.00") && stats.row(false).contains("1.00"));
+        assert!(bandwidth_header(true).contains("Gb/sec"));
+    }
+}
