@@ -70,20 +70,56 @@ pub struct PerfBuffers {
     pub peer: RemoteRegion,
 }
 
-/// Cycle-accurate timestamps.
+/// Cycle-accurate timestamps, taken the way perftest takes them.
+///
+/// On x86_64 this reads the TSC directly (perftest's `get_cycles`), calibrated
+/// once against quanta's monotonic reference. quanta alone would fall back to
+/// `clock_gettime` when the CPU does not advertise an invariant TSC, as in a
+/// TCG guest, where that is an emulated HPET read costing microseconds inside
+/// every measured round trip.
 #[derive(Debug)]
 struct Clock {
-    clock: quanta::Clock,
+    reference: quanta::Clock,
+    ns_per_tick: f64,
 }
 
 impl Clock {
+    fn new() -> Self {
+        let reference = quanta::Clock::new();
+        let (t0, c0) = (reference.now(), ticks(&reference));
+        while reference.now().duration_since(t0) < std::time::Duration::from_millis(20) {
+            std::hint::spin_loop();
+        }
+        let (t1, c1) = (reference.now(), ticks(&reference));
+        let ns = t1.duration_since(t0).as_nanos() as f64;
+        let ns_per_tick = if c1 > c0 { ns / (c1 - c0) as f64 } else { 1.0 };
+        Self {
+            reference,
+            ns_per_tick,
+        }
+    }
+
+    #[inline]
     fn now(&self) -> u64 {
-        self.clock.raw()
+        ticks(&self.reference)
     }
 
     fn nanos(&self, start: u64, end: u64) -> u64 {
-        self.clock.delta_as_nanos(start, end)
+        (end.saturating_sub(start) as f64 * self.ns_per_tick) as u64
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn ticks(_reference: &quanta::Clock) -> u64 {
+    // SAFETY: RDTSC has no preconditions and touches no memory.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[inline]
+fn ticks(reference: &quanta::Clock) -> u64 {
+    reference.raw()
 }
 
 /// Measures round trips (or READs) and keeps one sample per iteration.
@@ -111,9 +147,7 @@ impl LatencyClient {
             seq: 0,
             started_at: 0,
             in_flight: false,
-            clock: Clock {
-                clock: quanta::Clock::new(),
-            },
+            clock: Clock::new(),
             samples: Vec::with_capacity(spec.iters as usize),
             failed: None,
             done: false,
@@ -368,9 +402,7 @@ impl RateSender {
             conn: None,
             posted: 0,
             completed: 0,
-            clock: Clock {
-                clock: quanta::Clock::new(),
-            },
+            clock: Clock::new(),
             started_at: 0,
             marks: Vec::with_capacity(PEAK_WINDOWS as usize + 2),
             failed: None,

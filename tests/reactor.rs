@@ -163,3 +163,49 @@ verbs_test! {
         stream(EventMode::Blocking, ThreadMode::PerQp, Some(Duration::from_millis(3)));
     }
 }
+
+verbs_test! {
+    fn the_epoll_fd_embeds_in_an_external_event_loop() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        // The echo side runs on its own thread; the pinging side is driven by
+        // the caller's loop, which sleeps on the reactor's fd between replies.
+        let mut server: Reactor<BoxedHandler> = Reactor::new(&pd, config(EventMode::BusyPoll)).unwrap();
+        let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config(EventMode::Epoll)).unwrap();
+        let (ping, echo) = add_ping_pong(&pd, Sides::Two { server: &mut server, client: &mut reactor }, PING_ITERS, 64, true);
+        let server_stop = server.stopper();
+        let server = spawn(server, 0);
+        let reactor_fd = reactor.event_fd().expect("epoll mode exposes a descriptor");
+
+        // The caller's own epoll set, with the reactor's fd as one member.
+        // SAFETY: plain epoll syscalls on descriptors owned here or by the reactor.
+        let outer = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        assert!(outer >= 0);
+        let mut event = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 42 };
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::epoll_ctl(outer, libc::EPOLL_CTL_ADD, reactor_fd, &mut event) }, 0);
+
+        let start = std::time::Instant::now();
+        let mut sleeps = 0u64;
+        while !ping.finished.load(Ordering::Acquire) && start.elapsed() < RUN_DEADLINE {
+            reactor.poll_once().unwrap();
+            if reactor.prepare_wait().unwrap() {
+                let mut ready = [libc::epoll_event { events: 0, u64: 0 }];
+                // SAFETY: `ready` has room for one event.
+                let n = unsafe { libc::epoll_wait(outer, ready.as_mut_ptr(), 1, 100) };
+                if n == 1 {
+                    assert_eq!({ ready[0].u64 }, 42);
+                    sleeps += 1;
+                }
+                reactor.drain_channel_events().unwrap();
+            }
+        }
+        // SAFETY: closing the descriptor created above.
+        unsafe { libc::close(outer) };
+        server_stop.stop();
+        server.join().expect("echo reactor thread");
+        check("pinger", &ping, PING_ITERS);
+        check("echoer", &echo, PING_ITERS);
+        assert!(sleeps > 0, "the outer loop slept on the reactor's fd and was woken by it");
+    }
+}

@@ -47,7 +47,8 @@ pub struct QpConfig {
     /// What the peer may do to this QP's memory: `REMOTE_WRITE` and/or
     /// `REMOTE_READ`. Empty by default (least privilege).
     pub remote_access: AccessFlags,
-    /// Outstanding READs this QP may issue (and serve, as a target).
+    /// Outstanding READs this QP may issue (and serve, as a target); clamped
+    /// to what the device supports.
     pub max_rd_atomic: u8,
     /// Local ACK timeout exponent: 4.096 µs × 2^timeout.
     pub timeout: u8,
@@ -72,7 +73,8 @@ impl Default for QpConfig {
             max_recv_sge: 1,
             max_inline_data: 64,
             remote_access: AccessFlags::empty(),
-            max_rd_atomic: 1,
+            // perftest's choice: deep enough that READs pipeline.
+            max_rd_atomic: 16,
             timeout: 14,
             retry_cnt: 7,
             rnr_retry: 7,
@@ -256,6 +258,13 @@ impl ProtectionDomain {
                 device: Arc::clone(name),
             });
         };
+        // Clamp the READ depths to the device (the verbs fail EINVAL beyond).
+        let limits = ctx.query_device()?;
+        let mut config = config.clone();
+        config.max_rd_atomic = config
+            .max_rd_atomic
+            .min(limits.max_qp_rd_atom.max(1))
+            .min(limits.max_qp_init_rd_atom.max(1));
         let mut qp = QueuePair {
             qp,
             post_send_fn,
@@ -270,7 +279,7 @@ impl ProtectionDomain {
             max_inline_data: init_attr.cap.max_inline_data,
             max_send_wr: init_attr.cap.max_send_wr,
             max_recv_wr: init_attr.cap.max_recv_wr,
-            config: config.clone(),
+            config,
             send_cq: send_cq.inner,
             recv_cq: recv_cq.inner,
             pd: Arc::clone(&self.inner),
