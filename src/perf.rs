@@ -277,13 +277,28 @@ impl Handler for LatencyClient {
         }
         if !self.in_flight {
             self.issue(ctx);
-        } else if self.spec.op == PerfOp::Write
-            && self.buffers.buffer.load_byte(self.spec.size - 1) == Some(Self::marker(self.seq))
-        {
-            // The reflector's WRITE carried our marker back into our landing half.
-            self.answered(ctx);
+        } else if self.spec.op == PerfOp::Write {
+            let marker = Self::marker(self.seq);
+            if poll_byte(&self.buffers.buffer, self.spec.size - 1, |b| b == marker) {
+                // The reflector's WRITE carried our marker back into our landing half.
+                self.answered(ctx);
+            }
         }
     }
+}
+
+/// Spins on one byte of `region` for a short while, the way perftest's WRITE
+/// latency test does: a WRITE's answer shows up in memory, not in the CQ, so
+/// checking it only once per reactor pass would add a pass to every round trip.
+#[inline]
+fn poll_byte(region: &MemoryRegion, offset: usize, done: impl Fn(u8) -> bool) -> bool {
+    for _ in 0..256 {
+        if region.load_byte(offset).is_some_and(&done) {
+            return true;
+        }
+        std::hint::spin_loop();
+    }
+    false
 }
 
 /// Answers a latency client: SEND by SEND, WRITE_WITH_IMM by WRITE_WITH_IMM,
@@ -364,11 +379,15 @@ impl Handler for Reflector {
             return;
         }
         let Some(conn) = self.conn else { return };
-        let Some(marker) = self.buffers.buffer.load_byte(self.spec.size - 1) else {
-            return;
-        };
-        if marker != 0 && marker != self.last_marker {
-            self.last_marker = marker;
+        let last = self.last_marker;
+        if poll_byte(&self.buffers.buffer, self.spec.size - 1, |b| {
+            b != 0 && b != last
+        }) {
+            self.last_marker = self
+                .buffers
+                .buffer
+                .load_byte(self.spec.size - 1)
+                .unwrap_or(last);
             self.write_back(ctx, conn, None);
         }
     }
