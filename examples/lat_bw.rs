@@ -13,6 +13,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+
 use clap::{Parser, ValueEnum};
 use rdma_comm_core::perf::*;
 use rdma_comm_core::reactor::*;
@@ -65,15 +67,8 @@ struct Args {
     /// Also write the results as JSON to this file (client).
     #[arg(long, value_name = "FILE")]
     json: Option<String>,
-    /// RDMA device (default: first with an active port).
-    #[arg(short = 'd', long)]
-    device: Option<String>,
-    /// Port number (default: first active).
-    #[arg(short = 'i', long)]
-    ib_port: Option<u8>,
-    /// GID index (default: RoCE v2 IPv4-mapped).
-    #[arg(short = 'x', long)]
-    gid_index: Option<u32>,
+    #[command(flatten)]
+    dev: common::DeviceArgs,
     /// Pin the reactor to this CPU (default: a core near the NIC; the server
     /// takes the first, the client the second).
     #[arg(long, conflicts_with = "no_pin")]
@@ -172,7 +167,7 @@ fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
 }
 
 fn run(args: &Args) -> rdma_comm_core::Result<()> {
-    let ctx = Context::open_default(args.device.as_deref())?;
+    let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
     let placement = match (args.core, args.no_pin) {
         (_, true) => pin_current_thread(ctx.name(), CorePreference::Unpinned, 0),
@@ -200,8 +195,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
         let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
         let endpoint = if args.server {
             let mut config = reactor.server_config(access);
-            config.qp.port = args.ib_port;
-            config.qp.gid_index = args.gid_index;
+            args.dev.apply(&mut config.qp);
             config.max_peers = Some(1);
             let export = Arc::clone(&buffer);
             config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
@@ -219,8 +213,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
             endpoint
         } else {
             let mut spec = reactor.channel_spec_with_access("perf", access);
-            spec.qp.port = args.ib_port;
-            spec.qp.gid_index = args.gid_index;
+            args.dev.apply(&mut spec.qp);
             let mut config = ClientConfig::new(vec![spec]).with_exports(vec![Export::new(
                 1,
                 "perf",
@@ -294,9 +287,12 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
 }
 
 fn print_banner(args: &Args, ctx: &Context) -> rdma_comm_core::Result<()> {
-    let port = args.ib_port.map_or_else(|| ctx.first_active_port(), Ok)?;
+    let port = args
+        .dev
+        .ib_port
+        .map_or_else(|| ctx.first_active_port(), Ok)?;
     let attr = ctx.query_port(port)?;
-    let gid = ctx.select_gid(port, args.gid_index)?;
+    let gid = ctx.select_gid(port, args.dev.gid_index)?;
     let title = match (args.op, args.test) {
         (OpArg::Send, TestArg::Lat) => "Send Latency Test",
         (OpArg::Write, TestArg::Lat) => "RDMA_Write Latency Test",

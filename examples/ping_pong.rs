@@ -15,6 +15,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod common;
+
 use clap::{Parser, ValueEnum};
 use rdma_comm_core::Error;
 use rdma_comm_core::pool::BufferPool;
@@ -52,15 +54,8 @@ struct Args {
     /// Which operation carries the ping (client).
     #[arg(long, value_enum, default_value_t = Op::Both)]
     op: Op,
-    /// RDMA device (default: first with an active port).
-    #[arg(short = 'd', long)]
-    device: Option<String>,
-    /// Port number (default: first active).
-    #[arg(short = 'i', long)]
-    ib_port: Option<u8>,
-    /// GID index (default: RoCE v2 IPv4-mapped).
-    #[arg(short = 'x', long)]
-    gid_index: Option<u32>,
+    #[command(flatten)]
+    dev: common::DeviceArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -105,8 +100,7 @@ fn matches_pattern(bytes: &[u8], seq: u64) -> bool {
 
 fn qp_config(args: &Args) -> QpConfig {
     let mut qp = QpConfig::default();
-    qp.port = args.ib_port;
-    qp.gid_index = args.gid_index;
+    args.dev.apply(&mut qp);
     qp.remote_access = AccessFlags::REMOTE_WRITE;
     qp.max_recv_wr = RECV_DEPTH * 2;
     qp
@@ -117,7 +111,7 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
         .connect
         .as_deref()
         .expect("clap requires --connect without --server");
-    let ctx = Context::open_default(args.device.as_deref())?;
+    let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
     let size = args.size.max(1);
     let inbox = Arc::new(pd.alloc_mr(size, AccessFlags::REMOTE_WRITE)?);
@@ -250,7 +244,7 @@ fn print_summary(rtts: &[Duration], mismatches: u64, drained: usize) {
 }
 
 fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
-    let ctx = Context::open_default(args.device.as_deref())?;
+    let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
     let max_size = args.max_size.max(1);
     let mut config = ServerConfig {

@@ -467,23 +467,8 @@ impl Conn {
             }
             self.advertised = self.posted;
             self.has_staged_send = false;
-        } else if unannounced >= self.credit_threshold
-            && self.credits() >= 1
-            && self.sq_used() < self.sq_depth
-            && !self.batch.is_full()
-        {
-            // A zero-length SEND_WITH_IMM: the immediate is the count.
-            let request =
-                WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, 0, 0, 0).imm(self.posted);
-            self.consumed = self.consumed.wrapping_add(1);
-            self.advertised = self.posted;
-            self.stage(
-                request,
-                SqOp {
-                    kind: OpKind::Credit,
-                    slot: NO_SLOT,
-                },
-            );
+        } else if unannounced >= self.credit_threshold && self.can_stage_update() {
+            self.stage_credit_update(false);
         }
     }
 
@@ -497,35 +482,32 @@ impl Conn {
     /// request that needs no payload and only the reserved credit). Skipped
     /// without a credit; the peer's next update brings one.
     pub(crate) fn stage_tail_signal(&mut self) {
-        if self.credits() >= 1 && self.sq_used() < self.sq_depth && !self.batch.is_full() {
-            let request =
-                WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, 0, 0, 0).imm(self.posted);
-            self.consumed = self.consumed.wrapping_add(1);
-            self.advertised = self.posted;
-            self.stage_signaled(
-                request,
-                SqOp {
-                    kind: OpKind::Credit,
-                    slot: NO_SLOT,
-                },
-                true,
-            );
+        if self.can_stage_update() {
+            self.stage_credit_update(true);
         }
     }
 
     /// Sends the first credit update; allowed before any credit is known
     /// because our receive ring is posted and the peer retries on RNR.
     pub(crate) fn stage_initial_update(&mut self) {
+        self.stage_credit_update(false);
+    }
+
+    /// Room for a credit update: the reserved credit, an SQ entry, a batch slot.
+    fn can_stage_update(&self) -> bool {
+        self.credits() >= 1 && self.sq_used() < self.sq_depth && !self.batch.is_full()
+    }
+
+    /// Stages a zero-length SEND_WITH_IMM whose immediate is our receive count.
+    fn stage_credit_update(&mut self, force_signal: bool) {
         let request = WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, 0, 0, 0).imm(self.posted);
         self.consumed = self.consumed.wrapping_add(1);
         self.advertised = self.posted;
-        self.stage(
-            request,
-            SqOp {
-                kind: OpKind::Credit,
-                slot: NO_SLOT,
-            },
-        );
+        let op = SqOp {
+            kind: OpKind::Credit,
+            slot: NO_SLOT,
+        };
+        self.stage_signaled(request, op, force_signal);
     }
 
     /// How many ops a signaled completion of `seq` retires: it and every
