@@ -25,7 +25,7 @@ pub use device::{
 pub use mr::{AccessFlags, LocalSlice, MemoryRegion, RemoteRegion, RemoteSlice};
 pub use pd::ProtectionDomain;
 pub use qp::{QpConfig, QpEndpoint, QpState, QueuePair};
-pub use wr::{RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
+pub use wr::{Batch, RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
 
 use std::os::raw::c_int;
 use std::ptr::NonNull;

@@ -471,7 +471,7 @@ impl QueuePair {
             self.check_inline(request)?;
         }
         let len = batch.len();
-        let head = batch.link();
+        let head = super::wr::link(batch);
         self.post_send_list(head, len)?;
         batch.clear();
         Ok(())
@@ -520,7 +520,7 @@ impl QueuePair {
             return Ok(());
         }
         let len = batch.len();
-        let head = batch.link();
+        let head = super::wr::link(batch);
         self.post_recv_list(head, len)?;
         batch.clear();
         Ok(())

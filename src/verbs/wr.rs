@@ -220,15 +220,23 @@ fn same_len(local: &LocalSlice<'_>, remote: &RemoteSlice) -> Result<()> {
     }
 }
 
-/// Up to `N` send requests, posted together as one linked list (one doorbell).
+/// Up to `N` requests posted together as one linked list: one
+/// `ibv_post_send` (one doorbell) for a [`SendBatch`], one `ibv_post_recv` for
+/// a [`RecvBatch`].
 ///
 /// Preallocate one per QP and reuse it: pushing and posting never allocate.
 #[derive(Debug)]
-pub struct SendBatch<'a, const N: usize> {
-    pub(crate) requests: ArrayVec<WorkRequest<'a>, N>,
+pub struct Batch<R, const N: usize> {
+    pub(crate) requests: ArrayVec<R, N>,
 }
 
-impl<const N: usize> Default for SendBatch<'_, N> {
+/// Send-queue requests, posted with one doorbell.
+pub type SendBatch<'a, const N: usize> = Batch<WorkRequest<'a>, N>;
+
+/// Receive requests, posted with one `ibv_post_recv`.
+pub type RecvBatch<'a, const N: usize> = Batch<RecvRequest<'a>, N>;
+
+impl<R, const N: usize> Default for Batch<R, N> {
     fn default() -> Self {
         Self {
             requests: ArrayVec::new(),
@@ -236,7 +244,7 @@ impl<const N: usize> Default for SendBatch<'_, N> {
     }
 }
 
-impl<'a, const N: usize> SendBatch<'a, N> {
+impl<R, const N: usize> Batch<R, N> {
     /// An empty batch.
     pub fn new() -> Self {
         Self::default()
@@ -245,7 +253,7 @@ impl<'a, const N: usize> SendBatch<'a, N> {
     /// Adds a request; hands it back when the batch is full.
     // Handing the request back by value is the point: boxing it would allocate.
     #[allow(clippy::result_large_err)]
-    pub fn push(&mut self, request: WorkRequest<'a>) -> Result<(), WorkRequest<'a>> {
+    pub fn push(&mut self, request: R) -> Result<(), R> {
         self.requests.try_push(request).map_err(|e| e.element())
     }
 
@@ -268,19 +276,31 @@ impl<'a, const N: usize> SendBatch<'a, N> {
     pub fn clear(&mut self) {
         self.requests.clear();
     }
+}
 
-    /// Links the requests for posting and returns the head (NULL when empty).
-    ///
-    /// The pointers are valid until `self` is moved or modified.
-    pub(crate) fn link(&mut self) -> *mut sys::ibv_send_wr {
-        link_list(
-            &mut self.requests,
-            |r| (&raw mut r.wr, &raw mut r.sge),
-            |wr, sge, next| {
-                wr.sg_list = sge;
-                wr.next = next;
-            },
-        )
+/// Points each request of `batch` at its own SGE and at the next request;
+/// returns the head (NULL when empty). Valid until `batch` is moved or modified.
+pub(crate) fn link<R: Linkable, const N: usize>(batch: &mut Batch<R, N>) -> *mut R::Wr {
+    let mut next: *mut R::Wr = std::ptr::null_mut();
+    for request in batch.requests.iter_mut().rev() {
+        next = request.link_to(next);
+    }
+    next
+}
+
+/// A request with an embedded verbs WR and its one SGE.
+pub(crate) trait Linkable {
+    type Wr;
+    /// Sets the WR's SGE pointer and `next`; returns a pointer to the WR.
+    fn link_to(&mut self, next: *mut Self::Wr) -> *mut Self::Wr;
+}
+
+impl Linkable for WorkRequest<'_> {
+    type Wr = sys::ibv_send_wr;
+    fn link_to(&mut self, next: *mut sys::ibv_send_wr) -> *mut sys::ibv_send_wr {
+        self.wr.sg_list = &raw mut self.sge;
+        self.wr.next = next;
+        &raw mut self.wr
     }
 }
 
@@ -351,73 +371,13 @@ impl<'a> RecvRequest<'a> {
     }
 }
 
-/// Up to `N` receive requests, posted with one `ibv_post_recv`.
-#[derive(Debug)]
-pub struct RecvBatch<'a, const N: usize> {
-    pub(crate) requests: ArrayVec<RecvRequest<'a>, N>,
-}
-
-impl<const N: usize> Default for RecvBatch<'_, N> {
-    fn default() -> Self {
-        Self {
-            requests: ArrayVec::new(),
-        }
+impl Linkable for RecvRequest<'_> {
+    type Wr = sys::ibv_recv_wr;
+    fn link_to(&mut self, next: *mut sys::ibv_recv_wr) -> *mut sys::ibv_recv_wr {
+        self.wr.sg_list = &raw mut self.sge;
+        self.wr.next = next;
+        &raw mut self.wr
     }
-}
-
-impl<'a, const N: usize> RecvBatch<'a, N> {
-    /// An empty batch.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Adds a request; hands it back when the batch is full.
-    #[allow(clippy::result_large_err)]
-    pub fn push(&mut self, request: RecvRequest<'a>) -> Result<(), RecvRequest<'a>> {
-        self.requests.try_push(request).map_err(|e| e.element())
-    }
-
-    /// Number of staged requests.
-    pub fn len(&self) -> usize {
-        self.requests.len()
-    }
-
-    /// True when nothing is staged.
-    pub fn is_empty(&self) -> bool {
-        self.requests.is_empty()
-    }
-
-    /// Drops all staged requests.
-    pub fn clear(&mut self) {
-        self.requests.clear();
-    }
-
-    pub(crate) fn link(&mut self) -> *mut sys::ibv_recv_wr {
-        link_list(
-            &mut self.requests,
-            |r| (&raw mut r.wr, &raw mut r.sge),
-            |wr, sge, next| {
-                wr.sg_list = sge;
-                wr.next = next;
-            },
-        )
-    }
-}
-
-/// Points each request at its own SGE and at the next request; returns the head.
-fn link_list<R, W>(
-    requests: &mut [R],
-    parts: impl Fn(&mut R) -> (*mut W, *mut sys::ibv_sge),
-    set: impl Fn(&mut W, *mut sys::ibv_sge, *mut W),
-) -> *mut W {
-    let mut next: *mut W = std::ptr::null_mut();
-    for request in requests.iter_mut().rev() {
-        let (wr, sge) = parts(request);
-        // SAFETY: `wr` points into `request`, which we borrow mutably right now.
-        set(unsafe { &mut *wr }, sge, next);
-        next = wr;
-    }
-    next
 }
 
 #[cfg(test)]
@@ -435,7 +395,7 @@ mod tests {
             batch.push(WorkRequest::send_inline(9, &data)).is_err(),
             "a full batch refuses more"
         );
-        let mut cur = batch.link();
+        let mut cur = link(&mut batch);
         let mut ids = Vec::new();
         while !cur.is_null() {
             // SAFETY: the list points into `batch`, alive and unmodified here.
