@@ -617,51 +617,50 @@ impl fmt::Debug for PerfHandler {
     }
 }
 
+/// Calls the same method on whichever role is inside, statically: a dyn call
+/// per callback would add an indirect branch to every reactor pass.
+macro_rules! each_role {
+    ($self:ident, $h:ident => $call:expr) => {
+        match $self {
+            PerfHandler::Latency($h) => $call,
+            PerfHandler::Reflect($h) => $call,
+            PerfHandler::Rate($h) => $call,
+            PerfHandler::Sink($h) => $call,
+        }
+    };
+}
+
 impl PerfHandler {
     /// The error that ended the run early, if any.
     pub fn failure(&self) -> Option<&str> {
-        match self {
-            PerfHandler::Latency(h) => h.failure(),
-            PerfHandler::Reflect(h) => h.failure(),
-            PerfHandler::Rate(h) => h.failure(),
-            PerfHandler::Sink(h) => h.failure(),
-        }
-    }
-
-    fn inner(&mut self) -> &mut dyn Handler {
-        match self {
-            PerfHandler::Latency(h) => h,
-            PerfHandler::Reflect(h) => h,
-            PerfHandler::Rate(h) => h,
-            PerfHandler::Sink(h) => h,
-        }
+        each_role!(self, h => h.failure())
     }
 }
 
 impl Handler for PerfHandler {
     fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
-        self.inner().on_established(ctx, conn)
+        each_role!(self, h => h.on_established(ctx, conn))
     }
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
-        self.inner().on_message(ctx, conn, data, imm)
+        each_role!(self, h => h.on_message(ctx, conn, data, imm))
     }
     fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
-        self.inner().on_write_imm(ctx, conn, imm, len)
+        each_role!(self, h => h.on_write_imm(ctx, conn, imm, len))
     }
     fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
-        self.inner().on_send_complete(ctx, conn, seq)
+        each_role!(self, h => h.on_send_complete(ctx, conn, seq))
     }
     fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
-        self.inner().on_write_complete(ctx, conn, seq)
+        each_role!(self, h => h.on_write_complete(ctx, conn, seq))
     }
     fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
-        self.inner().on_read_complete(ctx, conn, seq)
+        each_role!(self, h => h.on_read_complete(ctx, conn, seq))
     }
     fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
-        self.inner().on_error(ctx, conn, error)
+        each_role!(self, h => h.on_error(ctx, conn, error))
     }
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        self.inner().on_idle(ctx)
+        each_role!(self, h => h.on_idle(ctx))
     }
 }
 

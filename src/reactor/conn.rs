@@ -132,10 +132,15 @@ impl Conn {
     ) -> crate::Result<Self> {
         let slot_size = config.slot_size.max(HEADER_LEN);
         let recv_depth = config.recv_depth.min(qp.max_recv_wr()).max(2);
-        // A power of two, so `seq % sq_depth` stays continuous when seq wraps.
+        // A power of two, so the ring index stays continuous when seq wraps.
         let sq_depth = prev_power_of_two(config.sq_depth.min(qp.max_send_wr()).max(4));
         let signal_interval = config.signal_interval.clamp(1, sq_depth / 2);
-        let send_slots = config.send_slots.max(2 * signal_interval);
+        // Powers of two, so ring positions are masks, not divisions (a DIV
+        // on every message shows up in latency, under emulation most of all).
+        let send_slots = config
+            .send_slots
+            .max(2 * signal_interval)
+            .next_power_of_two();
         let recv_region = pd.alloc_mr(
             slot_size * recv_depth as usize,
             crate::verbs::AccessFlags::LOCAL_WRITE,
@@ -296,7 +301,7 @@ impl Conn {
     ) -> u32 {
         let seq = self.sq_next;
         self.sq_next = seq.wrapping_add(1);
-        self.ops[(seq % self.sq_depth) as usize] = op;
+        self.ops[(seq & (self.sq_depth - 1)) as usize] = op;
         // Selective signaling: every Nth request, and early whenever the SQ or
         // the slot ring gets low, so resources held by unsignaled requests are
         // always freed by a later signaled one.
@@ -338,7 +343,7 @@ impl Conn {
             });
         }
         self.admit(true, true)?;
-        let slot = (self.send_head + self.send_in_use) % self.send_slots;
+        let slot = (self.send_head + self.send_in_use) & (self.send_slots - 1);
         self.send_in_use += 1;
         let start = slot as usize * self.slot_size;
         // SAFETY: the slot was free (not referenced by any posted request) and
@@ -523,10 +528,10 @@ impl Conn {
     #[inline]
     pub(crate) fn pop_oldest(&mut self) -> (u32, SqOp) {
         let seq = self.sq_done;
-        let op = self.ops[(seq % self.sq_depth) as usize];
+        let op = self.ops[(seq & (self.sq_depth - 1)) as usize];
         self.sq_done = seq.wrapping_add(1);
         if op.slot != NO_SLOT {
-            self.send_head = (self.send_head + 1) % self.send_slots;
+            self.send_head = (self.send_head + 1) & (self.send_slots - 1);
             self.send_in_use -= 1;
         }
         (seq, op)
