@@ -17,7 +17,11 @@ fn remote_failure(
         p.pd.alloc_mr(4096, AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ)
             .unwrap();
     let (addr, len, rkey, is_read) = make(&exported, exported.remote().unwrap());
-    let target = RemoteSlice::unchecked(addr, len, rkey);
+    // A descriptor as a lying (or buggy) peer would send it: its claimed
+    // bounds pass our local check, so the device has to refuse the access.
+    let target = RemoteRegion::new(addr, u64::from(len), rkey)
+        .slice(0, u64::from(len))
+        .unwrap();
     let src = local.slice(0, len as usize).unwrap();
     let wr = if is_read {
         WorkRequest::read(5, src, target)

@@ -493,13 +493,6 @@ impl RemoteSlice {
     pub fn rkey(&self) -> u32 {
         self.rkey
     }
-
-    /// A descriptor that bypasses the bounds check, for tests that need the
-    /// device (not this crate) to reject an access.
-    #[doc(hidden)]
-    pub fn unchecked(addr: u64, len: u32, rkey: u32) -> Self {
-        Self { addr, len, rkey }
-    }
 }
 
 #[cfg(test)]
