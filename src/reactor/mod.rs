@@ -329,6 +329,8 @@ impl Stopper {
 
 /// Completions polled per CQ per call.
 const POLL_BATCH: usize = 32;
+/// Connections per reactor: `wr_id` carries the connection index in 24 bits.
+const MAX_CONNS: usize = 1 << 24;
 /// Empty busy-poll passes after which unsignaled tails are signaled out.
 const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
 
@@ -454,6 +456,11 @@ impl<H: Handler> Reactor<H> {
         }
         let session = self.endpoints.len();
         let first = self.conns.len();
+        if first + endpoint.channels().len() > MAX_CONNS {
+            return Err(Error::InvalidArgument(
+                "a reactor serves at most 2^24 connections (the wr_id field)",
+            ));
+        }
         let mut conns = Vec::with_capacity(endpoint.channels().len());
         for (index, channel) in endpoint.channels().iter().enumerate() {
             let id = ConnId((first + index) as u32);
