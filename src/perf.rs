@@ -19,6 +19,15 @@ use crate::verbs::{MemoryRegion, RemoteRegion};
 /// Immediate value of the message that ends a run.
 pub const DONE_MARKER: u32 = u32::MAX;
 
+/// Ends a client's run: tells the server to stop (it answers nothing) and
+/// stops this reactor.
+fn end_run(ctx: &mut Ctx<'_>, conn: Option<ConnId>) {
+    if let Some(conn) = conn {
+        let _ = ctx.send(conn, &[0], Some(DONE_MARKER));
+    }
+    ctx.stop();
+}
+
 /// The operation measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PerfOp {
@@ -231,11 +240,7 @@ impl LatencyClient {
         self.seq += 1;
         if self.seq == self.spec.warmup + self.spec.iters {
             self.done = true;
-            if let Some(conn) = self.conn {
-                // Tell the server to stop; it answers nothing.
-                let _ = ctx.send(conn, &[0], Some(DONE_MARKER));
-            }
-            ctx.stop();
+            end_run(ctx, self.conn);
         } else {
             self.issue(ctx);
         }
@@ -510,10 +515,7 @@ impl RateSender {
         }
         if self.completed == self.spec.iters {
             self.done = true;
-            if let Some(conn) = self.conn {
-                let _ = ctx.send(conn, &[0], Some(DONE_MARKER));
-            }
-            ctx.stop();
+            end_run(ctx, self.conn);
         } else {
             self.pump(ctx);
         }
