@@ -56,8 +56,11 @@ pub(crate) fn decode_wr_id(wr_id: u64) -> (u32, WrKind) {
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct SqOp {
     pub(crate) kind: OpKind,
-    /// Send slot to release, or `NO_SLOT`.
+    /// Send slot to release, or `NO_SLOT`; for a forward, the receive slot
+    /// of connection `origin` to repost.
     pub(crate) slot: u32,
+    /// For a forward: the connection whose receive slot this SEND carried.
+    pub(crate) origin: u32,
 }
 
 pub(crate) const NO_SLOT: u32 = u32::MAX;
@@ -69,6 +72,8 @@ pub(crate) enum OpKind {
     Send,
     Write,
     Read,
+    /// A SEND straight out of a held receive slot of another connection.
+    Forward,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,7 +117,11 @@ pub(crate) struct Conn {
     // Staging.
     pub(crate) batch: SendBatch<'static, MAX_STAGED>,
     has_staged_send: bool,
-    pub(crate) reposts: RecvBatch<'static, MAX_REPOST>,
+    // Receive slots consumed and waiting to be reposted: each slot is in here
+    // at most once, so `recv_depth` entries always suffice.
+    pending_reposts: Box<[u32]>,
+    pending_len: usize,
+    reposts: RecvBatch<'static, MAX_REPOST>,
     repost_threshold: usize,
 }
 
@@ -175,6 +184,8 @@ impl Conn {
             credit_threshold: (recv_depth / 4).max(1),
             batch: SendBatch::new(),
             has_staged_send: false,
+            pending_reposts: vec![0; recv_depth as usize].into_boxed_slice(),
+            pending_len: 0,
             reposts: RecvBatch::new(),
             repost_threshold: (config.repost_batch as usize)
                 .clamp(1, MAX_REPOST.min(recv_depth as usize / 2).max(1)),
@@ -203,40 +214,54 @@ impl Conn {
     pub(crate) fn post_initial_receives(&mut self, qp: &QueuePair) -> crate::Result<()> {
         for slot in 0..self.recv_depth {
             self.queue_repost(slot);
-            if self.reposts.len() == MAX_REPOST {
-                self.flush_reposts(qp)?;
-            }
         }
         self.flush_reposts(qp)
     }
 
+    /// Queues receive slot `slot` for reposting at the end of the pass.
     #[inline]
     pub(crate) fn queue_repost(&mut self, slot: u32) {
-        let addr = self.recv_region.addr() + u64::from(slot) * self.slot_size as u64;
-        let request = RecvRequest::from_raw(
-            wr_id(self.id.0, KIND_RECV, slot),
-            addr,
-            self.slot_size as u32,
-            self.recv_region.lkey(),
-        );
-        // Capacity is checked by the caller flushing at MAX_REPOST.
-        let _ = self.reposts.push(request);
+        if self.state == ConnState::Failed || self.pending_len == self.pending_reposts.len() {
+            return;
+        }
+        self.pending_reposts[self.pending_len] = slot;
+        self.pending_len += 1;
+    }
+
+    /// True if consumed receives wait to be reposted.
+    #[inline]
+    pub(crate) fn has_pending_reposts(&self) -> bool {
+        self.pending_len != 0
     }
 
     /// True when enough receives are consumed to repost them now.
     #[inline]
     pub(crate) fn reposts_due(&self) -> bool {
-        self.reposts.len() >= self.repost_threshold
+        self.pending_len >= self.repost_threshold
     }
 
+    /// Reposts every queued receive slot, `MAX_REPOST` per `ibv_post_recv`.
     #[inline]
     pub(crate) fn flush_reposts(&mut self, qp: &QueuePair) -> crate::Result<()> {
-        let count = self.reposts.len() as u32;
-        if count == 0 {
-            return Ok(());
+        let mut start = 0;
+        while start < self.pending_len {
+            let end = (start + MAX_REPOST).min(self.pending_len);
+            for &slot in &self.pending_reposts[start..end] {
+                let addr = self.recv_region.addr() + u64::from(slot) * self.slot_size as u64;
+                let request = RecvRequest::from_raw(
+                    wr_id(self.id.0, KIND_RECV, slot),
+                    addr,
+                    self.slot_size as u32,
+                    self.recv_region.lkey(),
+                );
+                // At most MAX_REPOST pushes into a batch emptied by each post.
+                let _ = self.reposts.push(request);
+            }
+            qp.post_recv_batch(&mut self.reposts)?;
+            self.posted = self.posted.wrapping_add((end - start) as u32);
+            start = end;
         }
-        qp.post_recv_batch(&mut self.reposts)?;
-        self.posted = self.posted.wrapping_add(count);
+        self.pending_len = 0;
         Ok(())
     }
 
@@ -248,6 +273,15 @@ impl Conn {
         // SAFETY: the slot's receive completed and it is not reposted until the
         // handler returns, so no DMA writes it now; the range is in the region.
         unsafe { std::slice::from_raw_parts(self.recv_region.as_ptr().add(start), len) }
+    }
+
+    /// Address and lkey of receive slot `slot` (to send it on as a forward).
+    #[inline]
+    pub(crate) fn recv_slot_source(&self, slot: u32) -> (u64, u32) {
+        (
+            self.recv_region.addr() + u64::from(slot) * self.slot_size as u64,
+            self.recv_region.lkey(),
+        )
     }
 
     /// Applies a credit value the peer sent (in a header or an immediate).
@@ -328,30 +362,37 @@ impl Conn {
         seq
     }
 
-    /// Stages a SEND of `len` payload bytes written by `fill` into a send slot.
+    /// Stages a SEND whose payload `fill` writes into a free send slot of
+    /// `capacity` bytes, returning how many it wrote (`None`: stage nothing).
     #[inline]
     pub(crate) fn stage_send(
         &mut self,
-        len: usize,
+        capacity: usize,
         imm: Option<u32>,
-        fill: impl FnOnce(&mut [u8]),
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<u32, SendError> {
-        if len > self.max_payload() {
+        if capacity > self.max_payload() {
             return Err(SendError::TooLarge {
-                len,
+                len: capacity,
                 max: self.max_payload(),
             });
         }
         self.admit(true, true)?;
         let slot = (self.send_head + self.send_in_use) & (self.send_slots - 1);
-        self.send_in_use += 1;
         let start = slot as usize * self.slot_size;
-        // SAFETY: the slot was free (not referenced by any posted request) and
+        // SAFETY: the slot is free (not referenced by any posted request) and
         // lies inside the send region; we hold &mut self.
         let bytes = unsafe {
-            std::slice::from_raw_parts_mut(self.send_region.as_ptr().add(start), HEADER_LEN + len)
+            std::slice::from_raw_parts_mut(
+                self.send_region.as_ptr().add(start),
+                HEADER_LEN + capacity,
+            )
         };
-        fill(&mut bytes[HEADER_LEN..]);
+        let Some(len) = fill(&mut bytes[HEADER_LEN..]) else {
+            return Err(SendError::Cancelled);
+        };
+        let len = len.min(capacity);
+        self.send_in_use += 1;
         let addr = self.send_region.addr() + start as u64;
         let (lkey, total) = (self.send_region.lkey(), (HEADER_LEN + len) as u32);
         let request = match imm {
@@ -367,6 +408,44 @@ impl Conn {
             SqOp {
                 kind: OpKind::Send,
                 slot,
+                origin: 0,
+            },
+        ))
+    }
+
+    /// Stages a SEND of `len` bytes (header included) straight from receive
+    /// slot `slot` of connection `origin`, which is reposted when it completes.
+    #[inline]
+    pub(crate) fn stage_forward(
+        &mut self,
+        source: (u64, u32),
+        len: usize,
+        imm: Option<u32>,
+        origin: ConnId,
+        slot: u32,
+    ) -> Result<u32, SendError> {
+        if len - HEADER_LEN > self.max_payload() {
+            return Err(SendError::TooLarge {
+                len: len - HEADER_LEN,
+                max: self.max_payload(),
+            });
+        }
+        self.admit(true, false)?;
+        let (addr, lkey) = source;
+        let request = match imm {
+            Some(imm) => {
+                WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, addr, len as u32, lkey).imm(imm)
+            }
+            None => WorkRequest::from_raw(0, sys::IBV_WR_SEND, addr, len as u32, lkey),
+        };
+        self.consumed = self.consumed.wrapping_add(1);
+        self.has_staged_send = true;
+        Ok(self.stage(
+            request,
+            SqOp {
+                kind: OpKind::Forward,
+                slot,
+                origin: origin.0,
             },
         ))
     }
@@ -398,6 +477,7 @@ impl Conn {
             SqOp {
                 kind: OpKind::Write,
                 slot: NO_SLOT,
+                origin: 0,
             },
         ))
     }
@@ -432,6 +512,7 @@ impl Conn {
             SqOp {
                 kind: OpKind::Read,
                 slot: NO_SLOT,
+                origin: 0,
             },
             true,
         ))
@@ -441,7 +522,7 @@ impl Conn {
     #[inline]
     pub(crate) fn is_quiet(&self) -> bool {
         self.batch.is_empty()
-            && self.reposts.is_empty()
+            && self.pending_len == 0
             && self.posted.wrapping_sub(self.advertised) < self.credit_threshold
     }
 
@@ -511,6 +592,7 @@ impl Conn {
         let op = SqOp {
             kind: OpKind::Credit,
             slot: NO_SLOT,
+            origin: 0,
         };
         self.stage_signaled(request, op, force_signal);
     }
@@ -530,7 +612,7 @@ impl Conn {
         let seq = self.sq_done;
         let op = self.ops[(seq & (self.sq_depth - 1)) as usize];
         self.sq_done = seq.wrapping_add(1);
-        if op.slot != NO_SLOT {
+        if op.kind == OpKind::Send {
             self.send_head = (self.send_head + 1) & (self.send_slots - 1);
             self.send_in_use -= 1;
         }
@@ -538,10 +620,18 @@ impl Conn {
     }
 
     /// Marks everything staged and in flight as dead (after a failure).
-    pub(crate) fn fail(&mut self) {
+    /// Calls `release` for every forward among them, whose receive slot
+    /// belongs to another connection that must get it back.
+    pub(crate) fn fail(&mut self, mut release: impl FnMut(ConnId, u32)) {
         self.state = ConnState::Failed;
+        while self.sq_used() > 0 {
+            let (_, op) = self.pop_oldest();
+            if op.kind == OpKind::Forward {
+                release(ConnId(op.origin), op.slot);
+            }
+        }
         self.batch.clear();
-        self.reposts.clear();
+        self.pending_len = 0;
     }
 
     /// Queue depths in use (for tests and diagnostics).

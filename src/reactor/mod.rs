@@ -161,6 +161,9 @@ pub enum SendError {
     /// The connection failed or does not exist.
     #[error("the connection is closed")]
     Closed,
+    /// The fill closure of [`Ctx::send_from`] staged nothing.
+    #[error("the fill closure produced no message")]
+    Cancelled,
     /// The request itself is invalid.
     #[error(transparent)]
     Invalid(Error),
@@ -222,6 +225,39 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
 pub struct Ctx<'a> {
     conns: &'a mut [Conn],
     stop: &'a AtomicBool,
+    /// In `on_message`: the message's receive slot, until the handler holds it.
+    current: Option<HeldRecv>,
+}
+
+/// A received message whose receive slot the handler kept past `on_message`
+/// with [`Ctx::hold`]. The slot is not reposted (so the peer gets one credit
+/// fewer) until the message is [released](Ctx::release) or
+/// [forwarded](Ctx::forward): holding messages is how a relay pushes
+/// back on its upstream. Dropping it leaks the slot for the connection's life.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a held receive slot is only reposted by release or forward"]
+pub struct HeldRecv {
+    conn: ConnId,
+    slot: u32,
+    /// Bytes received, header included.
+    len: u32,
+}
+
+impl HeldRecv {
+    /// The connection the message arrived on.
+    pub fn conn(&self) -> ConnId {
+        self.conn
+    }
+
+    /// Payload length in bytes.
+    pub fn len(&self) -> usize {
+        self.len as usize - HEADER_LEN
+    }
+
+    /// True for a message with no payload.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 impl fmt::Debug for Ctx<'_> {
@@ -254,7 +290,79 @@ impl Ctx<'_> {
         imm: Option<u32>,
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<u32, SendError> {
-        self.conn(conn)?.stage_send(len, imm, fill)
+        self.conn(conn)?.stage_send(len, imm, |buf| {
+            fill(buf);
+            Some(len)
+        })
+    }
+
+    /// Stages a SEND whose payload `fill` produces in place, in a registered
+    /// send slot of `capacity` bytes: it returns how many bytes it wrote, or
+    /// `None` to stage nothing ([`SendError::Cancelled`]). Made for reading
+    /// a file or socket straight into the slot when the length is not known
+    /// in advance.
+    ///
+    /// ```no_run
+    /// # use rdma_comm_core::reactor::*;
+    /// # use std::io::Read;
+    /// # fn demo(ctx: &mut Ctx<'_>, conn: ConnId, input: &mut impl Read) {
+    /// let capacity = ctx.max_payload(conn);
+    /// let staged = ctx.send_from(conn, capacity, None, |slot| input.read(slot).ok());
+    /// # }
+    /// ```
+    #[inline]
+    pub fn send_from(
+        &mut self,
+        conn: ConnId,
+        capacity: usize,
+        imm: Option<u32>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<u32, SendError> {
+        self.conn(conn)?.stage_send(capacity, imm, fill)
+    }
+
+    /// In `on_message`: keeps the message's receive slot after the callback
+    /// returns. `None` outside `on_message` or if already held.
+    pub fn hold(&mut self) -> Option<HeldRecv> {
+        self.current.take()
+    }
+
+    /// The payload of a held message.
+    pub fn held_bytes(&self, held: &HeldRecv) -> &[u8] {
+        match self.conns.get(held.conn.0 as usize) {
+            Some(conn) => &conn.recv_bytes(held.slot, held.len as usize)[HEADER_LEN..],
+            None => &[],
+        }
+    }
+
+    /// Gives a held receive slot back: it is reposted with this pass.
+    pub fn release(&mut self, held: HeldRecv) {
+        if let Some(conn) = self.conns.get_mut(held.conn.0 as usize) {
+            conn.queue_repost(held.slot);
+        }
+    }
+
+    /// Sends a held message on to `to` without copying it: the SEND reads
+    /// the receive slot itself, which is reposted once the SEND completes
+    /// (`on_send_complete` on `to` reports it). On error the message comes
+    /// back still held, so it can be retried later in order.
+    #[inline]
+    pub fn forward(
+        &mut self,
+        to: ConnId,
+        held: HeldRecv,
+        imm: Option<u32>,
+    ) -> Result<u32, (SendError, HeldRecv)> {
+        let Some(origin) = self.conns.get(held.conn.0 as usize) else {
+            return Err((SendError::Closed, held));
+        };
+        let source = origin.recv_slot_source(held.slot);
+        let Some(target) = self.conns.get_mut(to.0 as usize) else {
+            return Err((SendError::Closed, held));
+        };
+        target
+            .stage_forward(source, held.len as usize, imm, held.conn, held.slot)
+            .map_err(|error| (error, held))
     }
 
     /// Stages an RDMA WRITE from `local` to `remote`; with `imm` it consumes
@@ -556,6 +664,7 @@ impl<H: Handler> Reactor<H> {
             let mut ctx = Ctx {
                 conns: &mut self.conns,
                 stop: &self.stop,
+                current: None,
             };
             for handler in &mut self.handlers {
                 handler.on_idle(&mut ctx);
@@ -638,6 +747,7 @@ impl<H: Handler> Reactor<H> {
                     let mut ctx = Ctx {
                         conns: &mut self.conns,
                         stop: &self.stop,
+                        current: None,
                     };
                     handler.on_write_imm(&mut ctx, id, imm, len as u32);
                 } else if len < HEADER_LEN {
@@ -648,6 +758,7 @@ impl<H: Handler> Reactor<H> {
                         let mut ctx = Ctx {
                             conns: &mut self.conns,
                             stop: &self.stop,
+                            current: None,
                         };
                         handler.on_established(&mut ctx, id);
                     }
@@ -659,17 +770,26 @@ impl<H: Handler> Reactor<H> {
                     let mut ctx = Ctx {
                         conns: &mut self.conns,
                         stop: &self.stop,
+                        current: None,
                     };
                     if established {
                         handler.on_established(&mut ctx, id);
                     }
+                    ctx.current = Some(HeldRecv {
+                        conn: id,
+                        slot,
+                        len: len as u32,
+                    });
                     // SAFETY: the bytes live in the connection's receive region,
                     // which outlives this call; the slot is reposted only after
-                    // the handler returns, so the NIC does not write it meanwhile,
-                    // and nothing reachable through `ctx` can.
+                    // the handler returns (or releases a hold on it), so the NIC
+                    // does not write it meanwhile, and nothing reachable through
+                    // `ctx` can.
                     let data = unsafe { std::slice::from_raw_parts(data_ptr, data_len) };
                     handler.on_message(&mut ctx, id, data, wc.imm());
-                    self.conns[index as usize].queue_repost(slot);
+                    if ctx.current.is_some() {
+                        self.conns[index as usize].queue_repost(slot);
+                    }
                 }
             }
             WrKind::Send { seq } => {
@@ -679,11 +799,18 @@ impl<H: Handler> Reactor<H> {
                     let mut ctx = Ctx {
                         conns: &mut self.conns,
                         stop: &self.stop,
+                        current: None,
                     };
                     match op.kind {
                         OpKind::Send => handler.on_send_complete(&mut ctx, id, seq),
                         OpKind::Write => handler.on_write_complete(&mut ctx, id, seq),
                         OpKind::Read => handler.on_read_complete(&mut ctx, id, seq),
+                        OpKind::Forward => {
+                            if let Some(origin) = ctx.conns.get_mut(op.origin as usize) {
+                                origin.queue_repost(op.slot);
+                            }
+                            handler.on_send_complete(&mut ctx, id, seq);
+                        }
                         OpKind::Credit => {}
                     }
                 }
@@ -694,9 +821,18 @@ impl<H: Handler> Reactor<H> {
 
     #[cold]
     fn fail(&mut self, id: ConnId, session: usize, error: Error) {
+        // Forwards in flight on the failed connection carried other
+        // connections' receive slots: give those back (a cold path, so the
+        // list may allocate).
+        let mut released = Vec::new();
         let conn = &mut self.conns[id.0 as usize];
-        conn.fail();
+        conn.fail(|origin, slot| released.push((origin, slot)));
         let channel = conn.channel;
+        for (origin, slot) in released {
+            if let Some(origin) = self.conns.get_mut(origin.0 as usize) {
+                origin.queue_repost(slot);
+            }
+        }
         if let Some(ch) = self.endpoints[session].channels().get(channel) {
             // Stops the QP, so the peer sees the failure too; errors here add nothing.
             let _ = ch.qp().set_error();
@@ -704,6 +840,7 @@ impl<H: Handler> Reactor<H> {
         let mut ctx = Ctx {
             conns: &mut self.conns,
             stop: &self.stop,
+            current: None,
         };
         self.handlers[session].on_error(&mut ctx, id, &error);
     }
@@ -722,7 +859,7 @@ impl<H: Handler> Reactor<H> {
             let (session, channel, id) = (conn.session, conn.channel, conn.id);
             let qp = self.endpoints[session].channels()[channel].qp();
             let mut result = Ok(());
-            if (idle && !conn.reposts.is_empty()) || conn.reposts_due() {
+            if (idle && conn.has_pending_reposts()) || conn.reposts_due() {
                 result = conn.flush_reposts(qp);
             }
             if result.is_ok() {
