@@ -6,7 +6,6 @@ mod util;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::thread;
@@ -17,23 +16,6 @@ use rdma_comm_core::session::wire::MAGIC;
 /// Generous: eight client processes share two emulated cores in the guest.
 const PROCESS_DEADLINE: Duration = Duration::from_secs(240);
 
-fn ping_pong_binary() -> PathBuf {
-    // Integration tests live in target/<profile>/deps; examples one level up.
-    let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/ping_pong");
-    assert!(
-        path.exists(),
-        "{} is missing: build the examples first (tools/test does)",
-        path.display()
-    );
-    path
-}
-
 /// A child process whose stdout lines arrive on a channel.
 struct Proc {
     child: Child,
@@ -43,7 +25,7 @@ struct Proc {
 
 impl Proc {
     fn spawn(args: &[&str]) -> Self {
-        let mut child = Command::new(ping_pong_binary())
+        let mut child = Command::new(util::example_binary("ping_pong"))
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -25,3 +25,46 @@ impl DeviceArgs {
         qp.gid_index = self.gid_index;
     }
 }
+
+/// How a reactor waits (the `--event-mode` flag).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventArg {
+    /// Spin on the CQs (one core at 100 %, lowest latency).
+    Busy,
+    /// Sleep on a completion channel.
+    Blocking,
+    /// Sleep in epoll over the CQs' channels.
+    Epoll,
+}
+
+impl From<EventArg> for rdma_comm_core::reactor::EventMode {
+    fn from(arg: EventArg) -> Self {
+        match arg {
+            EventArg::Busy => Self::BusyPoll,
+            EventArg::Blocking => Self::Blocking,
+            EventArg::Epoll => Self::Epoll,
+        }
+    }
+}
+
+/// Reactor flags every tool shares.
+#[derive(Args, Debug, Clone)]
+pub struct ReactorArgs {
+    /// How the reactor waits for completions (default: per tool).
+    #[arg(long, value_enum)]
+    pub event_mode: Option<EventArg>,
+    /// Signal every Nth send-queue request.
+    #[arg(long = "signal", default_value_t = 16)]
+    pub signal_interval: u32,
+    /// Most requests per doorbell.
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+}
+
+impl ReactorArgs {
+    /// The chosen event mode, or the tool's default.
+    #[allow(dead_code)]
+    pub fn event_mode_or(&self, default: EventArg) -> EventArg {
+        self.event_mode.unwrap_or(default)
+    }
+}

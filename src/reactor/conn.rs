@@ -518,6 +518,15 @@ impl Conn {
         ))
     }
 
+    /// Signals the last staged request, so it and everything before it
+    /// report completion without waiting for the signaling interval.
+    pub(crate) fn signal_last_staged(&mut self) {
+        if let Some(request) = self.batch.requests.last_mut() {
+            request.wr.send_flags |= sys::IBV_SEND_SIGNALED;
+            self.since_signal = 0;
+        }
+    }
+
     /// Nothing staged, nothing to repost, no credit update due.
     #[inline]
     pub(crate) fn is_quiet(&self) -> bool {

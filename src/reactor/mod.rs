@@ -391,6 +391,16 @@ impl Ctx<'_> {
         self.conn(conn)?.stage_read(local, remote)
     }
 
+    /// Signals the request last staged on `conn`, so its completion (and
+    /// that of everything before it) is reported as soon as it happens
+    /// instead of with the next signaled request: for a final message whose
+    /// completion the handler waits for.
+    pub fn signal_staged(&mut self, conn: ConnId) {
+        if let Some(conn) = self.conns.get_mut(conn.0 as usize) {
+            conn.signal_last_staged();
+        }
+    }
+
     /// Requests staged on `conn` in this pass so far (they leave in one
     /// doorbell at its end): lets a sender cap its batch size.
     pub fn staged(&self, conn: ConnId) -> usize {
@@ -434,6 +444,10 @@ impl Stopper {
         self.waker.wake();
     }
 }
+
+/// Bytes of every slot the reactor keeps for its credit header: a SEND
+/// carries at most `slot_size - SEND_HEADER_LEN` payload bytes.
+pub const SEND_HEADER_LEN: usize = HEADER_LEN;
 
 /// Completions polled per CQ per call.
 const POLL_BATCH: usize = 32;
@@ -606,6 +620,11 @@ impl<H: Handler> Reactor<H> {
     /// The endpoint of a session.
     pub fn endpoint(&self, session: SessionId) -> &Endpoint {
         &self.endpoints[session.0]
+    }
+
+    /// The endpoint of a session, mutably (for [`Endpoint::check_peer`]).
+    pub fn endpoint_mut(&mut self, session: SessionId) -> &mut Endpoint {
+        &mut self.endpoints[session.0]
     }
 
     /// The connections of a session, in channel order.

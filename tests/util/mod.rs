@@ -10,6 +10,7 @@
 
 pub mod reactor;
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use rdma_comm_core::verbs::*;
@@ -123,4 +124,32 @@ pub fn read_back(mr: &MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
     let mut out = vec![0; len];
     mr.read(offset, &mut out).expect("read region");
     out
+}
+
+/// The path of example `name`, built next to the test binaries (integration
+/// tests live in target/<profile>/deps, examples one level up).
+#[track_caller]
+pub fn example_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the examples first (tools/test does)",
+        path.display()
+    );
+    path
+}
+
+/// A TCP port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free port")
 }

@@ -1,0 +1,658 @@
+//! An RDMA `cat`: moves a byte stream from one process's stdin to another's
+//! stdout over an RC QP, optionally through relays.
+//!
+//! ```text
+//! rdma_cat recv --listen 7480 > out
+//! rdma_cat relay --listen 7481 --to HOST:7480
+//! rdma_cat send HOST:7481 < in
+//! ```
+//!
+//! Blocks are read from stdin straight into registered send slots and
+//! written to stdout straight from the receive slots they landed in; a relay
+//! forwards each receive slot as it is, holding it until the downstream SEND
+//! completes. Credits bound what is in flight at every hop, so a slow
+//! consumer slows the producer and nothing is buffered without bound. The
+//! sender exits 0 only after the receiver acknowledged every byte as written.
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{self, IsTerminal, Read, Write};
+use std::os::fd::AsFd;
+use std::process::ExitCode;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+mod common;
+
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rdma_comm_core::reactor::*;
+use rdma_comm_core::session::*;
+use rdma_comm_core::verbs::*;
+
+/// Stream stdin to a peer's stdout over RDMA.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Read stdin and send it to a receiver or relay.
+    Send {
+        /// The receiver or relay.
+        #[arg(value_name = "HOST:PORT")]
+        peer: String,
+        #[command(flatten)]
+        opts: Opts,
+    },
+    /// Accept one sender and write what it sends to stdout.
+    Recv {
+        /// Port (or ADDR:PORT) to listen on.
+        #[arg(long)]
+        listen: String,
+        #[command(flatten)]
+        opts: Opts,
+    },
+    /// Accept one sender and forward its stream to the next hop.
+    Relay {
+        /// Port (or ADDR:PORT) to listen on.
+        #[arg(long)]
+        listen: String,
+        /// The next receiver or relay.
+        #[arg(long, value_name = "HOST:PORT")]
+        to: String,
+        #[command(flatten)]
+        opts: Opts,
+    },
+}
+
+#[derive(Args, Debug, Clone)]
+struct Opts {
+    #[command(flatten)]
+    dev: common::DeviceArgs,
+    #[command(flatten)]
+    reactor: common::ReactorArgs,
+    /// Payload bytes per block.
+    #[arg(long, default_value_t = 64 * 1024)]
+    block_size: usize,
+    /// Blocks in flight per hop (receive ring and send slots).
+    #[arg(long, default_value_t = 32)]
+    depth: u32,
+    /// Seconds to keep trying to reach the next hop.
+    #[arg(long, default_value_t = 10)]
+    connect_timeout: u64,
+    /// No progress line.
+    #[arg(short, long)]
+    quiet: bool,
+}
+
+/// The immediate that marks the receiver's acknowledgement: its payload is
+/// the number of bytes it wrote. A block with no payload ends the stream.
+const ACK_TAG: u32 = u32::from_be_bytes(*b"CAT!");
+/// How often the control connections are checked for a vanished peer.
+const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+/// After a peer hangs up, completions it sent just before may still be queued.
+const LAST_WORDS: Duration = Duration::from_millis(200);
+
+type Failure = String;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Send { peer, opts } => send(peer, opts),
+        Command::Recv { listen, opts } => recv(listen, opts),
+        Command::Relay { listen, to, opts } => relay(listen, to, opts),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) => {
+            eprintln!("rdma_cat: {failure}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Lets every role live in a `Rc<RefCell<_>>` the main loop can look into.
+struct Shared<T>(Rc<RefCell<T>>);
+
+/// What the main loop needs to know about a role.
+trait Progress {
+    fn bytes(&self) -> u64;
+    fn finished(&self) -> bool;
+    fn failure(&self) -> Option<&str>;
+}
+
+impl<T: Handler> Handler for Shared<T> {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.0.borrow_mut().on_established(ctx, conn)
+    }
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        self.0.borrow_mut().on_message(ctx, conn, data, imm)
+    }
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.0.borrow_mut().on_send_complete(ctx, conn, seq)
+    }
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &rdma_comm_core::Error) {
+        self.0.borrow_mut().on_error(ctx, conn, error)
+    }
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        self.0.borrow_mut().on_idle(ctx)
+    }
+}
+
+/// Reads stdin into send slots until EOF, then ends the stream and waits
+/// for the receiver's count.
+struct Sender {
+    input: File,
+    conn: Option<ConnId>,
+    block: usize,
+    batch: usize,
+    sent: u64,
+    end_staged: bool,
+    acked: bool,
+    failure: Option<Failure>,
+}
+
+impl Sender {
+    fn pump(&mut self, ctx: &mut Ctx<'_>) {
+        let Some(conn) = self.conn else { return };
+        while !self.end_staged && self.failure.is_none() && ctx.staged(conn) < self.batch {
+            let mut read = Ok(0);
+            let input = &mut self.input;
+            let staged = ctx.send_from(conn, self.block, None, |slot| {
+                loop {
+                    match input.read(slot) {
+                        Ok(n) => {
+                            read = Ok(n);
+                            return Some(n);
+                        }
+                        Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+                        Err(err) => {
+                            read = Err(err);
+                            return None;
+                        }
+                    }
+                }
+            });
+            match (staged, read) {
+                (Ok(_), Ok(0)) => self.end_staged = true,
+                (Ok(_), Ok(n)) => self.sent += n as u64,
+                (Err(SendError::WouldBlock), _) => break,
+                (_, Err(err)) => self.failure = Some(format!("reading stdin: {err}")),
+                (Err(err), _) => self.failure = Some(format!("sending: {err}")),
+            }
+        }
+    }
+}
+
+impl Handler for Sender {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.conn = Some(conn);
+        self.pump(ctx);
+    }
+
+    fn on_message(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, data: &[u8], imm: Option<u32>) {
+        match ack_count(data, imm) {
+            Some(count) if count == self.sent && self.end_staged => self.acked = true,
+            Some(count) => {
+                self.failure = Some(format!(
+                    "the receiver acknowledged {count} bytes, but {} were sent",
+                    self.sent
+                ))
+            }
+            None => self.failure = Some("unexpected message from the receiver".into()),
+        }
+    }
+
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
+        self.pump(ctx);
+    }
+
+    fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &rdma_comm_core::Error) {
+        self.failure
+            .get_or_insert_with(|| format!("the stream broke after {} bytes: {error}", self.sent));
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        self.pump(ctx);
+    }
+}
+
+impl Progress for Sender {
+    fn bytes(&self) -> u64 {
+        self.sent
+    }
+    fn finished(&self) -> bool {
+        self.acked
+    }
+    fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
+    }
+}
+
+fn ack_count(data: &[u8], imm: Option<u32>) -> Option<u64> {
+    let bytes: [u8; 8] = data.try_into().ok()?;
+    (imm == Some(ACK_TAG)).then(|| u64::from_le_bytes(bytes))
+}
+
+/// Writes every block to stdout from its receive slot; at the end of the
+/// stream, flushes and acknowledges the byte count.
+struct Receiver {
+    output: File,
+    received: u64,
+    ended: Option<ConnId>,
+    ack: Option<u32>,
+    acked: bool,
+    failure: Option<Failure>,
+}
+
+impl Receiver {
+    fn try_ack(&mut self, ctx: &mut Ctx<'_>) {
+        let Some(conn) = self.ended else { return };
+        if self.ack.is_some() || self.failure.is_some() {
+            return;
+        }
+        match ctx.send(conn, &self.received.to_le_bytes(), Some(ACK_TAG)) {
+            Ok(seq) => {
+                ctx.signal_staged(conn);
+                self.ack = Some(seq);
+            }
+            Err(SendError::WouldBlock) => {}
+            Err(err) => self.failure = Some(format!("acknowledging: {err}")),
+        }
+    }
+}
+
+impl Handler for Receiver {
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], _imm: Option<u32>) {
+        if self.failure.is_some() {
+            return;
+        }
+        if self.ended.is_some() {
+            self.failure = Some("the sender sent data after the end of the stream".into());
+        } else if data.is_empty() {
+            if let Err(err) = self.output.flush() {
+                self.failure = Some(format!("writing stdout: {err}"));
+                return;
+            }
+            self.ended = Some(conn);
+            self.try_ack(ctx);
+        } else if let Err(err) = self.output.write_all(data) {
+            self.failure = Some(format!("writing stdout: {err}"));
+        } else {
+            self.received += data.len() as u64;
+        }
+    }
+
+    fn on_send_complete(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, seq: u32) {
+        if self.ack == Some(seq) {
+            self.acked = true;
+        }
+    }
+
+    fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &rdma_comm_core::Error) {
+        self.failure.get_or_insert_with(|| {
+            format!("the stream broke after {} bytes: {error}", self.received)
+        });
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        self.try_ack(ctx);
+    }
+}
+
+impl Progress for Receiver {
+    fn bytes(&self) -> u64 {
+        self.received
+    }
+    fn finished(&self) -> bool {
+        self.acked
+    }
+    fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
+    }
+}
+
+/// Forwards upstream blocks downstream without copying them; blocks the
+/// downstream has no credit for wait in order, still holding their receive
+/// slots, which is what pushes back on the upstream sender.
+struct Relay {
+    down: ConnId,
+    up: Option<ConnId>,
+    waiting: VecDeque<HeldRecv>,
+    forwarded: u64,
+    end_forwarded: bool,
+    down_acked: Option<u64>,
+    up_ack: Option<u32>,
+    acked: bool,
+    failure: Option<Failure>,
+}
+
+impl Relay {
+    fn drain(&mut self, ctx: &mut Ctx<'_>) {
+        while let Some(held) = self.waiting.pop_front() {
+            let len = held.len();
+            match ctx.forward(self.down, held, None) {
+                Ok(_) => {
+                    self.forwarded += len as u64;
+                    self.end_forwarded = len == 0;
+                }
+                Err((SendError::WouldBlock, held)) => {
+                    self.waiting.push_front(held);
+                    return;
+                }
+                Err((err, held)) => {
+                    ctx.release(held);
+                    self.failure = Some(format!("forwarding: {err}"));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn try_ack_upstream(&mut self, ctx: &mut Ctx<'_>) {
+        let (Some(up), Some(count), None) = (self.up, self.down_acked, self.up_ack) else {
+            return;
+        };
+        match ctx.send(up, &count.to_le_bytes(), Some(ACK_TAG)) {
+            Ok(seq) => {
+                ctx.signal_staged(up);
+                self.up_ack = Some(seq);
+            }
+            Err(SendError::WouldBlock) => {}
+            Err(err) => self.failure = Some(format!("acknowledging upstream: {err}")),
+        }
+    }
+}
+
+impl Handler for Relay {
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        if conn == self.down {
+            match ack_count(data, imm) {
+                Some(count) if count == self.forwarded && self.end_forwarded => {
+                    self.down_acked = Some(count);
+                    self.try_ack_upstream(ctx);
+                }
+                Some(count) => {
+                    self.failure = Some(format!(
+                        "downstream acknowledged {count} bytes, but {} were forwarded",
+                        self.forwarded
+                    ))
+                }
+                None => self.failure = Some("unexpected message from downstream".into()),
+            }
+            return;
+        }
+        self.up = Some(conn);
+        let Some(held) = ctx.hold() else { return };
+        self.waiting.push_back(held);
+        self.drain(ctx);
+    }
+
+    fn on_send_complete(&mut self, _ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        if Some(conn) == self.up && self.up_ack == Some(seq) {
+            self.acked = true;
+        }
+    }
+
+    fn on_error(&mut self, _ctx: &mut Ctx<'_>, conn: ConnId, error: &rdma_comm_core::Error) {
+        let side = if conn == self.down {
+            "downstream"
+        } else {
+            "upstream"
+        };
+        self.failure
+            .get_or_insert_with(|| format!("{side}, after {} bytes: {error}", self.forwarded));
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        self.drain(ctx);
+        self.try_ack_upstream(ctx);
+    }
+}
+
+impl Progress for Relay {
+    fn bytes(&self) -> u64 {
+        self.forwarded
+    }
+    fn finished(&self) -> bool {
+        self.acked
+    }
+    fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
+    }
+}
+
+fn reactor_config(opts: &Opts) -> ReactorConfig {
+    let depth = opts.depth.clamp(4, 4096);
+    ReactorConfig {
+        event_mode: opts
+            .reactor
+            .event_mode_or(common::EventArg::Blocking)
+            .into(),
+        slot_size: opts.block_size.max(1) + SEND_HEADER_LEN,
+        recv_depth: depth,
+        repost_batch: (depth / 4).max(1),
+        send_slots: depth,
+        sq_depth: (2 * depth).max(64),
+        signal_interval: opts.reactor.signal_interval,
+        ..ReactorConfig::default()
+    }
+}
+
+fn listen_addr(listen: &str) -> String {
+    match listen.parse::<u16>() {
+        Ok(port) => format!("0.0.0.0:{port}"),
+        Err(_) => listen.to_string(),
+    }
+}
+
+fn accept_one<H: Handler>(
+    listen: &str,
+    pd: &ProtectionDomain,
+    reactor: &mut Reactor<H>,
+    opts: &Opts,
+) -> Result<Endpoint, Failure> {
+    let mut config = reactor.server_config(AccessFlags::empty());
+    opts.dev.apply(&mut config.qp);
+    config.max_peers = Some(1);
+    let server = ServerSession::bind(listen_addr(listen).as_str(), pd, config)
+        .map_err(|err| format!("listening on {listen}: {err}"))?;
+    let endpoint = server.accept().ok_or("the listener stopped")?;
+    for failure in server.take_failures() {
+        eprintln!("rdma_cat: rejected {}: {}", failure.peer, failure.error);
+    }
+    Ok(endpoint)
+}
+
+fn connect<H: Handler>(
+    peer: &str,
+    pd: &ProtectionDomain,
+    reactor: &mut Reactor<H>,
+    opts: &Opts,
+) -> Result<Endpoint, Failure> {
+    let mut spec = reactor.channel_spec("stream");
+    opts.dev.apply(&mut spec.qp);
+    let mut config = ClientConfig::new(vec![spec]);
+    config.connect_deadline = Duration::from_secs(opts.connect_timeout);
+    ClientSession::connect(peer, pd, &config).map_err(|err| format!("connecting to {peer}: {err}"))
+}
+
+fn open_device(opts: &Opts) -> Result<ProtectionDomain, Failure> {
+    let ctx = Context::open_default(opts.dev.device.as_deref()).map_err(|err| err.to_string())?;
+    ctx.alloc_pd().map_err(|err| err.to_string())
+}
+
+fn new_reactor<T: Handler>(
+    pd: &ProtectionDomain,
+    opts: &Opts,
+) -> Result<Reactor<Shared<T>>, Failure> {
+    Reactor::new(pd, reactor_config(opts)).map_err(|err| err.to_string())
+}
+
+fn progress_bar(opts: &Opts, total: Option<u64>) -> ProgressBar {
+    if opts.quiet || !io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let template = match total {
+        Some(_) => "{bytes}/{total_bytes} {wide_bar} {binary_bytes_per_sec} eta {eta}",
+        None => "{bytes} {binary_bytes_per_sec} {elapsed}",
+    };
+    let bar = ProgressBar::with_draw_target(total, ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template(template) {
+        bar.set_style(style);
+    }
+    bar
+}
+
+/// Turns the reactor until the role finishes or fails, watching every
+/// session's control connection so a vanished peer ends the run promptly.
+fn drive<T: Handler + Progress>(
+    reactor: &mut Reactor<Shared<T>>,
+    sessions: &[SessionId],
+    role: &Rc<RefCell<T>>,
+    bar: &ProgressBar,
+) -> Result<(), Failure> {
+    let mut last_check = Instant::now();
+    let mut gone: Option<(Instant, Failure)> = None;
+    loop {
+        reactor.turn().map_err(|err| err.to_string())?;
+        {
+            let role = role.borrow();
+            if let Some(failure) = role.failure() {
+                return Err(failure.to_string());
+            }
+            if role.finished() {
+                bar.set_position(role.bytes());
+                bar.finish();
+                return Ok(());
+            }
+        }
+        if let Some((since, failure)) = &gone {
+            if since.elapsed() > LAST_WORDS {
+                return Err(failure.clone());
+            }
+            continue;
+        }
+        if last_check.elapsed() < PEER_CHECK_INTERVAL {
+            continue;
+        }
+        last_check = Instant::now();
+        bar.set_position(role.borrow().bytes());
+        for &session in sessions {
+            let endpoint = reactor.endpoint_mut(session);
+            let peer = endpoint.peer();
+            let failure = match endpoint.check_peer() {
+                PeerStatus::Alive => continue,
+                PeerStatus::Disconnected { code } => format!(
+                    "{peer} closed the connection (code {code}) after {} bytes, before the stream was acknowledged",
+                    role.borrow().bytes()
+                ),
+                PeerStatus::Lost(err) => {
+                    format!("lost {peer} after {} bytes: {err}", role.borrow().bytes())
+                }
+            };
+            gone = Some((Instant::now(), failure));
+        }
+    }
+}
+
+fn send(peer: &str, opts: &Opts) -> Result<(), Failure> {
+    let pd = open_device(opts)?;
+    let input = File::from(
+        io::stdin()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|err| format!("stdin: {err}"))?,
+    );
+    let total = input
+        .metadata()
+        .ok()
+        .filter(|meta| meta.is_file())
+        .map(|meta| meta.len());
+    let mut reactor = new_reactor::<Sender>(&pd, opts)?;
+    let endpoint = connect(peer, &pd, &mut reactor, opts)?;
+    let block = opts
+        .block_size
+        .clamp(1, reactor.config().slot_size - SEND_HEADER_LEN);
+    let role = Rc::new(RefCell::new(Sender {
+        input,
+        conn: None,
+        block,
+        batch: opts.reactor.batch.max(1),
+        sent: 0,
+        end_staged: false,
+        acked: false,
+        failure: None,
+    }));
+    let session = reactor
+        .add(endpoint, Shared(Rc::clone(&role)))
+        .map_err(|err| err.to_string())?;
+    drive(&mut reactor, &[session], &role, &progress_bar(opts, total))
+}
+
+fn recv(listen: &str, opts: &Opts) -> Result<(), Failure> {
+    let pd = open_device(opts)?;
+    let output = File::from(
+        io::stdout()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|err| format!("stdout: {err}"))?,
+    );
+    let mut reactor = new_reactor::<Receiver>(&pd, opts)?;
+    let endpoint = accept_one(listen, &pd, &mut reactor, opts)?;
+    let role = Rc::new(RefCell::new(Receiver {
+        output,
+        received: 0,
+        ended: None,
+        ack: None,
+        acked: false,
+        failure: None,
+    }));
+    let session = reactor
+        .add(endpoint, Shared(Rc::clone(&role)))
+        .map_err(|err| err.to_string())?;
+    drive(&mut reactor, &[session], &role, &progress_bar(opts, None))
+}
+
+fn relay(listen: &str, to: &str, opts: &Opts) -> Result<(), Failure> {
+    let pd = open_device(opts)?;
+    let mut reactor = new_reactor::<Relay>(&pd, opts)?;
+    // Downstream first: a relay that cannot reach its next hop should not
+    // accept a sender it would only fail. Its receive ring is posted (by
+    // `add`) before we wait for the sender, so the next hop's first credit
+    // update finds a receive however long that takes.
+    let downstream = connect(to, &pd, &mut reactor, opts)?;
+    let role = Rc::new(RefCell::new(Relay {
+        down: ConnId(u32::MAX),
+        up: None,
+        waiting: VecDeque::with_capacity(opts.depth as usize),
+        forwarded: 0,
+        end_forwarded: false,
+        down_acked: None,
+        up_ack: None,
+        acked: false,
+        failure: None,
+    }));
+    let down_session = reactor
+        .add(downstream, Shared(Rc::clone(&role)))
+        .map_err(|err| err.to_string())?;
+    role.borrow_mut().down = reactor
+        .conns(down_session)
+        .next()
+        .ok_or("the downstream endpoint has no channel")?;
+    let upstream = accept_one(listen, &pd, &mut reactor, opts)?;
+    let up_session = reactor
+        .add(upstream, Shared(Rc::clone(&role)))
+        .map_err(|err| err.to_string())?;
+    drive(
+        &mut reactor,
+        &[down_session, up_session],
+        &role,
+        &progress_bar(opts, None),
+    )
+}
