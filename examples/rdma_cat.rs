@@ -116,32 +116,11 @@ fn main() -> ExitCode {
     }
 }
 
-/// Lets every role live in a `Rc<RefCell<_>>` the main loop can look into.
-struct Shared<T>(Rc<RefCell<T>>);
-
 /// What the main loop needs to know about a role.
 trait Progress {
     fn bytes(&self) -> u64;
     fn finished(&self) -> bool;
     fn failure(&self) -> Option<&str>;
-}
-
-impl<T: Handler> Handler for Shared<T> {
-    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
-        self.0.borrow_mut().on_established(ctx, conn)
-    }
-    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
-        self.0.borrow_mut().on_message(ctx, conn, data, imm)
-    }
-    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
-        self.0.borrow_mut().on_send_complete(ctx, conn, seq)
-    }
-    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &rdma_comm_core::Error) {
-        self.0.borrow_mut().on_error(ctx, conn, error)
-    }
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        self.0.borrow_mut().on_idle(ctx)
-    }
 }
 
 /// Reads stdin into send slots until EOF, then ends the stream and waits
@@ -490,7 +469,7 @@ fn open_device(opts: &Opts) -> Result<ProtectionDomain, Failure> {
 fn new_reactor<T: Handler>(
     pd: &ProtectionDomain,
     opts: &Opts,
-) -> Result<Reactor<Shared<T>>, Failure> {
+) -> Result<Reactor<Rc<RefCell<T>>>, Failure> {
     Reactor::new(pd, reactor_config(opts)).map_err(|err| err.to_string())
 }
 
@@ -512,7 +491,7 @@ fn progress_bar(opts: &Opts, total: Option<u64>) -> ProgressBar {
 /// Turns the reactor until the role finishes or fails, watching every
 /// session's control connection so a vanished peer ends the run promptly.
 fn drive<T: Handler + Progress>(
-    reactor: &mut Reactor<Shared<T>>,
+    reactor: &mut Reactor<Rc<RefCell<T>>>,
     sessions: &[SessionId],
     role: &Rc<RefCell<T>>,
     bar: &ProgressBar,
@@ -590,7 +569,7 @@ fn send(peer: &str, opts: &Opts) -> Result<(), Failure> {
         failure: None,
     }));
     let session = reactor
-        .add(endpoint, Shared(Rc::clone(&role)))
+        .add(endpoint, Rc::clone(&role))
         .map_err(|err| err.to_string())?;
     drive(&mut reactor, &[session], &role, &progress_bar(opts, total))
 }
@@ -614,7 +593,7 @@ fn recv(listen: &str, opts: &Opts) -> Result<(), Failure> {
         failure: None,
     }));
     let session = reactor
-        .add(endpoint, Shared(Rc::clone(&role)))
+        .add(endpoint, Rc::clone(&role))
         .map_err(|err| err.to_string())?;
     drive(&mut reactor, &[session], &role, &progress_bar(opts, None))
 }
@@ -639,7 +618,7 @@ fn relay(listen: &str, to: &str, opts: &Opts) -> Result<(), Failure> {
         failure: None,
     }));
     let down_session = reactor
-        .add(downstream, Shared(Rc::clone(&role)))
+        .add(downstream, Rc::clone(&role))
         .map_err(|err| err.to_string())?;
     role.borrow_mut().down = reactor
         .conns(down_session)
@@ -647,7 +626,7 @@ fn relay(listen: &str, to: &str, opts: &Opts) -> Result<(), Failure> {
         .ok_or("the downstream endpoint has no channel")?;
     let upstream = accept_one(listen, &pd, &mut reactor, opts)?;
     let up_session = reactor
-        .add(upstream, Shared(Rc::clone(&role)))
+        .add(upstream, Rc::clone(&role))
         .map_err(|err| err.to_string())?;
     drive(
         &mut reactor,

@@ -86,14 +86,28 @@ pub struct PerfBuffers {
 /// `clock_gettime` when the CPU does not advertise an invariant TSC, as in a
 /// TCG guest, where that is an emulated HPET read costing microseconds inside
 /// every measured round trip.
+///
+/// ```
+/// let clock = rdma_comm_core::perf::Clock::new();
+/// let start = clock.now();
+/// let elapsed_ns = clock.nanos(start, clock.now());
+/// # let _ = elapsed_ns;
+/// ```
 #[derive(Debug)]
-struct Clock {
+pub struct Clock {
     reference: quanta::Clock,
     ns_per_tick: f64,
 }
 
+impl Default for Clock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Clock {
-    fn new() -> Self {
+    /// Calibrates the clock (spins for about 20 ms).
+    pub fn new() -> Self {
         let reference = quanta::Clock::new();
         let (t0, c0) = (reference.now(), ticks(&reference));
         while reference.now().duration_since(t0) < std::time::Duration::from_millis(20) {
@@ -108,12 +122,14 @@ impl Clock {
         }
     }
 
+    /// Raw ticks: cheap enough to read around every operation.
     #[inline]
-    fn now(&self) -> u64 {
+    pub fn now(&self) -> u64 {
         ticks(&self.reference)
     }
 
-    fn nanos(&self, start: u64, end: u64) -> u64 {
+    /// Nanoseconds between two readings of [`now`](Self::now).
+    pub fn nanos(&self, start: u64, end: u64) -> u64 {
         (end.saturating_sub(start) as f64 * self.ns_per_tick) as u64
     }
 }

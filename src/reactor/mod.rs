@@ -221,6 +221,36 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
     }
 }
 
+/// One handler shared by several sessions of a reactor (a relay's upstream
+/// and downstream, a mesh's peers), which the owner can also inspect between
+/// passes. Callbacks never nest, so the borrow never conflicts.
+impl<H: Handler> Handler for std::rc::Rc<std::cell::RefCell<H>> {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.borrow_mut().on_established(ctx, conn)
+    }
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        self.borrow_mut().on_message(ctx, conn, data, imm)
+    }
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
+        self.borrow_mut().on_write_imm(ctx, conn, imm, len)
+    }
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.borrow_mut().on_send_complete(ctx, conn, seq)
+    }
+    fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.borrow_mut().on_write_complete(ctx, conn, seq)
+    }
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.borrow_mut().on_read_complete(ctx, conn, seq)
+    }
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
+        self.borrow_mut().on_error(ctx, conn, error)
+    }
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        self.borrow_mut().on_idle(ctx)
+    }
+}
+
 /// What a callback may do: stage work on any connection of the reactor.
 pub struct Ctx<'a> {
     conns: &'a mut [Conn],

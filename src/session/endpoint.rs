@@ -223,7 +223,7 @@ impl Endpoint {
                 peer: self.peer,
                 what: format!("unexpected control message {other:?} on an established endpoint"),
             }),
-            Err(source) => PeerStatus::Lost(Error::Handshake {
+            Err(source) => PeerStatus::Lost(Error::PeerGone {
                 peer: self.peer,
                 source,
             }),
@@ -231,7 +231,7 @@ impl Endpoint {
     }
 
     fn lost(&self, err: io::Error) -> Error {
-        Error::Handshake {
+        Error::PeerGone {
             peer: self.peer,
             source: err.into(),
         }

@@ -1,0 +1,145 @@
+//! `tools/mesh` under a real launcher: `mpirun -np 4 --oversubscribe` (Open
+//! MPI) on one rxe device, one port per rank, for WRITE and SEND traffic; and
+//! a rank killed mid-stream, which the others report instead of hanging.
+//! Gated as described in `tests/util/mod.rs`: runs in the Soft-RoCE guest.
+
+mod util;
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use util::*;
+
+fn mesh_tool() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/mesh")
+}
+
+/// Runs `tools/mesh` on 4 ranks under mpirun; returns its output and rank 0's JSON.
+fn mpirun_mesh(flags: &[&str]) -> (Output, serde_json::Value) {
+    let json = std::env::temp_dir().join(format!("mesh-{}.json", free_port()));
+    let base_port = free_port().saturating_sub(8).max(1024).to_string();
+    let mut command = Command::new("mpirun");
+    // Open MPI refuses root unless told; the guest runs tests as root.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        command.arg("--allow-run-as-root");
+    }
+    let output = command
+        .args(["--oversubscribe", "-np", "4", "-x", "MESH_BIN"])
+        .arg(mesh_tool())
+        .args(["--no-pin", "--event-mode", "blocking", "--lat-iters", "200"])
+        .args(["--base-port", &base_port, "--json"])
+        .arg(&json)
+        .args(flags)
+        .env("MESH_BIN", example_binary("mesh"))
+        .stdin(Stdio::null())
+        .output()
+        .expect("mpirun (openmpi-bin) runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    assert!(output.status.success(), "mpirun exited {}", output.status);
+    let report = std::fs::read_to_string(&json).expect("rank 0 wrote the JSON report");
+    let _ = std::fs::remove_file(&json);
+    (output, serde_json::from_str(&report).expect("valid JSON"))
+}
+
+/// Every off-diagonal entry of a 4×4 matrix.
+fn off_diagonal(doc: &serde_json::Value, key: &str) -> Vec<f64> {
+    let rows = doc[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{key} missing"));
+    assert_eq!(rows.len(), 4, "{key} is not 4×4");
+    let mut values = Vec::new();
+    for (from, row) in rows.iter().enumerate() {
+        let row = row.as_array().unwrap();
+        assert_eq!(row.len(), 4, "{key} is not 4×4");
+        for (to, value) in row.iter().enumerate() {
+            if from != to {
+                values.push(value.as_f64().unwrap());
+            }
+        }
+    }
+    values
+}
+
+verbs_test! {
+    fn four_ranks_under_mpirun_stream_verified_writes_to_each_other() {
+        let (output, doc) = mpirun_mesh(&["--op", "write", "--duration", "2"]);
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(stdout.contains("mesh: 4 ranks (Open MPI)"), "rank 0 printed no matrix");
+        assert!(stdout.contains("12 streams"), "not every pair streamed");
+        assert_eq!(doc["bad_messages"], 0);
+        for latency in off_diagonal(&doc, "latency_us") {
+            assert!(latency > 0.0, "a pair has no latency figure");
+        }
+        for bandwidth in off_diagonal(&doc, "bandwidth_mib_s") {
+            assert!(bandwidth > 0.0, "a pair moved nothing");
+        }
+    }
+}
+
+verbs_test! {
+    fn four_ranks_under_mpirun_send_exactly_the_requested_bytes() {
+        // 2 MiB in 10000-byte messages: the last message of each stream is short.
+        let (_, doc) = mpirun_mesh(&["--op", "send", "--bytes", "2M", "--msg-size", "10000"]);
+        assert_eq!(doc["bad_messages"], 0);
+        for bytes in off_diagonal(&doc, "bytes") {
+            assert_eq!(bytes, f64::from(2 << 20), "a stream carried the wrong byte count");
+        }
+    }
+}
+
+verbs_test! {
+    fn a_rank_killed_mid_stream_is_reported_by_the_others() {
+        let base_port = free_port().saturating_sub(8).max(1024).to_string();
+        let spawn = |rank: usize| {
+            Command::new(example_binary("mesh"))
+                .args(["--rank", &rank.to_string(), "--size", "3", "--hosts", "127.0.0.1"])
+                .args(["--base-port", &base_port, "--no-pin", "--event-mode", "blocking"])
+                .args(["--lat-iters", "50", "--duration", "120"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn mesh")
+        };
+        let mut ranks: Vec<_> = (0..3).map(spawn).collect();
+        thread::sleep(Duration::from_secs(8));
+        for (rank, child) in ranks.iter_mut().enumerate() {
+            assert!(child.try_wait().unwrap().is_none(), "rank {rank} ended before the kill");
+        }
+        ranks[2].kill().expect("kill -9 rank 2");
+        let _ = ranks[2].wait();
+        let started = Instant::now();
+        for (rank, child) in ranks.iter_mut().enumerate().take(2) {
+            while child.try_wait().unwrap().is_none() {
+                assert!(started.elapsed() < Duration::from_secs(60), "rank {rank} hangs after losing a peer");
+                thread::sleep(Duration::from_millis(50));
+            }
+            let output = child.wait_with_output_ref();
+            assert!(!output.0.success(), "rank {rank} exited 0 after losing rank 2");
+            assert!(output.1.contains("rank 2"), "rank {rank} did not name the lost rank: {}", output.1);
+        }
+    }
+}
+
+/// `wait_with_output` for a child we only borrow: status and stderr.
+trait WaitRef {
+    fn wait_with_output_ref(&mut self) -> (std::process::ExitStatus, String);
+}
+
+impl WaitRef for std::process::Child {
+    fn wait_with_output_ref(&mut self) -> (std::process::ExitStatus, String) {
+        use std::io::Read;
+        let mut stderr = String::new();
+        if let Some(mut pipe) = self.stderr.take() {
+            let _ = pipe.read_to_string(&mut stderr);
+        }
+        let status = self.wait().expect("wait");
+        eprintln!("{stderr}");
+        (status, stderr)
+    }
+}
