@@ -106,7 +106,7 @@ fn latency(c: &mut Criterion) {
                             |buffers| PerfHandler::Reflect(Reflector::new(spec, buffers)),
                         );
                         reactor.run().unwrap();
-                        let PerfHandler::Latency(client) = reactor.handler(session) else {
+                        let Some(PerfHandler::Latency(client)) = reactor.handler(session) else {
                             unreachable!()
                         };
                         // Samples are half round trips for SEND and WRITE; report whole ones.
@@ -148,7 +148,7 @@ fn message_rate(c: &mut Criterion) {
                             |_| PerfHandler::Sink(RateSink::default()),
                         );
                         reactor.run().unwrap();
-                        let PerfHandler::Rate(sender) = reactor.handler(session) else {
+                        let Some(PerfHandler::Rate(sender)) = reactor.handler(session) else {
                             unreachable!()
                         };
                         let stats = black_box(sender.stats());

@@ -238,14 +238,19 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
         };
         let session = reactor.add(endpoint, handler)?;
         reactor.run()?;
-        let handler = reactor.handler(session);
+        let (endpoint, handler) =
+            reactor
+                .remove(session)
+                .ok_or(rdma_comm_core::Error::InvalidArgument(
+                    "the session vanished from its reactor",
+                ))?;
         if let Some(failure) = handler.failure() {
             return Err(rdma_comm_core::Error::Protocol {
-                peer: reactor.endpoint(session).peer(),
+                peer: endpoint.peer(),
                 what: failure.to_string(),
             });
         }
-        match handler {
+        match &handler {
             PerfHandler::Latency(client) => {
                 if let Some(stats) = LatencyStats::from_ns(size, &client.latencies_ns()) {
                     println!("{}", stats.row());

@@ -835,7 +835,10 @@ fn drive(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<Mesh>>) -> 
             .map(|(i, p)| (i, p.session))
             .collect();
         for (index, session) in sessions {
-            let why = match reactor.endpoint_mut(session).check_peer() {
+            let Some(endpoint) = reactor.endpoint_mut(session) else {
+                continue;
+            };
+            let why = match endpoint.check_peer() {
                 PeerStatus::Alive => continue,
                 PeerStatus::Disconnected { code } => format!("hung up early (code {code})"),
                 PeerStatus::Lost(err) => format!("was lost: {err}"),

@@ -523,7 +523,9 @@ fn drive<T: Handler + Progress>(
         last_check = Instant::now();
         bar.set_position(role.borrow().bytes());
         for &session in sessions {
-            let endpoint = reactor.endpoint_mut(session);
+            let Some(endpoint) = reactor.endpoint_mut(session) else {
+                continue;
+            };
             let peer = endpoint.peer();
             let failure = match endpoint.check_peer() {
                 PeerStatus::Alive => continue,

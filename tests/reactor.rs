@@ -209,3 +209,49 @@ verbs_test! {
         assert!(sleeps > 0, "the outer loop slept on the reactor's fd and was woken by it");
     }
 }
+
+verbs_test! {
+    fn removing_a_session_mid_traffic_leaves_the_others_running() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config(EventMode::BusyPoll)).unwrap();
+        // Sessions 0 (echoer) and 1 (pinger), then 2 (sink) and 3 (streamer).
+        let (ping, _echo) = add_ping_pong(&pd, Sides::One(&mut reactor), u64::MAX, 64, true);
+        let (sent, received) = add_stream(&pd, Sides::One(&mut reactor), STREAM_MESSAGES, 1000, None, false);
+        let echoer = SessionId(0);
+        let started = std::time::Instant::now();
+        while ping.done.load(Ordering::Relaxed) < 200 {
+            reactor.turn().unwrap();
+            assert!(started.elapsed() < RUN_DEADLINE, "the ping-pong did not get going");
+        }
+        let (endpoint, _handler) = reactor.remove(echoer).expect("the echoer session");
+        drop(endpoint);
+        assert!(reactor.handler(echoer).is_none());
+        assert_eq!(reactor.conns(echoer).count(), 0);
+        assert!(reactor.remove(echoer).is_none(), "removed twice");
+        // Completions still queued for the removed QP are ignored and the
+        // stream is not disturbed; the pinger's peer shows as disconnected on
+        // the control connection (its last ping may have been acknowledged
+        // already, so the QP alone need not report anything).
+        let pinger = SessionId(1);
+        let mut pinger_told = false;
+        while !received.finished.load(Ordering::Acquire) || !pinger_told {
+            reactor.turn().unwrap();
+            if !pinger_told {
+                let status = reactor.endpoint_mut(pinger).expect("pinger session").check_peer();
+                pinger_told = matches!(status, rdma_comm_core::session::PeerStatus::Disconnected { .. });
+            }
+            assert!(
+                started.elapsed() < RUN_DEADLINE,
+                "stuck after the removal: stream {}/{STREAM_MESSAGES}, pinger told {pinger_told}",
+                received.done.load(Ordering::Relaxed)
+            );
+        }
+        check("stream sender", &sent, sent.done.load(Ordering::Relaxed));
+        check("stream receiver", &received, STREAM_MESSAGES);
+        assert_eq!(ping.bad.load(Ordering::Relaxed), 0);
+        assert_eq!(reactor.sessions().count(), 3);
+        assert!(reactor.remove(pinger).is_some());
+        assert_eq!(reactor.sessions().collect::<Vec<_>>(), [SessionId(2), SessionId(3)]);
+    }
+}

@@ -76,6 +76,24 @@ pub(crate) enum OpKind {
     Forward,
 }
 
+/// Where a registered ring of slots lives.
+#[derive(Clone, Copy, Debug)]
+struct Ring {
+    ptr: *mut u8,
+    addr: u64,
+    lkey: u32,
+}
+
+impl Ring {
+    fn of(region: &MemoryRegion) -> Self {
+        Self {
+            ptr: region.as_ptr(),
+            addr: region.addr(),
+            lkey: region.lkey(),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ConnState {
     /// Waiting for the peer's first credit update.
@@ -83,6 +101,8 @@ pub(crate) enum ConnState {
     Established,
     /// A completion failed or posting failed; the handler was told.
     Failed,
+    /// The session was removed: nothing is owned any more.
+    Removed,
 }
 
 pub(crate) struct Conn {
@@ -90,9 +110,12 @@ pub(crate) struct Conn {
     pub(crate) session: usize,
     pub(crate) channel: usize,
     pub(crate) state: ConnState,
-    // Regions: receive ring and send slots, each `slot_size` per slot.
-    pub(crate) recv_region: MemoryRegion,
-    pub(crate) send_region: MemoryRegion,
+    // Receive ring and send slots, `slot_size` bytes per slot. The rings are
+    // addressed through their cached base, lkey and pointer; `regions` owns
+    // the registrations and is dropped when the session is removed.
+    recv_ring: Ring,
+    send_ring: Ring,
+    regions: Option<(MemoryRegion, MemoryRegion)>,
     pub(crate) slot_size: usize,
     recv_depth: u32,
     send_slots: u32,
@@ -163,8 +186,9 @@ impl Conn {
             session,
             channel,
             state: ConnState::Connecting,
-            recv_region,
-            send_region,
+            recv_ring: Ring::of(&recv_region),
+            send_ring: Ring::of(&send_region),
+            regions: Some((recv_region, send_region)),
             slot_size,
             recv_depth,
             send_slots,
@@ -221,7 +245,7 @@ impl Conn {
     /// Queues receive slot `slot` for reposting at the end of the pass.
     #[inline]
     pub(crate) fn queue_repost(&mut self, slot: u32) {
-        if self.state == ConnState::Failed || self.pending_len == self.pending_reposts.len() {
+        if self.is_closed() || self.pending_len == self.pending_reposts.len() {
             return;
         }
         self.pending_reposts[self.pending_len] = slot;
@@ -247,12 +271,12 @@ impl Conn {
         while start < self.pending_len {
             let end = (start + MAX_REPOST).min(self.pending_len);
             for &slot in &self.pending_reposts[start..end] {
-                let addr = self.recv_region.addr() + u64::from(slot) * self.slot_size as u64;
+                let addr = self.recv_ring.addr + u64::from(slot) * self.slot_size as u64;
                 let request = RecvRequest::from_raw(
                     wr_id(self.id.0, KIND_RECV, slot),
                     addr,
                     self.slot_size as u32,
-                    self.recv_region.lkey(),
+                    self.recv_ring.lkey,
                 );
                 // At most MAX_REPOST pushes into a batch emptied by each post.
                 let _ = self.reposts.push(request);
@@ -268,20 +292,26 @@ impl Conn {
     /// The bytes of receive slot `slot`.
     #[inline]
     pub(crate) fn recv_bytes(&self, slot: u32, len: usize) -> &[u8] {
+        if self.regions.is_none() || slot >= self.recv_depth {
+            return &[];
+        }
         let start = slot as usize * self.slot_size;
         let len = len.min(self.slot_size);
-        // SAFETY: the slot's receive completed and it is not reposted until the
-        // handler returns, so no DMA writes it now; the range is in the region.
-        unsafe { std::slice::from_raw_parts(self.recv_region.as_ptr().add(start), len) }
+        // SAFETY: the ring is still registered (`regions` is Some) and the
+        // range is inside it; the slot's receive completed and it is not
+        // reposted until the handler returns or releases it, so no DMA writes it.
+        unsafe { std::slice::from_raw_parts(self.recv_ring.ptr.add(start), len) }
     }
 
-    /// Address and lkey of receive slot `slot` (to send it on as a forward).
+    /// Address and lkey of receive slot `slot` (to send it on as a forward);
+    /// `None` once the connection's rings are gone.
     #[inline]
-    pub(crate) fn recv_slot_source(&self, slot: u32) -> (u64, u32) {
-        (
-            self.recv_region.addr() + u64::from(slot) * self.slot_size as u64,
-            self.recv_region.lkey(),
-        )
+    pub(crate) fn recv_slot_source(&self, slot: u32) -> Option<(u64, u32)> {
+        self.regions.as_ref()?;
+        Some((
+            self.recv_ring.addr + u64::from(slot) * self.slot_size as u64,
+            self.recv_ring.lkey,
+        ))
     }
 
     /// Applies a credit value the peer sent (in a header or an immediate).
@@ -304,7 +334,7 @@ impl Conn {
         match self.state {
             ConnState::Established => {}
             ConnState::Connecting => return Err(SendError::WouldBlock),
-            ConnState::Failed => return Err(SendError::Closed),
+            ConnState::Failed | ConnState::Removed => return Err(SendError::Closed),
         }
         // One SQ entry and one credit stay reserved for credit updates, so a
         // busy sender can always tell its peer that it may send again.
@@ -380,21 +410,19 @@ impl Conn {
         self.admit(true, true)?;
         let slot = (self.send_head + self.send_in_use) & (self.send_slots - 1);
         let start = slot as usize * self.slot_size;
-        // SAFETY: the slot is free (not referenced by any posted request) and
-        // lies inside the send region; we hold &mut self.
+        // SAFETY: admit() passed, so the rings are registered; the slot is
+        // free (no posted request references it) and lies inside the send
+        // ring; we hold &mut self.
         let bytes = unsafe {
-            std::slice::from_raw_parts_mut(
-                self.send_region.as_ptr().add(start),
-                HEADER_LEN + capacity,
-            )
+            std::slice::from_raw_parts_mut(self.send_ring.ptr.add(start), HEADER_LEN + capacity)
         };
         let Some(len) = fill(&mut bytes[HEADER_LEN..]) else {
             return Err(SendError::Cancelled);
         };
         let len = len.min(capacity);
         self.send_in_use += 1;
-        let addr = self.send_region.addr() + start as u64;
-        let (lkey, total) = (self.send_region.lkey(), (HEADER_LEN + len) as u32);
+        let addr = self.send_ring.addr + start as u64;
+        let (lkey, total) = (self.send_ring.lkey, (HEADER_LEN + len) as u32);
         let request = match imm {
             Some(imm) => {
                 WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, addr, total, lkey).imm(imm)
@@ -641,6 +669,23 @@ impl Conn {
         }
         self.batch.clear();
         self.pending_len = 0;
+    }
+
+    /// True once failed or removed: nothing more is posted.
+    #[inline]
+    pub(crate) fn is_closed(&self) -> bool {
+        matches!(self.state, ConnState::Failed | ConnState::Removed)
+    }
+
+    /// Forgets the connection after its QP was stopped: releases forwarded
+    /// slots to their origins (through `release`) and deregisters the rings.
+    pub(crate) fn remove(&mut self, release: impl FnMut(ConnId, u32)) {
+        if self.state != ConnState::Failed {
+            self.fail(release);
+        }
+        self.state = ConnState::Removed;
+        self.regions = None;
+        self.pending_reposts = Box::new([]);
     }
 
     /// Queue depths in use (for tests and diagnostics).

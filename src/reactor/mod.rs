@@ -386,7 +386,9 @@ impl Ctx<'_> {
         let Some(origin) = self.conns.get(held.conn.0 as usize) else {
             return Err((SendError::Closed, held));
         };
-        let source = origin.recv_slot_source(held.slot);
+        let Some(source) = origin.recv_slot_source(held.slot) else {
+            return Err((SendError::Closed, held));
+        };
         let Some(target) = self.conns.get_mut(to.0 as usize) else {
             return Err((SendError::Closed, held));
         };
@@ -491,9 +493,10 @@ pub struct Reactor<H: Handler> {
     config: ReactorConfig,
     // Drop order: QPs (in the endpoints) first, then the regions in the
     // connections, then the CQs and their channels.
-    endpoints: Vec<Endpoint>,
+    // By session; `None` once removed (session ids are never reused).
+    endpoints: Vec<Option<Endpoint>>,
     conns: Vec<Conn>,
-    handlers: Vec<H>,
+    handlers: Vec<Option<H>>,
     cqs: Vec<CompletionQueue>,
     channels: Vec<CompletionChannel>,
     waiter: Waiter,
@@ -624,8 +627,8 @@ impl<H: Handler> Reactor<H> {
             conns.push(conn);
         }
         self.conns.extend(conns);
-        self.endpoints.push(endpoint);
-        self.handlers.push(handler);
+        self.endpoints.push(Some(endpoint));
+        self.handlers.push(Some(handler));
         Ok(SessionId(session))
     }
 
@@ -637,31 +640,76 @@ impl<H: Handler> Reactor<H> {
         }
     }
 
-    /// The handler of a session.
-    pub fn handler(&self, session: SessionId) -> &H {
-        &self.handlers[session.0]
+    /// The handler of a session (`None` if it was removed).
+    pub fn handler(&self, session: SessionId) -> Option<&H> {
+        self.handlers.get(session.0)?.as_ref()
     }
 
     /// The handler of a session, mutably.
-    pub fn handler_mut(&mut self, session: SessionId) -> &mut H {
-        &mut self.handlers[session.0]
+    pub fn handler_mut(&mut self, session: SessionId) -> Option<&mut H> {
+        self.handlers.get_mut(session.0)?.as_mut()
     }
 
     /// The endpoint of a session.
-    pub fn endpoint(&self, session: SessionId) -> &Endpoint {
-        &self.endpoints[session.0]
+    pub fn endpoint(&self, session: SessionId) -> Option<&Endpoint> {
+        self.endpoints.get(session.0)?.as_ref()
     }
 
     /// The endpoint of a session, mutably (for [`Endpoint::check_peer`]).
-    pub fn endpoint_mut(&mut self, session: SessionId) -> &mut Endpoint {
-        &mut self.endpoints[session.0]
+    pub fn endpoint_mut(&mut self, session: SessionId) -> Option<&mut Endpoint> {
+        self.endpoints.get_mut(session.0)?.as_mut()
+    }
+
+    /// Sessions currently served (added and not removed).
+    pub fn sessions(&self) -> impl Iterator<Item = SessionId> + '_ {
+        self.endpoints
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.is_some())
+            .map(|(i, _)| SessionId(i))
+    }
+
+    /// Takes a session out of the reactor: its QPs are moved to the error
+    /// state, its receive rings and send slots are deregistered, and the
+    /// endpoint and handler are handed back (drop the endpoint, or `close`
+    /// it, to tell the peer). Completions still queued for it are ignored.
+    /// Messages of this session that another connection is still
+    /// forwarding fail that forward. `None` if the session is unknown.
+    ///
+    /// A server removes a session when its peer disconnects, so a long-lived
+    /// reactor holds only the peers it serves (plus a small record per
+    /// connection it ever had).
+    pub fn remove(&mut self, session: SessionId) -> Option<(Endpoint, H)> {
+        let endpoint = self.endpoints.get_mut(session.0)?.take()?;
+        let handler = self.handlers[session.0].take()?;
+        for channel in endpoint.channels() {
+            // The QP stops touching the rings before they are deregistered;
+            // errors add nothing here (the endpoint is going away).
+            let _ = channel.qp().set_error();
+        }
+        let mut released = Vec::new();
+        for conn in self.conns.iter_mut().filter(|c| c.session == session.0) {
+            conn.remove(|origin, slot| released.push((origin, slot)));
+        }
+        self.release_forwarded(released);
+        Some((endpoint, handler))
+    }
+
+    /// Reposts receive slots whose forwards died with another connection.
+    #[cold]
+    fn release_forwarded(&mut self, released: Vec<(ConnId, u32)>) {
+        for (origin, slot) in released {
+            if let Some(origin) = self.conns.get_mut(origin.0 as usize) {
+                origin.queue_repost(slot);
+            }
+        }
     }
 
     /// The connections of a session, in channel order.
     pub fn conns(&self, session: SessionId) -> impl Iterator<Item = ConnId> + '_ {
         self.conns
             .iter()
-            .filter(move |c| c.session == session.0)
+            .filter(move |c| c.session == session.0 && c.state != ConnState::Removed)
             .map(|c| c.id)
     }
 
@@ -715,7 +763,7 @@ impl<H: Handler> Reactor<H> {
                 stop: &self.stop,
                 current: None,
             };
-            for handler in &mut self.handlers {
+            for handler in self.handlers.iter_mut().flatten() {
                 handler.on_idle(&mut ctx);
             }
         }
@@ -773,7 +821,7 @@ impl<H: Handler> Reactor<H> {
         };
         let session = conn.session;
         let id = conn.id;
-        if conn.state == ConnState::Failed {
+        if conn.is_closed() {
             return;
         }
         if !wc.is_success() {
@@ -786,7 +834,9 @@ impl<H: Handler> Reactor<H> {
             );
             return;
         }
-        let handler = &mut self.handlers[session];
+        let Some(handler) = self.handlers[session].as_mut() else {
+            return;
+        };
         match kind {
             WrKind::Recv { slot } => {
                 let len = wc.byte_len() as usize;
@@ -877,12 +927,11 @@ impl<H: Handler> Reactor<H> {
         let conn = &mut self.conns[id.0 as usize];
         conn.fail(|origin, slot| released.push((origin, slot)));
         let channel = conn.channel;
-        for (origin, slot) in released {
-            if let Some(origin) = self.conns.get_mut(origin.0 as usize) {
-                origin.queue_repost(slot);
-            }
-        }
-        if let Some(ch) = self.endpoints[session].channels().get(channel) {
+        self.release_forwarded(released);
+        if let Some(ch) = self.endpoints[session]
+            .as_ref()
+            .and_then(|e| e.channels().get(channel))
+        {
             // Stops the QP, so the peer sees the failure too; errors here add nothing.
             let _ = ch.qp().set_error();
         }
@@ -891,7 +940,9 @@ impl<H: Handler> Reactor<H> {
             stop: &self.stop,
             current: None,
         };
-        self.handlers[session].on_error(&mut ctx, id, &error);
+        if let Some(handler) = self.handlers[session].as_mut() {
+            handler.on_error(&mut ctx, id, &error);
+        }
     }
 
     /// End of pass: repost receives, then one doorbell per QP.
@@ -900,13 +951,19 @@ impl<H: Handler> Reactor<H> {
         for index in 0..self.conns.len() {
             let conn = &mut self.conns[index];
             // Most passes on a busy-poll reactor find nothing: keep those cheap.
-            if conn.state == ConnState::Failed
+            if conn.is_closed()
                 || (conn.is_quiet() && !(signal_tails && conn.has_unsignaled_tail()))
             {
                 continue;
             }
             let (session, channel, id) = (conn.session, conn.channel, conn.id);
-            let qp = self.endpoints[session].channels()[channel].qp();
+            let Some(qp) = self.endpoints[session]
+                .as_ref()
+                .and_then(|e| e.channels().get(channel))
+                .map(|c| c.qp())
+            else {
+                continue;
+            };
             let mut result = Ok(());
             if (idle && conn.has_pending_reposts()) || conn.reposts_due() {
                 result = conn.flush_reposts(qp);
