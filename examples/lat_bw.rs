@@ -52,23 +52,19 @@ struct Args {
     /// Unmeasured iterations first (latency).
     #[arg(long, default_value_t = 100)]
     warmup: u64,
-    /// Most requests per doorbell (bandwidth).
-    #[arg(long, default_value_t = 16)]
-    batch: usize,
-    /// Signal every Nth request.
-    #[arg(long = "signal", default_value_t = 16)]
-    signal_interval: u32,
-    /// How the reactor waits.
-    #[arg(long, value_enum, default_value_t = EventArg::Busy)]
-    event_mode: EventArg,
     /// Report bandwidth in Gb/s.
     #[arg(long)]
     report_gbits: bool,
     /// Also write the results as JSON to this file (client).
     #[arg(long, value_name = "FILE")]
     json: Option<String>,
+    /// Also draw latency or bandwidth against message size into this SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<String>,
     #[command(flatten)]
     dev: common::DeviceArgs,
+    #[command(flatten)]
+    reactor: common::ReactorArgs,
     /// Pin the reactor to this CPU (default: a core near the NIC; the server
     /// takes the first, the client the second).
     #[arg(long, conflicts_with = "no_pin")]
@@ -92,14 +88,11 @@ enum TestArg {
     Bw,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum EventArg {
-    Busy,
-    Blocking,
-    Epoll,
-}
-
 const MAX_SIZE: usize = 8 << 20;
+
+fn event_mode(args: &Args) -> common::EventArg {
+    args.reactor.event_mode_or(common::EventArg::Busy)
+}
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -132,7 +125,7 @@ fn spec(args: &Args, size: usize) -> PerfSpec {
         size,
         iters: args.iters.max(1),
         warmup: args.warmup,
-        batch: args.batch.max(1),
+        batch: args.reactor.batch_or(16),
     }
 }
 
@@ -151,17 +144,16 @@ fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
         && ((args.test == TestArg::Lat && args.op == OpArg::Read)
             || (args.test == TestArg::Bw && args.op != OpArg::Send));
     ReactorConfig {
-        event_mode: match args.event_mode {
-            _ if passive => EventMode::Blocking,
-            EventArg::Busy => EventMode::BusyPoll,
-            EventArg::Blocking => EventMode::Blocking,
-            EventArg::Epoll => EventMode::Epoll,
+        event_mode: if passive {
+            EventMode::Blocking
+        } else {
+            event_mode(args).into()
         },
         slot_size,
         recv_depth: depth,
-        send_slots: depth.min(128).max(2 * args.signal_interval),
+        send_slots: depth.min(128).max(2 * args.reactor.signal_interval),
         sq_depth: 512,
-        signal_interval: args.signal_interval,
+        signal_interval: args.reactor.signal_interval,
         ..ReactorConfig::default()
     }
 }
@@ -237,7 +229,22 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
             (false, TestArg::Bw) => PerfHandler::Rate(RateSender::new(spec, buffers)),
         };
         let session = reactor.add(endpoint, handler)?;
-        reactor.run()?;
+        // The peer's control connection is watched, so a vanished peer ends
+        // the run with an error instead of a hang.
+        while !reactor.run_for(Duration::from_millis(200))? {
+            let Some(endpoint) = reactor.endpoint_mut(session) else {
+                break;
+            };
+            let peer = endpoint.peer();
+            let what = match endpoint.check_peer() {
+                PeerStatus::Alive => continue,
+                PeerStatus::Disconnected { code } => {
+                    format!("the peer hung up (code {code}) before the run ended")
+                }
+                PeerStatus::Lost(err) => format!("lost the peer: {err}"),
+            };
+            return Err(rdma_comm_core::Error::Protocol { peer, what });
+        }
         let (endpoint, handler) =
             reactor
                 .remove(session)
@@ -274,11 +281,17 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
     }
     if !args.server {
         println!("{}", "-".repeat(87));
+        if let Some(path) = &args.plot {
+            plot(path, args, ctx.name(), &results).map_err(|what| rdma_comm_core::Error::Os {
+                what: "drawing the plot",
+                source: std::io::Error::other(what),
+            })?;
+        }
         if let Some(path) = &args.json {
             let doc = serde_json::json!({
                 "op": format!("{:?}", args.op), "test": format!("{:?}", args.test), "device": ctx.name(),
-                "event_mode": format!("{:?}", args.event_mode), "signal_interval": args.signal_interval,
-                "batch": args.batch, "results": results,
+                "event_mode": format!("{:?}", event_mode(args)), "signal_interval": args.reactor.signal_interval,
+                "batch": args.reactor.batch_or(16), "results": results,
             });
             std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(
                 |source| rdma_comm_core::Error::Os {
@@ -315,9 +328,9 @@ fn print_banner(args: &Args, ctx: &Context) -> rdma_comm_core::Result<()> {
         ctx.name(),
         gid.index,
         attr.active_mtu.bytes(),
-        args.event_mode,
-        args.signal_interval,
-        args.batch
+        event_mode(args),
+        args.reactor.signal_interval,
+        args.reactor.batch_or(16)
     );
     println!("{}", "-".repeat(87));
     match args.test {
@@ -325,4 +338,101 @@ fn print_banner(args: &Args, ctx: &Context) -> rdma_comm_core::Result<()> {
         TestArg::Bw => println!("{}", bandwidth_header(args.report_gbits)),
     }
     Ok(())
+}
+
+/// Draws the measured curve (latency: typical and 99th percentile;
+/// bandwidth: average) against message size on a log2 axis.
+fn plot(
+    path: &str,
+    args: &Args,
+    device: &str,
+    results: &[serde_json::Value],
+) -> Result<(), String> {
+    use plotters::prelude::*;
+
+    let series: Vec<(&str, &str, RGBColor)> = match args.test {
+        TestArg::Lat => vec![
+            ("t_typical_us", "typical", BLUE),
+            ("p99_us", "99th percentile", RED),
+        ],
+        TestArg::Bw => vec![("bw_avg_mib_s", "average", BLUE)],
+    };
+    let points = |key: &str| -> Vec<(f64, f64)> {
+        results
+            .iter()
+            .filter_map(|r| Some((r["bytes"].as_f64()?, r[key].as_f64()?)))
+            .collect()
+    };
+    let all: Vec<(f64, f64)> = series.iter().flat_map(|(key, _, _)| points(key)).collect();
+    if all.is_empty() {
+        return Err("nothing was measured".into());
+    }
+    let (x_min, x_max) = all.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &(x, _)| {
+        (lo.min(x), hi.max(x))
+    });
+    // Both axes are logarithmic: sizes double per step, and latency and
+    // bandwidth each span orders of magnitude between 2 B and 8 MiB.
+    let (y_min, y_max) = all
+        .iter()
+        .filter(|&&(_, y)| y > 0.0)
+        .fold((f64::MAX, f64::MIN), |(lo, hi), &(_, y)| {
+            (lo.min(y), hi.max(y))
+        });
+    if y_min > y_max {
+        return Err("every figure is zero".into());
+    }
+    let (title, y_label) = match args.test {
+        TestArg::Lat => ("latency", "usec"),
+        TestArg::Bw => ("bandwidth", "MiB/sec"),
+    };
+    let caption = format!("{:?} {title} on {device} (rdma-comm-core)", args.op);
+    let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(caption, ("sans-serif", 22))
+        .margin(20)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(
+            ((x_min / 2.0).max(0.5)..x_max * 2.0).log_scale().base(2.0),
+            (y_min / 1.5..y_max * 1.5).log_scale(),
+        )
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("message size [bytes]")
+        .y_desc(y_label)
+        .y_label_formatter(&|y| format!("{y:.3}"))
+        .x_label_formatter(&|bytes| human_bytes(*bytes))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    for (key, label, color) in series {
+        let points = points(key);
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                color.stroke_width(2),
+            ))
+            .map_err(|e| e.to_string())?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color));
+        chart
+            .draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))
+            .map_err(|e| e.to_string())?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())
+}
+
+fn human_bytes(bytes: f64) -> String {
+    match bytes.round() {
+        b if b >= f64::from(1 << 20) => format!("{}M", (b / f64::from(1 << 20)).round()),
+        b if b >= 1024.0 => format!("{}K", (b / 1024.0).round()),
+        b => format!("{b}"),
+    }
 }

@@ -713,7 +713,7 @@ fn run(args: &Args) -> Result<bool, String> {
         stream_ns: Some((args.duration.max(0.0) * 1e9) as u64),
         stream_bytes: args.bytes,
         lat_iters: args.lat_iters,
-        batch: args.reactor.batch.max(1),
+        batch: args.reactor.batch_or(16),
         clock: Clock::new(),
         peers: Vec::new(),
         by_conn: Vec::new(),

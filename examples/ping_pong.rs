@@ -1,15 +1,22 @@
-//! Finite SEND/RECV and WRITE_WITH_IMM ping-pong with payload verification.
+//! Finite SEND/RECV and WRITE_WITH_IMM ping-pong with payload verification,
+//! both sides on the reactor.
 //!
 //! ```text
-//! ping_pong --server [--listen 0.0.0.0:7471] [--max-peers N]
-//! ping_pong --connect HOST:7471 [--iters 1000] [--size 64] [--op send|write-imm|both]
+//! ping_pong --server [--listen 0.0.0.0:7471] [--max-peers N] [--event-mode blocking]
+//! ping_pong --connect HOST:7471 [--iters 1000] [--size 64] [--op send|write-imm|both] [--batch 1]
 //! ```
 //!
-//! Every message carries a pattern derived from its sequence number; both sides
-//! check every byte (and the immediate). The client prints an RTT summary and
-//! exits 0 only if every byte matched. The server serves any number of peers,
-//! each on its own thread, and keeps going when one of them fails.
+//! Every message carries a pattern derived from its sequence number; both
+//! sides check every byte (and the immediate). `--batch N` keeps N pings in
+//! flight, staged in one pass and so posted with one doorbell. The client
+//! prints an RTT summary and exits 0 only if every byte matched.
+//!
+//! The server serves any number of peers from one reactor thread over its
+//! shared CQ: it echoes SENDs straight out of their receive slots (no copy)
+//! and WRITE_WITH_IMMs back from its inbox, removes a peer when it
+//! disconnects or fails, and keeps serving the others.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -19,7 +26,8 @@ mod common;
 
 use clap::{Parser, ValueEnum};
 use rdma_comm_core::Error;
-use rdma_comm_core::pool::BufferPool;
+use rdma_comm_core::perf::Clock;
+use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
 
@@ -39,7 +47,7 @@ struct Args {
     /// Time a client has to complete its handshake (server).
     #[arg(long, default_value_t = 10_000)]
     handshake_timeout_ms: u64,
-    /// Largest message a peer may send (server).
+    /// Largest message a peer may send, and each peer's inbox size (server).
     #[arg(long, default_value_t = 1 << 16)]
     max_size: usize,
     /// Server to connect to (client).
@@ -56,6 +64,8 @@ struct Args {
     op: Op,
     #[command(flatten)]
     dev: common::DeviceArgs,
+    #[command(flatten)]
+    reactor: common::ReactorArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -65,12 +75,13 @@ enum Op {
     Both,
 }
 
-/// How long one round trip may take before the peer is declared unresponsive.
+/// How long the client waits for any answer before declaring the server gone.
 const ROUND_TRIP_DEADLINE: Duration = Duration::from_secs(10);
-/// Receive buffers kept posted per peer.
-const RECV_DEPTH: u32 = 16;
-/// wr_id of the server's WRITE_WITH_IMM echo (pool wr_ids have a pool tag).
-const ECHO_WRITE_ID: u64 = 1;
+/// How often control connections are checked for a vanished peer.
+const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+/// Most pings in flight: the WRITE_WITH_IMM immediate carries the inbox slot
+/// in its top byte and the sequence number in the other 24 bits.
+const MAX_WINDOW: usize = 64;
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -98,34 +109,175 @@ fn matches_pattern(bytes: &[u8], seq: u64) -> bool {
     bytes.iter().copied().eq(pattern(seq, bytes.len()))
 }
 
-fn qp_config(args: &Args) -> QpConfig {
-    let mut qp = QpConfig::default();
-    args.dev.apply(&mut qp);
-    qp.remote_access = AccessFlags::REMOTE_WRITE;
-    qp.max_recv_wr = RECV_DEPTH * 2;
-    qp
+fn write_imm(slot: usize, seq: u64) -> u32 {
+    ((slot as u32) << 24) | (seq as u32 & 0x00ff_ffff)
+}
+
+/// `depth` receives per peer; `send_slots` for SENDs that are not echoes
+/// (the server echoes from receive slots and its inbox, so it needs few).
+fn reactor_config(args: &Args, payload: usize, depth: u32, send_slots: u32) -> ReactorConfig {
+    let default_mode = common::EventArg::Busy;
+    ReactorConfig {
+        event_mode: args.reactor.event_mode_or(default_mode).into(),
+        slot_size: payload + SEND_HEADER_LEN,
+        recv_depth: depth,
+        repost_batch: (depth / 4).max(1),
+        send_slots,
+        sq_depth: (2 * depth).max(64),
+        signal_interval: args.reactor.signal_interval,
+        ..ReactorConfig::default()
+    }
+}
+
+/// The client: keeps `window` pings in flight and checks every echo.
+struct Pinger {
+    iters: u64,
+    size: usize,
+    op: Op,
+    window: usize,
+    conn: Option<ConnId>,
+    source: Arc<MemoryRegion>,
+    inbox: Arc<MemoryRegion>,
+    server_inbox: RemoteRegion,
+    clock: Clock,
+    scratch: Vec<u8>,
+    /// Staging time of each in-flight ping, by window slot.
+    sent_at: Vec<u64>,
+    next: u64,
+    answered: u64,
+    rtts_ns: Vec<u64>,
+    mismatches: u64,
+    failure: Option<String>,
+}
+
+impl Pinger {
+    fn uses_send(&self, seq: u64) -> bool {
+        match self.op {
+            Op::Send => true,
+            Op::WriteImm => false,
+            Op::Both => seq.is_multiple_of(2),
+        }
+    }
+
+    fn pump(&mut self, ctx: &mut Ctx<'_>) {
+        let Some(conn) = self.conn else { return };
+        while self.next < self.iters && self.next - self.answered < self.window as u64 {
+            let seq = self.next;
+            let slot = (seq % self.window as u64) as usize;
+            let size = self.size;
+            let staged = if self.uses_send(seq) {
+                ctx.send_with(conn, size, None, |buf| {
+                    for (dst, src) in buf.iter_mut().zip(pattern(seq, size)) {
+                        *dst = src;
+                    }
+                })
+            } else {
+                let offset = slot * size;
+                for (dst, src) in self.scratch.iter_mut().zip(pattern(seq, size)) {
+                    *dst = src;
+                }
+                // This slot's previous ping was answered, so nothing reads it.
+                let local = self
+                    .source
+                    .write(offset, &self.scratch)
+                    .and_then(|()| self.source.slice(offset, size));
+                let remote = self.server_inbox.slice(offset as u64, size as u64);
+                match (local, remote) {
+                    (Ok(local), Ok(remote)) => {
+                        ctx.write(conn, &local, remote, Some(write_imm(slot, seq)))
+                    }
+                    (Err(err), _) | (_, Err(err)) => Err(SendError::Invalid(err)),
+                }
+            };
+            match staged {
+                Ok(_) => {
+                    self.sent_at[slot] = self.clock.now();
+                    self.next += 1;
+                }
+                Err(SendError::WouldBlock) => return,
+                Err(err) => {
+                    self.failure = Some(format!("ping {seq}: {err}"));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn answer(&mut self, ctx: &mut Ctx<'_>, ok: bool, what: impl FnOnce() -> String) {
+        let seq = self.answered;
+        let slot = (seq % self.window as u64) as usize;
+        self.rtts_ns
+            .push(self.clock.nanos(self.sent_at[slot], self.clock.now()));
+        if !ok {
+            self.mismatches += 1;
+            eprintln!("message {seq}: echo did not match ({})", what());
+        }
+        self.answered += 1;
+        self.pump(ctx);
+    }
+
+    fn done(&self) -> bool {
+        self.answered == self.iters || self.failure.is_some()
+    }
+}
+
+impl Handler for Pinger {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.conn = Some(conn);
+        self.pump(ctx);
+    }
+
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, data: &[u8], imm: Option<u32>) {
+        let seq = self.answered;
+        let ok = self.uses_send(seq)
+            && imm.is_none()
+            && data.len() == self.size
+            && matches_pattern(data, seq);
+        self.answer(ctx, ok, || format!("SEND echo, {} bytes", data.len()));
+    }
+
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, imm: u32, len: u32) {
+        let seq = self.answered;
+        let slot = (seq % self.window as u64) as usize;
+        let expected_kind = !self.uses_send(seq);
+        let scratch = &mut self.scratch[..(len as usize).min(self.size)];
+        let ok = expected_kind
+            && imm == write_imm(slot, seq)
+            && len as usize == self.size
+            && self.inbox.read(slot * self.size, scratch).is_ok()
+            && matches_pattern(scratch, seq);
+        self.answer(ctx, ok, || {
+            format!("WRITE_WITH_IMM echo, imm {imm:#x}, {len} bytes")
+        });
+    }
+
+    fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
+        self.failure.get_or_insert_with(|| error.to_string());
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        self.pump(ctx);
+    }
 }
 
 fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
-    let addr = args
-        .connect
-        .as_deref()
-        .expect("clap requires --connect without --server");
+    let addr = args.connect.as_deref().unwrap_or_default();
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
     let size = args.size.max(1);
-    let inbox = Arc::new(pd.alloc_mr(size, AccessFlags::REMOTE_WRITE)?);
-    let mut tx = BufferPool::new(&pd, size, 2, AccessFlags::empty())?;
-    let mut rx = BufferPool::new(&pd, size, RECV_DEPTH, AccessFlags::LOCAL_WRITE)?;
-
-    let mut spec = ChannelSpec::new("ping");
-    spec.qp = qp_config(args);
+    let window = args.reactor.batch_or(1).min(MAX_WINDOW);
+    let inbox = Arc::new(pd.alloc_mr(window * size, AccessFlags::REMOTE_WRITE)?);
+    let source = Arc::new(pd.alloc_mr(window * size, AccessFlags::empty())?);
+    let depth = (2 * window as u32).max(16);
+    let mut reactor: Reactor<Pinger> = Reactor::new(&pd, reactor_config(args, size, depth, depth))?;
+    let mut spec = reactor.channel_spec_with_access("ping", AccessFlags::REMOTE_WRITE);
+    args.dev.apply(&mut spec.qp);
     let config = ClientConfig::new(vec![spec]).with_exports(vec![Export::new(
         1,
         "inbox",
         Arc::clone(&inbox),
     )]);
-    let mut endpoint = ClientSession::connect(addr, &pd, &config)?;
+    let endpoint = ClientSession::connect(addr, &pd, &config)?;
     let peer = endpoint.peer();
     let server_inbox = endpoint
         .remote_region("inbox")
@@ -133,97 +285,93 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
             peer,
             what: "server exported no \"inbox\" region".into(),
         })?;
+    if (window * size) as u64 > server_inbox.len() {
+        return Err(Error::Protocol {
+            peer,
+            what: format!(
+                "{window} pings of {size} B need {} B, the server takes {} B per peer (its --max-size)",
+                window * size,
+                server_inbox.len()
+            ),
+        });
+    }
     println!(
-        "connected to {peer}: {} x {size} B, op {:?}",
+        "connected to {peer}: {} x {size} B, op {:?}, {window} in flight",
         args.iters, args.op
     );
+    let pinger = Pinger {
+        iters: args.iters,
+        size,
+        op: args.op,
+        window,
+        conn: None,
+        source,
+        inbox,
+        server_inbox,
+        clock: Clock::new(),
+        scratch: vec![0; size],
+        sent_at: vec![0; window],
+        next: 0,
+        answered: 0,
+        rtts_ns: Vec::with_capacity(args.iters as usize),
+        mismatches: 0,
+        failure: None,
+    };
+    let session = reactor.add(endpoint, pinger)?;
 
-    let channel = endpoint.channel(0).expect("one channel was negotiated");
-    let (qp, cq) = channel.split_mut();
-    let cq = cq.expect("the channel has a private CQ");
-    while let Some(slot) = rx.acquire() {
-        rx.post_recv(qp, slot).map_err(|e| e.error)?;
-    }
-
-    let mut rtts = Vec::with_capacity(args.iters as usize);
-    let mut mismatches = 0u64;
-    let mut wcs = [WorkCompletion::default(); 16];
-    for seq in 0..args.iters {
-        let use_send = match args.op {
-            Op::Send => true,
-            Op::WriteImm => false,
-            Op::Both => seq % 2 == 0,
+    let mut last_progress = (0, Instant::now());
+    let mut last_check = Instant::now();
+    loop {
+        reactor.turn()?;
+        let Some(pinger) = reactor.handler(session) else {
+            break;
         };
-        let mut slot = tx.acquire().expect("the send slot came back last round");
-        for (dst, src) in tx.bytes_mut(&mut slot)[..size]
-            .iter_mut()
-            .zip(pattern(seq, size))
-        {
-            *dst = src;
+        if pinger.done() {
+            break;
         }
-        let start = Instant::now();
-        let posted = if use_send {
-            tx.post_send(qp, slot, size, None)
-        } else {
-            tx.post_write(
-                qp,
-                slot,
-                server_inbox.slice(0, size as u64)?,
-                Some(seq as u32),
-            )
-        };
-        posted.map_err(|e| e.error)?;
-
-        let (mut sent, mut answered) = (false, false);
-        while !(sent && answered) {
-            if start.elapsed() > ROUND_TRIP_DEADLINE {
-                return Err(Error::Protocol {
-                    peer,
-                    what: format!("no answer to message {seq} within {ROUND_TRIP_DEADLINE:?}"),
-                });
-            }
-            for wc in cq.poll(&mut wcs)? {
-                wc.ok()?;
-                if let Some(slot) = tx.complete(wc) {
-                    tx.release(slot);
-                    sent = true;
-                } else if let Some(slot) = rx.complete(wc) {
-                    let len = wc.byte_len() as usize;
-                    let ok = match wc.imm() {
-                        // WRITE_WITH_IMM echo: the bytes are in our inbox.
-                        Some(imm) => {
-                            imm == seq as u32 && len == size && inbox_matches(&inbox, seq, size)?
-                        }
-                        None => len == size && matches_pattern(&rx.bytes(&slot)[..len], seq),
-                    };
-                    if !ok {
-                        mismatches += 1;
-                        eprintln!(
-                            "message {seq}: echo did not match (imm {:?}, {len} bytes)",
-                            wc.imm()
-                        );
+        if pinger.answered != last_progress.0 {
+            last_progress = (pinger.answered, Instant::now());
+        } else if last_progress.1.elapsed() > ROUND_TRIP_DEADLINE {
+            return Err(Error::Protocol {
+                peer,
+                what: format!(
+                    "no answer to message {} within {ROUND_TRIP_DEADLINE:?}",
+                    pinger.answered
+                ),
+            });
+        }
+        if last_check.elapsed() > PEER_CHECK_INTERVAL {
+            last_check = Instant::now();
+            if let Some(endpoint) = reactor.endpoint_mut(session) {
+                match endpoint.check_peer() {
+                    PeerStatus::Alive => {}
+                    PeerStatus::Disconnected { code } => {
+                        return Err(Error::Protocol {
+                            peer,
+                            what: format!("the server hung up (code {code})"),
+                        });
                     }
-                    rx.post_recv(qp, slot).map_err(|e| e.error)?;
-                    answered = true;
+                    PeerStatus::Lost(err) => return Err(err),
                 }
             }
         }
-        rtts.push(start.elapsed());
     }
-
+    let (endpoint, pinger) = reactor
+        .remove(session)
+        .ok_or(Error::InvalidArgument("the session vanished"))?;
     let report = endpoint.close()?;
-    print_summary(&rtts, mismatches, report.drained.len());
-    Ok(mismatches == 0 && rtts.len() as u64 == args.iters)
+    if let Some(failure) = &pinger.failure {
+        return Err(Error::Protocol {
+            peer,
+            what: failure.clone(),
+        });
+    }
+    print_summary(&pinger.rtts_ns, pinger.mismatches, report.drained.len());
+    Ok(pinger.mismatches == 0 && pinger.rtts_ns.len() as u64 == args.iters)
 }
 
-fn inbox_matches(inbox: &MemoryRegion, seq: u64, size: usize) -> rdma_comm_core::Result<bool> {
-    let mut bytes = vec![0u8; size];
-    inbox.read(0, &mut bytes)?;
-    Ok(matches_pattern(&bytes, seq))
-}
-
-fn print_summary(rtts: &[Duration], mismatches: u64, drained: usize) {
-    let mut us: Vec<f64> = rtts.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+fn print_summary(rtts_ns: &[u64], mismatches: u64, drained: usize) {
+    let mut us: Vec<f64> = rtts_ns.iter().map(|&ns| ns as f64 / 1e3).collect();
     us.sort_by(f64::total_cmp);
     let at = |q: f64| {
         us.get(((us.len() as f64 - 1.0) * q).round() as usize)
@@ -243,16 +391,134 @@ fn print_summary(rtts: &[Duration], mismatches: u64, drained: usize) {
     }
 }
 
+/// An echo the server could not post yet (no credit or send-queue room);
+/// echoes leave in arrival order.
+enum Echo {
+    /// A SEND, still in its receive slot.
+    Send(HeldRecv),
+    /// A WRITE_WITH_IMM: write the inbox range back with the same immediate.
+    Write { offset: usize, len: usize, imm: u32 },
+}
+
+/// The server's side of one peer.
+struct Echoer {
+    conn: Option<ConnId>,
+    inbox: Arc<MemoryRegion>,
+    client_inbox: RemoteRegion,
+    scratch: Vec<u8>,
+    seq: u64,
+    waiting: VecDeque<Echo>,
+    /// Corrupted data: reported even if the peer then hangs up politely.
+    corrupt: Option<String>,
+    transport: Option<String>,
+}
+
+impl Echoer {
+    fn drain(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.conn = Some(conn);
+        while let Some(echo) = self.waiting.pop_front() {
+            let result = match echo {
+                Echo::Send(held) => match ctx.forward(conn, held, None) {
+                    Ok(_) => Ok(()),
+                    Err((error, held)) => {
+                        self.waiting.push_front(Echo::Send(held));
+                        Err(error)
+                    }
+                },
+                Echo::Write { offset, len, imm } => {
+                    let staged = match (
+                        self.inbox.slice(offset, len),
+                        self.client_inbox.slice(offset as u64, len as u64),
+                    ) {
+                        (Ok(local), Ok(remote)) => ctx.write(conn, &local, remote, Some(imm)),
+                        (Err(err), _) | (_, Err(err)) => Err(SendError::Invalid(err)),
+                    };
+                    staged.map(|_| ()).inspect_err(|_| {
+                        self.waiting.push_front(Echo::Write { offset, len, imm });
+                    })
+                }
+            };
+            match result {
+                Ok(()) => {}
+                Err(SendError::WouldBlock) => return,
+                Err(err) => {
+                    self.transport.get_or_insert_with(|| format!("echo: {err}"));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn failure(&self) -> Option<&str> {
+        self.corrupt.as_deref().or(self.transport.as_deref())
+    }
+}
+
+impl Handler for Echoer {
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        if imm.is_some() || !matches_pattern(data, self.seq) {
+            self.corrupt.get_or_insert_with(|| {
+                format!(
+                    "message {} ({} B SEND) arrived corrupted",
+                    self.seq,
+                    data.len()
+                )
+            });
+            return;
+        }
+        self.seq += 1;
+        // Zero-copy echo straight from the receive slot.
+        if let Some(held) = ctx.hold() {
+            self.waiting.push_back(Echo::Send(held));
+        }
+        self.drain(ctx, conn);
+    }
+
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
+        let (slot, len) = ((imm >> 24) as usize, len as usize);
+        let offset = slot * len;
+        let room = self.scratch.len();
+        let scratch = &mut self.scratch[..len.min(room)];
+        let intact = imm & 0x00ff_ffff == self.seq as u32 & 0x00ff_ffff
+            && scratch.len() == len
+            && self.inbox.read(offset, scratch).is_ok()
+            && matches_pattern(scratch, self.seq);
+        if !intact {
+            self.corrupt.get_or_insert_with(|| {
+                format!(
+                    "message {} ({len} B WRITE_WITH_IMM, imm {imm:#x}) arrived corrupted",
+                    self.seq
+                )
+            });
+            return;
+        }
+        self.seq += 1;
+        self.waiting.push_back(Echo::Write { offset, len, imm });
+        self.drain(ctx, conn);
+    }
+
+    fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
+        self.transport.get_or_insert_with(|| error.to_string());
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        if let (Some(conn), false) = (self.conn, self.waiting.is_empty()) {
+            self.drain(ctx, conn);
+        }
+    }
+}
+
 fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
     let max_size = args.max_size.max(1);
-    let mut config = ServerConfig {
-        qp: qp_config(args),
-        max_peers: args.max_peers,
-        handshake_timeout: Duration::from_millis(args.handshake_timeout_ms),
-        ..Default::default()
-    };
+    // A full client window plus the credits the reactor keeps in reserve.
+    let depth = MAX_WINDOW as u32 + 8;
+    let mut reactor: Reactor<Echoer> = Reactor::new(&pd, reactor_config(args, max_size, depth, 1))?;
+    let mut config = reactor.server_config(AccessFlags::REMOTE_WRITE);
+    args.dev.apply(&mut config.qp);
+    config.max_peers = args.max_peers;
+    config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
     config.exports = Some(Arc::new(move |_peer: SocketAddr, pd: &ProtectionDomain| {
         // Each peer writes into its own inbox: no peer can touch another's data.
         Ok(vec![Export::new(
@@ -264,31 +530,48 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     let server = ServerSession::bind(args.listen.as_str(), &pd, config)?;
     println!("listening on {}", server.local_addr());
 
-    let mut workers = Vec::new();
     let mut served = 0;
+    let mut last_check = Instant::now();
     loop {
+        reactor.turn()?;
+        if last_check.elapsed() < PEER_CHECK_INTERVAL {
+            continue;
+        }
+        last_check = Instant::now();
         for failure in server.take_failures() {
             println!("rejected {}: {}", failure.peer, failure.error);
         }
-        if args.max_peers.is_some_and(|max| served >= max) {
-            break;
-        }
-        let Some(endpoint) = server.accept_timeout(Duration::from_millis(100)) else {
-            continue;
-        };
-        served += 1;
-        let peer = endpoint.peer();
-        println!("peer {peer} connected");
-        let pd = pd.clone();
-        workers.push(std::thread::spawn(move || {
-            match echo(endpoint, &pd, max_size) {
-                Ok(count) => println!("peer {peer} done: {count} messages verified and echoed"),
+        while args.max_peers.is_none_or(|max| served < max) {
+            let Some(endpoint) = server.accept_timeout(Duration::ZERO) else {
+                break;
+            };
+            served += 1;
+            let peer = endpoint.peer();
+            let Some(client_inbox) = endpoint.remote_region("inbox") else {
+                println!("peer {peer} error: it exported no inbox");
+                continue;
+            };
+            let inbox = Arc::clone(&endpoint.exports()[0].region);
+            let echoer = Echoer {
+                conn: None,
+                inbox,
+                client_inbox,
+                scratch: vec![0; max_size],
+                seq: 0,
+                waiting: VecDeque::with_capacity(MAX_WINDOW),
+                corrupt: None,
+                transport: None,
+            };
+            match reactor.add(endpoint, echoer) {
+                Ok(_) => println!("peer {peer} connected"),
                 Err(err) => println!("peer {peer} error: {err}"),
             }
-        }));
-    }
-    for worker in workers {
-        let _ = worker.join();
+        }
+        retire_finished_peers(&mut reactor);
+        let all_served = args.max_peers.is_some_and(|max| served >= max);
+        if all_served && reactor.sessions().next().is_none() {
+            break;
+        }
     }
     // Report handshakes still in progress too (each ends by its timeout).
     while server.pending_handshakes() > 0 {
@@ -300,90 +583,32 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     Ok(true)
 }
 
-/// Echoes every message back the way it came until the peer disconnects.
-fn echo(
-    mut endpoint: Endpoint,
-    pd: &ProtectionDomain,
-    max_size: usize,
-) -> rdma_comm_core::Result<u64> {
-    let peer = endpoint.peer();
-    let corrupt = |what: String| Error::Protocol { peer, what };
-    let client_inbox = endpoint
-        .remote_region("inbox")
-        .ok_or_else(|| corrupt("client exported no inbox".into()))?;
-    let inbox = Arc::clone(&endpoint.exports()[0].region);
-    let mut rx = BufferPool::new(pd, max_size, RECV_DEPTH, AccessFlags::LOCAL_WRITE)?;
-    let qp = endpoint
-        .channel(0)
-        .expect("one channel was negotiated")
-        .qp();
-    while let Some(slot) = rx.acquire() {
-        rx.post_recv(qp, slot).map_err(|e| e.error)?;
-    }
-
-    let mut seq = 0u64;
-    let mut idle_polls = 0u32;
-    let mut wcs = [WorkCompletion::default(); 16];
-    loop {
-        let (qp, cq) = endpoint
-            .channel(0)
-            .expect("one channel was negotiated")
-            .split_mut();
-        let done = cq.expect("the channel has a private CQ").poll(&mut wcs)?;
-        if done.is_empty() {
-            idle_polls = idle_polls.wrapping_add(1);
-            // The control connection is checked now and then, not per poll.
-            if idle_polls.is_multiple_of(4096) {
-                match endpoint.check_peer() {
-                    PeerStatus::Alive => {}
-                    PeerStatus::Disconnected { .. } => return Ok(seq),
-                    PeerStatus::Lost(err) => return Err(err),
-                }
-            }
+/// Removes peers that hung up or failed, reporting each; the rest go on.
+fn retire_finished_peers(reactor: &mut Reactor<Echoer>) {
+    let sessions: Vec<SessionId> = reactor.sessions().collect();
+    for session in sessions {
+        let (Some(endpoint), Some(echoer)) = (
+            reactor.endpoint_mut(session).map(Endpoint::check_peer),
+            reactor.handler(session),
+        ) else {
             continue;
-        }
-        idle_polls = 0;
-        for wc in done {
-            wc.ok()?;
-            if wc.wr_id() == ECHO_WRITE_ID {
-                continue;
-            }
-            let Some(slot) = rx.complete(wc) else {
-                continue;
-            };
-            let len = wc.byte_len() as usize;
-            match wc.opcode() {
-                // Our echo SEND finished: the slot goes back to receiving.
-                WcOpcode::SEND => rx.post_recv(qp, slot).map_err(|e| e.error)?,
-                WcOpcode::RECV => {
-                    if !matches_pattern(&rx.bytes(&slot)[..len], seq) {
-                        return Err(corrupt(format!(
-                            "message {seq} ({len} B SEND) arrived corrupted"
-                        )));
-                    }
-                    seq += 1;
-                    // Zero-copy echo straight from the receive slot.
-                    rx.post_send(qp, slot, len, None).map_err(|e| e.error)?;
-                }
-                WcOpcode::RECV_RDMA_WITH_IMM => {
-                    let imm = wc.imm().unwrap_or(u32::MAX);
-                    if imm != seq as u32 || !inbox_matches(&inbox, seq, len)? {
-                        return Err(corrupt(format!(
-                            "message {seq} ({len} B WRITE_WITH_IMM, imm {imm}) arrived corrupted"
-                        )));
-                    }
-                    seq += 1;
-                    rx.post_recv(qp, slot).map_err(|e| e.error)?;
-                    let back = WorkRequest::write_with_imm(
-                        ECHO_WRITE_ID,
-                        inbox.slice(0, len)?,
-                        client_inbox.slice(0, len as u64)?,
-                        imm,
-                    )?;
-                    qp.post_send(back.signaled())?;
-                }
-                _ => rx.release(slot),
-            }
+        };
+        let count = echoer.seq;
+        let outcome = match (endpoint, echoer.corrupt.as_deref(), echoer.failure()) {
+            (_, Some(corrupt), _) => Err(corrupt.to_string()),
+            // A polite goodbye explains a transport error that followed it.
+            (PeerStatus::Disconnected { .. }, None, _) => Ok(count),
+            (PeerStatus::Lost(err), _, _) => Err(err.to_string()),
+            (PeerStatus::Alive, _, Some(failure)) => Err(failure.to_string()),
+            (PeerStatus::Alive, _, None) => continue,
+        };
+        let Some((endpoint, _)) = reactor.remove(session) else {
+            continue;
+        };
+        let peer = endpoint.peer();
+        match outcome {
+            Ok(count) => println!("peer {peer} done: {count} messages verified and echoed"),
+            Err(err) => println!("peer {peer} error: {err}"),
         }
     }
 }

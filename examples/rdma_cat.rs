@@ -564,7 +564,7 @@ fn send(peer: &str, opts: &Opts) -> Result<(), Failure> {
         input,
         conn: None,
         block,
-        batch: opts.reactor.batch.max(1),
+        batch: opts.reactor.batch_or(16),
         sent: 0,
         end_staged: false,
         acked: false,

@@ -19,13 +19,57 @@ use crate::verbs::{MemoryRegion, RemoteRegion};
 /// Immediate value of the message that ends a run.
 pub const DONE_MARKER: u32 = u32::MAX;
 
-/// Ends a client's run: tells the server to stop (it answers nothing) and
-/// stops this reactor.
-fn end_run(ctx: &mut Ctx<'_>, conn: Option<ConnId>) {
-    if let Some(conn) = conn {
-        let _ = ctx.send(conn, &[0], Some(DONE_MARKER));
+/// The end of a client's run: the done marker is staged (retried while the
+/// peer has no credit for it), signaled, and the reactor stops once it has
+/// completed, so the client never leaves before the server was told.
+#[derive(Debug, Default)]
+struct RunEnd {
+    state: EndState,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum EndState {
+    #[default]
+    Running,
+    Staging,
+    Sent(u32),
+    Done,
+}
+
+impl RunEnd {
+    fn begin(&mut self, ctx: &mut Ctx<'_>, conn: Option<ConnId>) {
+        self.state = EndState::Staging;
+        self.retry(ctx, conn);
     }
-    ctx.stop();
+
+    fn retry(&mut self, ctx: &mut Ctx<'_>, conn: Option<ConnId>) {
+        if self.state != EndState::Staging {
+            return;
+        }
+        let Some(conn) = conn else {
+            self.finish(ctx);
+            return;
+        };
+        match ctx.send(conn, &[0], Some(DONE_MARKER)) {
+            Ok(seq) => {
+                ctx.signal_staged(conn);
+                self.state = EndState::Sent(seq);
+            }
+            Err(SendError::WouldBlock) => {}
+            Err(_) => self.finish(ctx),
+        }
+    }
+
+    fn completed(&mut self, ctx: &mut Ctx<'_>, seq: u32) {
+        if self.state == EndState::Sent(seq) {
+            self.finish(ctx);
+        }
+    }
+
+    fn finish(&mut self, ctx: &mut Ctx<'_>) {
+        self.state = EndState::Done;
+        ctx.stop();
+    }
 }
 
 /// The operation measured.
@@ -160,6 +204,7 @@ pub struct LatencyClient {
     samples: Vec<u64>,
     failed: Option<String>,
     done: bool,
+    end: RunEnd,
 }
 
 impl LatencyClient {
@@ -176,6 +221,7 @@ impl LatencyClient {
             samples: Vec::with_capacity(spec.iters as usize),
             failed: None,
             done: false,
+            end: RunEnd::default(),
         }
     }
 
@@ -256,7 +302,7 @@ impl LatencyClient {
         self.seq += 1;
         if self.seq == self.spec.warmup + self.spec.iters {
             self.done = true;
-            end_run(ctx, self.conn);
+            self.end.begin(ctx, self.conn);
         } else {
             self.issue(ctx);
         }
@@ -292,8 +338,16 @@ impl Handler for LatencyClient {
         ctx.stop();
     }
 
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, seq: u32) {
+        self.end.completed(ctx, seq);
+    }
+
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        if self.done || self.conn.is_none() {
+        if self.done {
+            self.end.retry(ctx, self.conn);
+            return;
+        }
+        if self.conn.is_none() {
             return;
         }
         if !self.in_flight {
@@ -425,13 +479,21 @@ pub struct RateSender {
     completed: u64,
     clock: Clock,
     started_at: u64,
-    /// (completions so far, timestamp), every `iters / PEAK_WINDOWS` completions.
+    /// (completions so far, timestamp), every `mark_stride` completions.
     marks: Vec<(u64, u64)>,
+    mark_stride: u64,
     failed: Option<String>,
     done: bool,
+    end: RunEnd,
 }
 
-const PEAK_WINDOWS: u64 = 16;
+/// Timestamps kept per run, at most (preallocated).
+const MAX_MARKS: u64 = 1 << 16;
+/// The peak is the best rate over any stretch of this fraction of the run.
+/// Selective signaling retires completions in bursts that share a
+/// timestamp; a stretch of a quarter of the run spans enough bursts that
+/// their granularity cannot inflate the figure.
+const PEAK_FRACTION: usize = 4;
 
 impl RateSender {
     /// A sender for `spec`.
@@ -444,9 +506,11 @@ impl RateSender {
             completed: 0,
             clock: Clock::new(),
             started_at: 0,
-            marks: Vec::with_capacity(PEAK_WINDOWS as usize + 2),
+            marks: Vec::with_capacity(spec.iters.min(MAX_MARKS) as usize + 2),
+            mark_stride: spec.iters.div_ceil(MAX_MARKS).max(1),
             failed: None,
             done: false,
+            end: RunEnd::default(),
         }
     }
 
@@ -469,10 +533,14 @@ impl RateSender {
             _ => f64::INFINITY,
         };
         let bytes = self.spec.size as f64;
+        let span = (self.marks.len() / PEAK_FRACTION).max(1);
         let peak = self
             .marks
-            .windows(2)
-            .map(|w| (w[1].0 - w[0].0) as f64 * bytes / (elapsed_ns(w[0].1, w[1].1) / 1e9))
+            .windows(span + 1)
+            .map(|w| {
+                let (from, to) = (w[0], w[span]);
+                (to.0 - from.0) as f64 * bytes / (elapsed_ns(from.1, to.1) / 1e9)
+            })
             .fold(0.0, f64::max);
         let avg = self.spec.iters as f64 * bytes / avg_secs;
         BandwidthStats {
@@ -525,13 +593,12 @@ impl RateSender {
 
     fn completed_one(&mut self, ctx: &mut Ctx<'_>) {
         self.completed += 1;
-        let window = (self.spec.iters / PEAK_WINDOWS).max(1);
-        if self.completed.is_multiple_of(window) || self.completed == self.spec.iters {
+        if self.completed.is_multiple_of(self.mark_stride) || self.completed == self.spec.iters {
             self.marks.push((self.completed, self.clock.now()));
         }
         if self.completed == self.spec.iters {
             self.done = true;
-            end_run(ctx, self.conn);
+            self.end.begin(ctx, self.conn);
         } else {
             self.pump(ctx);
         }
@@ -546,8 +613,10 @@ impl Handler for RateSender {
 
     fn on_message(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, _data: &[u8], _imm: Option<u32>) {}
 
-    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
-        if !self.done && self.spec.op == PerfOp::Send {
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, seq: u32) {
+        if self.done {
+            self.end.completed(ctx, seq);
+        } else if self.spec.op == PerfOp::Send {
             self.completed_one(ctx);
         }
     }
@@ -570,7 +639,9 @@ impl Handler for RateSender {
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        if !self.done {
+        if self.done {
+            self.end.retry(ctx, self.conn);
+        } else {
             self.pump(ctx);
         }
     }

@@ -56,9 +56,9 @@ pub struct ReactorArgs {
     /// Signal every Nth send-queue request.
     #[arg(long = "signal", default_value_t = 16)]
     pub signal_interval: u32,
-    /// Most requests per doorbell.
-    #[arg(long, default_value_t = 16)]
-    pub batch: usize,
+    /// Most requests per doorbell (default: per tool; ping_pong: pings in flight).
+    #[arg(long)]
+    pub batch: Option<usize>,
 }
 
 impl ReactorArgs {
@@ -66,5 +66,11 @@ impl ReactorArgs {
     #[allow(dead_code)]
     pub fn event_mode_or(&self, default: EventArg) -> EventArg {
         self.event_mode.unwrap_or(default)
+    }
+
+    /// The chosen batch size (at least 1), or the tool's default.
+    #[allow(dead_code)]
+    pub fn batch_or(&self, default: usize) -> usize {
+        self.batch.unwrap_or(default).max(1)
     }
 }

@@ -729,6 +729,39 @@ impl<H: Handler> Reactor<H> {
         Ok(())
     }
 
+    /// Runs passes until stopped (returns `true`) or until about `limit`
+    /// has passed (returns `false`): for a caller that also has something
+    /// to watch now and then, such as its peers' control connections.
+    ///
+    /// ```no_run
+    /// # use rdma_comm_core::reactor::*;
+    /// # use std::time::Duration;
+    /// # fn demo<H: Handler>(reactor: &mut Reactor<H>, session: SessionId) -> rdma_comm_core::Result<()> {
+    /// while !reactor.run_for(Duration::from_millis(100))? {
+    ///     if let Some(endpoint) = reactor.endpoint_mut(session) {
+    ///         if !matches!(endpoint.check_peer(), rdma_comm_core::session::PeerStatus::Alive) {
+    ///             break;
+    ///         }
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn run_for(&mut self, limit: Duration) -> Result<bool> {
+        let started = std::time::Instant::now();
+        let mut passes = 0u32;
+        while !self.stop.load(Ordering::Acquire) {
+            self.turn()?;
+            passes = passes.wrapping_add(1);
+            // Reading the clock costs more than an empty busy pass.
+            let sleeps = self.config.event_mode != EventMode::BusyPoll;
+            if (sleeps || passes.is_multiple_of(1024)) && started.elapsed() >= limit {
+                return Ok(false);
+            }
+        }
+        self.stop.store(false, Ordering::Release);
+        Ok(true)
+    }
+
     /// One pass, then (in the event modes, if it found nothing) one wait.
     pub fn turn(&mut self) -> Result<usize> {
         let done = self.poll_once()?;
