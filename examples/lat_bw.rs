@@ -43,7 +43,7 @@ struct Args {
     /// Message size in bytes.
     #[arg(short = 's', long, default_value_t = 2)]
     size: usize,
-    /// Every power of two from 2 B to 8 MiB (perftest's -a).
+    /// Every power of two from 1 B to 8 MiB (perftest's -a, which starts at 2 B, plus 1 B).
     #[arg(short = 'a', long)]
     all: bool,
     /// Measured iterations per size.
@@ -107,7 +107,7 @@ fn main() -> ExitCode {
 
 fn sizes(args: &Args) -> Vec<usize> {
     if args.all {
-        (1..=23).map(|shift| 1usize << shift).collect()
+        (0..=23).map(|shift| 1usize << shift).collect()
     } else {
         vec![args.size.clamp(1, MAX_SIZE)]
     }

@@ -116,11 +116,12 @@ fn main() -> ExitCode {
     }
 }
 
-/// What the main loop needs to know about a role.
-trait Progress {
-    fn bytes(&self) -> u64;
-    fn finished(&self) -> bool;
-    fn failure(&self) -> Option<&str>;
+/// Bytes moved, whether the far end acknowledged them all, and why not.
+#[derive(Debug, Default)]
+struct Status {
+    bytes: u64,
+    acked: bool,
+    failure: Option<Failure>,
 }
 
 /// Reads stdin into send slots until EOF, then ends the stream and waits
@@ -130,16 +131,14 @@ struct Sender {
     conn: Option<ConnId>,
     block: usize,
     batch: usize,
-    sent: u64,
     end_staged: bool,
-    acked: bool,
-    failure: Option<Failure>,
+    status: Status,
 }
 
 impl Sender {
     fn pump(&mut self, ctx: &mut Ctx<'_>) {
         let Some(conn) = self.conn else { return };
-        while !self.end_staged && self.failure.is_none() && ctx.staged(conn) < self.batch {
+        while !self.end_staged && self.status.failure.is_none() && ctx.staged(conn) < self.batch {
             let mut read = Ok(0);
             let input = &mut self.input;
             let staged = ctx.send_from(conn, self.block, None, |slot| {
@@ -159,10 +158,10 @@ impl Sender {
             });
             match (staged, read) {
                 (Ok(_), Ok(0)) => self.end_staged = true,
-                (Ok(_), Ok(n)) => self.sent += n as u64,
+                (Ok(_), Ok(n)) => self.status.bytes += n as u64,
                 (Err(SendError::WouldBlock), _) => break,
-                (_, Err(err)) => self.failure = Some(format!("reading stdin: {err}")),
-                (Err(err), _) => self.failure = Some(format!("sending: {err}")),
+                (_, Err(err)) => self.status.failure = Some(format!("reading stdin: {err}")),
+                (Err(err), _) => self.status.failure = Some(format!("sending: {err}")),
             }
         }
     }
@@ -176,14 +175,16 @@ impl Handler for Sender {
 
     fn on_message(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, data: &[u8], imm: Option<u32>) {
         match ack_count(data, imm) {
-            Some(count) if count == self.sent && self.end_staged => self.acked = true,
+            Some(count) if count == self.status.bytes && self.end_staged => {
+                self.status.acked = true
+            }
             Some(count) => {
-                self.failure = Some(format!(
+                self.status.failure = Some(format!(
                     "the receiver acknowledged {count} bytes, but {} were sent",
-                    self.sent
+                    self.status.bytes
                 ))
             }
-            None => self.failure = Some("unexpected message from the receiver".into()),
+            None => self.status.failure = Some("unexpected message from the receiver".into()),
         }
     }
 
@@ -192,24 +193,16 @@ impl Handler for Sender {
     }
 
     fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &rdma_comm_core::Error) {
-        self.failure
-            .get_or_insert_with(|| format!("the stream broke after {} bytes: {error}", self.sent));
+        self.status.failure.get_or_insert_with(|| {
+            format!(
+                "the stream broke after {} bytes: {error}",
+                self.status.bytes
+            )
+        });
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         self.pump(ctx);
-    }
-}
-
-impl Progress for Sender {
-    fn bytes(&self) -> u64 {
-        self.sent
-    }
-    fn finished(&self) -> bool {
-        self.acked
-    }
-    fn failure(&self) -> Option<&str> {
-        self.failure.as_deref()
     }
 }
 
@@ -222,77 +215,66 @@ fn ack_count(data: &[u8], imm: Option<u32>) -> Option<u64> {
 /// stream, flushes and acknowledges the byte count.
 struct Receiver {
     output: File,
-    received: u64,
     ended: Option<ConnId>,
     ack: Option<u32>,
-    acked: bool,
-    failure: Option<Failure>,
+    status: Status,
 }
 
 impl Receiver {
     fn try_ack(&mut self, ctx: &mut Ctx<'_>) {
         let Some(conn) = self.ended else { return };
-        if self.ack.is_some() || self.failure.is_some() {
+        if self.ack.is_some() || self.status.failure.is_some() {
             return;
         }
-        match ctx.send(conn, &self.received.to_le_bytes(), Some(ACK_TAG)) {
+        match ctx.send(conn, &self.status.bytes.to_le_bytes(), Some(ACK_TAG)) {
             Ok(seq) => {
                 ctx.signal_staged(conn);
                 self.ack = Some(seq);
             }
             Err(SendError::WouldBlock) => {}
-            Err(err) => self.failure = Some(format!("acknowledging: {err}")),
+            Err(err) => self.status.failure = Some(format!("acknowledging: {err}")),
         }
     }
 }
 
 impl Handler for Receiver {
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], _imm: Option<u32>) {
-        if self.failure.is_some() {
+        if self.status.failure.is_some() {
             return;
         }
         if self.ended.is_some() {
-            self.failure = Some("the sender sent data after the end of the stream".into());
+            self.status.failure = Some("the sender sent data after the end of the stream".into());
         } else if data.is_empty() {
             if let Err(err) = self.output.flush() {
-                self.failure = Some(format!("writing stdout: {err}"));
+                self.status.failure = Some(format!("writing stdout: {err}"));
                 return;
             }
             self.ended = Some(conn);
             self.try_ack(ctx);
         } else if let Err(err) = self.output.write_all(data) {
-            self.failure = Some(format!("writing stdout: {err}"));
+            self.status.failure = Some(format!("writing stdout: {err}"));
         } else {
-            self.received += data.len() as u64;
+            self.status.bytes += data.len() as u64;
         }
     }
 
     fn on_send_complete(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, seq: u32) {
         if self.ack == Some(seq) {
-            self.acked = true;
+            self.status.acked = true;
         }
     }
 
     fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &rdma_comm_core::Error) {
-        self.failure.get_or_insert_with(|| {
-            format!("the stream broke after {} bytes: {error}", self.received)
+        self.status.failure.get_or_insert_with(|| {
+            format!(
+                "the stream broke after {} bytes: {error}",
+                self.status.bytes
+            )
         });
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         self.try_ack(ctx);
-    }
-}
-
-impl Progress for Receiver {
-    fn bytes(&self) -> u64 {
-        self.received
-    }
-    fn finished(&self) -> bool {
-        self.acked
-    }
-    fn failure(&self) -> Option<&str> {
-        self.failure.as_deref()
     }
 }
 
@@ -303,12 +285,10 @@ struct Relay {
     down: ConnId,
     up: Option<ConnId>,
     waiting: VecDeque<HeldRecv>,
-    forwarded: u64,
     end_forwarded: bool,
     down_acked: Option<u64>,
     up_ack: Option<u32>,
-    acked: bool,
-    failure: Option<Failure>,
+    status: Status,
 }
 
 impl Relay {
@@ -317,7 +297,7 @@ impl Relay {
             let len = held.len();
             match ctx.forward(self.down, held, None) {
                 Ok(_) => {
-                    self.forwarded += len as u64;
+                    self.status.bytes += len as u64;
                     self.end_forwarded = len == 0;
                 }
                 Err((SendError::WouldBlock, held)) => {
@@ -326,7 +306,7 @@ impl Relay {
                 }
                 Err((err, held)) => {
                     ctx.release(held);
-                    self.failure = Some(format!("forwarding: {err}"));
+                    self.status.failure = Some(format!("forwarding: {err}"));
                     return;
                 }
             }
@@ -343,7 +323,7 @@ impl Relay {
                 self.up_ack = Some(seq);
             }
             Err(SendError::WouldBlock) => {}
-            Err(err) => self.failure = Some(format!("acknowledging upstream: {err}")),
+            Err(err) => self.status.failure = Some(format!("acknowledging upstream: {err}")),
         }
     }
 }
@@ -352,17 +332,17 @@ impl Handler for Relay {
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
         if conn == self.down {
             match ack_count(data, imm) {
-                Some(count) if count == self.forwarded && self.end_forwarded => {
+                Some(count) if count == self.status.bytes && self.end_forwarded => {
                     self.down_acked = Some(count);
                     self.try_ack_upstream(ctx);
                 }
                 Some(count) => {
-                    self.failure = Some(format!(
+                    self.status.failure = Some(format!(
                         "downstream acknowledged {count} bytes, but {} were forwarded",
-                        self.forwarded
+                        self.status.bytes
                     ))
                 }
-                None => self.failure = Some("unexpected message from downstream".into()),
+                None => self.status.failure = Some("unexpected message from downstream".into()),
             }
             return;
         }
@@ -374,7 +354,7 @@ impl Handler for Relay {
 
     fn on_send_complete(&mut self, _ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
         if Some(conn) == self.up && self.up_ack == Some(seq) {
-            self.acked = true;
+            self.status.acked = true;
         }
     }
 
@@ -384,25 +364,14 @@ impl Handler for Relay {
         } else {
             "upstream"
         };
-        self.failure
-            .get_or_insert_with(|| format!("{side}, after {} bytes: {error}", self.forwarded));
+        self.status
+            .failure
+            .get_or_insert_with(|| format!("{side}, after {} bytes: {error}", self.status.bytes));
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         self.drain(ctx);
         self.try_ack_upstream(ctx);
-    }
-}
-
-impl Progress for Relay {
-    fn bytes(&self) -> u64 {
-        self.forwarded
-    }
-    fn finished(&self) -> bool {
-        self.acked
-    }
-    fn failure(&self) -> Option<&str> {
-        self.failure.as_deref()
     }
 }
 
@@ -490,10 +459,11 @@ fn progress_bar(opts: &Opts, total: Option<u64>) -> ProgressBar {
 
 /// Turns the reactor until the role finishes or fails, watching every
 /// session's control connection so a vanished peer ends the run promptly.
-fn drive<T: Handler + Progress>(
+fn drive<T: Handler>(
     reactor: &mut Reactor<Rc<RefCell<T>>>,
     sessions: &[SessionId],
     role: &Rc<RefCell<T>>,
+    status_of: fn(&T) -> &Status,
     bar: &ProgressBar,
 ) -> Result<(), Failure> {
     let mut last_check = Instant::now();
@@ -502,11 +472,12 @@ fn drive<T: Handler + Progress>(
         reactor.turn().map_err(|err| err.to_string())?;
         {
             let role = role.borrow();
-            if let Some(failure) = role.failure() {
-                return Err(failure.to_string());
+            let status = status_of(&role);
+            if let Some(failure) = &status.failure {
+                return Err(failure.clone());
             }
-            if role.finished() {
-                bar.set_position(role.bytes());
+            if status.acked {
+                bar.set_position(status.bytes);
                 bar.finish();
                 return Ok(());
             }
@@ -521,7 +492,7 @@ fn drive<T: Handler + Progress>(
             continue;
         }
         last_check = Instant::now();
-        bar.set_position(role.borrow().bytes());
+        bar.set_position(status_of(&role.borrow()).bytes);
         for &session in sessions {
             let Some(endpoint) = reactor.endpoint_mut(session) else {
                 continue;
@@ -531,10 +502,13 @@ fn drive<T: Handler + Progress>(
                 PeerStatus::Alive => continue,
                 PeerStatus::Disconnected { code } => format!(
                     "{peer} closed the connection (code {code}) after {} bytes, before the stream was acknowledged",
-                    role.borrow().bytes()
+                    status_of(&role.borrow()).bytes
                 ),
                 PeerStatus::Lost(err) => {
-                    format!("lost {peer} after {} bytes: {err}", role.borrow().bytes())
+                    format!(
+                        "lost {peer} after {} bytes: {err}",
+                        status_of(&role.borrow()).bytes
+                    )
                 }
             };
             gone = Some((Instant::now(), failure));
@@ -565,15 +539,19 @@ fn send(peer: &str, opts: &Opts) -> Result<(), Failure> {
         conn: None,
         block,
         batch: opts.reactor.batch_or(16),
-        sent: 0,
         end_staged: false,
-        acked: false,
-        failure: None,
+        status: Status::default(),
     }));
     let session = reactor
         .add(endpoint, Rc::clone(&role))
         .map_err(|err| err.to_string())?;
-    drive(&mut reactor, &[session], &role, &progress_bar(opts, total))
+    drive(
+        &mut reactor,
+        &[session],
+        &role,
+        |s| &s.status,
+        &progress_bar(opts, total),
+    )
 }
 
 fn recv(listen: &str, opts: &Opts) -> Result<(), Failure> {
@@ -588,16 +566,20 @@ fn recv(listen: &str, opts: &Opts) -> Result<(), Failure> {
     let endpoint = accept_one(listen, &pd, &mut reactor, opts)?;
     let role = Rc::new(RefCell::new(Receiver {
         output,
-        received: 0,
         ended: None,
         ack: None,
-        acked: false,
-        failure: None,
+        status: Status::default(),
     }));
     let session = reactor
         .add(endpoint, Rc::clone(&role))
         .map_err(|err| err.to_string())?;
-    drive(&mut reactor, &[session], &role, &progress_bar(opts, None))
+    drive(
+        &mut reactor,
+        &[session],
+        &role,
+        |s| &s.status,
+        &progress_bar(opts, None),
+    )
 }
 
 fn relay(listen: &str, to: &str, opts: &Opts) -> Result<(), Failure> {
@@ -612,12 +594,10 @@ fn relay(listen: &str, to: &str, opts: &Opts) -> Result<(), Failure> {
         down: ConnId(u32::MAX),
         up: None,
         waiting: VecDeque::with_capacity(opts.depth as usize),
-        forwarded: 0,
         end_forwarded: false,
         down_acked: None,
         up_ack: None,
-        acked: false,
-        failure: None,
+        status: Status::default(),
     }));
     let down_session = reactor
         .add(downstream, Rc::clone(&role))
@@ -634,6 +614,7 @@ fn relay(listen: &str, to: &str, opts: &Opts) -> Result<(), Failure> {
         &mut reactor,
         &[down_session, up_session],
         &role,
+        |s| &s.status,
         &progress_bar(opts, None),
     )
 }

@@ -423,22 +423,12 @@ impl Conn {
         self.send_in_use += 1;
         let addr = self.send_ring.addr + start as u64;
         let (lkey, total) = (self.send_ring.lkey, (HEADER_LEN + len) as u32);
-        let request = match imm {
-            Some(imm) => {
-                WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, addr, total, lkey).imm(imm)
-            }
-            None => WorkRequest::from_raw(0, sys::IBV_WR_SEND, addr, total, lkey),
+        let op = SqOp {
+            kind: OpKind::Send,
+            slot,
+            origin: 0,
         };
-        self.consumed = self.consumed.wrapping_add(1);
-        self.has_staged_send = true;
-        Ok(self.stage(
-            request,
-            SqOp {
-                kind: OpKind::Send,
-                slot,
-                origin: 0,
-            },
-        ))
+        Ok(self.stage_credited_send(addr, total, lkey, imm, op))
     }
 
     /// Stages a SEND of `len` bytes (header included) straight from receive
@@ -460,22 +450,34 @@ impl Conn {
         }
         self.admit(true, false)?;
         let (addr, lkey) = source;
+        let op = SqOp {
+            kind: OpKind::Forward,
+            slot,
+            origin: origin.0,
+        };
+        Ok(self.stage_credited_send(addr, len as u32, lkey, imm, op))
+    }
+
+    /// Stages a SEND (with header) that consumes one peer receive; its header
+    /// gets our receive count at the doorbell.
+    #[inline]
+    fn stage_credited_send(
+        &mut self,
+        addr: u64,
+        len: u32,
+        lkey: u32,
+        imm: Option<u32>,
+        op: SqOp,
+    ) -> u32 {
         let request = match imm {
             Some(imm) => {
-                WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, addr, len as u32, lkey).imm(imm)
+                WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, addr, len, lkey).imm(imm)
             }
-            None => WorkRequest::from_raw(0, sys::IBV_WR_SEND, addr, len as u32, lkey),
+            None => WorkRequest::from_raw(0, sys::IBV_WR_SEND, addr, len, lkey),
         };
         self.consumed = self.consumed.wrapping_add(1);
         self.has_staged_send = true;
-        Ok(self.stage(
-            request,
-            SqOp {
-                kind: OpKind::Forward,
-                slot,
-                origin: origin.0,
-            },
-        ))
+        self.stage(request, op)
     }
 
     /// Stages a WRITE (or WRITE_WITH_IMM, which consumes a peer receive).
