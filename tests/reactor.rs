@@ -15,8 +15,15 @@ const PING_ITERS: u64 = 2_000;
 const STREAM_MESSAGES: u64 = 20_000;
 
 fn config(event_mode: EventMode) -> ReactorConfig {
+    config_srq(event_mode, false)
+}
+
+/// With `srq`, every QP of the reactor takes its receives from one shared
+/// receive queue, big enough for two connections' shares.
+fn config_srq(event_mode: EventMode, srq: bool) -> ReactorConfig {
     ReactorConfig {
         event_mode,
+        srq_depth: if srq { 160 } else { 0 },
         slot_size: 2048,
         recv_depth: 64,
         send_slots: 64,
@@ -40,7 +47,8 @@ fn check(what: &str, outcome: &Outcome, expected_done: u64) {
     );
 }
 
-fn ping_pong(event_mode: EventMode, thread_mode: ThreadMode, size: usize) {
+fn ping_pong(event_mode: EventMode, thread_mode: ThreadMode, size: usize, srq: bool) {
+    let config = |mode| config_srq(mode, srq);
     let ctx = open_device();
     let pd = ctx.alloc_pd().unwrap();
     match thread_mode {
@@ -82,7 +90,8 @@ fn ping_pong(event_mode: EventMode, thread_mode: ThreadMode, size: usize) {
     }
 }
 
-fn stream(event_mode: EventMode, thread_mode: ThreadMode, slow: Option<Duration>) {
+fn stream(event_mode: EventMode, thread_mode: ThreadMode, slow: Option<Duration>, srq: bool) {
+    let config = |mode| config_srq(mode, srq);
     let ctx = open_device();
     let pd = ctx.alloc_pd().unwrap();
     let max = 1500;
@@ -133,11 +142,19 @@ macro_rules! matrix {
     ($($name:ident: $event:ident, $thread:ident;)*) => {
         mod ping_pong {
             use super::*;
-            $(verbs_test! { fn $name() { ping_pong(EventMode::$event, ThreadMode::$thread, 256); } })*
+            $(verbs_test! { fn $name() { ping_pong(EventMode::$event, ThreadMode::$thread, 256, false); } })*
         }
         mod streaming {
             use super::*;
-            $(verbs_test! { fn $name() { stream(EventMode::$event, ThreadMode::$thread, None); } })*
+            $(verbs_test! { fn $name() { stream(EventMode::$event, ThreadMode::$thread, None, false); } })*
+        }
+        mod srq_ping_pong {
+            use super::*;
+            $(verbs_test! { fn $name() { ping_pong(EventMode::$event, ThreadMode::$thread, 256, true); } })*
+        }
+        mod srq_streaming {
+            use super::*;
+            $(verbs_test! { fn $name() { stream(EventMode::$event, ThreadMode::$thread, None, true); } })*
         }
     };
 }
@@ -153,14 +170,15 @@ matrix! {
 
 verbs_test! {
     fn small_and_inline_messages_ping_pong() {
-        ping_pong(EventMode::BusyPoll, ThreadMode::SharedCq, 8);
+        ping_pong(EventMode::BusyPoll, ThreadMode::SharedCq, 8, false);
     }
 }
 
 verbs_test! {
     fn a_slow_receiver_slows_the_sender_without_loss_or_reordering() {
-        stream(EventMode::BusyPoll, ThreadMode::PerQp, Some(Duration::from_millis(3)));
-        stream(EventMode::Blocking, ThreadMode::PerQp, Some(Duration::from_millis(3)));
+        stream(EventMode::BusyPoll, ThreadMode::PerQp, Some(Duration::from_millis(3)), false);
+        stream(EventMode::Blocking, ThreadMode::PerQp, Some(Duration::from_millis(3)), false);
+        stream(EventMode::BusyPoll, ThreadMode::PerQp, Some(Duration::from_millis(3)), true);
     }
 }
 
@@ -253,5 +271,25 @@ verbs_test! {
         assert_eq!(reactor.sessions().count(), 3);
         assert!(reactor.remove(pinger).is_some());
         assert_eq!(reactor.sessions().collect::<Vec<_>>(), [SessionId(2), SessionId(3)]);
+    }
+}
+
+verbs_test! {
+    fn an_srq_refuses_connections_beyond_its_shares_and_takes_back_removed_ones() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        // 160 SRQ receives, 64 per connection: two connections fit, a third does not.
+        let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config_srq(EventMode::BusyPoll, true)).unwrap();
+        let (_ping, _echo) = add_ping_pong(&pd, Sides::One(&mut reactor), 10, 64, false);
+        let mut other: Reactor<BoxedHandler> = Reactor::new(&pd, config(EventMode::BusyPoll)).unwrap();
+        let (inbox, _) = regions(&pd, 64);
+        let (ours, _theirs) = connect(&pd, &mut Sides::Two { server: &mut reactor, client: &mut other }, &inbox, &inbox);
+        let refused = reactor.add(ours, Box::new(Sink::new(1, 1, Default::default())));
+        let message = refused.expect_err("a third share does not fit").to_string();
+        assert!(message.contains("srq_depth"), "{message}");
+        // Removing a session gives its share back.
+        assert!(reactor.remove(SessionId(0)).is_some());
+        let (ours, _theirs2) = connect(&pd, &mut Sides::Two { server: &mut reactor, client: &mut other }, &inbox, &inbox);
+        reactor.add(ours, Box::new(Sink::new(1, 1, Default::default()))).expect("the freed share");
     }
 }

@@ -95,37 +95,67 @@ fn rnr_counters(device: &str) -> (u64, u64) {
 
 verbs_test! {
     fn a_slow_receiver_causes_no_rnr_and_loses_nothing() {
-        let ctx = open_device();
-        let device = ctx.name().to_string();
-        let pd = ctx.alloc_pd().unwrap();
-        // A small receive ring makes the credit limit bite early and often.
-        let config = ReactorConfig { recv_depth: 16, repost_batch: 4, slot_size: 512, ..ReactorConfig::default() };
-        let mut sink_reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config.clone()).unwrap();
-        let mut stream_reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config).unwrap();
-        let before = rnr_counters(&device);
-        let total = 30_000;
-        let (sent, received) = add_stream(
-            &pd,
-            Sides::Two { server: &mut sink_reactor, client: &mut stream_reactor },
-            total,
-            500,
-            Some(Duration::from_millis(5)),
-            true,
-        );
-        let cancel = watchdog(vec![sink_reactor.stopper(), stream_reactor.stopper()], Duration::from_secs(300));
-        let sink = spawn(sink_reactor, 0);
-        let streamer = spawn(stream_reactor, 1);
-        sink.join().unwrap();
-        streamer.join().unwrap();
-        cancel.store(true, Ordering::Release);
-
-        assert_eq!(received.bad.load(Ordering::Relaxed), 0, "lost, reordered or corrupted messages");
-        assert_eq!(received.done.load(Ordering::Relaxed), total);
-        assert_eq!(sent.errors.load(Ordering::Relaxed) + received.errors.load(Ordering::Relaxed), 0);
-        let after = rnr_counters(&device);
-        println!("RNR NAKs received/sent: before {before:?}, after {after:?}");
-        assert_eq!(after, before, "flow control let an RNR happen");
+        slow_receiver(0);
     }
+}
+
+verbs_test! {
+    fn a_slow_receiver_behind_an_srq_causes_no_rnr_and_loses_nothing() {
+        slow_receiver(24);
+    }
+}
+
+/// Streams into a sleeping sink; `srq_depth` 0 gives each QP its own ring.
+fn slow_receiver(srq_depth: u32) {
+    let ctx = open_device();
+    let device = ctx.name().to_string();
+    let pd = ctx.alloc_pd().unwrap();
+    // A small receive ring makes the credit limit bite early and often.
+    let config = ReactorConfig {
+        recv_depth: 16,
+        srq_depth,
+        repost_batch: 4,
+        slot_size: 512,
+        ..ReactorConfig::default()
+    };
+    let mut sink_reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config.clone()).unwrap();
+    let mut stream_reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config).unwrap();
+    let before = rnr_counters(&device);
+    let total = 30_000;
+    let (sent, received) = add_stream(
+        &pd,
+        Sides::Two {
+            server: &mut sink_reactor,
+            client: &mut stream_reactor,
+        },
+        total,
+        500,
+        Some(Duration::from_millis(5)),
+        true,
+    );
+    let cancel = watchdog(
+        vec![sink_reactor.stopper(), stream_reactor.stopper()],
+        Duration::from_secs(300),
+    );
+    let sink = spawn(sink_reactor, 0);
+    let streamer = spawn(stream_reactor, 1);
+    sink.join().unwrap();
+    streamer.join().unwrap();
+    cancel.store(true, Ordering::Release);
+
+    assert_eq!(
+        received.bad.load(Ordering::Relaxed),
+        0,
+        "lost, reordered or corrupted messages"
+    );
+    assert_eq!(received.done.load(Ordering::Relaxed), total);
+    assert_eq!(
+        sent.errors.load(Ordering::Relaxed) + received.errors.load(Ordering::Relaxed),
+        0
+    );
+    let after = rnr_counters(&device);
+    println!("RNR NAKs received/sent: before {before:?}, after {after:?}");
+    assert_eq!(after, before, "flow control let an RNR happen");
 }
 
 verbs_test! {

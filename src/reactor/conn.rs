@@ -9,7 +9,7 @@ use crate::error::Error;
 use crate::sys;
 use crate::verbs::{
     LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, RecvRequest, RemoteSlice,
-    SendBatch, WorkRequest,
+    SendBatch, SharedReceiveQueue, WorkRequest,
 };
 
 use super::{ConnId, ReactorConfig, SendError};
@@ -22,7 +22,10 @@ pub(crate) const MAX_STAGED: usize = 64;
 /// Most receives reposted with one `ibv_post_recv`.
 pub(crate) const MAX_REPOST: usize = 64;
 
-const KIND_RECV: u64 = 1;
+pub(crate) const KIND_RECV: u64 = 1;
+/// The connection field of an SRQ receive's `wr_id`: the receive belongs to
+/// no connection until one consumes it (its QP number tells which).
+pub(crate) const SRQ_CONN: u32 = 0x00ff_ffff;
 const KIND_SEND: u64 = 2;
 
 /// `wr_id` layout: connection (24 bits) | kind (8 bits) | index (32 bits).
@@ -76,16 +79,41 @@ pub(crate) enum OpKind {
     Forward,
 }
 
+/// A reactor's shared receive queue as a connection sees it: the ring its
+/// receives land in, the SRQ to repost them to, and the ring's size.
+#[derive(Clone, Debug)]
+pub(crate) struct SharedRing {
+    pub(crate) ring: Ring,
+    pub(crate) srq: SharedReceiveQueue,
+    pub(crate) slots: u32,
+}
+
+/// Builds the receive request for slot `slot` of `ring`.
+#[inline]
+pub(crate) fn recv_request(
+    ring: Ring,
+    slot_size: usize,
+    conn: u32,
+    slot: u32,
+) -> RecvRequest<'static> {
+    RecvRequest::from_raw(
+        wr_id(conn, KIND_RECV, slot),
+        ring.addr + u64::from(slot) * slot_size as u64,
+        slot_size as u32,
+        ring.lkey,
+    )
+}
+
 /// Where a registered ring of slots lives.
 #[derive(Clone, Copy, Debug)]
-struct Ring {
+pub(crate) struct Ring {
     ptr: *mut u8,
     addr: u64,
     lkey: u32,
 }
 
 impl Ring {
-    fn of(region: &MemoryRegion) -> Self {
+    pub(crate) fn of(region: &MemoryRegion) -> Self {
         Self {
             ptr: region.as_ptr(),
             addr: region.addr(),
@@ -115,9 +143,16 @@ pub(crate) struct Conn {
     // the registrations and is dropped when the session is removed.
     recv_ring: Ring,
     send_ring: Ring,
-    regions: Option<(MemoryRegion, MemoryRegion)>,
+    /// Own receive ring (none with an SRQ) and send slots.
+    regions: Option<(Option<MemoryRegion>, MemoryRegion)>,
+    /// Set when receives come from the reactor's SRQ.
+    srq: Option<SharedReceiveQueue>,
     pub(crate) slot_size: usize,
-    recv_depth: u32,
+    /// Receives this connection may have outstanding: its ring, or its
+    /// credit quota in the SRQ.
+    pub(crate) recv_depth: u32,
+    /// Slots in the ring receives land in (bounds for slot indices).
+    recv_slots: u32,
     send_slots: u32,
     // Send-slot ring: slots are used and released in SQ order.
     send_head: u32,
@@ -161,9 +196,13 @@ impl Conn {
         pd: &ProtectionDomain,
         qp: &QueuePair,
         config: &ReactorConfig,
+        shared: Option<&SharedRing>,
     ) -> crate::Result<Self> {
         let slot_size = config.slot_size.max(HEADER_LEN);
-        let recv_depth = config.recv_depth.min(qp.max_recv_wr()).max(2);
+        let recv_depth = match shared {
+            Some(_) => config.recv_depth.max(2),
+            None => config.recv_depth.min(qp.max_recv_wr()).max(2),
+        };
         // A power of two, so the ring index stays continuous when seq wraps.
         let sq_depth = prev_power_of_two(config.sq_depth.min(qp.max_send_wr()).max(4));
         let signal_interval = config.signal_interval.clamp(1, sq_depth / 2);
@@ -173,10 +212,18 @@ impl Conn {
             .send_slots
             .max(2 * signal_interval)
             .next_power_of_two();
-        let recv_region = pd.alloc_mr(
-            slot_size * recv_depth as usize,
-            crate::verbs::AccessFlags::LOCAL_WRITE,
-        )?;
+        let recv_region = match shared {
+            Some(_) => None,
+            None => Some(pd.alloc_mr(
+                slot_size * recv_depth as usize,
+                crate::verbs::AccessFlags::LOCAL_WRITE,
+            )?),
+        };
+        let (recv_ring, recv_slots) = match (shared, &recv_region) {
+            (Some(shared), _) => (shared.ring, shared.slots),
+            (None, Some(region)) => (Ring::of(region), recv_depth),
+            (None, None) => unreachable!("a receive region is allocated without an SRQ"),
+        };
         let send_region = pd.alloc_mr(
             slot_size * send_slots as usize,
             crate::verbs::AccessFlags::empty(),
@@ -186,11 +233,13 @@ impl Conn {
             session,
             channel,
             state: ConnState::Connecting,
-            recv_ring: Ring::of(&recv_region),
+            recv_ring,
             send_ring: Ring::of(&send_region),
             regions: Some((recv_region, send_region)),
+            srq: shared.map(|s| s.srq.clone()),
             slot_size,
             recv_depth,
+            recv_slots,
             send_slots,
             send_head: 0,
             send_in_use: 0,
@@ -208,7 +257,9 @@ impl Conn {
             credit_threshold: (recv_depth / 4).max(1),
             batch: SendBatch::new(),
             has_staged_send: false,
-            pending_reposts: vec![0; recv_depth as usize].into_boxed_slice(),
+            // A peer that ignores its credits can consume more SRQ slots than
+            // its quota; every one of them must find its way back.
+            pending_reposts: vec![0; recv_slots as usize].into_boxed_slice(),
             pending_len: 0,
             reposts: RecvBatch::new(),
             repost_threshold: (config.repost_batch as usize)
@@ -234,8 +285,13 @@ impl Conn {
         self.sq_next.wrapping_sub(self.sq_done)
     }
 
-    /// Posts the whole receive ring; called once at registration.
+    /// Posts the whole receive ring; called once at registration. With an
+    /// SRQ the reactor posted the receives; the quota becomes our credit.
     pub(crate) fn post_initial_receives(&mut self, qp: &QueuePair) -> crate::Result<()> {
+        if self.srq.is_some() {
+            self.posted = self.recv_depth;
+            return Ok(());
+        }
         for slot in 0..self.recv_depth {
             self.queue_repost(slot);
         }
@@ -245,7 +301,10 @@ impl Conn {
     /// Queues receive slot `slot` for reposting at the end of the pass.
     #[inline]
     pub(crate) fn queue_repost(&mut self, slot: u32) {
-        if self.is_closed() || self.pending_len == self.pending_reposts.len() {
+        // A closed connection's own ring is dead, but SRQ slots belong to
+        // every connection and must go back.
+        let dead = self.is_closed() && self.srq.is_none();
+        if dead || self.pending_len == self.pending_reposts.len() || slot >= self.recv_slots {
             return;
         }
         self.pending_reposts[self.pending_len] = slot;
@@ -264,24 +323,38 @@ impl Conn {
         self.pending_len >= self.repost_threshold
     }
 
-    /// Reposts every queued receive slot, `MAX_REPOST` per `ibv_post_recv`.
+    /// Reposts every queued receive slot, `MAX_REPOST` per `ibv_post_recv`
+    /// (or `ibv_post_srq_recv`), and counts them as credits for the peer.
     #[inline]
     pub(crate) fn flush_reposts(&mut self, qp: &QueuePair) -> crate::Result<()> {
+        self.post_pending(Some(qp))
+    }
+
+    /// Gives the SRQ slots a closed connection still holds back to the SRQ.
+    pub(crate) fn flush_shared_reposts(&mut self) -> crate::Result<()> {
+        self.post_pending(None)
+    }
+
+    #[inline]
+    fn post_pending(&mut self, qp: Option<&QueuePair>) -> crate::Result<()> {
         let mut start = 0;
         while start < self.pending_len {
             let end = (start + MAX_REPOST).min(self.pending_len);
+            let conn = if self.srq.is_some() {
+                SRQ_CONN
+            } else {
+                self.id.0
+            };
             for &slot in &self.pending_reposts[start..end] {
-                let addr = self.recv_ring.addr + u64::from(slot) * self.slot_size as u64;
-                let request = RecvRequest::from_raw(
-                    wr_id(self.id.0, KIND_RECV, slot),
-                    addr,
-                    self.slot_size as u32,
-                    self.recv_ring.lkey,
-                );
+                let request = recv_request(self.recv_ring, self.slot_size, conn, slot);
                 // At most MAX_REPOST pushes into a batch emptied by each post.
                 let _ = self.reposts.push(request);
             }
-            qp.post_recv_batch(&mut self.reposts)?;
+            match (&self.srq, qp) {
+                (Some(srq), _) => srq.post_recv_batch(&mut self.reposts)?,
+                (None, Some(qp)) => qp.post_recv_batch(&mut self.reposts)?,
+                (None, None) => self.reposts.clear(),
+            }
             self.posted = self.posted.wrapping_add((end - start) as u32);
             start = end;
         }
@@ -292,7 +365,7 @@ impl Conn {
     /// The bytes of receive slot `slot`.
     #[inline]
     pub(crate) fn recv_bytes(&self, slot: u32, len: usize) -> &[u8] {
-        if self.regions.is_none() || slot >= self.recv_depth {
+        if self.regions.is_none() || slot >= self.recv_slots {
             return &[];
         }
         let start = slot as usize * self.slot_size;
@@ -670,7 +743,16 @@ impl Conn {
             }
         }
         self.batch.clear();
-        self.pending_len = 0;
+        if self.srq.is_none() {
+            self.pending_len = 0;
+        }
+    }
+
+    /// True if this connection holds SRQ slots that must be reposted even
+    /// though it is closed.
+    #[inline]
+    pub(crate) fn owes_shared_slots(&self) -> bool {
+        self.srq.is_some() && self.pending_len != 0
     }
 
     /// True once failed or removed: nothing more is posted.
@@ -687,7 +769,9 @@ impl Conn {
         }
         self.state = ConnState::Removed;
         self.regions = None;
-        self.pending_reposts = Box::new([]);
+        if self.srq.is_none() {
+            self.pending_reposts = Box::new([]);
+        }
     }
 
     /// Queue depths in use (for tests and diagnostics).

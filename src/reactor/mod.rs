@@ -58,11 +58,14 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::session::{ChannelSpec, CqChoice, Endpoint, ServerConfig};
 use crate::verbs::{
-    AccessFlags, CompletionChannel, CompletionQueue, CqId, LocalSlice, ProtectionDomain, QpConfig,
-    RemoteSlice, WcOpcode, WorkCompletion,
+    AccessFlags, CompletionChannel, CompletionQueue, CqId, LocalSlice, MemoryRegion,
+    ProtectionDomain, QpConfig, RecvBatch, RemoteSlice, WcOpcode, WorkCompletion,
 };
 
-use conn::{Conn, ConnState, HEADER_LEN, OpKind, WrKind, decode_wr_id};
+use conn::{
+    Conn, ConnState, HEADER_LEN, MAX_REPOST, OpKind, Ring, SRQ_CONN, SharedRing, WrKind,
+    decode_wr_id, recv_request,
+};
 pub use placement::{CorePreference, Placement, pin_current_thread};
 use wait::Waiter;
 pub use wait::Waker;
@@ -101,8 +104,15 @@ pub struct ReactorConfig {
     pub cq_size: u32,
     /// Bytes per send and receive slot (the largest SEND is 8 bytes less).
     pub slot_size: usize,
-    /// Receives kept posted per QP.
+    /// Receives kept posted per QP; with an SRQ, each connection's share of
+    /// it (the credits its peer gets).
     pub recv_depth: u32,
+    /// Receives in one shared receive queue for all of the reactor's QPs
+    /// (0: every QP keeps its own ring of `recv_depth`). Memory then grows
+    /// with the traffic in flight instead of with the number of peers.
+    /// Connections are refused once their `recv_depth` shares would exceed
+    /// it, so credit flow control still rules out RNR.
+    pub srq_depth: u32,
     /// Consumed receives are reposted in batches of this many.
     pub repost_batch: u32,
     /// Send-queue depth per QP (rounded down to a power of two).
@@ -125,6 +135,7 @@ impl Default for ReactorConfig {
             cq_size: 4096,
             slot_size: 4096,
             recv_depth: 128,
+            srq_depth: 0,
             repost_batch: 16,
             sq_depth: 256,
             send_slots: 64,
@@ -483,10 +494,74 @@ pub const SEND_HEADER_LEN: usize = HEADER_LEN;
 
 /// Completions polled per CQ per call.
 const POLL_BATCH: usize = 32;
-/// Connections per reactor: `wr_id` carries the connection index in 24 bits.
-const MAX_CONNS: usize = 1 << 24;
+/// Connections per reactor: `wr_id` carries the connection index in 24 bits,
+/// the all-ones value meaning "SRQ".
+const MAX_CONNS: usize = SRQ_CONN as usize;
 /// Empty busy-poll passes after which unsignaled tails are signaled out.
 const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
+
+/// The reactor's shared receive queue, its slots and who may use how many.
+struct SrqPool {
+    shared: SharedRing,
+    // Registered for as long as the reactor lives; dropped after the QPs.
+    _region: MemoryRegion,
+    /// Sum of the connections' shares.
+    promised: u32,
+    /// (QP number, connection index), sorted: which connection consumed an
+    /// SRQ receive.
+    owners: Vec<(u32, u32)>,
+    /// Slots consumed by a QP the reactor does not know, to repost.
+    orphans: RecvBatch<'static, MAX_REPOST>,
+    slot_size: usize,
+}
+
+// SAFETY: the ring pointer and the orphan batch point into `_region`, which
+// the pool owns; moving the pool to another thread moves their owner too.
+unsafe impl Send for SrqPool {}
+
+impl SrqPool {
+    fn new(pd: &ProtectionDomain, config: &ReactorConfig) -> Result<Self> {
+        let slot_size = config.slot_size.max(HEADER_LEN);
+        let srq = pd.create_srq(config.srq_depth)?;
+        let slots = config.srq_depth;
+        let region = pd.alloc_mr(slot_size * slots as usize, AccessFlags::LOCAL_WRITE)?;
+        let ring = Ring::of(&region);
+        let mut batch = RecvBatch::<MAX_REPOST>::new();
+        for slot in 0..slots {
+            let _ = batch.push(recv_request(ring, slot_size, SRQ_CONN, slot));
+            if batch.is_full() {
+                srq.post_recv_batch(&mut batch)?;
+            }
+        }
+        srq.post_recv_batch(&mut batch)?;
+        Ok(Self {
+            shared: SharedRing { ring, srq, slots },
+            _region: region,
+            promised: 0,
+            owners: Vec::new(),
+            orphans: RecvBatch::new(),
+            slot_size,
+        })
+    }
+
+    #[inline]
+    fn owner(&self, qpn: u32) -> Option<u32> {
+        let at = self.owners.binary_search_by_key(&qpn, |&(q, _)| q).ok()?;
+        Some(self.owners[at].1)
+    }
+
+    #[cold]
+    fn repost_orphan(&mut self, slot: u32) -> Result<()> {
+        if slot < self.shared.slots {
+            let request = recv_request(self.shared.ring, self.slot_size, SRQ_CONN, slot);
+            let _ = self.orphans.push(request);
+        }
+        if self.orphans.is_full() {
+            self.shared.srq.post_recv_batch(&mut self.orphans)?;
+        }
+        Ok(())
+    }
+}
 
 /// A run-to-completion reactor. See the module docs.
 pub struct Reactor<H: Handler> {
@@ -500,6 +575,7 @@ pub struct Reactor<H: Handler> {
     cqs: Vec<CompletionQueue>,
     channels: Vec<CompletionChannel>,
     waiter: Waiter,
+    srq: Option<SrqPool>,
     pd: ProtectionDomain,
     wcs: [WorkCompletion; POLL_BATCH],
     next_cq: usize,
@@ -533,6 +609,10 @@ impl<H: Handler> Reactor<H> {
             .map(|i| ctx.create_cq(config.cq_size, channels.get(i).or(channels.first())))
             .collect::<Result<Vec<_>>>()?;
         let waiter = Waiter::new(config.event_mode, &channels)?;
+        let srq = match config.srq_depth {
+            0 => None,
+            _ => Some(SrqPool::new(pd, &config)?),
+        };
         Ok(Self {
             config,
             endpoints: Vec::new(),
@@ -541,6 +621,7 @@ impl<H: Handler> Reactor<H> {
             cqs,
             channels,
             waiter,
+            srq,
             pd: pd.clone(),
             wcs: [WorkCompletion::default(); POLL_BATCH],
             next_cq: 0,
@@ -569,6 +650,7 @@ impl<H: Handler> Reactor<H> {
             name: name.into(),
             cq: CqChoice::Shared(cq),
             qp,
+            srq: self.srq.as_ref().map(|pool| pool.shared.srq.clone()),
         }
     }
 
@@ -591,6 +673,7 @@ impl<H: Handler> Reactor<H> {
         ServerConfig {
             qp: spec.qp,
             cq: spec.cq,
+            srq: spec.srq,
             ..ServerConfig::default()
         }
     }
@@ -608,6 +691,25 @@ impl<H: Handler> Reactor<H> {
                     "channel was not created on this reactor's CQs (build it from Reactor::channel_spec)",
                 ));
             }
+            let srq_matches = match (&self.srq, qp.shared_receive_queue()) {
+                (Some(pool), Some(srq)) => pool.shared.srq.same_as(&srq),
+                (None, None) => true,
+                _ => false,
+            };
+            if !srq_matches {
+                return Err(Error::InvalidArgument(
+                    "channel's receive queue does not match this reactor's (build it from Reactor::channel_spec)",
+                ));
+            }
+        }
+        let share = self.config.recv_depth.max(2);
+        let shares = share * endpoint.channels().len() as u32;
+        if let Some(pool) = &self.srq
+            && pool.promised + shares > pool.shared.slots
+        {
+            return Err(Error::InvalidArgument(
+                "the reactor's SRQ cannot give these connections their recv_depth shares (raise srq_depth)",
+            ));
         }
         let session = self.endpoints.len();
         let first = self.conns.len();
@@ -619,12 +721,28 @@ impl<H: Handler> Reactor<H> {
         let mut conns = Vec::with_capacity(endpoint.channels().len());
         for (index, channel) in endpoint.channels().iter().enumerate() {
             let id = ConnId((first + index) as u32);
-            let mut conn = Conn::new(id, session, index, &self.pd, channel.qp(), &self.config)?;
+            let shared = self.srq.as_ref().map(|pool| &pool.shared);
+            let mut conn = Conn::new(
+                id,
+                session,
+                index,
+                &self.pd,
+                channel.qp(),
+                &self.config,
+                shared,
+            )?;
             conn.post_initial_receives(channel.qp())?;
             // Goes out with the first pass, so a test (or an application)
             // that adds both ends before running either sees no RNR at all.
             conn.stage_initial_update();
             conns.push(conn);
+        }
+        if let Some(pool) = &mut self.srq {
+            pool.promised += shares;
+            for (conn, channel) in conns.iter().zip(endpoint.channels()) {
+                pool.owners.push((channel.qp().qpn(), conn.id.0));
+            }
+            pool.owners.sort_unstable();
         }
         self.conns.extend(conns);
         self.endpoints.push(Some(endpoint));
@@ -688,8 +806,14 @@ impl<H: Handler> Reactor<H> {
             let _ = channel.qp().set_error();
         }
         let mut released = Vec::new();
+        let mut shares = 0;
         for conn in self.conns.iter_mut().filter(|c| c.session == session.0) {
             conn.remove(|origin, slot| released.push((origin, slot)));
+            shares += conn.recv_depth;
+        }
+        if let Some(pool) = &mut self.srq {
+            // Its QPs are in the error state and take no more receives.
+            pool.promised = pool.promised.saturating_sub(shares);
         }
         self.release_forwarded(released);
         Some((endpoint, handler))
@@ -847,13 +971,24 @@ impl<H: Handler> Reactor<H> {
 
     #[inline]
     fn dispatch(&mut self, wc: &WorkCompletion) {
-        let (index, kind) = decode_wr_id(wc.wr_id());
+        let (mut index, kind) = decode_wr_id(wc.wr_id());
+        if index == SRQ_CONN {
+            index = self.srq_owner(wc, kind);
+        }
         let Some(conn) = self.conns.get_mut(index as usize) else {
             log::warn!("completion for unknown connection {index}: {wc:?}");
             return;
         };
         let session = conn.session;
         let id = conn.id;
+        if (conn.is_closed() || !wc.is_success())
+            && let WrKind::Recv { slot } = kind
+        {
+            // A receive slot of the SRQ is everyone's: it goes back even when
+            // its connection is gone or the receive failed (for a QP's own
+            // ring of a dead connection this does nothing).
+            conn.queue_repost(slot);
+        }
         if conn.is_closed() {
             return;
         }
@@ -951,6 +1086,24 @@ impl<H: Handler> Reactor<H> {
         }
     }
 
+    /// The connection whose QP consumed an SRQ receive (`MAX_CONNS`, which
+    /// no connection has, after reposting the slot of an unknown QP).
+    #[inline]
+    fn srq_owner(&mut self, wc: &WorkCompletion, kind: WrKind) -> u32 {
+        let Some(pool) = &mut self.srq else {
+            return MAX_CONNS as u32;
+        };
+        if let Some(owner) = pool.owner(wc.qp_num()) {
+            return owner;
+        }
+        if let WrKind::Recv { slot } = kind
+            && let Err(err) = pool.repost_orphan(slot)
+        {
+            log::error!("reposting an SRQ receive: {err}");
+        }
+        MAX_CONNS as u32
+    }
+
     #[cold]
     fn fail(&mut self, id: ConnId, session: usize, error: Error) {
         // Forwards in flight on the failed connection carried other
@@ -983,10 +1136,16 @@ impl<H: Handler> Reactor<H> {
     fn flush(&mut self, idle: bool, signal_tails: bool) {
         for index in 0..self.conns.len() {
             let conn = &mut self.conns[index];
+            if conn.is_closed() {
+                if conn.owes_shared_slots()
+                    && let Err(err) = conn.flush_shared_reposts()
+                {
+                    log::error!("reposting SRQ receives of a closed connection: {err}");
+                }
+                continue;
+            }
             // Most passes on a busy-poll reactor find nothing: keep those cheap.
-            if conn.is_closed()
-                || (conn.is_quiet() && !(signal_tails && conn.has_unsignaled_tail()))
-            {
+            if conn.is_quiet() && !(signal_tails && conn.has_unsignaled_tail()) {
                 continue;
             }
             let (session, channel, id) = (conn.session, conn.channel, conn.id);
@@ -1013,6 +1172,12 @@ impl<H: Handler> Reactor<H> {
             if let Err(error) = result {
                 self.fail(id, session, error);
             }
+        }
+        if let Some(pool) = &mut self.srq
+            && !pool.orphans.is_empty()
+            && let Err(err) = pool.shared.srq.post_recv_batch(&mut pool.orphans)
+        {
+            log::error!("reposting SRQ receives of an unknown QP: {err}");
         }
     }
 }

@@ -39,7 +39,10 @@ pub use endpoint::{Channel, CloseReport, Endpoint, NamedRegion, PeerStatus};
 pub use server::{HandshakeFailure, ServerConfig, ServerSession};
 
 use crate::error::{Error, Result};
-use crate::verbs::{Gid, MemoryRegion, Mtu, ProtectionDomain, QpConfig, QpEndpoint, SharedCq};
+use crate::verbs::{
+    CqSource, Gid, MemoryRegion, Mtu, ProtectionDomain, QpConfig, QpEndpoint, QueuePair, SharedCq,
+    SharedReceiveQueue,
+};
 use wire::{ChannelInfo, Handshake, Message, RegionInfo, WireError};
 
 /// Which completion queue a channel's QP reports to.
@@ -69,6 +72,9 @@ pub struct ChannelSpec {
     pub cq: CqChoice,
     /// QP settings (queue depths, remote access, port, GID index).
     pub qp: QpConfig,
+    /// Take receives from this shared receive queue instead of the QP's own
+    /// receive queue.
+    pub srq: Option<SharedReceiveQueue>,
 }
 
 impl ChannelSpec {
@@ -78,6 +84,7 @@ impl ChannelSpec {
             name: name.into(),
             cq: CqChoice::default(),
             qp: QpConfig::default(),
+            srq: None,
         }
     }
 }
@@ -217,13 +224,20 @@ fn build_channels(pd: &ProtectionDomain, specs: &[ChannelSpec]) -> Result<Vec<Ch
             let (qp, cq) = match &spec.cq {
                 CqChoice::Private { entries } => {
                     let cq = ctx.create_cq(*entries, None)?;
-                    (pd.create_qp(&cq, &cq, &spec.qp)?, Some(cq))
+                    (create_qp(pd, &cq, spec)?, Some(cq))
                 }
-                CqChoice::Shared(shared) => (pd.create_qp(shared, shared, &spec.qp)?, None),
+                CqChoice::Shared(shared) => (create_qp(pd, shared, spec)?, None),
             };
             Ok(Channel::new(spec.name.clone(), qp, cq))
         })
         .collect()
+}
+
+fn create_qp(pd: &ProtectionDomain, cq: &impl CqSource, spec: &ChannelSpec) -> Result<QueuePair> {
+    match &spec.srq {
+        Some(srq) => pd.create_qp_with_srq(cq, cq, srq, &spec.qp),
+        None => pd.create_qp(cq, cq, &spec.qp),
+    }
 }
 
 fn local_handshake(channels: &[Channel], exports: &[Export]) -> Result<Handshake> {

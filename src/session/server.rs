@@ -14,7 +14,7 @@ use super::{
     connect_channels, local_handshake, reject_code,
 };
 use crate::error::{Error, Result};
-use crate::verbs::{ProtectionDomain, QpConfig};
+use crate::verbs::{ProtectionDomain, QpConfig, SharedReceiveQueue};
 
 /// Builds the regions exported to one peer (called once per handshake).
 pub type ExportFn = dyn Fn(SocketAddr, &ProtectionDomain) -> Result<Vec<Export>> + Send + Sync;
@@ -26,6 +26,8 @@ pub struct ServerConfig {
     pub qp: QpConfig,
     /// CQ for every channel: private per channel, or one the caller polls.
     pub cq: CqChoice,
+    /// Shared receive queue for every channel (`None`: each QP its own).
+    pub srq: Option<SharedReceiveQueue>,
     /// Most channels one client may ask for.
     pub max_channels: usize,
     /// Stop accepting after this many successful handshakes (`None`: never).
@@ -43,6 +45,7 @@ impl fmt::Debug for ServerConfig {
         f.debug_struct("ServerConfig")
             .field("qp", &self.qp)
             .field("cq", &self.cq)
+            .field("srq", &self.srq.is_some())
             .field("max_channels", &self.max_channels)
             .field("max_peers", &self.max_peers)
             .field("handshake_timeout", &self.handshake_timeout)
@@ -56,6 +59,7 @@ impl Default for ServerConfig {
         Self {
             qp: QpConfig::default(),
             cq: CqChoice::default(),
+            srq: None,
             max_channels: 16,
             max_peers: None,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
@@ -313,6 +317,7 @@ fn serve_handshake(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Resu
             name: c.name.clone(),
             cq: config.cq.clone(),
             qp: config.qp.clone(),
+            srq: config.srq.clone(),
         })
         .collect();
     if let Err(err) = super::check_channel_names(&specs) {

@@ -13,6 +13,7 @@ mod device;
 mod mr;
 mod pd;
 mod qp;
+mod srq;
 mod wr;
 
 pub use cq::{
@@ -25,6 +26,7 @@ pub use device::{
 pub use mr::{AccessFlags, LocalSlice, MemoryRegion, RemoteRegion, RemoteSlice};
 pub use pd::ProtectionDomain;
 pub use qp::{QpConfig, QpEndpoint, QpState, QueuePair};
+pub use srq::SharedReceiveQueue;
 pub use wr::{Batch, RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
 
 use std::os::raw::c_int;

@@ -12,6 +12,7 @@ use super::cq::{CqId, CqInner, CqSource};
 use super::device::{Gid, LinkLayer, Mtu};
 use super::mr::AccessFlags;
 use super::pd::{PdInner, ProtectionDomain};
+use super::srq::{SharedReceiveQueue, SrqInner};
 use super::wr::{RecvBatch, RecvRequest, SendBatch, WorkRequest};
 use super::{check_ptr, check_rc};
 
@@ -158,7 +159,8 @@ pub struct QueuePair {
     max_send_wr: u32,
     max_recv_wr: u32,
     config: QpConfig,
-    // Dropped after the QP is destroyed in Drop: CQs, then the PD.
+    // Dropped after the QP is destroyed in Drop: SRQ, CQs, then the PD.
+    srq: Option<Arc<SrqInner>>,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
     pd: Arc<PdInner>,
@@ -201,6 +203,28 @@ impl ProtectionDomain {
         recv_cq: &impl CqSource,
         config: &QpConfig,
     ) -> Result<QueuePair> {
+        self.create_qp_inner(send_cq, recv_cq, None, config)
+    }
+
+    /// Like [`create_qp`](Self::create_qp), but the QP takes its receives
+    /// from `srq` (posting receives on the QP itself is then refused).
+    pub fn create_qp_with_srq(
+        &self,
+        send_cq: &impl CqSource,
+        recv_cq: &impl CqSource,
+        srq: &SharedReceiveQueue,
+        config: &QpConfig,
+    ) -> Result<QueuePair> {
+        self.create_qp_inner(send_cq, recv_cq, Some(srq), config)
+    }
+
+    fn create_qp_inner(
+        &self,
+        send_cq: &impl CqSource,
+        recv_cq: &impl CqSource,
+        srq: Option<&SharedReceiveQueue>,
+        config: &QpConfig,
+    ) -> Result<QueuePair> {
         let (send_cq, recv_cq) = (send_cq.as_shared(), recv_cq.as_shared());
         let ctx = self.context();
         let name = &self.inner.ctx.name;
@@ -228,6 +252,7 @@ impl ProtectionDomain {
                 max_recv_sge: config.max_recv_sge,
                 max_inline_data: config.max_inline_data,
             },
+            srq: srq.map_or(ptr::null_mut(), |srq| srq.inner.srq.as_ptr()),
             qp_type: sys::IBV_QPT_RC,
             sq_sig_all: 0,
             ..Default::default()
@@ -280,6 +305,7 @@ impl ProtectionDomain {
             max_send_wr: init_attr.cap.max_send_wr,
             max_recv_wr: init_attr.cap.max_recv_wr,
             config,
+            srq: srq.map(|srq| Arc::clone(&srq.inner)),
             send_cq: send_cq.inner,
             recv_cq: recv_cq.inner,
             pd: Arc::clone(&self.inner),
@@ -308,6 +334,13 @@ impl QueuePair {
     /// The QP number.
     pub fn qpn(&self) -> u32 {
         self.qpn
+    }
+
+    /// The shared receive queue this QP takes its receives from, if any.
+    pub fn shared_receive_queue(&self) -> Option<SharedReceiveQueue> {
+        self.srq.as_ref().map(|inner| SharedReceiveQueue {
+            inner: Arc::clone(inner),
+        })
     }
 
     /// The CQ that send completions go to.
@@ -551,7 +584,7 @@ impl QueuePair {
 }
 
 /// How many list nodes precede `bad` (all of them if `bad` is not in the list).
-fn count_before<W: NextPtr>(head: *mut W, bad: *mut W, len: usize) -> usize {
+pub(super) fn count_before<W: NextPtr>(head: *mut W, bad: *mut W, len: usize) -> usize {
     let mut cur = head;
     let mut n = 0;
     while !cur.is_null() && cur != bad && n < len {
@@ -562,7 +595,7 @@ fn count_before<W: NextPtr>(head: *mut W, bad: *mut W, len: usize) -> usize {
     n
 }
 
-trait NextPtr {
+pub(super) trait NextPtr {
     fn next_ptr(&self) -> *mut Self;
 }
 

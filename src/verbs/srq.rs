@@ -1,0 +1,150 @@
+//! Shared receive queues: one pool of posted receives that many QPs draw on,
+//! so memory for receives grows with traffic, not with the number of peers.
+
+use std::fmt;
+use std::os::raw::c_int;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::sys;
+
+use super::pd::{PdInner, ProtectionDomain};
+use super::wr::RecvBatch;
+use super::{check_ptr, check_rc};
+
+type PostSrqRecvFn = unsafe extern "C" fn(
+    *mut sys::ibv_srq,
+    *mut sys::ibv_recv_wr,
+    *mut *mut sys::ibv_recv_wr,
+) -> c_int;
+
+pub(crate) struct SrqInner {
+    pub(crate) srq: NonNull<sys::ibv_srq>,
+    post_recv_fn: PostSrqRecvFn,
+    max_wr: u32,
+    // Dropped after the SRQ is destroyed: the PD outlives it.
+    pd: Arc<PdInner>,
+}
+
+// SAFETY: libibverbs SRQs may be used from any thread (posting is serialised
+// by the provider); the handle is freed only in Drop, after every QP using it
+// (each holds an Arc) is gone.
+unsafe impl Send for SrqInner {}
+// SAFETY: see Send.
+unsafe impl Sync for SrqInner {}
+
+impl Drop for SrqInner {
+    fn drop(&mut self) {
+        // SAFETY: created by ibv_create_srq and destroyed once, after the QPs
+        // attached to it (they hold this Arc) and before the PD (held below).
+        let rc = unsafe { sys::ibv_destroy_srq(self.srq.as_ptr()) };
+        if let Err(err) = check_rc(rc, "ibv_destroy_srq", &self.pd.ctx.name, None) {
+            log::error!("{err}");
+        }
+    }
+}
+
+/// A shared receive queue. Cloning gives another handle to the same SRQ;
+/// QPs created with it keep it alive.
+///
+/// ```no_run
+/// use rdma_comm_core::verbs::*;
+/// let ctx = Context::open_default(None)?;
+/// let pd = ctx.alloc_pd()?;
+/// let cq = ctx.create_cq(1024, None)?;
+/// let srq = pd.create_srq(512)?;
+/// let qp = pd.create_qp_with_srq(&cq, &cq, &srq, &QpConfig::default())?;
+/// # let _ = qp;
+/// # Ok::<(), rdma_comm_core::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct SharedReceiveQueue {
+    pub(crate) inner: Arc<SrqInner>,
+}
+
+impl fmt::Debug for SharedReceiveQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedReceiveQueue")
+            .field("device", &self.inner.pd.ctx.name)
+            .field("max_wr", &self.inner.max_wr)
+            .finish()
+    }
+}
+
+impl ProtectionDomain {
+    /// Creates a shared receive queue holding up to `max_wr` receives (one
+    /// scatter/gather entry each).
+    pub fn create_srq(&self, max_wr: u32) -> Result<SharedReceiveQueue> {
+        let name = &self.inner.ctx.name;
+        let mut init = sys::ibv_srq_init_attr {
+            attr: sys::ibv_srq_attr {
+                max_wr,
+                max_sge: 1,
+                srq_limit: 0,
+            },
+            ..Default::default()
+        };
+        // SAFETY: the PD is live (held through self); init is fully initialised
+        // and the provider writes back the granted sizes.
+        let raw = unsafe { sys::ibv_create_srq(self.inner.pd.as_ptr(), &mut init) };
+        let srq = check_ptr(raw, "ibv_create_srq", name)?;
+        // SAFETY: the SRQ is live; its context's ops table never changes.
+        let post = unsafe { (*(*srq.as_ptr()).context).ops.post_srq_recv };
+        let Some(post_recv_fn) = post else {
+            // SAFETY: live and not yet owned by an SrqInner.
+            unsafe { sys::ibv_destroy_srq(srq.as_ptr()) };
+            return Err(Error::Unsupported {
+                verb: "ibv_post_srq_recv",
+                device: Arc::clone(name),
+            });
+        };
+        Ok(SharedReceiveQueue {
+            inner: Arc::new(SrqInner {
+                srq,
+                post_recv_fn,
+                max_wr: init.attr.max_wr.max(max_wr),
+                pd: Arc::clone(&self.inner),
+            }),
+        })
+    }
+}
+
+impl SharedReceiveQueue {
+    /// Receives the SRQ can hold.
+    pub fn max_wr(&self) -> u32 {
+        self.inner.max_wr
+    }
+
+    /// Posts every receive of `batch` with one `ibv_post_srq_recv` and
+    /// empties it. On error, `Error::Post::posted` tells how many went in.
+    #[inline]
+    pub fn post_recv_batch<const N: usize>(&self, batch: &mut RecvBatch<'_, N>) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let len = batch.len();
+        let head = super::wr::link(batch);
+        let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
+        // SAFETY: the SRQ is live; `head` is a linked list of `len` requests
+        // inside `batch`, whose buffers the caller registered and keeps alive
+        // until their completions (the RecvRequest contract).
+        let rc = unsafe { (self.inner.post_recv_fn)(self.inner.srq.as_ptr(), head, &mut bad) };
+        if rc != 0 {
+            return Err(Error::Post {
+                verb: "ibv_post_srq_recv",
+                errno: rc.abs(),
+                device: Arc::clone(&self.inner.pd.ctx.name),
+                qpn: 0,
+                posted: super::qp::count_before(head, bad, len),
+            });
+        }
+        batch.clear();
+        Ok(())
+    }
+
+    /// True if both handles are the same SRQ.
+    pub fn same_as(&self, other: &SharedReceiveQueue) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
