@@ -59,7 +59,7 @@ fn ping_pong(event_mode: EventMode, thread_mode: ThreadMode, size: usize, srq: b
                 add_ping_pong(&pd, Sides::One(&mut reactor), PING_ITERS, size, true);
             let cancel = watchdog(vec![reactor.stopper()], RUN_DEADLINE);
             reactor.run().unwrap();
-            cancel.store(true, Ordering::Release);
+            cancel.disarm();
             check("pinger", &ping_a, PING_ITERS);
             check("echoer", &echo_a, PING_ITERS);
         }
@@ -83,7 +83,7 @@ fn ping_pong(event_mode: EventMode, thread_mode: ThreadMode, size: usize, srq: b
             client.join().expect("client reactor thread");
             server_stop.stop();
             server.join().expect("server reactor thread");
-            cancel.store(true, Ordering::Release);
+            cancel.disarm();
             check("pinger", &ping, PING_ITERS);
             check("echoer", &echo, PING_ITERS);
         }
@@ -108,7 +108,7 @@ fn stream(event_mode: EventMode, thread_mode: ThreadMode, slow: Option<Duration>
             );
             let cancel = watchdog(vec![reactor.stopper()], RUN_DEADLINE);
             reactor.run().unwrap();
-            cancel.store(true, Ordering::Release);
+            cancel.disarm();
             check("sink", &received, STREAM_MESSAGES);
             assert_eq!(sent.errors.load(Ordering::Relaxed), 0);
         }
@@ -131,7 +131,7 @@ fn stream(event_mode: EventMode, thread_mode: ThreadMode, slow: Option<Duration>
             let client = spawn(client, 1);
             server.join().expect("sink reactor thread");
             client.join().expect("stream reactor thread");
-            cancel.store(true, Ordering::Release);
+            cancel.disarm();
             check("sink", &received, STREAM_MESSAGES);
             assert_eq!(sent.errors.load(Ordering::Relaxed), 0);
         }

@@ -141,7 +141,7 @@ fn slow_receiver(srq_depth: u32) {
     let streamer = spawn(stream_reactor, 1);
     sink.join().unwrap();
     streamer.join().unwrap();
-    cancel.store(true, Ordering::Release);
+    cancel.disarm();
 
     assert_eq!(
         received.bad.load(Ordering::Relaxed),
@@ -215,7 +215,7 @@ verbs_test! {
         relay_stopper.stop();
         relay.join().unwrap();
         streamer.join().unwrap();
-        cancel.store(true, Ordering::Release);
+        cancel.disarm();
 
         // The Sink checks every message's sequence (the relay's immediate),
         // length and bytes, so a lost, reordered or overwritten slot shows.

@@ -9,8 +9,10 @@ use crate::error::Error;
 use crate::sys;
 use crate::verbs::{
     LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, RecvRequest, RemoteSlice,
-    SendBatch, SharedReceiveQueue, WorkRequest,
+    SharedReceiveQueue,
 };
+
+use super::staged::{Request, StagedSends};
 
 use super::{ConnId, ReactorConfig, SendError};
 
@@ -173,7 +175,7 @@ pub(crate) struct Conn {
     advertised: u32,
     credit_threshold: u32,
     // Staging.
-    pub(crate) batch: SendBatch<'static, MAX_STAGED>,
+    pub(crate) batch: StagedSends<MAX_STAGED>,
     has_staged_send: bool,
     // Receive slots consumed and waiting to be reposted: each slot is in here
     // at most once, so `recv_depth` entries always suffice.
@@ -255,7 +257,7 @@ impl Conn {
             posted: 0,
             advertised: 0,
             credit_threshold: (recv_depth / 4).max(1),
-            batch: SendBatch::new(),
+            batch: StagedSends::new(),
             has_staged_send: false,
             // A peer that ignores its credits can consume more SRQ slots than
             // its quota; every one of them must find its way back.
@@ -425,17 +427,12 @@ impl Conn {
 
     /// Records `op` in the SQ ring, decides its signaling, and stages it.
     #[inline]
-    fn stage(&mut self, request: WorkRequest<'static>, op: SqOp) -> u32 {
+    fn stage(&mut self, request: Request, op: SqOp) -> u32 {
         self.stage_signaled(request, op, false)
     }
 
     #[inline]
-    fn stage_signaled(
-        &mut self,
-        request: WorkRequest<'static>,
-        op: SqOp,
-        force_signal: bool,
-    ) -> u32 {
+    fn stage_signaled(&mut self, request: Request, op: SqOp, force_signal: bool) -> u32 {
         let seq = self.sq_next;
         self.sq_next = seq.wrapping_add(1);
         self.ops[(seq & (self.sq_depth - 1)) as usize] = op;
@@ -449,19 +446,17 @@ impl Conn {
             || self.since_signal >= self.signal_interval
             || sq_left <= self.signal_interval
             || slots_left < self.signal_interval;
-        let mut request = request;
-        request.wr.wr_id = wr_id(self.id.0, KIND_SEND, seq);
+        let mut flags = 0;
         if signal {
-            request.wr.send_flags |= sys::IBV_SEND_SIGNALED;
+            flags |= sys::IBV_SEND_SIGNALED;
             self.since_signal = 0;
         }
-        if (request.sge.length as usize) <= self.max_inline as usize
-            && request.wr.opcode != sys::IBV_WR_RDMA_READ
-        {
-            request.wr.send_flags |= sys::IBV_SEND_INLINE;
+        if request.len <= self.max_inline && request.opcode != sys::IBV_WR_RDMA_READ {
+            flags |= sys::IBV_SEND_INLINE;
         }
         // admit() checked the room.
-        let _ = self.batch.push(request);
+        self.batch
+            .push(wr_id(self.id.0, KIND_SEND, seq), flags, &request);
         seq
     }
 
@@ -542,11 +537,13 @@ impl Conn {
         imm: Option<u32>,
         op: SqOp,
     ) -> u32 {
-        let request = match imm {
-            Some(imm) => {
-                WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, addr, len, lkey).imm(imm)
-            }
-            None => WorkRequest::from_raw(0, sys::IBV_WR_SEND, addr, len, lkey),
+        let opcode = match imm {
+            Some(_) => sys::IBV_WR_SEND_WITH_IMM,
+            None => sys::IBV_WR_SEND,
+        };
+        let request = Request {
+            imm,
+            ..Request::local(opcode, addr, len, lkey)
         };
         self.consumed = self.consumed.wrapping_add(1);
         self.has_staged_send = true;
@@ -567,16 +564,20 @@ impl Conn {
             )));
         }
         self.admit(imm.is_some(), false)?;
-        let (addr, len, lkey) = (local.addr, local.len, local.lkey);
-        let request = match imm {
-            Some(imm) => {
+        let opcode = match imm {
+            Some(_) => {
                 self.consumed = self.consumed.wrapping_add(1);
-                WorkRequest::from_raw(0, sys::IBV_WR_RDMA_WRITE_WITH_IMM, addr, len, lkey).imm(imm)
+                sys::IBV_WR_RDMA_WRITE_WITH_IMM
             }
-            None => WorkRequest::from_raw(0, sys::IBV_WR_RDMA_WRITE, addr, len, lkey),
+            None => sys::IBV_WR_RDMA_WRITE,
+        };
+        let request = Request {
+            remote: (remote.addr(), remote.rkey()),
+            imm,
+            ..Request::local(opcode, local.addr, local.len, local.lkey)
         };
         Ok(self.stage(
-            request.to_remote(remote),
+            request,
             SqOp {
                 kind: OpKind::Write,
                 slot: NO_SLOT,
@@ -606,12 +607,14 @@ impl Conn {
             )));
         }
         self.admit(false, false)?;
-        let request =
-            WorkRequest::from_raw(0, sys::IBV_WR_RDMA_READ, local.addr, local.len, local.lkey);
+        let request = Request {
+            remote: (remote.addr(), remote.rkey()),
+            ..Request::local(sys::IBV_WR_RDMA_READ, local.addr, local.len, local.lkey)
+        };
         // Always signaled: a READ's completion is the only sign its data has
         // landed, and callers wait for it.
         Ok(self.stage_signaled(
-            request.to_remote(remote),
+            request,
             SqOp {
                 kind: OpKind::Read,
                 slot: NO_SLOT,
@@ -624,8 +627,7 @@ impl Conn {
     /// Signals the last staged request, so it and everything before it
     /// report completion without waiting for the signaling interval.
     pub(crate) fn signal_last_staged(&mut self) {
-        if let Some(request) = self.batch.requests.last_mut() {
-            request.wr.send_flags |= sys::IBV_SEND_SIGNALED;
+        if self.batch.flag_last(sys::IBV_SEND_SIGNALED) {
             self.since_signal = 0;
         }
     }
@@ -646,20 +648,14 @@ impl Conn {
         let unannounced = self.posted.wrapping_sub(self.advertised);
         if self.has_staged_send {
             let total = self.posted.to_le_bytes();
-            for request in self.batch.requests.iter() {
-                if matches!(
-                    request.wr.opcode,
-                    sys::IBV_WR_SEND | sys::IBV_WR_SEND_WITH_IMM
-                ) && request.sge.length >= HEADER_LEN as u32
+            for (opcode, sge) in self.batch.staged() {
+                if matches!(opcode, sys::IBV_WR_SEND | sys::IBV_WR_SEND_WITH_IMM)
+                    && sge.length >= HEADER_LEN as u32
                 {
-                    // SAFETY: the SGE points at a send slot we own, staged but
-                    // not yet posted; the header's 4 bytes are inside it.
+                    // SAFETY: the SGE points at a send or receive slot we own,
+                    // staged but not yet posted; the header's 4 bytes are in it.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            total.as_ptr(),
-                            request.sge.addr as *mut u8,
-                            4,
-                        )
+                        std::ptr::copy_nonoverlapping(total.as_ptr(), sge.addr as *mut u8, 4)
                     };
                 }
             }
@@ -698,7 +694,10 @@ impl Conn {
 
     /// Stages a zero-length SEND_WITH_IMM whose immediate is our receive count.
     fn stage_credit_update(&mut self, force_signal: bool) {
-        let request = WorkRequest::from_raw(0, sys::IBV_WR_SEND_WITH_IMM, 0, 0, 0).imm(self.posted);
+        let request = Request {
+            imm: Some(self.posted),
+            ..Request::local(sys::IBV_WR_SEND_WITH_IMM, 0, 0, 0)
+        };
         self.consumed = self.consumed.wrapping_add(1);
         self.advertised = self.posted;
         let op = SqOp {

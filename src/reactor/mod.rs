@@ -47,6 +47,7 @@
 
 mod conn;
 pub mod placement;
+mod staged;
 mod wait;
 
 use std::fmt;
@@ -931,7 +932,9 @@ impl<H: Handler> Reactor<H> {
         }
         // Unsignaled requests left at the tail of a burst would never report
         // completion; after a while with nothing to do, signal them out.
-        let signal_tails = self.idle_passes == TAIL_SIGNAL_IDLE_PASSES;
+        // Retried every idle pass from then on: the signal may have to wait
+        // for a credit, and a tail staged late in an idle streak still counts.
+        let signal_tails = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
         self.flush(done == 0, signal_tails);
         Ok(done)
     }
@@ -1166,7 +1169,7 @@ impl<H: Handler> Reactor<H> {
                     conn.stage_tail_signal();
                 }
                 if !conn.batch.is_empty() {
-                    result = qp.post_send_batch(&mut conn.batch);
+                    result = conn.batch.post(qp);
                 }
             }
             if let Err(error) = result {

@@ -523,8 +523,11 @@ impl QueuePair {
         Ok(())
     }
 
+    /// Posts a NULL-terminated list of `len` requests that the caller built
+    /// over memory it keeps registered (a batch, or a reactor connection's
+    /// preallocated requests).
     #[inline]
-    fn post_send_list(&self, head: *mut sys::ibv_send_wr, len: usize) -> Result<()> {
+    pub(crate) fn post_send_list(&self, head: *mut sys::ibv_send_wr, len: usize) -> Result<()> {
         let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
         // SAFETY: `head` is a NULL-terminated list whose nodes and SGEs live in
         // the caller's frame or batch for the duration of the call; the provider

@@ -85,36 +85,6 @@ impl<'a> WorkRequest<'a> {
         self
     }
 
-    /// A request over memory the caller keeps registered until completion:
-    /// used by the reactor, which owns its regions for as long as it posts.
-    pub(crate) fn from_raw(
-        wr_id: u64,
-        opcode: sys::ibv_wr_opcode,
-        addr: u64,
-        len: u32,
-        lkey: u32,
-    ) -> Self {
-        Self::new(
-            wr_id,
-            opcode,
-            sys::ibv_sge {
-                addr,
-                length: len,
-                lkey,
-            },
-        )
-    }
-
-    /// Sets the remote target of a WRITE or READ built with `from_raw`.
-    pub(crate) fn to_remote(self, remote: RemoteSlice) -> Self {
-        self.with_remote(remote)
-    }
-
-    /// Sets the immediate of a `*_WITH_IMM` request built with `from_raw`.
-    pub(crate) fn imm(self, imm: u32) -> Self {
-        self.with_imm_data(imm)
-    }
-
     /// SEND `local` to the peer's next posted RECV.
     pub fn send(wr_id: u64, local: LocalSlice<'a>) -> Self {
         Self::new(wr_id, sys::IBV_WR_SEND, sge(&local))

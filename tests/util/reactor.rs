@@ -507,21 +507,45 @@ fn reactor_device_name() -> String {
 }
 
 /// Stops every reactor after `deadline` if it has not stopped on its own.
-pub fn watchdog(stoppers: Vec<Stopper>, deadline: Duration) -> Arc<AtomicBool> {
-    let cancelled = Arc::new(AtomicBool::new(false));
-    let flag = Arc::clone(&cancelled);
+/// A test that got there only because the watchdog stopped it fails at
+/// [`Watchdog::disarm`]: a hang is a failure even if the counts look right.
+pub fn watchdog(stoppers: Vec<Stopper>, deadline: Duration) -> Watchdog {
+    let watchdog = Watchdog {
+        disarmed: Arc::new(AtomicBool::new(false)),
+        fired: Arc::new(AtomicBool::new(false)),
+    };
+    let (disarmed, fired) = (Arc::clone(&watchdog.disarmed), Arc::clone(&watchdog.fired));
     thread::spawn(move || {
         let start = std::time::Instant::now();
         while start.elapsed() < deadline {
-            if flag.load(Ordering::Acquire) {
+            if disarmed.load(Ordering::Acquire) {
                 return;
             }
             thread::sleep(Duration::from_millis(20));
         }
         eprintln!("watchdog: stopping reactors after {deadline:?}");
+        fired.store(true, Ordering::Release);
         for stopper in stoppers {
             stopper.stop();
         }
     });
-    cancelled
+    watchdog
+}
+
+/// See [`watchdog`].
+pub struct Watchdog {
+    disarmed: Arc<AtomicBool>,
+    fired: Arc<AtomicBool>,
+}
+
+impl Watchdog {
+    /// Stops watching; panics if the watchdog had to stop the reactors.
+    #[track_caller]
+    pub fn disarm(&self) {
+        self.disarmed.store(true, Ordering::Release);
+        assert!(
+            !self.fired.load(Ordering::Acquire),
+            "the reactors hung until the watchdog stopped them"
+        );
+    }
 }
