@@ -206,6 +206,19 @@ impl Handler for Sender {
     }
 }
 
+/// Stages the acknowledgement of `count` bytes, signaled so its completion
+/// shows promptly; `Ok(None)` when there is no credit yet (retry later).
+fn stage_ack(ctx: &mut Ctx<'_>, conn: ConnId, count: u64) -> Result<Option<u32>, SendError> {
+    match ctx.send(conn, &count.to_le_bytes(), Some(ACK_TAG)) {
+        Ok(seq) => {
+            ctx.signal_staged(conn);
+            Ok(Some(seq))
+        }
+        Err(SendError::WouldBlock) => Ok(None),
+        Err(err) => Err(err),
+    }
+}
+
 fn ack_count(data: &[u8], imm: Option<u32>) -> Option<u64> {
     let bytes: [u8; 8] = data.try_into().ok()?;
     (imm == Some(ACK_TAG)).then(|| u64::from_le_bytes(bytes))
@@ -226,12 +239,8 @@ impl Receiver {
         if self.ack.is_some() || self.status.failure.is_some() {
             return;
         }
-        match ctx.send(conn, &self.status.bytes.to_le_bytes(), Some(ACK_TAG)) {
-            Ok(seq) => {
-                ctx.signal_staged(conn);
-                self.ack = Some(seq);
-            }
-            Err(SendError::WouldBlock) => {}
+        match stage_ack(ctx, conn, self.status.bytes) {
+            Ok(seq) => self.ack = seq,
             Err(err) => self.status.failure = Some(format!("acknowledging: {err}")),
         }
     }
@@ -317,12 +326,8 @@ impl Relay {
         let (Some(up), Some(count), None) = (self.up, self.down_acked, self.up_ack) else {
             return;
         };
-        match ctx.send(up, &count.to_le_bytes(), Some(ACK_TAG)) {
-            Ok(seq) => {
-                ctx.signal_staged(up);
-                self.up_ack = Some(seq);
-            }
-            Err(SendError::WouldBlock) => {}
+        match stage_ack(ctx, up, count) {
+            Ok(seq) => self.up_ack = seq,
             Err(err) => self.status.failure = Some(format!("acknowledging upstream: {err}")),
         }
     }
