@@ -201,6 +201,7 @@ pub struct LatencyClient {
     started_at: u64,
     in_flight: bool,
     clock: Clock,
+    /// Round-trip (or READ) times in clock ticks.
     samples: Vec<u64>,
     failed: Option<String>,
     done: bool,
@@ -231,7 +232,8 @@ impl LatencyClient {
         let halve = self.spec.op != PerfOp::Read;
         self.samples
             .iter()
-            .map(|&ns| if halve { ns / 2 } else { ns })
+            .map(|&ticks| self.clock.nanos(0, ticks))
+            .map(|ns| if halve { ns / 2 } else { ns })
             .collect()
     }
 
@@ -294,7 +296,9 @@ impl LatencyClient {
     }
 
     fn answered(&mut self, ctx: &mut Ctx<'_>) {
-        let elapsed = self.clock.nanos(self.started_at, self.clock.now());
+        // Raw ticks now, nanoseconds after the run (as perftest converts its
+        // cycle counts at the end): no float work inside the measured loop.
+        let elapsed = self.clock.now().saturating_sub(self.started_at);
         self.in_flight = false;
         if self.seq >= self.spec.warmup {
             self.samples.push(elapsed);

@@ -129,8 +129,22 @@ fn stream(event_mode: EventMode, thread_mode: ThreadMode, slow: Option<Duration>
             let cancel = watchdog(vec![server.stopper(), client.stopper()], RUN_DEADLINE);
             let server = spawn(server, 0);
             let client = spawn(client, 1);
-            server.join().expect("sink reactor thread");
-            client.join().expect("stream reactor thread");
+            let server = server.join().expect("sink reactor thread");
+            let client = client.join().expect("stream reactor thread");
+            // On a hang, show where each side's queues and credits stood.
+            for (side, reactor) in [("sink", &server), ("streamer", &client)] {
+                for conn in reactor.conns(SessionId(0)) {
+                    println!(
+                        "{side} {conn:?}: (sq used, slots used, credits) {:?}",
+                        reactor.conn_stats(conn)
+                    );
+                }
+            }
+            println!(
+                "received {} sent-complete {}",
+                received.done.load(Ordering::Relaxed),
+                sent.done.load(Ordering::Relaxed)
+            );
             cancel.disarm();
             check("sink", &received, STREAM_MESSAGES);
             assert_eq!(sent.errors.load(Ordering::Relaxed), 0);

@@ -139,8 +139,10 @@ fn slow_receiver(srq_depth: u32) {
     );
     let sink = spawn(sink_reactor, 0);
     let streamer = spawn(stream_reactor, 1);
-    sink.join().unwrap();
-    streamer.join().unwrap();
+    // Both stay alive until both are done: a sink torn down early would fail
+    // the streamer's last, signaled request.
+    let _sink = sink.join().unwrap();
+    let _streamer = streamer.join().unwrap();
     cancel.disarm();
 
     assert_eq!(
@@ -211,10 +213,11 @@ verbs_test! {
         let sink = spawn(sink_reactor, 0);
         let relay = spawn(relay_reactor, 1);
         let streamer = spawn(stream_reactor, 1);
-        sink.join().unwrap();
+        let _sink = sink.join().unwrap();
+        // The relay serves the streamer's last completions, so it stops last.
+        let _streamer = streamer.join().unwrap();
         relay_stopper.stop();
-        relay.join().unwrap();
-        streamer.join().unwrap();
+        let _relay = relay.join().unwrap();
         cancel.disarm();
 
         // The Sink checks every message's sequence (the relay's immediate),

@@ -694,6 +694,11 @@ impl Conn {
 
     /// Stages a zero-length SEND_WITH_IMM whose immediate is our receive count.
     fn stage_credit_update(&mut self, force_signal: bool) {
+        // An update that spends the last credit must be signaled: without a
+        // credit no later request can signal out the tail, and the peer may
+        // owe us no update (it announces only every `credit_threshold`), so
+        // unsignaled sends before it would never report completion.
+        let last_credit = self.credits() <= 1;
         let request = Request {
             imm: Some(self.posted),
             ..Request::local(sys::IBV_WR_SEND_WITH_IMM, 0, 0, 0)
@@ -705,7 +710,7 @@ impl Conn {
             slot: NO_SLOT,
             origin: 0,
         };
-        self.stage_signaled(request, op, force_signal);
+        self.stage_signaled(request, op, force_signal || last_credit);
     }
 
     /// How many ops a signaled completion of `seq` retires: it and every

@@ -277,6 +277,7 @@ impl Handler for Streamer {
 
     fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
         self.completed += 1;
+        self.outcome.done.store(self.completed, Ordering::Relaxed);
         if self.completed == self.total && self.stop_when_done {
             ctx.stop();
         }
