@@ -539,24 +539,36 @@ fn send(peer: &str, opts: &Opts) -> Result<(), Failure> {
     let block = opts
         .block_size
         .clamp(1, reactor.config().slot_size - SEND_HEADER_LEN);
-    let role = Rc::new(RefCell::new(Sender {
+    let sender = Sender {
         input,
         conn: None,
         block,
         batch: opts.reactor.batch_or(16),
         end_staged: false,
         status: Status::default(),
-    }));
-    let session = reactor
-        .add(endpoint, Rc::clone(&role))
-        .map_err(|err| err.to_string())?;
-    drive(
-        &mut reactor,
-        &[session],
-        &role,
+    };
+    run_one(
+        reactor,
+        endpoint,
+        sender,
         |s| &s.status,
         &progress_bar(opts, total),
     )
+}
+
+/// Runs a single-peer role to its end.
+fn run_one<T: Handler>(
+    mut reactor: Reactor<Rc<RefCell<T>>>,
+    endpoint: Endpoint,
+    role: T,
+    status_of: fn(&T) -> &Status,
+    bar: &ProgressBar,
+) -> Result<(), Failure> {
+    let role = Rc::new(RefCell::new(role));
+    let session = reactor
+        .add(endpoint, Rc::clone(&role))
+        .map_err(|err| err.to_string())?;
+    drive(&mut reactor, &[session], &role, status_of, bar)
 }
 
 fn recv(listen: &str, opts: &Opts) -> Result<(), Failure> {
@@ -569,19 +581,16 @@ fn recv(listen: &str, opts: &Opts) -> Result<(), Failure> {
     );
     let mut reactor = new_reactor::<Receiver>(&pd, opts)?;
     let endpoint = accept_one(listen, &pd, &mut reactor, opts)?;
-    let role = Rc::new(RefCell::new(Receiver {
+    let receiver = Receiver {
         output,
         ended: None,
         ack: None,
         status: Status::default(),
-    }));
-    let session = reactor
-        .add(endpoint, Rc::clone(&role))
-        .map_err(|err| err.to_string())?;
-    drive(
-        &mut reactor,
-        &[session],
-        &role,
+    };
+    run_one(
+        reactor,
+        endpoint,
+        receiver,
         |s| &s.status,
         &progress_bar(opts, None),
     )
