@@ -124,6 +124,15 @@ struct Status {
     failure: Option<Failure>,
 }
 
+impl Status {
+    /// Records a failed connection (the first failure is the one reported).
+    fn broke(&mut self, error: &rdma_comm_core::Error) {
+        let bytes = self.bytes;
+        self.failure
+            .get_or_insert_with(|| format!("the stream broke after {bytes} bytes: {error}"));
+    }
+}
+
 /// Reads stdin into send slots until EOF, then ends the stream and waits
 /// for the receiver's count.
 struct Sender {
@@ -193,12 +202,7 @@ impl Handler for Sender {
     }
 
     fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &rdma_comm_core::Error) {
-        self.status.failure.get_or_insert_with(|| {
-            format!(
-                "the stream broke after {} bytes: {error}",
-                self.status.bytes
-            )
-        });
+        self.status.broke(error);
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
@@ -274,12 +278,7 @@ impl Handler for Receiver {
     }
 
     fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &rdma_comm_core::Error) {
-        self.status.failure.get_or_insert_with(|| {
-            format!(
-                "the stream broke after {} bytes: {error}",
-                self.status.bytes
-            )
-        });
+        self.status.broke(error);
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
