@@ -37,6 +37,11 @@ enum EndState {
 }
 
 impl RunEnd {
+    /// True once the run's measured part is over.
+    fn begun(&self) -> bool {
+        self.state != EndState::Running
+    }
+
     fn begin(&mut self, ctx: &mut Ctx<'_>, conn: Option<ConnId>) {
         self.state = EndState::Staging;
         self.retry(ctx, conn);
@@ -204,7 +209,6 @@ pub struct LatencyClient {
     /// Round-trip (or READ) times in clock ticks.
     samples: Vec<u64>,
     failed: Option<String>,
-    done: bool,
     end: RunEnd,
 }
 
@@ -221,7 +225,6 @@ impl LatencyClient {
             clock: Clock::new(),
             samples: Vec::with_capacity(spec.iters as usize),
             failed: None,
-            done: false,
             end: RunEnd::default(),
         }
     }
@@ -244,7 +247,7 @@ impl LatencyClient {
 
     /// True when every iteration was measured.
     pub fn is_done(&self) -> bool {
-        self.done
+        self.end.begun()
     }
 
     /// The byte that marks iteration `seq` (never 0, so a fresh buffer differs).
@@ -305,7 +308,6 @@ impl LatencyClient {
         }
         self.seq += 1;
         if self.seq == self.spec.warmup + self.spec.iters {
-            self.done = true;
             self.end.begin(ctx, self.conn);
         } else {
             self.issue(ctx);
@@ -347,7 +349,7 @@ impl Handler for LatencyClient {
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        if self.done {
+        if self.end.begun() {
             self.end.retry(ctx, self.conn);
             return;
         }
@@ -487,7 +489,6 @@ pub struct RateSender {
     marks: Vec<(u64, u64)>,
     mark_stride: u64,
     failed: Option<String>,
-    done: bool,
     end: RunEnd,
 }
 
@@ -513,7 +514,6 @@ impl RateSender {
             marks: Vec::with_capacity(spec.iters.min(MAX_MARKS) as usize + 2),
             mark_stride: spec.iters.div_ceil(MAX_MARKS).max(1),
             failed: None,
-            done: false,
             end: RunEnd::default(),
         }
     }
@@ -525,7 +525,7 @@ impl RateSender {
 
     /// True when every message completed.
     pub fn is_done(&self) -> bool {
-        self.done
+        self.end.begun()
     }
 
     /// Bandwidth figures, once done.
@@ -601,7 +601,6 @@ impl RateSender {
             self.marks.push((self.completed, self.clock.now()));
         }
         if self.completed == self.spec.iters {
-            self.done = true;
             self.end.begin(ctx, self.conn);
         } else {
             self.pump(ctx);
@@ -618,7 +617,7 @@ impl Handler for RateSender {
     fn on_message(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, _data: &[u8], _imm: Option<u32>) {}
 
     fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, seq: u32) {
-        if self.done {
+        if self.end.begun() {
             self.end.completed(ctx, seq);
         } else if self.spec.op == PerfOp::Send {
             self.completed_one(ctx);
@@ -626,13 +625,13 @@ impl Handler for RateSender {
     }
 
     fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
-        if !self.done {
+        if !self.end.begun() {
             self.completed_one(ctx);
         }
     }
 
     fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
-        if !self.done {
+        if !self.end.begun() {
             self.completed_one(ctx);
         }
     }
@@ -643,7 +642,7 @@ impl Handler for RateSender {
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        if self.done {
+        if self.end.begun() {
             self.end.retry(ctx, self.conn);
         } else {
             self.pump(ctx);

@@ -100,7 +100,7 @@ pub(crate) fn recv_request(
 ) -> RecvRequest<'static> {
     RecvRequest::from_raw(
         wr_id(conn, KIND_RECV, slot),
-        ring.addr + u64::from(slot) * slot_size as u64,
+        ring.slot_addr(slot, slot_size),
         slot_size as u32,
         ring.lkey,
     )
@@ -121,6 +121,12 @@ impl Ring {
             addr: region.addr(),
             lkey: region.lkey(),
         }
+    }
+
+    /// The registered address of slot `slot`.
+    #[inline]
+    fn slot_addr(&self, slot: u32, slot_size: usize) -> u64 {
+        self.addr + u64::from(slot) * slot_size as u64
     }
 }
 
@@ -178,16 +184,18 @@ pub(crate) struct Conn {
     pub(crate) batch: StagedSends<MAX_STAGED>,
     has_staged_send: bool,
     // Receive slots consumed and waiting to be reposted: each slot is in here
-    // at most once, so `recv_depth` entries always suffice.
+    // at most once, so one entry per slot of the receive ring (own or SRQ)
+    // always suffices.
     pending_reposts: Box<[u32]>,
     pending_len: usize,
     reposts: RecvBatch<'static, MAX_REPOST>,
     repost_threshold: usize,
 }
 
-// SAFETY: the raw pointers inside the staged batches point into this Conn's own
-// regions (or nowhere, until posting links them); moving the Conn to another
-// thread moves their owner with them.
+// SAFETY: the raw pointers in the rings and staged requests point into this
+// Conn's own boxed arrays and regions, or into the reactor's SRQ region,
+// which lives as long as the reactor that owns this Conn; moving the Conn to
+// another thread moves none of that memory.
 unsafe impl Send for Conn {}
 
 impl Conn {
@@ -339,14 +347,14 @@ impl Conn {
 
     #[inline]
     fn post_pending(&mut self, qp: Option<&QueuePair>) -> crate::Result<()> {
+        let conn = if self.srq.is_some() {
+            SRQ_CONN
+        } else {
+            self.id.0
+        };
         let mut start = 0;
         while start < self.pending_len {
             let end = (start + MAX_REPOST).min(self.pending_len);
-            let conn = if self.srq.is_some() {
-                SRQ_CONN
-            } else {
-                self.id.0
-            };
             for &slot in &self.pending_reposts[start..end] {
                 let request = recv_request(self.recv_ring, self.slot_size, conn, slot);
                 // At most MAX_REPOST pushes into a batch emptied by each post.
@@ -384,7 +392,7 @@ impl Conn {
     pub(crate) fn recv_slot_source(&self, slot: u32) -> Option<(u64, u32)> {
         self.regions.as_ref()?;
         Some((
-            self.recv_ring.addr + u64::from(slot) * self.slot_size as u64,
+            self.recv_ring.slot_addr(slot, self.slot_size),
             self.recv_ring.lkey,
         ))
     }
