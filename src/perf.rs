@@ -255,12 +255,13 @@ impl LatencyClient {
         (seq % 255) as u8 + 1
     }
 
-    fn issue(&mut self, ctx: &mut Ctx<'_>) {
+    /// Stages iteration `self.seq`, timed from `now` (a clock reading).
+    fn issue(&mut self, ctx: &mut Ctx<'_>, now: u64) {
         let Some(conn) = self.conn else { return };
         let size = self.spec.size;
         let seq = self.seq;
         let marker = Self::marker(seq);
-        self.started_at = self.clock.now();
+        self.started_at = now;
         let buffer = &self.buffers.buffer;
         let result = match self.spec.op {
             PerfOp::Send => ctx.send_with(conn, size, None, |buf| {
@@ -301,7 +302,10 @@ impl LatencyClient {
     fn answered(&mut self, ctx: &mut Ctx<'_>) {
         // Raw ticks now, nanoseconds after the run (as perftest converts its
         // cycle counts at the end): no float work inside the measured loop.
-        let elapsed = self.clock.now().saturating_sub(self.started_at);
+        // One reading ends this round trip and starts the next, as perftest
+        // times from post to post.
+        let now = self.clock.now();
+        let elapsed = now.saturating_sub(self.started_at);
         self.in_flight = false;
         if self.seq >= self.spec.warmup {
             self.samples.push(elapsed);
@@ -310,7 +314,7 @@ impl LatencyClient {
         if self.seq == self.spec.warmup + self.spec.iters {
             self.end.begin(ctx, self.conn);
         } else {
-            self.issue(ctx);
+            self.issue(ctx, now);
         }
     }
 }
@@ -318,7 +322,7 @@ impl LatencyClient {
 impl Handler for LatencyClient {
     fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
         self.conn = Some(conn);
-        self.issue(ctx);
+        self.issue(ctx, self.clock.now());
     }
 
     fn on_message(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _data: &[u8], _imm: Option<u32>) {
@@ -349,6 +353,11 @@ impl Handler for LatencyClient {
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        // The common case first: a ping is out and its answer comes as a
+        // completion; nothing to do until then.
+        if self.in_flight && self.spec.op != PerfOp::Write {
+            return;
+        }
         if self.end.begun() {
             self.end.retry(ctx, self.conn);
             return;
@@ -357,7 +366,7 @@ impl Handler for LatencyClient {
             return;
         }
         if !self.in_flight {
-            self.issue(ctx);
+            self.issue(ctx, self.clock.now());
         } else if self.spec.op == PerfOp::Write {
             let marker = Self::marker(self.seq);
             if poll_byte(&self.buffers.buffer, self.spec.size - 1, |b| b == marker) {

@@ -372,6 +372,29 @@ impl Conn {
         Ok(())
     }
 
+    /// The credit header and the payload (address, length) of a SEND of
+    /// `len` bytes in receive slot `slot`; `None` for a message too short to
+    /// carry a header (a credit update) or a slot that is gone.
+    #[inline]
+    pub(crate) fn recv_message(&self, slot: u32, len: u32) -> Option<(u32, (*const u8, usize))> {
+        let len = len as usize;
+        if len < HEADER_LEN || len > self.slot_size || slot >= self.recv_slots {
+            return None;
+        }
+        self.regions.as_ref()?;
+        // SAFETY: the ring is registered (`regions` is Some) and the slot's
+        // `len` bytes lie inside it; its receive completed and it is not
+        // reposted before the caller is done, so no DMA writes it.
+        unsafe {
+            let start = self.recv_ring.ptr.add(slot as usize * self.slot_size);
+            let credit = u32::from_le(start.cast::<u32>().read_unaligned());
+            Some((
+                credit,
+                (start.add(HEADER_LEN).cast_const(), len - HEADER_LEN),
+            ))
+        }
+    }
+
     /// The bytes of receive slot `slot`.
     #[inline]
     pub(crate) fn recv_bytes(&self, slot: u32, len: usize) -> &[u8] {
@@ -640,12 +663,10 @@ impl Conn {
         }
     }
 
-    /// Nothing staged, nothing to repost, no credit update due.
+    /// Nothing staged and no credit update due (reposts may be pending).
     #[inline]
     pub(crate) fn is_quiet(&self) -> bool {
-        self.batch.is_empty()
-            && self.pending_len == 0
-            && self.posted.wrapping_sub(self.advertised) < self.credit_threshold
+        self.batch.is_empty() && self.posted.wrapping_sub(self.advertised) < self.credit_threshold
     }
 
     /// Before the doorbell: stamps our receive count into every staged SEND's

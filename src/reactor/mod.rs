@@ -269,6 +269,9 @@ pub struct Ctx<'a> {
     stop: &'a AtomicBool,
     /// In `on_message`: the message's receive slot, until the handler holds it.
     current: Option<HeldRecv>,
+    /// Set when a call may have staged work or queued a repost, so an idle
+    /// pass knows whether it has anything to flush.
+    touched: bool,
 }
 
 /// A received message whose receive slot the handler kept past `on_message`
@@ -312,6 +315,7 @@ impl fmt::Debug for Ctx<'_> {
 
 impl Ctx<'_> {
     fn conn(&mut self, conn: ConnId) -> Result<&mut Conn, SendError> {
+        self.touched = true;
         self.conns.get_mut(conn.0 as usize).ok_or(SendError::Closed)
     }
 
@@ -379,6 +383,7 @@ impl Ctx<'_> {
 
     /// Gives a held receive slot back: it is reposted with this pass.
     pub fn release(&mut self, held: HeldRecv) {
+        self.touched = true;
         if let Some(conn) = self.conns.get_mut(held.conn.0 as usize) {
             conn.queue_repost(held.slot);
         }
@@ -395,6 +400,7 @@ impl Ctx<'_> {
         held: HeldRecv,
         imm: Option<u32>,
     ) -> Result<u32, (SendError, HeldRecv)> {
+        self.touched = true;
         let Some(origin) = self.conns.get(held.conn.0 as usize) else {
             return Err((SendError::Closed, held));
         };
@@ -440,6 +446,7 @@ impl Ctx<'_> {
     /// instead of with the next signaled request: for a final message whose
     /// completion the handler waits for.
     pub fn signal_staged(&mut self, conn: ConnId) {
+        self.touched = true;
         if let Some(conn) = self.conns.get_mut(conn.0 as usize) {
             conn.signal_last_staged();
         }
@@ -500,6 +507,11 @@ const POLL_BATCH: usize = 32;
 const MAX_CONNS: usize = SRQ_CONN as usize;
 /// Empty busy-poll passes after which unsignaled tails are signaled out.
 const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
+/// Empty busy-poll passes after which receives consumed since the last
+/// batch are reposted anyway. Not on the first empty pass: in a ping-pong
+/// the next message usually lands then, and a pass that is busy posting
+/// receives finds it later.
+const REPOST_IDLE_PASSES: u32 = 8;
 
 /// The reactor's shared receive queue, its slots and who may use how many.
 struct SrqPool {
@@ -581,6 +593,8 @@ pub struct Reactor<H: Handler> {
     wcs: [WorkCompletion; POLL_BATCH],
     next_cq: usize,
     idle_passes: u32,
+    /// The last flush left work behind (or sessions changed since).
+    unsettled: bool,
     stop: Arc<AtomicBool>,
 }
 
@@ -627,6 +641,7 @@ impl<H: Handler> Reactor<H> {
             wcs: [WorkCompletion::default(); POLL_BATCH],
             next_cq: 0,
             idle_passes: 0,
+            unsettled: true,
             stop: Arc::new(AtomicBool::new(false)),
         })
     }
@@ -748,6 +763,8 @@ impl<H: Handler> Reactor<H> {
         self.conns.extend(conns);
         self.endpoints.push(Some(endpoint));
         self.handlers.push(Some(handler));
+        // The initial credit updates wait for the next flush.
+        self.unsettled = true;
         Ok(SessionId(session))
     }
 
@@ -817,6 +834,7 @@ impl<H: Handler> Reactor<H> {
             pool.promised = pool.promised.saturating_sub(shares);
         }
         self.release_forwarded(released);
+        self.unsettled = true;
         Some((endpoint, handler))
     }
 
@@ -915,17 +933,18 @@ impl<H: Handler> Reactor<H> {
                 }
             }
         }
+        let mut touched = done > 0;
         if done == 0 {
             let mut ctx = Ctx {
                 conns: &mut self.conns,
                 stop: &self.stop,
                 current: None,
+                touched: false,
             };
             for handler in self.handlers.iter_mut().flatten() {
                 handler.on_idle(&mut ctx);
             }
-        }
-        if done == 0 {
+            touched = ctx.touched;
             self.idle_passes = self.idle_passes.saturating_add(1);
         } else {
             self.idle_passes = 0;
@@ -935,7 +954,13 @@ impl<H: Handler> Reactor<H> {
         // Retried every idle pass from then on: the signal may have to wait
         // for a credit, and a tail staged late in an idle streak still counts.
         let signal_tails = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
-        self.flush(done == 0, signal_tails);
+        // An idle pass that staged nothing, after a flush that left nothing
+        // behind, has nothing to flush: skipping the walk over the
+        // connections keeps empty passes, and so the time to notice the next
+        // completion, short.
+        if touched || self.unsettled || signal_tails {
+            self.flush(self.idle_passes >= REPOST_IDLE_PASSES, signal_tails);
+        }
         Ok(done)
     }
 
@@ -982,95 +1007,60 @@ impl<H: Handler> Reactor<H> {
             log::warn!("completion for unknown connection {index}: {wc:?}");
             return;
         };
-        let session = conn.session;
-        let id = conn.id;
-        if (conn.is_closed() || !wc.is_success())
-            && let WrKind::Recv { slot } = kind
-        {
-            // A receive slot of the SRQ is everyone's: it goes back even when
-            // its connection is gone or the receive failed (for a QP's own
-            // ring of a dead connection this does nothing).
-            conn.queue_repost(slot);
-        }
-        if conn.is_closed() {
+        if !wc.is_success() || conn.is_closed() {
+            self.dispatch_unusual(index, wc, kind);
             return;
         }
-        if !wc.is_success() {
-            self.fail(
-                id,
-                session,
-                wc.ok()
-                    .err()
-                    .unwrap_or(Error::InvalidArgument("failed completion")),
-            );
-            return;
-        }
+        let (session, id) = (conn.session, conn.id);
         let Some(handler) = self.handlers[session].as_mut() else {
             return;
         };
+        let mut ctx = Ctx {
+            conns: &mut self.conns,
+            stop: &self.stop,
+            current: None,
+            touched: false,
+        };
         match kind {
             WrKind::Recv { slot } => {
-                let len = wc.byte_len() as usize;
+                let conn = &mut ctx.conns[index as usize];
+                let len = wc.byte_len();
                 if wc.opcode() == WcOpcode::RECV_RDMA_WITH_IMM {
                     conn.queue_repost(slot);
-                    let imm = wc.imm().unwrap_or(0);
-                    let mut ctx = Ctx {
-                        conns: &mut self.conns,
-                        stop: &self.stop,
-                        current: None,
-                    };
-                    handler.on_write_imm(&mut ctx, id, imm, len as u32);
-                } else if len < HEADER_LEN {
+                    handler.on_write_imm(&mut ctx, id, wc.imm().unwrap_or(0), len);
+                    return;
+                }
+                let Some((credit, data)) = conn.recv_message(slot, len) else {
                     // A credit update: the immediate is the peer's receive count.
                     conn.queue_repost(slot);
-                    let established = conn.peer_credit(wc.imm().unwrap_or(0));
-                    if established {
-                        let mut ctx = Ctx {
-                            conns: &mut self.conns,
-                            stop: &self.stop,
-                            current: None,
-                        };
+                    if conn.peer_credit(wc.imm().unwrap_or(0)) {
                         handler.on_established(&mut ctx, id);
                     }
-                } else {
-                    let bytes = conn.recv_bytes(slot, len);
-                    let credit = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
-                    let (data_ptr, data_len) = (bytes[HEADER_LEN..].as_ptr(), len - HEADER_LEN);
-                    let established = conn.peer_credit(credit);
-                    let mut ctx = Ctx {
-                        conns: &mut self.conns,
-                        stop: &self.stop,
-                        current: None,
-                    };
-                    if established {
-                        handler.on_established(&mut ctx, id);
-                    }
-                    ctx.current = Some(HeldRecv {
-                        conn: id,
-                        slot,
-                        len: len as u32,
-                    });
-                    // SAFETY: the bytes live in the connection's receive region,
-                    // which outlives this call; the slot is reposted only after
-                    // the handler returns (or releases a hold on it), so the NIC
-                    // does not write it meanwhile, and nothing reachable through
-                    // `ctx` can.
-                    let data = unsafe { std::slice::from_raw_parts(data_ptr, data_len) };
-                    handler.on_message(&mut ctx, id, data, wc.imm());
-                    if ctx.current.is_some() {
-                        self.conns[index as usize].queue_repost(slot);
-                    }
+                    return;
+                };
+                if conn.peer_credit(credit) {
+                    handler.on_established(&mut ctx, id);
+                }
+                ctx.current = Some(HeldRecv {
+                    conn: id,
+                    slot,
+                    len,
+                });
+                // SAFETY: the bytes live in the connection's receive region,
+                // which outlives this call; the slot is reposted only after
+                // the handler returns (or releases a hold on it), so the NIC
+                // does not write it meanwhile, and nothing reachable through
+                // `ctx` can.
+                let data = unsafe { std::slice::from_raw_parts(data.0, data.1) };
+                handler.on_message(&mut ctx, id, data, wc.imm());
+                if ctx.current.is_some() {
+                    ctx.conns[index as usize].queue_repost(slot);
                 }
             }
             WrKind::Send { seq } => {
-                let count = conn.retire_count(seq);
+                let count = ctx.conns[index as usize].retire_count(seq);
                 for _ in 0..count {
-                    let (seq, op) = self.conns[index as usize].pop_oldest();
-                    let mut ctx = Ctx {
-                        conns: &mut self.conns,
-                        stop: &self.stop,
-                        current: None,
-                    };
+                    let (seq, op) = ctx.conns[index as usize].pop_oldest();
                     match op.kind {
                         OpKind::Send => handler.on_send_complete(&mut ctx, id, seq),
                         OpKind::Write => handler.on_write_complete(&mut ctx, id, seq),
@@ -1087,6 +1077,29 @@ impl<H: Handler> Reactor<H> {
             }
             WrKind::Unknown => log::warn!("completion with a foreign wr_id: {wc:?}"),
         }
+    }
+
+    /// A failed completion, or one for a closed connection: give back the
+    /// receive slot it held and, if it failed, fail the connection.
+    #[cold]
+    #[inline(never)]
+    fn dispatch_unusual(&mut self, index: u32, wc: &WorkCompletion, kind: WrKind) {
+        let conn = &mut self.conns[index as usize];
+        if let WrKind::Recv { slot } = kind {
+            // A receive slot of the SRQ is everyone's: it goes back even when
+            // its connection is gone or the receive failed (for a QP's own
+            // ring of a dead connection this does nothing).
+            conn.queue_repost(slot);
+        }
+        if conn.is_closed() {
+            return;
+        }
+        let (id, session) = (conn.id, conn.session);
+        let error = wc
+            .ok()
+            .err()
+            .unwrap_or(Error::InvalidArgument("failed completion"));
+        self.fail(id, session, error);
     }
 
     /// The connection whose QP consumed an SRQ receive (`MAX_CONNS`, which
@@ -1109,6 +1122,9 @@ impl<H: Handler> Reactor<H> {
 
     #[cold]
     fn fail(&mut self, id: ConnId, session: usize, error: Error) {
+        // The failed connection's forwards give other connections' receive
+        // slots back: the next pass must repost them.
+        self.unsettled = true;
         // Forwards in flight on the failed connection carried other
         // connections' receive slots: give those back (a cold path, so the
         // list may allocate).
@@ -1128,59 +1144,86 @@ impl<H: Handler> Reactor<H> {
             conns: &mut self.conns,
             stop: &self.stop,
             current: None,
+            touched: false,
         };
         if let Some(handler) = self.handlers[session].as_mut() {
             handler.on_error(&mut ctx, id, &error);
         }
     }
 
-    /// End of pass: repost receives, then one doorbell per QP.
+    /// End of pass: one doorbell per QP with staged work, then the receive
+    /// reposts that are due (all pending ones when `tidy`). Reposting after
+    /// the doorbell keeps it off the latency path; the receives it adds are
+    /// announced with the next SEND or credit update.
+    /// Notes in `unsettled` whether something is left for a later pass:
+    /// receives not yet reposted, or work or a credit update that could not
+    /// go out.
     #[inline]
-    fn flush(&mut self, idle: bool, signal_tails: bool) {
+    fn flush(&mut self, tidy: bool, signal_tails: bool) {
+        // `fail` may set it again while we walk.
+        self.unsettled = false;
+        let mut unsettled = false;
         for index in 0..self.conns.len() {
-            let conn = &mut self.conns[index];
-            if conn.is_closed() {
-                if conn.owes_shared_slots()
-                    && let Err(err) = conn.flush_shared_reposts()
-                {
-                    log::error!("reposting SRQ receives of a closed connection: {err}");
-                }
-                continue;
-            }
-            // Most passes on a busy-poll reactor find nothing: keep those cheap.
-            if conn.is_quiet() && !(signal_tails && conn.has_unsignaled_tail()) {
-                continue;
-            }
-            let (session, channel, id) = (conn.session, conn.channel, conn.id);
-            let Some(qp) = self.endpoints[session]
-                .as_ref()
-                .and_then(|e| e.channels().get(channel))
-                .map(|c| c.qp())
-            else {
-                continue;
+            let conn = &self.conns[index];
+            let repost = conn.reposts_due() || (tidy && conn.has_pending_reposts());
+            let tail = signal_tails && conn.has_unsignaled_tail();
+            // Most passes on a busy-poll reactor find nothing: this loop stays
+            // a few loads per connection, the work is out of line.
+            let due = if conn.is_closed() {
+                conn.owes_shared_slots()
+            } else {
+                repost || tail || !conn.is_quiet()
             };
-            let mut result = Ok(());
-            if (idle && conn.has_pending_reposts()) || conn.reposts_due() {
-                result = conn.flush_reposts(qp);
+            if due {
+                self.flush_conn(index, repost, tail);
             }
-            if result.is_ok() {
-                conn.prepare_flush();
-                if signal_tails && conn.batch.is_empty() && conn.has_unsignaled_tail() {
-                    conn.stage_tail_signal();
-                }
-                if !conn.batch.is_empty() {
-                    result = conn.batch.post(qp);
-                }
-            }
-            if let Err(error) = result {
-                self.fail(id, session, error);
-            }
+            let conn = &self.conns[index];
+            unsettled |= if conn.is_closed() {
+                conn.owes_shared_slots()
+            } else {
+                conn.has_pending_reposts() || !conn.is_quiet()
+            };
         }
         if let Some(pool) = &mut self.srq
             && !pool.orphans.is_empty()
             && let Err(err) = pool.shared.srq.post_recv_batch(&mut pool.orphans)
         {
             log::error!("reposting SRQ receives of an unknown QP: {err}");
+        }
+        self.unsettled |= unsettled;
+    }
+
+    /// Rings the doorbell of connection `index` and reposts its receives
+    /// (`repost`), signaling out an unsignaled tail first (`tail`).
+    #[inline(never)]
+    fn flush_conn(&mut self, index: usize, repost: bool, tail: bool) {
+        let conn = &mut self.conns[index];
+        if conn.is_closed() {
+            if conn.owes_shared_slots()
+                && let Err(err) = conn.flush_shared_reposts()
+            {
+                log::error!("reposting SRQ receives of a closed connection: {err}");
+            }
+            return;
+        }
+        let (session, channel, id) = (conn.session, conn.channel, conn.id);
+        let Some(qp) = self.endpoints[session]
+            .as_ref()
+            .and_then(|e| e.channels().get(channel))
+            .map(|c| c.qp())
+        else {
+            return;
+        };
+        conn.prepare_flush();
+        if tail && conn.batch.is_empty() {
+            conn.stage_tail_signal();
+        }
+        let mut result = conn.batch.post(qp);
+        if result.is_ok() && repost {
+            result = conn.flush_reposts(qp);
+        }
+        if let Err(error) = result {
+            self.fail(id, session, error);
         }
     }
 }
