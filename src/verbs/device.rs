@@ -236,29 +236,57 @@ impl Context {
     /// The populated entries of a port's GID table.
     pub fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>> {
         let len = self.query_port(port)?.gid_table_len as usize;
-        let mut entries = Vec::with_capacity(len);
-        for index in 0..len as u32 {
-            let mut entry = sys::ibv_gid_entry::default();
-            // SAFETY: the context is open and `entry` is a valid out-pointer.
-            let rc = unsafe {
-                sys::ibv_query_gid_ex(self.inner.ctx.as_ptr(), port as u32, index, &mut entry, 0)
-            };
-            if rc != 0 {
-                // Unpopulated slots report ENODATA (or EINVAL on older kernels).
-                continue;
+        let ports = usize::from(self.query_device()?.phys_port_cnt.max(1));
+        // One call for the whole table: asking entry by entry costs a system
+        // call for every empty slot (rxe has 1024 of them per port).
+        let mut raw = vec![sys::ibv_gid_entry::default(); len * ports];
+        // SAFETY: the context is open and `raw` has room for `raw.len()` entries.
+        let found = unsafe {
+            sys::ibv_query_gid_table(self.inner.ctx.as_ptr(), raw.as_mut_ptr(), raw.len(), 0)
+        };
+        let raw = match usize::try_from(found) {
+            Ok(found) => {
+                raw.truncate(found);
+                raw.retain(|entry| entry.port_num == u32::from(port));
+                raw
             }
-            // SAFETY: `raw` covers the whole 16-byte union.
-            let gid = Gid(unsafe { entry.gid.raw });
-            if gid.is_zero() {
-                continue;
-            }
-            entries.push(GidEntry {
-                index,
-                gid,
-                gid_type: GidType::from_raw(entry.gid_type),
-            });
-        }
+            // Kernels without the table query: one entry at a time.
+            Err(_) => self.gid_entries_one_by_one(port, len),
+        };
+        let mut entries: Vec<GidEntry> = raw
+            .iter()
+            .filter_map(|entry| {
+                // SAFETY: `raw` covers the whole 16-byte union.
+                let gid = Gid(unsafe { entry.gid.raw });
+                (!gid.is_zero()).then(|| GidEntry {
+                    index: entry.gid_index,
+                    gid,
+                    gid_type: GidType::from_raw(entry.gid_type),
+                })
+            })
+            .collect();
+        entries.sort_by_key(|entry| entry.index);
         Ok(entries)
+    }
+
+    fn gid_entries_one_by_one(&self, port: u8, len: usize) -> Vec<sys::ibv_gid_entry> {
+        (0..len as u32)
+            .filter_map(|index| {
+                let mut entry = sys::ibv_gid_entry::default();
+                // SAFETY: the context is open and `entry` is a valid out-pointer.
+                let rc = unsafe {
+                    sys::ibv_query_gid_ex(
+                        self.inner.ctx.as_ptr(),
+                        port as u32,
+                        index,
+                        &mut entry,
+                        0,
+                    )
+                };
+                // Unpopulated slots report ENODATA (or EINVAL on older kernels).
+                (rc == 0).then_some(entry)
+            })
+            .collect()
     }
 
     /// Picks the GID to address this port with.
