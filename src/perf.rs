@@ -445,11 +445,20 @@ impl Handler for Reflector {
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
         if imm == Some(DONE_MARKER) {
             ctx.stop();
-        } else if self.spec.op == PerfOp::Send
-            && let Err(err) = ctx.send(conn, data, None)
-        {
-            self.failed = Some(err.to_string());
-            ctx.stop();
+        } else if self.spec.op == PerfOp::Send {
+            // Echo the receive slot itself (as ib_send_lat answers from a
+            // buffer it does not fill): no copy, no send slot.
+            let echoed = match ctx.hold() {
+                Some(held) => ctx.forward(conn, held, None).map_err(|(err, held)| {
+                    ctx.release(held);
+                    err
+                }),
+                None => ctx.send(conn, data, None),
+            };
+            if let Err(err) = echoed {
+                self.failed = Some(err.to_string());
+                ctx.stop();
+            }
         }
     }
 

@@ -5,10 +5,11 @@
 //! # How a message flows
 //! 1. A handler stages work through [`Ctx`] (`send`, `write`, `read`). A SEND's
 //!    payload is written straight into a registered send slot.
-//! 2. At the end of the pass the reactor reposts consumed receives with one
-//!    `ibv_post_recv`. Then it stamps its receive count into each staged SEND's
-//!    8-byte header (piggybacked credits) and posts all staged requests of a
-//!    QP as one linked list: one doorbell.
+//! 2. At the end of the pass the reactor stamps its receive count into each
+//!    staged SEND's 8-byte header (piggybacked credits) and posts all staged
+//!    requests of a QP as one linked list: one doorbell. Then it reposts the
+//!    consumed receives, a batch per `ibv_post_recv`, off the latency path;
+//!    the next SEND or credit update announces them.
 //! 3. The next pass polls the CQs in batches and routes each completion by
 //!    its `wr_id` (connection, kind, slot or sequence number) to the owning
 //!    session's [`Handler`]. Receives go to `on_message`/`on_write_imm` and
@@ -114,7 +115,8 @@ pub struct ReactorConfig {
     /// Connections are refused once their `recv_depth` shares would exceed
     /// it, so credit flow control still rules out RNR.
     pub srq_depth: u32,
-    /// Consumed receives are reposted in batches of this many.
+    /// Consumed receives are reposted in batches of this many (fewer after
+    /// a few empty busy-poll passes, or before the reactor sleeps).
     pub repost_batch: u32,
     /// Send-queue depth per QP (rounded down to a power of two).
     pub sq_depth: u32,

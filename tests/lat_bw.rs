@@ -1,0 +1,131 @@
+//! `examples/lat_bw` end to end, server and client as separate processes:
+//! every operation in latency and bandwidth mode finishes on both sides and
+//! prints a perftest-format data row with sane figures.
+//! Gated as described in `tests/util/mod.rs`: runs in the Soft-RoCE guest.
+
+mod util;
+
+use std::process::{Child, Command, Output, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use util::*;
+
+/// Debug builds of both sides share two emulated cores.
+const DEADLINE: Duration = Duration::from_secs(120);
+
+fn lat_bw(args: &[&str]) -> Child {
+    Command::new(example_binary("lat_bw"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn lat_bw")
+}
+
+/// Waits for `child` until the deadline (then kills it and fails).
+fn finish(mut child: Child, what: &str, started: Instant) -> Output {
+    while child.try_wait().expect("wait for lat_bw").is_none() {
+        if started.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let output = child.wait_with_output().expect("collect lat_bw");
+            panic!(
+                "{what} hung; stderr: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().expect("collect lat_bw")
+}
+
+/// The numbers of the data row after perftest's `#bytes` header.
+fn data_row(stdout: &str) -> Vec<f64> {
+    let mut lines = stdout.lines().skip_while(|line| !line.contains("#bytes"));
+    let header = lines.next().expect("a perftest header line");
+    let row = lines
+        .next()
+        .unwrap_or_else(|| panic!("no data row after {header:?}"));
+    row.split_whitespace()
+        .map(|field| {
+            field
+                .parse()
+                .unwrap_or_else(|_| panic!("{field:?} in {row:?}"))
+        })
+        .collect()
+}
+
+/// Runs one server/client pair; returns the client's data row.
+fn run(op: &str, test: &str, size: usize, iters: usize) -> Vec<f64> {
+    let started = Instant::now();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let (size, iters) = (size.to_string(), iters.to_string());
+    let common = ["--op", op, "--test", test, "-s", &size, "-n", &iters];
+    let mut server_args = vec!["--server", "--listen", &listen];
+    server_args.extend(common);
+    let server = lat_bw(&server_args);
+    let mut client_args = vec!["--connect", &listen];
+    client_args.extend(common);
+    let client = lat_bw(&client_args);
+    let client = finish(client, "the client", started);
+    let server = finish(server, "the server", started);
+    let stdout = String::from_utf8_lossy(&client.stdout);
+    assert!(
+        client.status.success(),
+        "{op} {test}: client failed: {}\n{stdout}",
+        String::from_utf8_lossy(&client.stderr)
+    );
+    assert!(
+        server.status.success(),
+        "{op} {test}: server failed: {}",
+        String::from_utf8_lossy(&server.stderr)
+    );
+    let row = data_row(&stdout);
+    assert_eq!(row[0] as usize, size.parse::<usize>().unwrap(), "{stdout}");
+    assert_eq!(row[1] as usize, iters.parse::<usize>().unwrap(), "{stdout}");
+    row
+}
+
+fn latency(op: &str) {
+    // #bytes #iterations t_min t_max t_typical t_avg t_stdev p99 p99.9
+    let row = run(op, "lat", 8, 300);
+    assert_eq!(row.len(), 9, "{row:?}");
+    let (min, max, typical) = (row[2], row[3], row[4]);
+    assert!(min > 0.0 && min <= typical && typical <= max, "{row:?}");
+}
+
+fn bandwidth(op: &str) {
+    // #bytes #iterations BW_peak BW_average MsgRate
+    let row = run(op, "bw", 64, 3000);
+    assert_eq!(row.len(), 5, "{row:?}");
+    let (peak, average, rate) = (row[2], row[3], row[4]);
+    assert!(peak > 0.0 && average > 0.0 && rate > 0.0, "{row:?}");
+}
+
+verbs_test! {
+    fn send_latency_and_bandwidth() {
+        latency("send");
+        bandwidth("send");
+    }
+}
+
+verbs_test! {
+    fn write_latency_and_bandwidth() {
+        latency("write");
+        bandwidth("write");
+    }
+}
+
+verbs_test! {
+    fn write_with_imm_latency_and_bandwidth() {
+        latency("write-imm");
+        bandwidth("write-imm");
+    }
+}
+
+verbs_test! {
+    fn read_latency_and_bandwidth() {
+        latency("read");
+        bandwidth("read");
+    }
+}
