@@ -386,12 +386,9 @@ impl Conn {
         // `len` bytes lie inside it; its receive completed and it is not
         // reposted before the caller is done, so no DMA writes it.
         unsafe {
-            let start = self.recv_ring.ptr.add(slot as usize * self.slot_size);
+            let start = self.recv_slot_ptr(slot);
             let credit = u32::from_le(start.cast::<u32>().read_unaligned());
-            Some((
-                credit,
-                (start.add(HEADER_LEN).cast_const(), len - HEADER_LEN),
-            ))
+            Some((credit, (start.add(HEADER_LEN), len - HEADER_LEN)))
         }
     }
 
@@ -401,12 +398,22 @@ impl Conn {
         if self.regions.is_none() || slot >= self.recv_slots {
             return &[];
         }
-        let start = slot as usize * self.slot_size;
         let len = len.min(self.slot_size);
         // SAFETY: the ring is still registered (`regions` is Some) and the
         // range is inside it; the slot's receive completed and it is not
         // reposted until the handler returns or releases it, so no DMA writes it.
-        unsafe { std::slice::from_raw_parts(self.recv_ring.ptr.add(start), len) }
+        unsafe { std::slice::from_raw_parts(self.recv_slot_ptr(slot), len) }
+    }
+
+    /// Where receive slot `slot` starts in memory.
+    ///
+    /// # Safety
+    /// `slot` must be below `recv_slots` and the ring still registered.
+    #[inline]
+    unsafe fn recv_slot_ptr(&self, slot: u32) -> *const u8 {
+        // SAFETY: the caller keeps `slot` inside the ring, so the offset
+        // stays within the registered allocation.
+        unsafe { self.recv_ring.ptr.add(slot as usize * self.slot_size) }
     }
 
     /// Address and lkey of receive slot `slot` (to send it on as a forward);
@@ -667,6 +674,18 @@ impl Conn {
     #[inline]
     pub(crate) fn is_quiet(&self) -> bool {
         self.batch.is_empty() && self.posted.wrapping_sub(self.advertised) < self.credit_threshold
+    }
+
+    /// Something a later flush still has to do: receives to repost, staged
+    /// work or a due credit update (for a closed connection: SRQ slots to
+    /// give back).
+    #[inline]
+    pub(crate) fn is_unsettled(&self) -> bool {
+        if self.is_closed() {
+            self.owes_shared_slots()
+        } else {
+            self.has_pending_reposts() || !self.is_quiet()
+        }
     }
 
     /// Before the doorbell: stamps our receive count into every staged SEND's

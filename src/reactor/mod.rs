@@ -1179,12 +1179,7 @@ impl<H: Handler> Reactor<H> {
             if due {
                 self.flush_conn(index, repost, tail);
             }
-            let conn = &self.conns[index];
-            unsettled |= if conn.is_closed() {
-                conn.owes_shared_slots()
-            } else {
-                conn.has_pending_reposts() || !conn.is_quiet()
-            };
+            unsettled |= self.conns[index].is_unsettled();
         }
         if let Some(pool) = &mut self.srq
             && !pool.orphans.is_empty()
