@@ -254,7 +254,8 @@ struct Mesh {
     scratch: Vec<u8>,
     result: Option<u32>,
     result_sent: bool,
-    failure: Option<String>,
+    /// The first failure: the rank it concerns and what happened.
+    failure: Option<(usize, String)>,
 }
 
 impl Mesh {
@@ -262,8 +263,8 @@ impl Mesh {
         self.by_conn[conn.0 as usize]
     }
 
-    fn fail(&mut self, what: String) {
-        self.failure.get_or_insert(what);
+    fn fail(&mut self, rank: usize, what: String) {
+        self.failure.get_or_insert((rank, what));
     }
 
     fn ping(&mut self, ctx: &mut Ctx<'_>, index: usize) {
@@ -272,7 +273,8 @@ impl Mesh {
         if let Err(err) = ctx.send(peer.conn, &[0; 8], Some(tagged(PING, peer.pings.into()))) {
             // One ping in flight and a fresh credit per pong: only a broken
             // connection refuses it.
-            self.fail(format!("ping to rank {}: {err}", self.peers[index].rank));
+            let rank = self.peers[index].rank;
+            self.fail(rank, format!("ping to rank {rank}: {err}"));
         }
     }
 
@@ -321,8 +323,8 @@ impl Mesh {
                     }
                     Err(SendError::WouldBlock) => {}
                     Err(err) => {
-                        self.failure =
-                            Some(format!("ending the stream to rank {}: {err}", peer.rank))
+                        let rank = peer.rank;
+                        self.fail(rank, format!("ending the stream to rank {rank}: {err}"));
                     }
                 }
                 return;
@@ -361,7 +363,8 @@ impl Mesh {
                     }
                 }
                 (OpArg::Write, _, _) => {
-                    self.failure = Some(format!("rank {} exported no inbox", peer.rank));
+                    let rank = peer.rank;
+                    self.fail(rank, format!("rank {rank} exported no inbox"));
                     return;
                 }
             };
@@ -372,7 +375,8 @@ impl Mesh {
                 }
                 Err(SendError::WouldBlock) => return,
                 Err(err) => {
-                    self.failure = Some(format!("streaming to rank {}: {err}", peer.rank));
+                    let rank = peer.rank;
+                    self.fail(rank, format!("streaming to rank {rank}: {err}"));
                     return;
                 }
             }
@@ -416,7 +420,7 @@ impl Mesh {
                 self.result = Some(seq);
             }
             Err(SendError::WouldBlock) => {}
-            Err(err) => self.fail(format!("reporting to rank 0: {err}")),
+            Err(err) => self.fail(0, format!("reporting to rank 0: {err}")),
         }
     }
 
@@ -484,7 +488,10 @@ impl Handler for Mesh {
                 if count != peer.rx_messages {
                     let rank = peer.rank;
                     let got = peer.rx_messages;
-                    self.fail(format!("rank {rank} sent {count} messages, {got} arrived"));
+                    self.fail(
+                        rank,
+                        format!("rank {rank} sent {count} messages, {got} arrived"),
+                    );
                 }
                 self.peers[index].rx_end = Some(count);
                 self.report(ctx);
@@ -493,10 +500,13 @@ impl Handler for Mesh {
                 let row = data.chunks_exact(CELL_BYTES).map(Cell::decode).collect();
                 self.peers[index].row = Some(row);
             }
-            _ => self.fail(format!(
-                "unexpected message {imm:#x} from rank {}",
-                self.peers[index].rank
-            )),
+            _ => {
+                let rank = self.peers[index].rank;
+                self.fail(
+                    rank,
+                    format!("unexpected message {imm:#x} from rank {rank}"),
+                );
+            }
         }
     }
 
@@ -539,7 +549,7 @@ impl Handler for Mesh {
 
     fn on_error(&mut self, _ctx: &mut Ctx<'_>, conn: ConnId, error: &rdma_comm_core::Error) {
         let rank = self.peers[self.peer_of(conn)].rank;
-        self.fail(format!("connection to rank {rank}: {error}"));
+        self.fail(rank, format!("connection to rank {rank}: {error}"));
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
@@ -797,6 +807,23 @@ fn run(args: &Args) -> Result<bool, String> {
 const LAST_WORDS: Duration = Duration::from_millis(500);
 const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
+/// The disconnect code of a rank that gives up: the high bit marks the
+/// abort, the low bits name the rank it gave up over. Its other peers can
+/// then name the cause instead of only the rank that left first.
+const ABORT: u16 = 0x8000;
+
+fn abort_code(culprit: usize) -> u16 {
+    ABORT | u16::try_from(culprit).map_or(!ABORT, |rank| rank.min(!ABORT))
+}
+
+fn describe_hang_up(code: u16) -> String {
+    match code {
+        0 => "hung up early".to_string(),
+        code if code & ABORT != 0 => format!("gave up over rank {}", code & !ABORT),
+        code => format!("hung up early (code {code})"),
+    }
+}
+
 /// Turns the reactor until this rank is done, watching the control
 /// connections: a peer may leave once nothing more is owed either way.
 fn drive(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<Mesh>>) -> Result<(), String> {
@@ -804,47 +831,60 @@ fn drive(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<Mesh>>) -> 
     let mut gone: Vec<(usize, Instant, String)> = Vec::new();
     loop {
         reactor.turn().map_err(|err| err.to_string())?;
-        {
+        let abort = {
             let state = mesh.borrow();
-            if let Some(failure) = &state.failure {
-                return Err(format!("rank {}: {failure}", state.me));
-            }
-            if state.finished() {
+            if state.finished() && state.failure.is_none() {
                 return Ok(());
             }
-            if let Some((index, _, why)) = gone
+            let lost = gone
                 .iter()
                 .find(|(index, since, _)| !state.done_with(*index) && since.elapsed() > LAST_WORDS)
-            {
-                return Err(format!(
-                    "rank {}: rank {} {why}",
-                    state.me, state.peers[*index].rank
-                ));
-            }
+                .map(|(index, _, why)| {
+                    let rank = state.peers[*index].rank;
+                    (rank, format!("rank {rank} {why}"))
+                });
+            state.failure.clone().or(lost)
+        };
+        if let Some((culprit, what)) = abort {
+            let me = mesh.borrow().me;
+            tell_the_others(reactor, mesh, abort_code(culprit));
+            return Err(format!("rank {me}: {what}"));
         }
         if last_check.elapsed() < PEER_CHECK_INTERVAL {
             continue;
         }
         last_check = Instant::now();
-        let sessions: Vec<(usize, SessionId)> = mesh
-            .borrow()
-            .peers
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| !p.closed)
-            .map(|(i, p)| (i, p.session))
-            .collect();
-        for (index, session) in sessions {
+        for (index, session) in open_sessions(mesh) {
             let Some(endpoint) = reactor.endpoint_mut(session) else {
                 continue;
             };
             let why = match endpoint.check_peer() {
                 PeerStatus::Alive => continue,
-                PeerStatus::Disconnected { code } => format!("hung up early (code {code})"),
+                PeerStatus::Disconnected { code } => describe_hang_up(code),
                 PeerStatus::Lost(err) => format!("was lost: {err}"),
             };
             mesh.borrow_mut().peers[index].closed = true;
             gone.push((index, Instant::now(), why));
+        }
+    }
+}
+
+/// Peer index and session of every peer whose control connection is open.
+fn open_sessions(mesh: &Rc<RefCell<Mesh>>) -> Vec<(usize, SessionId)> {
+    let state = mesh.borrow();
+    let open = state
+        .peers
+        .iter()
+        .enumerate()
+        .filter(|(_, peer)| !peer.closed);
+    open.map(|(index, peer)| (index, peer.session)).collect()
+}
+
+/// Sends every peer still there the disconnect code before this rank quits.
+fn tell_the_others(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<Mesh>>, code: u16) {
+    for (_, session) in open_sessions(mesh) {
+        if let Some(endpoint) = reactor.endpoint_mut(session) {
+            endpoint.send_disconnect(code);
         }
     }
 }

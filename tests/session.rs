@@ -216,6 +216,31 @@ verbs_test! {
 }
 
 verbs_test! {
+    fn a_reason_code_sent_before_an_abort_reaches_the_peer_once() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let srv = server(&pd, ServerConfig::default());
+        let mut client = ClientSession::connect(srv.local_addr(), &pd, &client_config(&["a"])).unwrap();
+        let mut served = srv.accept_timeout(DEADLINE).unwrap();
+        assert!(client.send_disconnect(0x8002));
+        assert!(client.send_disconnect(0x8003), "a repeat call reports the first message");
+        drop(client);
+
+        let statuses: Vec<PeerStatus> = (0..100)
+            .map(|_| {
+                thread::sleep(Duration::from_millis(20));
+                served.check_peer()
+            })
+            .filter(|s| !matches!(s, PeerStatus::Alive))
+            .take(2)
+            .collect();
+        assert!(matches!(statuses[0], PeerStatus::Disconnected { code: 0x8002 }), "{statuses:?}");
+        // The drop sent no second disconnect: after the first, only the end of the stream.
+        assert!(matches!(statuses.get(1), Some(PeerStatus::Lost(_))), "{statuses:?}");
+    }
+}
+
+verbs_test! {
     fn channels_on_a_shared_cq_are_addressable_by_index_and_name() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();

@@ -118,6 +118,9 @@ pub struct Endpoint {
     remote_regions: Vec<NamedRegion>,
     control: TcpStream,
     closed: bool,
+    /// Set once the disconnect message went out: whether it reached the
+    /// socket (see [`Endpoint::send_disconnect`]).
+    disconnect_sent: Option<bool>,
 }
 
 impl fmt::Debug for Endpoint {
@@ -146,6 +149,7 @@ impl Endpoint {
             remote_regions,
             control,
             closed: false,
+            disconnect_sent: None,
         }
     }
 
@@ -242,7 +246,7 @@ impl Endpoint {
     /// destroys everything. Shared CQs are drained by their owner.
     pub fn close(mut self) -> Result<CloseReport> {
         let mut report = CloseReport {
-            peer_notified: self.notify_peer(0),
+            peer_notified: self.send_disconnect(0),
             ..Default::default()
         };
         let mut first_error = None;
@@ -282,13 +286,33 @@ impl Endpoint {
         }
     }
 
-    fn notify_peer(&mut self, code: u16) -> bool {
+    /// Tells the peer that this side is leaving, with a reason code it reads
+    /// from [`check_peer`](Self::check_peer) as
+    /// [`PeerStatus::Disconnected`]. Sending it before an abort lets the
+    /// peer report why instead of seeing a bare hang-up. The QPs keep
+    /// running until [`close`](Self::close) or drop, which send no second
+    /// message; only the first call sends. Returns whether the message
+    /// reached the socket (on a repeat call: whether the first one did).
+    ///
+    /// ```no_run
+    /// # fn leave(endpoint: &mut rdma_comm_core::session::Endpoint) {
+    /// const GIVING_UP: u16 = 7;
+    /// endpoint.send_disconnect(GIVING_UP);
+    /// # }
+    /// ```
+    pub fn send_disconnect(&mut self, code: u16) -> bool {
+        if let Some(delivered) = self.disconnect_sent {
+            return delivered;
+        }
         let _ = self
             .control
             .set_write_timeout(Some(Duration::from_millis(500)));
-        self.control
+        let delivered = self
+            .control
             .write_all(&Message::Disconnect { code }.encode())
-            .is_ok()
+            .is_ok();
+        self.disconnect_sent = Some(delivered);
+        delivered
     }
 }
 
@@ -299,7 +323,7 @@ impl Drop for Endpoint {
         }
         // Dropped without close(): still tell the peer and stop the QPs, so the
         // peer sees a clean disconnect instead of transport retries.
-        self.notify_peer(0);
+        self.send_disconnect(0);
         for channel in &self.channels {
             if let Err(err) = channel.qp.set_error() {
                 log::debug!("closing endpoint {}: {err}", self.peer);
