@@ -106,6 +106,15 @@ pub(crate) fn recv_request(
     )
 }
 
+/// A held receive slot as the source of a forward: where its bytes are
+/// (to stamp the credit header) and how the NIC addresses them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SlotSource {
+    ptr: *mut u8,
+    addr: u64,
+    lkey: u32,
+}
+
 /// Where a registered ring of slots lives.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Ring {
@@ -416,15 +425,20 @@ impl Conn {
         unsafe { self.recv_ring.ptr.add(slot as usize * self.slot_size) }
     }
 
-    /// Address and lkey of receive slot `slot` (to send it on as a forward);
-    /// `None` once the connection's rings are gone.
+    /// Where receive slot `slot` is, to send it on as a forward; `None` once
+    /// the connection's rings are gone or for a slot outside the ring.
     #[inline]
-    pub(crate) fn recv_slot_source(&self, slot: u32) -> Option<(u64, u32)> {
+    pub(crate) fn recv_slot_source(&self, slot: u32) -> Option<SlotSource> {
         self.regions.as_ref()?;
-        Some((
-            self.recv_ring.slot_addr(slot, self.slot_size),
-            self.recv_ring.lkey,
-        ))
+        if slot >= self.recv_slots {
+            return None;
+        }
+        Some(SlotSource {
+            // SAFETY: `slot` is inside the ring, which is still registered.
+            ptr: unsafe { self.recv_slot_ptr(slot) }.cast_mut(),
+            addr: self.recv_ring.slot_addr(slot, self.slot_size),
+            lkey: self.recv_ring.lkey,
+        })
     }
 
     /// Applies a credit value the peer sent (in a header or an immediate).
@@ -526,6 +540,7 @@ impl Conn {
             return Err(SendError::Cancelled);
         };
         let len = len.min(capacity);
+        let header = bytes.as_mut_ptr();
         self.send_in_use += 1;
         let addr = self.send_ring.addr + start as u64;
         let (lkey, total) = (self.send_ring.lkey, (HEADER_LEN + len) as u32);
@@ -534,7 +549,7 @@ impl Conn {
             slot,
             origin: 0,
         };
-        Ok(self.stage_credited_send(addr, total, lkey, imm, op))
+        Ok(self.stage_credited_send(header, (addr, total, lkey), imm, op))
     }
 
     /// Stages a SEND of `len` bytes (header included) straight from receive
@@ -542,7 +557,7 @@ impl Conn {
     #[inline]
     pub(crate) fn stage_forward(
         &mut self,
-        source: (u64, u32),
+        source: SlotSource,
         len: usize,
         imm: Option<u32>,
         origin: ConnId,
@@ -555,33 +570,38 @@ impl Conn {
             });
         }
         self.admit(true, false)?;
-        let (addr, lkey) = source;
         let op = SqOp {
             kind: OpKind::Forward,
             slot,
             origin: origin.0,
         };
-        Ok(self.stage_credited_send(addr, len as u32, lkey, imm, op))
+        let sge = (source.addr, len as u32, source.lkey);
+        Ok(self.stage_credited_send(source.ptr, sge, imm, op))
     }
 
-    /// Stages a SEND (with header) that consumes one peer receive; its header
-    /// gets our receive count at the doorbell.
+    /// Stages a SEND (address, length, lkey in `sge`) that consumes one peer
+    /// receive, and stamps our receive count into its `header`. The count
+    /// cannot grow before the doorbell: receives are reposted only after the
+    /// doorbell of the pass that staged this.
     #[inline]
     fn stage_credited_send(
         &mut self,
-        addr: u64,
-        len: u32,
-        lkey: u32,
+        header: *mut u8,
+        sge: (u64, u32, u32),
         imm: Option<u32>,
         op: SqOp,
     ) -> u32 {
+        // SAFETY: `header` starts a send slot or a held receive slot that this
+        // request is about to carry: at least HEADER_LEN bytes we own, which
+        // no posted request reads yet.
+        unsafe { header.cast::<u32>().write_unaligned(self.posted.to_le()) };
         let opcode = match imm {
             Some(_) => sys::IBV_WR_SEND_WITH_IMM,
             None => sys::IBV_WR_SEND,
         };
         let request = Request {
             imm,
-            ..Request::local(opcode, addr, len, lkey)
+            ..Request::local(opcode, sge.0, sge.1, sge.2)
         };
         self.consumed = self.consumed.wrapping_add(1);
         self.has_staged_send = true;
@@ -688,28 +708,17 @@ impl Conn {
         }
     }
 
-    /// Before the doorbell: stamps our receive count into every staged SEND's
-    /// header, or stages an explicit credit update if none carries it and
-    /// enough receives went unannounced.
+    /// Before the doorbell: notes that the staged SENDs announce our receive
+    /// count (stamped when they were staged), or stages an explicit credit
+    /// update if none does and enough receives went unannounced.
     #[inline]
     pub(crate) fn prepare_flush(&mut self) {
-        let unannounced = self.posted.wrapping_sub(self.advertised);
         if self.has_staged_send {
-            let total = self.posted.to_le_bytes();
-            for (opcode, sge) in self.batch.staged() {
-                if matches!(opcode, sys::IBV_WR_SEND | sys::IBV_WR_SEND_WITH_IMM)
-                    && sge.length >= HEADER_LEN as u32
-                {
-                    // SAFETY: the SGE points at a send or receive slot we own,
-                    // staged but not yet posted; the header's 4 bytes are in it.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(total.as_ptr(), sge.addr as *mut u8, 4)
-                    };
-                }
-            }
             self.advertised = self.posted;
             self.has_staged_send = false;
-        } else if unannounced >= self.credit_threshold && self.can_stage_update() {
+        } else if self.posted.wrapping_sub(self.advertised) >= self.credit_threshold
+            && self.can_stage_update()
+        {
             self.stage_credit_update(false);
         }
     }

@@ -112,15 +112,6 @@ impl<const N: usize> StagedSends<N> {
         }
     }
 
-    /// Opcode and SGE of every staged request.
-    #[inline]
-    pub(crate) fn staged(&self) -> impl Iterator<Item = (sys::ibv_wr_opcode, &sys::ibv_sge)> {
-        self.wrs[..self.len]
-            .iter()
-            .zip(&self.sges[..self.len])
-            .map(|(wr, sge)| (wr.opcode, sge))
-    }
-
     /// Posts every staged request with one `ibv_post_send` and empties the
     /// list (also when posting fails: the connection is failed then).
     #[inline]
