@@ -696,15 +696,16 @@ impl Conn {
         self.batch.is_empty() && self.posted.wrapping_sub(self.advertised) < self.credit_threshold
     }
 
-    /// Something a later flush still has to do: receives to repost, staged
-    /// work or a due credit update (for a closed connection: SRQ slots to
-    /// give back).
+    /// Something the next flush has to do even on an idle pass: reposts that
+    /// are due, staged work or a due credit update (for a closed connection:
+    /// SRQ slots to give back). Fewer receives than a batch wait for a
+    /// fuller batch or a longer idle spell.
     #[inline]
     pub(crate) fn is_unsettled(&self) -> bool {
         if self.is_closed() {
             self.owes_shared_slots()
         } else {
-            self.has_pending_reposts() || !self.is_quiet()
+            self.reposts_due() || !self.is_quiet()
         }
     }
 

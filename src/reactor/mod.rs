@@ -595,8 +595,13 @@ pub struct Reactor<H: Handler> {
     wcs: [WorkCompletion; POLL_BATCH],
     next_cq: usize,
     idle_passes: u32,
-    /// The last flush left work behind (or sessions changed since).
+    /// The last flush left work behind that any pass must do (or sessions
+    /// changed since).
     unsettled: bool,
+    /// The last flush left receives to repost once the reactor goes idle.
+    reposts_left: bool,
+    /// The last flush left an unsignaled tail to signal out when idle.
+    tails_left: bool,
     stop: Arc<AtomicBool>,
 }
 
@@ -644,6 +649,8 @@ impl<H: Handler> Reactor<H> {
             next_cq: 0,
             idle_passes: 0,
             unsettled: true,
+            reposts_left: false,
+            tails_left: false,
             stop: Arc::new(AtomicBool::new(false)),
         })
     }
@@ -954,14 +961,16 @@ impl<H: Handler> Reactor<H> {
         // Unsignaled requests left at the tail of a burst would never report
         // completion; after a while with nothing to do, signal them out.
         // Retried every idle pass from then on: the signal may have to wait
-        // for a credit, and a tail staged late in an idle streak still counts.
-        let signal_tails = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
+        // for a credit.
+        let signal_tails = self.tails_left && self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
+        let tidy = self.reposts_left && self.idle_passes >= REPOST_IDLE_PASSES;
         // An idle pass that staged nothing, after a flush that left nothing
         // behind, has nothing to flush: skipping the walk over the
         // connections keeps empty passes, and so the time to notice the next
-        // completion, short.
-        if touched || self.unsettled || signal_tails {
-            self.flush(self.idle_passes >= REPOST_IDLE_PASSES, signal_tails);
+        // completion, short. Receives waiting for a fuller batch do not count
+        // until the reactor has been idle for a while.
+        if touched || self.unsettled || tidy || signal_tails {
+            self.flush(tidy, signal_tails);
         }
         Ok(done)
     }
@@ -1157,14 +1166,14 @@ impl<H: Handler> Reactor<H> {
     /// reposts that are due (all pending ones when `tidy`). Reposting after
     /// the doorbell keeps it off the latency path; the receives it adds are
     /// announced with the next SEND or credit update.
-    /// Notes in `unsettled` whether something is left for a later pass:
-    /// receives not yet reposted, or work or a credit update that could not
-    /// go out.
+    /// Notes what is left for later passes: in `unsettled`, work any pass
+    /// must do (reposts that are due, work or a credit update that could not
+    /// go out); in `reposts_left` and `tails_left`, what an idle pass does.
     #[inline]
     fn flush(&mut self, tidy: bool, signal_tails: bool) {
         // `fail` may set it again while we walk.
         self.unsettled = false;
-        let mut unsettled = false;
+        let (mut unsettled, mut reposts_left, mut tails_left) = (false, false, false);
         for index in 0..self.conns.len() {
             let conn = &self.conns[index];
             let repost = conn.reposts_due() || (tidy && conn.has_pending_reposts());
@@ -1179,7 +1188,10 @@ impl<H: Handler> Reactor<H> {
             if due {
                 self.flush_conn(index, repost, tail);
             }
-            unsettled |= self.conns[index].is_unsettled();
+            let conn = &self.conns[index];
+            unsettled |= conn.is_unsettled();
+            reposts_left |= conn.has_pending_reposts();
+            tails_left |= conn.has_unsignaled_tail();
         }
         if let Some(pool) = &mut self.srq
             && !pool.orphans.is_empty()
@@ -1188,6 +1200,8 @@ impl<H: Handler> Reactor<H> {
             log::error!("reposting SRQ receives of an unknown QP: {err}");
         }
         self.unsettled |= unsettled;
+        self.reposts_left = reposts_left;
+        self.tails_left = tails_left;
     }
 
     /// Rings the doorbell of connection `index` and reposts its receives
