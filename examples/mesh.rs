@@ -827,7 +827,7 @@ fn describe_hang_up(code: u16) -> String {
 /// Turns the reactor until this rank is done, watching the control
 /// connections: a peer may leave once nothing more is owed either way.
 fn drive(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<Mesh>>) -> Result<(), String> {
-    let mut last_check = Instant::now();
+    let mut peer_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
     let mut gone: Vec<(usize, Instant, String)> = Vec::new();
     loop {
         reactor.turn().map_err(|err| err.to_string())?;
@@ -850,10 +850,9 @@ fn drive(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<Mesh>>) -> 
             tell_the_others(reactor, mesh, abort_code(culprit));
             return Err(format!("rank {me}: {what}"));
         }
-        if last_check.elapsed() < PEER_CHECK_INTERVAL {
+        if !peer_check.expired() {
             continue;
         }
-        last_check = Instant::now();
         for (index, session) in open_sessions(mesh) {
             let Some(endpoint) = reactor.endpoint_mut(session) else {
                 continue;

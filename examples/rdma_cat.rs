@@ -470,7 +470,7 @@ fn drive<T: Handler>(
     status_of: fn(&T) -> &Status,
     bar: &ProgressBar,
 ) -> Result<(), Failure> {
-    let mut last_check = Instant::now();
+    let mut peer_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
     let mut gone: Option<(Instant, Failure)> = None;
     loop {
         reactor.turn().map_err(|err| err.to_string())?;
@@ -492,10 +492,9 @@ fn drive<T: Handler>(
             }
             continue;
         }
-        if last_check.elapsed() < PEER_CHECK_INTERVAL {
+        if !peer_check.expired() {
             continue;
         }
-        last_check = Instant::now();
         bar.set_position(status_of(&role.borrow()).bytes);
         for &session in sessions {
             let Some(endpoint) = reactor.endpoint_mut(session) else {

@@ -5,11 +5,12 @@
 //! # How a message flows
 //! 1. A handler stages work through [`Ctx`] (`send`, `write`, `read`). A SEND's
 //!    payload is written straight into a registered send slot.
-//! 2. At the end of the pass the reactor stamps its receive count into each
-//!    staged SEND's 8-byte header (piggybacked credits) and posts all staged
-//!    requests of a QP as one linked list: one doorbell. Then it reposts the
-//!    consumed receives, a batch per `ibv_post_recv`, off the latency path;
-//!    the next SEND or credit update announces them.
+//!    Staging stamps the reactor's receive count into the SEND's 8-byte
+//!    header (piggybacked credits).
+//! 2. At the end of the pass the reactor posts all staged requests of a QP
+//!    as one linked list: one doorbell. Then it reposts the consumed
+//!    receives, a batch per `ibv_post_recv`, off the latency path; the next
+//!    SEND or credit update announces them.
 //! 3. The next pass polls the CQs in batches and routes each completion by
 //!    its `wr_id` (connection, kind, slot or sequence number) to the owning
 //!    session's [`Handler`]. Receives go to `on_message`/`on_write_imm` and
@@ -47,6 +48,7 @@
 //! ```
 
 mod conn;
+mod pass_timer;
 pub mod placement;
 mod staged;
 mod wait;
@@ -68,6 +70,7 @@ use conn::{
     Conn, ConnState, HEADER_LEN, MAX_REPOST, OpKind, Ring, SRQ_CONN, SharedRing, WrKind,
     decode_wr_id, recv_request,
 };
+pub use pass_timer::{CLOCK_READ_INTERVAL, PassTimer};
 pub use placement::{CorePreference, Placement, pin_current_thread};
 use wait::Waiter;
 pub use wait::Waker;
@@ -602,6 +605,8 @@ pub struct Reactor<H: Handler> {
     reposts_left: bool,
     /// The last flush left an unsignaled tail to signal out when idle.
     tails_left: bool,
+    /// Busy passes between clock readings in `run_for`, as learned so far.
+    clock_stride: u32,
     stop: Arc<AtomicBool>,
 }
 
@@ -651,6 +656,7 @@ impl<H: Handler> Reactor<H> {
             unsettled: true,
             reposts_left: false,
             tails_left: false,
+            clock_stride: 1,
             stop: Arc::new(AtomicBool::new(false)),
         })
     }
@@ -899,19 +905,46 @@ impl<H: Handler> Reactor<H> {
     /// # Ok(()) }
     /// ```
     pub fn run_for(&mut self, limit: Duration) -> Result<bool> {
-        let started = std::time::Instant::now();
-        let mut passes = 0u32;
+        // A busy pass is cheaper than reading the clock (a syscall where the
+        // clocksource is not the TSC): the timer reads it every so many
+        // passes. A pass that may sleep is long enough to read it every time.
+        let mut timer = self.pass_timer(limit);
         while !self.stop.load(Ordering::Acquire) {
             self.turn()?;
-            passes = passes.wrapping_add(1);
-            // Reading the clock costs more than an empty busy pass.
-            let sleeps = self.config.event_mode != EventMode::BusyPoll;
-            if (sleeps || passes.is_multiple_of(1024)) && started.elapsed() >= limit {
+            if timer.expired() {
+                self.clock_stride = timer.stride();
                 return Ok(false);
             }
         }
+        self.clock_stride = timer.stride();
         self.stop.store(false, Ordering::Release);
         Ok(true)
+    }
+
+    /// A timer for a loop that calls [`turn`](Self::turn) and now and then
+    /// has something else to do: it reads the clock every pass in the event
+    /// modes, whose passes may sleep, and every so many passes when busy
+    /// polling (see [`PassTimer`]).
+    ///
+    /// ```no_run
+    /// # use rdma_comm_core::reactor::*;
+    /// # use std::time::Duration;
+    /// # fn demo<H: Handler>(reactor: &mut Reactor<H>) -> rdma_comm_core::Result<()> {
+    /// let mut every_second = reactor.pass_timer(Duration::from_secs(1));
+    /// loop {
+    ///     reactor.turn()?;
+    ///     if every_second.expired() {
+    ///         eprintln!("still running");
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn pass_timer(&self, period: Duration) -> PassTimer {
+        if self.config.event_mode == EventMode::BusyPoll {
+            PassTimer::resume(period, self.clock_stride)
+        } else {
+            PassTimer::reading_every_pass(period)
+        }
     }
 
     /// One pass, then (in the event modes, if it found nothing) one wait.
