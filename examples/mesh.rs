@@ -830,7 +830,7 @@ fn drive(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<Mesh>>) -> 
     let mut peer_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
     let mut gone: Vec<(usize, Instant, String)> = Vec::new();
     loop {
-        reactor.turn().map_err(|err| err.to_string())?;
+        let completions = reactor.turn().map_err(|err| err.to_string())?;
         let abort = {
             let state = mesh.borrow();
             if state.finished() && state.failure.is_none() {
@@ -850,7 +850,7 @@ fn drive(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<Mesh>>) -> 
             tell_the_others(reactor, mesh, abort_code(culprit));
             return Err(format!("rank {me}: {what}"));
         }
-        if !peer_check.expired() {
+        if !peer_check.expired_after(completions) {
             continue;
         }
         for (index, session) in open_sessions(mesh) {

@@ -324,14 +324,14 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
     // on a VM's HPET): the timer reads it now and then.
     let mut peer_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
     loop {
-        reactor.turn()?;
+        let completions = reactor.turn()?;
         let Some(pinger) = reactor.handler(session) else {
             break;
         };
         if pinger.done() {
             break;
         }
-        if !peer_check.expired() {
+        if !peer_check.expired_after(completions) {
             continue;
         }
         if pinger.answered != last_progress.0 {
@@ -535,8 +535,8 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     let mut served = 0;
     let mut peer_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
     loop {
-        reactor.turn()?;
-        if !peer_check.expired() {
+        let completions = reactor.turn()?;
+        if !peer_check.expired_after(completions) {
             continue;
         }
         for failure in server.take_failures() {

@@ -473,7 +473,7 @@ fn drive<T: Handler>(
     let mut peer_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
     let mut gone: Option<(Instant, Failure)> = None;
     loop {
-        reactor.turn().map_err(|err| err.to_string())?;
+        let completions = reactor.turn().map_err(|err| err.to_string())?;
         {
             let role = role.borrow();
             let status = status_of(&role);
@@ -492,7 +492,7 @@ fn drive<T: Handler>(
             }
             continue;
         }
-        if !peer_check.expired() {
+        if !peer_check.expired_after(completions) {
             continue;
         }
         bar.set_position(status_of(&role.borrow()).bytes);

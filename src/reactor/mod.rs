@@ -910,8 +910,8 @@ impl<H: Handler> Reactor<H> {
         // passes. A pass that may sleep is long enough to read it every time.
         let mut timer = self.pass_timer(limit);
         while !self.stop.load(Ordering::Acquire) {
-            self.turn()?;
-            if timer.expired() {
+            let done = self.turn()?;
+            if timer.expired_after(done) {
                 self.clock_stride = timer.stride();
                 return Ok(false);
             }
@@ -932,8 +932,8 @@ impl<H: Handler> Reactor<H> {
     /// # fn demo<H: Handler>(reactor: &mut Reactor<H>) -> rdma_comm_core::Result<()> {
     /// let mut every_second = reactor.pass_timer(Duration::from_secs(1));
     /// loop {
-    ///     reactor.turn()?;
-    ///     if every_second.expired() {
+    ///     let completions = reactor.turn()?;
+    ///     if every_second.expired_after(completions) {
     ///         eprintln!("still running");
     ///     }
     /// }

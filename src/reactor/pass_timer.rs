@@ -14,7 +14,12 @@ pub const CLOCK_READ_INTERVAL: Duration = Duration::from_millis(2);
 
 /// Most passes between two clock readings, whatever the passes cost: bounds
 /// how late a period can be noticed when passes suddenly become slow.
-const MAX_STRIDE: u32 = 4096;
+const MAX_STRIDE: u32 = 1 << 15;
+
+/// How many empty passes a pass that handled completions counts for. Its
+/// doorbell and handler cost tens of empty passes, so a stride learned while
+/// idle stays short enough once traffic starts.
+const BUSY_PASS_WEIGHT: u32 = 64;
 
 /// Says when a period has passed, for a loop that calls it once per pass.
 ///
@@ -84,7 +89,24 @@ impl PassTimer {
     /// next period starts then.
     #[inline]
     pub fn expired(&mut self) -> bool {
-        self.passes += 1;
+        self.count(1)
+    }
+
+    /// Counts one reactor pass that handled `completions` (what
+    /// [`Reactor::turn`](super::Reactor::turn) returned): one that did work
+    /// weighs more than an empty one. Otherwise as [`expired`](Self::expired).
+    #[inline]
+    pub fn expired_after(&mut self, completions: usize) -> bool {
+        self.count(if completions == 0 {
+            1
+        } else {
+            BUSY_PASS_WEIGHT
+        })
+    }
+
+    #[inline]
+    fn count(&mut self, weight: u32) -> bool {
+        self.passes = self.passes.saturating_add(weight);
         if self.passes < self.stride {
             return false;
         }
@@ -160,6 +182,18 @@ mod tests {
             "slow passes read the clock every pass: stride {}",
             timer.stride
         );
+    }
+
+    #[test]
+    fn a_pass_that_did_work_weighs_more_than_an_empty_one() {
+        let mut timer = PassTimer::new(Duration::from_secs(60));
+        timer.stride = 2 * BUSY_PASS_WEIGHT;
+        let before = timer.last_read;
+        timer.expired_after(3);
+        assert_eq!(timer.last_read, before, "one busy pass: no reading yet");
+        timer.expired_after(1);
+        assert!(timer.last_read > before, "two busy passes fill the stride");
+        assert_eq!(timer.passes, 0);
     }
 
     #[test]
