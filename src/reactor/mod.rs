@@ -909,14 +909,15 @@ impl<H: Handler> Reactor<H> {
         // clocksource is not the TSC): the timer reads it every so many
         // passes. A pass that may sleep is long enough to read it every time.
         let mut timer = self.pass_timer(limit);
-        while !self.stop.load(Ordering::Acquire) {
+        let mut expired = false;
+        while !expired && !self.stop.load(Ordering::Acquire) {
             let done = self.turn()?;
-            if timer.expired_after(done) {
-                self.clock_stride = timer.stride();
-                return Ok(false);
-            }
+            expired = timer.expired_after(done);
         }
         self.clock_stride = timer.stride();
+        if expired {
+            return Ok(false);
+        }
         self.stop.store(false, Ordering::Release);
         Ok(true)
     }
