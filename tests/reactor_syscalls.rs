@@ -40,7 +40,7 @@ const PERF_EVENT_IOC_ENABLE: libc::c_ulong = 0x2400;
 const PERF_EVENT_IOC_DISABLE: libc::c_ulong = 0x2401;
 const PERF_EVENT_IOC_SET_FILTER: libc::c_ulong = 0x4008_2406;
 
-/// Counts this thread's syscalls other than `write`, between `start` and `stop`.
+/// Counts this thread's syscalls other than `write` while a closure runs.
 struct SyscallCounter {
     fd: OwnedFd,
     /// What an empty window counts: the `DISABLE` ioctl that closes it.

@@ -116,13 +116,13 @@ impl PassTimer {
     #[cold]
     fn read_clock(&mut self) -> bool {
         let now = Instant::now();
-        let since_last = now.duration_since(self.last_read).as_nanos().max(1);
-        let target = CLOCK_READ_INTERVAL.min(self.period).as_nanos();
-        // Passes per target interval at the rate just seen; at most doubling,
-        // so one fast burst cannot stretch the stride far.
-        let fitted = u128::from(self.passes) * target / since_last;
-        let limit = u128::from(self.stride.saturating_mul(2)).min(u128::from(MAX_STRIDE));
         if self.adaptive {
+            let since_last = now.duration_since(self.last_read).as_nanos().max(1);
+            let target = CLOCK_READ_INTERVAL.min(self.period).as_nanos();
+            // Passes per target interval at the rate just seen; at most
+            // doubling, so one fast burst cannot stretch the stride far.
+            let fitted = u128::from(self.passes) * target / since_last;
+            let limit = u128::from(self.stride.saturating_mul(2)).min(u128::from(MAX_STRIDE));
             self.stride = fitted.clamp(1, limit.max(1)) as u32;
         }
         self.passes = 0;
