@@ -100,6 +100,10 @@ pub enum Error {
     /// A request was malformed before it reached the device.
     #[error("invalid request: {0}")]
     InvalidArgument(&'static str),
+    /// A handle (a pool slot, say) was given to an object it does not
+    /// belong to, or that no longer holds what it named.
+    #[error("foreign handle: {0}")]
+    ForeignHandle(&'static str),
     /// An inline payload exceeds the QP's `max_inline_data`.
     #[error("inline payload of {len} bytes exceeds the QP's max_inline_data of {max}")]
     InlineTooLarge {

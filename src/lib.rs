@@ -51,7 +51,7 @@ pub mod perf;
 pub mod pool;
 pub mod reactor;
 pub mod session;
-pub mod sys;
+mod sys;
 pub mod verbs;
 
 pub use error::{Error, Result};

@@ -10,7 +10,6 @@
 //! per doorbell. Both sides end when the client sends a final marker message.
 
 use std::fmt;
-use std::sync::Arc;
 
 use crate::error::Error;
 use crate::reactor::{ConnId, Ctx, Handler, SendError};
@@ -120,10 +119,10 @@ pub struct PerfSpec {
 /// the first half is where the peer's WRITEs land (and what READs fetch), the
 /// second half is the source of our own WRITEs, so polling the landing half
 /// never sees our own marker.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct PerfBuffers {
     /// This side's buffer.
-    pub buffer: Arc<MemoryRegion>,
+    pub buffer: MemoryRegion,
     /// The peer's exported buffer.
     pub peer: RemoteRegion,
 }
@@ -262,7 +261,7 @@ impl LatencyClient {
         let seq = self.seq;
         let marker = Self::marker(seq);
         self.started_at = now;
-        let buffer = &self.buffers.buffer;
+        let buffer = &mut self.buffers.buffer;
         let result = match self.spec.op {
             PerfOp::Send => ctx.send_with(conn, size, None, |buf| {
                 if let Some(last) = buf.last_mut() {
@@ -272,6 +271,7 @@ impl LatencyClient {
             PerfOp::Write | PerfOp::WriteImm => {
                 let imm = (self.spec.op == PerfOp::WriteImm).then_some(seq as u32);
                 let wrote = buffer.write(2 * size - 1, &[marker]);
+                let buffer = &*buffer;
                 match (
                     wrote,
                     buffer.slice(size, size),
@@ -450,7 +450,7 @@ impl Handler for Reflector {
             // buffer it does not fill): no copy, no send slot.
             let echoed = match ctx.hold() {
                 Some(held) => ctx.forward(conn, held, None).map_err(|(err, held)| {
-                    ctx.release(held);
+                    let _ = ctx.release(held);
                     err
                 }),
                 None => ctx.send(conn, data, None),

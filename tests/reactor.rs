@@ -133,7 +133,7 @@ fn stream(event_mode: EventMode, thread_mode: ThreadMode, slow: Option<Duration>
             let client = client.join().expect("stream reactor thread");
             // On a hang, show where each side's queues and credits stood.
             for (side, reactor) in [("sink", &server), ("streamer", &client)] {
-                for conn in reactor.conns(SessionId(0)) {
+                for conn in reactor.sessions().flat_map(|s| reactor.conns(s)) {
                     println!(
                         "{side} {conn:?}: (sq used, slots used, credits) {:?}",
                         reactor.conn_stats(conn)
@@ -250,14 +250,15 @@ verbs_test! {
         // Sessions 0 (echoer) and 1 (pinger), then 2 (sink) and 3 (streamer).
         let (ping, _echo) = add_ping_pong(&pd, Sides::One(&mut reactor), u64::MAX, 64, true);
         let (sent, received) = add_stream(&pd, Sides::One(&mut reactor), STREAM_MESSAGES, 1000, None, false);
-        let echoer = SessionId(0);
+        let ids: Vec<SessionId> = reactor.sessions().collect();
+        let echoer = ids[0];
         let started = std::time::Instant::now();
         while ping.done.load(Ordering::Relaxed) < 200 {
             reactor.turn().unwrap();
             assert!(started.elapsed() < RUN_DEADLINE, "the ping-pong did not get going");
         }
-        let (endpoint, _handler) = reactor.remove(echoer).expect("the echoer session");
-        drop(endpoint);
+        let (link, _handler) = reactor.remove(echoer).expect("the echoer session");
+        drop(link);
         assert!(reactor.handler(echoer).is_none());
         assert_eq!(reactor.conns(echoer).count(), 0);
         assert!(reactor.remove(echoer).is_none(), "removed twice");
@@ -265,12 +266,12 @@ verbs_test! {
         // stream is not disturbed; the pinger's peer shows as disconnected on
         // the control connection (its last ping may have been acknowledged
         // already, so the QP alone need not report anything).
-        let pinger = SessionId(1);
+        let pinger = ids[1];
         let mut pinger_told = false;
         while !received.finished.load(Ordering::Acquire) || !pinger_told {
             reactor.turn().unwrap();
             if !pinger_told {
-                let status = reactor.endpoint_mut(pinger).expect("pinger session").check_peer();
+                let status = reactor.link_mut(pinger).expect("pinger session").check_peer();
                 pinger_told = matches!(status, rdma_comm_core::session::PeerStatus::Disconnected { .. });
             }
             assert!(
@@ -284,7 +285,7 @@ verbs_test! {
         assert_eq!(ping.bad.load(Ordering::Relaxed), 0);
         assert_eq!(reactor.sessions().count(), 3);
         assert!(reactor.remove(pinger).is_some());
-        assert_eq!(reactor.sessions().collect::<Vec<_>>(), [SessionId(2), SessionId(3)]);
+        assert_eq!(reactor.sessions().collect::<Vec<_>>(), [ids[2], ids[3]]);
     }
 }
 
@@ -302,7 +303,8 @@ verbs_test! {
         let message = refused.expect_err("a third share does not fit").to_string();
         assert!(message.contains("srq_depth"), "{message}");
         // Removing a session gives its share back.
-        assert!(reactor.remove(SessionId(0)).is_some());
+        let first = reactor.sessions().next().expect("the ping-pong's first session");
+        assert!(reactor.remove(first).is_some());
         let (ours, _theirs2) = connect(&pd, &mut Sides::Two { server: &mut reactor, client: &mut other }, &inbox, &inbox);
         reactor.add(ours, Box::new(Sink::new(1, 1, Default::default()))).expect("the freed share");
     }

@@ -30,16 +30,16 @@ fn client_config(names: &[&str]) -> ClientConfig {
 #[track_caller]
 fn exchange(pd: &ProtectionDomain, from: &mut Endpoint, to: &mut Endpoint, payload: &[u8]) {
     let rx = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
-    let tx = pd.alloc_mr(4096, AccessFlags::empty()).unwrap();
+    let mut tx = pd.alloc_mr(4096, AccessFlags::empty()).unwrap();
     tx.write(0, payload).unwrap();
     let receiver = to.channel(0).unwrap();
     receiver
-        .qp()
+        .qp_mut()
         .post_recv(RecvRequest::new(1, rx.slice(0, 4096).unwrap()).unwrap())
         .unwrap();
     let sender = from.channel(0).unwrap();
     sender
-        .qp()
+        .qp_mut()
         .post_send(WorkRequest::send(2, tx.slice(0, payload.len()).unwrap()).signaled())
         .unwrap();
     wait_ok(sender.cq_mut().unwrap());
@@ -198,7 +198,7 @@ verbs_test! {
 
         let rx = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
         for i in 0..5 {
-            client.channel(0).unwrap().qp().post_recv(RecvRequest::new(i, rx.slice(0, 64).unwrap()).unwrap()).unwrap();
+            client.channel(0).unwrap().qp_mut().post_recv(RecvRequest::new(i, rx.slice(0, 64).unwrap()).unwrap()).unwrap();
         }
         let report = client.close().unwrap();
         assert!(report.peer_notified);
@@ -257,14 +257,14 @@ verbs_test! {
         assert!(client.channel_by_name("bulk").unwrap().cq_mut().is_none(), "shared CQ is polled by its owner");
         let qpns: Vec<u32> = client.channels().iter().map(|c| c.qp().qpn()).collect();
 
-        let tx = pd.alloc_mr(64, AccessFlags::empty()).unwrap();
+        let mut tx = pd.alloc_mr(64, AccessFlags::empty()).unwrap();
         let rx = pd.alloc_mr(128, AccessFlags::LOCAL_WRITE).unwrap();
         for (i, channel) in served.channels_mut().iter_mut().enumerate() {
-            channel.qp().post_recv(RecvRequest::new(i as u64, rx.slice(i * 64, 64).unwrap()).unwrap()).unwrap();
+            channel.qp_mut().post_recv(RecvRequest::new(i as u64, rx.slice(i * 64, 64).unwrap()).unwrap()).unwrap();
         }
         for (i, name) in ["control", "bulk"].iter().enumerate() {
             tx.write(i, &[i as u8 + 1]).unwrap();
-            let qp = client.channel_by_name(name).unwrap().qp();
+            let qp = client.channel_by_name(name).unwrap().qp_mut();
             qp.post_send(WorkRequest::send(i as u64, tx.slice(i, 1).unwrap()).signaled()).unwrap();
         }
         let done = wait_for(&mut shared, 2);
@@ -288,7 +288,7 @@ verbs_test! {
         let inbox_for_server = Arc::clone(&server_inbox);
         let mut config = ServerConfig::default();
         config.qp.remote_access = AccessFlags::REMOTE_WRITE;
-        config.exports = Some(Arc::new(move |_peer, _pd: &ProtectionDomain| Ok(vec![Export::new(7, "inbox", Arc::clone(&inbox_for_server))])));
+        config.exports = Some(Arc::new(move |_peer, _pd: &ProtectionDomain| Ok(vec![Export::new(7, "inbox", &inbox_for_server)])));
         let srv = server(&pd, config);
         let mut client = ClientSession::connect(srv.local_addr(), &pd, &client_config(&["a"])).unwrap();
         let served = srv.accept_timeout(DEADLINE).unwrap();
@@ -301,17 +301,17 @@ verbs_test! {
 
         let mut pool = BufferPool::new(&pd, 256, 4, AccessFlags::empty()).unwrap();
         let mut slot = pool.acquire().unwrap();
-        pool.bytes_mut(&mut slot)[..5].copy_from_slice(b"hello");
+        pool.bytes_mut(&mut slot).unwrap()[..5].copy_from_slice(b"hello");
         let channel = client.channel(0).unwrap();
-        pool.post_write(channel.qp(), slot, target.slice(100, 5).unwrap(), None).unwrap();
+        pool.post_write(channel.qp_mut(), slot, target.slice(100, 5).unwrap(), None).unwrap();
         let wc = wait_ok(channel.cq_mut().unwrap());
         let slot = pool.complete(&wc).unwrap();
-        pool.release(slot);
+        pool.release(slot).unwrap();
         assert_eq!(read_back(&server_inbox, 100, 5), b"hello");
 
         // A region without remote access cannot be exported.
         let private = Arc::new(pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap());
-        let config = client_config(&["a"]).with_exports(vec![Export::new(1, "private", private)]);
+        let config = client_config(&["a"]).with_exports(vec![Export::new(1, "private", &private)]);
         assert!(matches!(ClientSession::connect(srv.local_addr(), &pd, &config), Err(Error::InvalidArgument(_))));
         drop(served);
     }
@@ -324,12 +324,12 @@ verbs_test! {
         assert_eq!(pool.slot_size(), 1024, "slots are rounded to cache lines");
         let mut recvs = BufferPool::new(&p.pd, 1024, 8, AccessFlags::LOCAL_WRITE).unwrap();
         while let Some(slot) = recvs.acquire() {
-            recvs.post_recv(&p.b, slot).unwrap();
+            recvs.post_recv(&mut p.b, slot).unwrap();
         }
         for i in 0..8u8 {
             let mut slot = pool.acquire().unwrap();
-            pool.bytes_mut(&mut slot).fill(i);
-            pool.post_send(&p.a, slot, 1000, Some(u32::from(i))).unwrap();
+            pool.bytes_mut(&mut slot).unwrap().fill(i);
+            pool.post_send(&mut p.a, slot, 1000, Some(u32::from(i))).unwrap();
         }
         assert_eq!((pool.available(), pool.in_flight()), (0, 8));
         assert!(pool.acquire().is_none(), "every slot is in flight");
@@ -338,15 +338,15 @@ verbs_test! {
         for wc in &done {
             let slot = pool.complete(wc).expect("completion returns its slot");
             assert!(pool.complete(wc).is_none(), "a completion returns its slot once");
-            pool.release(slot);
+            pool.release(slot).unwrap();
         }
         assert_eq!((pool.available(), pool.in_flight()), (8, 0));
 
         for wc in wait_for(&mut p.cq_b, 8) {
             let slot = recvs.complete(&wc).unwrap();
             let imm = wc.imm().unwrap() as u8;
-            assert!(recvs.bytes(&slot)[..1000].iter().all(|&b| b == imm));
-            recvs.release(slot);
+            assert!(recvs.bytes(&slot).unwrap()[..1000].iter().all(|&b| b == imm));
+            recvs.release(slot).unwrap();
         }
     }
 }

@@ -59,7 +59,7 @@ verbs_test! {
 verbs_test! {
     fn bounds_checks_refuse_bad_descriptors_before_posting() {
         let p = Pair::with_remote_access();
-        let mr = p.pd.alloc_mr(4096, AccessFlags::REMOTE_WRITE).unwrap();
+        let mut mr = p.pd.alloc_mr(4096, AccessFlags::REMOTE_WRITE).unwrap();
         let peer = mr.remote().unwrap();
         assert!(matches!(peer.slice(4000, 200), Err(Error::OutOfBounds { .. })));
         assert!(matches!(mr.slice(4096, 1), Err(Error::OutOfBounds { .. })));
@@ -82,7 +82,7 @@ verbs_test! {
         assert!(err.completion_status().is_some());
         // A fresh pair on the same device works as usual.
         let mut p = Pair::with_remote_access();
-        let local = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut local = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
         let exported = p.pd.alloc_mr(64, AccessFlags::REMOTE_WRITE).unwrap();
         local.write(0, b"still alive").unwrap();
         let wr = WorkRequest::write(1, local.slice(0, 11).unwrap(), exported.remote().unwrap().slice(0, 11).unwrap()).unwrap();
@@ -113,7 +113,7 @@ verbs_test! {
     fn a_full_send_queue_reports_queue_full() {
         let mut config = QpConfig::default();
         config.max_send_wr = 8;
-        let p = Pair::new(&config);
+        let mut p = Pair::new(&config);
         let depth = p.a.max_send_wr() as usize;
         // Nobody polls and no RECV is posted, so nothing frees SQ slots: the
         // SENDs sit in RNR retry (rnr_retry 7 = forever).

@@ -32,7 +32,7 @@ fn churn(ctx: &Context, round: u64) {
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
         )
         .unwrap();
-    let qp = pd.create_qp(&cq, &cq, &remote_config()).unwrap();
+    let mut qp = pd.create_qp(&cq, &cq, &remote_config()).unwrap();
     qp.post_recv(RecvRequest::new(round, mr.slice(0, 4096).unwrap()).unwrap())
         .unwrap();
     // Vary the drop order: parents first on odd rounds.

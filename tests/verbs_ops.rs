@@ -30,7 +30,7 @@ verbs_test! {
 verbs_test! {
     fn send_and_send_with_imm_deliver_bytes_and_immediates() {
         let mut p = Pair::new(&QpConfig::default());
-        let tx = p.pd.alloc_mr(4096, AccessFlags::empty()).unwrap();
+        let mut tx = p.pd.alloc_mr(4096, AccessFlags::empty()).unwrap();
         let rx = p.pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
         let msg = pattern(1, 1000);
         tx.write(0, &msg).unwrap();
@@ -57,8 +57,8 @@ verbs_test! {
 verbs_test! {
     fn write_write_with_imm_and_read_move_bytes() {
         let mut p = Pair::with_remote_access();
-        let local = p.pd.alloc_mr(1 << 16, AccessFlags::LOCAL_WRITE).unwrap();
-        let exported = p.pd.alloc_mr(1 << 16, AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ).unwrap();
+        let mut local = p.pd.alloc_mr(1 << 16, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut exported = p.pd.alloc_mr(1 << 16, AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ).unwrap();
         let peer = exported.remote().unwrap();
 
         // WRITE: no receive is consumed, no completion on the target side.
@@ -98,8 +98,8 @@ verbs_test! {
         const MAX: usize = 8 << 20;
         const SLACK: usize = 8192;
         let mut p = Pair::with_remote_access();
-        let local = p.pd.alloc_mr(MAX + SLACK, AccessFlags::LOCAL_WRITE).unwrap();
-        let exported = p.pd.alloc_mr(MAX + SLACK, AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ).unwrap();
+        let mut local = p.pd.alloc_mr(MAX + SLACK, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut exported = p.pd.alloc_mr(MAX + SLACK, AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ).unwrap();
         let peer = exported.remote().unwrap();
 
         let mut sizes: Vec<usize> = (0..=23).map(|shift| 1usize << shift).collect();

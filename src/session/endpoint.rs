@@ -108,26 +108,46 @@ pub struct CloseReport {
     pub peer_notified: bool,
 }
 
-/// A connected peer: one or more channels plus the control connection.
+/// A connected peer: one or more channels plus the [`SessionLink`] (the
+/// control connection, the regions each side exported).
 pub struct Endpoint {
-    peer: SocketAddr,
     // Field order is drop order: channels (QPs, then private CQs) go before
-    // the exported regions the peer may have been writing into.
+    // the link, whose exported regions the peer may have been writing into.
     channels: Vec<Channel>,
+    link: SessionLink,
+}
+
+/// Everything of a session but its QPs: the peer's address, the control
+/// connection that carries the disconnect and reveals a dead peer, the
+/// regions we exported to the peer (kept registered while the link lives)
+/// and the regions it exported to us. A reactor keeps it beside the QPs it
+/// took; dropping it tells the peer goodbye.
+pub struct SessionLink {
+    peer: SocketAddr,
     exports: Vec<Export>,
     remote_regions: Vec<NamedRegion>,
     control: TcpStream,
     closed: bool,
     /// Set once the disconnect message went out: whether it reached the
-    /// socket (see [`Endpoint::send_disconnect`]).
+    /// socket (see [`SessionLink::send_disconnect`]).
     disconnect_sent: Option<bool>,
 }
 
 impl fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Endpoint")
-            .field("peer", &self.peer)
+            .field("peer", &self.link.peer)
             .field("channels", &self.channels)
+            .field("remote_regions", &self.link.remote_regions)
+            .finish()
+    }
+}
+
+impl fmt::Debug for SessionLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SessionLink")
+            .field("peer", &self.peer)
+            .field("exports", &self.exports.len())
             .field("remote_regions", &self.remote_regions)
             .finish()
     }
@@ -143,19 +163,38 @@ impl Endpoint {
     ) -> Self {
         let remote_regions = remote_regions.into_iter().map(NamedRegion::from).collect();
         Self {
-            peer,
             channels,
-            exports,
-            remote_regions,
-            control,
-            closed: false,
-            disconnect_sent: None,
+            link: SessionLink {
+                peer,
+                exports,
+                remote_regions,
+                control,
+                closed: false,
+                disconnect_sent: None,
+            },
         }
+    }
+
+    /// Splits the endpoint into its QPs, in negotiated order, and the link
+    /// (for a reactor that takes the QPs over). Private CQs are released.
+    pub fn into_parts(self) -> (Vec<QueuePair>, SessionLink) {
+        let Endpoint { channels, link } = self;
+        (channels.into_iter().map(|c| c.qp).collect(), link)
+    }
+
+    /// The link: control connection and regions.
+    pub fn link(&self) -> &SessionLink {
+        &self.link
+    }
+
+    /// The link, mutably.
+    pub fn link_mut(&mut self) -> &mut SessionLink {
+        &mut self.link
     }
 
     /// The peer's control address.
     pub fn peer(&self) -> SocketAddr {
-        self.peer
+        self.link.peer
     }
 
     /// All channels, in the order they were negotiated.
@@ -176,6 +215,82 @@ impl Endpoint {
     /// Channel by name.
     pub fn channel_by_name(&mut self, name: &str) -> Option<&mut Channel> {
         self.channels.iter_mut().find(|c| c.name == name)
+    }
+
+    /// Regions the peer exported.
+    pub fn remote_regions(&self) -> &[NamedRegion] {
+        self.link.remote_regions()
+    }
+
+    /// The peer's region called `name`.
+    pub fn remote_region(&self, name: &str) -> Option<RemoteRegion> {
+        self.link.remote_region(name)
+    }
+
+    /// Our regions this peer may access.
+    pub fn exports(&self) -> &[Export] {
+        &self.link.exports
+    }
+
+    /// See [`SessionLink::check_peer`].
+    pub fn check_peer(&mut self) -> PeerStatus {
+        self.link.check_peer()
+    }
+
+    /// See [`SessionLink::send_disconnect`].
+    pub fn send_disconnect(&mut self, code: u16) -> bool {
+        self.link.send_disconnect(code)
+    }
+
+    /// Closes gracefully: sends the disconnect message, moves every QP to the
+    /// error state, drains private CQs (reporting what was flushed), then
+    /// destroys everything. Shared CQs are drained by their owner.
+    pub fn close(mut self) -> Result<CloseReport> {
+        let mut report = CloseReport {
+            peer_notified: self.link.send_disconnect(0),
+            ..Default::default()
+        };
+        let mut first_error = None;
+        for channel in &self.channels {
+            if let Err(err) = channel.qp.set_error() {
+                first_error.get_or_insert(err);
+            }
+        }
+        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        let mut wcs = [WorkCompletion::default(); 32];
+        for channel in &mut self.channels {
+            let Some(cq) = channel.cq.as_mut() else {
+                continue;
+            };
+            // Flushes arrive promptly after ERR; stop at the first empty poll
+            // after a short quiet period, or at the deadline.
+            let mut quiet_since = Instant::now();
+            while Instant::now() < deadline && quiet_since.elapsed() < Duration::from_millis(50) {
+                match cq.poll(&mut wcs) {
+                    Ok([]) => std::thread::yield_now(),
+                    Ok(done) => {
+                        report.drained.extend_from_slice(done);
+                        quiet_since = Instant::now();
+                    }
+                    Err(err) => {
+                        first_error.get_or_insert(err);
+                        break;
+                    }
+                }
+            }
+        }
+        self.link.close();
+        match first_error {
+            Some(err) => Err(err),
+            None => Ok(report),
+        }
+    }
+}
+
+impl SessionLink {
+    /// The peer's control address.
+    pub fn peer(&self) -> SocketAddr {
+        self.peer
     }
 
     /// Regions the peer exported.
@@ -241,56 +356,11 @@ impl Endpoint {
         }
     }
 
-    /// Closes gracefully: sends the disconnect message, moves every QP to the
-    /// error state, drains private CQs (reporting what was flushed), then
-    /// destroys everything. Shared CQs are drained by their owner.
-    pub fn close(mut self) -> Result<CloseReport> {
-        let mut report = CloseReport {
-            peer_notified: self.send_disconnect(0),
-            ..Default::default()
-        };
-        let mut first_error = None;
-        for channel in &self.channels {
-            if let Err(err) = channel.qp.set_error() {
-                first_error.get_or_insert(err);
-            }
-        }
-        let deadline = Instant::now() + DRAIN_TIMEOUT;
-        let mut wcs = [WorkCompletion::default(); 32];
-        for channel in &mut self.channels {
-            let Some(cq) = channel.cq.as_mut() else {
-                continue;
-            };
-            // Flushes arrive promptly after ERR; stop at the first empty poll
-            // after a short quiet period, or at the deadline.
-            let mut quiet_since = Instant::now();
-            while Instant::now() < deadline && quiet_since.elapsed() < Duration::from_millis(50) {
-                match cq.poll(&mut wcs) {
-                    Ok([]) => std::thread::yield_now(),
-                    Ok(done) => {
-                        report.drained.extend_from_slice(done);
-                        quiet_since = Instant::now();
-                    }
-                    Err(err) => {
-                        first_error.get_or_insert(err);
-                        break;
-                    }
-                }
-            }
-        }
-        let _ = self.control.shutdown(Shutdown::Both);
-        self.closed = true;
-        match first_error {
-            Some(err) => Err(err),
-            None => Ok(report),
-        }
-    }
-
     /// Tells the peer that this side is leaving, with a reason code it reads
     /// from [`check_peer`](Self::check_peer) as
     /// [`PeerStatus::Disconnected`]. Sending it before an abort lets the
     /// peer report why instead of seeing a bare hang-up. The QPs keep
-    /// running until [`close`](Self::close) or drop, which send no second
+    /// running until the endpoint is closed or dropped, which send no second
     /// message; only the first call sends. Returns whether the message
     /// reached the socket (on a repeat call: whether the first one did).
     ///
@@ -314,21 +384,23 @@ impl Endpoint {
         self.disconnect_sent = Some(delivered);
         delivered
     }
-}
 
-impl Drop for Endpoint {
-    fn drop(&mut self) {
+    /// Says goodbye (if not yet said) and shuts the control connection.
+    pub fn close(&mut self) {
         if self.closed {
             return;
         }
-        // Dropped without close(): still tell the peer and stop the QPs, so the
-        // peer sees a clean disconnect instead of transport retries.
         self.send_disconnect(0);
-        for channel in &self.channels {
-            if let Err(err) = channel.qp.set_error() {
-                log::debug!("closing endpoint {}: {err}", self.peer);
-            }
-        }
         let _ = self.control.shutdown(Shutdown::Both);
+        self.closed = true;
+    }
+}
+
+impl Drop for SessionLink {
+    fn drop(&mut self) {
+        // Dropped without close(): still tell the peer, so it sees a clean
+        // disconnect instead of transport retries. The QPs, wherever they
+        // are, were stopped or destroyed before this (field order).
+        self.close();
     }
 }

@@ -31,17 +31,16 @@ pub mod wire;
 
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use client::{ClientConfig, ClientSession};
-pub use endpoint::{Channel, CloseReport, Endpoint, NamedRegion, PeerStatus};
+pub use endpoint::{Channel, CloseReport, Endpoint, NamedRegion, PeerStatus, SessionLink};
 pub use server::{HandshakeFailure, ServerConfig, ServerSession};
 
 use crate::error::{Error, Result};
 use crate::verbs::{
-    CqSource, Gid, MemoryRegion, Mtu, ProtectionDomain, QpConfig, QpEndpoint, QueuePair, SharedCq,
-    SharedReceiveQueue,
+    CqSource, Gid, MemoryRegion, Mtu, ProtectionDomain, QpConfig, QpEndpoint, QueuePair,
+    Registration, SharedCq, SrqAttachment,
 };
 use wire::{ChannelInfo, Handshake, Message, RegionInfo, WireError};
 
@@ -74,7 +73,7 @@ pub struct ChannelSpec {
     pub qp: QpConfig,
     /// Take receives from this shared receive queue instead of the QP's own
     /// receive queue.
-    pub srq: Option<SharedReceiveQueue>,
+    pub srq: Option<SrqAttachment>,
 }
 
 impl ChannelSpec {
@@ -99,17 +98,19 @@ pub struct Export {
     pub id: u32,
     /// Caller-chosen name (at most 255 bytes).
     pub name: String,
-    /// The region; the endpoint keeps it alive while the peer may access it.
-    pub region: Arc<MemoryRegion>,
+    /// The region's registration: the endpoint (and then its link) keeps
+    /// it registered while the peer may access it, even if the caller drops
+    /// its [`MemoryRegion`] first.
+    pub region: Registration,
 }
 
 impl Export {
     /// Offers `region` under `name`.
-    pub fn new(id: u32, name: impl Into<String>, region: Arc<MemoryRegion>) -> Self {
+    pub fn new(id: u32, name: impl Into<String>, region: &MemoryRegion) -> Self {
         Self {
             id,
             name: name.into(),
-            region,
+            region: region.registration().clone(),
         }
     }
 }

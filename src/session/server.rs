@@ -14,7 +14,7 @@ use super::{
     connect_channels, local_handshake, reject_code,
 };
 use crate::error::{Error, Result};
-use crate::verbs::{ProtectionDomain, QpConfig, SharedReceiveQueue};
+use crate::verbs::{ProtectionDomain, QpConfig, SrqAttachment};
 
 /// Builds the regions exported to one peer (called once per handshake).
 pub type ExportFn = dyn Fn(SocketAddr, &ProtectionDomain) -> Result<Vec<Export>> + Send + Sync;
@@ -27,7 +27,7 @@ pub struct ServerConfig {
     /// CQ for every channel: private per channel, or one the caller polls.
     pub cq: CqChoice,
     /// Shared receive queue for every channel (`None`: each QP its own).
-    pub srq: Option<SharedReceiveQueue>,
+    pub srq: Option<SrqAttachment>,
     /// Most channels one client may ask for.
     pub max_channels: usize,
     /// Stop accepting after this many successful handshakes (`None`: never).

@@ -10,6 +10,7 @@
 
 mod cq;
 mod device;
+mod list;
 mod mr;
 mod pd;
 mod qp;
@@ -23,10 +24,11 @@ pub use cq::{
 pub use device::{
     Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState, devices,
 };
-pub use mr::{AccessFlags, LocalSlice, MemoryRegion, RemoteRegion, RemoteSlice};
+pub(crate) use list::{SendDescriptor, SendList, SendOpcode, Sge};
+pub use mr::{AccessFlags, LocalSlice, MemoryRegion, Registration, RemoteRegion, RemoteSlice};
 pub use pd::ProtectionDomain;
 pub use qp::{QpConfig, QpEndpoint, QpState, QueuePair};
-pub use srq::SharedReceiveQueue;
+pub use srq::{SharedReceiveQueue, SrqAttachment};
 pub use wr::{Batch, RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
 
 use std::os::raw::c_int;

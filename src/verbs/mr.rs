@@ -8,7 +8,6 @@
 //! The slot pool built on top tracks that state and offers safe slices.
 
 use std::fmt;
-use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -63,8 +62,21 @@ enum Backing {
     External,
 }
 
-/// Registered memory, deregistered before its buffer is freed.
-pub struct MemoryRegion {
+/// The registration behind a [`MemoryRegion`]: the verbs MR and the buffer
+/// it covers. Deregistered, then freed, when the last holder drops it.
+///
+/// A `Registration` gives no CPU access to the bytes, only the keys and
+/// bounds a work request needs. Whatever posts a request keeps one for as
+/// long as the request may be in flight (the reactor stores it with each
+/// staged WRITE and READ; a session with each export), so the memory a
+/// posted request points at stays registered and mapped until its
+/// completion, even if the user drops the [`MemoryRegion`] first.
+#[derive(Clone)]
+pub struct Registration {
+    inner: Arc<RegistrationInner>,
+}
+
+struct RegistrationInner {
     mr: NonNull<sys::ibv_mr>,
     addr: NonNull<u8>,
     len: usize,
@@ -74,25 +86,46 @@ pub struct MemoryRegion {
     pd: Arc<PdInner>,
 }
 
-// SAFETY: the MR handle is thread-safe in libibverbs, and the buffer is only
-// touched through raw-pointer copies whose soundness does not depend on the thread.
-unsafe impl Send for MemoryRegion {}
-// SAFETY: `&self` methods only copy through raw pointers (see module docs).
-unsafe impl Sync for MemoryRegion {}
+// SAFETY: the MR handle is thread-safe in libibverbs; a registration never
+// touches the buffer's bytes, it only reads its own immutable fields.
+unsafe impl Send for RegistrationInner {}
+// SAFETY: as for Send: nothing behind `&self` is mutated.
+unsafe impl Sync for RegistrationInner {}
+
+/// Registered memory that the CPU reads and writes by copying.
+///
+/// Writing takes `&mut self`, so two threads can never copy into the same
+/// bytes at once; reading takes `&self`. The device may read or write the
+/// bytes while a request is in flight: those accesses come from outside the
+/// program, so a copy that overlaps one sees torn data but no Rust reference
+/// ever covers the bytes (see the module docs).
+pub struct MemoryRegion {
+    registration: Registration,
+}
 
 impl fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryRegion")
-            .field("addr", &self.addr)
-            .field("len", &self.len)
+            .field("addr", &self.reg().addr)
+            .field("len", &self.reg().len)
             .field("lkey", &self.lkey())
-            .field("access", &self.access)
-            .field("huge_pages", &self.huge_pages)
+            .field("access", &self.reg().access)
+            .field("huge_pages", &self.reg().huge_pages)
             .finish()
     }
 }
 
-impl Drop for MemoryRegion {
+impl fmt::Debug for Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registration")
+            .field("addr", &self.inner.addr)
+            .field("len", &self.inner.len)
+            .field("holders", &Arc::strong_count(&self.inner))
+            .finish()
+    }
+}
+
+impl Drop for RegistrationInner {
     fn drop(&mut self) {
         // SAFETY: the MR came from ibv_reg_mr and is deregistered once. After this
         // the device can no longer reach the buffer, so freeing it below is safe
@@ -173,13 +206,17 @@ impl ProtectionDomain {
             }
         };
         Ok(MemoryRegion {
-            mr,
-            addr,
-            len,
-            access,
-            backing,
-            huge_pages,
-            pd: Arc::clone(&self.inner),
+            registration: Registration {
+                inner: Arc::new(RegistrationInner {
+                    mr,
+                    addr,
+                    len,
+                    access,
+                    backing,
+                    huge_pages,
+                    pd: Arc::clone(&self.inner),
+                }),
+            },
         })
     }
 }
@@ -242,60 +279,139 @@ fn map_anonymous(len: usize) -> Result<(NonNull<u8>, usize, bool)> {
     ))
 }
 
-impl MemoryRegion {
+impl Registration {
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.len
+        self.inner.len
     }
 
     /// Always false: empty regions cannot be registered.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.inner.len == 0
     }
 
     /// Start address (as the device sees it).
     pub fn addr(&self) -> u64 {
-        self.addr.as_ptr() as u64
-    }
-
-    /// Raw pointer to the first byte.
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.addr.as_ptr()
+        self.inner.addr.as_ptr() as u64
     }
 
     /// Local key, used in scatter/gather entries.
     pub fn lkey(&self) -> u32 {
         // SAFETY: the MR is registered for as long as `self` lives.
-        unsafe { self.mr.as_ref().lkey }
+        unsafe { self.inner.mr.as_ref().lkey }
     }
 
-    /// The access rights this region was registered with.
+    /// The access rights the memory was registered with.
     pub fn access(&self) -> AccessFlags {
-        self.access
+        self.inner.access
     }
 
     /// True when the buffer is backed by huge pages.
     pub fn huge_pages(&self) -> bool {
-        self.huge_pages
+        self.inner.huge_pages
+    }
+
+    /// True if both handles are the same registration.
+    pub fn same_as(&self, other: &Registration) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// The descriptor a peer needs to WRITE or READ this memory.
+    ///
+    /// Fails unless it was registered with a `REMOTE_*` flag: only regions
+    /// the user exports get an rkey worth sending.
+    pub fn remote(&self) -> Result<RemoteRegion> {
+        if !self.inner.access.is_remote() {
+            return Err(Error::InvalidArgument(
+                "region was registered without remote access; it cannot be exported",
+            ));
+        }
+        // SAFETY: the MR is registered for as long as `self` lives.
+        let rkey = unsafe { self.inner.mr.as_ref().rkey };
+        Ok(RemoteRegion {
+            addr: self.addr(),
+            len: self.inner.len as u64,
+            rkey,
+        })
     }
 
     /// A bounds-checked local descriptor for `len` bytes at `offset`.
     pub fn slice(&self, offset: usize, len: usize) -> Result<LocalSlice<'_>> {
-        check_range("local slice", offset as u64, len as u64, self.len as u64)?;
+        check_range(
+            "local slice",
+            offset as u64,
+            len as u64,
+            self.inner.len as u64,
+        )?;
         let len = u32::try_from(len)
             .map_err(|_| Error::InvalidArgument("a single SGE carries at most 4 GiB"))?;
         Ok(LocalSlice {
             addr: self.addr() + offset as u64,
             len,
             lkey: self.lkey(),
-            access: self.access,
-            _region: PhantomData,
+            access: self.inner.access,
+            registration: self,
         })
+    }
+
+    /// Where byte `offset` lives in this process. Only for modules that
+    /// track themselves which bytes the device may be using (the buffer
+    /// pool, the reactor's rings).
+    pub(crate) fn ptr_at(&self, offset: usize) -> *mut u8 {
+        debug_assert!(offset <= self.inner.len);
+        self.inner.addr.as_ptr().wrapping_add(offset)
+    }
+}
+
+impl MemoryRegion {
+    fn reg(&self) -> &RegistrationInner {
+        &self.registration.inner
+    }
+
+    /// The registration, to keep the memory registered past this handle
+    /// (for as long as a request or an export needs it).
+    pub fn registration(&self) -> &Registration {
+        &self.registration
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.reg().len
+    }
+
+    /// Always false: empty regions cannot be registered.
+    pub fn is_empty(&self) -> bool {
+        self.reg().len == 0
+    }
+
+    /// Start address (as the device sees it).
+    pub fn addr(&self) -> u64 {
+        self.registration.addr()
+    }
+
+    /// Local key, used in scatter/gather entries.
+    pub fn lkey(&self) -> u32 {
+        self.registration.lkey()
+    }
+
+    /// The access rights this region was registered with.
+    pub fn access(&self) -> AccessFlags {
+        self.reg().access
+    }
+
+    /// True when the buffer is backed by huge pages.
+    pub fn huge_pages(&self) -> bool {
+        self.reg().huge_pages
+    }
+
+    /// A bounds-checked local descriptor for `len` bytes at `offset`.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<LocalSlice<'_>> {
+        self.registration.slice(offset, len)
     }
 
     /// A local descriptor for the whole region.
     pub fn whole(&self) -> Result<LocalSlice<'_>> {
-        self.slice(0, self.len)
+        self.slice(0, self.len())
     }
 
     /// The descriptor a peer needs to WRITE or READ this region.
@@ -303,34 +419,28 @@ impl MemoryRegion {
     /// Fails unless the region was registered with a `REMOTE_*` flag: only
     /// regions the user exports get an rkey worth sending.
     pub fn remote(&self) -> Result<RemoteRegion> {
-        if !self.access.is_remote() {
-            return Err(Error::InvalidArgument(
-                "region was registered without remote access; it cannot be exported",
-            ));
-        }
-        // SAFETY: the MR is registered for as long as `self` lives.
-        let rkey = unsafe { self.mr.as_ref().rkey };
-        Ok(RemoteRegion {
-            addr: self.addr(),
-            len: self.len as u64,
-            rkey,
-        })
+        self.registration.remote()
     }
 
     /// Copies `src` into the region at `offset`.
     ///
-    /// Bytes a work request is writing at the same time may end up torn; keep
-    /// ranges in flight and ranges being written apart.
-    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+    /// `&mut self` keeps other threads' copies out. Bytes a work request is
+    /// reading or writing at the same time may end up torn; keep ranges in
+    /// flight and ranges being written apart.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         check_range(
             "write into region",
             offset as u64,
             src.len() as u64,
-            self.len as u64,
+            self.len() as u64,
         )?;
-        // SAFETY: in bounds (checked above); `src` is ordinary memory that cannot
-        // overlap registered memory we own exclusively through raw pointers.
-        unsafe { std::ptr::copy(src.as_ptr(), self.as_ptr().add(offset), src.len()) };
+        // SAFETY: in bounds (checked above). `&mut self` means no other copy
+        // through this region runs now, and no Rust reference to registered
+        // bytes exists outside the `unsafe` views, whose callers promised
+        // not to overlap. `src` is ordinary memory, disjoint from ours.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.registration.ptr_at(offset), src.len())
+        };
         Ok(())
     }
 
@@ -340,10 +450,17 @@ impl MemoryRegion {
             "read from region",
             offset as u64,
             dst.len() as u64,
-            self.len as u64,
+            self.len() as u64,
         )?;
-        // SAFETY: in bounds (checked above); see `write`.
-        unsafe { std::ptr::copy(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
+        // SAFETY: in bounds (checked above); CPU writes need `&mut self`, so
+        // none runs while we hold `&self`. `dst` is ordinary memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.registration.ptr_at(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
         Ok(())
     }
 
@@ -351,28 +468,33 @@ impl MemoryRegion {
     /// RDMA WRITE will change (the compiler may not cache it).
     #[inline]
     pub fn load_byte(&self, offset: usize) -> Option<u8> {
-        // SAFETY: in bounds (checked by `get`-style comparison); a volatile u8
-        // read of registered memory races only with the NIC, never with Rust code.
-        (offset < self.len).then(|| unsafe { std::ptr::read_volatile(self.as_ptr().add(offset)) })
+        // SAFETY: in bounds (checked by the comparison); a volatile u8 read
+        // of registered memory races only with the NIC, never with Rust code
+        // (CPU writes need `&mut self`).
+        (offset < self.len())
+            .then(|| unsafe { std::ptr::read_volatile(self.registration.ptr_at(offset)) })
     }
 
     /// Views the whole region as a slice.
     ///
     /// # Safety
-    /// No work request may write any of these bytes while the slice lives.
+    /// No work request may write any of these bytes while the slice lives
+    /// (no posted RECV or READ into them, no remote WRITE a peer can issue).
     pub unsafe fn as_slice(&self) -> &[u8] {
-        // SAFETY: valid for len bytes; the caller rules out concurrent DMA writes.
-        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+        // SAFETY: valid for len bytes; the caller rules out DMA writes, and
+        // CPU writes need `&mut self`.
+        unsafe { std::slice::from_raw_parts(self.registration.ptr_at(0), self.len()) }
     }
 
     /// Views the whole region as a mutable slice.
     ///
     /// # Safety
-    /// No work request may read or write any of these bytes while the slice lives.
+    /// No work request may read or write any of these bytes while the slice
+    /// lives (nothing posted on them, no peer holding their rkey).
     pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: valid for len bytes; `&mut self` excludes other CPU access and
         // the caller rules out DMA.
-        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.registration.ptr_at(0), self.len()) }
     }
 }
 
@@ -395,7 +517,7 @@ pub struct LocalSlice<'a> {
     pub(crate) len: u32,
     pub(crate) lkey: u32,
     pub(crate) access: AccessFlags,
-    _region: PhantomData<&'a MemoryRegion>,
+    registration: &'a Registration,
 }
 
 impl LocalSlice<'_> {
@@ -412,6 +534,12 @@ impl LocalSlice<'_> {
     /// Start address.
     pub fn addr(&self) -> u64 {
         self.addr
+    }
+
+    /// The registration the slice points into: a request that outlives
+    /// this borrow keeps a clone of it until its completion.
+    pub fn registration(&self) -> &Registration {
+        self.registration
     }
 }
 

@@ -10,9 +10,10 @@ use crate::sys;
 
 use super::cq::{CqId, CqInner, CqSource};
 use super::device::{Gid, LinkLayer, Mtu};
+use super::list::SendList;
 use super::mr::AccessFlags;
 use super::pd::{PdInner, ProtectionDomain};
-use super::srq::{SharedReceiveQueue, SrqInner};
+use super::srq::{SrqAttachment, SrqInner};
 use super::wr::{RecvBatch, RecvRequest, SendBatch, WorkRequest};
 use super::{check_ptr, check_rc};
 
@@ -159,6 +160,9 @@ pub struct QueuePair {
     max_send_wr: u32,
     max_recv_wr: u32,
     config: QpConfig,
+    /// Set by the first post: a reactor only takes QPs nothing else has
+    /// posted on, so every completion it sees is one of its own requests.
+    posted: bool,
     // Dropped after the QP is destroyed in Drop: SRQ, CQs, then the PD.
     srq: Option<Arc<SrqInner>>,
     send_cq: Arc<CqInner>,
@@ -212,7 +216,7 @@ impl ProtectionDomain {
         &self,
         send_cq: &impl CqSource,
         recv_cq: &impl CqSource,
-        srq: &SharedReceiveQueue,
+        srq: &SrqAttachment,
         config: &QpConfig,
     ) -> Result<QueuePair> {
         self.create_qp_inner(send_cq, recv_cq, Some(srq), config)
@@ -222,7 +226,7 @@ impl ProtectionDomain {
         &self,
         send_cq: &impl CqSource,
         recv_cq: &impl CqSource,
-        srq: Option<&SharedReceiveQueue>,
+        srq: Option<&SrqAttachment>,
         config: &QpConfig,
     ) -> Result<QueuePair> {
         let (send_cq, recv_cq) = (send_cq.as_shared(), recv_cq.as_shared());
@@ -305,6 +309,7 @@ impl ProtectionDomain {
             max_send_wr: init_attr.cap.max_send_wr,
             max_recv_wr: init_attr.cap.max_recv_wr,
             config,
+            posted: false,
             srq: srq.map(|srq| Arc::clone(&srq.inner)),
             send_cq: send_cq.inner,
             recv_cq: recv_cq.inner,
@@ -337,10 +342,15 @@ impl QueuePair {
     }
 
     /// The shared receive queue this QP takes its receives from, if any.
-    pub fn shared_receive_queue(&self) -> Option<SharedReceiveQueue> {
-        self.srq.as_ref().map(|inner| SharedReceiveQueue {
+    pub fn shared_receive_queue(&self) -> Option<SrqAttachment> {
+        self.srq.as_ref().map(|inner| SrqAttachment {
             inner: Arc::clone(inner),
         })
+    }
+
+    /// True once anything was posted on this QP (through any handle).
+    pub fn has_posted(&self) -> bool {
+        self.posted
     }
 
     /// The CQ that send completions go to.
@@ -484,19 +494,20 @@ impl QueuePair {
 
     /// Posts one send-queue request.
     #[inline]
-    pub fn post_send(&self, request: WorkRequest<'_>) -> Result<()> {
+    pub fn post_send(&mut self, request: WorkRequest<'_>) -> Result<()> {
         let mut request = request;
         self.check_inline(&request)?;
         request.wr.next = ptr::null_mut();
         request.wr.sg_list = &raw mut request.sge;
-        self.post_send_list(&raw mut request.wr, 1)
+        // SAFETY: one request, NULL-terminated, alive in this frame.
+        unsafe { self.post_send_raw(&raw mut request.wr, 1) }
     }
 
     /// Posts every request of `batch` as one linked list (one doorbell), then
     /// clears the batch. On error the batch is kept and
     /// [`Error::Post`] says how many went out.
     #[inline]
-    pub fn post_send_batch<const N: usize>(&self, batch: &mut SendBatch<'_, N>) -> Result<()> {
+    pub fn post_send_batch<const N: usize>(&mut self, batch: &mut SendBatch<'_, N>) -> Result<()> {
         if batch.is_empty() {
             return Ok(());
         }
@@ -505,9 +516,22 @@ impl QueuePair {
         }
         let len = batch.len();
         let head = super::wr::link(batch);
-        self.post_send_list(head, len)?;
+        // SAFETY: `link` made a NULL-terminated list of `len` requests inside
+        // `batch`, which stays untouched until the call returns.
+        unsafe { self.post_send_raw(head, len)? };
         batch.clear();
         Ok(())
+    }
+
+    /// Posts every request staged in `list` with one doorbell and empties it
+    /// (also on error: the caller fails the connection then).
+    #[inline]
+    pub(crate) fn post_list<const N: usize>(&mut self, list: &mut SendList<N>) -> Result<()> {
+        list.post_with(|head, len| {
+            // SAFETY: `post_with` hands a NULL-terminated list of `len`
+            // requests in the list's own boxed arrays, alive for the call.
+            unsafe { self.post_send_raw(head, len) }
+        })
     }
 
     #[inline]
@@ -523,54 +547,70 @@ impl QueuePair {
         Ok(())
     }
 
-    /// Posts a NULL-terminated list of `len` requests that the caller built
-    /// over memory it keeps registered (a batch, or a reactor connection's
-    /// preallocated requests).
+    /// Posts a NULL-terminated list of `len` requests.
+    ///
+    /// # Safety
+    /// `head` must start a NULL-terminated list of at least `len` valid
+    /// `ibv_send_wr`s whose SGE arrays are valid too, all alive for the call.
     #[inline]
-    pub(crate) fn post_send_list(&self, head: *mut sys::ibv_send_wr, len: usize) -> Result<()> {
+    unsafe fn post_send_raw(&mut self, head: *mut sys::ibv_send_wr, len: usize) -> Result<()> {
+        self.posted = true;
         let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
-        // SAFETY: `head` is a NULL-terminated list whose nodes and SGEs live in
-        // the caller's frame or batch for the duration of the call; the provider
-        // copies them (or the inline payload) before returning.
+        // SAFETY: the caller vouches for the list; the provider copies the
+        // requests (or the inline payload) before returning.
         let rc = unsafe { (self.post_send_fn)(self.qp.as_ptr(), head, &mut bad) };
         if rc == 0 {
             Ok(())
         } else {
-            Err(self.post_error("ibv_post_send", rc, count_before(head, bad, len)))
+            Err(self.post_error(
+                "ibv_post_send",
+                rc,
+                super::list::count_before(head, bad, len),
+            ))
         }
     }
 
     /// Posts one receive.
     #[inline]
-    pub fn post_recv(&self, request: RecvRequest<'_>) -> Result<()> {
+    pub fn post_recv(&mut self, request: RecvRequest<'_>) -> Result<()> {
         let mut request = request;
         request.wr.next = ptr::null_mut();
         request.wr.sg_list = &raw mut request.sge;
-        self.post_recv_list(&raw mut request.wr, 1)
+        // SAFETY: one request, NULL-terminated, alive in this frame.
+        unsafe { self.post_recv_raw(&raw mut request.wr, 1) }
     }
 
     /// Posts every request of `batch` with one `ibv_post_recv`, then clears it.
     #[inline]
-    pub fn post_recv_batch<const N: usize>(&self, batch: &mut RecvBatch<'_, N>) -> Result<()> {
+    pub fn post_recv_batch<const N: usize>(&mut self, batch: &mut RecvBatch<'_, N>) -> Result<()> {
         if batch.is_empty() {
             return Ok(());
         }
         let len = batch.len();
         let head = super::wr::link(batch);
-        self.post_recv_list(head, len)?;
+        // SAFETY: `link` made a NULL-terminated list of `len` requests inside
+        // `batch`, which stays untouched until the call returns.
+        unsafe { self.post_recv_raw(head, len)? };
         batch.clear();
         Ok(())
     }
 
+    /// # Safety
+    /// As for `post_send_raw`, for receive requests.
     #[inline]
-    fn post_recv_list(&self, head: *mut sys::ibv_recv_wr, len: usize) -> Result<()> {
+    unsafe fn post_recv_raw(&mut self, head: *mut sys::ibv_recv_wr, len: usize) -> Result<()> {
+        self.posted = true;
         let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
-        // SAFETY: as in post_send_list.
+        // SAFETY: as in post_send_raw.
         let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
         if rc == 0 {
             Ok(())
         } else {
-            Err(self.post_error("ibv_post_recv", rc, count_before(head, bad, len)))
+            Err(self.post_error(
+                "ibv_post_recv",
+                rc,
+                super::list::count_before(head, bad, len),
+            ))
         }
     }
 
@@ -583,33 +623,5 @@ impl QueuePair {
             qpn: self.qpn,
             posted,
         }
-    }
-}
-
-/// How many list nodes precede `bad` (all of them if `bad` is not in the list).
-pub(super) fn count_before<W: NextPtr>(head: *mut W, bad: *mut W, len: usize) -> usize {
-    let mut cur = head;
-    let mut n = 0;
-    while !cur.is_null() && cur != bad && n < len {
-        // SAFETY: `cur` walks the list we built; it is still alive in the caller.
-        cur = unsafe { (*cur).next_ptr() };
-        n += 1;
-    }
-    n
-}
-
-pub(super) trait NextPtr {
-    fn next_ptr(&self) -> *mut Self;
-}
-
-impl NextPtr for sys::ibv_send_wr {
-    fn next_ptr(&self) -> *mut Self {
-        self.next
-    }
-}
-
-impl NextPtr for sys::ibv_recv_wr {
-    fn next_ptr(&self) -> *mut Self {
-        self.next
     }
 }

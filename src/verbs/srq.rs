@@ -45,8 +45,12 @@ impl Drop for SrqInner {
     }
 }
 
-/// A shared receive queue. Cloning gives another handle to the same SRQ;
-/// QPs created with it keep it alive.
+/// A shared receive queue: the one handle that may post receives on it.
+///
+/// Not `Clone`: whoever owns it decides what the SRQ's receives point at,
+/// so a completion that names one of them really is one of its own. QPs
+/// attach through an [`SrqAttachment`], which keeps the SRQ alive but
+/// cannot post.
 ///
 /// ```no_run
 /// use rdma_comm_core::verbs::*;
@@ -54,13 +58,40 @@ impl Drop for SrqInner {
 /// let pd = ctx.alloc_pd()?;
 /// let cq = ctx.create_cq(1024, None)?;
 /// let srq = pd.create_srq(512)?;
-/// let qp = pd.create_qp_with_srq(&cq, &cq, &srq, &QpConfig::default())?;
+/// let qp = pd.create_qp_with_srq(&cq, &cq, &srq.attachment(), &QpConfig::default())?;
 /// # let _ = qp;
 /// # Ok::<(), rdma_comm_core::Error>(())
 /// ```
-#[derive(Clone)]
 pub struct SharedReceiveQueue {
     pub(crate) inner: Arc<SrqInner>,
+}
+
+/// A handle that attaches QPs to a [`SharedReceiveQueue`] and keeps it alive,
+/// without the right to post receives on it.
+#[derive(Clone)]
+pub struct SrqAttachment {
+    pub(crate) inner: Arc<SrqInner>,
+}
+
+impl fmt::Debug for SrqAttachment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SrqAttachment")
+            .field("device", &self.inner.pd.ctx.name)
+            .field("max_wr", &self.inner.max_wr)
+            .finish()
+    }
+}
+
+impl SrqAttachment {
+    /// Receives the SRQ can hold.
+    pub fn max_wr(&self) -> u32 {
+        self.inner.max_wr
+    }
+
+    /// True if both handles are the same SRQ.
+    pub fn same_as(&self, other: &SrqAttachment) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
 }
 
 impl fmt::Debug for SharedReceiveQueue {
@@ -116,10 +147,17 @@ impl SharedReceiveQueue {
         self.inner.max_wr
     }
 
+    /// A handle to attach QPs with.
+    pub fn attachment(&self) -> SrqAttachment {
+        SrqAttachment {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+
     /// Posts every receive of `batch` with one `ibv_post_srq_recv` and
     /// empties it. On error, `Error::Post::posted` tells how many went in.
     #[inline]
-    pub fn post_recv_batch<const N: usize>(&self, batch: &mut RecvBatch<'_, N>) -> Result<()> {
+    pub fn post_recv_batch<const N: usize>(&mut self, batch: &mut RecvBatch<'_, N>) -> Result<()> {
         if batch.is_empty() {
             return Ok(());
         }
@@ -136,15 +174,15 @@ impl SharedReceiveQueue {
                 errno: rc.abs(),
                 device: Arc::clone(&self.inner.pd.ctx.name),
                 qpn: 0,
-                posted: super::qp::count_before(head, bad, len),
+                posted: super::list::count_before(head, bad, len),
             });
         }
         batch.clear();
         Ok(())
     }
 
-    /// True if both handles are the same SRQ.
-    pub fn same_as(&self, other: &SharedReceiveQueue) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
+    /// True if `attachment` attaches QPs to this SRQ.
+    pub fn is_attached_by(&self, attachment: &SrqAttachment) -> bool {
+        Arc::ptr_eq(&self.inner, &attachment.inner)
     }
 }

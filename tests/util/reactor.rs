@@ -47,8 +47,8 @@ pub struct Pinger {
     pub size: usize,
     seq: u64,
     pending: bool,
-    conn: ConnId,
-    source: Arc<MemoryRegion>,
+    conn: Option<ConnId>,
+    source: MemoryRegion,
     inbox: Arc<MemoryRegion>,
     peer_inbox: RemoteRegion,
     scratch: Vec<u8>,
@@ -61,7 +61,7 @@ impl Pinger {
     pub fn new(
         iters: u64,
         size: usize,
-        source: Arc<MemoryRegion>,
+        source: MemoryRegion,
         inbox: Arc<MemoryRegion>,
         peer_inbox: RemoteRegion,
         outcome: Arc<Outcome>,
@@ -71,7 +71,7 @@ impl Pinger {
             size,
             seq: 0,
             pending: false,
-            conn: ConnId(0),
+            conn: None,
             source,
             inbox,
             peer_inbox,
@@ -122,7 +122,7 @@ impl Pinger {
 
 impl Handler for Pinger {
     fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
-        self.conn = conn;
+        self.conn = Some(conn);
         self.ping(ctx, conn);
     }
 
@@ -152,8 +152,10 @@ impl Handler for Pinger {
         if resumed {
             self.outcome.finished.store(false, Ordering::Release);
         }
-        if self.pending || resumed {
-            self.ping(ctx, self.conn);
+        if let Some(conn) = self.conn
+            && (self.pending || resumed)
+        {
+            self.ping(ctx, conn);
         }
     }
 }
@@ -384,18 +386,15 @@ pub fn connect(
     let mut config = sides.server().server_config(AccessFlags::REMOTE_WRITE);
     let export = Arc::clone(server_inbox);
     config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
-        Ok(vec![Export::new(1, "inbox", Arc::clone(&export))])
+        Ok(vec![Export::new(1, "inbox", &export)])
     }));
     config.max_peers = Some(1);
     let listener = ServerSession::bind("127.0.0.1:0", pd, config).expect("bind");
     let spec = sides
         .client()
         .channel_spec_with_access("data", AccessFlags::REMOTE_WRITE);
-    let client_config = ClientConfig::new(vec![spec]).with_exports(vec![Export::new(
-        1,
-        "inbox",
-        Arc::clone(client_inbox),
-    )]);
+    let client_config =
+        ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "inbox", client_inbox)]);
     let client_ep =
         ClientSession::connect(listener.local_addr(), pd, &client_config).expect("connect");
     let server_ep = listener
@@ -405,13 +404,13 @@ pub fn connect(
 }
 
 /// Regions a ping-pong side needs: an inbox others write into and a source.
-pub fn regions(pd: &ProtectionDomain, size: usize) -> (Arc<MemoryRegion>, Arc<MemoryRegion>) {
+pub fn regions(pd: &ProtectionDomain, size: usize) -> (Arc<MemoryRegion>, MemoryRegion) {
     (
         Arc::new(
             pd.alloc_mr(size.max(64), AccessFlags::REMOTE_WRITE)
                 .unwrap(),
         ),
-        Arc::new(pd.alloc_mr(size.max(64), AccessFlags::LOCAL_WRITE).unwrap()),
+        pd.alloc_mr(size.max(64), AccessFlags::LOCAL_WRITE).unwrap(),
     )
 }
 

@@ -1,74 +1,56 @@
-//! Per-connection state of the reactor: the receive ring, the send-slot ring,
-//! send-queue accounting with selective signaling, credits, and the staging
-//! batches that become one doorbell per pass.
+//! Per-connection state of the reactor: its QP, the receive ring, the
+//! send-slot ring, send-queue accounting with selective signaling, credits,
+//! and the staged requests that become one doorbell per pass.
 //!
 //! Everything here is sized at registration and never grows: the data path
 //! only moves indices around preallocated arrays.
 
+mod wr_id;
+
 use crate::error::Error;
-use crate::sys;
 use crate::verbs::{
-    LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, RecvRequest, RemoteSlice,
-    SharedReceiveQueue,
+    AccessFlags, LocalSlice, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, RecvRequest,
+    Registration, RemoteSlice, SendDescriptor, SendFlags, SendList, SendOpcode, Sge,
 };
 
-use super::staged::{Request, StagedSends};
+use super::{ConnId, ReactorConfig, SendError, SessionId};
 
-use super::{ConnId, ReactorConfig, SendError};
+pub(crate) use wr_id::{MAX_CONNS, SRQ_CONN, WrKind};
+pub(crate) use wr_id::{decode as decode_wr_id, same_generation, srq_recv as srq_recv_wr_id};
 
 /// Bytes in front of every SEND payload: the sender's cumulative count of
 /// receives it has posted (piggybacked credits), then 4 reserved bytes.
-pub(crate) const HEADER_LEN: usize = 8;
+pub(crate) const CREDIT_HEADER_LEN: usize = 8;
 /// Most requests staged for one QP in one pass (one doorbell).
 pub(crate) const MAX_STAGED: usize = 64;
 /// Most receives reposted with one `ibv_post_recv`.
 pub(crate) const MAX_REPOST: usize = 64;
 
-pub(crate) const KIND_RECV: u64 = 1;
-/// The connection field of an SRQ receive's `wr_id`: the receive belongs to
-/// no connection until one consumes it (its QP number tells which).
-pub(crate) const SRQ_CONN: u32 = 0x00ff_ffff;
-const KIND_SEND: u64 = 2;
-
-/// `wr_id` layout: connection (24 bits) | kind (8 bits) | index (32 bits).
-#[inline]
-pub(crate) fn wr_id(conn: u32, kind: u64, index: u32) -> u64 {
-    (u64::from(conn) << 40) | (kind << 32) | u64::from(index)
-}
-
-/// What a completion's `wr_id` says.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum WrKind {
-    Recv { slot: u32 },
-    Send { seq: u32 },
-    Unknown,
-}
-
-#[inline]
-pub(crate) fn decode_wr_id(wr_id: u64) -> (u32, WrKind) {
-    let conn = (wr_id >> 40) as u32;
-    let index = wr_id as u32;
-    let kind = match (wr_id >> 32) & 0xff {
-        KIND_RECV => WrKind::Recv { slot: index },
-        KIND_SEND => WrKind::Send { seq: index },
-        _ => WrKind::Unknown,
-    };
-    (conn, kind)
-}
-
 /// An operation on the send queue, remembered until a signaled completion
 /// at or after it proves it done.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct SqOp {
     pub(crate) kind: OpKind,
-    /// Send slot to release, or `NO_SLOT`; for a forward, the receive slot
-    /// of connection `origin` to repost.
+    /// For a forward, the receive slot of connection `origin` to repost.
     pub(crate) slot: u32,
     /// For a forward: the connection whose receive slot this SEND carried.
-    pub(crate) origin: u32,
+    pub(crate) origin: Option<ConnId>,
+    /// For a forward: the slot is one of the reactor's SRQ.
+    pub(crate) from_srq: bool,
+    /// For a WRITE or READ: the registration of its local memory, held
+    /// until the request is known complete so the memory stays registered
+    /// and mapped while the device may use it.
+    pub(crate) keep: Option<Registration>,
 }
 
-pub(crate) const NO_SLOT: u32 = u32::MAX;
+impl SqOp {
+    fn of(kind: OpKind) -> Self {
+        Self {
+            kind,
+            ..Self::default()
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum OpKind {
@@ -82,24 +64,23 @@ pub(crate) enum OpKind {
 }
 
 /// A reactor's shared receive queue as a connection sees it: the ring its
-/// receives land in, the SRQ to repost them to, and the ring's size.
-#[derive(Clone, Debug)]
+/// receives land in and the ring's size. The reactor reposts its slots.
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct SharedRing {
     pub(crate) ring: Ring,
-    pub(crate) srq: SharedReceiveQueue,
     pub(crate) slots: u32,
 }
 
-/// Builds the receive request for slot `slot` of `ring`.
+/// Builds the receive request with id `wr_id` for slot `slot` of `ring`.
 #[inline]
 pub(crate) fn recv_request(
     ring: Ring,
     slot_size: usize,
-    conn: u32,
+    wr_id: u64,
     slot: u32,
 ) -> RecvRequest<'static> {
     RecvRequest::from_raw(
-        wr_id(conn, KIND_RECV, slot),
+        wr_id,
         ring.slot_addr(slot, slot_size),
         slot_size as u32,
         ring.lkey,
@@ -126,7 +107,7 @@ pub(crate) struct Ring {
 impl Ring {
     pub(crate) fn of(region: &MemoryRegion) -> Self {
         Self {
-            ptr: region.as_ptr(),
+            ptr: region.registration().ptr_at(0),
             addr: region.addr(),
             lkey: region.lkey(),
         }
@@ -152,18 +133,23 @@ pub(crate) enum ConnState {
 
 pub(crate) struct Conn {
     pub(crate) id: ConnId,
-    pub(crate) session: usize,
-    pub(crate) channel: usize,
+    pub(crate) session: SessionId,
+    /// The QP's position among its session's QPs.
+    pub(crate) qp_index: usize,
+    pub(crate) qpn: u32,
     pub(crate) state: ConnState,
+    // Declared before the rings' registrations: the QP is destroyed first.
+    // Only this connection posts on it (the reactor took it whole).
+    qp: QueuePair,
     // Receive ring and send slots, `slot_size` bytes per slot. The rings are
     // addressed through their cached base, lkey and pointer; `regions` owns
-    // the registrations and is dropped when the session is removed.
+    // the registrations.
     recv_ring: Ring,
     send_ring: Ring,
     /// Own receive ring (none with an SRQ) and send slots.
-    regions: Option<(Option<MemoryRegion>, MemoryRegion)>,
+    _regions: (Option<MemoryRegion>, MemoryRegion),
     /// Set when receives come from the reactor's SRQ.
-    srq: Option<SharedReceiveQueue>,
+    shared_recv: bool,
     pub(crate) slot_size: usize,
     /// Receives this connection may have outstanding: its ring, or its
     /// credit quota in the SRQ.
@@ -190,7 +176,7 @@ pub(crate) struct Conn {
     advertised: u32,
     credit_threshold: u32,
     // Staging.
-    pub(crate) batch: StagedSends<MAX_STAGED>,
+    pub(crate) batch: SendList<MAX_STAGED>,
     has_staged_send: bool,
     // Receive slots consumed and waiting to be reposted: each slot is in here
     // at most once, so one entry per slot of the receive ring (own or SRQ)
@@ -199,25 +185,27 @@ pub(crate) struct Conn {
     pending_len: usize,
     reposts: RecvBatch<'static, MAX_REPOST>,
     repost_threshold: usize,
+    /// Registrations of requests that were in flight when the connection
+    /// failed: kept until the QP is destroyed with the connection.
+    retired: Vec<Registration>,
 }
 
-// SAFETY: the raw pointers in the rings and staged requests point into this
-// Conn's own boxed arrays and regions, or into the reactor's SRQ region,
-// which lives as long as the reactor that owns this Conn; moving the Conn to
-// another thread moves none of that memory.
+// SAFETY: the raw pointers in the rings point into this Conn's own regions,
+// or into the reactor's SRQ region, which lives as long as the reactor that
+// owns this Conn; moving the Conn to another thread moves none of that memory.
 unsafe impl Send for Conn {}
 
 impl Conn {
     pub(crate) fn new(
         id: ConnId,
-        session: usize,
-        channel: usize,
+        session: SessionId,
+        qp_index: usize,
         pd: &ProtectionDomain,
-        qp: &QueuePair,
+        qp: QueuePair,
         config: &ReactorConfig,
-        shared: Option<&SharedRing>,
+        shared: Option<SharedRing>,
     ) -> crate::Result<Self> {
-        let slot_size = config.slot_size.max(HEADER_LEN);
+        let slot_size = config.slot_size.max(CREDIT_HEADER_LEN);
         let recv_depth = match shared {
             Some(_) => config.recv_depth.max(2),
             None => config.recv_depth.min(qp.max_recv_wr()).max(2),
@@ -231,31 +219,28 @@ impl Conn {
             .send_slots
             .max(2 * signal_interval)
             .next_power_of_two();
-        let recv_region = match shared {
-            Some(_) => None,
-            None => Some(pd.alloc_mr(
-                slot_size * recv_depth as usize,
-                crate::verbs::AccessFlags::LOCAL_WRITE,
-            )?),
+        let (recv_region, recv_ring, recv_slots) = match shared {
+            Some(shared) => (None, shared.ring, shared.slots),
+            None => {
+                let region =
+                    pd.alloc_mr(slot_size * recv_depth as usize, AccessFlags::LOCAL_WRITE)?;
+                let ring = Ring::of(&region);
+                (Some(region), ring, recv_depth)
+            }
         };
-        let (recv_ring, recv_slots) = match (shared, &recv_region) {
-            (Some(shared), _) => (shared.ring, shared.slots),
-            (None, Some(region)) => (Ring::of(region), recv_depth),
-            (None, None) => unreachable!("a receive region is allocated without an SRQ"),
-        };
-        let send_region = pd.alloc_mr(
-            slot_size * send_slots as usize,
-            crate::verbs::AccessFlags::empty(),
-        )?;
+        let send_region = pd.alloc_mr(slot_size * send_slots as usize, AccessFlags::empty())?;
+        let max_inline = qp.max_inline_data();
         Ok(Self {
             id,
             session,
-            channel,
+            qp_index,
+            qpn: qp.qpn(),
             state: ConnState::Connecting,
+            qp,
             recv_ring,
             send_ring: Ring::of(&send_region),
-            regions: Some((recv_region, send_region)),
-            srq: shared.map(|s| s.srq.clone()),
+            _regions: (recv_region, send_region),
+            shared_recv: shared.is_some(),
             slot_size,
             recv_depth,
             recv_slots,
@@ -268,13 +253,13 @@ impl Conn {
             sq_done: 0,
             since_signal: 0,
             signal_interval,
-            max_inline: qp.max_inline_data(),
+            max_inline,
             peer_posted: 0,
             consumed: 0,
             posted: 0,
             advertised: 0,
             credit_threshold: (recv_depth / 4).max(1),
-            batch: StagedSends::new(),
+            batch: SendList::new(),
             has_staged_send: false,
             // A peer that ignores its credits can consume more SRQ slots than
             // its quota; every one of them must find its way back.
@@ -283,12 +268,13 @@ impl Conn {
             reposts: RecvBatch::new(),
             repost_threshold: (config.repost_batch as usize)
                 .clamp(1, MAX_REPOST.min(recv_depth as usize / 2).max(1)),
+            retired: Vec::new(),
         })
     }
 
     /// Largest payload of one SEND.
     pub(crate) fn max_payload(&self) -> usize {
-        self.slot_size - HEADER_LEN
+        self.slot_size - CREDIT_HEADER_LEN
     }
 
     /// Credits available for RECV-consuming requests (may be negative before
@@ -306,15 +292,15 @@ impl Conn {
 
     /// Posts the whole receive ring; called once at registration. With an
     /// SRQ the reactor posted the receives; the quota becomes our credit.
-    pub(crate) fn post_initial_receives(&mut self, qp: &QueuePair) -> crate::Result<()> {
-        if self.srq.is_some() {
+    pub(crate) fn post_initial_receives(&mut self) -> crate::Result<()> {
+        if self.shared_recv {
             self.posted = self.recv_depth;
             return Ok(());
         }
         for slot in 0..self.recv_depth {
             self.queue_repost(slot);
         }
-        self.flush_reposts(qp)
+        self.flush_reposts()
     }
 
     /// Queues receive slot `slot` for reposting at the end of the pass.
@@ -322,7 +308,7 @@ impl Conn {
     pub(crate) fn queue_repost(&mut self, slot: u32) {
         // A closed connection's own ring is dead, but SRQ slots belong to
         // every connection and must go back.
-        let dead = self.is_closed() && self.srq.is_none();
+        let dead = self.is_closed() && !self.shared_recv;
         if dead || self.pending_len == self.pending_reposts.len() || slot >= self.recv_slots {
             return;
         }
@@ -342,38 +328,31 @@ impl Conn {
         self.pending_len >= self.repost_threshold
     }
 
-    /// Reposts every queued receive slot, `MAX_REPOST` per `ibv_post_recv`
-    /// (or `ibv_post_srq_recv`), and counts them as credits for the peer.
+    /// True when receives come from the reactor's SRQ.
     #[inline]
-    pub(crate) fn flush_reposts(&mut self, qp: &QueuePair) -> crate::Result<()> {
-        self.post_pending(Some(qp))
+    pub(crate) fn uses_srq(&self) -> bool {
+        self.shared_recv
     }
 
-    /// Gives the SRQ slots a closed connection still holds back to the SRQ.
-    pub(crate) fn flush_shared_reposts(&mut self) -> crate::Result<()> {
-        self.post_pending(None)
-    }
-
+    /// Reposts every queued slot of the connection's own ring,
+    /// `MAX_REPOST` per `ibv_post_recv`, and counts them as credits for the
+    /// peer. (SRQ slots go back through [`take_shared_reposts`].)
     #[inline]
-    fn post_pending(&mut self, qp: Option<&QueuePair>) -> crate::Result<()> {
-        let conn = if self.srq.is_some() {
-            SRQ_CONN
-        } else {
-            self.id.0
-        };
+    pub(crate) fn flush_reposts(&mut self) -> crate::Result<()> {
+        if self.shared_recv {
+            return Ok(());
+        }
+        let key = self.id.key();
         let mut start = 0;
         while start < self.pending_len {
             let end = (start + MAX_REPOST).min(self.pending_len);
             for &slot in &self.pending_reposts[start..end] {
-                let request = recv_request(self.recv_ring, self.slot_size, conn, slot);
+                let request =
+                    recv_request(self.recv_ring, self.slot_size, wr_id::recv(key, slot), slot);
                 // At most MAX_REPOST pushes into a batch emptied by each post.
                 let _ = self.reposts.push(request);
             }
-            match (&self.srq, qp) {
-                (Some(srq), _) => srq.post_recv_batch(&mut self.reposts)?,
-                (None, Some(qp)) => qp.post_recv_batch(&mut self.reposts)?,
-                (None, None) => self.reposts.clear(),
-            }
+            self.qp.post_recv_batch(&mut self.reposts)?;
             self.posted = self.posted.wrapping_add((end - start) as u32);
             start = end;
         }
@@ -381,43 +360,59 @@ impl Conn {
         Ok(())
     }
 
+    /// Hands every queued SRQ slot to `repost` (the reactor's SRQ) and counts
+    /// them as credits for the peer.
+    #[inline]
+    pub(crate) fn take_shared_reposts(&mut self, mut repost: impl FnMut(u32)) {
+        if !self.shared_recv {
+            return;
+        }
+        for &slot in &self.pending_reposts[..self.pending_len] {
+            repost(slot);
+        }
+        self.posted = self.posted.wrapping_add(self.pending_len as u32);
+        self.pending_len = 0;
+    }
+
     /// The credit header and the payload (address, length) of a SEND of
     /// `len` bytes in receive slot `slot`; `None` for a message too short to
-    /// carry a header (a credit update) or a slot that is gone.
+    /// carry a header (a credit update) or a slot outside the ring.
     #[inline]
     pub(crate) fn recv_message(&self, slot: u32, len: u32) -> Option<(u32, (*const u8, usize))> {
         let len = len as usize;
-        if len < HEADER_LEN || len > self.slot_size || slot >= self.recv_slots {
+        if len < CREDIT_HEADER_LEN || len > self.slot_size || slot >= self.recv_slots {
             return None;
         }
-        self.regions.as_ref()?;
-        // SAFETY: the ring is registered (`regions` is Some) and the slot's
-        // `len` bytes lie inside it; its receive completed and it is not
-        // reposted before the caller is done, so no DMA writes it.
+        // SAFETY: the ring is registered while the connection lives and the
+        // slot's `len` bytes lie inside it; its receive completed and it is
+        // not reposted before the caller is done, so no DMA writes it.
         unsafe {
             let start = self.recv_slot_ptr(slot);
             let credit = u32::from_le(start.cast::<u32>().read_unaligned());
-            Some((credit, (start.add(HEADER_LEN), len - HEADER_LEN)))
+            Some((
+                credit,
+                (start.add(CREDIT_HEADER_LEN), len - CREDIT_HEADER_LEN),
+            ))
         }
     }
 
     /// The bytes of receive slot `slot`.
     #[inline]
     pub(crate) fn recv_bytes(&self, slot: u32, len: usize) -> &[u8] {
-        if self.regions.is_none() || slot >= self.recv_slots {
+        if slot >= self.recv_slots {
             return &[];
         }
         let len = len.min(self.slot_size);
-        // SAFETY: the ring is still registered (`regions` is Some) and the
-        // range is inside it; the slot's receive completed and it is not
-        // reposted until the handler returns or releases it, so no DMA writes it.
+        // SAFETY: the ring is registered while the connection lives and the
+        // range is inside it; the caller holds the slot (its receive
+        // completed and it is not reposted until released), so no DMA writes it.
         unsafe { std::slice::from_raw_parts(self.recv_slot_ptr(slot), len) }
     }
 
     /// Where receive slot `slot` starts in memory.
     ///
     /// # Safety
-    /// `slot` must be below `recv_slots` and the ring still registered.
+    /// `slot` must be below `recv_slots`.
     #[inline]
     unsafe fn recv_slot_ptr(&self, slot: u32) -> *const u8 {
         // SAFETY: the caller keeps `slot` inside the ring, so the offset
@@ -425,11 +420,10 @@ impl Conn {
         unsafe { self.recv_ring.ptr.add(slot as usize * self.slot_size) }
     }
 
-    /// Where receive slot `slot` is, to send it on as a forward; `None` once
-    /// the connection's rings are gone or for a slot outside the ring.
+    /// Where receive slot `slot` is, to send it on as a forward; `None` for
+    /// a slot outside the ring.
     #[inline]
     pub(crate) fn recv_slot_source(&self, slot: u32) -> Option<SlotSource> {
-        self.regions.as_ref()?;
         if slot >= self.recv_slots {
             return None;
         }
@@ -479,12 +473,12 @@ impl Conn {
 
     /// Records `op` in the SQ ring, decides its signaling, and stages it.
     #[inline]
-    fn stage(&mut self, request: Request, op: SqOp) -> u32 {
+    fn stage(&mut self, request: SendDescriptor, op: SqOp) -> u32 {
         self.stage_signaled(request, op, false)
     }
 
     #[inline]
-    fn stage_signaled(&mut self, request: Request, op: SqOp, force_signal: bool) -> u32 {
+    fn stage_signaled(&mut self, request: SendDescriptor, op: SqOp, force_signal: bool) -> u32 {
         let seq = self.sq_next;
         self.sq_next = seq.wrapping_add(1);
         self.ops[(seq & (self.sq_depth - 1)) as usize] = op;
@@ -498,17 +492,17 @@ impl Conn {
             || self.since_signal >= self.signal_interval
             || sq_left <= self.signal_interval
             || slots_left < self.signal_interval;
-        let mut flags = 0;
+        let mut flags = SendFlags::empty();
         if signal {
-            flags |= sys::IBV_SEND_SIGNALED;
+            flags |= SendFlags::SIGNALED;
             self.since_signal = 0;
         }
-        if request.len <= self.max_inline && request.opcode != sys::IBV_WR_RDMA_READ {
-            flags |= sys::IBV_SEND_INLINE;
+        if request.local.len <= self.max_inline && request.opcode != SendOpcode::Read {
+            flags |= SendFlags::INLINE;
         }
         // admit() checked the room.
         self.batch
-            .push(wr_id(self.id.0, KIND_SEND, seq), flags, &request);
+            .push(wr_id::send(self.id.key(), seq), flags, &request);
         seq
     }
 
@@ -530,26 +524,30 @@ impl Conn {
         self.admit(true, true)?;
         let slot = (self.send_head + self.send_in_use) & (self.send_slots - 1);
         let start = slot as usize * self.slot_size;
-        // SAFETY: admit() passed, so the rings are registered; the slot is
-        // free (no posted request references it) and lies inside the send
-        // ring; we hold &mut self.
+        // SAFETY: the send ring is registered while the connection lives;
+        // the slot is free (no posted request references it: slots are
+        // released only when a completion proves their SEND done) and lies
+        // inside the ring; we hold &mut self, and nothing else reaches the
+        // send ring (it has no remote access).
         let bytes = unsafe {
-            std::slice::from_raw_parts_mut(self.send_ring.ptr.add(start), HEADER_LEN + capacity)
+            std::slice::from_raw_parts_mut(
+                self.send_ring.ptr.add(start),
+                CREDIT_HEADER_LEN + capacity,
+            )
         };
-        let Some(len) = fill(&mut bytes[HEADER_LEN..]) else {
+        let Some(len) = fill(&mut bytes[CREDIT_HEADER_LEN..]) else {
             return Err(SendError::Cancelled);
         };
         let len = len.min(capacity);
         let header = bytes.as_mut_ptr();
         self.send_in_use += 1;
         let addr = self.send_ring.addr + start as u64;
-        let (lkey, total) = (self.send_ring.lkey, (HEADER_LEN + len) as u32);
-        let op = SqOp {
-            kind: OpKind::Send,
-            slot,
-            origin: 0,
+        let sge = Sge {
+            addr,
+            len: (CREDIT_HEADER_LEN + len) as u32,
+            lkey: self.send_ring.lkey,
         };
-        Ok(self.stage_credited_send(header, (addr, total, lkey), imm, op))
+        Ok(self.stage_credited_send(header, sge, imm, SqOp::of(OpKind::Send)))
     }
 
     /// Stages a SEND of `len` bytes (header included) straight from receive
@@ -562,10 +560,11 @@ impl Conn {
         imm: Option<u32>,
         origin: ConnId,
         slot: u32,
+        from_srq: bool,
     ) -> Result<u32, SendError> {
-        if len - HEADER_LEN > self.max_payload() {
+        if len - CREDIT_HEADER_LEN > self.max_payload() {
             return Err(SendError::TooLarge {
-                len: len - HEADER_LEN,
+                len: len - CREDIT_HEADER_LEN,
                 max: self.max_payload(),
             });
         }
@@ -573,9 +572,15 @@ impl Conn {
         let op = SqOp {
             kind: OpKind::Forward,
             slot,
-            origin: origin.0,
+            origin: Some(origin),
+            from_srq,
+            keep: None,
         };
-        let sge = (source.addr, len as u32, source.lkey);
+        let sge = Sge {
+            addr: source.addr,
+            len: len as u32,
+            lkey: source.lkey,
+        };
         Ok(self.stage_credited_send(source.ptr, sge, imm, op))
     }
 
@@ -587,22 +592,15 @@ impl Conn {
     fn stage_credited_send(
         &mut self,
         header: *mut u8,
-        sge: (u64, u32, u32),
+        sge: Sge,
         imm: Option<u32>,
         op: SqOp,
     ) -> u32 {
         // SAFETY: `header` starts a send slot or a held receive slot that this
-        // request is about to carry: at least HEADER_LEN bytes we own, which
-        // no posted request reads yet.
+        // request is about to carry: at least CREDIT_HEADER_LEN bytes we own,
+        // which no posted request reads yet.
         unsafe { header.cast::<u32>().write_unaligned(self.posted.to_le()) };
-        let opcode = match imm {
-            Some(_) => sys::IBV_WR_SEND_WITH_IMM,
-            None => sys::IBV_WR_SEND,
-        };
-        let request = Request {
-            imm,
-            ..Request::local(opcode, sge.0, sge.1, sge.2)
-        };
+        let request = SendDescriptor::send(sge, imm);
         self.consumed = self.consumed.wrapping_add(1);
         self.has_staged_send = true;
         self.stage(request, op)
@@ -622,26 +620,15 @@ impl Conn {
             )));
         }
         self.admit(imm.is_some(), false)?;
-        let opcode = match imm {
-            Some(_) => {
-                self.consumed = self.consumed.wrapping_add(1);
-                sys::IBV_WR_RDMA_WRITE_WITH_IMM
-            }
-            None => sys::IBV_WR_RDMA_WRITE,
+        if imm.is_some() {
+            self.consumed = self.consumed.wrapping_add(1);
+        }
+        let request = SendDescriptor::write(Sge::from(local), remote, imm);
+        let op = SqOp {
+            keep: Some(local.registration().clone()),
+            ..SqOp::of(OpKind::Write)
         };
-        let request = Request {
-            remote: (remote.addr(), remote.rkey()),
-            imm,
-            ..Request::local(opcode, local.addr, local.len, local.lkey)
-        };
-        Ok(self.stage(
-            request,
-            SqOp {
-                kind: OpKind::Write,
-                slot: NO_SLOT,
-                origin: 0,
-            },
-        ))
+        Ok(self.stage(request, op))
     }
 
     /// Stages a READ of `remote` into `local`.
@@ -656,36 +643,26 @@ impl Conn {
                 "local and remote lengths of an RDMA operation differ",
             )));
         }
-        if !local
-            .access
-            .contains(crate::verbs::AccessFlags::LOCAL_WRITE)
-        {
+        if !local.access.contains(AccessFlags::LOCAL_WRITE) {
             return Err(SendError::Invalid(Error::InvalidArgument(
                 "a READ target must be registered with LOCAL_WRITE",
             )));
         }
         self.admit(false, false)?;
-        let request = Request {
-            remote: (remote.addr(), remote.rkey()),
-            ..Request::local(sys::IBV_WR_RDMA_READ, local.addr, local.len, local.lkey)
+        let request = SendDescriptor::read(Sge::from(local), remote);
+        let op = SqOp {
+            keep: Some(local.registration().clone()),
+            ..SqOp::of(OpKind::Read)
         };
         // Always signaled: a READ's completion is the only sign its data has
         // landed, and callers wait for it.
-        Ok(self.stage_signaled(
-            request,
-            SqOp {
-                kind: OpKind::Read,
-                slot: NO_SLOT,
-                origin: 0,
-            },
-            true,
-        ))
+        Ok(self.stage_signaled(request, op, true))
     }
 
     /// Signals the last staged request, so it and everything before it
     /// report completion without waiting for the signaling interval.
     pub(crate) fn signal_last_staged(&mut self) {
-        if self.batch.flag_last(sys::IBV_SEND_SIGNALED) {
+        if self.batch.flag_last(SendFlags::SIGNALED) {
             self.since_signal = 0;
         }
     }
@@ -757,18 +734,14 @@ impl Conn {
         // owe us no update (it announces only every `credit_threshold`), so
         // unsignaled sends before it would never report completion.
         let last_credit = self.credits() <= 1;
-        let request = Request {
-            imm: Some(self.posted),
-            ..Request::local(sys::IBV_WR_SEND_WITH_IMM, 0, 0, 0)
-        };
+        let request = SendDescriptor::send(Sge::default(), Some(self.posted));
         self.consumed = self.consumed.wrapping_add(1);
         self.advertised = self.posted;
-        let op = SqOp {
-            kind: OpKind::Credit,
-            slot: NO_SLOT,
-            origin: 0,
-        };
-        self.stage_signaled(request, op, force_signal || last_credit);
+        self.stage_signaled(
+            request,
+            SqOp::of(OpKind::Credit),
+            force_signal || last_credit,
+        );
     }
 
     /// How many ops a signaled completion of `seq` retires: it and every
@@ -780,11 +753,12 @@ impl Conn {
         if count <= self.sq_used() { count } else { 0 }
     }
 
-    /// Retires the oldest op, releasing its send slot.
+    /// Retires the oldest op, releasing its send slot (and the
+    /// registration it kept).
     #[inline]
     pub(crate) fn pop_oldest(&mut self) -> (u32, SqOp) {
         let seq = self.sq_done;
-        let op = self.ops[(seq & (self.sq_depth - 1)) as usize];
+        let op = std::mem::take(&mut self.ops[(seq & (self.sq_depth - 1)) as usize]);
         self.sq_done = seq.wrapping_add(1);
         if op.kind == OpKind::Send {
             self.send_head = (self.send_head + 1) & (self.send_slots - 1);
@@ -796,16 +770,24 @@ impl Conn {
     /// Marks everything staged and in flight as dead (after a failure).
     /// Calls `release` for every forward among them, whose receive slot
     /// belongs to another connection that must get it back.
-    pub(crate) fn fail(&mut self, mut release: impl FnMut(ConnId, u32)) {
+    ///
+    /// Requests already posted may still be in flight on the QP until it
+    /// is destroyed, so their registrations stay with the connection
+    /// (moved to `retired`) rather than being dropped here.
+    pub(crate) fn fail(&mut self, mut release: impl FnMut(ConnId, u32, bool)) {
         self.state = ConnState::Failed;
         while self.sq_used() > 0 {
             let (_, op) = self.pop_oldest();
-            if op.kind == OpKind::Forward {
-                release(ConnId(op.origin), op.slot);
+            if let (OpKind::Forward, Some(origin)) = (op.kind, op.origin) {
+                release(origin, op.slot, op.from_srq);
+            }
+            if let Some(keep) = op.keep {
+                // Bounded by the SQ depth: this runs once per connection.
+                self.retired.push(keep);
             }
         }
         self.batch.clear();
-        if self.srq.is_none() {
+        if !self.shared_recv {
             self.pending_len = 0;
         }
     }
@@ -814,7 +796,7 @@ impl Conn {
     /// though it is closed.
     #[inline]
     pub(crate) fn owes_shared_slots(&self) -> bool {
-        self.srq.is_some() && self.pending_len != 0
+        self.shared_recv && self.pending_len != 0
     }
 
     /// True once failed or removed: nothing more is posted.
@@ -823,17 +805,28 @@ impl Conn {
         matches!(self.state, ConnState::Failed | ConnState::Removed)
     }
 
-    /// Forgets the connection after its QP was stopped: releases forwarded
-    /// slots to their origins (through `release`) and deregisters the rings.
-    pub(crate) fn remove(&mut self, release: impl FnMut(ConnId, u32)) {
+    /// Stops the QP (outstanding work is flushed) and fails the
+    /// connection; the caller then drops it, which destroys the QP before
+    /// its rings are deregistered.
+    pub(crate) fn shut_down(&mut self, release: impl FnMut(ConnId, u32, bool)) {
+        // Errors add nothing here: the QP is destroyed next either way.
+        let _ = self.qp.set_error();
         if self.state != ConnState::Failed {
             self.fail(release);
         }
         self.state = ConnState::Removed;
-        self.regions = None;
-        if self.srq.is_none() {
-            self.pending_reposts = Box::new([]);
-        }
+    }
+
+    /// Moves the QP to the error state, so the peer sees the failure too.
+    pub(crate) fn stop_qp(&self) {
+        // Errors add nothing: the connection is failed already.
+        let _ = self.qp.set_error();
+    }
+
+    /// Rings the doorbell for everything staged.
+    #[inline]
+    pub(crate) fn post_staged(&mut self) -> crate::Result<()> {
+        self.qp.post_list(&mut self.batch)
     }
 
     /// Queue depths in use (for tests and diagnostics).

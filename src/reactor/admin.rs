@@ -1,0 +1,216 @@
+//! Taking sessions in and out of a reactor: checks that a source's QPs are
+//! fit to be served (the reactor's CQs, room in them, the reactor's SRQ,
+//! nothing posted yet), building their connections, and tearing them down
+//! so that a long-lived reactor holds only the peers it serves.
+
+use crate::error::{Error, Result};
+use crate::verbs::{CompletionQueue, CqId, QueuePair};
+
+use super::conn::{Conn, MAX_CONNS};
+use super::{ConnId, Handler, PeerLink, QpSource, Reactor, Session, SessionId};
+
+impl<H: Handler, L: PeerLink> Reactor<H, L> {
+    /// Takes over a connected QP source (an [`Endpoint`](crate::session::Endpoint)
+    /// built from [`channel_spec`](Self::channel_spec)s, say): posts its
+    /// receive rings now and sends the initial credit updates with the next
+    /// pass. `handler` gets every callback for its connections.
+    ///
+    /// Refused with a typed error, leaving the reactor as it was: a QP on
+    /// other CQs or another SRQ, a QP anything was posted on already, more
+    /// connections than the CQs can absorb at the configured depths (see
+    /// [`ReactorConfig::sized_for`](super::ReactorConfig::sized_for)) or
+    /// than the SRQ can give their shares.
+    pub fn add<S: QpSource<Link = L>>(&mut self, source: S, handler: H) -> Result<SessionId> {
+        let (qps, link) = source.into_parts();
+        let cq_charges = self.check_qps(&qps)?;
+        let Some(session) = self.sessions.vacant_key().map(SessionId) else {
+            return Err(Error::InvalidArgument(
+                "the reactor serves its maximum of sessions",
+            ));
+        };
+        if self.conns.len() + qps.len() > MAX_CONNS {
+            return Err(Error::InvalidArgument(
+                "the reactor serves its maximum of connections (2^20 - 1)",
+            ));
+        }
+        let share = self.config.recv_depth.max(2);
+        if let Some(pool) = &mut self.srq {
+            pool.promise(share * qps.len() as u32)?;
+        }
+        let count = qps.len() as u32;
+        let mut conns = Vec::with_capacity(qps.len());
+        let mut failure = None;
+        for (index, qp) in qps.into_iter().enumerate() {
+            match self.build_conn(session, index, qp) {
+                Ok(conn) => conns.push(conn),
+                Err(err) => {
+                    failure = Some(err);
+                    break;
+                }
+            }
+        }
+        if let Some(err) = failure {
+            let built = conns.len() as u32;
+            for conn in conns {
+                self.drop_conn(conn);
+            }
+            if let Some(pool) = &mut self.srq {
+                // The shares of the connections that were never built.
+                pool.unpromise(share * (count - built));
+            }
+            return Err(err);
+        }
+        for &(cq, entries) in &cq_charges {
+            self.cq_load[cq] += entries;
+        }
+        let record = Session {
+            handler,
+            link,
+            conns,
+            cq_charges,
+            gone: false,
+        };
+        let key = self.sessions.insert(record);
+        debug_assert_eq!(key, Some(session.0));
+        // The initial credit updates wait for the next flush.
+        self.unsettled = true;
+        Ok(session)
+    }
+
+    /// Checks `qps` against the reactor's CQs and SRQ; returns the CQ
+    /// entries they would take, by CQ index.
+    fn check_qps(&self, qps: &[QueuePair]) -> Result<Vec<(usize, u32)>> {
+        let ours: Vec<CqId> = self.cqs.iter().map(CompletionQueue::id).collect();
+        let mut charges: Vec<(usize, u32)> = Vec::new();
+        for qp in qps {
+            let (Some(send), Some(recv)) = (
+                ours.iter().position(|&id| id == qp.send_cq_id()),
+                ours.iter().position(|&id| id == qp.recv_cq_id()),
+            ) else {
+                return Err(Error::InvalidArgument(
+                    "QP was not created on this reactor's CQs (build it from Reactor::channel_spec)",
+                ));
+            };
+            let srq_matches = match (&self.srq, qp.shared_receive_queue()) {
+                (Some(pool), Some(srq)) => pool.is_ours(&srq),
+                (None, None) => true,
+                _ => false,
+            };
+            if !srq_matches {
+                return Err(Error::InvalidArgument(
+                    "QP's receive queue does not match this reactor's (build it from Reactor::channel_spec)",
+                ));
+            }
+            if qp.has_posted() {
+                return Err(Error::InvalidArgument(
+                    "something was posted on this QP already: the reactor takes only QPs whose every completion will be its own",
+                ));
+            }
+            let sq = self.config.sq_depth.min(qp.max_send_wr()).max(4);
+            let rq = self.config.recv_depth.max(2);
+            for (cq, entries) in [(send, sq), (recv, rq)] {
+                match charges.iter_mut().find(|(c, _)| *c == cq) {
+                    Some((_, total)) => *total += entries,
+                    None => charges.push((cq, entries)),
+                }
+            }
+        }
+        for &(cq, entries) in &charges {
+            if self.cq_load[cq].saturating_add(entries) > self.cqs[cq].capacity() {
+                return Err(Error::InvalidArgument(
+                    "the reactor's CQs cannot absorb more connections at these queue depths (see ReactorConfig::sized_for)",
+                ));
+            }
+        }
+        Ok(charges)
+    }
+
+    /// Builds and stores the connection for QP `index` of `session`.
+    fn build_conn(&mut self, session: SessionId, index: usize, qp: QueuePair) -> Result<ConnId> {
+        let Some(key) = self.conns.vacant_key() else {
+            return Err(Error::InvalidArgument(
+                "the reactor serves its maximum of connections",
+            ));
+        };
+        let id = ConnId(key);
+        let shared = self.srq.as_ref().map(|pool| pool.shared());
+        let mut conn = Conn::new(id, session, index, &self.pd, qp, &self.config, shared)?;
+        conn.post_initial_receives()?;
+        // Goes out with the first pass, so a test (or an application)
+        // that adds both ends before running either sees no RNR at all.
+        conn.stage_initial_update();
+        if let Some(pool) = &mut self.srq {
+            pool.add_owner(conn.qpn, key);
+        }
+        self.conns.insert(conn);
+        Ok(id)
+    }
+
+    /// Takes a session out of the reactor: its QPs are moved to the error
+    /// state and destroyed, its receive rings and send slots deregistered,
+    /// and the link and handler handed back (drop the link to tell the
+    /// peer). Completions still queued for it are ignored. Messages of this
+    /// session that another connection is still forwarding fail that
+    /// forward. `None` if the session is unknown.
+    ///
+    /// The session's records are freed and its ids reused (with a new
+    /// generation), so a reactor that serves peers for months holds only
+    /// the ones it serves now.
+    pub fn remove(&mut self, session: SessionId) -> Option<(L, H)> {
+        let record = self.sessions.remove(session.0)?;
+        for &(cq, entries) in &record.cq_charges {
+            self.cq_load[cq] = self.cq_load[cq].saturating_sub(entries);
+        }
+        for conn in record.conns {
+            self.drop_conn(conn);
+        }
+        self.unsettled = true;
+        Some((record.link, record.handler))
+    }
+
+    /// Stops and frees one connection, handing back what it borrowed:
+    /// receive slots of other connections it was forwarding, its SRQ slots
+    /// and share.
+    fn drop_conn(&mut self, id: ConnId) {
+        let Some(mut conn) = self.conns.remove(id.key()) else {
+            return;
+        };
+        let mut released = Vec::new();
+        conn.shut_down(|origin, slot, from_srq| released.push((origin, slot, from_srq)));
+        if let Some(pool) = &mut self.srq {
+            pool.remove_owner(conn.qpn, conn.recv_depth);
+            conn.take_shared_reposts(|slot| {
+                if let Err(err) = pool.give_back(slot) {
+                    log::error!("reposting SRQ receives of a removed connection: {err}");
+                }
+            });
+        }
+        // Dropping the connection destroys its QP before its rings.
+        drop(conn);
+        self.release_forwarded(released);
+    }
+
+    /// Reposts receive slots whose forwards died with another connection
+    /// (straight to the SRQ when the origin is gone too).
+    #[cold]
+    pub(super) fn release_forwarded(&mut self, released: Vec<(ConnId, u32, bool)>) {
+        for (origin, slot, from_srq) in released {
+            self.return_forwarded(origin, slot, from_srq);
+        }
+    }
+
+    /// Gives a forwarded receive slot back to its connection, or, if that
+    /// connection is gone and the slot is the SRQ's, to the SRQ. (A slot of
+    /// a gone connection's own ring went with the ring.)
+    #[inline]
+    pub(super) fn return_forwarded(&mut self, origin: ConnId, slot: u32, from_srq: bool) {
+        if let Some(origin) = self.conns.get_mut(origin.key()) {
+            origin.queue_repost(slot);
+        } else if from_srq
+            && let Some(pool) = &mut self.srq
+            && let Err(err) = pool.give_back(slot)
+        {
+            log::error!("reposting an SRQ receive: {err}");
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! Reactor configuration, the ids it hands out, and the errors of staging.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::error::Error;
+
+use super::slab::Key;
+
+/// How the reactor waits when there is nothing to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EventMode {
+    /// Spin on the CQs: lowest latency, one core at 100 %.
+    #[default]
+    BusyPoll,
+    /// Arm the CQs and block on their shared completion channel.
+    Blocking,
+    /// Arm the CQs and wait in epoll over one channel per CQ; the epoll fd is
+    /// available to embed in another event loop.
+    Epoll,
+}
+
+/// One reactor per QP, or many QPs on one reactor's shared CQs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ThreadMode {
+    /// Every QP gets its own reactor on its own pinned thread.
+    PerQp,
+    /// All QPs share one reactor and its CQs.
+    #[default]
+    SharedCq,
+}
+
+/// Reactor sizing and behaviour. `Default` suits small-message RPC.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReactorConfig {
+    /// How to wait when idle.
+    pub event_mode: EventMode,
+    /// CQs the reactor owns; channels are spread over them.
+    pub cq_count: u32,
+    /// Entries per CQ.
+    pub cq_size: u32,
+    /// Bytes per send and receive slot (the largest SEND is 8 bytes less).
+    pub slot_size: usize,
+    /// Receives kept posted per QP; with an SRQ, each connection's share of
+    /// it (the credits its peer gets).
+    pub recv_depth: u32,
+    /// Receives in one shared receive queue for all of the reactor's QPs
+    /// (0: every QP keeps its own ring of `recv_depth`). Memory then grows
+    /// with the traffic in flight instead of with the number of peers.
+    /// Connections are refused once their `recv_depth` shares would exceed
+    /// it, so credit flow control still rules out RNR.
+    pub srq_depth: u32,
+    /// Consumed receives are reposted in batches of this many (fewer after
+    /// a few empty busy-poll passes, or before the reactor sleeps).
+    pub repost_batch: u32,
+    /// Send-queue depth per QP (rounded down to a power of two).
+    pub sq_depth: u32,
+    /// Send slots per QP.
+    pub send_slots: u32,
+    /// Signal every Nth send-queue request.
+    pub signal_interval: u32,
+    /// Inline payload size to ask the QP for.
+    pub max_inline: u32,
+    /// Longest sleep in the Blocking and Epoll modes before `on_idle` runs.
+    pub idle_timeout: Duration,
+    /// How often the reactor asks each session's peer link whether the peer
+    /// is still there ([`Handler::on_peer_gone`](super::Handler::on_peer_gone)); `None` never asks. The
+    /// check is non-blocking, and in busy-poll mode the clock is read only
+    /// every so many passes, but each check is a syscall per session.
+    pub peer_check_interval: Option<Duration>,
+}
+
+impl Default for ReactorConfig {
+    fn default() -> Self {
+        Self {
+            event_mode: EventMode::BusyPoll,
+            cq_count: 1,
+            cq_size: 4096,
+            slot_size: 4096,
+            recv_depth: 128,
+            srq_depth: 0,
+            repost_batch: 16,
+            sq_depth: 256,
+            send_slots: 64,
+            signal_interval: 16,
+            max_inline: 64,
+            idle_timeout: Duration::from_millis(10),
+            peer_check_interval: None,
+        }
+    }
+}
+
+impl ReactorConfig {
+    /// Sizes the CQs for `connections` connections at the configured queue
+    /// depths (each completion queue must absorb every request its QPs can
+    /// have outstanding, or completions would be lost), and watches peers
+    /// every `peer_check` when given. The one place the tools size a reactor.
+    pub fn sized_for(mut self, connections: u32, peer_check: Option<Duration>) -> Self {
+        let per_cq = connections.div_ceil(self.cq_count.max(1)).max(1);
+        self.cq_size = self
+            .cq_size
+            .max(per_cq.saturating_mul(self.entries_per_conn()));
+        self.peer_check_interval = peer_check;
+        self
+    }
+
+    /// CQ entries one connection can need at once: its send queue and its
+    /// receives (with an SRQ, its credit share of it).
+    pub fn entries_per_conn(&self) -> u32 {
+        self.sq_depth.saturating_add(self.recv_depth.max(2))
+    }
+}
+
+/// A connection (one QP of one session) within a reactor.
+///
+/// Ids are reused once a connection is removed, each time with a new
+/// generation: an id kept past its connection's removal never reaches the
+/// connection that takes its place.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(pub(crate) Key);
+
+impl ConnId {
+    pub(crate) fn key(self) -> Key {
+        self.0
+    }
+
+    /// The connection's slot in the reactor: small, dense and reused, so it
+    /// can index a handler's own per-connection arrays (look up the
+    /// connection by the whole id, though: the slot is shared over time).
+    pub fn slot(self) -> usize {
+        self.0.index as usize
+    }
+}
+
+impl fmt::Debug for ConnId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ConnId({}#{})", self.0.index, self.0.generation)
+    }
+}
+
+/// A session (one connected QP source and its handler) within a reactor.
+/// Reused with a new generation after removal, like [`ConnId`].
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionId(pub(crate) Key);
+
+impl SessionId {
+    /// The session's slot in the reactor (see [`ConnId::slot`]).
+    pub fn slot(self) -> usize {
+        self.0.index as usize
+    }
+}
+
+impl fmt::Debug for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SessionId({}#{})", self.0.index, self.0.generation)
+    }
+}
+
+/// Why a request was not staged.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// No credit, send-queue entry or send slot right now: retry after a
+    /// completion or on the next `on_idle`.
+    #[error("would block: the peer has no receive posted or the send queue is full")]
+    WouldBlock,
+    /// The payload exceeds the slot size.
+    #[error("payload of {len} bytes exceeds the maximum of {max}")]
+    TooLarge {
+        /// Requested length.
+        len: usize,
+        /// The connection's maximum payload.
+        max: usize,
+    },
+    /// The connection failed or does not exist.
+    #[error("the connection is closed")]
+    Closed,
+    /// A held message of another reactor, or of a connection that is gone.
+    #[error("the held message belongs to another reactor or to a connection that is gone")]
+    Foreign,
+    /// The fill closure of [`Ctx::send_from`] staged nothing.
+    #[error("the fill closure produced no message")]
+    Cancelled,
+    /// The request itself is invalid.
+    #[error(transparent)]
+    Invalid(Error),
+}

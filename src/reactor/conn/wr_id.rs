@@ -1,0 +1,108 @@
+//! What the reactor writes into a work request's `wr_id`, and reads back
+//! from its completion: which connection (index and generation), whether
+//! it is a receive or a send-queue request, and the receive slot or
+//! send-queue sequence number.
+//!
+//! Layout, from the top bit: connection index (20 bits), connection
+//! generation (low 10 bits), kind (2 bits), slot or sequence (32 bits).
+//! A completion is also checked against the QP number of the connection it
+//! names, so a request no connection of this reactor posted is never taken
+//! for one of its own.
+
+use super::super::slab::Key;
+
+/// Bits of the connection index: a reactor serves at most 2^20 - 1
+/// connections at once (the all-ones index means "the SRQ").
+const INDEX_BITS: u32 = 20;
+const GENERATION_BITS: u32 = 10;
+const KIND_BITS: u32 = 2;
+
+/// The connection field of an SRQ receive's `wr_id`: the receive belongs to
+/// no connection until one consumes it (its QP number tells which).
+pub(crate) const SRQ_CONN: u32 = (1 << INDEX_BITS) - 1;
+/// Most connections a reactor holds at once.
+pub(crate) const MAX_CONNS: usize = SRQ_CONN as usize;
+
+const KIND_RECV: u64 = 1;
+const KIND_SEND: u64 = 2;
+
+/// What a completion's `wr_id` says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WrKind {
+    Recv { slot: u32 },
+    Send { seq: u32 },
+    Unknown,
+}
+
+#[inline]
+fn encode(index: u32, generation: u32, kind: u64, value: u32) -> u64 {
+    let generation = u64::from(generation) & ((1 << GENERATION_BITS) - 1);
+    (u64::from(index) << (64 - INDEX_BITS))
+        | (generation << (32 + KIND_BITS))
+        | (kind << 32)
+        | u64::from(value)
+}
+
+/// A receive into slot `slot` of connection `conn`'s own ring.
+#[inline]
+pub(crate) fn recv(conn: Key, slot: u32) -> u64 {
+    encode(conn.index, conn.generation, KIND_RECV, slot)
+}
+
+/// A receive into slot `slot` of the reactor's SRQ.
+#[inline]
+pub(crate) fn srq_recv(slot: u32) -> u64 {
+    encode(SRQ_CONN, 0, KIND_RECV, slot)
+}
+
+/// Send-queue request `seq` of connection `conn`.
+#[inline]
+pub(crate) fn send(conn: Key, seq: u32) -> u64 {
+    encode(conn.index, conn.generation, KIND_SEND, seq)
+}
+
+/// The connection index, the generation bits and the kind of a `wr_id`.
+#[inline]
+pub(crate) fn decode(wr_id: u64) -> (u32, u32, WrKind) {
+    let index = (wr_id >> (64 - INDEX_BITS)) as u32;
+    let generation = ((wr_id >> (32 + KIND_BITS)) & ((1 << GENERATION_BITS) - 1)) as u32;
+    let value = wr_id as u32;
+    let kind = match (wr_id >> 32) & ((1 << KIND_BITS) - 1) {
+        KIND_RECV => WrKind::Recv { slot: value },
+        KIND_SEND => WrKind::Send { seq: value },
+        _ => WrKind::Unknown,
+    };
+    (index, generation, kind)
+}
+
+/// True if `generation` (as decoded) is that of `conn`.
+#[inline]
+pub(crate) fn same_generation(conn: Key, generation: u32) -> bool {
+    conn.generation & ((1 << GENERATION_BITS) - 1) == generation
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip() {
+        let conn = Key {
+            index: MAX_CONNS as u32 - 1,
+            generation: 1027,
+        };
+        let (index, generation, kind) = decode(recv(conn, u32::MAX));
+        assert_eq!((index, kind), (conn.index, WrKind::Recv { slot: u32::MAX }));
+        assert!(same_generation(conn, generation));
+        let (index, generation, kind) = decode(send(conn, 7));
+        assert_eq!((index, kind), (conn.index, WrKind::Send { seq: 7 }));
+        assert!(same_generation(conn, generation));
+        let next = Key {
+            generation: conn.generation + 1,
+            ..conn
+        };
+        assert!(!same_generation(next, generation));
+        assert_eq!(decode(srq_recv(5)).0, SRQ_CONN);
+        assert_eq!(decode(0).2, WrKind::Unknown);
+    }
+}

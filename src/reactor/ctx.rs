@@ -1,0 +1,316 @@
+//! What a handler's callbacks may do ([`Ctx`]), and received messages held
+//! past their callback ([`HeldRecv`]).
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use crate::verbs::{LocalSlice, RemoteSlice};
+
+use super::conn::{CREDIT_HEADER_LEN, Conn, ConnState};
+use super::slab::Slab;
+use super::{ConnId, SendError, SessionId};
+
+/// What a callback may do: stage work on any connection of the reactor.
+pub struct Ctx<'a> {
+    pub(super) conns: &'a mut Slab<Conn>,
+    pub(super) stop: &'a AtomicBool,
+    /// The reactor this context belongs to: held messages carry it.
+    pub(super) reactor: ReactorId,
+    /// In `on_message`: the message's receive slot, until the handler holds it.
+    pub(super) current: Option<HeldRecv>,
+    /// Set when a call may have staged work or queued a repost, so an idle
+    /// pass knows whether it has anything to flush.
+    pub(super) touched: bool,
+    /// Sessions a callback asked to remove, taken out after the pass.
+    pub(super) removals: &'a mut Vec<SessionId>,
+}
+
+/// A reactor's process-wide unique id (never reused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ReactorId(pub(crate) u64);
+
+impl ReactorId {
+    pub(crate) fn next() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl<'a> Ctx<'a> {
+    pub(super) fn new(
+        conns: &'a mut Slab<Conn>,
+        stop: &'a AtomicBool,
+        reactor: ReactorId,
+        removals: &'a mut Vec<SessionId>,
+    ) -> Self {
+        Self {
+            conns,
+            stop,
+            reactor,
+            current: None,
+            touched: false,
+            removals,
+        }
+    }
+}
+
+/// A received message whose receive slot the handler kept past `on_message`
+/// with [`Ctx::hold`]. The slot is not reposted (so the peer gets one credit
+/// fewer) until the message is [released](Ctx::release) or
+/// [forwarded](Ctx::forward): holding messages is how a relay pushes
+/// back on its upstream. Dropping it leaks the slot for the connection's life.
+///
+/// A held message belongs to the reactor and connection it arrived on: it
+/// is neither `Clone` nor constructible outside the reactor, and a [`Ctx`]
+/// of another reactor, or of a connection that took the removed one's
+/// place, refuses it ([`SendError::Foreign`]).
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a held receive slot is only reposted by release or forward"]
+pub struct HeldRecv {
+    reactor: ReactorId,
+    conn: ConnId,
+    slot: u32,
+    /// Bytes received, header included.
+    len: u32,
+}
+
+impl HeldRecv {
+    /// The connection the message arrived on.
+    pub fn conn(&self) -> ConnId {
+        self.conn
+    }
+
+    /// Payload length in bytes.
+    pub fn len(&self) -> usize {
+        self.len as usize - CREDIT_HEADER_LEN
+    }
+
+    /// True for a message with no payload.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl fmt::Debug for Ctx<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ctx")
+            .field("conns", &self.conns.len())
+            .field("reactor", &self.reactor)
+            .finish()
+    }
+}
+
+impl Ctx<'_> {
+    fn conn(&mut self, conn: ConnId) -> Result<&mut Conn, SendError> {
+        self.touched = true;
+        self.conns.get_mut(conn.key()).ok_or(SendError::Closed)
+    }
+
+    /// A received message whose slot the handler may hold, for `on_message`.
+    pub(super) fn offer(&mut self, conn: ConnId, slot: u32, len: u32) {
+        self.current = Some(HeldRecv {
+            reactor: self.reactor,
+            conn,
+            slot,
+            len,
+        });
+    }
+
+    /// The connection a held message came from, if it is this reactor's
+    /// and that connection is still the one it arrived on.
+    fn held_origin(&self, held: &HeldRecv) -> Option<&Conn> {
+        if held.reactor != self.reactor {
+            return None;
+        }
+        self.conns.get(held.conn.key())
+    }
+
+    /// Asks the reactor to remove `session` after this pass: its QPs are
+    /// destroyed, its connections, handler and peer link dropped (which
+    /// tells a session-layer peer goodbye). For a server whose peer left.
+    pub fn remove_session(&mut self, session: SessionId) {
+        if !self.removals.contains(&session) {
+            self.removals.push(session);
+        }
+    }
+
+    /// Stages a SEND of `data` (copied into a registered send slot).
+    /// Returns the sequence number `on_send_complete` will report.
+    #[inline]
+    pub fn send(&mut self, conn: ConnId, data: &[u8], imm: Option<u32>) -> Result<u32, SendError> {
+        self.send_with(conn, data.len(), imm, |buf| buf.copy_from_slice(data))
+    }
+
+    /// Stages a SEND of `len` bytes that `fill` writes directly into the
+    /// registered send slot (no intermediate copy).
+    #[inline]
+    pub fn send_with(
+        &mut self,
+        conn: ConnId,
+        len: usize,
+        imm: Option<u32>,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<u32, SendError> {
+        self.conn(conn)?.stage_send(len, imm, |buf| {
+            fill(buf);
+            Some(len)
+        })
+    }
+
+    /// Stages a SEND whose payload `fill` produces in place, in a registered
+    /// send slot of `capacity` bytes: it returns how many bytes it wrote, or
+    /// `None` to stage nothing ([`SendError::Cancelled`]). Made for reading
+    /// a file or socket straight into the slot when the length is not known
+    /// in advance.
+    ///
+    /// ```no_run
+    /// # use rdma_comm_core::reactor::*;
+    /// # use std::io::Read;
+    /// # fn demo(ctx: &mut Ctx<'_>, conn: ConnId, input: &mut impl Read) {
+    /// let capacity = ctx.max_payload(conn);
+    /// let staged = ctx.send_from(conn, capacity, None, |slot| input.read(slot).ok());
+    /// # }
+    /// ```
+    #[inline]
+    pub fn send_from(
+        &mut self,
+        conn: ConnId,
+        capacity: usize,
+        imm: Option<u32>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<u32, SendError> {
+        self.conn(conn)?.stage_send(capacity, imm, fill)
+    }
+
+    /// In `on_message`: keeps the message's receive slot after the callback
+    /// returns. `None` outside `on_message` or if already held.
+    pub fn hold(&mut self) -> Option<HeldRecv> {
+        self.current.take()
+    }
+
+    /// The payload of a held message; `None` for a message of another
+    /// reactor or of a connection that is gone.
+    pub fn held_bytes(&self, held: &HeldRecv) -> Option<&[u8]> {
+        let conn = self.held_origin(held)?;
+        conn.recv_bytes(held.slot, held.len as usize)
+            .get(CREDIT_HEADER_LEN..)
+    }
+
+    /// Gives a held receive slot back: it is reposted with this pass.
+    /// [`SendError::Foreign`] for a message of another reactor or of a
+    /// connection that is gone (its slot needs nothing then).
+    pub fn release(&mut self, held: HeldRecv) -> Result<(), SendError> {
+        self.touched = true;
+        self.held_origin(&held).ok_or(SendError::Foreign)?;
+        if let Some(conn) = self.conns.get_mut(held.conn.key()) {
+            conn.queue_repost(held.slot);
+        }
+        Ok(())
+    }
+
+    /// Sends a held message on to `to` without copying it: the SEND reads
+    /// the receive slot itself, which is reposted once the SEND completes
+    /// (`on_send_complete` on `to` reports it). On error the message comes
+    /// back still held, so it can be retried later in order.
+    #[inline]
+    pub fn forward(
+        &mut self,
+        to: ConnId,
+        held: HeldRecv,
+        imm: Option<u32>,
+    ) -> Result<u32, (SendError, HeldRecv)> {
+        self.touched = true;
+        let Some(origin) = self.held_origin(&held) else {
+            return Err((SendError::Foreign, held));
+        };
+        let Some(source) = origin.recv_slot_source(held.slot) else {
+            return Err((SendError::Foreign, held));
+        };
+        let from_srq = origin.uses_srq();
+        let Some(target) = self.conns.get_mut(to.key()) else {
+            return Err((SendError::Closed, held));
+        };
+        target
+            .stage_forward(
+                source,
+                held.len as usize,
+                imm,
+                held.conn,
+                held.slot,
+                from_srq,
+            )
+            .map_err(|error| (error, held))
+    }
+
+    /// Stages an RDMA WRITE from `local` to `remote`; with `imm` it consumes
+    /// one of the peer's receives and needs a credit. The reactor keeps
+    /// `local`'s [`Registration`](crate::verbs::Registration) until the
+    /// WRITE is known complete, so dropping the region early is harmless.
+    #[inline]
+    pub fn write(
+        &mut self,
+        conn: ConnId,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+        imm: Option<u32>,
+    ) -> Result<u32, SendError> {
+        self.conn(conn)?.stage_write(local, remote, imm)
+    }
+
+    /// Stages an RDMA READ of `remote` into `local` (registered with
+    /// `LOCAL_WRITE`). The reactor keeps its registration until the READ
+    /// completes.
+    #[inline]
+    pub fn read(
+        &mut self,
+        conn: ConnId,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+    ) -> Result<u32, SendError> {
+        self.conn(conn)?.stage_read(local, remote)
+    }
+
+    /// Signals the request last staged on `conn`, so its completion (and
+    /// that of everything before it) is reported as soon as it happens
+    /// instead of with the next signaled request: for a final message whose
+    /// completion the handler waits for.
+    pub fn signal_staged(&mut self, conn: ConnId) {
+        self.touched = true;
+        if let Some(conn) = self.conns.get_mut(conn.key()) {
+            conn.signal_last_staged();
+        }
+    }
+
+    /// Requests staged on `conn` in this pass so far (they leave in one
+    /// doorbell at its end): lets a sender cap its batch size.
+    pub fn staged(&self, conn: ConnId) -> usize {
+        self.conns.get(conn.key()).map_or(0, |c| c.batch.len())
+    }
+
+    /// Largest payload one SEND on `conn` can carry.
+    pub fn max_payload(&self, conn: ConnId) -> usize {
+        self.conns.get(conn.key()).map_or(0, Conn::max_payload)
+    }
+
+    /// True once the connection can send.
+    pub fn is_established(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(conn.key())
+            .is_some_and(|c| c.state == ConnState::Established)
+    }
+
+    /// The position of `conn`'s QP among its session's QPs.
+    pub fn qp_index(&self, conn: ConnId) -> Option<usize> {
+        self.conns.get(conn.key()).map(|c| c.qp_index)
+    }
+
+    /// The session `conn` belongs to.
+    pub fn session_of(&self, conn: ConnId) -> Option<SessionId> {
+        self.conns.get(conn.key()).map(|c| c.session)
+    }
+
+    /// Asks the reactor's `run` loop to return after this pass.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}

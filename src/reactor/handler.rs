@@ -1,0 +1,99 @@
+//! The callbacks a session implements.
+
+use crate::error::Error;
+use crate::session::PeerStatus;
+
+use super::{ConnId, Ctx, SessionId};
+
+/// Callbacks a session implements. Only `on_message` is required.
+///
+/// Callbacks run on the reactor thread and must not block; work they stage
+/// through the [`Ctx`] goes out at the end of the pass.
+#[allow(unused_variables)]
+pub trait Handler {
+    /// The peer's first credit update arrived: the connection can send.
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {}
+    /// A SEND arrived. `data` is valid only during the call.
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>);
+    /// A WRITE_WITH_IMM of `len` bytes landed in one of our exported regions.
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {}
+    /// A SEND staged with sequence number `seq` completed locally.
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}
+    /// A WRITE staged with sequence number `seq` completed.
+    fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}
+    /// A READ staged with sequence number `seq` completed: the bytes are local.
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}
+    /// The connection failed (a completion error or a failed post). It stays
+    /// closed; other connections are unaffected.
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {}
+    /// The peer watch ([`ReactorConfig::peer_check_interval`](super::ReactorConfig::peer_check_interval)) found the
+    /// session's peer gone: it disconnected (`PeerStatus::Disconnected`) or
+    /// was lost. Called once; the session's connections are failed after
+    /// the call. A server removes the session with [`Ctx::remove_session`].
+    fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {}
+    /// A pass found no completions (busy poll) or a wait timed out.
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {}
+}
+
+impl<H: Handler + ?Sized> Handler for Box<H> {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        (**self).on_established(ctx, conn)
+    }
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        (**self).on_message(ctx, conn, data, imm)
+    }
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
+        (**self).on_write_imm(ctx, conn, imm, len)
+    }
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        (**self).on_send_complete(ctx, conn, seq)
+    }
+    fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        (**self).on_write_complete(ctx, conn, seq)
+    }
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        (**self).on_read_complete(ctx, conn, seq)
+    }
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
+        (**self).on_error(ctx, conn, error)
+    }
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        (**self).on_idle(ctx)
+    }
+    fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
+        (**self).on_peer_gone(ctx, session, status)
+    }
+}
+
+/// One handler shared by several sessions of a reactor (a relay's upstream
+/// and downstream, a mesh's peers), which the owner can also inspect between
+/// passes. Callbacks never nest, so the borrow never conflicts.
+impl<H: Handler> Handler for std::rc::Rc<std::cell::RefCell<H>> {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.borrow_mut().on_established(ctx, conn)
+    }
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        self.borrow_mut().on_message(ctx, conn, data, imm)
+    }
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
+        self.borrow_mut().on_write_imm(ctx, conn, imm, len)
+    }
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.borrow_mut().on_send_complete(ctx, conn, seq)
+    }
+    fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.borrow_mut().on_write_complete(ctx, conn, seq)
+    }
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.borrow_mut().on_read_complete(ctx, conn, seq)
+    }
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
+        self.borrow_mut().on_error(ctx, conn, error)
+    }
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        self.borrow_mut().on_idle(ctx)
+    }
+    fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
+        self.borrow_mut().on_peer_gone(ctx, session, status)
+    }
+}

@@ -1,0 +1,413 @@
+//! The pass engine: poll every CQ, route each completion to its connection
+//! and handler, then flush (one doorbell per QP with staged work, receive
+//! reposts off the latency path), and now and then watch the peers.
+
+use crate::error::{Error, Result};
+use crate::session::PeerStatus;
+use crate::verbs::{WcOpcode, WorkCompletion};
+
+use super::conn::{OpKind, SRQ_CONN, WrKind, decode_wr_id, same_generation};
+use super::slab::Key;
+use super::{ConnId, Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, SessionId};
+
+/// Empty busy-poll passes after which unsignaled tails are signaled out.
+const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
+/// Empty busy-poll passes after which receives consumed since the last
+/// batch are reposted anyway. Not on the first empty pass: in a ping-pong
+/// the next message usually lands then, and a pass that is busy posting
+/// receives finds it later.
+const REPOST_IDLE_PASSES: u32 = 8;
+
+impl<H: Handler, L: PeerLink> Reactor<H, L> {
+    /// One pass, then (in the event modes, if it found nothing) one wait.
+    /// Watches the peers when their interval is up, and removes the sessions
+    /// callbacks asked to remove.
+    pub fn turn(&mut self) -> Result<usize> {
+        let done = self.poll_once()?;
+        if done == 0 && self.config.event_mode != EventMode::BusyPoll && self.prepare_wait()? {
+            self.waiter.wait(self.config.idle_timeout)?;
+            self.drain_channel_events()?;
+        }
+        if let Some(timer) = &mut self.peer_timer
+            && timer.expired_after(done)
+        {
+            self.check_peers();
+        }
+        if !self.removals.is_empty() {
+            self.apply_removals();
+        }
+        Ok(done)
+    }
+
+    /// Polls every CQ once (in batches), dispatches, then flushes: reposts
+    /// receives and rings one doorbell per QP with staged work. Calls
+    /// `on_idle` when nothing completed. Returns the completions handled.
+    pub fn poll_once(&mut self) -> Result<usize> {
+        let mut done = 0;
+        for cq_index in 0..self.cqs.len() {
+            loop {
+                let n = self.cqs[cq_index].poll(&mut self.wcs)?.len();
+                for i in 0..n {
+                    let wc = self.wcs[i];
+                    self.dispatch(&wc);
+                }
+                done += n;
+                if n < POLL_BATCH {
+                    break;
+                }
+            }
+        }
+        let mut touched = done > 0;
+        if done == 0 {
+            let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.removals);
+            for (_, session) in self.sessions.iter_mut() {
+                session.handler.on_idle(&mut ctx);
+            }
+            touched = ctx.touched;
+            self.idle_passes = self.idle_passes.saturating_add(1);
+        } else {
+            self.idle_passes = 0;
+        }
+        // Unsignaled requests left at the tail of a burst would never report
+        // completion; after a while with nothing to do, signal them out.
+        // Retried every idle pass from then on: the signal may have to wait
+        // for a credit.
+        let signal_tails = self.tails_left && self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
+        let tidy = self.reposts_left && self.idle_passes >= REPOST_IDLE_PASSES;
+        // An idle pass that staged nothing, after a flush that left nothing
+        // behind, has nothing to flush: skipping the walk over the
+        // connections keeps empty passes, and so the time to notice the next
+        // completion, short. Receives waiting for a fuller batch do not count
+        // until the reactor has been idle for a while.
+        if touched || self.unsettled || tidy || signal_tails {
+            self.flush(tidy, signal_tails);
+        }
+        Ok(done)
+    }
+
+    /// Arms every CQ and polls once more. Returns true if nothing is pending,
+    /// so the caller may sleep on [`event_fd`](Self::event_fd) without
+    /// missing a completion that raced the arming.
+    pub fn prepare_wait(&mut self) -> Result<bool> {
+        if self.config.event_mode == EventMode::BusyPoll {
+            return Ok(false);
+        }
+        // Sleeping with an unsignaled tail would leave its completions
+        // unreported: signal it out first. Its completion (or, without a
+        // credit, the peer's next credit update) then wakes us.
+        self.flush(true, true);
+        for cq in &mut self.cqs {
+            cq.req_notify(false)?;
+        }
+        Ok(self.poll_once()? == 0)
+    }
+
+    /// Consumes the completion events that woke us (acked in batches).
+    pub fn drain_channel_events(&mut self) -> Result<()> {
+        for channel in &self.channels {
+            while channel.try_get_event()?.is_some() {}
+        }
+        Ok(())
+    }
+
+    /// The connection a completion belongs to, if one of ours posted it:
+    /// the `wr_id` names the connection (index and generation) or the SRQ,
+    /// and the completion's QP number must be that connection's.
+    #[inline]
+    fn owner_of(&mut self, wc: &WorkCompletion) -> Option<(Key, WrKind)> {
+        let (index, generation, kind) = decode_wr_id(wc.wr_id());
+        if index == SRQ_CONN {
+            // Only receives come from the SRQ; its owner map is by QP number.
+            let WrKind::Recv { .. } = kind else {
+                return None;
+            };
+            let Some(owner) = self.srq.as_ref().and_then(|pool| pool.owner(wc.qp_num())) else {
+                if let Some(pool) = &mut self.srq {
+                    pool.lost += 1;
+                }
+                return None;
+            };
+            return Some((owner, kind));
+        }
+        let (key, conn) = self.conns.get_by_index_mut(index)?;
+        (same_generation(key, generation) && conn.qpn == wc.qp_num()).then_some((key, kind))
+    }
+
+    #[inline]
+    fn dispatch(&mut self, wc: &WorkCompletion) {
+        let Some((key, kind)) = self.owner_of(wc) else {
+            self.foreign(wc);
+            return;
+        };
+        let Some(conn) = self.conns.get_mut(key) else {
+            return;
+        };
+        if !wc.is_success() || conn.is_closed() {
+            self.dispatch_unusual(key, wc, kind);
+            return;
+        }
+        let (session, id) = (conn.session, conn.id);
+        let Some(record) = self.sessions.get_mut(session.0) else {
+            return;
+        };
+        let handler = &mut record.handler;
+        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.removals);
+        match kind {
+            WrKind::Recv { slot } => {
+                let Some(conn) = ctx.conns.get_mut(key) else {
+                    return;
+                };
+                let len = wc.byte_len();
+                if wc.opcode() == WcOpcode::RECV_RDMA_WITH_IMM {
+                    conn.queue_repost(slot);
+                    handler.on_write_imm(&mut ctx, id, wc.imm().unwrap_or(0), len);
+                    return;
+                }
+                let Some((credit, data)) = conn.recv_message(slot, len) else {
+                    // A credit update: the immediate is the peer's receive count.
+                    conn.queue_repost(slot);
+                    if conn.peer_credit(wc.imm().unwrap_or(0)) {
+                        handler.on_established(&mut ctx, id);
+                    }
+                    return;
+                };
+                if conn.peer_credit(credit) {
+                    handler.on_established(&mut ctx, id);
+                }
+                ctx.offer(id, slot, len);
+                // SAFETY: the bytes live in the connection's receive ring,
+                // registered while the connection lives, which is past this
+                // call (removals wait for the end of the pass); the slot is
+                // reposted only after the handler returns (or releases its
+                // hold), so the NIC does not write it meanwhile, and nothing
+                // reachable through `ctx` writes it either.
+                let data = unsafe { std::slice::from_raw_parts(data.0, data.1) };
+                handler.on_message(&mut ctx, id, data, wc.imm());
+                if ctx.current.is_some()
+                    && let Some(conn) = ctx.conns.get_mut(key)
+                {
+                    conn.queue_repost(slot);
+                }
+            }
+            WrKind::Send { seq } => {
+                let count = ctx.conns.get(key).map_or(0, |c| c.retire_count(seq));
+                for _ in 0..count {
+                    let Some(conn) = ctx.conns.get_mut(key) else {
+                        return;
+                    };
+                    let (seq, op) = conn.pop_oldest();
+                    match op.kind {
+                        OpKind::Send => handler.on_send_complete(&mut ctx, id, seq),
+                        OpKind::Write => handler.on_write_complete(&mut ctx, id, seq),
+                        OpKind::Read => handler.on_read_complete(&mut ctx, id, seq),
+                        OpKind::Forward => {
+                            if let Some(origin) = op.origin {
+                                match ctx.conns.get_mut(origin.key()) {
+                                    Some(origin) => origin.queue_repost(op.slot),
+                                    None if op.from_srq => {
+                                        if let Some(pool) = &mut self.srq
+                                            && let Err(err) = pool.give_back(op.slot)
+                                        {
+                                            log::error!("reposting an SRQ receive: {err}");
+                                        }
+                                    }
+                                    None => {}
+                                }
+                            }
+                            handler.on_send_complete(&mut ctx, id, seq);
+                        }
+                        OpKind::Credit => {}
+                    }
+                }
+            }
+            WrKind::Unknown => {}
+        }
+    }
+
+    /// A completion no connection of ours posted: ignored, counted.
+    #[cold]
+    #[inline(never)]
+    fn foreign(&mut self, wc: &WorkCompletion) {
+        self.foreign_completions += 1;
+        log::debug!("ignoring a completion no connection of this reactor posted: {wc:?}");
+    }
+
+    /// A failed completion, or one for a closed connection: give back the
+    /// receive slot it held and, if it failed, fail the connection.
+    #[cold]
+    #[inline(never)]
+    fn dispatch_unusual(&mut self, key: Key, wc: &WorkCompletion, kind: WrKind) {
+        let Some(conn) = self.conns.get_mut(key) else {
+            return;
+        };
+        if let WrKind::Recv { slot } = kind {
+            // A receive slot of the SRQ is everyone's: it goes back even when
+            // its connection is closed or the receive failed (for a QP's own
+            // ring of a dead connection this does nothing).
+            conn.queue_repost(slot);
+            self.unsettled = true;
+        }
+        if conn.is_closed() {
+            return;
+        }
+        let error = wc
+            .ok()
+            .err()
+            .unwrap_or(Error::InvalidArgument("failed completion"));
+        self.fail(ConnId(key), error);
+    }
+
+    #[cold]
+    pub(super) fn fail(&mut self, id: ConnId, error: Error) {
+        // The failed connection's forwards give other connections' receive
+        // slots back: the next pass must repost them.
+        self.unsettled = true;
+        // Forwards in flight on the failed connection carried other
+        // connections' receive slots: give those back (a cold path, so the
+        // list may allocate).
+        let mut released = Vec::new();
+        let Some(conn) = self.conns.get_mut(id.key()) else {
+            return;
+        };
+        conn.fail(|origin, slot, from_srq| released.push((origin, slot, from_srq)));
+        // Stops the QP, so the peer sees the failure too.
+        conn.stop_qp();
+        let session = conn.session;
+        self.release_forwarded(released);
+        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.removals);
+        if let Some(record) = self.sessions.get_mut(session.0) {
+            record.handler.on_error(&mut ctx, id, &error);
+        }
+    }
+
+    /// End of pass: one doorbell per QP with staged work, then the receive
+    /// reposts that are due (all pending ones when `tidy`). Reposting after
+    /// the doorbell keeps it off the latency path; the receives it adds are
+    /// announced with the next SEND or credit update.
+    /// Notes what is left for later passes: in `unsettled`, work any pass
+    /// must do (reposts that are due, work or a credit update that could not
+    /// go out); in `reposts_left` and `tails_left`, what an idle pass does.
+    #[inline]
+    pub(super) fn flush(&mut self, tidy: bool, signal_tails: bool) {
+        // `fail` may set it again while we walk.
+        self.unsettled = false;
+        let (mut unsettled, mut reposts_left, mut tails_left) = (false, false, false);
+        for index in 0..self.conns.capacity_used() {
+            let Some((key, conn)) = self.conns.get_by_index_mut(index) else {
+                continue;
+            };
+            let repost = conn.reposts_due() || (tidy && conn.has_pending_reposts());
+            let tail = signal_tails && conn.has_unsignaled_tail();
+            // Most passes on a busy-poll reactor find nothing: this loop stays
+            // a few loads per connection, the work is out of line.
+            let due = if conn.is_closed() {
+                conn.owes_shared_slots()
+            } else {
+                repost || tail || !conn.is_quiet()
+            };
+            if due {
+                self.flush_conn(key, repost, tail);
+            }
+            let Some(conn) = self.conns.get_mut(key) else {
+                continue;
+            };
+            unsettled |= conn.is_unsettled();
+            reposts_left |= conn.has_pending_reposts();
+            tails_left |= conn.has_unsignaled_tail();
+        }
+        if let Some(pool) = &mut self.srq
+            && let Err(err) = pool.flush()
+        {
+            log::error!("reposting SRQ receives: {err}");
+        }
+        self.unsettled |= unsettled;
+        self.reposts_left = reposts_left;
+        self.tails_left = tails_left;
+    }
+
+    /// Rings the doorbell of connection `key` and reposts its receives
+    /// (`repost`), signaling out an unsignaled tail first (`tail`).
+    #[inline(never)]
+    fn flush_conn(&mut self, key: Key, repost: bool, tail: bool) {
+        let Some(conn) = self.conns.get_mut(key) else {
+            return;
+        };
+        if conn.is_closed() {
+            // A closed connection only owes the SRQ its consumed slots.
+            if let Some(pool) = &mut self.srq {
+                conn.take_shared_reposts(|slot| {
+                    if let Err(err) = pool.give_back(slot) {
+                        log::error!("reposting SRQ receives of a closed connection: {err}");
+                    }
+                });
+            }
+            return;
+        }
+        conn.prepare_flush();
+        if tail && conn.batch.is_empty() {
+            conn.stage_tail_signal();
+        }
+        let mut result = conn.post_staged();
+        if result.is_ok() && repost {
+            match &mut self.srq {
+                Some(pool) if conn.uses_srq() => conn.take_shared_reposts(|slot| {
+                    if result.is_ok() {
+                        result = pool.give_back(slot);
+                    }
+                }),
+                _ => result = conn.flush_reposts(),
+            }
+        }
+        if let Err(error) = result {
+            self.fail(ConnId(key), error);
+        }
+    }
+
+    /// Asks every session's link whether its peer is still there; a session
+    /// whose peer is gone is told once and its connections are failed.
+    #[cold]
+    fn check_peers(&mut self) {
+        let mut gone: Vec<(SessionId, PeerStatus)> = Vec::new();
+        for (key, session) in self.sessions.iter_mut() {
+            if session.gone {
+                continue;
+            }
+            let status = session.link.check_peer();
+            if !matches!(status, PeerStatus::Alive) {
+                session.gone = true;
+                gone.push((SessionId(key), status));
+            }
+        }
+        for (session, status) in gone {
+            let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.removals);
+            let Some(record) = self.sessions.get_mut(session.0) else {
+                continue;
+            };
+            record.handler.on_peer_gone(&mut ctx, session, &status);
+            let conns = record.conns.clone();
+            let mut released = Vec::new();
+            for conn in conns {
+                if let Some(conn) = self.conns.get_mut(conn.key())
+                    && !conn.is_closed()
+                {
+                    conn.fail(|origin, slot, srq| released.push((origin, slot, srq)));
+                    conn.stop_qp();
+                }
+            }
+            self.release_forwarded(released);
+            self.unsettled = true;
+        }
+    }
+
+    /// Removes the sessions callbacks asked to remove.
+    #[cold]
+    fn apply_removals(&mut self) {
+        let removals = std::mem::take(&mut self.removals);
+        for &session in &removals {
+            self.remove(session);
+        }
+        // Keep the allocation for next time.
+        self.removals = removals;
+        self.removals.clear();
+    }
+}

@@ -1,0 +1,61 @@
+//! What a reactor takes a session from: connected QPs, plus a link to the
+//! peer that the reactor keeps beside them and watches.
+//!
+//! The session layer's [`Endpoint`] is one source; an rdma_cm connection or
+//! a service's own control plane can be others. The reactor takes the QPs
+//! whole, so nothing else can post on them while it serves them, and it
+//! refuses a QP that already had anything posted: every completion on the
+//! reactor's queues is then one of its own requests.
+
+use crate::session::{Endpoint, PeerStatus, SessionLink};
+use crate::verbs::QueuePair;
+
+/// Connected QPs and the link to their peer.
+pub trait QpSource {
+    /// What stays with the session while the reactor serves it.
+    type Link: PeerLink;
+
+    /// Hands over the QPs (connected, nothing posted) and the link.
+    fn into_parts(self) -> (Vec<QueuePair>, Self::Link);
+}
+
+/// A session's way to its peer, watched by the reactor.
+pub trait PeerLink {
+    /// Whether the peer is still there. Must not block: it runs on the
+    /// reactor thread, between passes.
+    fn check_peer(&mut self) -> PeerStatus {
+        PeerStatus::Alive
+    }
+}
+
+impl QpSource for Endpoint {
+    type Link = SessionLink;
+
+    fn into_parts(self) -> (Vec<QueuePair>, SessionLink) {
+        Endpoint::into_parts(self)
+    }
+}
+
+impl PeerLink for SessionLink {
+    fn check_peer(&mut self) -> PeerStatus {
+        SessionLink::check_peer(self)
+    }
+}
+
+/// QPs connected by other means, with nothing to watch.
+impl QpSource for Vec<QueuePair> {
+    type Link = ();
+
+    fn into_parts(self) -> (Vec<QueuePair>, ()) {
+        (self, ())
+    }
+}
+
+impl PeerLink for () {}
+
+/// Any link, for a reactor serving sessions of several kinds.
+impl PeerLink for Box<dyn PeerLink> {
+    fn check_peer(&mut self) -> PeerStatus {
+        (**self).check_peer()
+    }
+}

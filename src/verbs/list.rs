@@ -1,0 +1,281 @@
+//! A preallocated, linked list of send work requests for a runtime that
+//! posts a batch per doorbell: `N` WRs and their SGEs, linked to each other
+//! once when the list is made. Staging writes the few fields a request needs
+//! into the next entry in place, through typed setters; posting cuts the
+//! list after the last staged entry, posts it, and mends it. Nothing is
+//! zeroed, copied or relinked per message (perftest's way of reusing its WR,
+//! for a whole batch).
+//!
+//! Entries carry raw addresses and keys, so the list is crate-private: the
+//! reactor, which owns the memory its requests point at, is its one user.
+
+use crate::sys;
+
+use super::mr::{LocalSlice, RemoteSlice};
+use super::wr::SendFlags;
+
+/// The operation of one send-queue request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SendOpcode {
+    /// SEND, optionally with an immediate.
+    Send,
+    /// RDMA WRITE, optionally with an immediate (which consumes a receive).
+    Write,
+    /// RDMA READ.
+    Read,
+}
+
+/// Registered local memory for one SGE: address, length, lkey.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Sge {
+    pub(crate) addr: u64,
+    pub(crate) len: u32,
+    pub(crate) lkey: u32,
+}
+
+impl From<&LocalSlice<'_>> for Sge {
+    fn from(local: &LocalSlice<'_>) -> Self {
+        Self {
+            addr: local.addr,
+            len: local.len,
+            lkey: local.lkey,
+        }
+    }
+}
+
+/// What one request needs besides its `wr_id` and flags.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SendDescriptor {
+    pub(crate) opcode: SendOpcode,
+    pub(crate) local: Sge,
+    /// Remote address and rkey (WRITE and READ).
+    pub(crate) remote: Option<RemoteSlice>,
+    pub(crate) imm: Option<u32>,
+}
+
+impl SendDescriptor {
+    /// A SEND of `local` (empty: a zero-length notification).
+    #[inline]
+    pub(crate) fn send(local: Sge, imm: Option<u32>) -> Self {
+        Self {
+            opcode: SendOpcode::Send,
+            local,
+            remote: None,
+            imm,
+        }
+    }
+
+    /// A WRITE of `local` to `remote`.
+    #[inline]
+    pub(crate) fn write(local: Sge, remote: RemoteSlice, imm: Option<u32>) -> Self {
+        Self {
+            opcode: SendOpcode::Write,
+            local,
+            remote: Some(remote),
+            imm,
+        }
+    }
+
+    /// A READ of `remote` into `local`.
+    #[inline]
+    pub(crate) fn read(local: Sge, remote: RemoteSlice) -> Self {
+        Self {
+            opcode: SendOpcode::Read,
+            local,
+            remote: Some(remote),
+            imm: None,
+        }
+    }
+
+    #[inline]
+    fn raw_opcode(&self) -> sys::ibv_wr_opcode {
+        match (self.opcode, self.imm.is_some()) {
+            (SendOpcode::Send, false) => sys::IBV_WR_SEND,
+            (SendOpcode::Send, true) => sys::IBV_WR_SEND_WITH_IMM,
+            (SendOpcode::Write, false) => sys::IBV_WR_RDMA_WRITE,
+            (SendOpcode::Write, true) => sys::IBV_WR_RDMA_WRITE_WITH_IMM,
+            (SendOpcode::Read, _) => sys::IBV_WR_RDMA_READ,
+        }
+    }
+}
+
+/// Up to `N` send requests, preallocated and linked once.
+pub(crate) struct SendList<const N: usize> {
+    // Boxed so the entries never move: the links between them stay valid
+    // when the owner moves.
+    wrs: Box<[sys::ibv_send_wr; N]>,
+    sges: Box<[sys::ibv_sge; N]>,
+    len: usize,
+}
+
+// SAFETY: the raw pointers inside point only into the list's own boxes,
+// which move with it.
+unsafe impl<const N: usize> Send for SendList<N> {}
+
+impl<const N: usize> SendList<N> {
+    pub(crate) fn new() -> Self {
+        let mut wrs: Box<[sys::ibv_send_wr; N]> = Box::new([sys::ibv_send_wr::default(); N]);
+        let mut sges: Box<[sys::ibv_sge; N]> = Box::new([sys::ibv_sge::default(); N]);
+        let wr_base = wrs.as_mut_ptr();
+        for (i, wr) in wrs.iter_mut().enumerate() {
+            wr.sg_list = &mut sges[i];
+            // One past the end at most, which is never dereferenced: the
+            // last staged entry's link is cut before every post.
+            wr.next = wr_base.wrapping_add(i + 1);
+        }
+        Self { wrs, sges, len: 0 }
+    }
+
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    #[inline]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    #[inline]
+    pub(crate) fn is_full(&self) -> bool {
+        self.len == N
+    }
+
+    #[inline]
+    pub(crate) fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Fills the next entry; false (and nothing staged) when full.
+    #[inline]
+    pub(crate) fn push(&mut self, wr_id: u64, flags: SendFlags, request: &SendDescriptor) -> bool {
+        let i = self.len;
+        if i == N {
+            return false;
+        }
+        let sge = &mut self.sges[i];
+        sge.addr = request.local.addr;
+        sge.length = request.local.len;
+        sge.lkey = request.local.lkey;
+        let wr = &mut self.wrs[i];
+        wr.wr_id = wr_id;
+        wr.opcode = request.raw_opcode();
+        wr.send_flags = flags.bits();
+        // A zero-length request carries no SGE (a credit update).
+        wr.num_sge = i32::from(request.local.len > 0);
+        let (remote_addr, rkey) = request.remote.map_or((0, 0), |r| (r.addr, r.rkey));
+        wr.wr.rdma.remote_addr = remote_addr;
+        wr.wr.rdma.rkey = rkey;
+        wr.__bindgen_anon_1.imm_data = request.imm.unwrap_or(0).to_be();
+        self.len = i + 1;
+        true
+    }
+
+    /// Adds `flags` to the last staged request; false when none is staged.
+    #[inline]
+    pub(crate) fn flag_last(&mut self, flags: SendFlags) -> bool {
+        match self.len.checked_sub(1) {
+            Some(last) => {
+                self.wrs[last].send_flags |= flags.bits();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Hands the staged requests to `post` as one NULL-terminated list
+    /// (head, length) and empties the list, also when posting fails.
+    #[inline]
+    pub(crate) fn post_with(
+        &mut self,
+        post: impl FnOnce(*mut sys::ibv_send_wr, usize) -> crate::Result<()>,
+    ) -> crate::Result<()> {
+        let len = self.len;
+        if len == 0 {
+            return Ok(());
+        }
+        self.len = 0;
+        let last = &mut self.wrs[len - 1];
+        // Cutting the last staged entry's link ends the list the provider
+        // walks at the staged entries; it is mended right after.
+        let mended = std::mem::replace(&mut last.next, std::ptr::null_mut());
+        let result = post(self.wrs.as_mut_ptr(), len);
+        self.wrs[len - 1].next = mended;
+        result
+    }
+}
+
+/// How many list nodes precede `bad` (all of them if `bad` is not in the list).
+pub(super) fn count_before<W: NextPtr>(head: *mut W, bad: *mut W, len: usize) -> usize {
+    let mut cur = head;
+    let mut n = 0;
+    while !cur.is_null() && cur != bad && n < len {
+        // SAFETY: `cur` walks the list the caller built and just posted; it
+        // is still alive in the caller, and at most `len` nodes are visited.
+        cur = unsafe { (*cur).next_ptr() };
+        n += 1;
+    }
+    n
+}
+
+/// A verbs request with a `next` link.
+pub(super) trait NextPtr {
+    fn next_ptr(&self) -> *mut Self;
+}
+
+impl NextPtr for sys::ibv_send_wr {
+    fn next_ptr(&self) -> *mut Self {
+        self.next
+    }
+}
+
+impl NextPtr for sys::ibv_recv_wr {
+    fn next_ptr(&self) -> *mut Self {
+        self.next
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_post_sees_exactly_the_staged_entries_and_the_list_is_mended() {
+        let mut list = SendList::<4>::new();
+        let sge = Sge {
+            addr: 0x1000,
+            len: 8,
+            lkey: 7,
+        };
+        for id in 0..3 {
+            assert!(list.push(id, SendFlags::empty(), &SendDescriptor::send(sge, None)));
+        }
+        assert!(list.flag_last(SendFlags::SIGNALED));
+        let seen = std::cell::RefCell::new(Vec::new());
+        list.post_with(|head, len| {
+            assert_eq!(len, 3);
+            let mut cur = head;
+            while !cur.is_null() {
+                // SAFETY: the list's own entries, alive during the call.
+                let wr = unsafe { &*cur };
+                seen.borrow_mut().push((wr.wr_id, wr.send_flags));
+                cur = wr.next;
+            }
+            Ok(())
+        })
+        .unwrap();
+        let signaled = SendFlags::SIGNALED.bits();
+        assert_eq!(*seen.borrow(), [(0, 0), (1, 0), (2, signaled)]);
+        assert!(list.is_empty());
+        // Mended: a longer batch next time walks through the old cut.
+        for id in 0..4 {
+            assert!(list.push(id, SendFlags::empty(), &SendDescriptor::send(sge, Some(5))));
+        }
+        assert!(!list.push(9, SendFlags::empty(), &SendDescriptor::send(sge, None)));
+        list.post_with(|head, len| {
+            assert_eq!(count_before(head, std::ptr::null_mut(), 10), len);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
