@@ -27,10 +27,10 @@ mod common;
 
 use clap::{Parser, ValueEnum};
 use rdma_comm_core::cluster::{World, parse_hostfile};
-use rdma_comm_core::perf::Clock;
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
+use rdma_perf::Clock;
 
 /// Full-mesh RDMA traffic with verified data, per-pair latency and bandwidth.
 #[derive(Parser, Debug)]

@@ -47,7 +47,6 @@
 
 pub mod cluster;
 pub mod error;
-pub mod perf;
 pub mod pool;
 pub mod reactor;
 pub mod session;

@@ -1,6 +1,10 @@
+//! # rdma-perf
+//!
 //! Latency and bandwidth measurement through the reactor, with perftest's
-//! method and output format. Shared by `examples/lat_bw`, the criterion
-//! benchmarks and `tools/compare-perftest`.
+//! method and output format. Used by `examples/lat_bw` (and through it
+//! `tools/compare-perftest`) and the criterion benchmarks; `examples/ping_pong`
+//! and `tools/mesh` take its [`Clock`]. It is a crate of its own so that a
+//! service embedding `rdma-comm-core` compiles none of it.
 //!
 //! Latency is a ping-pong: SEND and WRITE_WITH_IMM are answered the same way,
 //! and WRITE is answered by a WRITE that the peer notices by polling the last
@@ -8,13 +12,15 @@
 //! round trip; READ reports the full time of one READ. Times come from the TSC
 //! (quanta). Bandwidth streams `iters` messages with at most `batch` requests
 //! per doorbell. Both sides end when the client sends a final marker message.
+#![deny(missing_docs, missing_debug_implementations)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 use std::fmt;
 use std::sync::Arc;
 
-use crate::error::Error;
-use crate::reactor::{ConnId, Ctx, Handler, SendError};
-use crate::verbs::{MemoryRegion, RemoteRegion};
+use rdma_comm_core::error::Error;
+use rdma_comm_core::reactor::{ConnId, Ctx, Handler, SendError};
+use rdma_comm_core::verbs::{MemoryRegion, RemoteRegion};
 
 /// Immediate value of the message that ends a run.
 pub const DONE_MARKER: u32 = u32::MAX;
@@ -137,7 +143,7 @@ pub struct PerfBuffers {
 /// every measured round trip.
 ///
 /// ```
-/// let clock = rdma_comm_core::perf::Clock::new();
+/// let clock = rdma_perf::Clock::new();
 /// let start = clock.now();
 /// let elapsed_ns = clock.nanos(start, clock.now());
 /// # let _ = elapsed_ns;
