@@ -45,7 +45,6 @@
 #![deny(missing_docs, missing_debug_implementations)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-pub mod cluster;
 pub mod error;
 pub mod pool;
 pub mod reactor;
