@@ -902,7 +902,7 @@ fn tell_the_others(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<M
 struct Report {
     header: String,
     size: usize,
-    /// cells[from][to]
+    /// `cells[from][to]`
     cells: Vec<Vec<Cell>>,
     bad: u64,
 }
