@@ -16,10 +16,10 @@ use std::time::Duration;
 mod common;
 
 use clap::{Parser, ValueEnum};
-use rdma_comm_core::perf::*;
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
+use rdma_perf::*;
 
 /// Latency and bandwidth benchmark with perftest-compatible output.
 #[derive(Parser, Debug)]

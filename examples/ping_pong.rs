@@ -26,10 +26,10 @@ mod common;
 
 use clap::{Parser, ValueEnum};
 use rdma_comm_core::Error;
-use rdma_comm_core::perf::Clock;
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
+use rdma_perf::Clock;
 
 /// RDMA ping-pong with verified payloads.
 #[derive(Parser, Debug)]

@@ -45,9 +45,7 @@
 #![deny(missing_docs, missing_debug_implementations)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-pub mod cluster;
 pub mod error;
-pub mod perf;
 pub mod pool;
 pub mod reactor;
 pub mod session;

@@ -1,4 +1,4 @@
-//! `tools/mesh` under a real launcher: `mpirun -np 4 --oversubscribe` (Open
+//! `tools/mesh/run` under a real launcher: `mpirun -np 4 --oversubscribe` (Open
 //! MPI) on one rxe device, one port per rank, for WRITE and SEND traffic; and
 //! a rank killed mid-stream, which the others report instead of hanging.
 //! Gated as described in `tests/util/mod.rs`: runs in the Soft-RoCE guest.
@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 use util::*;
 
 fn mesh_tool() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/mesh")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/mesh/run")
 }
 
-/// Runs `tools/mesh` on 4 ranks under mpirun; returns its output and rank 0's JSON.
+/// Runs `tools/mesh/run` on 4 ranks under mpirun; returns its output and rank 0's JSON.
 fn mpirun_mesh(flags: &[&str]) -> (Output, serde_json::Value) {
     let json = std::env::temp_dir().join(format!("mesh-{}.json", free_port()));
     let base_port = free_port().saturating_sub(8).max(1024).to_string();
@@ -33,7 +33,7 @@ fn mpirun_mesh(flags: &[&str]) -> (Output, serde_json::Value) {
         .args(["--base-port", &base_port, "--json"])
         .arg(&json)
         .args(flags)
-        .env("MESH_BIN", example_binary("mesh"))
+        .env("MESH_BIN", workspace_binary("mesh"))
         .stdin(Stdio::null())
         .output()
         .expect("mpirun (openmpi-bin) runs");
@@ -97,7 +97,7 @@ verbs_test! {
     fn a_rank_killed_mid_stream_is_reported_by_the_others() {
         let base_port = free_port().saturating_sub(8).max(1024).to_string();
         let spawn = |rank: usize| {
-            Command::new(example_binary("mesh"))
+            Command::new(workspace_binary("mesh"))
                 .args(["--rank", &rank.to_string(), "--size", "3", "--hosts", "127.0.0.1"])
                 .args(["--base-port", &base_port, "--no-pin", "--event-mode", "blocking"])
                 .args(["--lat-iters", "50", "--duration", "120"])

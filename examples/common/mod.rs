@@ -1,4 +1,5 @@
-//! Flags every example shares (each example includes this with `mod common;`).
+//! Flags every example shares (each example includes this with `mod common;`,
+//! and tools/mesh's `src/main.rs` with a `#[path]` to this file).
 
 use clap::Args;
 use rdma_comm_core::verbs::QpConfig;

@@ -130,20 +130,32 @@ pub fn read_back(mr: &MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
 /// tests live in target/<profile>/deps, examples one level up).
 #[track_caller]
 pub fn example_binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
+    let path = profile_dir().join("examples").join(name);
     assert!(
         path.exists(),
         "{} is missing: build the examples first (tools/test does)",
         path.display()
     );
     path
+}
+
+/// The path of binary `name` of a workspace member (`mesh` from tools/mesh),
+/// which cargo puts in target/<profile> itself.
+#[track_caller]
+pub fn workspace_binary(name: &str) -> PathBuf {
+    let path = profile_dir().join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the workspace's binaries first (tools/test does)",
+        path.display()
+    );
+    path
+}
+
+/// target/<profile>: the parent of the deps directory this test runs from.
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
 }
 
 /// A TCP port that was free a moment ago.

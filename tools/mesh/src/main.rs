@@ -1,10 +1,11 @@
 //! Full-mesh traffic between cluster ranks (the successor of
-//! mesh_comm_service). Started by the site's launcher, never by ssh:
+//! mesh_comm_service). Started by the site's launcher, never by ssh, through
+//! the `tools/mesh/run` script, which runs the binary `target/release/mesh`:
 //!
 //! ```text
-//! mpirun -np 4 tools/mesh --op write --duration 5
-//! srun -N 4 --ntasks-per-node=1 tools/mesh --op send --bytes 1G
-//! tools/mesh --rank 1 --size 2 --hosts node1,node2     # by hand
+//! mpirun -np 4 tools/mesh/run --op write --duration 5
+//! srun -N 4 --ntasks-per-node=1 tools/mesh/run --op send --bytes 1G
+//! tools/mesh/run --rank 1 --size 2 --hosts node1,node2     # by hand
 //! ```
 //!
 //! Every rank connects to every other one (rank r listens on
@@ -16,6 +17,11 @@
 //! and sequence number and checked on arrival. Each stream ends with its
 //! message count, which the receiver checks. Rank 0 gathers every rank's row
 //! and prints the latency and bandwidth matrices.
+//!
+//! A crate of its own (`rdma-mesh`, binary `mesh`), so that a service
+//! embedding `rdma-comm-core` compiles neither it nor [`cluster`].
+#![deny(missing_docs, missing_debug_implementations)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 use std::cell::RefCell;
 use std::process::ExitCode;
@@ -23,14 +29,18 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+// The device and reactor flags every example shares, from the same file.
+#[path = "../../../examples/common/mod.rs"]
 mod common;
 
+mod cluster;
+
 use clap::{Parser, ValueEnum};
-use rdma_comm_core::cluster::{World, parse_hostfile};
-use rdma_comm_core::perf::Clock;
+use cluster::{World, parse_hostfile};
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
+use rdma_perf::Clock;
 
 /// Full-mesh RDMA traffic with verified data, per-pair latency and bandwidth.
 #[derive(Parser, Debug)]
@@ -892,7 +902,7 @@ fn tell_the_others(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<M
 struct Report {
     header: String,
     size: usize,
-    /// cells[from][to]
+    /// `cells[from][to]`
     cells: Vec<Vec<Cell>>,
     bad: u64,
 }

@@ -7,9 +7,7 @@
 //! reads whichever is present (explicit values win) and maps every rank to
 //! the host it runs on.
 //!
-//! ```
-//! use rdma_comm_core::cluster::{expand_nodelist, World};
-//!
+//! ```ignore
 //! assert_eq!(expand_nodelist("gpu[1-3,07],login").unwrap(), ["gpu1", "gpu2", "gpu3", "gpu07", "login"]);
 //! let world = World::discover(
 //!     Some(1),
@@ -20,6 +18,9 @@
 //! .unwrap();
 //! assert_eq!(world.host(1), "10.0.0.2");
 //! ```
+//!
+//! (A binary crate runs no doc tests: `tests::the_module_example_holds` runs
+//! this one.)
 
 use std::fmt;
 
@@ -291,6 +292,22 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         move |key| map.get(key).cloned()
+    }
+
+    #[test]
+    fn the_module_example_holds() {
+        assert_eq!(
+            expand_nodelist("gpu[1-3,07],login").unwrap(),
+            ["gpu1", "gpu2", "gpu3", "gpu07", "login"]
+        );
+        let world = World::discover(
+            Some(1),
+            Some(2),
+            Some(vec!["10.0.0.1".into(), "10.0.0.2".into()]),
+            |_| None,
+        )
+        .unwrap();
+        assert_eq!(world.host(1), "10.0.0.2");
     }
 
     #[test]

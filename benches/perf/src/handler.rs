@@ -1,0 +1,75 @@
+//! One handler type for all the roles, dispatched statically.
+
+use std::fmt;
+
+use rdma_comm_core::error::Error;
+use rdma_comm_core::reactor::{ConnId, Ctx, Handler};
+
+use crate::{LatencyClient, RateSender, RateSink, Reflector};
+
+/// Any of the measurement roles, so one reactor type serves them all.
+#[allow(missing_docs, clippy::large_enum_variant)]
+pub enum PerfHandler {
+    Latency(LatencyClient),
+    Reflect(Reflector),
+    Rate(RateSender),
+    Sink(RateSink),
+}
+
+impl fmt::Debug for PerfHandler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PerfHandler::Latency(_) => "PerfHandler::Latency",
+            PerfHandler::Reflect(_) => "PerfHandler::Reflect",
+            PerfHandler::Rate(_) => "PerfHandler::Rate",
+            PerfHandler::Sink(_) => "PerfHandler::Sink",
+        })
+    }
+}
+
+/// Calls the same method on whichever role is inside, statically: a dyn call
+/// per callback would add an indirect branch to every reactor pass.
+macro_rules! each_role {
+    ($self:ident, $h:ident => $call:expr) => {
+        match $self {
+            PerfHandler::Latency($h) => $call,
+            PerfHandler::Reflect($h) => $call,
+            PerfHandler::Rate($h) => $call,
+            PerfHandler::Sink($h) => $call,
+        }
+    };
+}
+
+impl PerfHandler {
+    /// The error that ended the run early, if any.
+    pub fn failure(&self) -> Option<&str> {
+        each_role!(self, h => h.failure())
+    }
+}
+
+impl Handler for PerfHandler {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        each_role!(self, h => h.on_established(ctx, conn))
+    }
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        each_role!(self, h => h.on_message(ctx, conn, data, imm))
+    }
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
+        each_role!(self, h => h.on_write_imm(ctx, conn, imm, len))
+    }
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        each_role!(self, h => h.on_send_complete(ctx, conn, seq))
+    }
+    fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        each_role!(self, h => h.on_write_complete(ctx, conn, seq))
+    }
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        each_role!(self, h => h.on_read_complete(ctx, conn, seq))
+    }
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
+        each_role!(self, h => h.on_error(ctx, conn, error))
+    }
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        each_role!(self, h => h.on_idle(ctx))
+    }
+}

@@ -1,0 +1,305 @@
+//! Latency roles: the client that times ping-pongs (or READs) and the
+//! reflector that answers them.
+
+use rdma_comm_core::error::Error;
+use rdma_comm_core::reactor::{ConnId, Ctx, Handler, SendError};
+use rdma_comm_core::verbs::MemoryRegion;
+
+use crate::run_end::RunEnd;
+use crate::{Clock, DONE_MARKER, PerfBuffers, PerfOp, PerfSpec};
+
+/// Measures round trips (or READs) and keeps one sample per iteration.
+#[derive(Debug)]
+pub struct LatencyClient {
+    spec: PerfSpec,
+    buffers: PerfBuffers,
+    conn: Option<ConnId>,
+    seq: u64,
+    started_at: u64,
+    in_flight: bool,
+    clock: Clock,
+    /// Round-trip (or READ) times in clock ticks.
+    samples: Vec<u64>,
+    failed: Option<String>,
+    end: RunEnd,
+}
+
+impl LatencyClient {
+    /// A client for `spec` with preallocated sample storage.
+    pub fn new(spec: PerfSpec, buffers: PerfBuffers) -> Self {
+        Self {
+            spec,
+            buffers,
+            conn: None,
+            seq: 0,
+            started_at: 0,
+            in_flight: false,
+            clock: Clock::new(),
+            samples: Vec::with_capacity(spec.iters as usize),
+            failed: None,
+            end: RunEnd::default(),
+        }
+    }
+
+    /// Per-iteration latencies in nanoseconds (half round trips for SEND and
+    /// WRITE, full READs), once finished.
+    pub fn latencies_ns(&self) -> Vec<u64> {
+        let halve = self.spec.op != PerfOp::Read;
+        self.samples
+            .iter()
+            .map(|&ticks| self.clock.nanos(0, ticks))
+            .map(|ns| if halve { ns / 2 } else { ns })
+            .collect()
+    }
+
+    /// The error that ended the run early, if any.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    /// True when every iteration was measured.
+    pub fn is_done(&self) -> bool {
+        self.end.begun()
+    }
+
+    /// The byte that marks iteration `seq` (never 0, so a fresh buffer differs).
+    fn marker(seq: u64) -> u8 {
+        (seq % 255) as u8 + 1
+    }
+
+    /// Stages iteration `self.seq`, timed from `now` (a clock reading).
+    fn issue(&mut self, ctx: &mut Ctx<'_>, now: u64) {
+        let Some(conn) = self.conn else { return };
+        let size = self.spec.size;
+        let seq = self.seq;
+        let marker = Self::marker(seq);
+        self.started_at = now;
+        let buffer = &self.buffers.buffer;
+        let result = match self.spec.op {
+            PerfOp::Send => ctx.send_with(conn, size, None, |buf| {
+                if let Some(last) = buf.last_mut() {
+                    *last = marker;
+                }
+            }),
+            PerfOp::Write | PerfOp::WriteImm => {
+                let imm = (self.spec.op == PerfOp::WriteImm).then_some(seq as u32);
+                let wrote = buffer.write(2 * size - 1, &[marker]);
+                match (
+                    wrote,
+                    buffer.slice(size, size),
+                    self.buffers.peer.slice(0, size as u64),
+                ) {
+                    (Ok(()), Ok(local), Ok(remote)) => ctx.write(conn, &local, remote, imm),
+                    (Err(e), ..) | (_, Err(e), _) | (.., Err(e)) => Err(SendError::Invalid(e)),
+                }
+            }
+            PerfOp::Read => match (
+                buffer.slice(0, size),
+                self.buffers.peer.slice(0, size as u64),
+            ) {
+                (Ok(local), Ok(remote)) => ctx.read(conn, &local, remote),
+                (Err(e), _) | (_, Err(e)) => Err(SendError::Invalid(e)),
+            },
+        };
+        match result {
+            Ok(_) => self.in_flight = true,
+            Err(SendError::WouldBlock) => self.in_flight = false,
+            Err(err) => {
+                self.failed = Some(err.to_string());
+                ctx.stop();
+            }
+        }
+    }
+
+    fn answered(&mut self, ctx: &mut Ctx<'_>) {
+        // Raw ticks now, nanoseconds after the run (as perftest converts its
+        // cycle counts at the end): no float work inside the measured loop.
+        // One reading ends this round trip and starts the next, as perftest
+        // times from post to post.
+        let now = self.clock.now();
+        let elapsed = now.saturating_sub(self.started_at);
+        self.in_flight = false;
+        if self.seq >= self.spec.warmup {
+            self.samples.push(elapsed);
+        }
+        self.seq += 1;
+        if self.seq == self.spec.warmup + self.spec.iters {
+            self.end.begin(ctx, self.conn);
+        } else {
+            self.issue(ctx, now);
+        }
+    }
+}
+
+impl Handler for LatencyClient {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.conn = Some(conn);
+        self.issue(ctx, self.clock.now());
+    }
+
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _data: &[u8], _imm: Option<u32>) {
+        if self.spec.op == PerfOp::Send && self.in_flight {
+            self.answered(ctx);
+        }
+    }
+
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _imm: u32, _len: u32) {
+        if self.spec.op == PerfOp::WriteImm && self.in_flight {
+            self.answered(ctx);
+        }
+    }
+
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
+        if self.spec.op == PerfOp::Read && self.in_flight {
+            self.answered(ctx);
+        }
+    }
+
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
+        self.failed = Some(error.to_string());
+        ctx.stop();
+    }
+
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, seq: u32) {
+        self.end.completed(ctx, seq);
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        // The common case first: a ping is out and its answer comes as a
+        // completion; nothing to do until then.
+        if self.in_flight && self.spec.op != PerfOp::Write {
+            return;
+        }
+        if self.end.begun() {
+            self.end.retry(ctx, self.conn);
+            return;
+        }
+        if self.conn.is_none() {
+            return;
+        }
+        if !self.in_flight {
+            self.issue(ctx, self.clock.now());
+        } else if self.spec.op == PerfOp::Write {
+            let marker = Self::marker(self.seq);
+            if poll_byte(&self.buffers.buffer, self.spec.size - 1, |b| b == marker) {
+                // The reflector's WRITE carried our marker back into our landing half.
+                self.answered(ctx);
+            }
+        }
+    }
+}
+
+/// Spins on one byte of `region` for a short while, the way perftest's WRITE
+/// latency test does: a WRITE's answer shows up in memory, not in the CQ, so
+/// checking it only once per reactor pass would add a pass to every round trip.
+#[inline]
+fn poll_byte(region: &MemoryRegion, offset: usize, done: impl Fn(u8) -> bool) -> bool {
+    for _ in 0..256 {
+        if region.load_byte(offset).is_some_and(&done) {
+            return true;
+        }
+        std::hint::spin_loop();
+    }
+    false
+}
+
+/// Answers a latency client: SEND by SEND, WRITE_WITH_IMM by WRITE_WITH_IMM,
+/// WRITE by WRITE (after noticing the new marker by polling). Stops on the
+/// client's done marker.
+#[derive(Debug)]
+pub struct Reflector {
+    spec: PerfSpec,
+    buffers: PerfBuffers,
+    conn: Option<ConnId>,
+    last_marker: u8,
+    failed: Option<String>,
+}
+
+impl Reflector {
+    /// A reflector for `spec`.
+    pub fn new(spec: PerfSpec, buffers: PerfBuffers) -> Self {
+        Self {
+            spec,
+            buffers,
+            conn: None,
+            last_marker: 0,
+            failed: None,
+        }
+    }
+
+    /// The error that ended the run early, if any.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    fn write_back(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: Option<u32>) {
+        let size = self.spec.size;
+        let buffer = &self.buffers.buffer;
+        let result = match (
+            buffer.slice(0, size),
+            self.buffers.peer.slice(0, size as u64),
+        ) {
+            (Ok(local), Ok(remote)) => ctx.write(conn, &local, remote, imm),
+            (Err(e), _) | (_, Err(e)) => Err(SendError::Invalid(e)),
+        };
+        if let Err(err) = result {
+            self.failed = Some(err.to_string());
+            ctx.stop();
+        }
+    }
+}
+
+impl Handler for Reflector {
+    fn on_established(&mut self, _ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.conn = Some(conn);
+    }
+
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        if imm == Some(DONE_MARKER) {
+            ctx.stop();
+        } else if self.spec.op == PerfOp::Send {
+            // Echo the receive slot itself (as ib_send_lat answers from a
+            // buffer it does not fill): no copy, no send slot.
+            let echoed = match ctx.hold() {
+                Some(held) => ctx.forward(conn, held, None).map_err(|(err, held)| {
+                    ctx.release(held);
+                    err
+                }),
+                None => ctx.send(conn, data, None),
+            };
+            if let Err(err) = echoed {
+                self.failed = Some(err.to_string());
+                ctx.stop();
+            }
+        }
+    }
+
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, _len: u32) {
+        self.write_back(ctx, conn, Some(imm));
+    }
+
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
+        self.failed = Some(error.to_string());
+        ctx.stop();
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        // WRITE ping-pong: the client's WRITE changed the last byte of our
+        // landing half; write that half straight back.
+        if self.spec.op != PerfOp::Write {
+            return;
+        }
+        let Some(conn) = self.conn else { return };
+        let last = self.last_marker;
+        if poll_byte(&self.buffers.buffer, self.spec.size - 1, |b| {
+            b != 0 && b != last
+        }) {
+            self.last_marker = self
+                .buffers
+                .buffer
+                .load_byte(self.spec.size - 1)
+                .unwrap_or(last);
+            self.write_back(ctx, conn, None);
+        }
+    }
+}

@@ -1,0 +1,31 @@
+//! # rdma-perf
+//!
+//! Latency and bandwidth measurement through the reactor, with perftest's
+//! method and output format. Used by `examples/lat_bw` (and through it
+//! `tools/compare-perftest`) and the criterion benchmarks; `examples/ping_pong`
+//! and `tools/mesh` take its [`Clock`]. It is a crate of its own so that a
+//! service embedding `rdma-comm-core` compiles none of it.
+//!
+//! Latency is a ping-pong: SEND and WRITE_WITH_IMM are answered the same way,
+//! and WRITE is answered by a WRITE that the peer notices by polling the last
+//! byte of its buffer, as `ib_write_lat` does. SEND and WRITE report half the
+//! round trip; READ reports the full time of one READ. Times come from the TSC
+//! (quanta). Bandwidth streams `iters` messages with at most `batch` requests
+//! per doorbell. Both sides end when the client sends a final marker message.
+#![deny(missing_docs, missing_debug_implementations)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod clock;
+mod handler;
+mod latency;
+mod rate;
+mod run_end;
+mod spec;
+mod stats;
+
+pub use clock::Clock;
+pub use handler::PerfHandler;
+pub use latency::{LatencyClient, Reflector};
+pub use rate::{RateSender, RateSink};
+pub use spec::{DONE_MARKER, PerfBuffers, PerfOp, PerfSpec};
+pub use stats::{BandwidthStats, LATENCY_HEADER, LatencyStats, bandwidth_header};

@@ -1,0 +1,61 @@
+//! What a run measures: the operation, sizes and counts, the buffers, and the
+//! marker that ends it.
+
+use std::fmt;
+use std::sync::Arc;
+
+use rdma_comm_core::verbs::{MemoryRegion, RemoteRegion};
+
+/// Immediate value of the message that ends a run.
+pub const DONE_MARKER: u32 = u32::MAX;
+
+/// The operation measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PerfOp {
+    /// SEND/RECV.
+    Send,
+    /// RDMA WRITE (latency: answered by a WRITE the peer detects by polling).
+    Write,
+    /// RDMA WRITE_WITH_IMM (answered the same way).
+    WriteImm,
+    /// RDMA READ.
+    Read,
+}
+
+impl fmt::Display for PerfOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PerfOp::Send => "send",
+            PerfOp::Write => "write",
+            PerfOp::WriteImm => "write_imm",
+            PerfOp::Read => "read",
+        })
+    }
+}
+
+/// What to measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PerfSpec {
+    /// The operation.
+    pub op: PerfOp,
+    /// Message size in bytes.
+    pub size: usize,
+    /// Measured iterations.
+    pub iters: u64,
+    /// Unmeasured iterations first.
+    pub warmup: u64,
+    /// Bandwidth: most requests per doorbell.
+    pub batch: usize,
+}
+
+/// Buffers one side needs. `buffer` holds `2 × size` bytes and is exported:
+/// the first half is where the peer's WRITEs land (and what READs fetch), the
+/// second half is the source of our own WRITEs, so polling the landing half
+/// never sees our own marker.
+#[derive(Debug, Clone)]
+pub struct PerfBuffers {
+    /// This side's buffer.
+    pub buffer: Arc<MemoryRegion>,
+    /// The peer's exported buffer.
+    pub peer: RemoteRegion,
+}
