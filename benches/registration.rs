@@ -72,9 +72,9 @@ fn registration(c: &mut Criterion) {
         let after = rss_kib();
         println!(
             "{slot_size:>10} {slots:>6} {:>12} {:>12} {:>10}",
-            pool.region().len(),
+            pool.slot_size() * pool.capacity() as usize,
             after.saturating_sub(before),
-            pool.region().huge_pages()
+            pool.huge_pages()
         );
     }
 }

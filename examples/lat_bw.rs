@@ -143,7 +143,7 @@ fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
     let passive = args.server
         && ((args.test == TestArg::Lat && args.op == OpArg::Read)
             || (args.test == TestArg::Bw && args.op != OpArg::Send));
-    ReactorConfig {
+    let config = ReactorConfig {
         event_mode: if passive {
             EventMode::Blocking
         } else {
@@ -155,7 +155,10 @@ fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
         sq_depth: 512,
         signal_interval: args.reactor.signal_interval,
         ..ReactorConfig::default()
-    }
+    };
+    config
+        .absorbing(1)
+        .watching_peers(Duration::from_millis(200))
 }
 
 fn run(args: &Args) -> rdma_comm_core::Result<()> {
@@ -180,18 +183,18 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
     for size in sizes(args) {
         let spec = spec(args, size);
         let mut reactor: Reactor<PerfHandler> = Reactor::new(&pd, reactor_config(args, size))?;
-        let buffer = Arc::new(pd.alloc_mr(
+        let buffer = pd.alloc_mr(
             2 * size,
             AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
-        )?);
+        )?;
         let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
         let endpoint = if args.server {
             let mut config = reactor.server_config(access);
             args.dev.apply(&mut config.qp);
             config.max_peers = Some(1);
-            let export = Arc::clone(&buffer);
+            let export = buffer.registration().clone();
             config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
-                Ok(vec![Export::new(1, "perf", Arc::clone(&export))])
+                Ok(vec![Export::new(1, "perf", export.clone())])
             }));
             let server = ServerSession::bind(args.listen.as_str(), &pd, config)?;
             let endpoint = server
@@ -206,11 +209,8 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
         } else {
             let mut spec = reactor.channel_spec_with_access("perf", access);
             args.dev.apply(&mut spec.qp);
-            let mut config = ClientConfig::new(vec![spec]).with_exports(vec![Export::new(
-                1,
-                "perf",
-                Arc::clone(&buffer),
-            )]);
+            let mut config =
+                ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "perf", &buffer)]);
             config.connect_deadline = Duration::from_secs(60);
             ClientSession::connect(args.connect.as_deref().unwrap_or_default(), &pd, &config)?
         };
@@ -228,24 +228,12 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
             (false, TestArg::Lat) => PerfHandler::Latency(LatencyClient::new(spec, buffers)),
             (false, TestArg::Bw) => PerfHandler::Rate(RateSender::new(spec, buffers)),
         };
+        let peer_addr = endpoint.peer();
         let session = reactor.add(endpoint, handler)?;
-        // The peer's control connection is watched, so a vanished peer ends
-        // the run with an error instead of a hang.
-        while !reactor.run_for(Duration::from_millis(200))? {
-            let Some(endpoint) = reactor.endpoint_mut(session) else {
-                break;
-            };
-            let peer = endpoint.peer();
-            let what = match endpoint.check_peer() {
-                PeerStatus::Alive => continue,
-                PeerStatus::Disconnected { code } => {
-                    format!("the peer hung up (code {code}) before the run ended")
-                }
-                PeerStatus::Lost(err) => format!("lost the peer: {err}"),
-            };
-            return Err(rdma_comm_core::Error::Protocol { peer, what });
-        }
-        let (endpoint, handler) =
+        // The reactor watches the peer's control connection, so a vanished
+        // peer ends the run with an error (the handler's) instead of a hang.
+        reactor.run()?;
+        let (_link, handler) =
             reactor
                 .remove(session)
                 .ok_or(rdma_comm_core::Error::InvalidArgument(
@@ -253,7 +241,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
                 ))?;
         if let Some(failure) = handler.failure() {
             return Err(rdma_comm_core::Error::Protocol {
-                peer: endpoint.peer(),
+                peer: peer_addr,
                 what: failure.to_string(),
             });
         }

@@ -79,6 +79,9 @@ enum Op {
 const ROUND_TRIP_DEADLINE: Duration = Duration::from_secs(10);
 /// How often control connections are checked for a vanished peer.
 const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+/// Peers the server's CQs are sized for at once (more are refused with an
+/// error naming them, until some leave).
+const MAX_PEERS_AT_ONCE: u32 = 64;
 /// Most pings in flight: the WRITE_WITH_IMM immediate carries the inbox slot
 /// in its top byte and the sequence number in the other 24 bits.
 const MAX_WINDOW: usize = 64;
@@ -115,18 +118,22 @@ fn write_imm(slot: usize, seq: u64) -> u32 {
 
 /// `depth` receives per peer; `send_slots` for SENDs that are not echoes
 /// (the server echoes from receive slots and its inbox, so it needs few).
-fn reactor_config(args: &Args, payload: usize, depth: u32, send_slots: u32) -> ReactorConfig {
+/// for `peers` peers; the reactor watches each peer's control connection.
+fn reactor_config(
+    args: &Args,
+    payload: usize,
+    depth: u32,
+    send_slots: u32,
+    peers: u32,
+) -> ReactorConfig {
     let default_mode = common::EventArg::Busy;
     ReactorConfig {
         event_mode: args.reactor.event_mode_or(default_mode).into(),
-        slot_size: payload + SEND_HEADER_LEN,
-        recv_depth: depth,
-        repost_batch: (depth / 4).max(1),
         send_slots,
-        sq_depth: (2 * depth).max(64),
         signal_interval: args.reactor.signal_interval,
-        ..ReactorConfig::default()
+        ..ReactorConfig::for_traffic(payload, depth, peers)
     }
+    .watching_peers(PEER_CHECK_INTERVAL)
 }
 
 /// The client: keeps `window` pings in flight and checks every echo.
@@ -136,7 +143,7 @@ struct Pinger {
     op: Op,
     window: usize,
     conn: Option<ConnId>,
-    source: Arc<MemoryRegion>,
+    source: MemoryRegion,
     inbox: Arc<MemoryRegion>,
     server_inbox: RemoteRegion,
     clock: Clock,
@@ -251,6 +258,14 @@ impl Handler for Pinger {
         });
     }
 
+    fn on_peer_gone(&mut self, _ctx: &mut Ctx<'_>, _session: SessionId, status: &PeerStatus) {
+        self.failure.get_or_insert_with(|| match status {
+            PeerStatus::Disconnected { code } => format!("the server hung up (code {code})"),
+            PeerStatus::Lost(err) => err.to_string(),
+            PeerStatus::Alive => "the server's link reported nothing".into(),
+        });
+    }
+
     fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
         self.failure.get_or_insert_with(|| error.to_string());
     }
@@ -267,16 +282,14 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
     let size = args.size.max(1);
     let window = args.reactor.batch_or(1).min(MAX_WINDOW);
     let inbox = Arc::new(pd.alloc_mr(window * size, AccessFlags::REMOTE_WRITE)?);
-    let source = Arc::new(pd.alloc_mr(window * size, AccessFlags::empty())?);
+    let source = pd.alloc_mr(window * size, AccessFlags::empty())?;
     let depth = (2 * window as u32).max(16);
-    let mut reactor: Reactor<Pinger> = Reactor::new(&pd, reactor_config(args, size, depth, depth))?;
+    let mut reactor: Reactor<Pinger> =
+        Reactor::new(&pd, reactor_config(args, size, depth, depth, 1))?;
     let mut spec = reactor.channel_spec_with_access("ping", AccessFlags::REMOTE_WRITE);
     args.dev.apply(&mut spec.qp);
-    let config = ClientConfig::new(vec![spec]).with_exports(vec![Export::new(
-        1,
-        "inbox",
-        Arc::clone(&inbox),
-    )]);
+    let config =
+        ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "inbox", inbox.as_ref())]);
     let endpoint = ClientSession::connect(addr, &pd, &config)?;
     let peer = endpoint.peer();
     let server_inbox = endpoint
@@ -321,8 +334,9 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
 
     let mut last_progress = (0, Instant::now());
     // Reading the clock every pass would cost more than the pass (a syscall
-    // on a VM's HPET): the timer reads it now and then.
-    let mut peer_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
+    // on a VM's HPET): the timer reads it now and then. The reactor watches
+    // the server itself (Pinger::on_peer_gone).
+    let mut progress_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
     loop {
         let completions = reactor.turn()?;
         let Some(pinger) = reactor.handler(session) else {
@@ -331,7 +345,7 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
         if pinger.done() {
             break;
         }
-        if !peer_check.expired_after(completions) {
+        if !progress_check.expired_after(completions) {
             continue;
         }
         if pinger.answered != last_progress.0 {
@@ -345,34 +359,23 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
                 ),
             });
         }
-        if let Some(endpoint) = reactor.endpoint_mut(session) {
-            match endpoint.check_peer() {
-                PeerStatus::Alive => {}
-                PeerStatus::Disconnected { code } => {
-                    return Err(Error::Protocol {
-                        peer,
-                        what: format!("the server hung up (code {code})"),
-                    });
-                }
-                PeerStatus::Lost(err) => return Err(err),
-            }
-        }
     }
-    let (endpoint, pinger) = reactor
+    let (mut link, pinger) = reactor
         .remove(session)
         .ok_or(Error::InvalidArgument("the session vanished"))?;
-    let report = endpoint.close()?;
+    // The reactor destroyed the QPs; say goodbye on the control connection.
+    link.close();
     if let Some(failure) = &pinger.failure {
         return Err(Error::Protocol {
             peer,
             what: failure.clone(),
         });
     }
-    print_summary(&pinger.rtts_ns, pinger.mismatches, report.drained.len());
+    print_summary(&pinger.rtts_ns, pinger.mismatches);
     Ok(pinger.mismatches == 0 && pinger.rtts_ns.len() as u64 == args.iters)
 }
 
-fn print_summary(rtts_ns: &[u64], mismatches: u64, drained: usize) {
+fn print_summary(rtts_ns: &[u64], mismatches: u64) {
     let mut us: Vec<f64> = rtts_ns.iter().map(|&ns| ns as f64 / 1e3).collect();
     us.sort_by(f64::total_cmp);
     let at = |q: f64| {
@@ -388,9 +391,6 @@ fn print_summary(rtts_ns: &[u64], mismatches: u64, drained: usize) {
         at(0.99),
         at(1.0)
     );
-    if drained > 0 {
-        println!("{drained} completions drained at close");
-    }
 }
 
 /// An echo the server could not post yet (no credit or send-queue room);
@@ -404,6 +404,7 @@ enum Echo {
 
 /// The server's side of one peer.
 struct Echoer {
+    peer: SocketAddr,
     conn: Option<ConnId>,
     inbox: Arc<MemoryRegion>,
     client_inbox: RemoteRegion,
@@ -413,6 +414,8 @@ struct Echoer {
     /// Corrupted data: reported even if the peer then hangs up politely.
     corrupt: Option<String>,
     transport: Option<String>,
+    /// The outcome was reported and the session's removal asked for.
+    retired: bool,
 }
 
 impl Echoer {
@@ -453,6 +456,21 @@ impl Echoer {
 
     fn failure(&self) -> Option<&str> {
         self.corrupt.as_deref().or(self.transport.as_deref())
+    }
+
+    /// Reports how the peer's session ended and has the reactor remove it
+    /// after this pass; the other peers go on.
+    fn retire(&mut self, ctx: &mut Ctx<'_>, session: SessionId, outcome: Result<u64, String>) {
+        if self.retired {
+            return;
+        }
+        self.retired = true;
+        let peer = self.peer;
+        match outcome {
+            Ok(count) => println!("peer {peer} done: {count} messages verified and echoed"),
+            Err(err) => println!("peer {peer} error: {err}"),
+        }
+        ctx.remove_session(session);
     }
 }
 
@@ -500,7 +518,20 @@ impl Handler for Echoer {
     }
 
     fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
+        // Kept until the peer watch tells whether the peer left politely
+        // (which explains a transport error that followed) or was lost.
         self.transport.get_or_insert_with(|| error.to_string());
+    }
+
+    fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
+        let outcome = match (status, self.corrupt.as_deref()) {
+            (_, Some(corrupt)) => Err(corrupt.to_string()),
+            // A polite goodbye explains a transport error that followed it.
+            (PeerStatus::Disconnected { .. }, None) => Ok(self.seq),
+            (PeerStatus::Lost(err), None) => Err(err.to_string()),
+            (PeerStatus::Alive, None) => return,
+        };
+        self.retire(ctx, session, outcome);
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
@@ -516,14 +547,17 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     let max_size = args.max_size.max(1);
     // A full client window plus the credits the reactor keeps in reserve.
     let depth = MAX_WINDOW as u32 + 8;
-    let mut reactor: Reactor<Echoer> = Reactor::new(&pd, reactor_config(args, max_size, depth, 1))?;
+    let mut reactor: Reactor<Echoer> = Reactor::new(
+        &pd,
+        reactor_config(args, max_size, depth, 1, MAX_PEERS_AT_ONCE),
+    )?;
     let mut config = reactor.server_config(AccessFlags::REMOTE_WRITE);
     args.dev.apply(&mut config.qp);
     config.max_peers = args.max_peers;
     config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
     config.exports = Some(Arc::new(move |_peer: SocketAddr, pd: &ProtectionDomain| {
         // Each peer writes into its own inbox: no peer can touch another's data.
-        Ok(vec![Export::new(
+        Ok(vec![Export::shared(
             1,
             "inbox",
             Arc::new(pd.alloc_mr(max_size, AccessFlags::REMOTE_WRITE)?),
@@ -533,10 +567,10 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     println!("listening on {}", server.local_addr());
 
     let mut served = 0;
-    let mut peer_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
+    let mut admin_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
     loop {
         let completions = reactor.turn()?;
-        if !peer_check.expired_after(completions) {
+        if !admin_check.expired_after(completions) {
             continue;
         }
         for failure in server.take_failures() {
@@ -552,8 +586,13 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
                 println!("peer {peer} error: it exported no inbox");
                 continue;
             };
-            let inbox = Arc::clone(&endpoint.exports()[0].region);
+            let Some(inbox) = endpoint.exports()[0].memory.clone() else {
+                println!("peer {peer} error: its inbox is not readable");
+                continue;
+            };
             let echoer = Echoer {
+                peer,
+                retired: false,
                 conn: None,
                 inbox,
                 client_inbox,
@@ -568,7 +607,7 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
                 Err(err) => println!("peer {peer} error: {err}"),
             }
         }
-        retire_finished_peers(&mut reactor);
+        retire_failed_peers(&mut reactor);
         let all_served = args.max_peers.is_some_and(|max| served >= max);
         if all_served && reactor.sessions().next().is_none() {
             break;
@@ -584,32 +623,20 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     Ok(true)
 }
 
-/// Removes peers that hung up or failed, reporting each; the rest go on.
-fn retire_finished_peers(reactor: &mut Reactor<Echoer>) {
+/// Removes peers whose connection failed while their control connection
+/// still looks alive, reporting each (peers that left were retired by the
+/// reactor's peer watch, `Echoer::on_peer_gone`); the rest go on.
+fn retire_failed_peers(reactor: &mut Reactor<Echoer>) {
     let sessions: Vec<SessionId> = reactor.sessions().collect();
     for session in sessions {
-        let (Some(endpoint), Some(echoer)) = (
-            reactor.endpoint_mut(session).map(Endpoint::check_peer),
-            reactor.handler(session),
-        ) else {
+        let Some(echoer) = reactor.handler(session) else {
             continue;
         };
-        let count = echoer.seq;
-        let outcome = match (endpoint, echoer.corrupt.as_deref(), echoer.failure()) {
-            (_, Some(corrupt), _) => Err(corrupt.to_string()),
-            // A polite goodbye explains a transport error that followed it.
-            (PeerStatus::Disconnected { .. }, None, _) => Ok(count),
-            (PeerStatus::Lost(err), _, _) => Err(err.to_string()),
-            (PeerStatus::Alive, _, Some(failure)) => Err(failure.to_string()),
-            (PeerStatus::Alive, _, None) => continue,
-        };
-        let Some((endpoint, _)) = reactor.remove(session) else {
+        let Some(failure) = echoer.failure().map(str::to_string) else {
             continue;
         };
-        let peer = endpoint.peer();
-        match outcome {
-            Ok(count) => println!("peer {peer} done: {count} messages verified and echoed"),
-            Err(err) => println!("peer {peer} error: {err}"),
+        if reactor.remove(session).is_some() {
+            println!("peer error: {failure}");
         }
     }
 }

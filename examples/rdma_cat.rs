@@ -122,9 +122,26 @@ struct Status {
     bytes: u64,
     acked: bool,
     failure: Option<Failure>,
+    /// A peer the reactor's watch found gone before the stream was
+    /// acknowledged: when, which session, and how it left.
+    left: Option<(Instant, SessionId, String)>,
 }
 
 impl Status {
+    /// Records a peer that left (the reactor's peer watch); the run fails
+    /// with it unless the stream completes within its last words.
+    fn peer_gone(&mut self, session: SessionId, status: &PeerStatus) {
+        let bytes = self.bytes;
+        let what = match status {
+            PeerStatus::Alive => return,
+            PeerStatus::Disconnected { code } => format!(
+                "closed the connection (code {code}) after {bytes} bytes, before the stream was acknowledged"
+            ),
+            PeerStatus::Lost(err) => format!("was lost after {bytes} bytes: {err}"),
+        };
+        self.left.get_or_insert((Instant::now(), session, what));
+    }
+
     /// Records a failed connection (the first failure is the one reported).
     fn broke(&mut self, error: &rdma_comm_core::Error) {
         let bytes = self.bytes;
@@ -177,6 +194,10 @@ impl Sender {
 }
 
 impl Handler for Sender {
+    fn on_peer_gone(&mut self, _ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
+        self.status.peer_gone(session, status);
+    }
+
     fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
         self.conn = Some(conn);
         self.pump(ctx);
@@ -251,6 +272,10 @@ impl Receiver {
 }
 
 impl Handler for Receiver {
+    fn on_peer_gone(&mut self, _ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
+        self.status.peer_gone(session, status);
+    }
+
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], _imm: Option<u32>) {
         if self.status.failure.is_some() {
             return;
@@ -290,7 +315,8 @@ impl Handler for Receiver {
 /// downstream has no credit for wait in order, still holding their receive
 /// slots, which is what pushes back on the upstream sender.
 struct Relay {
-    down: ConnId,
+    /// The downstream connection, known once its session was added.
+    down: Option<ConnId>,
     up: Option<ConnId>,
     waiting: VecDeque<HeldRecv>,
     end_forwarded: bool,
@@ -301,9 +327,12 @@ struct Relay {
 
 impl Relay {
     fn drain(&mut self, ctx: &mut Ctx<'_>) {
+        let Some(down) = self.down else {
+            return;
+        };
         while let Some(held) = self.waiting.pop_front() {
             let len = held.len();
-            match ctx.forward(self.down, held, None) {
+            match ctx.forward(down, held, None) {
                 Ok(_) => {
                     self.status.bytes += len as u64;
                     self.end_forwarded = len == 0;
@@ -313,7 +342,8 @@ impl Relay {
                     return;
                 }
                 Err((err, held)) => {
-                    ctx.release(held);
+                    // Our own reactor's message: releasing it cannot fail.
+                    let _ = ctx.release(held);
                     self.status.failure = Some(format!("forwarding: {err}"));
                     return;
                 }
@@ -333,8 +363,12 @@ impl Relay {
 }
 
 impl Handler for Relay {
+    fn on_peer_gone(&mut self, _ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
+        self.status.peer_gone(session, status);
+    }
+
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
-        if conn == self.down {
+        if Some(conn) == self.down {
             match ack_count(data, imm) {
                 Some(count) if count == self.status.bytes && self.end_forwarded => {
                     self.down_acked = Some(count);
@@ -363,7 +397,7 @@ impl Handler for Relay {
     }
 
     fn on_error(&mut self, _ctx: &mut Ctx<'_>, conn: ConnId, error: &rdma_comm_core::Error) {
-        let side = if conn == self.down {
+        let side = if Some(conn) == self.down {
             "downstream"
         } else {
             "upstream"
@@ -386,7 +420,7 @@ fn reactor_config(opts: &Opts) -> ReactorConfig {
             .reactor
             .event_mode_or(common::EventArg::Blocking)
             .into(),
-        slot_size: opts.block_size.max(1) + SEND_HEADER_LEN,
+        slot_size: opts.block_size.max(1) + CREDIT_HEADER_LEN,
         recv_depth: depth,
         repost_batch: (depth / 4).max(1),
         send_slots: depth,
@@ -394,6 +428,8 @@ fn reactor_config(opts: &Opts) -> ReactorConfig {
         signal_interval: opts.reactor.signal_interval,
         ..ReactorConfig::default()
     }
+    .absorbing(2)
+    .watching_peers(PEER_CHECK_INTERVAL)
 }
 
 fn listen_addr(listen: &str) -> String {
@@ -465,13 +501,12 @@ fn progress_bar(opts: &Opts, total: Option<u64>) -> ProgressBar {
 /// session's control connection so a vanished peer ends the run promptly.
 fn drive<T: Handler>(
     reactor: &mut Reactor<Rc<RefCell<T>>>,
-    sessions: &[SessionId],
     role: &Rc<RefCell<T>>,
     status_of: fn(&T) -> &Status,
     bar: &ProgressBar,
 ) -> Result<(), Failure> {
-    let mut peer_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
-    let mut gone: Option<(Instant, Failure)> = None;
+    // The reactor watches every session's peer (each role's on_peer_gone).
+    let mut progress = reactor.pass_timer(PEER_CHECK_INTERVAL);
     loop {
         let completions = reactor.turn().map_err(|err| err.to_string())?;
         {
@@ -486,36 +521,20 @@ fn drive<T: Handler>(
                 return Ok(());
             }
         }
-        if let Some((since, failure)) = &gone {
+        if let Some((since, session, what)) = &status_of(&role.borrow()).left {
             if since.elapsed() > LAST_WORDS {
-                return Err(failure.clone());
+                let peer = reactor.link(*session).map(SessionLink::peer);
+                return Err(match peer {
+                    Some(peer) => format!("{peer} {what}"),
+                    None => format!("the peer {what}"),
+                });
             }
             continue;
         }
-        if !peer_check.expired_after(completions) {
+        if !progress.expired_after(completions) {
             continue;
         }
         bar.set_position(status_of(&role.borrow()).bytes);
-        for &session in sessions {
-            let Some(endpoint) = reactor.endpoint_mut(session) else {
-                continue;
-            };
-            let peer = endpoint.peer();
-            let failure = match endpoint.check_peer() {
-                PeerStatus::Alive => continue,
-                PeerStatus::Disconnected { code } => format!(
-                    "{peer} closed the connection (code {code}) after {} bytes, before the stream was acknowledged",
-                    status_of(&role.borrow()).bytes
-                ),
-                PeerStatus::Lost(err) => {
-                    format!(
-                        "lost {peer} after {} bytes: {err}",
-                        status_of(&role.borrow()).bytes
-                    )
-                }
-            };
-            gone = Some((Instant::now(), failure));
-        }
     }
 }
 
@@ -536,7 +555,7 @@ fn send(peer: &str, opts: &Opts) -> Result<(), Failure> {
     let endpoint = connect(peer, &pd, &mut reactor, opts)?;
     let block = opts
         .block_size
-        .clamp(1, reactor.config().slot_size - SEND_HEADER_LEN);
+        .clamp(1, reactor.config().slot_size - CREDIT_HEADER_LEN);
     let sender = Sender {
         input,
         conn: None,
@@ -563,10 +582,10 @@ fn run_one<T: Handler>(
     bar: &ProgressBar,
 ) -> Result<(), Failure> {
     let role = Rc::new(RefCell::new(role));
-    let session = reactor
+    reactor
         .add(endpoint, Rc::clone(&role))
         .map_err(|err| err.to_string())?;
-    drive(&mut reactor, &[session], &role, status_of, bar)
+    drive(&mut reactor, &role, status_of, bar)
 }
 
 fn recv(listen: &str, opts: &Opts) -> Result<(), Failure> {
@@ -603,7 +622,7 @@ fn relay(listen: &str, to: &str, opts: &Opts) -> Result<(), Failure> {
     // update finds a receive however long that takes.
     let downstream = connect(to, &pd, &mut reactor, opts)?;
     let role = Rc::new(RefCell::new(Relay {
-        down: ConnId(u32::MAX),
+        down: None,
         up: None,
         waiting: VecDeque::with_capacity(opts.depth as usize),
         end_forwarded: false,
@@ -614,17 +633,18 @@ fn relay(listen: &str, to: &str, opts: &Opts) -> Result<(), Failure> {
     let down_session = reactor
         .add(downstream, Rc::clone(&role))
         .map_err(|err| err.to_string())?;
-    role.borrow_mut().down = reactor
-        .conns(down_session)
-        .next()
-        .ok_or("the downstream endpoint has no channel")?;
+    role.borrow_mut().down = Some(
+        reactor
+            .conns(down_session)
+            .next()
+            .ok_or("the downstream endpoint has no channel")?,
+    );
     let upstream = accept_one(listen, &pd, &mut reactor, opts)?;
-    let up_session = reactor
+    reactor
         .add(upstream, Rc::clone(&role))
         .map_err(|err| err.to_string())?;
     drive(
         &mut reactor,
-        &[down_session, up_session],
         &role,
         |s| &s.status,
         &progress_bar(opts, None),

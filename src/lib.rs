@@ -17,7 +17,7 @@
 //! let ctx = Context::open_default(None)?;          // first device with an active port
 //! let pd = ctx.alloc_pd()?;
 //! let mut cq = ctx.create_cq(256, None)?;
-//! let mr = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE)?;
+//! let mut mr = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE)?;
 //! let mut qp = pd.create_qp(&cq, &cq, &QpConfig::default())?;
 //! // exchange qp.endpoint() with the peer out of band, then:
 //! # let peer = qp.endpoint();

@@ -18,7 +18,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Refused with a typed error, leaving the reactor as it was: a QP on
     /// other CQs or another SRQ, a QP anything was posted on already, more
     /// connections than the CQs can absorb at the configured depths (see
-    /// [`ReactorConfig::sized_for`](super::ReactorConfig::sized_for)) or
+    /// [`ReactorConfig::absorbing`](super::ReactorConfig::absorbing)) or
     /// than the SRQ can give their shares.
     pub fn add<S: QpSource<Link = L>>(&mut self, source: S, handler: H) -> Result<SessionId> {
         let (qps, link) = source.into_parts();
@@ -118,7 +118,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         for &(cq, entries) in &charges {
             if self.cq_load[cq].saturating_add(entries) > self.cqs[cq].capacity() {
                 return Err(Error::InvalidArgument(
-                    "the reactor's CQs cannot absorb more connections at these queue depths (see ReactorConfig::sized_for)",
+                    "the reactor's CQs cannot absorb more connections at these queue depths (see ReactorConfig::absorbing)",
                 ));
             }
         }

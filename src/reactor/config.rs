@@ -90,17 +90,48 @@ impl Default for ReactorConfig {
     }
 }
 
+/// Largest CQ the reactor asks for: rxe and many NICs cap one CQ at about
+/// 32k entries, so more connections are spread over more CQs.
+const MAX_CQ_ENTRIES: u32 = 32_000;
+
 impl ReactorConfig {
-    /// Sizes the CQs for `connections` connections at the configured queue
-    /// depths (each completion queue must absorb every request its QPs can
-    /// have outstanding, or completions would be lost), and watches peers
-    /// every `peer_check` when given. The one place the tools size a reactor.
-    pub fn sized_for(mut self, connections: u32, peer_check: Option<Duration>) -> Self {
-        let per_cq = connections.div_ceil(self.cq_count.max(1)).max(1);
-        self.cq_size = self
-            .cq_size
-            .max(per_cq.saturating_mul(self.entries_per_conn()));
-        self.peer_check_interval = peer_check;
+    /// The one sizing rule the tools share: SENDs of up to `payload` bytes,
+    /// `depth` receives and send slots per connection (a window of `depth`
+    /// messages in flight each way), twice that in send-queue entries, and
+    /// CQs that absorb `connections` such connections (spread over several
+    /// CQs when one would be too large). Reposts go out in quarter windows.
+    ///
+    /// ```
+    /// # use rdma_comm_core::reactor::*;
+    /// let config = ReactorConfig::for_traffic(4096, 64, 16);
+    /// assert!(config.cq_count * config.cq_size >= 16 * config.entries_per_conn());
+    /// ```
+    pub fn for_traffic(payload: usize, depth: u32, connections: u32) -> Self {
+        let depth = depth.clamp(4, 4096);
+        let config = Self {
+            slot_size: (payload + super::CREDIT_HEADER_LEN).next_multiple_of(64),
+            recv_depth: depth,
+            repost_batch: (depth / 4).max(1),
+            send_slots: depth,
+            sq_depth: (2 * depth).max(64),
+            ..Self::default()
+        };
+        config.absorbing(connections)
+    }
+
+    /// Sizes the CQs so that `connections` connections at the configured
+    /// depths fit: each CQ must absorb every request its QPs can have
+    /// outstanding ([`Reactor::add`](super::Reactor::add) refuses one more).
+    pub fn absorbing(mut self, connections: u32) -> Self {
+        let needed = connections.max(1).saturating_mul(self.entries_per_conn());
+        self.cq_count = self.cq_count.max(needed.div_ceil(MAX_CQ_ENTRIES));
+        self.cq_size = self.cq_size.max(needed.div_ceil(self.cq_count)).max(256);
+        self
+    }
+
+    /// Watches every session's peer every `every` ([`Handler::on_peer_gone`](super::Handler::on_peer_gone)).
+    pub fn watching_peers(mut self, every: Duration) -> Self {
+        self.peer_check_interval = Some(every);
         self
     }
 

@@ -28,8 +28,9 @@ pub trait Handler {
     fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {}
     /// The peer watch ([`ReactorConfig::peer_check_interval`](super::ReactorConfig::peer_check_interval)) found the
     /// session's peer gone: it disconnected (`PeerStatus::Disconnected`) or
-    /// was lost. Called once; the session's connections are failed after
-    /// the call. A server removes the session with [`Ctx::remove_session`].
+    /// was lost. Called once. The connections keep running, since the
+    /// peer's last messages may still be queued: a server removes the
+    /// session with [`Ctx::remove_session`] when it is done with it.
     fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {}
     /// A pass found no completions (busy poll) or a wait timed out.
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {}

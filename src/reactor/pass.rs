@@ -364,7 +364,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// Asks every session's link whether its peer is still there; a session
-    /// whose peer is gone is told once and its connections are failed.
+    /// whose peer is gone is told once. Its connections keep running: the
+    /// peer's last completions may still be queued (a polite peer hangs up
+    /// right after its last message), so the handler decides when to let go.
     #[cold]
     fn check_peers(&mut self) {
         let mut gone: Vec<(SessionId, PeerStatus)> = Vec::new();
@@ -380,21 +382,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         for (session, status) in gone {
             let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.removals);
-            let Some(record) = self.sessions.get_mut(session.0) else {
-                continue;
-            };
-            record.handler.on_peer_gone(&mut ctx, session, &status);
-            let conns = record.conns.clone();
-            let mut released = Vec::new();
-            for conn in conns {
-                if let Some(conn) = self.conns.get_mut(conn.key())
-                    && !conn.is_closed()
-                {
-                    conn.fail(|origin, slot, srq| released.push((origin, slot, srq)));
-                    conn.stop_qp();
-                }
+            if let Some(record) = self.sessions.get_mut(session.0) {
+                record.handler.on_peer_gone(&mut ctx, session, &status);
             }
-            self.release_forwarded(released);
             self.unsettled = true;
         }
     }

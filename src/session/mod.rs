@@ -31,6 +31,7 @@ pub mod wire;
 
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use client::{ClientConfig, ClientSession};
@@ -102,15 +103,31 @@ pub struct Export {
     /// it registered while the peer may access it, even if the caller drops
     /// its [`MemoryRegion`] first.
     pub region: Registration,
+    /// The region itself when it was exported shared ([`Export::shared`]),
+    /// so that whoever serves the peer can read what it wrote.
+    pub memory: Option<Arc<MemoryRegion>>,
 }
 
 impl Export {
-    /// Offers `region` under `name`.
-    pub fn new(id: u32, name: impl Into<String>, region: &MemoryRegion) -> Self {
+    /// Offers `region` (a `&MemoryRegion` or its [`Registration`]) under `name`.
+    pub fn new(id: u32, name: impl Into<String>, region: impl Into<Registration>) -> Self {
         Self {
             id,
             name: name.into(),
-            region: region.registration().clone(),
+            region: region.into(),
+            memory: None,
+        }
+    }
+
+    /// Offers `memory` under `name` and keeps it readable through
+    /// [`Export::memory`] (a server's per-peer inbox, say). Shared, it can
+    /// no longer be written by the CPU: only the peer writes it.
+    pub fn shared(id: u32, name: impl Into<String>, memory: Arc<MemoryRegion>) -> Self {
+        Self {
+            id,
+            name: name.into(),
+            region: memory.registration().clone(),
+            memory: Some(memory),
         }
     }
 }

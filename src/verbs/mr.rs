@@ -279,6 +279,18 @@ fn map_anonymous(len: usize) -> Result<(NonNull<u8>, usize, bool)> {
     ))
 }
 
+impl From<&MemoryRegion> for Registration {
+    fn from(region: &MemoryRegion) -> Self {
+        region.registration.clone()
+    }
+}
+
+impl From<&Arc<MemoryRegion>> for Registration {
+    fn from(region: &Arc<MemoryRegion>) -> Self {
+        region.registration.clone()
+    }
+}
+
 impl Registration {
     /// Length in bytes.
     pub fn len(&self) -> usize {

@@ -34,7 +34,7 @@ bitflags::bitflags! {
 ///
 /// ```no_run
 /// # use rdma_comm_core::verbs::*;
-/// # fn demo(qp: &QueuePair, mr: &MemoryRegion, peer: RemoteRegion) -> rdma_comm_core::Result<()> {
+/// # fn demo(qp: &mut QueuePair, mr: &MemoryRegion, peer: RemoteRegion) -> rdma_comm_core::Result<()> {
 /// let local = mr.slice(0, 64)?;
 /// let target = peer.slice(128, 64)?; // bounds-checked against what the peer exported
 /// qp.post_send(WorkRequest::write_with_imm(1, local, target, 0xfeed)?.signaled())?;

@@ -3,7 +3,8 @@
 use std::fmt;
 
 use rdma_comm_core::error::Error;
-use rdma_comm_core::reactor::{ConnId, Ctx, Handler};
+use rdma_comm_core::reactor::{ConnId, Ctx, Handler, SessionId};
+use rdma_comm_core::session::PeerStatus;
 
 use crate::{LatencyClient, RateSender, RateSink, Reflector};
 
@@ -71,5 +72,18 @@ impl Handler for PerfHandler {
     }
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         each_role!(self, h => h.on_idle(ctx))
+    }
+    /// A peer that leaves before the run ended fails it (the reactor's peer
+    /// watch only runs while the run does).
+    fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, _session: SessionId, status: &PeerStatus) {
+        let why = match status {
+            PeerStatus::Alive => return,
+            PeerStatus::Disconnected { code } => {
+                format!("the peer hung up (code {code}) before the run ended")
+            }
+            PeerStatus::Lost(err) => format!("lost the peer: {err}"),
+        };
+        each_role!(self, h => h.set_failure(why));
+        ctx.stop();
     }
 }

@@ -57,6 +57,11 @@ impl LatencyClient {
         self.failed.as_deref()
     }
 
+    /// Ends the run early for `why`, unless it already failed.
+    pub fn set_failure(&mut self, why: String) {
+        self.failed.get_or_insert(why);
+    }
+
     /// True when every iteration was measured.
     pub fn is_done(&self) -> bool {
         self.end.begun()
@@ -74,7 +79,7 @@ impl LatencyClient {
         let seq = self.seq;
         let marker = Self::marker(seq);
         self.started_at = now;
-        let buffer = &self.buffers.buffer;
+        let buffer = &mut self.buffers.buffer;
         let result = match self.spec.op {
             PerfOp::Send => ctx.send_with(conn, size, None, |buf| {
                 if let Some(last) = buf.last_mut() {
@@ -84,6 +89,7 @@ impl LatencyClient {
             PerfOp::Write | PerfOp::WriteImm => {
                 let imm = (self.spec.op == PerfOp::WriteImm).then_some(seq as u32);
                 let wrote = buffer.write(2 * size - 1, &[marker]);
+                let buffer = &*buffer;
                 match (
                     wrote,
                     buffer.slice(size, size),
@@ -232,6 +238,11 @@ impl Reflector {
         self.failed.as_deref()
     }
 
+    /// Ends the run early for `why`, unless it already failed.
+    pub fn set_failure(&mut self, why: String) {
+        self.failed.get_or_insert(why);
+    }
+
     fn write_back(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: Option<u32>) {
         let size = self.spec.size;
         let buffer = &self.buffers.buffer;
@@ -262,7 +273,8 @@ impl Handler for Reflector {
             // buffer it does not fill): no copy, no send slot.
             let echoed = match ctx.hold() {
                 Some(held) => ctx.forward(conn, held, None).map_err(|(err, held)| {
-                    ctx.release(held);
+                    // The message is this reactor's own: releasing it cannot fail.
+                    let _ = ctx.release(held);
                     err
                 }),
                 None => ctx.send(conn, data, None),

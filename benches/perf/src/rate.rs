@@ -56,6 +56,11 @@ impl RateSender {
         self.failed.as_deref()
     }
 
+    /// Ends the run early for `why`, unless it already failed.
+    pub fn set_failure(&mut self, why: String) {
+        self.failed.get_or_insert(why);
+    }
+
     /// True when every message completed.
     pub fn is_done(&self) -> bool {
         self.end.begun()
@@ -200,6 +205,11 @@ impl RateSink {
     /// The error that ended the run early, if any.
     pub fn failure(&self) -> Option<&str> {
         self.failed.as_deref()
+    }
+
+    /// Ends the run early for `why`, unless it already failed.
+    pub fn set_failure(&mut self, why: String) {
+        self.failed.get_or_insert(why);
     }
 }
 

@@ -2,7 +2,6 @@
 //! marker that ends it.
 
 use std::fmt;
-use std::sync::Arc;
 
 use rdma_comm_core::verbs::{MemoryRegion, RemoteRegion};
 
@@ -52,10 +51,10 @@ pub struct PerfSpec {
 /// the first half is where the peer's WRITEs land (and what READs fetch), the
 /// second half is the source of our own WRITEs, so polling the landing half
 /// never sees our own marker.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct PerfBuffers {
     /// This side's buffer.
-    pub buffer: Arc<MemoryRegion>,
+    pub buffer: MemoryRegion,
     /// The peer's exported buffer.
     pub peer: RemoteRegion,
 }

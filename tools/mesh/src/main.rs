@@ -266,11 +266,13 @@ struct Mesh {
     result_sent: bool,
     /// The first failure: the rank it concerns and what happened.
     failure: Option<(usize, String)>,
+    /// Peers the reactor's watch found gone: index, when, and how.
+    gone: Vec<(usize, Instant, String)>,
 }
 
 impl Mesh {
     fn peer_of(&self, conn: ConnId) -> usize {
-        self.by_conn[conn.0 as usize]
+        self.by_conn[conn.slot()]
     }
 
     fn fail(&mut self, rank: usize, what: String) {
@@ -344,7 +346,7 @@ impl Mesh {
                 Some(limit) => msg_size.min((limit - peer.tx_bytes) as usize),
                 None => msg_size,
             };
-            let staged = match (self.op, &peer.source, &peer.remote) {
+            let staged = match (self.op, &mut peer.source, &peer.remote) {
                 (OpArg::Send, _, _) => {
                     ctx.send_with(peer.conn, len, Some(tagged(DATA, seq)), |buf| {
                         if verify {
@@ -452,6 +454,19 @@ impl Mesh {
 }
 
 impl Handler for Mesh {
+    fn on_peer_gone(&mut self, _ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
+        let why = match status {
+            PeerStatus::Alive => return,
+            PeerStatus::Disconnected { code } => describe_hang_up(*code),
+            PeerStatus::Lost(err) => format!("was lost: {err}"),
+        };
+        let Some(index) = self.peers.iter().position(|p| p.session == session) else {
+            return;
+        };
+        self.peers[index].closed = true;
+        self.gone.push((index, Instant::now(), why));
+    }
+
     fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
         let index = self.peer_of(conn);
         if self.lat_iters == 0 {
@@ -605,29 +620,18 @@ fn address(host: &str, port: u16) -> String {
 }
 
 fn reactor_config(args: &Args, peers: usize) -> ReactorConfig {
-    let depth = args.depth.clamp(4, 4096);
-    let sq_depth = (2 * depth).max(64);
-    // Every QP's receives and signaled sends must fit in the CQs; rxe and
-    // many NICs cap one CQ at 32k entries, so spread larger meshes.
-    let needed = peers.max(1) as u32 * (depth + sq_depth);
-    let cq_count = needed.div_ceil(32_000).max(1);
     let payload = match args.op {
         OpArg::Send => args.msg_size,
         OpArg::Write => 0,
     };
     ReactorConfig {
         event_mode: args.reactor.event_mode_or(common::EventArg::Busy).into(),
-        cq_count,
-        cq_size: needed.div_ceil(cq_count).max(256),
-        slot_size: (payload.max((peers + 1) * CELL_BYTES).max(64) + SEND_HEADER_LEN)
+        slot_size: (payload.max((peers + 1) * CELL_BYTES).max(64) + CREDIT_HEADER_LEN)
             .next_multiple_of(64),
-        recv_depth: depth,
-        repost_batch: (depth / 4).max(1),
-        send_slots: depth,
-        sq_depth,
         signal_interval: args.reactor.signal_interval,
-        ..ReactorConfig::default()
+        ..ReactorConfig::for_traffic(0, args.depth, peers.max(1) as u32)
     }
+    .watching_peers(PEER_CHECK_INTERVAL)
 }
 
 /// Connects to every other rank; returns the endpoints, by peer rank.
@@ -647,7 +651,7 @@ fn connect_all(
             return Ok(Vec::new());
         }
         let inbox = pd.alloc_mr(inbox_len, AccessFlags::REMOTE_WRITE)?;
-        Ok(vec![Export::new(1, "inbox", Arc::new(inbox))])
+        Ok(vec![Export::shared(1, "inbox", Arc::new(inbox))])
     };
     let higher = world.size - 1 - world.rank;
     let mut config = reactor.server_config(access);
@@ -666,7 +670,7 @@ fn connect_all(
             let inbox = pd
                 .alloc_mr(inbox_len, AccessFlags::REMOTE_WRITE)
                 .map_err(|err| err.to_string())?;
-            client = client.with_exports(vec![Export::new(1, "inbox", Arc::new(inbox))]);
+            client = client.with_exports(vec![Export::shared(1, "inbox", Arc::new(inbox))]);
         }
         client.connect_deadline = Duration::from_secs(args.connect_timeout);
         let peer = address(world.host(rank), (args.base_port as usize + rank) as u16);
@@ -741,9 +745,10 @@ fn run(args: &Args) -> Result<bool, String> {
         result: None,
         result_sent: false,
         failure: None,
+        gone: Vec::new(),
     }));
     for (rank, endpoint) in endpoints {
-        let inbox = endpoint.exports().first().map(|e| Arc::clone(&e.region));
+        let inbox = endpoint.exports().first().and_then(|e| e.memory.clone());
         let remote = endpoint.remote_region("inbox");
         let source = match args.op {
             OpArg::Write => Some(
@@ -764,10 +769,10 @@ fn run(args: &Args) -> Result<bool, String> {
             .ok_or("an endpoint without a channel")?;
         let mut state = mesh.borrow_mut();
         let index = state.peers.len();
-        if state.by_conn.len() <= conn.0 as usize {
-            state.by_conn.resize(conn.0 as usize + 1, usize::MAX);
+        if state.by_conn.len() <= conn.slot() {
+            state.by_conn.resize(conn.slot() + 1, usize::MAX);
         }
-        state.by_conn[conn.0 as usize] = index;
+        state.by_conn[conn.slot()] = index;
         state.peers.push(Peer {
             rank,
             conn,
@@ -815,6 +820,7 @@ fn run(args: &Args) -> Result<bool, String> {
 
 /// After a peer hangs up, completions it caused may still be queued.
 const LAST_WORDS: Duration = Duration::from_millis(500);
+/// How often the reactor looks at every peer's control connection.
 const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The disconnect code of a rank that gives up: the high bit marks the
@@ -837,16 +843,16 @@ fn describe_hang_up(code: u16) -> String {
 /// Turns the reactor until this rank is done, watching the control
 /// connections: a peer may leave once nothing more is owed either way.
 fn drive(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<Mesh>>) -> Result<(), String> {
-    let mut peer_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
-    let mut gone: Vec<(usize, Instant, String)> = Vec::new();
+    // The reactor watches every peer's control connection (Mesh::on_peer_gone).
     loop {
-        let completions = reactor.turn().map_err(|err| err.to_string())?;
+        reactor.turn().map_err(|err| err.to_string())?;
         let abort = {
             let state = mesh.borrow();
             if state.finished() && state.failure.is_none() {
                 return Ok(());
             }
-            let lost = gone
+            let lost = state
+                .gone
                 .iter()
                 .find(|(index, since, _)| !state.done_with(*index) && since.elapsed() > LAST_WORDS)
                 .map(|(index, _, why)| {
@@ -859,21 +865,6 @@ fn drive(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<Mesh>>) -> 
             let me = mesh.borrow().me;
             tell_the_others(reactor, mesh, abort_code(culprit));
             return Err(format!("rank {me}: {what}"));
-        }
-        if !peer_check.expired_after(completions) {
-            continue;
-        }
-        for (index, session) in open_sessions(mesh) {
-            let Some(endpoint) = reactor.endpoint_mut(session) else {
-                continue;
-            };
-            let why = match endpoint.check_peer() {
-                PeerStatus::Alive => continue,
-                PeerStatus::Disconnected { code } => describe_hang_up(code),
-                PeerStatus::Lost(err) => format!("was lost: {err}"),
-            };
-            mesh.borrow_mut().peers[index].closed = true;
-            gone.push((index, Instant::now(), why));
         }
     }
 }
@@ -892,8 +883,8 @@ fn open_sessions(mesh: &Rc<RefCell<Mesh>>) -> Vec<(usize, SessionId)> {
 /// Sends every peer still there the disconnect code before this rank quits.
 fn tell_the_others(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<Mesh>>, code: u16) {
     for (_, session) in open_sessions(mesh) {
-        if let Some(endpoint) = reactor.endpoint_mut(session) {
-            endpoint.send_disconnect(code);
+        if let Some(link) = reactor.link_mut(session) {
+            link.send_disconnect(code);
         }
     }
 }
