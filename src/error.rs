@@ -11,10 +11,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::session::wire::WireError;
-
-use crate::verbs::{WcOpcode, WcStatus};
-
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -173,6 +169,132 @@ pub enum Error {
     },
 }
 
+/// Why bytes from a peer were not a valid message.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// The first four bytes are not our magic: not one of our peers.
+    #[error("bad magic {0:#010x} (not an rdma-comm-core peer)")]
+    BadMagic(u32),
+    /// The peer speaks a protocol version we do not.
+    #[error("unsupported protocol version {found} (this side speaks {supported})")]
+    UnsupportedVersion {
+        /// Version in the frame.
+        found: u16,
+        /// Version we speak.
+        supported: u16,
+    },
+    /// The input ended inside a header, payload or field.
+    #[error("truncated message: {0}")]
+    Truncated(&'static str),
+    /// The declared payload length exceeds [`MAX_PAYLOAD`](crate::session::wire::MAX_PAYLOAD).
+    #[error("payload length {len} exceeds the maximum of {max}")]
+    Oversized {
+        /// Declared length.
+        len: u32,
+        /// Our limit.
+        max: u32,
+    },
+    /// An unknown message kind.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u16),
+    /// A field is out of range or the payload has trailing bytes.
+    #[error("malformed message: {0}")]
+    Malformed(&'static str),
+    /// The transport failed or timed out.
+    #[error("{0}")]
+    Io(#[from] io::Error),
+}
+
+/// A completion status (`IBV_WC_*`). The values are rdma-core's
+/// `enum ibv_wc_status` (a verbs test checks them against the bindings).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WcStatus(pub u32);
+
+/// The operation a completion reports (`IBV_WC_*` opcodes, rdma-core's
+/// `enum ibv_wc_opcode`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WcOpcode(pub u32);
+
+macro_rules! named_constants {
+    ($ty:ident { $($name:ident = $value:expr),* $(,)? }) => {
+        #[allow(missing_docs)]
+        impl $ty {
+            $(pub const $name: Self = Self($value);)*
+
+            /// The verbs name of this value, e.g. `IBV_WC_REM_ACCESS_ERR`.
+            pub fn name(self) -> &'static str {
+                match self.0 {
+                    $(v if v == $value => concat!("IBV_WC_", stringify!($name)),)*
+                    _ => "IBV_WC_(unknown)",
+                }
+            }
+        }
+
+        impl fmt::Debug for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+
+named_constants!(WcStatus {
+    SUCCESS = 0,
+    LOC_LEN_ERR = 1,
+    LOC_QP_OP_ERR = 2,
+    LOC_EEC_OP_ERR = 3,
+    LOC_PROT_ERR = 4,
+    WR_FLUSH_ERR = 5,
+    MW_BIND_ERR = 6,
+    BAD_RESP_ERR = 7,
+    LOC_ACCESS_ERR = 8,
+    REM_INV_REQ_ERR = 9,
+    REM_ACCESS_ERR = 10,
+    REM_OP_ERR = 11,
+    RETRY_EXC_ERR = 12,
+    RNR_RETRY_EXC_ERR = 13,
+    LOC_RDD_VIOL_ERR = 14,
+    REM_INV_RD_REQ_ERR = 15,
+    REM_ABORT_ERR = 16,
+    INV_EECN_ERR = 17,
+    INV_EEC_STATE_ERR = 18,
+    FATAL_ERR = 19,
+    RESP_TIMEOUT_ERR = 20,
+    GENERAL_ERR = 21,
+});
+
+named_constants!(WcOpcode {
+    SEND = 0,
+    RDMA_WRITE = 1,
+    RDMA_READ = 2,
+    COMP_SWAP = 3,
+    FETCH_ADD = 4,
+    BIND_MW = 5,
+    LOCAL_INV = 6,
+    RECV = 128,
+    RECV_RDMA_WITH_IMM = 129,
+});
+
+/// Turns the result of a libc call that returns -1 and sets `errno` on
+/// failure into a `Result` naming what was being done.
+pub(crate) fn os_result(rc: i64, what: &'static str) -> Result<i64> {
+    if rc == -1 {
+        Err(Error::Os {
+            what,
+            source: io::Error::last_os_error(),
+        })
+    } else {
+        Ok(rc)
+    }
+}
+
 fn qpn_suffix(qpn: Option<u32>) -> String {
     qpn.map(|n| format!(" (QP {n})")).unwrap_or_default()
 }
@@ -214,17 +336,5 @@ pub(crate) fn verbs_error(
         errno,
         device: Arc::clone(device),
         qpn,
-    }
-}
-
-impl fmt::Display for WcStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl fmt::Display for WcOpcode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
     }
 }

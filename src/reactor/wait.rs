@@ -10,7 +10,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::error::{Result, os_result};
 use crate::verbs::CompletionChannel;
 
 use super::EventMode;
@@ -24,10 +24,8 @@ pub struct Waker {
 impl Waker {
     fn new() -> Result<Self> {
         // SAFETY: plain syscall; the returned descriptor is owned below.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(os_error("eventfd for the reactor waker"));
-        }
+        let rc = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        let fd = os_result(rc.into(), "eventfd for the reactor waker")? as RawFd;
         // SAFETY: `fd` is a fresh descriptor nobody else owns.
         Ok(Self {
             fd: Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }),
@@ -46,13 +44,6 @@ impl Waker {
         let mut count: u64 = 0;
         // SAFETY: reads 8 bytes into a valid u64 from our non-blocking eventfd.
         unsafe { libc::read(self.fd.as_raw_fd(), (&raw mut count).cast(), 8) };
-    }
-}
-
-fn os_error(what: &'static str) -> Error {
-    Error::Os {
-        what,
-        source: std::io::Error::last_os_error(),
     }
 }
 
@@ -92,10 +83,8 @@ impl Waiter {
             }
             EventMode::Epoll => {
                 // SAFETY: plain syscall; the descriptor is owned below.
-                let epfd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-                if epfd < 0 {
-                    return Err(os_error("epoll_create1 for the reactor"));
-                }
+                let rc = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+                let epfd = os_result(rc.into(), "epoll_create1 for the reactor")? as RawFd;
                 // SAFETY: a fresh descriptor nobody else owns.
                 let epoll = unsafe { OwnedFd::from_raw_fd(epfd) };
                 for fd in channels
@@ -108,9 +97,8 @@ impl Waiter {
                         u64: fd as u64,
                     };
                     // SAFETY: valid epoll fd, valid descriptor, valid event pointer.
-                    if unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut event) } < 0 {
-                        return Err(os_error("epoll_ctl(ADD) of a completion channel"));
-                    }
+                    let rc = unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut event) };
+                    os_result(rc.into(), "epoll_ctl(ADD) of a completion channel")?;
                 }
                 waiter.epoll = Some(epoll);
             }
@@ -156,8 +144,9 @@ impl Waiter {
             }
             _ => 0,
         };
-        if rc < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            return Err(os_error("waiting for completion events"));
+        match os_result(rc.into(), "waiting for completion events") {
+            Err(err) if err.errno() != Some(libc::EINTR) => return Err(err),
+            _ => {}
         }
         self.waker.drain();
         Ok(())

@@ -39,42 +39,7 @@ const KIND_REJECT: u16 = 3;
 const KIND_READY: u16 = 4;
 const KIND_DISCONNECT: u16 = 5;
 
-/// Why bytes from a peer were not a valid message.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum WireError {
-    /// The first four bytes are not our magic: not one of our peers.
-    #[error("bad magic {0:#010x} (not an rdma-comm-core peer)")]
-    BadMagic(u32),
-    /// The peer speaks a protocol version we do not.
-    #[error("unsupported protocol version {found} (this side speaks {supported})")]
-    UnsupportedVersion {
-        /// Version in the frame.
-        found: u16,
-        /// Version we speak.
-        supported: u16,
-    },
-    /// The input ended inside a header, payload or field.
-    #[error("truncated message: {0}")]
-    Truncated(&'static str),
-    /// The declared payload length exceeds [`MAX_PAYLOAD`].
-    #[error("payload length {len} exceeds the maximum of {max}")]
-    Oversized {
-        /// Declared length.
-        len: u32,
-        /// Our limit.
-        max: u32,
-    },
-    /// An unknown message kind.
-    #[error("unknown message kind {0}")]
-    UnknownKind(u16),
-    /// A field is out of range or the payload has trailing bytes.
-    #[error("malformed message: {0}")]
-    Malformed(&'static str),
-    /// The transport failed or timed out.
-    #[error("{0}")]
-    Io(#[from] io::Error),
-}
+pub use crate::error::WireError;
 
 /// One queue pair as announced to the peer.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,7 +7,8 @@ use std::ptr::{self, NonNull};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, os_result};
+pub use crate::error::{WcOpcode, WcStatus};
 use crate::sys;
 
 use super::device::{Context, ContextInner};
@@ -321,25 +322,17 @@ impl CompletionChannel {
     /// event is pending; needed when the fd sits in an edge-driven poller.
     pub fn set_nonblocking(&self, nonblocking: bool) -> Result<()> {
         let fd = self.fd();
-        let os_err = |what| Error::Os {
-            what,
-            source: std::io::Error::last_os_error(),
-        };
         // SAFETY: fcntl on a descriptor we own; no memory is passed.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-        if flags < 0 {
-            return Err(os_err("fcntl(F_GETFL) on a completion channel"));
-        }
+        let rc = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        let flags = os_result(rc.into(), "fcntl(F_GETFL) on a completion channel")? as c_int;
         let flags = if nonblocking {
             flags | libc::O_NONBLOCK
         } else {
             flags & !libc::O_NONBLOCK
         };
         // SAFETY: as above.
-        if unsafe { libc::fcntl(fd, libc::F_SETFL, flags) } < 0 {
-            return Err(os_err("fcntl(F_SETFL) on a completion channel"));
-        }
-        Ok(())
+        let rc = unsafe { libc::fcntl(fd, libc::F_SETFL, flags) };
+        os_result(rc.into(), "fcntl(F_SETFL) on a completion channel").map(drop)
     }
 
     /// Blocks until an armed CQ on this channel has an event and returns its id.
@@ -477,74 +470,6 @@ impl fmt::Debug for WorkCompletion {
     }
 }
 
-/// A completion status (`IBV_WC_*`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct WcStatus(pub u32);
-
-macro_rules! named_constants {
-    ($ty:ident { $($name:ident = $value:path),* $(,)? }) => {
-        #[allow(missing_docs)]
-        impl $ty {
-            $(pub const $name: Self = Self($value);)*
-
-            /// The verbs name of this value, e.g. `IBV_WC_REM_ACCESS_ERR`.
-            pub fn name(self) -> &'static str {
-                match self.0 {
-                    $(v if v == $value => concat!("IBV_WC_", stringify!($name)),)*
-                    _ => "IBV_WC_(unknown)",
-                }
-            }
-        }
-
-        impl fmt::Debug for $ty {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.name())
-            }
-        }
-    };
-}
-
-named_constants!(WcStatus {
-    SUCCESS = sys::IBV_WC_SUCCESS,
-    LOC_LEN_ERR = sys::IBV_WC_LOC_LEN_ERR,
-    LOC_QP_OP_ERR = sys::IBV_WC_LOC_QP_OP_ERR,
-    LOC_EEC_OP_ERR = sys::IBV_WC_LOC_EEC_OP_ERR,
-    LOC_PROT_ERR = sys::IBV_WC_LOC_PROT_ERR,
-    WR_FLUSH_ERR = sys::IBV_WC_WR_FLUSH_ERR,
-    MW_BIND_ERR = sys::IBV_WC_MW_BIND_ERR,
-    BAD_RESP_ERR = sys::IBV_WC_BAD_RESP_ERR,
-    LOC_ACCESS_ERR = sys::IBV_WC_LOC_ACCESS_ERR,
-    REM_INV_REQ_ERR = sys::IBV_WC_REM_INV_REQ_ERR,
-    REM_ACCESS_ERR = sys::IBV_WC_REM_ACCESS_ERR,
-    REM_OP_ERR = sys::IBV_WC_REM_OP_ERR,
-    RETRY_EXC_ERR = sys::IBV_WC_RETRY_EXC_ERR,
-    RNR_RETRY_EXC_ERR = sys::IBV_WC_RNR_RETRY_EXC_ERR,
-    LOC_RDD_VIOL_ERR = sys::IBV_WC_LOC_RDD_VIOL_ERR,
-    REM_INV_RD_REQ_ERR = sys::IBV_WC_REM_INV_RD_REQ_ERR,
-    REM_ABORT_ERR = sys::IBV_WC_REM_ABORT_ERR,
-    INV_EECN_ERR = sys::IBV_WC_INV_EECN_ERR,
-    INV_EEC_STATE_ERR = sys::IBV_WC_INV_EEC_STATE_ERR,
-    FATAL_ERR = sys::IBV_WC_FATAL_ERR,
-    RESP_TIMEOUT_ERR = sys::IBV_WC_RESP_TIMEOUT_ERR,
-    GENERAL_ERR = sys::IBV_WC_GENERAL_ERR,
-});
-
-/// The operation a completion reports (`IBV_WC_*` opcodes).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct WcOpcode(pub u32);
-
-named_constants!(WcOpcode {
-    SEND = sys::IBV_WC_SEND,
-    RDMA_WRITE = sys::IBV_WC_RDMA_WRITE,
-    RDMA_READ = sys::IBV_WC_RDMA_READ,
-    COMP_SWAP = sys::IBV_WC_COMP_SWAP,
-    FETCH_ADD = sys::IBV_WC_FETCH_ADD,
-    BIND_MW = sys::IBV_WC_BIND_MW,
-    LOCAL_INV = sys::IBV_WC_LOCAL_INV,
-    RECV = sys::IBV_WC_RECV,
-    RECV_RDMA_WITH_IMM = sys::IBV_WC_RECV_RDMA_WITH_IMM,
-});
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -561,6 +486,52 @@ mod tests {
         assert_eq!(std::mem::offset_of!(sys::ibv_wc, byte_len), 20);
         assert_eq!(std::mem::offset_of!(sys::ibv_wc, qp_num), 28);
         assert_eq!(std::mem::offset_of!(sys::ibv_wc, wc_flags), 36);
+    }
+
+    /// The completion codes the error module names by value are rdma-core's.
+    #[test]
+    fn completion_codes_match_the_bindings() {
+        let statuses = [
+            (WcStatus::SUCCESS, sys::IBV_WC_SUCCESS),
+            (WcStatus::LOC_LEN_ERR, sys::IBV_WC_LOC_LEN_ERR),
+            (WcStatus::LOC_QP_OP_ERR, sys::IBV_WC_LOC_QP_OP_ERR),
+            (WcStatus::LOC_EEC_OP_ERR, sys::IBV_WC_LOC_EEC_OP_ERR),
+            (WcStatus::LOC_PROT_ERR, sys::IBV_WC_LOC_PROT_ERR),
+            (WcStatus::WR_FLUSH_ERR, sys::IBV_WC_WR_FLUSH_ERR),
+            (WcStatus::MW_BIND_ERR, sys::IBV_WC_MW_BIND_ERR),
+            (WcStatus::BAD_RESP_ERR, sys::IBV_WC_BAD_RESP_ERR),
+            (WcStatus::LOC_ACCESS_ERR, sys::IBV_WC_LOC_ACCESS_ERR),
+            (WcStatus::REM_INV_REQ_ERR, sys::IBV_WC_REM_INV_REQ_ERR),
+            (WcStatus::REM_ACCESS_ERR, sys::IBV_WC_REM_ACCESS_ERR),
+            (WcStatus::REM_OP_ERR, sys::IBV_WC_REM_OP_ERR),
+            (WcStatus::RETRY_EXC_ERR, sys::IBV_WC_RETRY_EXC_ERR),
+            (WcStatus::RNR_RETRY_EXC_ERR, sys::IBV_WC_RNR_RETRY_EXC_ERR),
+            (WcStatus::LOC_RDD_VIOL_ERR, sys::IBV_WC_LOC_RDD_VIOL_ERR),
+            (WcStatus::REM_INV_RD_REQ_ERR, sys::IBV_WC_REM_INV_RD_REQ_ERR),
+            (WcStatus::REM_ABORT_ERR, sys::IBV_WC_REM_ABORT_ERR),
+            (WcStatus::INV_EECN_ERR, sys::IBV_WC_INV_EECN_ERR),
+            (WcStatus::INV_EEC_STATE_ERR, sys::IBV_WC_INV_EEC_STATE_ERR),
+            (WcStatus::FATAL_ERR, sys::IBV_WC_FATAL_ERR),
+            (WcStatus::RESP_TIMEOUT_ERR, sys::IBV_WC_RESP_TIMEOUT_ERR),
+            (WcStatus::GENERAL_ERR, sys::IBV_WC_GENERAL_ERR),
+        ];
+        for (ours, theirs) in statuses {
+            assert_eq!(ours.0, theirs, "{ours:?}");
+        }
+        let opcodes = [
+            (WcOpcode::SEND, sys::IBV_WC_SEND),
+            (WcOpcode::RDMA_WRITE, sys::IBV_WC_RDMA_WRITE),
+            (WcOpcode::RDMA_READ, sys::IBV_WC_RDMA_READ),
+            (WcOpcode::COMP_SWAP, sys::IBV_WC_COMP_SWAP),
+            (WcOpcode::FETCH_ADD, sys::IBV_WC_FETCH_ADD),
+            (WcOpcode::BIND_MW, sys::IBV_WC_BIND_MW),
+            (WcOpcode::LOCAL_INV, sys::IBV_WC_LOCAL_INV),
+            (WcOpcode::RECV, sys::IBV_WC_RECV),
+            (WcOpcode::RECV_RDMA_WITH_IMM, sys::IBV_WC_RECV_RDMA_WITH_IMM),
+        ];
+        for (ours, theirs) in opcodes {
+            assert_eq!(ours.0, theirs, "{ours:?}");
+        }
     }
 
     #[test]

@@ -9,10 +9,12 @@
 //! Entries carry raw addresses and keys, so the list is crate-private: the
 //! reactor, which owns the memory its requests point at, is its one user.
 
+use std::os::raw::c_int;
+
 use crate::sys;
 
 use super::mr::{LocalSlice, RemoteSlice};
-use super::wr::SendFlags;
+use super::wr::{RecvBatch, SendFlags};
 
 /// The operation of one send-queue request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -203,6 +205,29 @@ impl<const N: usize> SendList<N> {
         self.wrs[len - 1].next = mended;
         result
     }
+}
+
+/// Posts every receive of `batch` as one linked list through `post` (a QP's
+/// or an SRQ's receive-posting call, given the head and the out-pointer for
+/// the first bad request) and clears it. On failure the batch is kept and
+/// the error holds the provider's code and how many requests went in.
+#[inline]
+pub(super) fn post_recv_batch<const N: usize>(
+    batch: &mut RecvBatch<'_, N>,
+    post: impl FnOnce(*mut sys::ibv_recv_wr, &mut *mut sys::ibv_recv_wr) -> c_int,
+) -> Result<(), (c_int, usize)> {
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let len = batch.len();
+    let head = super::wr::link(batch);
+    let mut bad: *mut sys::ibv_recv_wr = std::ptr::null_mut();
+    let rc = post(head, &mut bad);
+    if rc != 0 {
+        return Err((rc, count_before(head, bad, len)));
+    }
+    batch.clear();
+    Ok(())
 }
 
 /// How many list nodes precede `bad` (all of them if `bad` is not in the list).

@@ -583,16 +583,14 @@ impl QueuePair {
     /// Posts every request of `batch` with one `ibv_post_recv`, then clears it.
     #[inline]
     pub fn post_recv_batch<const N: usize>(&mut self, batch: &mut RecvBatch<'_, N>) -> Result<()> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let len = batch.len();
-        let head = super::wr::link(batch);
-        // SAFETY: `link` made a NULL-terminated list of `len` requests inside
-        // `batch`, which stays untouched until the call returns.
-        unsafe { self.post_recv_raw(head, len)? };
-        batch.clear();
-        Ok(())
+        self.posted = true;
+        let (qp, post) = (self.qp.as_ptr(), self.post_recv_fn);
+        super::list::post_recv_batch(batch, |head, bad| {
+            // SAFETY: the QP is live; `head` is a NULL-terminated list of
+            // requests inside `batch`, untouched until the call returns.
+            unsafe { post(qp, head, bad) }
+        })
+        .map_err(|(rc, posted)| self.post_error("ibv_post_recv", rc, posted))
     }
 
     /// # Safety

@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::os::raw::c_int;
-use std::ptr::{self, NonNull};
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
@@ -158,27 +158,20 @@ impl SharedReceiveQueue {
     /// empties it. On error, `Error::Post::posted` tells how many went in.
     #[inline]
     pub fn post_recv_batch<const N: usize>(&mut self, batch: &mut RecvBatch<'_, N>) -> Result<()> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let len = batch.len();
-        let head = super::wr::link(batch);
-        let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
-        // SAFETY: the SRQ is live; `head` is a linked list of `len` requests
-        // inside `batch`, whose buffers the caller registered and keeps alive
-        // until their completions (the RecvRequest contract).
-        let rc = unsafe { (self.inner.post_recv_fn)(self.inner.srq.as_ptr(), head, &mut bad) };
-        if rc != 0 {
-            return Err(Error::Post {
-                verb: "ibv_post_srq_recv",
-                errno: rc.abs(),
-                device: Arc::clone(&self.inner.pd.ctx.name),
-                qpn: 0,
-                posted: super::list::count_before(head, bad, len),
-            });
-        }
-        batch.clear();
-        Ok(())
+        let (srq, post) = (self.inner.srq.as_ptr(), self.inner.post_recv_fn);
+        super::list::post_recv_batch(batch, |head, bad| {
+            // SAFETY: the SRQ is live; `head` is a linked list of requests
+            // inside `batch`, whose buffers the caller registered and keeps
+            // registered until their completions (the RecvRequest contract).
+            unsafe { post(srq, head, bad) }
+        })
+        .map_err(|(rc, posted)| Error::Post {
+            verb: "ibv_post_srq_recv",
+            errno: rc.abs(),
+            device: Arc::clone(&self.inner.pd.ctx.name),
+            qpn: 0,
+            posted,
+        })
     }
 
     /// True if `attachment` attaches QPs to this SRQ.

@@ -1,0 +1,218 @@
+//! A connection's receive side: the ring its receives land in (its own,
+//! or the reactor's SRQ), consumed slots waiting to be reposted, and the
+//! views of a received message's bytes.
+
+use crate::verbs::{MemoryRegion, RecvRequest};
+
+use super::{CREDIT_HEADER_LEN, Conn, MAX_REPOST, wr_id};
+
+/// A reactor's shared receive queue as a connection sees it: the ring its
+/// receives land in and the ring's size. The reactor reposts its slots.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SharedRing {
+    pub(crate) ring: Ring,
+    pub(crate) slots: u32,
+}
+
+/// Builds the receive request with id `wr_id` for slot `slot` of `ring`.
+#[inline]
+pub(crate) fn recv_request(
+    ring: Ring,
+    slot_size: usize,
+    wr_id: u64,
+    slot: u32,
+) -> RecvRequest<'static> {
+    RecvRequest::from_raw(
+        wr_id,
+        ring.slot_addr(slot, slot_size),
+        slot_size as u32,
+        ring.lkey,
+    )
+}
+
+/// A held receive slot as the source of a forward: where its bytes are
+/// (to stamp the credit header) and how the NIC addresses them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SlotSource {
+    pub(super) ptr: *mut u8,
+    pub(super) addr: u64,
+    pub(super) lkey: u32,
+}
+
+/// Where a registered ring of slots lives.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ring {
+    pub(super) ptr: *mut u8,
+    pub(super) addr: u64,
+    pub(super) lkey: u32,
+}
+
+impl Ring {
+    pub(crate) fn of(region: &MemoryRegion) -> Self {
+        Self {
+            ptr: region.registration().ptr_at(0),
+            addr: region.addr(),
+            lkey: region.lkey(),
+        }
+    }
+
+    /// The registered address of slot `slot`.
+    #[inline]
+    pub(super) fn slot_addr(&self, slot: u32, slot_size: usize) -> u64 {
+        self.addr + u64::from(slot) * slot_size as u64
+    }
+}
+
+impl Conn {
+    /// Posts the whole receive ring; called once at registration. With an
+    /// SRQ the reactor posted the receives; the quota becomes our credit.
+    pub(crate) fn post_initial_receives(&mut self) -> crate::Result<()> {
+        if self.shared_recv {
+            self.posted = self.recv_depth;
+            return Ok(());
+        }
+        for slot in 0..self.recv_depth {
+            self.queue_repost(slot);
+        }
+        self.flush_reposts()
+    }
+
+    /// Queues receive slot `slot` for reposting at the end of the pass.
+    #[inline]
+    pub(crate) fn queue_repost(&mut self, slot: u32) {
+        // A closed connection's own ring is dead, but SRQ slots belong to
+        // every connection and must go back.
+        let dead = self.is_closed() && !self.shared_recv;
+        if dead || self.pending_len == self.pending_reposts.len() || slot >= self.recv_slots {
+            return;
+        }
+        self.pending_reposts[self.pending_len] = slot;
+        self.pending_len += 1;
+    }
+
+    /// True if consumed receives wait to be reposted.
+    #[inline]
+    pub(crate) fn has_pending_reposts(&self) -> bool {
+        self.pending_len != 0
+    }
+
+    /// True when enough receives are consumed to repost them now.
+    #[inline]
+    pub(crate) fn reposts_due(&self) -> bool {
+        self.pending_len >= self.repost_threshold
+    }
+
+    /// True when receives come from the reactor's SRQ.
+    #[inline]
+    pub(crate) fn uses_srq(&self) -> bool {
+        self.shared_recv
+    }
+
+    /// Reposts every queued slot of the connection's own ring,
+    /// `MAX_REPOST` per `ibv_post_recv`, and counts them as credits for the
+    /// peer. (SRQ slots go back through [`take_shared_reposts`].)
+    #[inline]
+    pub(crate) fn flush_reposts(&mut self) -> crate::Result<()> {
+        if self.shared_recv {
+            return Ok(());
+        }
+        let key = self.id.key();
+        let mut start = 0;
+        while start < self.pending_len {
+            let end = (start + MAX_REPOST).min(self.pending_len);
+            for &slot in &self.pending_reposts[start..end] {
+                let request =
+                    recv_request(self.recv_ring, self.slot_size, wr_id::recv(key, slot), slot);
+                // At most MAX_REPOST pushes into a batch emptied by each post.
+                let _ = self.reposts.push(request);
+            }
+            self.qp.post_recv_batch(&mut self.reposts)?;
+            self.posted = self.posted.wrapping_add((end - start) as u32);
+            start = end;
+        }
+        self.pending_len = 0;
+        Ok(())
+    }
+
+    /// Hands every queued SRQ slot to `repost` (the reactor's SRQ) and counts
+    /// them as credits for the peer.
+    #[inline]
+    pub(crate) fn take_shared_reposts(&mut self, mut repost: impl FnMut(u32)) {
+        if !self.shared_recv {
+            return;
+        }
+        for &slot in &self.pending_reposts[..self.pending_len] {
+            repost(slot);
+        }
+        self.posted = self.posted.wrapping_add(self.pending_len as u32);
+        self.pending_len = 0;
+    }
+
+    /// The credit header and the payload (address, length) of a SEND of
+    /// `len` bytes in receive slot `slot`; `None` for a message too short to
+    /// carry a header (a credit update) or a slot outside the ring.
+    #[inline]
+    pub(crate) fn recv_message(&self, slot: u32, len: u32) -> Option<(u32, (*const u8, usize))> {
+        let len = len as usize;
+        if len < CREDIT_HEADER_LEN || len > self.slot_size || slot >= self.recv_slots {
+            return None;
+        }
+        // SAFETY: the ring is registered while the connection lives and the
+        // slot's `len` bytes lie inside it; its receive completed and it is
+        // not reposted before the caller is done, so no DMA writes it.
+        unsafe {
+            let start = self.recv_slot_ptr(slot);
+            let credit = u32::from_le(start.cast::<u32>().read_unaligned());
+            Some((
+                credit,
+                (start.add(CREDIT_HEADER_LEN), len - CREDIT_HEADER_LEN),
+            ))
+        }
+    }
+
+    /// The bytes of receive slot `slot`.
+    #[inline]
+    pub(crate) fn recv_bytes(&self, slot: u32, len: usize) -> &[u8] {
+        if slot >= self.recv_slots {
+            return &[];
+        }
+        let len = len.min(self.slot_size);
+        // SAFETY: the ring is registered while the connection lives and the
+        // range is inside it; the caller holds the slot (its receive
+        // completed and it is not reposted until released), so no DMA writes it.
+        unsafe { std::slice::from_raw_parts(self.recv_slot_ptr(slot), len) }
+    }
+
+    /// Where receive slot `slot` starts in memory.
+    ///
+    /// # Safety
+    /// `slot` must be below `recv_slots`.
+    #[inline]
+    unsafe fn recv_slot_ptr(&self, slot: u32) -> *const u8 {
+        // SAFETY: the caller keeps `slot` inside the ring, so the offset
+        // stays within the registered allocation.
+        unsafe { self.recv_ring.ptr.add(slot as usize * self.slot_size) }
+    }
+
+    /// Where receive slot `slot` is, to send it on as a forward; `None` for
+    /// a slot outside the ring.
+    #[inline]
+    pub(crate) fn recv_slot_source(&self, slot: u32) -> Option<SlotSource> {
+        if slot >= self.recv_slots {
+            return None;
+        }
+        Some(SlotSource {
+            // SAFETY: `slot` is inside the ring, which is still registered.
+            ptr: unsafe { self.recv_slot_ptr(slot) }.cast_mut(),
+            addr: self.recv_ring.slot_addr(slot, self.slot_size),
+            lkey: self.recv_ring.lkey,
+        })
+    }
+
+    /// True if this connection holds SRQ slots that must be reposted even
+    /// though it is closed.
+    #[inline]
+    pub(crate) fn owes_shared_slots(&self) -> bool {
+        self.shared_recv && self.pending_len != 0
+    }
+}

@@ -1,0 +1,308 @@
+//! Send staging: admission (credits, send-queue entries, send slots), the
+//! send-queue ring of operations with selective signaling, and the staged
+//! requests that go out with one doorbell.
+
+use crate::error::Error;
+use crate::verbs::{
+    AccessFlags, LocalSlice, Registration, RemoteSlice, SendDescriptor, SendFlags, SendOpcode, Sge,
+};
+
+use super::ring::SlotSource;
+use super::{CREDIT_HEADER_LEN, Conn, ConnId, ConnState, SendError, wr_id};
+
+/// An operation on the send queue, remembered until a signaled completion
+/// at or after it proves it done.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct SqOp {
+    pub(crate) kind: OpKind,
+    /// For a forward, the receive slot of connection `origin` to repost.
+    pub(crate) slot: u32,
+    /// For a forward: the connection whose receive slot this SEND carried.
+    pub(crate) origin: Option<ConnId>,
+    /// For a forward: the slot is one of the reactor's SRQ.
+    pub(crate) from_srq: bool,
+    /// For a WRITE or READ: the registration of its local memory, held
+    /// until the request is known complete so the memory stays registered
+    /// and mapped while the device may use it.
+    pub(crate) keep: Option<Registration>,
+}
+
+impl SqOp {
+    pub(super) fn of(kind: OpKind) -> Self {
+        Self {
+            kind,
+            ..Self::default()
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum OpKind {
+    #[default]
+    Credit,
+    Send,
+    Write,
+    Read,
+    /// A SEND straight out of a held receive slot of another connection.
+    Forward,
+}
+
+impl Conn {
+    /// Send-queue entries in use (posted or staged, not known complete).
+    #[inline]
+    pub(super) fn sq_used(&self) -> u32 {
+        self.sq_next.wrapping_sub(self.sq_done)
+    }
+
+    /// Whether posting a request now would be refused, and why.
+    #[inline]
+    fn admit(&self, consumes_recv: bool, needs_slot: bool) -> Result<(), SendError> {
+        match self.state {
+            ConnState::Established => {}
+            ConnState::Connecting => return Err(SendError::WouldBlock),
+            ConnState::Failed | ConnState::Removed => return Err(SendError::Closed),
+        }
+        // One SQ entry and one credit stay reserved for credit updates, so a
+        // busy sender can always tell its peer that it may send again.
+        if self.sq_used() + 1 >= self.sq_depth || self.batch.is_full() {
+            return Err(SendError::WouldBlock);
+        }
+        if consumes_recv && self.credits() < 2 {
+            return Err(SendError::WouldBlock);
+        }
+        if needs_slot && self.send_in_use >= self.send_slots {
+            return Err(SendError::WouldBlock);
+        }
+        Ok(())
+    }
+
+    /// Records `op` in the SQ ring, decides its signaling, and stages it.
+    #[inline]
+    fn stage(&mut self, request: SendDescriptor, op: SqOp) -> u32 {
+        self.stage_signaled(request, op, false)
+    }
+
+    #[inline]
+    pub(super) fn stage_signaled(
+        &mut self,
+        request: SendDescriptor,
+        op: SqOp,
+        force_signal: bool,
+    ) -> u32 {
+        let seq = self.sq_next;
+        self.sq_next = seq.wrapping_add(1);
+        self.ops[(seq & (self.sq_depth - 1)) as usize] = op;
+        // Selective signaling: every Nth request, and early whenever the SQ or
+        // the slot ring gets low, so resources held by unsignaled requests are
+        // always freed by a later signaled one.
+        let sq_left = self.sq_depth - self.sq_used();
+        let slots_left = self.send_slots - self.send_in_use;
+        self.since_signal += 1;
+        let signal = force_signal
+            || self.since_signal >= self.signal_interval
+            || sq_left <= self.signal_interval
+            || slots_left < self.signal_interval;
+        let mut flags = SendFlags::empty();
+        if signal {
+            flags |= SendFlags::SIGNALED;
+            self.since_signal = 0;
+        }
+        if request.local.len <= self.max_inline && request.opcode != SendOpcode::Read {
+            flags |= SendFlags::INLINE;
+        }
+        // admit() checked the room.
+        self.batch
+            .push(wr_id::send(self.id.key(), seq), flags, &request);
+        seq
+    }
+
+    /// Stages a SEND whose payload `fill` writes into a free send slot of
+    /// `capacity` bytes, returning how many it wrote (`None`: stage nothing).
+    #[inline]
+    pub(crate) fn stage_send(
+        &mut self,
+        capacity: usize,
+        imm: Option<u32>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<u32, SendError> {
+        if capacity > self.max_payload() {
+            return Err(SendError::TooLarge {
+                len: capacity,
+                max: self.max_payload(),
+            });
+        }
+        self.admit(true, true)?;
+        let slot = (self.send_head + self.send_in_use) & (self.send_slots - 1);
+        let start = slot as usize * self.slot_size;
+        // SAFETY: the send ring is registered while the connection lives;
+        // the slot is free (no posted request references it: slots are
+        // released only when a completion proves their SEND done) and lies
+        // inside the ring; we hold &mut self, and nothing else reaches the
+        // send ring (it has no remote access).
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(
+                self.send_ring.ptr.add(start),
+                CREDIT_HEADER_LEN + capacity,
+            )
+        };
+        let Some(len) = fill(&mut bytes[CREDIT_HEADER_LEN..]) else {
+            return Err(SendError::Cancelled);
+        };
+        let len = len.min(capacity);
+        let header = bytes.as_mut_ptr();
+        self.send_in_use += 1;
+        let addr = self.send_ring.addr + start as u64;
+        let sge = Sge {
+            addr,
+            len: (CREDIT_HEADER_LEN + len) as u32,
+            lkey: self.send_ring.lkey,
+        };
+        Ok(self.stage_credited_send(header, sge, imm, SqOp::of(OpKind::Send)))
+    }
+
+    /// Stages a SEND of `len` bytes (header included) straight from receive
+    /// slot `slot` of connection `origin`, which is reposted when it completes.
+    #[inline]
+    pub(crate) fn stage_forward(
+        &mut self,
+        source: SlotSource,
+        len: usize,
+        imm: Option<u32>,
+        origin: ConnId,
+        slot: u32,
+        from_srq: bool,
+    ) -> Result<u32, SendError> {
+        if len - CREDIT_HEADER_LEN > self.max_payload() {
+            return Err(SendError::TooLarge {
+                len: len - CREDIT_HEADER_LEN,
+                max: self.max_payload(),
+            });
+        }
+        self.admit(true, false)?;
+        let op = SqOp {
+            kind: OpKind::Forward,
+            slot,
+            origin: Some(origin),
+            from_srq,
+            keep: None,
+        };
+        let sge = Sge {
+            addr: source.addr,
+            len: len as u32,
+            lkey: source.lkey,
+        };
+        Ok(self.stage_credited_send(source.ptr, sge, imm, op))
+    }
+
+    /// Stages a SEND (address, length, lkey in `sge`) that consumes one peer
+    /// receive, and stamps our receive count into its `header`. The count
+    /// cannot grow before the doorbell: receives are reposted only after the
+    /// doorbell of the pass that staged this.
+    #[inline]
+    fn stage_credited_send(
+        &mut self,
+        header: *mut u8,
+        sge: Sge,
+        imm: Option<u32>,
+        op: SqOp,
+    ) -> u32 {
+        // SAFETY: `header` starts a send slot or a held receive slot that this
+        // request is about to carry: at least CREDIT_HEADER_LEN bytes we own,
+        // which no posted request reads yet.
+        unsafe { header.cast::<u32>().write_unaligned(self.posted.to_le()) };
+        let request = SendDescriptor::send(sge, imm);
+        self.consumed = self.consumed.wrapping_add(1);
+        self.has_staged_send = true;
+        self.stage(request, op)
+    }
+
+    /// Stages a WRITE (or WRITE_WITH_IMM, which consumes a peer receive).
+    #[inline]
+    pub(crate) fn stage_write(
+        &mut self,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+        imm: Option<u32>,
+    ) -> Result<u32, SendError> {
+        if local.len() != remote.len() {
+            return Err(SendError::Invalid(Error::InvalidArgument(
+                "local and remote lengths of an RDMA operation differ",
+            )));
+        }
+        self.admit(imm.is_some(), false)?;
+        if imm.is_some() {
+            self.consumed = self.consumed.wrapping_add(1);
+        }
+        let request = SendDescriptor::write(Sge::from(local), remote, imm);
+        let op = SqOp {
+            keep: Some(local.registration().clone()),
+            ..SqOp::of(OpKind::Write)
+        };
+        Ok(self.stage(request, op))
+    }
+
+    /// Stages a READ of `remote` into `local`.
+    #[inline]
+    pub(crate) fn stage_read(
+        &mut self,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+    ) -> Result<u32, SendError> {
+        if local.len() != remote.len() {
+            return Err(SendError::Invalid(Error::InvalidArgument(
+                "local and remote lengths of an RDMA operation differ",
+            )));
+        }
+        if !local.access.contains(AccessFlags::LOCAL_WRITE) {
+            return Err(SendError::Invalid(Error::InvalidArgument(
+                "a READ target must be registered with LOCAL_WRITE",
+            )));
+        }
+        self.admit(false, false)?;
+        let request = SendDescriptor::read(Sge::from(local), remote);
+        let op = SqOp {
+            keep: Some(local.registration().clone()),
+            ..SqOp::of(OpKind::Read)
+        };
+        // Always signaled: a READ's completion is the only sign its data has
+        // landed, and callers wait for it.
+        Ok(self.stage_signaled(request, op, true))
+    }
+
+    /// Signals the last staged request, so it and everything before it
+    /// report completion without waiting for the signaling interval.
+    pub(crate) fn signal_last_staged(&mut self) {
+        if self.batch.flag_last(SendFlags::SIGNALED) {
+            self.since_signal = 0;
+        }
+    }
+
+    /// How many ops a signaled completion of `seq` retires: it and every
+    /// earlier one (RC completes the send queue in order). Zero if `seq` is
+    /// not in flight.
+    #[inline]
+    pub(crate) fn retire_count(&self, seq: u32) -> u32 {
+        let count = seq.wrapping_sub(self.sq_done).wrapping_add(1);
+        if count <= self.sq_used() { count } else { 0 }
+    }
+
+    /// Retires the oldest op, releasing its send slot (and the
+    /// registration it kept).
+    #[inline]
+    pub(crate) fn pop_oldest(&mut self) -> (u32, SqOp) {
+        let seq = self.sq_done;
+        let op = std::mem::take(&mut self.ops[(seq & (self.sq_depth - 1)) as usize]);
+        self.sq_done = seq.wrapping_add(1);
+        if op.kind == OpKind::Send {
+            self.send_head = (self.send_head + 1) & (self.send_slots - 1);
+            self.send_in_use -= 1;
+        }
+        (seq, op)
+    }
+
+    /// Rings the doorbell for everything staged.
+    #[inline]
+    pub(crate) fn post_staged(&mut self) -> crate::Result<()> {
+        self.qp.post_list(&mut self.batch)
+    }
+}
