@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use rdma_comm_core::Error;
 use rdma_comm_core::pool::BufferPool;
-use rdma_comm_core::session::wire::{HEADER_LEN, MAGIC, WireError};
+use rdma_comm_core::session::wire::{FRAME_HEADER_LEN, MAGIC, WireError};
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
 use util::*;
@@ -49,7 +49,7 @@ fn exchange(pd: &ProtectionDomain, from: &mut Endpoint, to: &mut Endpoint, paylo
 }
 
 fn header(version: u16, kind: u16, len: u32) -> Vec<u8> {
-    let mut h = Vec::with_capacity(HEADER_LEN);
+    let mut h = Vec::with_capacity(FRAME_HEADER_LEN);
     h.extend_from_slice(&MAGIC.to_le_bytes());
     h.extend_from_slice(&version.to_le_bytes());
     h.extend_from_slice(&kind.to_le_bytes());

@@ -4,7 +4,7 @@
 
 use proptest::prelude::*;
 use rdma_comm_core::session::wire::{
-    ChannelInfo, HEADER_LEN, Handshake, MAX_PAYLOAD, Message, RegionInfo, WireError,
+    ChannelInfo, FRAME_HEADER_LEN, Handshake, MAX_PAYLOAD, Message, RegionInfo, WireError,
 };
 
 fn channel() -> impl Strategy<Value = ChannelInfo> {
@@ -73,7 +73,7 @@ proptest! {
     #[test]
     fn valid_messages_round_trip(msg in message()) {
         let bytes = msg.encode();
-        prop_assert!(bytes.len() <= HEADER_LEN + MAX_PAYLOAD as usize);
+        prop_assert!(bytes.len() <= FRAME_HEADER_LEN + MAX_PAYLOAD as usize);
         let (back, used) = Message::decode(&bytes).unwrap();
         prop_assert_eq!(used, bytes.len());
         prop_assert_eq!(back, msg);

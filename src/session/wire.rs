@@ -25,7 +25,7 @@ pub const MAGIC: u32 = 0x4D43_4352;
 /// The protocol version this build speaks.
 pub const VERSION: u16 = 1;
 /// Header size in bytes.
-pub const HEADER_LEN: usize = 12;
+pub const FRAME_HEADER_LEN: usize = 12;
 /// Largest payload accepted (a handshake with hundreds of channels fits easily).
 pub const MAX_PAYLOAD: u32 = 64 * 1024;
 /// Most channels one endpoint may ask for.
@@ -108,7 +108,7 @@ pub enum Message {
 impl Message {
     /// Serialises into a complete frame.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = vec![0; HEADER_LEN];
+        let mut out = vec![0; FRAME_HEADER_LEN];
         let kind = match self {
             Message::Hello(h) => {
                 encode_handshake(h, &mut out);
@@ -129,7 +129,7 @@ impl Message {
                 KIND_DISCONNECT
             }
         };
-        let len = (out.len() - HEADER_LEN) as u32;
+        let len = (out.len() - FRAME_HEADER_LEN) as u32;
         out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         out[4..6].copy_from_slice(&VERSION.to_le_bytes());
         out[6..8].copy_from_slice(&kind.to_le_bytes());
@@ -139,20 +139,20 @@ impl Message {
 
     /// Decodes one frame from the front of `bytes`; returns it and the bytes used.
     pub fn decode(bytes: &[u8]) -> Result<(Message, usize), WireError> {
-        let header: &[u8; HEADER_LEN] = bytes
-            .get(..HEADER_LEN)
+        let header: &[u8; FRAME_HEADER_LEN] = bytes
+            .get(..FRAME_HEADER_LEN)
             .and_then(|h| h.try_into().ok())
             .ok_or(WireError::Truncated("header"))?;
         let (kind, len) = decode_header(header)?;
         let payload = bytes
-            .get(HEADER_LEN..HEADER_LEN + len as usize)
+            .get(FRAME_HEADER_LEN..FRAME_HEADER_LEN + len as usize)
             .ok_or(WireError::Truncated("payload"))?;
-        Ok((decode_payload(kind, payload)?, HEADER_LEN + len as usize))
+        Ok((decode_payload(kind, payload)?, FRAME_HEADER_LEN + len as usize))
     }
 
     /// Reads one frame from a stream (honouring its read timeout).
     pub fn read_from(stream: &mut impl Read) -> Result<Message, WireError> {
-        let mut header = [0; HEADER_LEN];
+        let mut header = [0; FRAME_HEADER_LEN];
         read_exact(stream, &mut header, "header")?;
         let (kind, len) = decode_header(&header)?;
         // The length is capped, so this allocation is bounded.
@@ -176,7 +176,7 @@ fn read_exact(stream: &mut impl Read, buf: &mut [u8], what: &'static str) -> Res
 }
 
 /// Checks a header and returns (kind, payload length).
-pub fn decode_header(header: &[u8; HEADER_LEN]) -> Result<(u16, u32), WireError> {
+pub fn decode_header(header: &[u8; FRAME_HEADER_LEN]) -> Result<(u16, u32), WireError> {
     let magic = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
     if magic != MAGIC {
         return Err(WireError::BadMagic(magic));
@@ -405,7 +405,7 @@ mod tests {
             })
         ));
 
-        for cut in [0, 5, HEADER_LEN, good.len() - 1] {
+        for cut in [0, 5, FRAME_HEADER_LEN, good.len() - 1] {
             assert!(
                 matches!(Message::decode(&good[..cut]), Err(WireError::Truncated(_))),
                 "cut at {cut}"
