@@ -83,7 +83,9 @@ impl Handler for PerfHandler {
             }
             PeerStatus::Lost(err) => format!("lost the peer: {err}"),
         };
-        each_role!(self, h => h.set_failure(why));
+        each_role!(self, h => {
+            h.failed.get_or_insert(why);
+        });
         ctx.stop();
     }
 }

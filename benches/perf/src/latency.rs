@@ -20,7 +20,7 @@ pub struct LatencyClient {
     clock: Clock,
     /// Round-trip (or READ) times in clock ticks.
     samples: Vec<u64>,
-    failed: Option<String>,
+    pub(crate) failed: Option<String>,
     end: RunEnd,
 }
 
@@ -55,11 +55,6 @@ impl LatencyClient {
     /// The error that ended the run early, if any.
     pub fn failure(&self) -> Option<&str> {
         self.failed.as_deref()
-    }
-
-    /// Ends the run early for `why`, unless it already failed.
-    pub fn set_failure(&mut self, why: String) {
-        self.failed.get_or_insert(why);
     }
 
     /// True when every iteration was measured.
@@ -218,7 +213,7 @@ pub struct Reflector {
     buffers: PerfBuffers,
     conn: Option<ConnId>,
     last_marker: u8,
-    failed: Option<String>,
+    pub(crate) failed: Option<String>,
 }
 
 impl Reflector {
@@ -236,11 +231,6 @@ impl Reflector {
     /// The error that ended the run early, if any.
     pub fn failure(&self) -> Option<&str> {
         self.failed.as_deref()
-    }
-
-    /// Ends the run early for `why`, unless it already failed.
-    pub fn set_failure(&mut self, why: String) {
-        self.failed.get_or_insert(why);
     }
 
     fn write_back(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: Option<u32>) {

@@ -21,7 +21,7 @@ pub struct RateSender {
     /// (completions so far, timestamp), every `mark_stride` completions.
     marks: Vec<(u64, u64)>,
     mark_stride: u64,
-    failed: Option<String>,
+    pub(crate) failed: Option<String>,
     end: RunEnd,
 }
 
@@ -54,11 +54,6 @@ impl RateSender {
     /// The error that ended the run early, if any.
     pub fn failure(&self) -> Option<&str> {
         self.failed.as_deref()
-    }
-
-    /// Ends the run early for `why`, unless it already failed.
-    pub fn set_failure(&mut self, why: String) {
-        self.failed.get_or_insert(why);
     }
 
     /// True when every message completed.
@@ -193,7 +188,7 @@ impl Handler for RateSender {
 #[derive(Debug, Default)]
 pub struct RateSink {
     received: u64,
-    failed: Option<String>,
+    pub(crate) failed: Option<String>,
 }
 
 impl RateSink {
@@ -205,11 +200,6 @@ impl RateSink {
     /// The error that ended the run early, if any.
     pub fn failure(&self) -> Option<&str> {
         self.failed.as_deref()
-    }
-
-    /// Ends the run early for `why`, unless it already failed.
-    pub fn set_failure(&mut self, why: String) {
-        self.failed.get_or_insert(why);
     }
 }
 
