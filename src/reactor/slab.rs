@@ -43,7 +43,7 @@ impl<T> Slab<T> {
             let generation = self.entries[index as usize].generation;
             return Some(Key { index, generation });
         }
-        (self.entries.len() < self.limit).then(|| Key {
+        (self.entries.len() < self.limit).then_some(Key {
             index: self.entries.len() as u32,
             generation: 0,
         })
