@@ -287,6 +287,37 @@ verbs_test! {
     }
 }
 
+verbs_test! {
+    fn add_refuses_a_qp_on_another_contexts_cq_with_the_same_id() {
+        // CQ ids are the kernel's handles, numbered per device context: a CQ
+        // of a second context of the same device gets the id of the reactor's.
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let mut reactor: Reactor<BoxedHandler, ()> =
+            Reactor::new(&pd, reactor_config(false)).unwrap();
+        let CqChoice::Shared(ours) = reactor.channel_spec("probe").cq else {
+            panic!("a reactor's channel spec names its shared CQ");
+        };
+        let probe = pd.create_qp(&ours, &ours, &QpConfig::default()).unwrap();
+        let other = open_device();
+        let other_pd = other.alloc_pd().unwrap();
+        let mut other_cqs = Vec::new();
+        let twin = loop {
+            assert!(other_cqs.len() < 16, "no CQ of a second context has the reactor's CQ's id");
+            other_cqs.push(other.create_cq(4096, None).unwrap());
+            let cq = other_cqs.last().unwrap();
+            let qp = other_pd.create_qp(cq, cq, &QpConfig::default()).unwrap();
+            if (qp.send_cq_id(), qp.recv_cq_id()) == (probe.send_cq_id(), probe.recv_cq_id()) {
+                break qp;
+            }
+        };
+        let refused = reactor.add(vec![twin], quiet()).expect_err("a QP on another context's CQ");
+        assert!(matches!(refused, Error::InvalidArgument(_)), "{refused}");
+        assert_eq!(reactor.sessions().count(), 0);
+        reactor.add(vec![probe], quiet()).expect("a QP on the reactor's own CQ");
+    }
+}
+
 /// The (index, generation) of a connection, read from its `Debug` form
 /// `ConnId(index#generation)`: the reactor's `wr_id` carries both.
 fn conn_key(conn: ConnId) -> (u64, u64) {
