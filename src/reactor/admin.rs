@@ -4,7 +4,7 @@
 //! so that a long-lived reactor holds only the peers it serves.
 
 use crate::error::{Error, Result};
-use crate::verbs::{CompletionQueue, CqId, QueuePair};
+use crate::verbs::QueuePair;
 
 use super::conn::{Conn, MAX_CONNS};
 use super::{ConnId, Handler, PeerLink, QpSource, Reactor, Session, SessionId};
@@ -80,12 +80,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Checks `qps` against the reactor's CQs and SRQ; returns the CQ
     /// entries they would take, by CQ index.
     fn check_qps(&self, qps: &[QueuePair]) -> Result<Vec<(usize, u32)>> {
-        let ours: Vec<CqId> = self.cqs.iter().map(CompletionQueue::id).collect();
         let mut charges: Vec<(usize, u32)> = Vec::new();
         for qp in qps {
+            // By identity, not by CqId: ids repeat across device contexts.
             let (Some(send), Some(recv)) = (
-                ours.iter().position(|&id| id == qp.send_cq_id()),
-                ours.iter().position(|&id| id == qp.recv_cq_id()),
+                self.cqs.iter().position(|cq| qp.sends_to(cq)),
+                self.cqs.iter().position(|cq| qp.receives_to(cq)),
             ) else {
                 return Err(Error::InvalidArgument(
                     "QP was not created on this reactor's CQs (build it from Reactor::channel_spec)",

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::sys;
 
-use super::cq::{CqId, CqInner, CqSource};
+use super::cq::{CompletionQueue, CqId, CqInner, CqSource};
 use super::device::{Gid, LinkLayer, Mtu};
 use super::list::SendList;
 use super::mr::AccessFlags;
@@ -363,6 +363,18 @@ impl QueuePair {
     pub fn recv_cq_id(&self) -> CqId {
         // SAFETY: as above.
         CqId(unsafe { (*self.recv_cq.cq.as_ptr()).handle })
+    }
+
+    /// True if send completions go to `cq` itself. (A [`CqId`] is the
+    /// kernel's handle, numbered per device context: a CQ of another
+    /// context of the same device can have the same one.)
+    pub(crate) fn sends_to(&self, cq: &CompletionQueue) -> bool {
+        Arc::ptr_eq(&self.send_cq, &cq.inner)
+    }
+
+    /// True if receive completions go to `cq` itself (see [`sends_to`](Self::sends_to)).
+    pub(crate) fn receives_to(&self, cq: &CompletionQueue) -> bool {
+        Arc::ptr_eq(&self.recv_cq, &cq.inner)
     }
 
     /// The port in use.
