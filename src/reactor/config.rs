@@ -146,7 +146,8 @@ impl ReactorConfig {
 ///
 /// Ids are reused once a connection is removed, each time with a new
 /// generation: an id kept past its connection's removal never reaches the
-/// connection that takes its place.
+/// connection that takes its place. An id also names its reactor, so
+/// another reactor refuses it (as if the connection were closed).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ConnId(pub(crate) Key);
 

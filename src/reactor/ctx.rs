@@ -21,8 +21,19 @@ pub struct Ctx<'a> {
     /// Set when a call may have staged work or queued a repost, so an idle
     /// pass knows whether it has anything to flush.
     pub(super) touched: bool,
-    /// Sessions a callback asked to remove, taken out after the pass.
-    pub(super) removals: &'a mut Vec<SessionId>,
+    /// What callbacks leave for the end of the pass.
+    pub(super) deferred: &'a mut Deferred,
+}
+
+/// Work callbacks leave for the reactor to do after them.
+#[derive(Debug, Default)]
+pub(crate) struct Deferred {
+    /// Sessions to remove after the pass.
+    pub(crate) removals: Vec<SessionId>,
+    /// SRQ slots of held messages whose connection is gone, to give back to
+    /// the SRQ (capacity reserved for every SRQ slot: pushing never
+    /// allocates).
+    pub(crate) srq_returns: Vec<u32>,
 }
 
 /// A reactor's process-wide unique id (never reused).
@@ -41,7 +52,7 @@ impl<'a> Ctx<'a> {
         conns: &'a mut Slab<Conn>,
         stop: &'a AtomicBool,
         reactor: ReactorId,
-        removals: &'a mut Vec<SessionId>,
+        deferred: &'a mut Deferred,
     ) -> Self {
         Self {
             conns,
@@ -49,7 +60,7 @@ impl<'a> Ctx<'a> {
             reactor,
             current: None,
             touched: false,
-            removals,
+            deferred,
         }
     }
 }
@@ -70,6 +81,9 @@ pub struct HeldRecv {
     reactor: ReactorId,
     conn: ConnId,
     slot: u32,
+    /// The slot is one of the reactor's SRQ (it goes back there even if
+    /// its connection is gone by the time the message is released).
+    from_srq: bool,
     /// Bytes received, header included.
     len: u32,
 }
@@ -107,11 +121,12 @@ impl Ctx<'_> {
     }
 
     /// A received message whose slot the handler may hold, for `on_message`.
-    pub(super) fn offer(&mut self, conn: ConnId, slot: u32, len: u32) {
+    pub(super) fn offer(&mut self, conn: ConnId, slot: u32, len: u32, from_srq: bool) {
         self.current = Some(HeldRecv {
             reactor: self.reactor,
             conn,
             slot,
+            from_srq,
             len,
         });
     }
@@ -129,8 +144,8 @@ impl Ctx<'_> {
     /// destroyed, its connections, handler and peer link dropped (which
     /// tells a session-layer peer goodbye). For a server whose peer left.
     pub fn remove_session(&mut self, session: SessionId) {
-        if !self.removals.contains(&session) {
-            self.removals.push(session);
+        if !self.deferred.removals.contains(&session) {
+            self.deferred.removals.push(session);
         }
     }
 
@@ -196,14 +211,19 @@ impl Ctx<'_> {
             .get(CREDIT_HEADER_LEN..)
     }
 
-    /// Gives a held receive slot back: it is reposted with this pass.
-    /// [`SendError::Foreign`] for a message of another reactor or of a
-    /// connection that is gone (its slot needs nothing then).
-    pub fn release(&mut self, held: HeldRecv) -> Result<(), SendError> {
+    /// Gives a held receive slot back: it is reposted with this pass (an
+    /// SRQ slot goes back to the SRQ even if its connection is gone; a slot
+    /// of a gone connection's own ring needs nothing). A message of another
+    /// reactor comes back with [`SendError::Foreign`], to be released there.
+    pub fn release(&mut self, held: HeldRecv) -> Result<(), (SendError, HeldRecv)> {
         self.touched = true;
-        self.held_origin(&held).ok_or(SendError::Foreign)?;
-        if let Some(conn) = self.conns.get_mut(held.conn.key()) {
-            conn.queue_repost(held.slot);
+        if held.reactor != self.reactor {
+            return Err((SendError::Foreign, held));
+        }
+        match self.conns.get_mut(held.conn.key()) {
+            Some(conn) => conn.queue_repost(held.slot),
+            None if held.from_srq => self.deferred.srq_returns.push(held.slot),
+            None => {}
         }
         Ok(())
     }

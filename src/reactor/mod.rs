@@ -82,7 +82,7 @@ use crate::verbs::{
 };
 
 use conn::{CREDIT_HEADER_LEN as HEADER, Conn, MAX_CONNS};
-use ctx::ReactorId;
+use ctx::{Deferred, ReactorId};
 use slab::Slab;
 use srq_pool::SrqPool;
 use wait::Waiter;
@@ -162,8 +162,8 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     clock_stride: u32,
     stop: Arc<AtomicBool>,
     id: ReactorId,
-    /// Sessions callbacks asked to remove; taken out after the pass.
-    removals: Vec<SessionId>,
+    /// What callbacks left for after the pass (removals, SRQ slots).
+    deferred: Deferred,
     peer_timer: Option<PassTimer>,
     /// Completions no connection of ours posted (ignored).
     foreign_completions: u64,
@@ -195,6 +195,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             .map(|i| ctx.create_cq(config.cq_size, channels.get(i).or(channels.first())))
             .collect::<Result<Vec<_>>>()?;
         let waiter = Waiter::new(config.event_mode, &channels)?;
+        let srq_slots = config.srq_depth as usize;
         let srq = match config.srq_depth {
             0 => None,
             _ => Some(SrqPool::new(pd, &config)?),
@@ -205,10 +206,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 EventMode::BusyPoll => PassTimer::new(every),
                 _ => PassTimer::reading_every_pass(every),
             });
+        let id = ReactorId::next();
         Ok(Self {
             config,
-            conns: Slab::new(MAX_CONNS),
-            sessions: Slab::new(MAX_SESSIONS),
+            conns: Slab::new(MAX_CONNS, id.0),
+            sessions: Slab::new(MAX_SESSIONS, id.0),
             srq,
             cq_load: vec![0; cqs.len()],
             cqs,
@@ -223,8 +225,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             tails_left: false,
             clock_stride: 1,
             stop: Arc::new(AtomicBool::new(false)),
-            id: ReactorId::next(),
-            removals: Vec::new(),
+            id,
+            deferred: Deferred {
+                removals: Vec::new(),
+                srq_returns: Vec::with_capacity(srq_slots),
+            },
             peer_timer,
             foreign_completions: 0,
         })

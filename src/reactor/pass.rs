@@ -33,7 +33,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         {
             self.check_peers();
         }
-        if !self.removals.is_empty() {
+        if !self.deferred.removals.is_empty() {
             self.apply_removals();
         }
         Ok(done)
@@ -59,7 +59,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         let mut touched = done > 0;
         if done == 0 {
-            let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.removals);
+            let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
             for (_, session) in self.sessions.iter_mut() {
                 session.handler.on_idle(&mut ctx);
             }
@@ -151,7 +151,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return;
         };
         let handler = &mut record.handler;
-        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.removals);
+        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         match kind {
             WrKind::Recv { slot } => {
                 let Some(conn) = ctx.conns.get_mut(key) else {
@@ -171,10 +171,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     }
                     return;
                 };
+                let from_srq = conn.uses_srq();
                 if conn.peer_credit(credit) {
                     handler.on_established(&mut ctx, id);
                 }
-                ctx.offer(id, slot, len);
+                ctx.offer(id, slot, len, from_srq);
                 // SAFETY: the bytes live in the connection's receive ring,
                 // registered while the connection lives, which is past this
                 // call (removals wait for the end of the pass); the slot is
@@ -274,7 +275,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         conn.stop_qp();
         let session = conn.session;
         self.release_forwarded(released);
-        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.removals);
+        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         if let Some(record) = self.sessions.get_mut(session.0) {
             record.handler.on_error(&mut ctx, id, &error);
         }
@@ -315,10 +316,15 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             reposts_left |= conn.has_pending_reposts();
             tails_left |= conn.has_unsignaled_tail();
         }
-        if let Some(pool) = &mut self.srq
-            && let Err(err) = pool.flush()
-        {
-            log::error!("reposting SRQ receives: {err}");
+        if let Some(pool) = &mut self.srq {
+            for slot in self.deferred.srq_returns.drain(..) {
+                if let Err(err) = pool.give_back(slot) {
+                    log::error!("reposting an SRQ receive: {err}");
+                }
+            }
+            if let Err(err) = pool.flush() {
+                log::error!("reposting SRQ receives: {err}");
+            }
         }
         self.unsettled |= unsettled;
         self.reposts_left = reposts_left;
@@ -381,7 +387,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
         }
         for (session, status) in gone {
-            let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.removals);
+            let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
             if let Some(record) = self.sessions.get_mut(session.0) {
                 record.handler.on_peer_gone(&mut ctx, session, &status);
             }
@@ -392,12 +398,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Removes the sessions callbacks asked to remove.
     #[cold]
     fn apply_removals(&mut self) {
-        let removals = std::mem::take(&mut self.removals);
+        let removals = std::mem::take(&mut self.deferred.removals);
         for &session in &removals {
             self.remove(session);
         }
         // Keep the allocation for next time.
-        self.removals = removals;
-        self.removals.clear();
+        self.deferred.removals = removals;
+        self.deferred.removals.clear();
     }
 }

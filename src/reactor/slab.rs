@@ -1,12 +1,16 @@
 //! Records addressed by generation-checked ids that are reused: a removed
 //! record frees its entry, and the entry's next tenant gets a new
-//! generation, so an id kept past removal never reaches the newcomer.
+//! generation, so an id kept past removal never reaches the newcomer. Every
+//! key also names the slab's owner (its reactor), so a key of another
+//! reactor's slab never reaches a record here either.
 
 /// Where a record lives and which tenant of that entry it is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct Key {
     pub(crate) index: u32,
     pub(crate) generation: u32,
+    /// The owner of the slab the key came from (a reactor's unique id).
+    pub(crate) owner: u64,
 }
 
 struct Entry<T> {
@@ -20,16 +24,42 @@ pub(crate) struct Slab<T> {
     free: Vec<u32>,
     live: usize,
     limit: usize,
+    owner: u64,
 }
 
 impl<T> Slab<T> {
-    pub(crate) fn new(limit: usize) -> Self {
+    /// An empty slab whose keys name `owner`, which must be unique among
+    /// the slabs keys could be mixed up between.
+    pub(crate) fn new(limit: usize, owner: u64) -> Self {
         Self {
             entries: Vec::new(),
             free: Vec::new(),
             live: 0,
             limit,
+            owner,
         }
+    }
+
+    fn key(&self, index: u32, generation: u32) -> Key {
+        Key {
+            index,
+            generation,
+            owner: self.owner,
+        }
+    }
+
+    /// The entry `key` names, if it is this slab's and of that generation.
+    #[inline]
+    fn entry(&self, key: Key) -> Option<&Entry<T>> {
+        let entry = self.entries.get(key.index as usize)?;
+        (key.owner == self.owner && entry.generation == key.generation).then_some(entry)
+    }
+
+    #[inline]
+    fn entry_mut(&mut self, key: Key) -> Option<&mut Entry<T>> {
+        let owner = self.owner;
+        let entry = self.entries.get_mut(key.index as usize)?;
+        (key.owner == owner && entry.generation == key.generation).then_some(entry)
     }
 
     /// Live records.
@@ -41,12 +71,9 @@ impl<T> Slab<T> {
     pub(crate) fn vacant_key(&self) -> Option<Key> {
         if let Some(&index) = self.free.last() {
             let generation = self.entries[index as usize].generation;
-            return Some(Key { index, generation });
+            return Some(self.key(index, generation));
         }
-        (self.entries.len() < self.limit).then_some(Key {
-            index: self.entries.len() as u32,
-            generation: 0,
-        })
+        (self.entries.len() < self.limit).then(|| self.key(self.entries.len() as u32, 0))
     }
 
     /// Stores `value` under [`vacant_key`](Self::vacant_key); `None` when full.
@@ -65,10 +92,7 @@ impl<T> Slab<T> {
 
     /// Takes the record out; its entry is reused with the next generation.
     pub(crate) fn remove(&mut self, key: Key) -> Option<T> {
-        let entry = self.entries.get_mut(key.index as usize)?;
-        if entry.generation != key.generation {
-            return None;
-        }
+        let entry = self.entry_mut(key)?;
         let value = entry.value.take()?;
         entry.generation = entry.generation.wrapping_add(1);
         self.free.push(key.index);
@@ -78,33 +102,25 @@ impl<T> Slab<T> {
 
     #[inline]
     pub(crate) fn get(&self, key: Key) -> Option<&T> {
-        let entry = self.entries.get(key.index as usize)?;
-        if entry.generation == key.generation {
-            entry.value.as_ref()
-        } else {
-            None
-        }
+        self.entry(key)?.value.as_ref()
     }
 
     #[inline]
     pub(crate) fn get_mut(&mut self, key: Key) -> Option<&mut T> {
-        let entry = self.entries.get_mut(key.index as usize)?;
-        if entry.generation == key.generation {
-            entry.value.as_mut()
-        } else {
-            None
-        }
+        self.entry_mut(key)?.value.as_mut()
     }
 
     /// The record at `index`, whatever its generation, with its key.
     #[inline]
     pub(crate) fn get_by_index_mut(&mut self, index: u32) -> Option<(Key, &mut T)> {
+        let owner = self.owner;
         let entry = self.entries.get_mut(index as usize)?;
-        let generation = entry.generation;
-        entry
-            .value
-            .as_mut()
-            .map(|value| (Key { index, generation }, value))
+        let key = Key {
+            index,
+            generation: entry.generation,
+            owner,
+        };
+        entry.value.as_mut().map(|value| (key, value))
     }
 
     /// Entries ever used (live or free): bounds for index loops.
@@ -114,26 +130,30 @@ impl<T> Slab<T> {
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = (Key, &T)> {
+        let owner = self.owner;
         self.entries
             .iter()
             .enumerate()
-            .filter_map(|(index, entry)| {
+            .filter_map(move |(index, entry)| {
                 let key = Key {
                     index: index as u32,
                     generation: entry.generation,
+                    owner,
                 };
                 entry.value.as_ref().map(|value| (key, value))
             })
     }
 
     pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (Key, &mut T)> {
+        let owner = self.owner;
         self.entries
             .iter_mut()
             .enumerate()
-            .filter_map(|(index, entry)| {
+            .filter_map(move |(index, entry)| {
                 let key = Key {
                     index: index as u32,
                     generation: entry.generation,
+                    owner,
                 };
                 entry.value.as_mut().map(|value| (key, value))
             })
@@ -146,7 +166,7 @@ mod tests {
 
     #[test]
     fn removed_entries_are_reused_and_stale_keys_miss() {
-        let mut slab = Slab::new(2);
+        let mut slab = Slab::new(2, 1);
         let a = slab.insert("a").unwrap();
         let b = slab.insert("b").unwrap();
         assert!(slab.insert("c").is_none(), "full at the limit");
@@ -163,8 +183,23 @@ mod tests {
     }
 
     #[test]
+    fn keys_of_another_slab_miss() {
+        let (mut ours, mut theirs) = (Slab::new(2, 1), Slab::new(2, 2));
+        let mine = ours.insert("ours").unwrap();
+        let other = theirs.insert("theirs").unwrap();
+        assert_eq!(
+            (mine.index, mine.generation),
+            (other.index, other.generation)
+        );
+        assert_eq!(ours.get(other), None);
+        assert_eq!(ours.remove(other), None);
+        assert_eq!(theirs.get_mut(mine), None);
+        assert_eq!(ours.get(mine), Some(&"ours"));
+    }
+
+    #[test]
     fn a_long_churn_stays_in_place() {
-        let mut slab = Slab::new(4);
+        let mut slab = Slab::new(4, 1);
         for round in 0..100_000u32 {
             let key = slab.insert(round).unwrap();
             assert_eq!(slab.remove(key), Some(round));

@@ -147,7 +147,10 @@ impl Message {
         let payload = bytes
             .get(FRAME_HEADER_LEN..FRAME_HEADER_LEN + len as usize)
             .ok_or(WireError::Truncated("payload"))?;
-        Ok((decode_payload(kind, payload)?, FRAME_HEADER_LEN + len as usize))
+        Ok((
+            decode_payload(kind, payload)?,
+            FRAME_HEADER_LEN + len as usize,
+        ))
     }
 
     /// Reads one frame from a stream (honouring its read timeout).

@@ -90,6 +90,7 @@ mod tests {
         let conn = Key {
             index: MAX_CONNS as u32 - 1,
             generation: 1027,
+            owner: 1,
         };
         let (index, generation, kind) = decode(recv(conn, u32::MAX));
         assert_eq!((index, kind), (conn.index, WrKind::Recv { slot: u32::MAX }));
