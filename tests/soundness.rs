@@ -623,6 +623,9 @@ fn held_receive_after_removal(srq: bool) {
 
     // The sessions go, and new ones take their slots (with a new generation).
     assert!(reactor.remove(first).is_some() && reactor.remove(second).is_some());
+    // A pass that polls the CQs empty releases the removed connections'
+    // entries from quarantine (stale completions may name them until then).
+    reactor.poll_once().unwrap();
     let (tx, rx) = mpsc::channel();
     let probe = on_established(move |ctx, conn| {
         let bytes = ctx.held_bytes(&held).is_none();
@@ -746,6 +749,9 @@ verbs_test! {
         for &conn in &old_conns {
             assert!(reactor.conn_stats(conn).is_none(), "{conn:?}");
         }
+        // The removed connections' entries wait in quarantine until a pass
+        // has polled every CQ empty.
+        reactor.poll_once().unwrap();
 
         let (tx, rx) = mpsc::channel();
         let stale = (old_conns.clone(), old_sessions.0);

@@ -101,13 +101,24 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     "QP's receive queue does not match this reactor's (build it from Reactor::channel_spec)",
                 ));
             }
+            if !qp.belongs_to(&self.pd) {
+                return Err(Error::InvalidArgument(
+                    "QP was created in another protection domain than the reactor's (its rings would be out of the QP's reach)",
+                ));
+            }
             if qp.has_posted() {
                 return Err(Error::InvalidArgument(
                     "something was posted on this QP already: the reactor takes only QPs whose every completion will be its own",
                 ));
             }
             let sq = self.config.sq_depth.min(qp.max_send_wr()).max(4);
-            let rq = self.config.recv_depth.max(2);
+            // With an SRQ, receive completions are bounded by the SRQ, whose
+            // whole depth every CQ keeps room for (a peer that ignores its
+            // credits can consume all of it), not by the connection's share.
+            let rq = match self.srq {
+                Some(_) => 0,
+                None => self.config.recv_depth.max(2),
+            };
             for (cq, entries) in [(send, sq), (recv, rq)] {
                 match charges.iter_mut().find(|(c, _)| *c == cq) {
                     Some((_, total)) => *total += entries,
@@ -150,8 +161,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// state and destroyed, its receive rings and send slots deregistered,
     /// and the link and handler handed back (drop the link to tell the
     /// peer). Completions still queued for it are ignored. Messages of this
-    /// session that another connection is still forwarding fail that
-    /// forward. `None` if the session is unknown.
+    /// session that another connection is forwarding still go out: the
+    /// forward keeps the receive ring registered until it completes. `None`
+    /// if the session is unknown.
     ///
     /// The session's records are freed and its ids reused (with a new
     /// generation), so a reactor that serves peers for months holds only

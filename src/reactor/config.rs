@@ -124,8 +124,10 @@ impl ReactorConfig {
     /// outstanding ([`Reactor::add`](super::Reactor::add) refuses one more).
     pub fn absorbing(mut self, connections: u32) -> Self {
         let needed = connections.max(1).saturating_mul(self.entries_per_conn());
-        self.cq_count = self.cq_count.max(needed.div_ceil(MAX_CQ_ENTRIES));
-        self.cq_size = self.cq_size.max(needed.div_ceil(self.cq_count)).max(256);
+        let per_cq_room = MAX_CQ_ENTRIES.saturating_sub(self.srq_depth).max(1);
+        self.cq_count = self.cq_count.max(needed.div_ceil(per_cq_room));
+        let per_cq = needed.div_ceil(self.cq_count) + self.srq_depth;
+        self.cq_size = self.cq_size.max(per_cq).max(256);
         self
     }
 
@@ -136,9 +138,15 @@ impl ReactorConfig {
     }
 
     /// CQ entries one connection can need at once: its send queue and its
-    /// receives (with an SRQ, its credit share of it).
+    /// receives (with an SRQ, none of its own: every CQ keeps room for the
+    /// whole SRQ instead).
     pub fn entries_per_conn(&self) -> u32 {
-        self.sq_depth.saturating_add(self.recv_depth.max(2))
+        let receives = if self.srq_depth > 0 {
+            0
+        } else {
+            self.recv_depth.max(2)
+        };
+        self.sq_depth.saturating_add(receives)
     }
 }
 

@@ -196,6 +196,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             .collect::<Result<Vec<_>>>()?;
         let waiter = Waiter::new(config.event_mode, &channels)?;
         let srq_slots = config.srq_depth as usize;
+        if cqs.iter().any(|cq| cq.capacity() < config.srq_depth) {
+            return Err(crate::Error::InvalidArgument(
+                "every CQ must hold the whole SRQ's completions: raise cq_size to srq_depth or more",
+            ));
+        }
         let srq = match config.srq_depth {
             0 => None,
             _ => Some(SrqPool::new(pd, &config)?),
@@ -209,10 +214,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let id = ReactorId::next();
         Ok(Self {
             config,
-            conns: Slab::new(MAX_CONNS, id.0),
+            // Quarantined: completions of a removed connection's QP may
+            // still be queued, naming its index; a pass that drained every
+            // CQ after the removal releases it (`poll_once`).
+            conns: Slab::new(MAX_CONNS, id.0).quarantining(),
             sessions: Slab::new(MAX_SESSIONS, id.0),
             srq,
-            cq_load: vec![0; cqs.len()],
+            // Room for the whole SRQ in every CQ (see `add`).
+            cq_load: vec![srq_slots as u32; cqs.len()],
             cqs,
             channels,
             waiter,

@@ -20,30 +20,26 @@ const REPOST_IDLE_PASSES: u32 = 8;
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// One pass, then (in the event modes, if it found nothing) one wait.
-    /// Watches the peers when their interval is up, and removes the sessions
-    /// callbacks asked to remove.
     pub fn turn(&mut self) -> Result<usize> {
         let done = self.poll_once()?;
         if done == 0 && self.config.event_mode != EventMode::BusyPoll && self.prepare_wait()? {
             self.waiter.wait(self.config.idle_timeout)?;
             self.drain_channel_events()?;
         }
-        if let Some(timer) = &mut self.peer_timer
-            && timer.expired_after(done)
-        {
-            self.check_peers();
-        }
-        if !self.deferred.removals.is_empty() {
-            self.apply_removals();
-        }
         Ok(done)
     }
 
     /// Polls every CQ once (in batches), dispatches, then flushes: reposts
     /// receives and rings one doorbell per QP with staged work. Calls
-    /// `on_idle` when nothing completed. Returns the completions handled.
+    /// `on_idle` when nothing completed, watches the peers when their
+    /// interval is up, and removes the sessions callbacks asked to remove.
+    /// Returns the completions handled.
     pub fn poll_once(&mut self) -> Result<usize> {
         let mut done = 0;
+        // Connections removed before this pass: their QPs are destroyed, so
+        // once every CQ has been polled empty below, no completion naming
+        // them is left and their slab entries can take newcomers.
+        let settled = self.conns.quarantined();
         for cq_index in 0..self.cqs.len() {
             loop {
                 let n = self.cqs[cq_index].poll(&mut self.wcs)?.len();
@@ -56,6 +52,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     break;
                 }
             }
+        }
+        if settled > 0 {
+            self.conns.release_quarantine(settled);
         }
         let mut touched = done > 0;
         if done == 0 {
@@ -81,6 +80,16 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // until the reactor has been idle for a while.
         if touched || self.unsettled || tidy || signal_tails {
             self.flush(tidy, signal_tails);
+        }
+        // Here rather than in `turn`, so a loop of the user's own that calls
+        // `poll_once` gets them too.
+        if let Some(timer) = &mut self.peer_timer
+            && timer.expired_after(done)
+        {
+            self.check_peers();
+        }
+        if !self.deferred.removals.is_empty() {
+            self.apply_removals();
         }
         Ok(done)
     }

@@ -22,6 +22,9 @@ struct Entry<T> {
 pub(crate) struct Slab<T> {
     entries: Vec<Entry<T>>,
     free: Vec<u32>,
+    /// Entries freed but not yet reusable (see [`Slab::quarantining`]).
+    quarantine: Vec<u32>,
+    quarantining: bool,
     live: usize,
     limit: usize,
     owner: u64,
@@ -34,10 +37,33 @@ impl<T> Slab<T> {
         Self {
             entries: Vec::new(),
             free: Vec::new(),
+            quarantine: Vec::new(),
+            quarantining: false,
             live: 0,
             limit,
             owner,
         }
+    }
+
+    /// Freed entries wait in quarantine until [`release_quarantine`]
+    /// (Self::release_quarantine) says nothing can name them any more: for
+    /// records whose ids also travel outside (in `wr_id`s of completions
+    /// still queued), so a newcomer in the entry never sees them.
+    pub(crate) fn quarantining(mut self) -> Self {
+        self.quarantining = true;
+        self
+    }
+
+    /// Entries in quarantine now.
+    #[inline]
+    pub(crate) fn quarantined(&self) -> usize {
+        self.quarantine.len()
+    }
+
+    /// Makes the first `count` quarantined entries reusable.
+    pub(crate) fn release_quarantine(&mut self, count: usize) {
+        let count = count.min(self.quarantine.len());
+        self.free.extend(self.quarantine.drain(..count));
     }
 
     fn key(&self, index: u32, generation: u32) -> Key {
@@ -95,7 +121,11 @@ impl<T> Slab<T> {
         let entry = self.entry_mut(key)?;
         let value = entry.value.take()?;
         entry.generation = entry.generation.wrapping_add(1);
-        self.free.push(key.index);
+        if self.quarantining {
+            self.quarantine.push(key.index);
+        } else {
+            self.free.push(key.index);
+        }
         self.live -= 1;
         Some(value)
     }
@@ -180,6 +210,19 @@ mod tests {
         assert_eq!(slab.get(b), Some(&"b"));
         assert_eq!(slab.len(), 2);
         assert_eq!(slab.capacity_used(), 2, "no growth from reuse");
+    }
+
+    #[test]
+    fn quarantined_entries_wait_for_release() {
+        let mut slab = Slab::new(4, 1).quarantining();
+        let first = slab.insert(1).unwrap();
+        slab.remove(first);
+        let second = slab.insert(2).unwrap();
+        assert_ne!(second.index, first.index, "not reused while quarantined");
+        assert_eq!(slab.quarantined(), 1);
+        slab.release_quarantine(1);
+        let third = slab.insert(3).unwrap();
+        assert_eq!(third.index, first.index, "reused after release");
     }
 
     #[test]

@@ -55,7 +55,11 @@ impl SrqPool {
         srq.post_recv_batch(&mut batch)?;
         Ok(Self {
             srq,
-            shared: SharedRing { ring, slots },
+            shared: SharedRing {
+                ring,
+                slots,
+                registration: region.registration().clone(),
+            },
             _region: region,
             promised: 0,
             owners: Vec::new(),
@@ -67,7 +71,7 @@ impl SrqPool {
 
     /// What a connection needs to know of the SRQ.
     pub(super) fn shared(&self) -> SharedRing {
-        self.shared
+        self.shared.clone()
     }
 
     /// A handle to attach QPs with.

@@ -1,10 +1,10 @@
-//! A preallocated, linked list of send work requests for a runtime that
-//! posts a batch per doorbell: `N` WRs and their SGEs, linked to each other
-//! once when the list is made. Staging writes the few fields a request needs
-//! into the next entry in place, through typed setters; posting cuts the
-//! list after the last staged entry, posts it, and mends it. Nothing is
-//! zeroed, copied or relinked per message (perftest's way of reusing its WR,
-//! for a whole batch).
+//! A preallocated list of send work requests for a runtime that posts a
+//! batch per doorbell: `N` WRs and their SGEs. Staging writes the few fields
+//! a request needs into the next entry in place, through typed setters;
+//! posting links the staged entries (two pointer stores each, from pointers
+//! taken at that moment, so no stored pointer outlives a later borrow of
+//! the arrays) and posts them. Nothing is zeroed or copied per message
+//! (perftest's way of reusing its WR, for a whole batch).
 //!
 //! Entries carry raw addresses and keys, so the list is crate-private: the
 //! reactor, which owns the memory its requests point at, is its one user.
@@ -103,29 +103,23 @@ impl SendDescriptor {
 
 /// Up to `N` send requests, preallocated and linked once.
 pub(crate) struct SendList<const N: usize> {
-    // Boxed so the entries never move: the links between them stay valid
-    // when the owner moves.
+    // Boxed: a list is large, and its owner moves.
     wrs: Box<[sys::ibv_send_wr; N]>,
     sges: Box<[sys::ibv_sge; N]>,
     len: usize,
 }
 
-// SAFETY: the raw pointers inside point only into the list's own boxes,
-// which move with it.
+// SAFETY: the only raw pointers inside are the links `post_with` writes
+// into the list's own boxes right before posting; they are not used after.
 unsafe impl<const N: usize> Send for SendList<N> {}
 
 impl<const N: usize> SendList<N> {
     pub(crate) fn new() -> Self {
-        let mut wrs: Box<[sys::ibv_send_wr; N]> = Box::new([sys::ibv_send_wr::default(); N]);
-        let mut sges: Box<[sys::ibv_sge; N]> = Box::new([sys::ibv_sge::default(); N]);
-        let wr_base = wrs.as_mut_ptr();
-        for (i, wr) in wrs.iter_mut().enumerate() {
-            wr.sg_list = &mut sges[i];
-            // One past the end at most, which is never dereferenced: the
-            // last staged entry's link is cut before every post.
-            wr.next = wr_base.wrapping_add(i + 1);
+        Self {
+            wrs: Box::new([sys::ibv_send_wr::default(); N]),
+            sges: Box::new([sys::ibv_sge::default(); N]),
+            len: 0,
         }
-        Self { wrs, sges, len: 0 }
     }
 
     #[inline]
@@ -197,20 +191,33 @@ impl<const N: usize> SendList<N> {
             return Ok(());
         }
         self.len = 0;
-        let last = &mut self.wrs[len - 1];
-        // Cutting the last staged entry's link ends the list the provider
-        // walks at the staged entries; it is mended right after.
-        let mended = std::mem::replace(&mut last.next, std::ptr::null_mut());
-        let result = post(self.wrs.as_mut_ptr(), len);
-        self.wrs[len - 1].next = mended;
-        result
+        // Links from pointers taken now: every one derives from these two,
+        // and nothing borrows the arrays again until `post` returns.
+        let wrs = self.wrs.as_mut_ptr();
+        let sges = self.sges.as_mut_ptr();
+        for i in 0..len {
+            let next = if i + 1 < len {
+                wrs.wrapping_add(i + 1)
+            } else {
+                std::ptr::null_mut()
+            };
+            // SAFETY: i < len <= N, so entry i of both arrays exists; we
+            // hold `&mut self`, so nothing else accesses them.
+            unsafe {
+                (*wrs.add(i)).sg_list = sges.add(i);
+                (*wrs.add(i)).next = next;
+            }
+        }
+        post(wrs, len)
     }
 }
 
 /// Posts every receive of `batch` as one linked list through `post` (a QP's
 /// or an SRQ's receive-posting call, given the head and the out-pointer for
-/// the first bad request) and clears it. On failure the batch is kept and
-/// the error holds the provider's code and how many requests went in.
+/// the first bad request) and clears it. On failure the requests that went
+/// in leave the batch (posting them again would post their buffers twice)
+/// and the rest stay; the error holds the provider's code and how many
+/// went in.
 #[inline]
 pub(super) fn post_recv_batch<const N: usize>(
     batch: &mut RecvBatch<'_, N>,
@@ -224,7 +231,9 @@ pub(super) fn post_recv_batch<const N: usize>(
     let mut bad: *mut sys::ibv_recv_wr = std::ptr::null_mut();
     let rc = post(head, &mut bad);
     if rc != 0 {
-        return Err((rc, count_before(head, bad, len)));
+        let posted = count_before(head, bad, len);
+        batch.requests.drain(..posted);
+        return Err((rc, posted));
     }
     batch.clear();
     Ok(())

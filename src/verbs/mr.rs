@@ -167,9 +167,11 @@ impl ProtectionDomain {
     /// Registers memory the caller owns (for example a shared or device mapping).
     ///
     /// # Safety
-    /// `ptr..ptr+len` must stay valid and mapped until the returned region is
-    /// dropped, and the caller must not create Rust references to it while a
-    /// work request may access it.
+    /// `ptr..ptr+len` must stay valid and mapped until the region *and every
+    /// [`Registration`] of it* are dropped (requests in flight, exports and
+    /// the reactor keep registrations past the region), and the caller must
+    /// not create Rust references to it while a work request or a peer may
+    /// access it.
     pub unsafe fn register_raw(
         &self,
         ptr: NonNull<u8>,

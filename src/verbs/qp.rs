@@ -377,6 +377,12 @@ impl QueuePair {
         Arc::ptr_eq(&self.recv_cq, &cq.inner)
     }
 
+    /// True if the QP was created in `pd` (memory registered elsewhere is
+    /// out of its reach).
+    pub(crate) fn belongs_to(&self, pd: &ProtectionDomain) -> bool {
+        Arc::ptr_eq(&self.pd, &pd.inner)
+    }
+
     /// The port in use.
     pub fn port(&self) -> u8 {
         self.port
@@ -516,8 +522,8 @@ impl QueuePair {
     }
 
     /// Posts every request of `batch` as one linked list (one doorbell), then
-    /// clears the batch. On error the batch is kept and
-    /// [`Error::Post`] says how many went out.
+    /// clears the batch. On error [`Error::Post`] says how many went out;
+    /// those leave the batch and the rest stay, to retry.
     #[inline]
     pub fn post_send_batch<const N: usize>(&mut self, batch: &mut SendBatch<'_, N>) -> Result<()> {
         if batch.is_empty() {
@@ -530,9 +536,20 @@ impl QueuePair {
         let head = super::wr::link(batch);
         // SAFETY: `link` made a NULL-terminated list of `len` requests inside
         // `batch`, which stays untouched until the call returns.
-        unsafe { self.post_send_raw(head, len)? };
-        batch.clear();
-        Ok(())
+        match unsafe { self.post_send_raw(head, len) } {
+            Ok(()) => {
+                batch.clear();
+                Ok(())
+            }
+            Err(err) => {
+                // The requests that went in leave the batch: posting them
+                // again would send (or write into) their buffers twice.
+                if let Error::Post { posted, .. } = err {
+                    batch.requests.drain(..posted.min(len));
+                }
+                Err(err)
+            }
+        }
     }
 
     /// Posts every request staged in `list` with one doorbell and empties it

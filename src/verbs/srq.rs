@@ -155,7 +155,8 @@ impl SharedReceiveQueue {
     }
 
     /// Posts every receive of `batch` with one `ibv_post_srq_recv` and
-    /// empties it. On error, `Error::Post::posted` tells how many went in.
+    /// empties it. On error, `Error::Post::posted` tells how many went in;
+    /// those leave the batch and the rest stay.
     #[inline]
     pub fn post_recv_batch<const N: usize>(&mut self, batch: &mut RecvBatch<'_, N>) -> Result<()> {
         let (srq, post) = (self.inner.srq.as_ptr(), self.inner.post_recv_fn);

@@ -60,6 +60,9 @@ pub(crate) struct Conn {
     _regions: (Option<MemoryRegion>, MemoryRegion),
     /// Set when receives come from the reactor's SRQ.
     shared_recv: bool,
+    /// The receive ring's registration (own or the SRQ's): forwards out of
+    /// it keep a clone until they complete.
+    recv_registration: Registration,
     pub(crate) slot_size: usize,
     /// Receives this connection may have outstanding: its ring, or its
     /// credit quota in the SRQ.
@@ -129,13 +132,15 @@ impl Conn {
             .send_slots
             .max(2 * signal_interval)
             .next_power_of_two();
-        let (recv_region, recv_ring, recv_slots) = match shared {
-            Some(shared) => (None, shared.ring, shared.slots),
+        let shared_recv = shared.is_some();
+        let (recv_region, recv_ring, recv_slots, recv_registration) = match shared {
+            Some(shared) => (None, shared.ring, shared.slots, shared.registration),
             None => {
                 let region =
                     pd.alloc_mr(slot_size * recv_depth as usize, AccessFlags::LOCAL_WRITE)?;
                 let ring = Ring::of(&region);
-                (Some(region), ring, recv_depth)
+                let registration = region.registration().clone();
+                (Some(region), ring, recv_depth, registration)
             }
         };
         let send_region = pd.alloc_mr(slot_size * send_slots as usize, AccessFlags::empty())?;
@@ -150,7 +155,8 @@ impl Conn {
             recv_ring,
             send_ring: Ring::of(&send_region),
             _regions: (recv_region, send_region),
-            shared_recv: shared.is_some(),
+            shared_recv,
+            recv_registration,
             slot_size,
             recv_depth,
             recv_slots,

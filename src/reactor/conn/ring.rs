@@ -2,16 +2,18 @@
 //! or the reactor's SRQ), consumed slots waiting to be reposted, and the
 //! views of a received message's bytes.
 
-use crate::verbs::{MemoryRegion, RecvRequest};
+use crate::verbs::{MemoryRegion, RecvRequest, Registration};
 
 use super::{CREDIT_HEADER_LEN, Conn, MAX_REPOST, wr_id};
 
 /// A reactor's shared receive queue as a connection sees it: the ring its
 /// receives land in and the ring's size. The reactor reposts its slots.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct SharedRing {
     pub(crate) ring: Ring,
     pub(crate) slots: u32,
+    /// The SRQ ring's registration, which forwards out of it keep.
+    pub(crate) registration: Registration,
 }
 
 /// Builds the receive request with id `wr_id` for slot `slot` of `ring`.
@@ -31,12 +33,15 @@ pub(crate) fn recv_request(
 }
 
 /// A held receive slot as the source of a forward: where its bytes are
-/// (to stamp the credit header) and how the NIC addresses them.
-#[derive(Clone, Copy, Debug)]
+/// (to stamp the credit header), how the NIC addresses them, and the
+/// ring's registration, which the forward keeps until it completes (so the
+/// ring stays mapped even if its connection is removed meanwhile).
+#[derive(Clone, Debug)]
 pub(crate) struct SlotSource {
     pub(super) ptr: *mut u8,
     pub(super) addr: u64,
     pub(super) lkey: u32,
+    pub(super) registration: Registration,
 }
 
 /// Where a registered ring of slots lives.
@@ -206,6 +211,7 @@ impl Conn {
             ptr: unsafe { self.recv_slot_ptr(slot) }.cast_mut(),
             addr: self.recv_ring.slot_addr(slot, self.slot_size),
             lkey: self.recv_ring.lkey,
+            registration: self.recv_registration.clone(),
         })
     }
 

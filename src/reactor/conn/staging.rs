@@ -179,19 +179,20 @@ impl Conn {
             });
         }
         self.admit(true, false)?;
-        let op = SqOp {
-            kind: OpKind::Forward,
-            slot,
-            origin: Some(origin),
-            from_srq,
-            keep: None,
-        };
         let sge = Sge {
             addr: source.addr,
             len: len as u32,
             lkey: source.lkey,
         };
-        Ok(self.stage_credited_send(source.ptr, sge, imm, op))
+        let header = source.ptr;
+        let op = SqOp {
+            kind: OpKind::Forward,
+            slot,
+            origin: Some(origin),
+            from_srq,
+            keep: Some(source.registration),
+        };
+        Ok(self.stage_credited_send(header, sge, imm, op))
     }
 
     /// Stages a SEND (address, length, lkey in `sge`) that consumes one peer
