@@ -343,12 +343,25 @@ const KIND_SEND: u64 = 2;
 /// takes, connected to a peer with a private CQ: (that QP's endpoint, the
 /// peer's endpoint).
 fn foreign_qp(pd: &ProtectionDomain, reactor: &mut Reactor<BoxedHandler>) -> (Endpoint, Endpoint) {
+    foreign_qp_with(pd, reactor, true)
+}
+
+/// Like [`foreign_qp`], optionally without the reactor's SRQ (so the QP
+/// posts receives of its own).
+fn foreign_qp_with(
+    pd: &ProtectionDomain,
+    reactor: &mut Reactor<BoxedHandler>,
+    on_srq: bool,
+) -> (Endpoint, Endpoint) {
     let config = ServerConfig {
         max_peers: Some(1),
         ..Default::default()
     };
     let listener = ServerSession::bind("127.0.0.1:0", pd, config).expect("bind");
-    let spec = reactor.channel_spec("foreign");
+    let mut spec = reactor.channel_spec("foreign");
+    if !on_srq {
+        spec.srq = None;
+    }
     let foreign = ClientSession::connect(listener.local_addr(), pd, &ClientConfig::new(vec![spec]))
         .expect("connect");
     let peer = listener.accept_timeout(DEADLINE).expect("accept");
@@ -407,9 +420,15 @@ fn foreign_completions_are_ignored(srq: bool) {
         peer_channel.qp_mut().post_send(wr).unwrap();
     }
 
-    // Every foreign completion is counted as such; with an SRQ, the receives
-    // the foreign QP consumed are also counted as lost (never reposted).
-    let expected = ((SENDS + RECVS) as u64, if srq { RECVS as u64 } else { 0 });
+    // Every foreign completion is counted as such. With an SRQ, the
+    // receives the foreign QP consumed are the reactor's own SRQ receives
+    // (their tagged ids match): those are given back to the SRQ and counted
+    // as reclaimed, not as foreign.
+    let expected = if srq {
+        (SENDS as u64, RECVS as u64)
+    } else {
+        ((SENDS + RECVS) as u64, 0)
+    };
     let mut peer_done = Vec::new();
     let mut wcs = [WorkCompletion::default(); 16];
     // A completion taken for the sessions' own shows as a bad message or an
@@ -432,9 +451,11 @@ fn foreign_completions_are_ignored(srq: bool) {
     turn_until(&mut [&mut reactor], "the foreign completions", |reactors| {
         let cq = peer_channel.cq_mut().expect("the peer's private CQ");
         peer_done.extend_from_slice(cq.poll(&mut wcs).unwrap());
-        let (foreign, lost) = reactors[0].ignored_completions();
+        let (foreign, reclaimed) = reactors[0].ignored_completions();
         troubled()
-            || (peer_done.len() >= SENDS + RECVS && foreign >= expected.0 && lost >= expected.1)
+            || (peer_done.len() >= SENDS + RECVS
+                && foreign >= expected.0
+                && reclaimed >= expected.1)
     });
     check_sessions();
     for wc in &peer_done {
@@ -450,7 +471,7 @@ fn foreign_completions_are_ignored(srq: bool) {
     assert_eq!(
         reactor.ignored_completions(),
         expected,
-        "(foreign, lost SRQ receives)"
+        "(foreign, reclaimed SRQ receives)"
     );
     if !srq {
         assert_eq!(
@@ -464,6 +485,47 @@ fn foreign_completions_are_ignored(srq: bool) {
 verbs_test! {
     fn completions_the_reactor_did_not_post_are_ignored_and_counted() {
         foreign_completions_are_ignored(false);
+    }
+}
+
+verbs_test! {
+    fn receives_shaped_like_srq_receives_are_ignored_unless_their_tag_matches() {
+        const RECVS: usize = 8;
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, reactor_config(true)).unwrap();
+        let (ping, echo) = add_ping_pong(&pd, Sides::One(&mut reactor), u64::MAX, 64, true);
+        // On the reactor's CQ but not its SRQ: it posts receives of its own,
+        // with ids of the SRQ's shape (kind 3, slots 0..8, made-up tags).
+        let (mut foreign, mut peer) = foreign_qp_with(&pd, &mut reactor, false);
+        turn_until(&mut [&mut reactor], "the ping-pong to get going", |_| {
+            ping.done.load(Ordering::Relaxed) >= 50
+        });
+        let inbox = pd.alloc_mr(1024 * RECVS, AccessFlags::LOCAL_WRITE).unwrap();
+        let payload = pd.alloc_mr(64, AccessFlags::empty()).unwrap();
+        let foreign_qp = foreign.channels_mut()[0].qp_mut();
+        for i in 0..RECVS {
+            let tag = 0x2545_f491_4f6c_dd1d_u64.wrapping_mul(i as u64 + 1);
+            let wr_id = (tag << 34) | (3 << 32) | i as u64;
+            let local = inbox.slice(i * 1024, 1024).unwrap();
+            foreign_qp.post_recv(RecvRequest::new(wr_id, local).unwrap()).unwrap();
+        }
+        for i in 0..RECVS {
+            let wr = WorkRequest::send(i as u64, payload.whole().unwrap()).signaled();
+            peer.channels_mut()[0].qp_mut().post_send(wr).unwrap();
+        }
+        turn_until(&mut [&mut reactor], "the forged completions", |reactors| {
+            reactors[0].ignored_completions().0 >= RECVS as u64
+        });
+        let start = ping.done.load(Ordering::Relaxed);
+        turn_until(&mut [&mut reactor], "the ping-pong to go on", |_| {
+            ping.done.load(Ordering::Relaxed) >= start + 50
+        });
+        assert_eq!(reactor.ignored_completions(), (RECVS as u64, 0), "(foreign, reclaimed)");
+        for outcome in [&ping, &echo] {
+            assert_eq!(outcome.errors.load(Ordering::Relaxed), 0);
+            assert_eq!(outcome.bad.load(Ordering::Relaxed), 0);
+        }
     }
 }
 

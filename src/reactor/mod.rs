@@ -339,12 +339,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.conns.get(conn.key()).map(Conn::stats)
     }
 
-    /// Completions the reactor ignored because no connection of its own
-    /// posted them (see [`QpSource`]), and SRQ receives it could not give
-    /// back because the QP that consumed them was already removed.
+    /// Completions the reactor ignored because nothing of its own posted
+    /// them (see [`QpSource`]), and SRQ receives consumed by QPs it does not
+    /// serve (not yet added, or removed), whose slots it gave back.
     pub fn ignored_completions(&self) -> (u64, u64) {
-        let lost = self.srq.as_ref().map_or(0, |pool| pool.lost);
-        (self.foreign_completions, lost)
+        let reclaimed = self.srq.as_ref().map_or(0, |pool| pool.reclaimed);
+        (self.foreign_completions, reclaimed)
     }
 
     /// Runs passes until a [`Stopper`] or [`Ctx::stop`] asks it to return.

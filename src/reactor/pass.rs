@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::session::PeerStatus;
 use crate::verbs::{WcOpcode, WorkCompletion};
 
-use super::conn::{OpKind, SRQ_CONN, WrKind, decode_wr_id, same_generation};
+use super::conn::{OpKind, WrKind, decode_wr_id, same_generation};
 use super::slab::Key;
 use super::{ConnId, Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, SessionId};
 
@@ -17,6 +17,17 @@ const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
 /// the next message usually lands then, and a pass that is busy posting
 /// receives finds it later.
 const REPOST_IDLE_PASSES: u32 = 8;
+
+/// Whose a completion is.
+enum Owner {
+    /// A connection's, with what it reports.
+    Conn(Key, WrKind),
+    /// An SRQ receive a QP the reactor does not serve consumed; its slot
+    /// went back to the SRQ.
+    Reclaimed,
+    /// Nothing this reactor posted.
+    Foreign,
+}
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// One pass, then (in the event modes, if it found nothing) one wait.
@@ -120,33 +131,50 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// The connection a completion belongs to, if one of ours posted it:
-    /// the `wr_id` names the connection (index and generation) or the SRQ,
-    /// and the completion's QP number must be that connection's.
+    /// the `wr_id` names the connection (index and generation) and the
+    /// completion's QP number must be that connection's; or it is exactly
+    /// the tagged `wr_id` an SRQ slot is posted with, and the QP number says
+    /// which connection consumed it (none: a QP the reactor does not serve,
+    /// whose slot goes straight back to the SRQ).
     #[inline]
-    fn owner_of(&mut self, wc: &WorkCompletion) -> Option<(Key, WrKind)> {
+    fn owner_of(&mut self, wc: &WorkCompletion) -> Owner {
         let (index, generation, kind) = decode_wr_id(wc.wr_id());
-        if index == SRQ_CONN {
-            // Only receives come from the SRQ; its owner map is by QP number.
-            let WrKind::Recv { .. } = kind else {
-                return None;
+        if kind == WrKind::SrqRecv {
+            let Some(pool) = self.srq.as_mut() else {
+                return Owner::Foreign;
             };
-            let Some(owner) = self.srq.as_ref().and_then(|pool| pool.owner(wc.qp_num())) else {
-                if let Some(pool) = &mut self.srq {
-                    pool.lost += 1;
+            let Some(slot) = pool.claim(wc.wr_id()) else {
+                return Owner::Foreign;
+            };
+            return match pool.owner(wc.qp_num()) {
+                Some(owner) => Owner::Conn(owner, WrKind::Recv { slot }),
+                None => {
+                    pool.reclaim(slot);
+                    self.unsettled = true;
+                    Owner::Reclaimed
                 }
-                return None;
             };
-            return Some((owner, kind));
         }
-        let (key, conn) = self.conns.get_by_index_mut(index)?;
-        (same_generation(key, generation) && conn.qpn == wc.qp_num()).then_some((key, kind))
+        let Some((key, conn)) = self.conns.get_by_index_mut(index) else {
+            return Owner::Foreign;
+        };
+        let ours = same_generation(key, generation) && conn.qpn == wc.qp_num();
+        // A receive of a connection on the SRQ always comes tagged.
+        match ours && !(conn.uses_srq() && matches!(kind, WrKind::Recv { .. })) {
+            true => Owner::Conn(key, kind),
+            false => Owner::Foreign,
+        }
     }
 
     #[inline]
     fn dispatch(&mut self, wc: &WorkCompletion) {
-        let Some((key, kind)) = self.owner_of(wc) else {
-            self.foreign(wc);
-            return;
+        let (key, kind) = match self.owner_of(wc) {
+            Owner::Conn(key, kind) => (key, kind),
+            Owner::Reclaimed => return,
+            Owner::Foreign => {
+                self.foreign(wc);
+                return;
+            }
         };
         let Some(conn) = self.conns.get_mut(key) else {
             return;
@@ -230,7 +258,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     }
                 }
             }
-            WrKind::Unknown => {}
+            WrKind::SrqRecv | WrKind::Unknown => {}
         }
     }
 

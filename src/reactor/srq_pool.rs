@@ -2,9 +2,16 @@
 //! a receive (by QP number), and how many receives each may have.
 //!
 //! Only this pool posts on the SRQ (the handle that can post is not
-//! `Clone`; QPs attach through an `SrqAttachment`), and a completion names
-//! an SRQ slot only if it comes from a QP the pool knows, so a slot is
-//! never reposted while it is still posted.
+//! `Clone`; QPs attach through an `SrqAttachment`). Each post's `wr_id`
+//! carries a tag keyed with the pool's secret SipHash key, and the pool
+//! keeps the exact `wr_id` of every posted slot: a completion that matches
+//! it is a genuine consumption of that slot, whichever QP reports it, and
+//! one that does not (a request some other QP posted with a made-up id) is
+//! ignored. So a slot is never reposted while it is still posted, and a
+//! slot consumed by a QP the reactor does not serve (not yet added, or
+//! removed) goes back to the SRQ instead of being lost.
+
+use std::hash::{BuildHasher, RandomState};
 
 use crate::error::{Error, Result};
 use crate::verbs::{
@@ -12,7 +19,10 @@ use crate::verbs::{
 };
 
 use super::ReactorConfig;
-use super::conn::{CREDIT_HEADER_LEN, MAX_REPOST, Ring, SharedRing, recv_request, srq_recv_wr_id};
+use super::conn::{
+    CREDIT_HEADER_LEN, MAX_REPOST, Ring, SRQ_SLOT_BITS, SharedRing, recv_request, srq_recv_wr_id,
+    srq_slot,
+};
 use super::slab::Key;
 
 pub(super) struct SrqPool {
@@ -29,9 +39,13 @@ pub(super) struct SrqPool {
     /// Slots on their way back to the SRQ, posted at the end of the pass.
     returning: RecvBatch<'static, MAX_REPOST>,
     slot_size: usize,
-    /// Receives consumed by QPs the reactor no longer knows: slots that
-    /// cannot be told apart from forged ones, so they stay out.
-    pub(super) lost: u64,
+    /// The `wr_id` each slot was last posted with (0: not posted).
+    posted_ids: Vec<u64>,
+    tag_key: RandomState,
+    posts: u64,
+    /// Receives consumed by QPs the reactor does not serve (not yet added,
+    /// or removed), given back to the SRQ.
+    pub(super) reclaimed: u64,
 }
 
 // SAFETY: the ring pointer and the batch point into `_region`, which the
@@ -41,19 +55,14 @@ unsafe impl Send for SrqPool {}
 impl SrqPool {
     pub(super) fn new(pd: &ProtectionDomain, config: &ReactorConfig) -> Result<Self> {
         let slot_size = config.slot_size.max(CREDIT_HEADER_LEN);
-        let mut srq = pd.create_srq(config.srq_depth)?;
         let slots = config.srq_depth;
+        if slots > 1 << SRQ_SLOT_BITS {
+            return Err(Error::InvalidArgument("an SRQ holds at most 2^20 receives"));
+        }
+        let srq = pd.create_srq(slots)?;
         let region = pd.alloc_mr(slot_size * slots as usize, AccessFlags::LOCAL_WRITE)?;
         let ring = Ring::of(&region);
-        let mut batch = RecvBatch::<MAX_REPOST>::new();
-        for slot in 0..slots {
-            let _ = batch.push(recv_request(ring, slot_size, srq_recv_wr_id(slot), slot));
-            if batch.is_full() {
-                srq.post_recv_batch(&mut batch)?;
-            }
-        }
-        srq.post_recv_batch(&mut batch)?;
-        Ok(Self {
+        let mut pool = Self {
             srq,
             shared: SharedRing {
                 ring,
@@ -65,8 +74,16 @@ impl SrqPool {
             owners: Vec::new(),
             returning: RecvBatch::new(),
             slot_size,
-            lost: 0,
-        })
+            posted_ids: vec![0; slots as usize],
+            tag_key: RandomState::new(),
+            posts: 0,
+            reclaimed: 0,
+        };
+        for slot in 0..slots {
+            pool.give_back(slot)?;
+        }
+        pool.flush()?;
+        Ok(pool)
     }
 
     /// What a connection needs to know of the SRQ.
@@ -119,14 +136,47 @@ impl SrqPool {
         Some(self.owners[at].1)
     }
 
-    /// Queues SRQ slot `slot` to be posted again; posts when a batch fills.
+    /// The slot a completion's `wr_id` consumed, if it is exactly the
+    /// `wr_id` that slot is posted with now; the slot is then no longer
+    /// posted. `None` for anything else (a made-up id, a repeat).
+    #[inline]
+    pub(super) fn claim(&mut self, wr_id: u64) -> Option<u32> {
+        let slot = srq_slot(wr_id);
+        let posted = self.posted_ids.get_mut(slot as usize)?;
+        if *posted != wr_id || wr_id == 0 {
+            return None;
+        }
+        *posted = 0;
+        Some(slot)
+    }
+
+    /// A slot consumed by a QP the reactor does not serve: straight back.
+    #[cold]
+    pub(super) fn reclaim(&mut self, slot: u32) {
+        self.reclaimed += 1;
+        if let Err(err) = self.give_back(slot) {
+            log::error!("reposting an SRQ receive of an unknown QP: {err}");
+        }
+    }
+
+    /// Queues SRQ slot `slot` (claimed or held, not posted) to be posted
+    /// again with a fresh tag; posts when a batch fills.
     #[inline]
     pub(super) fn give_back(&mut self, slot: u32) -> Result<()> {
-        if slot >= self.shared.slots {
+        if slot as usize >= self.posted_ids.len() {
             return Ok(());
         }
-        let request = recv_request(self.shared.ring, self.slot_size, srq_recv_wr_id(slot), slot);
+        if self.returning.is_full() {
+            // Only after a failed post: the batch keeps what did not go in.
+            self.srq.post_recv_batch(&mut self.returning)?;
+        }
+        self.posts = self.posts.wrapping_add(1);
+        // Never 0, which marks a slot that is not posted.
+        let tag = self.tag_key.hash_one((slot, self.posts)) | 1;
+        let wr_id = srq_recv_wr_id(slot, tag);
+        let request = recv_request(self.shared.ring, self.slot_size, wr_id, slot);
         let _ = self.returning.push(request);
+        self.posted_ids[slot as usize] = wr_id;
         if self.returning.is_full() {
             self.srq.post_recv_batch(&mut self.returning)?;
         }

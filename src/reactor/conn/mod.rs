@@ -19,8 +19,10 @@ use super::{ConnId, ReactorConfig, SendError, SessionId};
 pub(crate) use ring::{Ring, SharedRing, recv_request};
 pub(crate) use staging::OpKind;
 use staging::SqOp;
-pub(crate) use wr_id::{MAX_CONNS, SRQ_CONN, WrKind};
-pub(crate) use wr_id::{decode as decode_wr_id, same_generation, srq_recv as srq_recv_wr_id};
+pub(crate) use wr_id::{MAX_CONNS, SRQ_SLOT_BITS, WrKind};
+pub(crate) use wr_id::{
+    decode as decode_wr_id, same_generation, srq_recv as srq_recv_wr_id, srq_slot,
+};
 
 /// Bytes in front of every SEND payload: the sender's cumulative count of
 /// receives it has posted (piggybacked credits), then 4 reserved bytes.

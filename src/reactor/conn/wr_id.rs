@@ -8,6 +8,12 @@
 //! A completion is also checked against the QP number of the connection it
 //! names, so a request no connection of this reactor posted is never taken
 //! for one of its own.
+//!
+//! Receives of the reactor's SRQ belong to no connection until one consumes
+//! them; theirs is: a tag (42 bits, keyed with a secret of the SRQ pool's),
+//! kind 3, and the slot in the low 20 bits. The pool keeps the exact `wr_id`
+//! of each posted slot, so a completion that matches it is a genuine
+//! consumption whichever QP reports it.
 
 use super::super::slab::Key;
 
@@ -17,20 +23,27 @@ const INDEX_BITS: u32 = 20;
 const GENERATION_BITS: u32 = 10;
 const KIND_BITS: u32 = 2;
 
-/// The connection field of an SRQ receive's `wr_id`: the receive belongs to
-/// no connection until one consumes it (its QP number tells which).
-pub(crate) const SRQ_CONN: u32 = (1 << INDEX_BITS) - 1;
 /// Most connections a reactor holds at once.
-pub(crate) const MAX_CONNS: usize = SRQ_CONN as usize;
+pub(crate) const MAX_CONNS: usize = (1 << INDEX_BITS) - 1;
+/// Bits of an SRQ receive's `wr_id` that carry its slot: an SRQ has at
+/// most 2^20 slots.
+pub(crate) const SRQ_SLOT_BITS: u32 = 20;
 
 const KIND_RECV: u64 = 1;
 const KIND_SEND: u64 = 2;
+const KIND_SRQ_RECV: u64 = 3;
 
 /// What a completion's `wr_id` says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum WrKind {
-    Recv { slot: u32 },
-    Send { seq: u32 },
+    Recv {
+        slot: u32,
+    },
+    Send {
+        seq: u32,
+    },
+    /// A receive of the reactor's SRQ: the pool checks the whole `wr_id`.
+    SrqRecv,
     Unknown,
 }
 
@@ -49,10 +62,21 @@ pub(crate) fn recv(conn: Key, slot: u32) -> u64 {
     encode(conn.index, conn.generation, KIND_RECV, slot)
 }
 
-/// A receive into slot `slot` of the reactor's SRQ.
+/// A receive into slot `slot` (below 2^20) of the reactor's SRQ, carrying
+/// `tag` (its low 42 bits).
 #[inline]
-pub(crate) fn srq_recv(slot: u32) -> u64 {
-    encode(SRQ_CONN, 0, KIND_RECV, slot)
+pub(crate) fn srq_recv(slot: u32, tag: u64) -> u64 {
+    let tag = tag & ((1 << 42) - 1);
+    // Tag bits above the kind, and between the slot and the kind.
+    let high = (tag >> 12) << 34;
+    let low = (tag & 0xfff) << SRQ_SLOT_BITS;
+    high | (KIND_SRQ_RECV << 32) | low | u64::from(slot & ((1 << SRQ_SLOT_BITS) - 1))
+}
+
+/// The slot an SRQ receive's `wr_id` names.
+#[inline]
+pub(crate) fn srq_slot(wr_id: u64) -> u32 {
+    (wr_id as u32) & ((1 << SRQ_SLOT_BITS) - 1)
 }
 
 /// Send-queue request `seq` of connection `conn`.
@@ -70,6 +94,7 @@ pub(crate) fn decode(wr_id: u64) -> (u32, u32, WrKind) {
     let kind = match (wr_id >> 32) & ((1 << KIND_BITS) - 1) {
         KIND_RECV => WrKind::Recv { slot: value },
         KIND_SEND => WrKind::Send { seq: value },
+        KIND_SRQ_RECV => WrKind::SrqRecv,
         _ => WrKind::Unknown,
     };
     (index, generation, kind)
@@ -103,7 +128,10 @@ mod tests {
             ..conn
         };
         assert!(!same_generation(next, generation));
-        assert_eq!(decode(srq_recv(5)).0, SRQ_CONN);
+        let srq = srq_recv(5, u64::MAX);
+        assert_eq!((decode(srq).2, srq_slot(srq)), (WrKind::SrqRecv, 5));
+        assert_ne!(srq_recv(5, 1), srq_recv(5, 2), "the tag is in the id");
+        assert_eq!(srq_slot(srq_recv((1 << 20) - 1, 0)), (1 << 20) - 1);
         assert_eq!(decode(0).2, WrKind::Unknown);
     }
 }
