@@ -160,18 +160,11 @@ impl<T> Slab<T> {
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = (Key, &T)> {
-        let owner = self.owner;
-        self.entries
-            .iter()
-            .enumerate()
-            .filter_map(move |(index, entry)| {
-                let key = Key {
-                    index: index as u32,
-                    generation: entry.generation,
-                    owner,
-                };
-                entry.value.as_ref().map(|value| (key, value))
-            })
+        (0..self.capacity_used()).filter_map(|index| {
+            let entry = &self.entries[index as usize];
+            let key = self.key(index, entry.generation);
+            entry.value.as_ref().map(|value| (key, value))
+        })
     }
 
     pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (Key, &mut T)> {
