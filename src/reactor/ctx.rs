@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::verbs::{LocalSlice, RemoteSlice};
 
-use super::conn::{CREDIT_HEADER_LEN, Conn, ConnState};
+use super::conn::{CREDIT_HEADER_LEN, Conn, ConnState, ForwardOrigin};
 use super::slab::Slab;
 use super::{ConnId, SendError, SessionId};
 
@@ -247,6 +247,13 @@ impl Ctx<'_> {
             return Err((SendError::Foreign, held));
         };
         let from_srq = origin.uses_srq();
+        // A handle of the origin's ring registration only if the target does
+        // not keep that one already (the usual case costs no reference count).
+        let registration = match self.conns.get(to.key()) {
+            Some(target) if target.keeps(source.registration_id) => None,
+            Some(_) => Some(origin.recv_registration().clone()),
+            None => return Err((SendError::Closed, held)),
+        };
         let Some(target) = self.conns.get_mut(to.key()) else {
             return Err((SendError::Closed, held));
         };
@@ -255,9 +262,12 @@ impl Ctx<'_> {
                 source,
                 held.len as usize,
                 imm,
-                held.conn,
-                held.slot,
-                from_srq,
+                ForwardOrigin {
+                    conn: held.conn,
+                    slot: held.slot,
+                    from_srq,
+                },
+                registration,
             )
             .map_err(|error| (error, held))
     }

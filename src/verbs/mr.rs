@@ -330,6 +330,12 @@ impl Registration {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
+    /// An identity, equal for handles of the same registration (while one
+    /// of them lives): to compare without holding a handle.
+    pub(crate) fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
     /// The descriptor a peer needs to WRITE or READ this memory.
     ///
     /// Fails unless it was registered with a `REMOTE_*` flag: only regions

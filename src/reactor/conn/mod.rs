@@ -17,8 +17,8 @@ use crate::verbs::{
 use super::{ConnId, ReactorConfig, SendError, SessionId};
 
 pub(crate) use ring::{Ring, SharedRing, recv_request};
-pub(crate) use staging::OpKind;
-use staging::SqOp;
+pub(crate) use staging::{ForwardOrigin, OpKind};
+use staging::{Keep, SqOp};
 pub(crate) use wr_id::{MAX_CONNS, SRQ_SLOT_BITS, WrKind};
 pub(crate) use wr_id::{
     decode as decode_wr_id, same_generation, srq_recv as srq_recv_wr_id, srq_slot,
@@ -103,6 +103,10 @@ pub(crate) struct Conn {
     /// Registrations of requests that were in flight when the connection
     /// failed: kept until the QP is destroyed with the connection.
     retired: Vec<Registration>,
+    /// The registration requests keep by count instead of by handle (see
+    /// `staging::Keep`), and how many in flight use it.
+    kept: Option<Registration>,
+    kept_in_flight: u32,
 }
 
 // SAFETY: the raw pointers in the rings point into this Conn's own regions,
@@ -187,6 +191,8 @@ impl Conn {
             repost_threshold: (config.repost_batch as usize)
                 .clamp(1, MAX_REPOST.min(recv_depth as usize / 2).max(1)),
             retired: Vec::new(),
+            kept: None,
+            kept_in_flight: 0,
         })
     }
 
@@ -209,9 +215,11 @@ impl Conn {
             if let (OpKind::Forward, Some(origin)) = (op.kind, op.origin) {
                 release(origin, op.slot, op.from_srq);
             }
-            if let Some(keep) = op.keep {
-                // Bounded by the SQ depth: this runs once per connection.
-                self.retired.push(keep);
+            // The kept registration (`Keep::Cached`) stays with the
+            // connection as it is; an own handle is bounded by the SQ depth
+            // (this runs once per connection).
+            if let Keep::Own(registration) = op.keep {
+                self.retired.push(registration);
             }
         }
         self.batch.clear();

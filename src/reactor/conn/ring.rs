@@ -33,15 +33,15 @@ pub(crate) fn recv_request(
 }
 
 /// A held receive slot as the source of a forward: where its bytes are
-/// (to stamp the credit header), how the NIC addresses them, and the
-/// ring's registration, which the forward keeps until it completes (so the
-/// ring stays mapped even if its connection is removed meanwhile).
-#[derive(Clone, Debug)]
+/// (to stamp the credit header), how the NIC addresses them, and which
+/// registration holds the ring (the forward keeps it until it completes, so
+/// the ring stays mapped even if its connection is removed meanwhile).
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct SlotSource {
     pub(super) ptr: *mut u8,
     pub(super) addr: u64,
     pub(super) lkey: u32,
-    pub(super) registration: Registration,
+    pub(crate) registration_id: usize,
 }
 
 /// Where a registered ring of slots lives.
@@ -211,8 +211,14 @@ impl Conn {
             ptr: unsafe { self.recv_slot_ptr(slot) }.cast_mut(),
             addr: self.recv_ring.slot_addr(slot, self.slot_size),
             lkey: self.recv_ring.lkey,
-            registration: self.recv_registration.clone(),
+            registration_id: self.recv_registration.id(),
         })
+    }
+
+    /// The receive ring's registration, for a forward that must hold it.
+    #[inline]
+    pub(crate) fn recv_registration(&self) -> &Registration {
+        &self.recv_registration
     }
 
     /// True if this connection holds SRQ slots that must be reposted even

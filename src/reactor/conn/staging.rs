@@ -21,10 +21,34 @@ pub(crate) struct SqOp {
     pub(crate) origin: Option<ConnId>,
     /// For a forward: the slot is one of the reactor's SRQ.
     pub(crate) from_srq: bool,
-    /// For a WRITE or READ: the registration of its local memory, held
-    /// until the request is known complete so the memory stays registered
-    /// and mapped while the device may use it.
-    pub(crate) keep: Option<Registration>,
+    /// For a WRITE, READ or forward: how the registration of the local
+    /// memory it points at is held until the request is known complete, so
+    /// the memory stays registered and mapped while the device may use it.
+    pub(crate) keep: Keep,
+}
+
+/// Where a forwarded message came from: its connection and receive slot,
+/// which go back there once the forward completes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ForwardOrigin {
+    pub(crate) conn: ConnId,
+    pub(crate) slot: u32,
+    /// The slot is one of the reactor's SRQ.
+    pub(crate) from_srq: bool,
+}
+
+/// How a request holds the registration of its local memory.
+#[derive(Clone, Debug, Default)]
+pub(crate) enum Keep {
+    /// It points at the connection's own send ring (or nothing).
+    #[default]
+    Nothing,
+    /// The connection's kept registration (`Conn::kept`), counted in
+    /// `kept_in_flight`: the common case of one buffer region used over and
+    /// over costs no atomic reference count per request.
+    Cached,
+    /// A handle of its own.
+    Own(Registration),
 }
 
 impl SqOp {
@@ -168,9 +192,8 @@ impl Conn {
         source: SlotSource,
         len: usize,
         imm: Option<u32>,
-        origin: ConnId,
-        slot: u32,
-        from_srq: bool,
+        origin: ForwardOrigin,
+        registration: Option<Registration>,
     ) -> Result<u32, SendError> {
         if len - CREDIT_HEADER_LEN > self.max_payload() {
             return Err(SendError::TooLarge {
@@ -185,12 +208,13 @@ impl Conn {
             lkey: source.lkey,
         };
         let header = source.ptr;
+        let keep = self.keep(source.registration_id, || registration);
         let op = SqOp {
             kind: OpKind::Forward,
-            slot,
-            origin: Some(origin),
-            from_srq,
-            keep: Some(source.registration),
+            slot: origin.slot,
+            origin: Some(origin.conn),
+            from_srq: origin.from_srq,
+            keep,
         };
         Ok(self.stage_credited_send(header, sge, imm, op))
     }
@@ -236,7 +260,9 @@ impl Conn {
         }
         let request = SendDescriptor::write(Sge::from(local), remote, imm);
         let op = SqOp {
-            keep: Some(local.registration().clone()),
+            keep: self.keep(local.registration().id(), || {
+                Some(local.registration().clone())
+            }),
             ..SqOp::of(OpKind::Write)
         };
         Ok(self.stage(request, op))
@@ -262,7 +288,9 @@ impl Conn {
         self.admit(false, false)?;
         let request = SendDescriptor::read(Sge::from(local), remote);
         let op = SqOp {
-            keep: Some(local.registration().clone()),
+            keep: self.keep(local.registration().id(), || {
+                Some(local.registration().clone())
+            }),
             ..SqOp::of(OpKind::Read)
         };
         // Always signaled: a READ's completion is the only sign its data has
@@ -294,11 +322,43 @@ impl Conn {
         let seq = self.sq_done;
         let op = std::mem::take(&mut self.ops[(seq & (self.sq_depth - 1)) as usize]);
         self.sq_done = seq.wrapping_add(1);
-        if op.kind == OpKind::Send {
-            self.send_head = (self.send_head + 1) & (self.send_slots - 1);
-            self.send_in_use -= 1;
+        match op.kind {
+            OpKind::Send => {
+                self.send_head = (self.send_head + 1) & (self.send_slots - 1);
+                self.send_in_use -= 1;
+            }
+            _ if matches!(op.keep, Keep::Cached) => self.kept_in_flight -= 1,
+            _ => {}
         }
         (seq, op)
+    }
+
+    /// True if the connection's kept registration is the one `id` names.
+    #[inline]
+    pub(crate) fn keeps(&self, id: usize) -> bool {
+        self.kept.as_ref().is_some_and(|kept| kept.id() == id)
+    }
+
+    /// Holds the registration `id` names for one more request: through the
+    /// kept one if it is that (no reference count touched), else a handle
+    /// from `handle`, which becomes the kept one when nothing in flight
+    /// uses the old.
+    #[inline]
+    fn keep(&mut self, id: usize, handle: impl FnOnce() -> Option<Registration>) -> Keep {
+        if self.keeps(id) {
+            self.kept_in_flight += 1;
+            return Keep::Cached;
+        }
+        let Some(registration) = handle() else {
+            return Keep::Nothing;
+        };
+        if self.kept_in_flight == 0 {
+            self.kept = Some(registration);
+            self.kept_in_flight = 1;
+            Keep::Cached
+        } else {
+            Keep::Own(registration)
+        }
     }
 
     /// Rings the doorbell for everything staged.
