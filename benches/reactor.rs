@@ -49,7 +49,7 @@ fn pair(
         Ok(vec![Export::new(1, "perf", export.clone())])
     }));
     let listener = ServerSession::bind("127.0.0.1:0", pd, server_config).unwrap();
-    let spec = reactor.channel_spec_with_access("perf", access);
+    let spec = reactor.qp_spec_with_access("perf", access);
     let client_config =
         ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "perf", &client_buf)]);
     let client_ep = ClientSession::connect(listener.local_addr(), pd, &client_config).unwrap();

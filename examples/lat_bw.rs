@@ -207,7 +207,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
             }
             endpoint
         } else {
-            let mut spec = reactor.channel_spec_with_access("perf", access);
+            let mut spec = reactor.qp_spec_with_access("perf", access);
             args.dev.apply(&mut spec.qp);
             let mut config =
                 ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "perf", &buffer)]);

@@ -286,7 +286,7 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
     let depth = (2 * window as u32).max(16);
     let mut reactor: Reactor<Pinger> =
         Reactor::new(&pd, reactor_config(args, size, depth, depth, 1))?;
-    let mut spec = reactor.channel_spec_with_access("ping", AccessFlags::REMOTE_WRITE);
+    let mut spec = reactor.qp_spec_with_access("ping", AccessFlags::REMOTE_WRITE);
     args.dev.apply(&mut spec.qp);
     let config =
         ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "inbox", inbox.as_ref())]);

@@ -463,7 +463,7 @@ fn connect<H: Handler>(
     reactor: &mut Reactor<H>,
     opts: &Opts,
 ) -> Result<Endpoint, Failure> {
-    let mut spec = reactor.channel_spec("stream");
+    let mut spec = reactor.qp_spec("stream");
     opts.dev.apply(&mut spec.qp);
     let mut config = ClientConfig::new(vec![spec]);
     config.connect_deadline = Duration::from_secs(opts.connect_timeout);

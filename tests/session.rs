@@ -21,7 +21,7 @@ fn server(pd: &ProtectionDomain, config: ServerConfig) -> ServerSession {
 }
 
 fn client_config(names: &[&str]) -> ClientConfig {
-    let mut config = ClientConfig::new(names.iter().map(|n| ChannelSpec::new(*n)).collect());
+    let mut config = ClientConfig::new(names.iter().map(|n| QpSpec::new(*n)).collect());
     config.connect_deadline = Duration::from_secs(10);
     config
 }
@@ -32,18 +32,18 @@ fn exchange(pd: &ProtectionDomain, from: &mut Endpoint, to: &mut Endpoint, paylo
     let rx = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
     let mut tx = pd.alloc_mr(4096, AccessFlags::empty()).unwrap();
     tx.write(0, payload).unwrap();
-    let receiver = to.channel(0).unwrap();
+    let receiver = to.qp_at(0).unwrap();
     receiver
         .qp_mut()
         .post_recv(RecvRequest::new(1, rx.slice(0, 4096).unwrap()).unwrap())
         .unwrap();
-    let sender = from.channel(0).unwrap();
+    let sender = from.qp_at(0).unwrap();
     sender
         .qp_mut()
         .post_send(WorkRequest::send(2, tx.slice(0, payload.len()).unwrap()).signaled())
         .unwrap();
     wait_ok(sender.cq_mut().unwrap());
-    let wc = wait_ok(to.channel(0).unwrap().cq_mut().unwrap());
+    let wc = wait_ok(to.qp_at(0).unwrap().cq_mut().unwrap());
     assert_eq!(wc.byte_len() as usize, payload.len());
     assert_eq!(read_back(&rx, 0, payload.len()), payload);
 }
@@ -173,17 +173,17 @@ verbs_test! {
     fn server_rejects_a_request_it_cannot_serve() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let srv = server(&pd, ServerConfig { max_channels: 2, ..Default::default() });
+        let srv = server(&pd, ServerConfig { max_qps: 2, ..Default::default() });
         let err = ClientSession::connect(srv.local_addr(), &pd, &client_config(&["a", "b", "c"])).unwrap_err();
-        assert!(matches!(&err, Error::Rejected { code: 1, reason, .. } if reason.contains("3 channels")), "{err}");
+        assert!(matches!(&err, Error::Rejected { code: 1, reason, .. } if reason.contains("3 QPs")), "{err}");
         // Duplicate names are refused before anything is sent.
         let err = ClientSession::connect(srv.local_addr(), &pd, &client_config(&["a", "a"])).unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         // The server still serves.
         let _client = ClientSession::connect(srv.local_addr(), &pd, &client_config(&["a", "b"])).unwrap();
         let served = srv.accept_timeout(DEADLINE).unwrap();
-        assert_eq!(served.channels().len(), 2);
-        assert_eq!(served.channels()[1].name(), "b");
+        assert_eq!(served.qps().len(), 2);
+        assert_eq!(served.qps()[1].name(), "b");
     }
 }
 
@@ -198,7 +198,7 @@ verbs_test! {
 
         let rx = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
         for i in 0..5 {
-            client.channel(0).unwrap().qp_mut().post_recv(RecvRequest::new(i, rx.slice(0, 64).unwrap()).unwrap()).unwrap();
+            client.qp_at(0).unwrap().qp_mut().post_recv(RecvRequest::new(i, rx.slice(0, 64).unwrap()).unwrap()).unwrap();
         }
         let report = client.close().unwrap();
         assert!(report.peer_notified);
@@ -248,23 +248,23 @@ verbs_test! {
         let srv = server(&pd, ServerConfig::default());
         let specs = ["control", "bulk"]
             .iter()
-            .map(|name| ChannelSpec { cq: CqChoice::Shared(shared.shared()), ..ChannelSpec::new(*name) })
+            .map(|name| QpSpec { cq: CqChoice::Shared(shared.shared()), ..QpSpec::new(*name) })
             .collect();
         let mut config = client_config(&[]);
-        config.channels = specs;
+        config.qps = specs;
         let mut client = ClientSession::connect(srv.local_addr(), &pd, &config).unwrap();
         let mut served = srv.accept_timeout(DEADLINE).unwrap();
-        assert!(client.channel_by_name("bulk").unwrap().cq_mut().is_none(), "shared CQ is polled by its owner");
-        let qpns: Vec<u32> = client.channels().iter().map(|c| c.qp().qpn()).collect();
+        assert!(client.qp_by_name("bulk").unwrap().cq_mut().is_none(), "shared CQ is polled by its owner");
+        let qpns: Vec<u32> = client.qps().iter().map(|c| c.qp().qpn()).collect();
 
         let mut tx = pd.alloc_mr(64, AccessFlags::empty()).unwrap();
         let rx = pd.alloc_mr(128, AccessFlags::LOCAL_WRITE).unwrap();
-        for (i, channel) in served.channels_mut().iter_mut().enumerate() {
+        for (i, channel) in served.qps_mut().iter_mut().enumerate() {
             channel.qp_mut().post_recv(RecvRequest::new(i as u64, rx.slice(i * 64, 64).unwrap()).unwrap()).unwrap();
         }
         for (i, name) in ["control", "bulk"].iter().enumerate() {
             tx.write(i, &[i as u8 + 1]).unwrap();
-            let qp = client.channel_by_name(name).unwrap().qp_mut();
+            let qp = client.qp_by_name(name).unwrap().qp_mut();
             qp.post_send(WorkRequest::send(i as u64, tx.slice(i, 1).unwrap()).signaled()).unwrap();
         }
         let done = wait_for(&mut shared, 2);
@@ -274,7 +274,7 @@ verbs_test! {
         expected.sort();
         assert_eq!(seen, expected, "both channels completed on the shared CQ");
         for i in 0..2 {
-            let wc = wait_ok(served.channel(i).unwrap().cq_mut().unwrap());
+            let wc = wait_ok(served.qp_at(i).unwrap().cq_mut().unwrap());
             assert_eq!(read_back(&rx, wc.wr_id() as usize * 64, 1), [wc.wr_id() as u8 + 1]);
         }
     }
@@ -302,7 +302,7 @@ verbs_test! {
         let mut pool = BufferPool::new(&pd, 256, 4, AccessFlags::empty()).unwrap();
         let mut slot = pool.acquire().unwrap();
         pool.bytes_mut(&mut slot).unwrap()[..5].copy_from_slice(b"hello");
-        let channel = client.channel(0).unwrap();
+        let channel = client.qp_at(0).unwrap();
         pool.post_write(channel.qp_mut(), slot, target.slice(100, 5).unwrap(), None).unwrap();
         let wc = wait_ok(channel.cq_mut().unwrap());
         let slot = pool.complete(&wc).unwrap();

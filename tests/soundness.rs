@@ -273,10 +273,10 @@ verbs_test! {
         let (server_ep, mut client_ep) =
             connect(&pd, &mut Sides::One(&mut reactor), &inbox, &inbox);
         let own = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-        let qp = client_ep.channels_mut()[0].qp_mut();
+        let qp = client_ep.qps_mut()[0].qp_mut();
         assert!(!qp.has_posted());
         qp.post_recv(RecvRequest::new(7, own.whole().unwrap()).unwrap()).unwrap();
-        assert!(client_ep.channels()[0].qp().has_posted());
+        assert!(client_ep.qps()[0].qp().has_posted());
 
         let refused = reactor.add(client_ep, quiet()).expect_err("a QP with a posted receive");
         assert!(matches!(refused, Error::InvalidArgument(_)), "{refused}");
@@ -295,7 +295,7 @@ verbs_test! {
         let pd = ctx.alloc_pd().unwrap();
         let mut reactor: Reactor<BoxedHandler, ()> =
             Reactor::new(&pd, reactor_config(false)).unwrap();
-        let CqChoice::Shared(ours) = reactor.channel_spec("probe").cq else {
+        let CqChoice::Shared(ours) = reactor.qp_spec("probe").cq else {
             panic!("a reactor's channel spec names its shared CQ");
         };
         let probe = pd.create_qp(&ours, &ours, &QpConfig::default()).unwrap();
@@ -358,7 +358,7 @@ fn foreign_qp_with(
         ..Default::default()
     };
     let listener = ServerSession::bind("127.0.0.1:0", pd, config).expect("bind");
-    let mut spec = reactor.channel_spec("foreign");
+    let mut spec = reactor.qp_spec("foreign");
     if !on_srq {
         spec.srq = None;
     }
@@ -385,8 +385,8 @@ fn foreign_completions_are_ignored(srq: bool) {
     payload.write(0, &pattern(9, 64)).unwrap();
     let foreign_inbox = pd.alloc_mr(1024 * RECVS, AccessFlags::LOCAL_WRITE).unwrap();
     let peer_inbox = pd.alloc_mr(64 * SENDS, AccessFlags::LOCAL_WRITE).unwrap();
-    let foreign_qp = foreign.channels_mut()[0].qp_mut();
-    let peer_channel = &mut peer.channels_mut()[0];
+    let foreign_qp = foreign.qps_mut()[0].qp_mut();
+    let peer_channel = &mut peer.qps_mut()[0];
     // Receives on the foreign QP whose ids name the reactor's connections
     // and receive slots. (With an SRQ the foreign QP cannot post: the
     // peer's SENDs consume the reactor's SRQ receives instead.)
@@ -503,7 +503,7 @@ verbs_test! {
         });
         let inbox = pd.alloc_mr(1024 * RECVS, AccessFlags::LOCAL_WRITE).unwrap();
         let payload = pd.alloc_mr(64, AccessFlags::empty()).unwrap();
-        let foreign_qp = foreign.channels_mut()[0].qp_mut();
+        let foreign_qp = foreign.qps_mut()[0].qp_mut();
         for i in 0..RECVS {
             let tag = 0x2545_f491_4f6c_dd1d_u64.wrapping_mul(i as u64 + 1);
             let wr_id = (tag << 34) | (3 << 32) | i as u64;
@@ -512,7 +512,7 @@ verbs_test! {
         }
         for i in 0..RECVS {
             let wr = WorkRequest::send(i as u64, payload.whole().unwrap()).signaled();
-            peer.channels_mut()[0].qp_mut().post_send(wr).unwrap();
+            peer.qps_mut()[0].qp_mut().post_send(wr).unwrap();
         }
         turn_until(&mut [&mut reactor], "the forged completions", |reactors| {
             reactors[0].ignored_completions().0 >= RECVS as u64

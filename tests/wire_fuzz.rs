@@ -4,10 +4,10 @@
 
 use proptest::prelude::*;
 use rdma_comm_core::session::wire::{
-    ChannelInfo, FRAME_HEADER_LEN, Handshake, MAX_PAYLOAD, Message, RegionInfo, WireError,
+    FRAME_HEADER_LEN, Handshake, MAX_PAYLOAD, Message, QpInfo, RegionInfo, WireError,
 };
 
-fn channel() -> impl Strategy<Value = ChannelInfo> {
+fn qp_info() -> impl Strategy<Value = QpInfo> {
     (
         "[a-z0-9_-]{0,40}",
         0u32..=0x00ff_ffff,
@@ -16,7 +16,7 @@ fn channel() -> impl Strategy<Value = ChannelInfo> {
         any::<u16>(),
         prop::sample::select(vec![256u16, 512, 1024, 2048, 4096]),
     )
-        .prop_map(|(name, qpn, psn, gid, lid, mtu)| ChannelInfo {
+        .prop_map(|(name, qpn, psn, gid, lid, mtu)| QpInfo {
             name,
             qpn,
             psn,
@@ -45,10 +45,10 @@ fn region() -> impl Strategy<Value = RegionInfo> {
 
 fn handshake() -> impl Strategy<Value = Handshake> {
     (
-        prop::collection::vec(channel(), 0..8),
+        prop::collection::vec(qp_info(), 0..8),
         prop::collection::vec(region(), 0..8),
     )
-        .prop_map(|(channels, regions)| Handshake { channels, regions })
+        .prop_map(|(qps, regions)| Handshake { qps, regions })
 }
 
 fn message() -> impl Strategy<Value = Message> {

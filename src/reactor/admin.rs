@@ -11,7 +11,7 @@ use super::{ConnId, Handler, PeerLink, QpSource, Reactor, Session, SessionId};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Takes over a connected QP source (an [`Endpoint`](crate::session::Endpoint)
-    /// built from [`channel_spec`](Self::channel_spec)s, say): posts its
+    /// built from [`qp_spec`](Self::qp_spec)s, say): posts its
     /// receive rings now and sends the initial credit updates with the next
     /// pass. `handler` gets every callback for its connections.
     ///
@@ -88,7 +88,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 self.cqs.iter().position(|cq| qp.receives_to(cq)),
             ) else {
                 return Err(Error::InvalidArgument(
-                    "QP was not created on this reactor's CQs (build it from Reactor::channel_spec)",
+                    "QP was not created on this reactor's CQs (build it from Reactor::qp_spec)",
                 ));
             };
             let srq_matches = match (&self.srq, qp.shared_receive_queue()) {
@@ -98,7 +98,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             };
             if !srq_matches {
                 return Err(Error::InvalidArgument(
-                    "QP's receive queue does not match this reactor's (build it from Reactor::channel_spec)",
+                    "QP's receive queue does not match this reactor's (build it from Reactor::qp_spec)",
                 ));
             }
             if !qp.belongs_to(&self.pd) {

@@ -35,7 +35,7 @@ pub enum ThreadMode {
 pub struct ReactorConfig {
     /// How to wait when idle.
     pub event_mode: EventMode,
-    /// CQs the reactor owns; channels are spread over them.
+    /// CQs the reactor owns; QPs are spread over them.
     pub cq_count: u32,
     /// Entries per CQ.
     pub cq_size: u32,

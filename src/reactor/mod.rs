@@ -41,7 +41,7 @@
 //! let ctx = Context::open_default(None)?;
 //! let pd = ctx.alloc_pd()?;
 //! let mut reactor = Reactor::new(&pd, ReactorConfig::default())?;
-//! let config = ClientConfig::new(vec![reactor.channel_spec("rpc")]);
+//! let config = ClientConfig::new(vec![reactor.qp_spec("rpc")]);
 //! let endpoint = ClientSession::connect("server:7471", &pd, &config)?;
 //! reactor.add(endpoint, Echo)?;
 //! reactor.run()?; // until a Stopper stops it
@@ -76,7 +76,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::session::{ChannelSpec, CqChoice, ServerConfig, SessionLink};
+use crate::session::{CqChoice, QpSpec, ServerConfig, SessionLink};
 use crate::verbs::{
     AccessFlags, CompletionChannel, CompletionQueue, ProtectionDomain, QpConfig, WorkCompletion,
 };
@@ -249,9 +249,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         &self.config
     }
 
-    /// A channel spec whose QP reports to this reactor's CQs (spread over them
+    /// A QP spec whose QP reports to this reactor's CQs (spread over them
     /// round-robin) with queue depths matching the reactor's settings.
-    pub fn channel_spec(&mut self, name: impl Into<String>) -> ChannelSpec {
+    pub fn qp_spec(&mut self, name: impl Into<String>) -> QpSpec {
         let cq = self.cqs[self.next_cq % self.cqs.len()].shared();
         self.next_cq += 1;
         let qp = QpConfig {
@@ -260,7 +260,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             max_inline_data: self.config.max_inline,
             ..QpConfig::default()
         };
-        ChannelSpec {
+        QpSpec {
             name: name.into(),
             cq: CqChoice::Shared(cq),
             qp,
@@ -268,14 +268,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
-    /// Like [`channel_spec`](Self::channel_spec), also letting the peer WRITE
+    /// Like [`qp_spec`](Self::qp_spec), also letting the peer WRITE
     /// and/or READ the regions this side exports.
-    pub fn channel_spec_with_access(
+    pub fn qp_spec_with_access(
         &mut self,
         name: impl Into<String>,
         remote_access: AccessFlags,
-    ) -> ChannelSpec {
-        let mut spec = self.channel_spec(name);
+    ) -> QpSpec {
+        let mut spec = self.qp_spec(name);
         spec.qp.remote_access = remote_access;
         spec
     }
@@ -283,7 +283,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// A server configuration whose QPs report to this reactor, with
     /// `remote_access` granted to peers.
     pub fn server_config(&mut self, remote_access: AccessFlags) -> ServerConfig {
-        let spec = self.channel_spec_with_access("", remote_access);
+        let spec = self.qp_spec_with_access("", remote_access);
         ServerConfig {
             qp: spec.qp,
             cq: spec.cq,

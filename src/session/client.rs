@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use super::wire::Message;
 use super::{
-    ChannelSpec, Control, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, build_channels,
-    check_channel_names, connect_channels, local_handshake,
+    Control, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, QpSpec, build_qps, check_qp_names,
+    connect_qps, local_handshake,
 };
 use crate::error::{Error, Result};
 use crate::verbs::ProtectionDomain;
@@ -16,7 +16,7 @@ use crate::verbs::ProtectionDomain;
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
     /// Channels to open (at least one).
-    pub channels: Vec<ChannelSpec>,
+    pub qps: Vec<QpSpec>,
     /// Regions to export to the server.
     pub exports: Vec<Export>,
     /// Give up connecting (all retries included) after this long.
@@ -30,10 +30,10 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
-    /// Opens `channels`, exporting nothing, with default timeouts.
-    pub fn new(channels: Vec<ChannelSpec>) -> Self {
+    /// Opens `qps`, exporting nothing, with default timeouts.
+    pub fn new(qps: Vec<QpSpec>) -> Self {
         Self {
-            channels,
+            qps,
             exports: Vec::new(),
             connect_deadline: Duration::from_secs(30),
             initial_backoff: Duration::from_millis(20),
@@ -57,33 +57,28 @@ impl ClientSession {
     /// Connects to `addr`, retrying refused or unreachable attempts with
     /// exponential backoff until the deadline, then runs the handshake.
     ///
-    /// Either every channel is connected and ready, or an error is returned and
+    /// Either every QP is connected and ready, or an error is returned and
     /// every resource created on the way is destroyed: never half-connected.
     pub fn connect(
         addr: impl ToSocketAddrs,
         pd: &ProtectionDomain,
         config: &ClientConfig,
     ) -> Result<Endpoint> {
-        if config.channels.is_empty() {
-            return Err(Error::InvalidArgument(
-                "a client needs at least one channel",
-            ));
+        if config.qps.is_empty() {
+            return Err(Error::InvalidArgument("a client needs at least one QP"));
         }
-        check_channel_names(&config.channels)?;
+        check_qp_names(&config.qps)?;
         let (stream, peer) = connect_with_retry(&addr, config)?;
         let mut control = Control::new(stream, peer, config.handshake_timeout);
 
-        let mut channels = build_channels(pd, &config.channels)?;
-        control.send(&Message::Hello(local_handshake(
-            &channels,
-            &config.exports,
-        )?))?;
+        let mut qps = build_qps(pd, &config.qps)?;
+        control.send(&Message::Hello(local_handshake(&qps, &config.exports)?))?;
         let accept = match control.recv()? {
             Message::Accept(accept) => accept,
             Message::Reject { code, reason } => return Err(Error::Rejected { peer, code, reason }),
             other => return Err(control.protocol_error(format!("expected Accept, got {other:?}"))),
         };
-        connect_channels(&control, &mut channels, &accept.channels)?;
+        connect_qps(&control, &mut qps, &accept.qps)?;
         control.send(&Message::Ready)?;
         match control.recv()? {
             Message::Ready => {}
@@ -91,7 +86,7 @@ impl ClientSession {
         }
         Ok(Endpoint::new(
             peer,
-            channels,
+            qps,
             config.exports.clone(),
             accept.regions,
             control.into_stream(),

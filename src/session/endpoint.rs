@@ -1,4 +1,4 @@
-//! A connected peer: its channels, the regions it exported, and the control
+//! A connected peer: its qps, the regions it exported, and the control
 //! connection that carries the disconnect and reveals a dead peer.
 
 use std::fmt;
@@ -15,16 +15,16 @@ use crate::verbs::{CompletionQueue, QueuePair, RemoteRegion, WorkCompletion};
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One RC queue pair of an endpoint.
-pub struct Channel {
+pub struct SessionQp {
     name: String,
     // Field order: the QP is destroyed before its private CQ.
     qp: QueuePair,
     cq: Option<CompletionQueue>,
 }
 
-impl fmt::Debug for Channel {
+impl fmt::Debug for SessionQp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Channel")
+        f.debug_struct("SessionQp")
             .field("name", &self.name)
             .field("qpn", &self.qp.qpn())
             .field("private_cq", &self.cq.is_some())
@@ -32,12 +32,12 @@ impl fmt::Debug for Channel {
     }
 }
 
-impl Channel {
+impl SessionQp {
     pub(super) fn new(name: String, qp: QueuePair, cq: Option<CompletionQueue>) -> Self {
         Self { name, qp, cq }
     }
 
-    /// The channel's name.
+    /// The QP's name within its session.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -52,7 +52,7 @@ impl Channel {
         &mut self.qp
     }
 
-    /// The private CQ to poll, or `None` when the channel uses a shared CQ.
+    /// The private CQ to poll, or `None` when the QP uses a shared CQ.
     pub fn cq_mut(&mut self) -> Option<&mut CompletionQueue> {
         self.cq.as_mut()
     }
@@ -108,12 +108,12 @@ pub struct CloseReport {
     pub peer_notified: bool,
 }
 
-/// A connected peer: one or more channels plus the [`SessionLink`] (the
+/// A connected peer: one or more qps plus the [`SessionLink`] (the
 /// control connection, the regions each side exported).
 pub struct Endpoint {
-    // Field order is drop order: channels (QPs, then private CQs) go before
+    // Field order is drop order: qps (QPs, then private CQs) go before
     // the link, whose exported regions the peer may have been writing into.
-    channels: Vec<Channel>,
+    qps: Vec<SessionQp>,
     link: SessionLink,
 }
 
@@ -137,7 +137,7 @@ impl fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Endpoint")
             .field("peer", &self.link.peer)
-            .field("channels", &self.channels)
+            .field("qps", &self.qps)
             .field("remote_regions", &self.link.remote_regions)
             .finish()
     }
@@ -156,14 +156,14 @@ impl fmt::Debug for SessionLink {
 impl Endpoint {
     pub(super) fn new(
         peer: SocketAddr,
-        channels: Vec<Channel>,
+        qps: Vec<SessionQp>,
         exports: Vec<Export>,
         remote_regions: Vec<RegionInfo>,
         control: TcpStream,
     ) -> Self {
         let remote_regions = remote_regions.into_iter().map(NamedRegion::from).collect();
         Self {
-            channels,
+            qps,
             link: SessionLink {
                 peer,
                 exports,
@@ -178,8 +178,8 @@ impl Endpoint {
     /// Splits the endpoint into its QPs, in negotiated order, and the link
     /// (for a reactor that takes the QPs over). Private CQs are released.
     pub fn into_parts(self) -> (Vec<QueuePair>, SessionLink) {
-        let Endpoint { channels, link } = self;
-        (channels.into_iter().map(|c| c.qp).collect(), link)
+        let Endpoint { qps, link } = self;
+        (qps.into_iter().map(|c| c.qp).collect(), link)
     }
 
     /// The link: control connection and regions.
@@ -197,24 +197,24 @@ impl Endpoint {
         self.link.peer
     }
 
-    /// All channels, in the order they were negotiated.
-    pub fn channels(&self) -> &[Channel] {
-        &self.channels
+    /// All qps, in the order they were negotiated.
+    pub fn qps(&self) -> &[SessionQp] {
+        &self.qps
     }
 
-    /// All channels, mutably.
-    pub fn channels_mut(&mut self) -> &mut [Channel] {
-        &mut self.channels
+    /// All qps, mutably.
+    pub fn qps_mut(&mut self) -> &mut [SessionQp] {
+        &mut self.qps
     }
 
-    /// Channel by index.
-    pub fn channel(&mut self, index: usize) -> Option<&mut Channel> {
-        self.channels.get_mut(index)
+    /// SessionQp by index.
+    pub fn qp_at(&mut self, index: usize) -> Option<&mut SessionQp> {
+        self.qps.get_mut(index)
     }
 
-    /// Channel by name.
-    pub fn channel_by_name(&mut self, name: &str) -> Option<&mut Channel> {
-        self.channels.iter_mut().find(|c| c.name == name)
+    /// SessionQp by name.
+    pub fn qp_by_name(&mut self, name: &str) -> Option<&mut SessionQp> {
+        self.qps.iter_mut().find(|c| c.name == name)
     }
 
     /// Regions the peer exported.
@@ -251,15 +251,15 @@ impl Endpoint {
             ..Default::default()
         };
         let mut first_error = None;
-        for channel in &self.channels {
-            if let Err(err) = channel.qp.set_error() {
+        for session_qp in &self.qps {
+            if let Err(err) = session_qp.qp.set_error() {
                 first_error.get_or_insert(err);
             }
         }
         let deadline = Instant::now() + DRAIN_TIMEOUT;
         let mut wcs = [WorkCompletion::default(); 32];
-        for channel in &mut self.channels {
-            let Some(cq) = channel.cq.as_mut() else {
+        for session_qp in &mut self.qps {
+            let Some(cq) = session_qp.cq.as_mut() else {
                 continue;
             };
             // Flushes arrive promptly after ERR; stop at the first empty poll

@@ -1,7 +1,7 @@
 //! Connection set-up: out-of-band TCP handshake, server and client sessions,
 //! and the endpoints they produce.
 //!
-//! A client opens a TCP connection and sends its channels (one RC QP each:
+//! A client opens a TCP connection and sends its qps (one RC QP each:
 //! QPN, random PSN, GID, LID, MTU) and the regions it exports. The server
 //! builds matching QPs, answers with its own, and both sides move their QPs to
 //! RTS before exchanging `Ready`. The TCP connection stays open as the control
@@ -17,10 +17,10 @@
 //! // Server side:
 //! let server = ServerSession::bind("0.0.0.0:7471", &pd, ServerConfig::default())?;
 //! // Client side (elsewhere):
-//! let config = ClientConfig::new(vec![ChannelSpec::new("data")]);
+//! let config = ClientConfig::new(vec![QpSpec::new("data")]);
 //! let mut endpoint = ClientSession::connect("server:7471", &pd, &config)?;
-//! let channel = endpoint.channel_by_name("data").unwrap();
-//! println!("connected QP {} to {}", channel.qp().qpn(), endpoint.peer());
+//! let data = endpoint.qp_by_name("data").unwrap();
+//! println!("connected QP {} to {}", data.qp().qpn(), endpoint.peer());
 //! # Ok::<(), rdma_comm_core::Error>(())
 //! ```
 
@@ -35,7 +35,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use client::{ClientConfig, ClientSession};
-pub use endpoint::{Channel, CloseReport, Endpoint, NamedRegion, PeerStatus, SessionLink};
+pub use endpoint::{CloseReport, Endpoint, NamedRegion, PeerStatus, SessionLink, SessionQp};
 pub use server::{HandshakeFailure, ServerConfig, ServerSession};
 
 use crate::error::{Error, Result};
@@ -43,12 +43,12 @@ use crate::verbs::{
     CqSource, Gid, MemoryRegion, Mtu, ProtectionDomain, QpConfig, QpEndpoint, QueuePair,
     Registration, SharedCq, SrqAttachment,
 };
-use wire::{ChannelInfo, Handshake, Message, RegionInfo, WireError};
+use wire::{Handshake, Message, QpInfo, RegionInfo, WireError};
 
-/// Which completion queue a channel's QP reports to.
+/// Which completion queue a session's QP reports to.
 #[derive(Debug, Clone)]
 pub enum CqChoice {
-    /// A CQ of its own with this many entries, polled through the channel.
+    /// A CQ of its own with this many entries, polled through the session QP.
     Private {
         /// CQ size.
         entries: u32,
@@ -63,9 +63,9 @@ impl Default for CqChoice {
     }
 }
 
-/// One channel to open: a name, a CQ choice and the QP settings.
+/// One QP of a session to open: a name, a CQ choice and the QP settings.
 #[derive(Debug, Clone)]
-pub struct ChannelSpec {
+pub struct QpSpec {
     /// Unique name within the endpoint (at most 255 bytes).
     pub name: String,
     /// Where completions go.
@@ -77,8 +77,8 @@ pub struct ChannelSpec {
     pub srq: Option<SrqAttachment>,
 }
 
-impl ChannelSpec {
-    /// A channel with a private CQ and default QP settings.
+impl QpSpec {
+    /// A QP with a private CQ and default settings.
     pub fn new(name: impl Into<String>) -> Self {
         Self {
             name: name.into(),
@@ -228,13 +228,13 @@ impl Control {
 
 /// Reject codes sent to a peer.
 pub mod reject_code {
-    /// The request was invalid (channel count, names, ...).
+    /// The request was invalid (QP count, names, ...).
     pub const BAD_REQUEST: u16 = 1;
     /// Creating local resources failed.
     pub const RESOURCES: u16 = 2;
 }
 
-fn build_channels(pd: &ProtectionDomain, specs: &[ChannelSpec]) -> Result<Vec<Channel>> {
+fn build_qps(pd: &ProtectionDomain, specs: &[QpSpec]) -> Result<Vec<SessionQp>> {
     let ctx = pd.context();
     specs
         .iter()
@@ -246,24 +246,24 @@ fn build_channels(pd: &ProtectionDomain, specs: &[ChannelSpec]) -> Result<Vec<Ch
                 }
                 CqChoice::Shared(shared) => (create_qp(pd, shared, spec)?, None),
             };
-            Ok(Channel::new(spec.name.clone(), qp, cq))
+            Ok(SessionQp::new(spec.name.clone(), qp, cq))
         })
         .collect()
 }
 
-fn create_qp(pd: &ProtectionDomain, cq: &impl CqSource, spec: &ChannelSpec) -> Result<QueuePair> {
+fn create_qp(pd: &ProtectionDomain, cq: &impl CqSource, spec: &QpSpec) -> Result<QueuePair> {
     match &spec.srq {
         Some(srq) => pd.create_qp_with_srq(cq, cq, srq, &spec.qp),
         None => pd.create_qp(cq, cq, &spec.qp),
     }
 }
 
-fn local_handshake(channels: &[Channel], exports: &[Export]) -> Result<Handshake> {
-    let channels = channels
+fn local_handshake(qps: &[SessionQp], exports: &[Export]) -> Result<Handshake> {
+    let qps = qps
         .iter()
         .map(|c| {
             let ep = c.qp().endpoint();
-            ChannelInfo {
+            QpInfo {
                 name: c.name().to_string(),
                 qpn: ep.qpn,
                 psn: ep.psn,
@@ -286,23 +286,19 @@ fn local_handshake(channels: &[Channel], exports: &[Export]) -> Result<Handshake
             })
         })
         .collect::<Result<_>>()?;
-    Ok(Handshake { channels, regions })
+    Ok(Handshake { qps, regions })
 }
 
-/// Connects our channels, in order, to the peer's.
-fn connect_channels(
-    control: &Control,
-    channels: &mut [Channel],
-    remote: &[ChannelInfo],
-) -> Result<()> {
-    if channels.len() != remote.len() {
+/// Connects our qps, in order, to the peer's.
+fn connect_qps(control: &Control, qps: &mut [SessionQp], remote: &[QpInfo]) -> Result<()> {
+    if qps.len() != remote.len() {
         return Err(control.protocol_error(format!(
-            "peer answered with {} channels for our {}",
+            "peer answered with {} QPs for our {}",
             remote.len(),
-            channels.len()
+            qps.len()
         )));
     }
-    for (channel, info) in channels.iter_mut().zip(remote) {
+    for (session_qp, info) in qps.iter_mut().zip(remote) {
         let mtu = Mtu::from_bytes(u32::from(info.mtu))
             .ok_or_else(|| control.protocol_error(format!("invalid MTU {}", info.mtu)))?;
         let peer = QpEndpoint {
@@ -312,21 +308,19 @@ fn connect_channels(
             lid: info.lid,
             mtu,
         };
-        channel.qp_mut().connect(&peer)?;
+        session_qp.qp_mut().connect(&peer)?;
     }
     Ok(())
 }
 
-fn check_channel_names(specs: &[ChannelSpec]) -> Result<()> {
+fn check_qp_names(specs: &[QpSpec]) -> Result<()> {
     for (i, spec) in specs.iter().enumerate() {
         if spec.name.len() > 255 {
-            return Err(Error::InvalidArgument(
-                "channel names are at most 255 bytes",
-            ));
+            return Err(Error::InvalidArgument("QP names are at most 255 bytes"));
         }
         if specs[..i].iter().any(|other| other.name == spec.name) {
             return Err(Error::InvalidArgument(
-                "channel names must be unique within an endpoint",
+                "QP names must be unique within an endpoint",
             ));
         }
     }

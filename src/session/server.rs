@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::wire::{MAX_CHANNELS, Message};
+use super::wire::{MAX_QPS, Message};
 use super::{
-    ChannelSpec, Control, CqChoice, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, build_channels,
-    connect_channels, local_handshake, reject_code,
+    Control, CqChoice, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, QpSpec, build_qps, connect_qps,
+    local_handshake, reject_code,
 };
 use crate::error::{Error, Result};
 use crate::verbs::{ProtectionDomain, QpConfig, SrqAttachment};
@@ -22,14 +22,14 @@ pub type ExportFn = dyn Fn(SocketAddr, &ProtectionDomain) -> Result<Vec<Export>>
 /// How the server builds each peer's endpoint.
 #[derive(Clone)]
 pub struct ServerConfig {
-    /// QP settings for every channel a client asks for.
+    /// QP settings for every QP a client asks for.
     pub qp: QpConfig,
-    /// CQ for every channel: private per channel, or one the caller polls.
+    /// CQ for every QP: private per QP, or one the caller polls.
     pub cq: CqChoice,
-    /// Shared receive queue for every channel (`None`: each QP its own).
+    /// Shared receive queue for every QP (`None`: each QP its own).
     pub srq: Option<SrqAttachment>,
-    /// Most channels one client may ask for.
-    pub max_channels: usize,
+    /// Most qps one client may ask for.
+    pub max_qps: usize,
     /// Stop accepting after this many successful handshakes (`None`: never).
     pub max_peers: Option<usize>,
     /// Time one handshake may take; a silent client is dropped after it.
@@ -46,7 +46,7 @@ impl fmt::Debug for ServerConfig {
             .field("qp", &self.qp)
             .field("cq", &self.cq)
             .field("srq", &self.srq.is_some())
-            .field("max_channels", &self.max_channels)
+            .field("max_qps", &self.max_qps)
             .field("max_peers", &self.max_peers)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("exports", &self.exports.is_some())
@@ -60,7 +60,7 @@ impl Default for ServerConfig {
             qp: QpConfig::default(),
             cq: CqChoice::default(),
             srq: None,
-            max_channels: 16,
+            max_qps: 16,
             max_peers: None,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             max_pending_handshakes: 64,
@@ -300,46 +300,46 @@ fn serve_handshake(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Resu
         Message::Hello(hello) => hello,
         other => return Err(control.protocol_error(format!("expected Hello, got {other:?}"))),
     };
-    let max_channels = config.max_channels.min(MAX_CHANNELS);
-    if hello.channels.is_empty() || hello.channels.len() > max_channels {
+    let max_qps = config.max_qps.min(MAX_QPS);
+    if hello.qps.is_empty() || hello.qps.len() > max_qps {
         let reason = format!(
-            "asked for {} channels; this server allows 1 to {max_channels}",
-            hello.channels.len()
+            "asked for {} QPs; this server allows 1 to {max_qps}",
+            hello.qps.len()
         );
         control.reject(reject_code::BAD_REQUEST, &reason);
         return Err(control.protocol_error(reason));
     }
 
-    let specs: Vec<ChannelSpec> = hello
-        .channels
+    let specs: Vec<QpSpec> = hello
+        .qps
         .iter()
-        .map(|c| ChannelSpec {
+        .map(|c| QpSpec {
             name: c.name.clone(),
             cq: config.cq.clone(),
             qp: config.qp.clone(),
             srq: config.srq.clone(),
         })
         .collect();
-    if let Err(err) = super::check_channel_names(&specs) {
+    if let Err(err) = super::check_qp_names(&specs) {
         control.reject(reject_code::BAD_REQUEST, &err.to_string());
         return Err(control.protocol_error(err.to_string()));
     }
-    let built = build_channels(&shared.pd, &specs).and_then(|channels| {
+    let built = build_qps(&shared.pd, &specs).and_then(|qps| {
         let exports = match &config.exports {
             Some(make) => make(peer, &shared.pd)?,
             None => Vec::new(),
         };
-        Ok((channels, exports))
+        Ok((qps, exports))
     });
-    let (mut channels, exports) = match built {
+    let (mut qps, exports) = match built {
         Ok(built) => built,
         Err(err) => {
             control.reject(reject_code::RESOURCES, &err.to_string());
             return Err(err);
         }
     };
-    let ours = local_handshake(&channels, &exports)?;
-    connect_channels(&control, &mut channels, &hello.channels)?;
+    let ours = local_handshake(&qps, &exports)?;
+    connect_qps(&control, &mut qps, &hello.qps)?;
     control.send(&Message::Accept(ours))?;
     match control.recv()? {
         Message::Ready => {}
@@ -348,7 +348,7 @@ fn serve_handshake(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Resu
     control.send(&Message::Ready)?;
     Ok(Endpoint::new(
         peer,
-        channels,
+        qps,
         exports,
         hello.regions,
         control.into_stream(),

@@ -6,8 +6,8 @@
 //! header   magic u32 = 0x4D43_4352 ("RCCM")   version u16   kind u16   payload_len u32
 //! payload  little-endian fixed-width fields; strings are u8 length + UTF-8
 //!
-//! Hello / Accept   u16 n_channels, n × channel, u16 n_regions, n × region
-//!   channel        qpn u32, psn u32, gid [16], lid u16, mtu u16 (bytes), name str
+//! Hello / Accept   u16 n_qps, n × qp, u16 n_regions, n × region
+//!   qp             qpn u32, psn u32, gid [16], lid u16, mtu u16 (bytes), name str
 //!   region         id u32, addr u64, len u64, rkey u32, name str
 //! Reject           code u16, reason str
 //! Ready            (empty)
@@ -26,10 +26,10 @@ pub const MAGIC: u32 = 0x4D43_4352;
 pub const VERSION: u16 = 1;
 /// Header size in bytes.
 pub const FRAME_HEADER_LEN: usize = 12;
-/// Largest payload accepted (a handshake with hundreds of channels fits easily).
+/// Largest payload accepted (a handshake with hundreds of qps fits easily).
 pub const MAX_PAYLOAD: u32 = 64 * 1024;
-/// Most channels one endpoint may ask for.
-pub const MAX_CHANNELS: usize = 256;
+/// Most qps one endpoint may ask for.
+pub const MAX_QPS: usize = 256;
 /// Most regions one side may export.
 pub const MAX_REGIONS: usize = 1024;
 
@@ -43,8 +43,8 @@ pub use crate::error::WireError;
 
 /// One queue pair as announced to the peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChannelInfo {
-    /// Channel name (unique within an endpoint).
+pub struct QpInfo {
+    /// SessionQp name (unique within an endpoint).
     pub name: String,
     /// QP number.
     pub qpn: u32,
@@ -77,7 +77,7 @@ pub struct RegionInfo {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Handshake {
     /// One entry per QP.
-    pub channels: Vec<ChannelInfo>,
+    pub qps: Vec<QpInfo>,
     /// Regions the peer may access.
     pub regions: Vec<RegionInfo>,
 }
@@ -85,9 +85,9 @@ pub struct Handshake {
 /// A control message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
-    /// Client → server: my channels and regions.
+    /// Client → server: my qps and regions.
     Hello(Handshake),
-    /// Server → client: mine, matching your channels one to one.
+    /// Server → client: mine, matching your qps one to one.
     Accept(Handshake),
     /// Server → client: the handshake is refused.
     Reject {
@@ -222,8 +222,8 @@ fn decode_payload(kind: u16, payload: &[u8]) -> Result<Message, WireError> {
 }
 
 fn encode_handshake(h: &Handshake, out: &mut Vec<u8>) {
-    out.extend_from_slice(&(h.channels.len() as u16).to_le_bytes());
-    for c in &h.channels {
+    out.extend_from_slice(&(h.qps.len() as u16).to_le_bytes());
+    for c in &h.qps {
         out.extend_from_slice(&c.qpn.to_le_bytes());
         out.extend_from_slice(&c.psn.to_le_bytes());
         out.extend_from_slice(&c.gid);
@@ -242,13 +242,13 @@ fn encode_handshake(h: &Handshake, out: &mut Vec<u8>) {
 }
 
 fn decode_handshake(r: &mut Reader<'_>) -> Result<Handshake, WireError> {
-    let n_channels = r.u16()? as usize;
-    if n_channels > MAX_CHANNELS {
-        return Err(WireError::Malformed("too many channels"));
+    let n_qps = r.u16()? as usize;
+    if n_qps > MAX_QPS {
+        return Err(WireError::Malformed("too many QPs"));
     }
-    let mut channels = Vec::with_capacity(n_channels);
-    for _ in 0..n_channels {
-        let channel = ChannelInfo {
+    let mut qps = Vec::with_capacity(n_qps);
+    for _ in 0..n_qps {
+        let channel = QpInfo {
             qpn: r.u32()?,
             psn: r.u32()?,
             gid: r.array()?,
@@ -264,7 +264,7 @@ fn decode_handshake(r: &mut Reader<'_>) -> Result<Handshake, WireError> {
                 "MTU must be 256, 512, 1024, 2048 or 4096",
             ));
         }
-        channels.push(channel);
+        qps.push(channel);
     }
     let n_regions = r.u16()? as usize;
     if n_regions > MAX_REGIONS {
@@ -286,7 +286,7 @@ fn decode_handshake(r: &mut Reader<'_>) -> Result<Handshake, WireError> {
         }
         regions.push(region);
     }
-    Ok(Handshake { channels, regions })
+    Ok(Handshake { qps, regions })
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
@@ -341,7 +341,7 @@ mod tests {
 
     fn sample() -> Message {
         Message::Hello(Handshake {
-            channels: vec![ChannelInfo {
+            qps: vec![QpInfo {
                 name: "data".into(),
                 qpn: 0x11,
                 psn: 0xabcdef,
@@ -366,7 +366,7 @@ mod tests {
             Message::Accept(Handshake::default()),
             Message::Reject {
                 code: 2,
-                reason: "too many channels".into(),
+                reason: "too many QPs".into(),
             },
             Message::Ready,
             Message::Disconnect { code: 0 },
@@ -384,7 +384,7 @@ mod tests {
         assert_eq!(&bytes[0..4], b"RCCM");
         assert_eq!(&bytes[4..6], &[1, 0]);
         assert_eq!(&bytes[6..8], &[1, 0]);
-        assert_eq!(&bytes[12..14], &[1, 0], "one channel");
+        assert_eq!(&bytes[12..14], &[1, 0], "one QP");
         assert_eq!(&bytes[14..18], &[0x11, 0, 0, 0], "qpn");
     }
 

@@ -14,7 +14,7 @@ impl Handler for Quiet {
 fn post_after_add(reactor: &mut Reactor<Quiet>, mut endpoint: Endpoint, mr: &MemoryRegion) {
     reactor.add(endpoint, Quiet).unwrap();
     let wr = RecvRequest::new(1, mr.slice(0, 64).unwrap()).unwrap();
-    endpoint.channels_mut()[0].qp_mut().post_recv(wr).unwrap();
+    endpoint.qps_mut()[0].qp_mut().post_recv(wr).unwrap();
 }
 
 fn main() {

@@ -6,7 +6,7 @@ use rdma_comm_core::verbs::{MemoryRegion, WorkRequest};
 
 fn post_shared(endpoint: &Endpoint, mr: &MemoryRegion) {
     let wr = WorkRequest::send(1, mr.slice(0, 8).unwrap());
-    endpoint.channels()[0].qp().post_send(wr).unwrap();
+    endpoint.qps()[0].qp().post_send(wr).unwrap();
 }
 
 fn main() {

@@ -1,10 +1,10 @@
-//! `Channel::split_mut` lends the CQ mutably but the QP only shared: a
+//! `SessionQp::split_mut` lends the CQ mutably but the QP only shared: a
 //! post-then-poll loop cannot post through it.
 
-use rdma_comm_core::session::Channel;
+use rdma_comm_core::session::SessionQp;
 use rdma_comm_core::verbs::{MemoryRegion, RecvRequest};
 
-fn post_through_split(channel: &mut Channel, mr: &MemoryRegion) {
+fn post_through_split(channel: &mut SessionQp, mr: &MemoryRegion) {
     let (qp, _cq) = channel.split_mut();
     qp.post_recv(RecvRequest::new(1, mr.slice(0, 64).unwrap()).unwrap())
         .unwrap();

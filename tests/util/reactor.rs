@@ -392,7 +392,7 @@ pub fn connect(
     let listener = ServerSession::bind("127.0.0.1:0", pd, config).expect("bind");
     let spec = sides
         .client()
-        .channel_spec_with_access("data", AccessFlags::REMOTE_WRITE);
+        .qp_spec_with_access("data", AccessFlags::REMOTE_WRITE);
     let client_config =
         ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "inbox", client_inbox)]);
     let client_ep =

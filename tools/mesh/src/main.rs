@@ -663,7 +663,7 @@ fn connect_all(
         .map_err(|err| format!("listening on {listen}: {err}"))?;
     let mut endpoints = Vec::new();
     for rank in 0..world.rank {
-        let mut spec = reactor.channel_spec_with_access(format!("rank-{}", world.rank), access);
+        let mut spec = reactor.qp_spec_with_access(format!("rank-{}", world.rank), access);
         args.dev.apply(&mut spec.qp);
         let mut client = ClientConfig::new(vec![spec]);
         if !access.is_empty() {
@@ -698,7 +698,7 @@ fn connect_all(
                 }
             )
         })?;
-        let rank = endpoint.channels()[0]
+        let rank = endpoint.qps()[0]
             .name()
             .strip_prefix("rank-")
             .and_then(|r| r.parse::<usize>().ok())
