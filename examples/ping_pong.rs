@@ -607,6 +607,9 @@ fn retire_finished_peers(reactor: &mut Reactor<Echoer>) {
             continue;
         };
         let peer = endpoint.peer();
+        // Released before it is reported: once a peer's line is out, its QP,
+        // inbox and control socket are gone (tests/long_lived.rs counts on it).
+        drop(endpoint);
         match outcome {
             Ok(count) => println!("peer {peer} done: {count} messages verified and echoed"),
             Err(err) => println!("peer {peer} error: {err}"),
