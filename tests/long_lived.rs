@@ -197,6 +197,8 @@ impl Handler for Pinger {
 /// One client worker: up to [`IN_FLIGHT`] sessions at a time on one
 /// reactor, each connected, pinged and disconnected.
 struct Cycler {
+    /// Which worker this is, for messages.
+    worker: usize,
     addr: SocketAddr,
     reactor: Reactor<Pinger>,
     /// Sessions the current reactor has had.
@@ -213,7 +215,7 @@ struct Cycler {
 }
 
 impl Cycler {
-    fn new(addr: SocketAddr, pd: &ProtectionDomain) -> Self {
+    fn new(worker: usize, addr: SocketAddr, pd: &ProtectionDomain) -> Self {
         let free = (0..IN_FLIGHT)
             .map(|_| Buffers {
                 inbox: Arc::new(pd.alloc_mr(SIZE, AccessFlags::REMOTE_WRITE).unwrap()),
@@ -221,6 +223,7 @@ impl Cycler {
             })
             .collect();
         Cycler {
+            worker,
             addr,
             reactor: Self::reactor(pd),
             reactor_sessions: 0,
@@ -290,11 +293,14 @@ impl Cycler {
         )]);
         let connect_start = Instant::now();
         let endpoint = ClientSession::connect(self.addr, &self.pd, &config)
-            .unwrap_or_else(|err| panic!("cycle {cycle}: connect: {err}"));
+            .unwrap_or_else(|err| panic!("worker {} cycle {cycle}: connect: {err}", self.worker));
         self.connecting += connect_start.elapsed();
-        let server_inbox = endpoint
-            .remote_region("inbox")
-            .unwrap_or_else(|| panic!("cycle {cycle}: the server exported no inbox"));
+        let server_inbox = endpoint.remote_region("inbox").unwrap_or_else(|| {
+            panic!(
+                "worker {} cycle {cycle}: the server exported no inbox",
+                self.worker
+            )
+        });
         let pinger = Pinger {
             conn: None,
             buffers,
@@ -308,7 +314,7 @@ impl Cycler {
         let session = self
             .reactor
             .add(endpoint, pinger)
-            .unwrap_or_else(|err| panic!("cycle {cycle}: add: {err}"));
+            .unwrap_or_else(|err| panic!("worker {} cycle {cycle}: add: {err}", self.worker));
         self.reactor_sessions += 1;
         self.live.push((session, cycle));
     }
@@ -325,15 +331,19 @@ impl Cycler {
             self.live.swap_remove(i);
             let (endpoint, pinger) = self.reactor.remove(session).expect("a live session");
             if let Some(failure) = &pinger.failure {
-                panic!("cycle {cycle} (peer {}): {failure}", endpoint.peer());
+                panic!(
+                    "worker {} cycle {cycle} (peer {}): {failure}",
+                    self.worker,
+                    endpoint.peer()
+                );
             }
             if cycle % DROP_EVERY == DROP_EVERY - 1 {
                 drop(endpoint);
                 self.dropped += 1;
             } else {
-                endpoint
-                    .close()
-                    .unwrap_or_else(|err| panic!("cycle {cycle}: close: {err}"));
+                endpoint.close().unwrap_or_else(|err| {
+                    panic!("worker {} cycle {cycle}: close: {err}", self.worker)
+                });
             }
             self.free.push(pinger.buffers);
             self.finished += 1;
@@ -346,7 +356,8 @@ impl Cycler {
             let pinger = self.reactor.handler(session).expect("a live session");
             assert!(
                 pinger.started.elapsed() < SESSION_DEADLINE,
-                "cycle {cycle} stuck for {SESSION_DEADLINE:?}: {} pings sent, {} answered",
+                "worker {} cycle {cycle} stuck for {SESSION_DEADLINE:?}: {} pings sent, {} answered",
+                self.worker,
                 pinger.sent,
                 pinger.answered
             );
@@ -365,7 +376,9 @@ impl Clients {
     fn new(addr: SocketAddr) -> Self {
         let pd = util::open_device().alloc_pd().expect("alloc_pd");
         Clients {
-            workers: (0..WORKERS).map(|_| Cycler::new(addr, &pd)).collect(),
+            workers: (0..WORKERS)
+                .map(|worker| Cycler::new(worker, addr, &pd))
+                .collect(),
             _pd: pd,
         }
     }
