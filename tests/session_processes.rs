@@ -4,143 +4,18 @@
 
 mod util;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{self, Receiver};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rdma_comm_core::session::wire::MAGIC;
-
-/// Generous: eight client processes share two emulated cores in the guest.
-const PROCESS_DEADLINE: Duration = Duration::from_secs(240);
-
-/// A child process whose stdout lines arrive on a channel.
-struct Proc {
-    child: Child,
-    lines: Receiver<String>,
-    seen: Vec<String>,
-}
-
-impl Proc {
-    fn spawn(args: &[&str]) -> Self {
-        let mut child = Command::new(util::example_binary("ping_pong"))
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn ping_pong");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Proc {
-            child,
-            lines,
-            seen: Vec::new(),
-        }
-    }
-
-    /// Waits for a line containing `needle` and returns it.
-    #[track_caller]
-    fn expect_line(&mut self, needle: &str) -> String {
-        let start = Instant::now();
-        loop {
-            if let Some(line) = self.seen.iter().find(|l| l.contains(needle)) {
-                return line.clone();
-            }
-            let left = PROCESS_DEADLINE.saturating_sub(start.elapsed());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => self.seen.push(line),
-                Err(_) => panic!(
-                    "no line containing {needle:?} within {PROCESS_DEADLINE:?}; saw {:#?}",
-                    self.seen
-                ),
-            }
-        }
-    }
-
-    /// Waits until `count` lines contain `needle`.
-    #[track_caller]
-    fn expect_lines(&mut self, needle: &str, count: usize) {
-        let start = Instant::now();
-        while self.seen.iter().filter(|l| l.contains(needle)).count() < count {
-            let left = PROCESS_DEADLINE.saturating_sub(start.elapsed());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => self.seen.push(line),
-                Err(_) => panic!(
-                    "fewer than {count} lines containing {needle:?}; saw {:#?}",
-                    self.seen
-                ),
-            }
-        }
-    }
-
-    /// Waits for exit; returns success and all stdout.
-    #[track_caller]
-    fn finish(mut self) -> (bool, Vec<String>) {
-        let start = Instant::now();
-        let status = loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                break status;
-            }
-            if start.elapsed() > PROCESS_DEADLINE {
-                let _ = self.child.kill();
-                panic!(
-                    "process did not exit within {PROCESS_DEADLINE:?}; saw {:#?}",
-                    self.seen
-                );
-            }
-            thread::sleep(Duration::from_millis(20));
-        };
-        self.seen.extend(self.lines.iter());
-        (status.success(), std::mem::take(&mut self.seen))
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use util::ping_pong::client;
+use util::process::Proc;
 
 fn start_server(max_peers: usize) -> (Proc, SocketAddr) {
     let max = max_peers.to_string();
-    let mut server = Proc::spawn(&[
-        "--server",
-        "--listen",
-        "127.0.0.1:0",
-        "--max-peers",
-        &max,
-        "--handshake-timeout-ms",
-        "2000",
-    ]);
-    let line = server.expect_line("listening on ");
-    let addr = line
-        .trim_start_matches("listening on ")
-        .parse()
-        .expect("server prints its address");
-    (server, addr)
-}
-
-fn client(addr: SocketAddr, iters: u64, size: usize, op: &str) -> Proc {
-    Proc::spawn(&[
-        "--connect",
-        &addr.to_string(),
-        "--iters",
-        &iters.to_string(),
-        "--size",
-        &size.to_string(),
-        "--op",
-        op,
-    ])
+    util::ping_pong::start_server(&["--max-peers", &max, "--handshake-timeout-ms", "2000"])
 }
 
 /// Bad clients: garbage, a truncated handshake, a 4 GiB length prefix, and one

@@ -8,6 +8,8 @@
 //! Soft-RoCE guest (`tools/rxe-vm`), where a missing device is a failure.
 #![allow(dead_code)]
 
+pub mod ping_pong;
+pub mod process;
 pub mod reactor;
 
 use std::path::PathBuf;

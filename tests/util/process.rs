@@ -1,0 +1,134 @@
+//! An example program run as a child process, its stdout read line by line,
+//! for tests that drive servers and clients as separate processes.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::example_binary;
+
+/// How long [`Proc`] waits for a line or an exit unless told otherwise.
+/// Generous: several processes share two emulated cores in the guest.
+pub const PROCESS_DEADLINE: Duration = Duration::from_secs(240);
+
+/// A child process whose stdout lines arrive on a channel. Killed on drop.
+pub struct Proc {
+    pub child: Child,
+    lines: Receiver<String>,
+    /// Every line read so far, in order.
+    pub seen: Vec<String>,
+    /// How long each wait may take before the test fails.
+    pub deadline: Duration,
+}
+
+impl Proc {
+    /// Starts `examples/<example>` with `args`; stderr goes to the test's.
+    #[track_caller]
+    pub fn spawn(example: &str, args: &[&str]) -> Self {
+        let mut child = Command::new(example_binary(example))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|err| panic!("spawn {example}: {err}"));
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc {
+            child,
+            lines,
+            seen: Vec::new(),
+            deadline: PROCESS_DEADLINE,
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for a line containing `needle` and returns it.
+    #[track_caller]
+    pub fn expect_line(&mut self, needle: &str) -> String {
+        let start = Instant::now();
+        loop {
+            if let Some(line) = self.seen.iter().find(|l| l.contains(needle)) {
+                return line.clone();
+            }
+            self.next_line(start, || format!("no line containing {needle:?}"));
+        }
+    }
+
+    /// Waits until `count` lines contain `needle` (reading each line once,
+    /// so it stays cheap when a server has printed thousands).
+    #[track_caller]
+    pub fn expect_lines(&mut self, needle: &str, count: usize) {
+        let start = Instant::now();
+        let mut found = self.count(needle);
+        while found < count {
+            self.next_line(start, || {
+                format!("{found} of {count} lines containing {needle:?}")
+            });
+            found += usize::from(self.seen.last().is_some_and(|l| l.contains(needle)));
+        }
+    }
+
+    /// How many lines read so far contain `needle`.
+    pub fn count(&self, needle: &str) -> usize {
+        self.seen.iter().filter(|l| l.contains(needle)).count()
+    }
+
+    /// Reads one more line into `seen`, failing the test at the deadline.
+    #[track_caller]
+    fn next_line(&mut self, start: Instant, waiting_for: impl FnOnce() -> String) {
+        let left = self.deadline.saturating_sub(start.elapsed());
+        match self.lines.recv_timeout(left) {
+            Ok(line) => self.seen.push(line),
+            Err(_) => {
+                let tail = &self.seen[self.seen.len().saturating_sub(40)..];
+                panic!(
+                    "{} within {:?}; the last lines: {tail:#?}",
+                    waiting_for(),
+                    self.deadline
+                )
+            }
+        }
+    }
+
+    /// Waits for exit; returns success and all stdout.
+    #[track_caller]
+    pub fn finish(mut self) -> (bool, Vec<String>) {
+        let start = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if start.elapsed() > self.deadline {
+                let _ = self.child.kill();
+                panic!(
+                    "process did not exit within {:?}; saw {:#?}",
+                    self.deadline, self.seen
+                );
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        self.seen.extend(self.lines.iter());
+        (status.success(), std::mem::take(&mut self.seen))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
