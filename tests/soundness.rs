@@ -642,7 +642,10 @@ verbs_test! {
         // B's first connection has the same slot and generation as A's.
         let thief = Thief { stash: Arc::clone(&stash), to: None };
         add_pair(&pd, &mut b, Box::new(thief), quiet());
-        assert_eq!(conns_of(&a), conns_of(&b), "the two reactors' ids look alike");
+        // Same slot and generation (what Debug shows), yet different ids.
+        let shown = |r: &Reactor<BoxedHandler>| format!("{:?}", conns_of(r));
+        assert_eq!(shown(&a), shown(&b), "the two reactors' ids look alike");
+        assert_ne!(conns_of(&a), conns_of(&b), "ids name their reactor");
 
         turn_until(&mut [&mut a, &mut b], "B to try A's held messages", |_| {
             stash.lock().unwrap().on_b.is_some()
