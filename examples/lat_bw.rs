@@ -64,6 +64,8 @@ struct Args {
     #[command(flatten)]
     dev: common::DeviceArgs,
     #[command(flatten)]
+    auth: common::AuthArgs,
+    #[command(flatten)]
     reactor: common::ReactorArgs,
     /// Pin the reactor to this CPU (default: a core near the NIC; the server
     /// takes the first, the client the second).
@@ -192,6 +194,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
             let mut config = reactor.server_config(access);
             args.dev.apply(&mut config.qp);
             config.max_peers = Some(1);
+            config.auth_key = args.auth.key()?;
             let export = buffer.registration().clone();
             config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
                 Ok(vec![Export::new(1, "perf", export.clone())])
@@ -212,6 +215,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
             let mut config =
                 ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "perf", &buffer)]);
             config.connect_deadline = Duration::from_secs(60);
+            config.auth_key = args.auth.key()?;
             ClientSession::connect(args.connect.as_deref().unwrap_or_default(), &pd, &config)?
         };
         let peer =

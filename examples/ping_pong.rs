@@ -65,6 +65,8 @@ struct Args {
     #[command(flatten)]
     dev: common::DeviceArgs,
     #[command(flatten)]
+    auth: common::AuthArgs,
+    #[command(flatten)]
     reactor: common::ReactorArgs,
 }
 
@@ -288,8 +290,9 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
         Reactor::new(&pd, reactor_config(args, size, depth, depth, 1))?;
     let mut spec = reactor.qp_spec_with_access("ping", AccessFlags::REMOTE_WRITE);
     args.dev.apply(&mut spec.qp);
-    let config =
-        ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "inbox", inbox.as_ref())]);
+    let config = ClientConfig::new(vec![spec])
+        .with_exports(vec![Export::new(1, "inbox", inbox.as_ref())])
+        .with_auth_key(args.auth.key()?);
     let endpoint = ClientSession::connect(addr, &pd, &config)?;
     let peer = endpoint.peer();
     let server_inbox = endpoint
@@ -555,6 +558,7 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     args.dev.apply(&mut config.qp);
     config.max_peers = args.max_peers;
     config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
+    config.auth_key = args.auth.key()?;
     config.exports = Some(Arc::new(move |_peer: SocketAddr, pd: &ProtectionDomain| {
         // Each peer writes into its own inbox: no peer can touch another's data.
         Ok(vec![Export::shared(

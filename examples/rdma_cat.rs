@@ -75,6 +75,8 @@ struct Opts {
     #[command(flatten)]
     dev: common::DeviceArgs,
     #[command(flatten)]
+    auth: common::AuthArgs,
+    #[command(flatten)]
     reactor: common::ReactorArgs,
     /// Payload bytes per block.
     #[arg(long, default_value_t = 64 * 1024)]
@@ -448,6 +450,7 @@ fn accept_one<H: Handler>(
     let mut config = reactor.server_config(AccessFlags::empty());
     opts.dev.apply(&mut config.qp);
     config.max_peers = Some(1);
+    config.auth_key = opts.auth.key().map_err(|err| err.to_string())?;
     let server = ServerSession::bind(listen_addr(listen).as_str(), pd, config)
         .map_err(|err| format!("listening on {listen}: {err}"))?;
     let endpoint = server.accept().ok_or("the listener stopped")?;
@@ -467,6 +470,7 @@ fn connect<H: Handler>(
     opts.dev.apply(&mut spec.qp);
     let mut config = ClientConfig::new(vec![spec]);
     config.connect_deadline = Duration::from_secs(opts.connect_timeout);
+    config.auth_key = opts.auth.key().map_err(|err| err.to_string())?;
     ClientSession::connect(peer, pd, &config).map_err(|err| format!("connecting to {peer}: {err}"))
 }
 

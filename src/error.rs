@@ -138,6 +138,24 @@ pub enum Error {
         /// The peer's reason.
         reason: String,
     },
+    /// Mutual authentication with the peer failed: a wrong or missing key
+    /// on either side. Nothing was created or revealed.
+    #[error("authentication with {peer} failed: {what}")]
+    Unauthenticated {
+        /// The peer's address.
+        peer: SocketAddr,
+        /// Which side lacked or failed the proof.
+        what: String,
+    },
+    /// The server's admission policy (its authorize callback, its peer
+    /// limit or its accept backlog) refused the peer. Nothing was created.
+    #[error("{peer} was not admitted: {reason}")]
+    Unauthorized {
+        /// The peer's address.
+        peer: SocketAddr,
+        /// Why.
+        reason: String,
+    },
     /// The peer sent a well-formed message that makes no sense at this point.
     #[error("protocol error with {peer}: {what}")]
     Protocol {

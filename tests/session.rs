@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use rdma_comm_core::Error;
 use rdma_comm_core::pool::BufferPool;
-use rdma_comm_core::session::wire::{FRAME_HEADER_LEN, MAGIC, WireError};
+use rdma_comm_core::session::wire::{FRAME_HEADER_LEN, MAGIC, VERSION, WireError};
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
 use util::*;
@@ -80,8 +80,8 @@ verbs_test! {
         let silent = TcpStream::connect(addr).unwrap();
         let strays = vec![
             stray(addr, b"GET / HTTP/1.1\r\nHost: rdma\r\n\r\n".to_vec()),
-            stray(addr, [header(1, 1, 100), vec![0; 10]].concat()),
-            stray(addr, header(1, 1, u32::MAX)),
+            stray(addr, [header(VERSION, 1, 100), vec![0; 10]].concat()),
+            stray(addr, header(VERSION, 1, u32::MAX)),
             stray(addr, header(9, 1, 0)),
         ];
 

@@ -9,7 +9,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::thread;
 use std::time::Duration;
 
-use rdma_comm_core::session::wire::MAGIC;
+use rdma_comm_core::session::wire::{MAGIC, VERSION};
 use util::ping_pong::client;
 use util::process::Proc;
 
@@ -22,7 +22,7 @@ fn start_server(max_peers: usize) -> (Proc, SocketAddr) {
 /// that connects and says nothing (held until the server gives up on it).
 fn misbehave(addr: SocketAddr) -> Vec<thread::JoinHandle<()>> {
     let mut frame_start = MAGIC.to_le_bytes().to_vec();
-    frame_start.extend_from_slice(&1u16.to_le_bytes());
+    frame_start.extend_from_slice(&VERSION.to_le_bytes());
     frame_start.extend_from_slice(&1u16.to_le_bytes());
     let truncated = [
         frame_start.clone(),

@@ -27,6 +27,25 @@ impl DeviceArgs {
     }
 }
 
+/// The shared key both ends must prove (`--auth-key-file`, or the
+/// `RDMA_COMM_AUTH_KEY` environment variable when no file is given).
+#[derive(Args, Debug, Clone, Default)]
+pub struct AuthArgs {
+    /// File holding the shared key (at least 16 bytes; one trailing newline
+    /// is ignored). Both ends need the same key; with none, the
+    /// RDMA_COMM_AUTH_KEY environment variable is used when set.
+    #[arg(long, value_name = "PATH")]
+    pub auth_key_file: Option<std::path::PathBuf>,
+}
+
+impl AuthArgs {
+    /// The key to use, if any.
+    #[allow(dead_code)]
+    pub fn key(&self) -> Result<Option<rdma_comm_core::session::AuthKey>, rdma_comm_core::Error> {
+        rdma_comm_core::session::AuthKey::from_file_or_env(self.auth_key_file.as_deref())
+    }
+}
+
 /// How a reactor waits (the `--event-mode` flag).
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventArg {

@@ -4,10 +4,11 @@ use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use super::wire::Message;
+use super::handshake::{self, Resources};
+use super::wire::Handshake;
 use super::{
-    Control, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, QpSpec, build_qps, check_qp_names,
-    connect_qps, local_handshake,
+    AuthKey, Control, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, QpSpec, SessionQp, build_qps,
+    check_exports, check_qp_names, connect_qps, local_handshake,
 };
 use crate::error::{Error, Result};
 use crate::verbs::ProtectionDomain;
@@ -27,6 +28,13 @@ pub struct ClientConfig {
     pub max_backoff: Duration,
     /// Time the handshake may take once TCP is up.
     pub handshake_timeout: Duration,
+    /// The shared key to prove and to require of the server. With a key,
+    /// the client reveals nothing (its QPs, its region keys) until the
+    /// server has proven it holds the same key.
+    pub auth_key: Option<AuthKey>,
+    /// Who this client says it is (the server's authorize callback sees it;
+    /// at most 255 bytes).
+    pub identity: String,
 }
 
 impl ClientConfig {
@@ -39,7 +47,21 @@ impl ClientConfig {
             initial_backoff: Duration::from_millis(20),
             max_backoff: Duration::from_secs(1),
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            auth_key: None,
+            identity: String::new(),
         }
+    }
+
+    /// Proves `key` to the server and requires the server to prove it.
+    pub fn with_auth_key(mut self, key: Option<AuthKey>) -> Self {
+        self.auth_key = key;
+        self
+    }
+
+    /// Says who this client is.
+    pub fn with_identity(mut self, identity: impl Into<String>) -> Self {
+        self.identity = identity.into();
+        self
     }
 
     /// Adds regions to export.
@@ -68,29 +90,54 @@ impl ClientSession {
             return Err(Error::InvalidArgument("a client needs at least one QP"));
         }
         check_qp_names(&config.qps)?;
+        check_exports(&config.exports)?;
+        if config.identity.len() > super::wire::MAX_NAME_LEN {
+            return Err(Error::InvalidArgument(
+                "a client identity is at most 255 bytes",
+            ));
+        }
         let (stream, peer) = connect_with_retry(&addr, config)?;
         let mut control = Control::new(stream, peer, config.handshake_timeout);
-
-        let mut qps = build_qps(pd, &config.qps)?;
-        control.send(&Message::Hello(local_handshake(&qps, &config.exports)?))?;
-        let accept = match control.recv()? {
-            Message::Accept(accept) => accept,
-            Message::Reject { code, reason } => return Err(Error::Rejected { peer, code, reason }),
-            other => return Err(control.protocol_error(format!("expected Accept, got {other:?}"))),
+        let mut side = ClientSide {
+            pd,
+            config,
+            peer,
+            qps: Vec::new(),
         };
-        connect_qps(&control, &mut qps, &accept.qps)?;
-        control.send(&Message::Ready)?;
-        match control.recv()? {
-            Message::Ready => {}
-            other => return Err(control.protocol_error(format!("expected Ready, got {other:?}"))),
-        }
+        let names = config.qps.iter().map(|spec| spec.name.clone()).collect();
+        let accept = handshake::connect(
+            &mut control,
+            config.auth_key.as_ref(),
+            &config.identity,
+            names,
+            &mut side,
+        )?;
         Ok(Endpoint::new(
             peer,
-            qps,
+            side.qps,
             config.exports.clone(),
             accept.regions,
-            control.into_stream(),
+            control.into_stream()?,
         ))
+    }
+}
+
+/// The client's resources, created once the server is trusted.
+struct ClientSide<'a> {
+    pd: &'a ProtectionDomain,
+    config: &'a ClientConfig,
+    peer: SocketAddr,
+    qps: Vec<SessionQp>,
+}
+
+impl Resources for ClientSide<'_> {
+    fn build(&mut self, _: Option<&Handshake>) -> Result<Handshake> {
+        self.qps = build_qps(self.pd, &self.config.qps)?;
+        local_handshake(&self.qps, &self.config.exports)
+    }
+
+    fn connect(&mut self, peer: &Handshake) -> Result<()> {
+        connect_qps(self.peer, &mut self.qps, &peer.qps)
     }
 }
 

@@ -7,12 +7,16 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::Export;
-use super::wire::{Message, RegionInfo};
+use super::wire::{FrameReader, Message, RegionInfo, WireError};
 use crate::error::{Error, Result};
 use crate::verbs::{CompletionQueue, QueuePair, RemoteRegion, WorkCompletion};
 
 /// How long a graceful close waits for flushed completions on private CQs.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Largest control payload an established peer may send (a `Disconnect`
+/// has 2 bytes): anything longer is a protocol error, not a buffer to grow.
+const CONTROL_MAX_PAYLOAD: u32 = 64;
 
 /// One RC queue pair of an endpoint.
 pub struct SessionQp {
@@ -70,16 +74,34 @@ pub struct NamedRegion {
     pub id: u32,
     /// The peer's name for it.
     pub name: String,
-    /// The bounds-checked descriptor for WRITE and READ.
+    /// The bounds-checked descriptor for WRITE and READ through the
+    /// session's first QP.
     pub region: RemoteRegion,
+    /// The region's key for each QP of the session, in QP order: the peer
+    /// may grant access through each QP separately.
+    pub rkeys: Vec<u32>,
+}
+
+impl NamedRegion {
+    /// The descriptor to use on the session's QP number `index`.
+    pub fn on_qp(&self, index: usize) -> Option<RemoteRegion> {
+        let rkey = *self.rkeys.get(index)?;
+        Some(RemoteRegion::new(
+            self.region.addr(),
+            self.region.len(),
+            rkey,
+        ))
+    }
 }
 
 impl From<RegionInfo> for NamedRegion {
     fn from(info: RegionInfo) -> Self {
+        let first = info.rkeys.first().copied().unwrap_or(0);
         Self {
             id: info.id,
             name: info.name,
-            region: RemoteRegion::new(info.addr, info.len, info.rkey),
+            region: RemoteRegion::new(info.addr, info.len, first),
+            rkeys: info.rkeys,
         }
     }
 }
@@ -126,7 +148,10 @@ pub struct SessionLink {
     peer: SocketAddr,
     exports: Vec<Export>,
     remote_regions: Vec<NamedRegion>,
+    /// Non-blocking: nothing on this link ever waits on the peer.
     control: TcpStream,
+    /// A control frame arriving in pieces.
+    reader: FrameReader,
     closed: bool,
     /// Set once the disconnect message went out: whether it reached the
     /// socket (see [`SessionLink::send_disconnect`]).
@@ -169,6 +194,7 @@ impl Endpoint {
                 exports,
                 remote_regions,
                 control,
+                reader: FrameReader::new(CONTROL_MAX_PAYLOAD),
                 closed: false,
                 disconnect_sent: None,
             },
@@ -311,41 +337,46 @@ impl SessionLink {
         &self.exports
     }
 
-    /// Looks at the control connection without blocking: a disconnect message,
-    /// EOF, a reset or garbage all mean the peer is gone.
+    /// Looks at the control connection without blocking: a disconnect
+    /// message, EOF, a reset or garbage all mean the peer is gone. A frame
+    /// that arrives in pieces is kept until it is whole, so a peer that
+    /// sends one byte at a time stalls nothing; one `recv` when nothing
+    /// came, and it allocates nothing.
     pub fn check_peer(&mut self) -> PeerStatus {
-        if let Err(err) = self.control.set_nonblocking(true) {
-            return PeerStatus::Lost(self.lost(err));
-        }
-        let mut first = [0u8; 1];
-        let peeked = self.control.peek(&mut first);
-        let _ = self.control.set_nonblocking(false);
-        match peeked {
-            Ok(0) => PeerStatus::Lost(self.lost(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "control connection closed without a disconnect message",
-            ))),
-            Ok(_) => self.read_control_message(),
-            Err(err) if err.kind() == io::ErrorKind::WouldBlock => PeerStatus::Alive,
-            Err(err) => PeerStatus::Lost(self.lost(err)),
-        }
-    }
-
-    fn read_control_message(&mut self) -> PeerStatus {
-        // A frame started arriving; the rest follows within moments or never.
-        let _ = self.control.set_read_timeout(Some(Duration::from_secs(2)));
-        let result = Message::read_from(&mut self.control);
-        let _ = self.control.set_read_timeout(None);
-        match result {
-            Ok(Message::Disconnect { code }) => PeerStatus::Disconnected { code },
-            Ok(other) => PeerStatus::Lost(Error::Protocol {
-                peer: self.peer,
-                what: format!("unexpected control message {other:?} on an established endpoint"),
-            }),
-            Err(source) => PeerStatus::Lost(Error::PeerGone {
-                peer: self.peer,
-                source,
-            }),
+        loop {
+            match self.reader.read_from(&mut self.control) {
+                Ok(Some(frame)) => {
+                    return match Message::decode(frame) {
+                        Ok((Message::Disconnect { code }, _)) => PeerStatus::Disconnected { code },
+                        Ok((other, _)) => PeerStatus::Lost(Error::Protocol {
+                            peer: self.peer,
+                            what: format!(
+                                "unexpected control message {other:?} on an established endpoint"
+                            ),
+                        }),
+                        Err(source) => PeerStatus::Lost(Error::PeerGone {
+                            peer: self.peer,
+                            source,
+                        }),
+                    };
+                }
+                Ok(None) => {}
+                Err(WireError::Io(err)) if err.kind() == io::ErrorKind::WouldBlock => {
+                    return PeerStatus::Alive;
+                }
+                Err(WireError::Io(err)) if err.kind() == io::ErrorKind::UnexpectedEof => {
+                    return PeerStatus::Lost(self.lost(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "control connection closed without a disconnect message",
+                    )));
+                }
+                Err(source) => {
+                    return PeerStatus::Lost(Error::PeerGone {
+                        peer: self.peer,
+                        source,
+                    });
+                }
+            }
         }
     }
 
@@ -374,13 +405,11 @@ impl SessionLink {
         if let Some(delivered) = self.disconnect_sent {
             return delivered;
         }
-        let _ = self
-            .control
-            .set_write_timeout(Some(Duration::from_millis(500)));
-        let delivered = self
-            .control
-            .write_all(&Message::Disconnect { code }.encode())
-            .is_ok();
+        // The socket is non-blocking and the frame tiny: it goes into the
+        // send buffer at once, or the peer stopped reading long ago.
+        let delivered = Message::Disconnect { code }
+            .encode()
+            .is_ok_and(|frame| matches!(self.control.write(&frame), Ok(n) if n == frame.len()));
         self.disconnect_sent = Some(delivered);
         delivered
     }

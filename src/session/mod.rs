@@ -24,8 +24,10 @@
 //! # Ok::<(), rdma_comm_core::Error>(())
 //! ```
 
+mod auth;
 mod client;
 mod endpoint;
+mod handshake;
 mod server;
 pub mod wire;
 
@@ -34,16 +36,21 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use auth::{AUTH_KEY_ENV, AuthKey, MIN_KEY_LEN};
 pub use client::{ClientConfig, ClientSession};
 pub use endpoint::{CloseReport, Endpoint, NamedRegion, PeerStatus, SessionLink, SessionQp};
-pub use server::{HandshakeFailure, ServerConfig, ServerSession};
+pub use handshake::{PeerHello, Refusal};
+pub use server::{
+    AuthorizeFn, ExportFn, HandshakeFailure, MAX_RECORDED_FAILURES, ServerConfig, ServerSession,
+};
 
 use crate::error::{Error, Result};
 use crate::verbs::{
     CqSource, Gid, MemoryRegion, Mtu, ProtectionDomain, QpConfig, QpEndpoint, QueuePair,
     Registration, SharedCq, SrqAttachment,
 };
-use wire::{Handshake, Message, QpInfo, RegionInfo, WireError};
+use handshake::FrameIo;
+use wire::{FrameReader, Handshake, QpInfo, RegionInfo, WireError};
 
 /// Which completion queue a session's QP reports to.
 #[derive(Debug, Clone)]
@@ -135,11 +142,17 @@ impl Export {
 /// Default time a handshake may take end to end.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The TCP control connection during a handshake, with one overall deadline.
+/// Longest a last frame (a rejection) is waited on.
+const LAST_FRAME_WAIT: Duration = Duration::from_millis(200);
+
+/// The TCP control connection during a handshake. One absolute deadline
+/// bounds the whole handshake: every read and write waits at most until
+/// then, however the peer drips its bytes.
 struct Control {
     stream: TcpStream,
     peer: SocketAddr,
     deadline: Instant,
+    reader: FrameReader,
 }
 
 impl Control {
@@ -150,88 +163,109 @@ impl Control {
             stream,
             peer,
             deadline: Instant::now() + timeout,
+            reader: FrameReader::new(wire::MAX_PAYLOAD),
         }
     }
 
-    fn remaining(&self) -> Result<Duration> {
+    /// Time left, or the timeout error once there is none.
+    fn remaining(&self) -> std::result::Result<Duration, WireError> {
         let left = self.deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(self.wire_error(WireError::Io(io::Error::new(
+            return Err(WireError::Io(io::Error::new(
                 io::ErrorKind::TimedOut,
                 "handshake timed out",
-            ))));
+            )));
         }
         Ok(left)
     }
 
-    fn wire_error(&self, source: WireError) -> Error {
-        Error::Handshake {
-            peer: self.peer,
-            source,
-        }
-    }
-
-    fn send(&mut self, message: &Message) -> Result<()> {
-        let left = self.remaining()?;
-        let _ = self.stream.set_write_timeout(Some(left));
-        message
-            .write_to(&mut self.stream)
-            .map_err(|e| self.wire_error(WireError::Io(e)))
-    }
-
-    fn recv(&mut self) -> Result<Message> {
-        let left = self.remaining()?;
-        let _ = self.stream.set_read_timeout(Some(left));
-        Message::read_from(&mut self.stream).map_err(|err| {
-            // A read timeout surfaces as WouldBlock on Linux; say what it means.
-            let err = match err {
-                WireError::Io(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    WireError::Io(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "handshake timed out waiting for the peer",
-                    ))
-                }
-                other => other,
-            };
-            self.wire_error(err)
-        })
-    }
-
-    /// Tells the peer why we give up, without waiting long if it does not read.
-    fn reject(&mut self, code: u16, reason: &str) {
-        let _ = self
-            .stream
-            .set_write_timeout(Some(Duration::from_millis(200)));
-        let _ = self.stream.write_all(
-            &Message::Reject {
-                code,
-                reason: reason.to_string(),
+    fn write_until(
+        &mut self,
+        frame: &[u8],
+        deadline: Instant,
+    ) -> std::result::Result<(), WireError> {
+        let mut sent = 0;
+        while sent < frame.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(WireError::Io(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "handshake timed out writing to the peer",
+                )));
             }
-            .encode(),
-        );
-    }
-
-    fn protocol_error(&self, what: impl Into<String>) -> Error {
-        Error::Protocol {
-            peer: self.peer,
-            what: what.into(),
+            self.stream.set_write_timeout(Some(left))?;
+            match self.stream.write(&frame[sent..]) {
+                Ok(0) => return Err(WireError::Io(io::ErrorKind::WriteZero.into())),
+                Ok(n) => sent += n,
+                Err(err) if is_timeout(&err) || err.kind() == io::ErrorKind::Interrupted => {}
+                Err(err) => return Err(WireError::Io(err)),
+            }
         }
+        Ok(())
     }
 
-    fn into_stream(self) -> TcpStream {
-        // Leave the socket blocking without timeouts; the endpoint sets its own.
-        let _ = self.stream.set_read_timeout(None);
-        let _ = self.stream.set_write_timeout(None);
+    /// The stream for the endpoint: non-blocking, so nothing on a reactor
+    /// thread ever waits on the peer.
+    fn into_stream(self) -> Result<TcpStream> {
         self.stream
+            .set_nonblocking(true)
+            .map_err(|source| Error::Os {
+                what: "making the control connection non-blocking",
+                source,
+            })?;
+        Ok(self.stream)
+    }
+}
+
+fn is_timeout(err: &io::Error) -> bool {
+    // A socket timeout surfaces as WouldBlock on Linux.
+    matches!(
+        err.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+impl FrameIo for Control {
+    fn peer(&self) -> SocketAddr {
+        self.peer
+    }
+
+    fn send_frame(&mut self, frame: &[u8]) -> std::result::Result<(), WireError> {
+        self.write_until(frame, self.deadline)
+    }
+
+    fn send_last(&mut self, frame: &[u8]) {
+        let deadline = self.deadline.min(Instant::now() + LAST_FRAME_WAIT);
+        let _ = self.write_until(frame, deadline);
+    }
+
+    fn recv_frame(&mut self) -> std::result::Result<Vec<u8>, WireError> {
+        loop {
+            let left = self.remaining()?;
+            self.stream.set_read_timeout(Some(left))?;
+            match self.reader.read_from(&mut self.stream) {
+                Ok(Some(frame)) => return Ok(frame.to_vec()),
+                Ok(None) => {}
+                Err(WireError::Io(err)) if is_timeout(&err) => {
+                    self.remaining()?;
+                }
+                Err(err) => return Err(err),
+            }
+        }
     }
 }
 
 /// Reject codes sent to a peer.
 pub mod reject_code {
-    /// The request was invalid (QP count, names, ...).
+    /// The request was invalid (QP count, names, message order, ...).
     pub const BAD_REQUEST: u16 = 1;
     /// Creating local resources failed.
     pub const RESOURCES: u16 = 2;
+    /// A key is missing or wrong on one side.
+    pub const UNAUTHENTICATED: u16 = 3;
+    /// The server's admission refused the peer (authorize callback, peer
+    /// limit, backlog, pending handshakes from its address).
+    pub const UNAUTHORIZED: u16 = 4;
 }
 
 fn build_qps(pd: &ProtectionDomain, specs: &[QpSpec]) -> Result<Vec<SessionQp>> {
@@ -259,7 +293,7 @@ fn create_qp(pd: &ProtectionDomain, cq: &impl CqSource, spec: &QpSpec) -> Result
 }
 
 fn local_handshake(qps: &[SessionQp], exports: &[Export]) -> Result<Handshake> {
-    let qps = qps
+    let qp_infos = qps
         .iter()
         .map(|c| {
             let ep = c.qp().endpoint();
@@ -282,17 +316,21 @@ fn local_handshake(qps: &[SessionQp], exports: &[Export]) -> Result<Handshake> {
                 name: e.name.clone(),
                 addr: remote.addr(),
                 len: remote.len(),
-                rkey: remote.rkey(),
+                rkeys: vec![remote.rkey(); qps.len()],
             })
         })
         .collect::<Result<_>>()?;
-    Ok(Handshake { qps, regions })
+    Ok(Handshake {
+        qps: qp_infos,
+        regions,
+    })
 }
 
 /// Connects our qps, in order, to the peer's.
-fn connect_qps(control: &Control, qps: &mut [SessionQp], remote: &[QpInfo]) -> Result<()> {
+fn connect_qps(peer: SocketAddr, qps: &mut [SessionQp], remote: &[QpInfo]) -> Result<()> {
+    let protocol = |what: String| Error::Protocol { peer, what };
     if qps.len() != remote.len() {
-        return Err(control.protocol_error(format!(
+        return Err(protocol(format!(
             "peer answered with {} QPs for our {}",
             remote.len(),
             qps.len()
@@ -300,22 +338,25 @@ fn connect_qps(control: &Control, qps: &mut [SessionQp], remote: &[QpInfo]) -> R
     }
     for (session_qp, info) in qps.iter_mut().zip(remote) {
         let mtu = Mtu::from_bytes(u32::from(info.mtu))
-            .ok_or_else(|| control.protocol_error(format!("invalid MTU {}", info.mtu)))?;
-        let peer = QpEndpoint {
+            .ok_or_else(|| protocol(format!("invalid MTU {}", info.mtu)))?;
+        let endpoint = QpEndpoint {
             qpn: info.qpn,
             psn: info.psn,
             gid: Gid(info.gid),
             lid: info.lid,
             mtu,
         };
-        session_qp.qp_mut().connect(&peer)?;
+        session_qp.qp_mut().connect(&endpoint)?;
     }
     Ok(())
 }
 
 fn check_qp_names(specs: &[QpSpec]) -> Result<()> {
+    if specs.len() > wire::MAX_QPS {
+        return Err(Error::InvalidArgument("an endpoint has at most 64 QPs"));
+    }
     for (i, spec) in specs.iter().enumerate() {
-        if spec.name.len() > 255 {
+        if spec.name.len() > wire::MAX_NAME_LEN {
             return Err(Error::InvalidArgument("QP names are at most 255 bytes"));
         }
         if specs[..i].iter().any(|other| other.name == spec.name) {
@@ -323,6 +364,17 @@ fn check_qp_names(specs: &[QpSpec]) -> Result<()> {
                 "QP names must be unique within an endpoint",
             ));
         }
+    }
+    Ok(())
+}
+
+/// Checks what the wire carries of exports: their number and name lengths.
+fn check_exports(exports: &[Export]) -> Result<()> {
+    if exports.len() > wire::MAX_REGIONS {
+        return Err(Error::InvalidArgument("a side exports at most 64 regions"));
+    }
+    if exports.iter().any(|e| e.name.len() > wire::MAX_NAME_LEN) {
+        return Err(Error::InvalidArgument("export names are at most 255 bytes"));
     }
     Ok(())
 }

@@ -1,50 +1,72 @@
-//! The out-of-band handshake wire format.
+//! The out-of-band handshake wire format (version 2).
 //!
 //! Every message is one frame: a 12-byte header, then the payload.
 //!
 //! ```text
-//! header   magic u32 = 0x4D43_4352 ("RCCM")   version u16   kind u16   payload_len u32
-//! payload  little-endian fixed-width fields; strings are u8 length + UTF-8
+//! header     magic u32 = 0x4D43_4352 ("RCCM")   version u16   kind u16   payload_len u32
+//! payload    little-endian fixed-width fields; strings are u8 length + UTF-8
 //!
-//! Hello / Accept   u16 n_qps, n × qp, u16 n_regions, n × region
-//!   qp             qpn u32, psn u32, gid [16], lid u16, mtu u16 (bytes), name str
-//!   region         id u32, addr u64, len u64, rkey u32, name str
-//! Reject           code u16, reason str
-//! Ready            (empty)
-//! Disconnect       code u16
+//! Hello      nonce [32], identity str, u16 n, n × QP name str      client → server
+//! Challenge  nonce [32], auth u8 (0 or 1)                          server → client
+//! Proof      mac [32]                                              both ways
+//! Admit      (empty)                                               server → client
+//! Offer      handshake                                             client → server
+//! Accept     handshake                                             server → client
+//! Reject     code u16, reason str                                  both ways
+//! Ready      (empty) or mac [32]                                   both ways
+//! Disconnect code u16                                              both ways
+//!
+//! handshake  u16 n_qps, n_qps × qp, u16 n_regions, n_regions × region
+//!   qp       qpn u32, psn u32, gid [16], lid u16, mtu u16 (bytes), name str
+//!   region   id u32, addr u64, len u64, name str, n_qps × rkey u32 (one per QP)
 //! ```
 //!
-//! The decoder never trusts a length: the header's payload length is capped at
-//! [`MAX_PAYLOAD`] before anything is read, and every field read is checked
-//! against what is left, so truncated or hostile input is an error, not a panic.
+//! The order of a handshake, and why, is in [`crate::session`]'s docs.
+//!
+//! The decoder never trusts a length: the header's payload length is capped
+//! before anything is read, and every field read is checked against what is
+//! left, so truncated or hostile input is an error, not a panic. Encoder and
+//! decoder check the same rules ([`Message::check`]): whatever encodes
+//! decodes to the same message, and whatever decodes encodes to the same
+//! bytes.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 
 /// Identifies our frames; anything else on the port is a stray client.
 pub const MAGIC: u32 = 0x4D43_4352;
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Header size in bytes.
 pub const FRAME_HEADER_LEN: usize = 12;
-/// Largest payload accepted (a handshake with hundreds of qps fits easily).
+/// Largest payload accepted. The largest valid message (an offer with
+/// [`MAX_QPS`] QPs and [`MAX_REGIONS`] regions, every name at its longest)
+/// is about 52 KiB.
 pub const MAX_PAYLOAD: u32 = 64 * 1024;
-/// Most qps one endpoint may ask for.
-pub const MAX_QPS: usize = 256;
+/// Most QPs one endpoint may ask for.
+pub const MAX_QPS: usize = 64;
 /// Most regions one side may export.
-pub const MAX_REGIONS: usize = 1024;
+pub const MAX_REGIONS: usize = 64;
+/// Longest name, identity or reason, in bytes.
+pub const MAX_NAME_LEN: usize = 255;
+/// Bytes of a nonce or a proof.
+pub const PROOF_LEN: usize = super::auth::PROOF_LEN;
 
 const KIND_HELLO: u16 = 1;
-const KIND_ACCEPT: u16 = 2;
-const KIND_REJECT: u16 = 3;
-const KIND_READY: u16 = 4;
-const KIND_DISCONNECT: u16 = 5;
+const KIND_CHALLENGE: u16 = 2;
+const KIND_PROOF: u16 = 3;
+const KIND_OFFER: u16 = 4;
+const KIND_ACCEPT: u16 = 5;
+const KIND_REJECT: u16 = 6;
+const KIND_READY: u16 = 7;
+const KIND_DISCONNECT: u16 = 8;
+const KIND_ADMIT: u16 = 9;
 
 pub use crate::error::WireError;
 
 /// One queue pair as announced to the peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QpInfo {
-    /// SessionQp name (unique within an endpoint).
+    /// The QP's name (unique within an endpoint).
     pub name: String,
     /// QP number.
     pub qpn: u32,
@@ -69,11 +91,12 @@ pub struct RegionInfo {
     pub addr: u64,
     /// Length in bytes.
     pub len: u64,
-    /// Remote key.
-    pub rkey: u32,
+    /// Remote key for each QP of the handshake, in QP order: a region is
+    /// reachable only through the QP its key was bound to.
+    pub rkeys: Vec<u32>,
 }
 
-/// Channels and regions one side offers.
+/// The QPs and regions one side offers.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Handshake {
     /// One entry per QP.
@@ -82,22 +105,52 @@ pub struct Handshake {
     pub regions: Vec<RegionInfo>,
 }
 
+/// What a client says first: who it claims to be and what it will ask for.
+/// Nothing in it is secret, and the server creates nothing for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// The client's fresh random nonce.
+    pub nonce: [u8; PROOF_LEN],
+    /// Who the client says it is (proven only by the key, when one is
+    /// configured).
+    pub identity: String,
+    /// The names of the QPs it will offer, in order.
+    pub qps: Vec<String>,
+}
+
 /// A control message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
-    /// Client → server: my qps and regions.
-    Hello(Handshake),
-    /// Server → client: mine, matching your qps one to one.
+    /// Client → server: who I am and what I will ask for.
+    Hello(Hello),
+    /// Server → client: my nonce, and whether I require a proof.
+    Challenge {
+        /// The server's fresh random nonce.
+        nonce: [u8; PROOF_LEN],
+        /// Whether both sides must prove they hold the shared key.
+        auth: bool,
+    },
+    /// Either side: HMAC-SHA256 of the transcript so far under my label.
+    Proof([u8; PROOF_LEN]),
+    /// Server → client: you are admitted; make your QPs and offer them.
+    Admit,
+    /// Client → server (after admission): my QPs and regions.
+    Offer(Handshake),
+    /// Server → client: mine, matching your QPs one to one.
     Accept(Handshake),
-    /// Server → client: the handshake is refused.
+    /// Either side: the handshake is refused.
     Reject {
-        /// Reason code.
+        /// Reason code ([`reject_code`](super::reject_code)).
         code: u16,
-        /// Human-readable reason.
+        /// Human-readable reason (at most [`MAX_NAME_LEN`] bytes).
         reason: String,
     },
-    /// Either side: my QPs are ready to send.
-    Ready,
+    /// Either side: my QPs are ready; with authentication, a proof over the
+    /// whole handshake (QP numbers and region keys included).
+    Ready {
+        /// The proof, when the handshake is authenticated.
+        proof: Option<[u8; PROOF_LEN]>,
+    },
     /// Either side: I am closing.
     Disconnect {
         /// Reason code (0 = normal close).
@@ -106,13 +159,69 @@ pub enum Message {
 }
 
 impl Message {
-    /// Serialises into a complete frame.
-    pub fn encode(&self) -> Vec<u8> {
+    /// A rejection whose reason is cut (at a character boundary) to what
+    /// the wire carries.
+    pub fn reject(code: u16, reason: &str) -> Self {
+        let mut end = reason.len().min(MAX_NAME_LEN);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        Message::Reject {
+            code,
+            reason: reason[..end].to_string(),
+        }
+    }
+
+    /// Checks every rule the decoder enforces: limits on counts and
+    /// lengths, 24-bit QP numbers and PSNs, valid MTUs, regions that do not
+    /// wrap, one key per QP.
+    pub fn check(&self) -> Result<(), WireError> {
+        match self {
+            Message::Hello(hello) => {
+                check_name(&hello.identity)?;
+                if hello.qps.len() > MAX_QPS {
+                    return Err(WireError::Malformed("too many QPs"));
+                }
+                hello.qps.iter().try_for_each(|name| check_name(name))
+            }
+            Message::Offer(h) | Message::Accept(h) => check_handshake(h),
+            Message::Reject { reason, .. } => check_name(reason),
+            Message::Challenge { .. }
+            | Message::Admit
+            | Message::Proof(_)
+            | Message::Ready { .. }
+            | Message::Disconnect { .. } => Ok(()),
+        }
+    }
+
+    /// Serialises into a complete frame, or says which rule the message
+    /// breaks (the decoder would refuse it).
+    pub fn encode(&self) -> Result<Vec<u8>, WireError> {
+        self.check()?;
         let mut out = vec![0; FRAME_HEADER_LEN];
         let kind = match self {
-            Message::Hello(h) => {
-                encode_handshake(h, &mut out);
+            Message::Hello(hello) => {
+                out.extend_from_slice(&hello.nonce);
+                put_str(&mut out, &hello.identity);
+                out.extend_from_slice(&(hello.qps.len() as u16).to_le_bytes());
+                for name in &hello.qps {
+                    put_str(&mut out, name);
+                }
                 KIND_HELLO
+            }
+            Message::Challenge { nonce, auth } => {
+                out.extend_from_slice(nonce);
+                out.push(u8::from(*auth));
+                KIND_CHALLENGE
+            }
+            Message::Proof(mac) => {
+                out.extend_from_slice(mac);
+                KIND_PROOF
+            }
+            Message::Admit => KIND_ADMIT,
+            Message::Offer(h) => {
+                encode_handshake(h, &mut out);
+                KIND_OFFER
             }
             Message::Accept(h) => {
                 encode_handshake(h, &mut out);
@@ -123,18 +232,29 @@ impl Message {
                 put_str(&mut out, reason);
                 KIND_REJECT
             }
-            Message::Ready => KIND_READY,
+            Message::Ready { proof } => {
+                if let Some(mac) = proof {
+                    out.extend_from_slice(mac);
+                }
+                KIND_READY
+            }
             Message::Disconnect { code } => {
                 out.extend_from_slice(&code.to_le_bytes());
                 KIND_DISCONNECT
             }
         };
-        let len = (out.len() - FRAME_HEADER_LEN) as u32;
+        let len = out.len() - FRAME_HEADER_LEN;
+        if len > MAX_PAYLOAD as usize {
+            return Err(WireError::Oversized {
+                len: len as u32,
+                max: MAX_PAYLOAD,
+            });
+        }
         out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         out[4..6].copy_from_slice(&VERSION.to_le_bytes());
         out[6..8].copy_from_slice(&kind.to_le_bytes());
-        out[8..12].copy_from_slice(&len.to_le_bytes());
-        out
+        out[8..12].copy_from_slice(&(len as u32).to_le_bytes());
+        Ok(out)
     }
 
     /// Decodes one frame from the front of `bytes`; returns it and the bytes used.
@@ -143,7 +263,7 @@ impl Message {
             .get(..FRAME_HEADER_LEN)
             .and_then(|h| h.try_into().ok())
             .ok_or(WireError::Truncated("header"))?;
-        let (kind, len) = decode_header(header)?;
+        let (kind, len) = decode_header(header, MAX_PAYLOAD)?;
         let payload = bytes
             .get(FRAME_HEADER_LEN..FRAME_HEADER_LEN + len as usize)
             .ok_or(WireError::Truncated("payload"))?;
@@ -152,34 +272,52 @@ impl Message {
             FRAME_HEADER_LEN + len as usize,
         ))
     }
-
-    /// Reads one frame from a stream (honouring its read timeout).
-    pub fn read_from(stream: &mut impl Read) -> Result<Message, WireError> {
-        let mut header = [0; FRAME_HEADER_LEN];
-        read_exact(stream, &mut header, "header")?;
-        let (kind, len) = decode_header(&header)?;
-        // The length is capped, so this allocation is bounded.
-        let mut payload = vec![0; len as usize];
-        read_exact(stream, &mut payload, "payload")?;
-        decode_payload(kind, &payload)
-    }
-
-    /// Writes one frame to a stream.
-    pub fn write_to(&self, stream: &mut impl Write) -> io::Result<()> {
-        stream.write_all(&self.encode())?;
-        stream.flush()
-    }
 }
 
-fn read_exact(stream: &mut impl Read, buf: &mut [u8], what: &'static str) -> Result<(), WireError> {
-    stream.read_exact(buf).map_err(|err| match err.kind() {
-        io::ErrorKind::UnexpectedEof => WireError::Truncated(what),
-        _ => WireError::Io(err),
-    })
+fn check_name(name: &str) -> Result<(), WireError> {
+    if name.len() > MAX_NAME_LEN {
+        return Err(WireError::Malformed("a name is longer than 255 bytes"));
+    }
+    Ok(())
 }
 
-/// Checks a header and returns (kind, payload length).
-pub fn decode_header(header: &[u8; FRAME_HEADER_LEN]) -> Result<(u16, u32), WireError> {
+fn check_handshake(h: &Handshake) -> Result<(), WireError> {
+    if h.qps.len() > MAX_QPS {
+        return Err(WireError::Malformed("too many QPs"));
+    }
+    if h.regions.len() > MAX_REGIONS {
+        return Err(WireError::Malformed("too many regions"));
+    }
+    for qp in &h.qps {
+        check_name(&qp.name)?;
+        if qp.qpn > 0x00ff_ffff || qp.psn > 0x00ff_ffff {
+            return Err(WireError::Malformed("QPN and PSN are 24-bit values"));
+        }
+        if ![256, 512, 1024, 2048, 4096].contains(&qp.mtu) {
+            return Err(WireError::Malformed(
+                "MTU must be 256, 512, 1024, 2048 or 4096",
+            ));
+        }
+    }
+    for region in &h.regions {
+        check_name(&region.name)?;
+        if region.addr.checked_add(region.len).is_none() {
+            return Err(WireError::Malformed(
+                "region wraps around the address space",
+            ));
+        }
+        if region.rkeys.len() != h.qps.len() {
+            return Err(WireError::Malformed("a region needs one key per QP"));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a header against `max_payload` and returns (kind, payload length).
+pub fn decode_header(
+    header: &[u8; FRAME_HEADER_LEN],
+    max_payload: u32,
+) -> Result<(u16, u32), WireError> {
     let magic = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
     if magic != MAGIC {
         return Err(WireError::BadMagic(magic));
@@ -193,10 +331,10 @@ pub fn decode_header(header: &[u8; FRAME_HEADER_LEN]) -> Result<(u16, u32), Wire
     }
     let kind = u16::from_le_bytes([header[6], header[7]]);
     let len = u32::from_le_bytes([header[8], header[9], header[10], header[11]]);
-    if len > MAX_PAYLOAD {
+    if len > max_payload {
         return Err(WireError::Oversized {
             len,
-            max: MAX_PAYLOAD,
+            max: max_payload,
         });
     }
     Ok((kind, len))
@@ -205,39 +343,72 @@ pub fn decode_header(header: &[u8; FRAME_HEADER_LEN]) -> Result<(u16, u32), Wire
 fn decode_payload(kind: u16, payload: &[u8]) -> Result<Message, WireError> {
     let mut r = Reader(payload);
     let message = match kind {
-        KIND_HELLO => Message::Hello(decode_handshake(&mut r)?),
+        KIND_HELLO => {
+            let nonce = r.array()?;
+            let identity = r.str()?;
+            let n = r.u16()? as usize;
+            if n > MAX_QPS {
+                return Err(WireError::Malformed("too many QPs"));
+            }
+            let qps = (0..n).map(|_| r.str()).collect::<Result<_, _>>()?;
+            Message::Hello(Hello {
+                nonce,
+                identity,
+                qps,
+            })
+        }
+        KIND_CHALLENGE => Message::Challenge {
+            nonce: r.array()?,
+            auth: match r.take(1)?[0] {
+                0 => false,
+                1 => true,
+                _ => return Err(WireError::Malformed("the auth flag is 0 or 1")),
+            },
+        },
+        KIND_PROOF => Message::Proof(r.array()?),
+        KIND_ADMIT => Message::Admit,
+        KIND_OFFER => Message::Offer(decode_handshake(&mut r)?),
         KIND_ACCEPT => Message::Accept(decode_handshake(&mut r)?),
         KIND_REJECT => Message::Reject {
             code: r.u16()?,
             reason: r.str()?,
         },
-        KIND_READY => Message::Ready,
+        KIND_READY => Message::Ready {
+            proof: match r.0.len() {
+                0 => None,
+                PROOF_LEN => Some(r.array()?),
+                _ => return Err(WireError::Malformed("a Ready carries no proof or 32 bytes")),
+            },
+        },
         KIND_DISCONNECT => Message::Disconnect { code: r.u16()? },
         other => return Err(WireError::UnknownKind(other)),
     };
     if !r.0.is_empty() {
         return Err(WireError::Malformed("trailing bytes after the message"));
     }
+    message.check()?;
     Ok(message)
 }
 
 fn encode_handshake(h: &Handshake, out: &mut Vec<u8>) {
     out.extend_from_slice(&(h.qps.len() as u16).to_le_bytes());
-    for c in &h.qps {
-        out.extend_from_slice(&c.qpn.to_le_bytes());
-        out.extend_from_slice(&c.psn.to_le_bytes());
-        out.extend_from_slice(&c.gid);
-        out.extend_from_slice(&c.lid.to_le_bytes());
-        out.extend_from_slice(&c.mtu.to_le_bytes());
-        put_str(out, &c.name);
+    for qp in &h.qps {
+        out.extend_from_slice(&qp.qpn.to_le_bytes());
+        out.extend_from_slice(&qp.psn.to_le_bytes());
+        out.extend_from_slice(&qp.gid);
+        out.extend_from_slice(&qp.lid.to_le_bytes());
+        out.extend_from_slice(&qp.mtu.to_le_bytes());
+        put_str(out, &qp.name);
     }
     out.extend_from_slice(&(h.regions.len() as u16).to_le_bytes());
     for region in &h.regions {
         out.extend_from_slice(&region.id.to_le_bytes());
         out.extend_from_slice(&region.addr.to_le_bytes());
         out.extend_from_slice(&region.len.to_le_bytes());
-        out.extend_from_slice(&region.rkey.to_le_bytes());
         put_str(out, &region.name);
+        for rkey in &region.rkeys {
+            out.extend_from_slice(&rkey.to_le_bytes());
+        }
     }
 }
 
@@ -248,23 +419,14 @@ fn decode_handshake(r: &mut Reader<'_>) -> Result<Handshake, WireError> {
     }
     let mut qps = Vec::with_capacity(n_qps);
     for _ in 0..n_qps {
-        let channel = QpInfo {
+        qps.push(QpInfo {
             qpn: r.u32()?,
             psn: r.u32()?,
             gid: r.array()?,
             lid: r.u16()?,
             mtu: r.u16()?,
             name: r.str()?,
-        };
-        if channel.qpn > 0x00ff_ffff || channel.psn > 0x00ff_ffff {
-            return Err(WireError::Malformed("QPN and PSN are 24-bit values"));
-        }
-        if ![256, 512, 1024, 2048, 4096].contains(&channel.mtu) {
-            return Err(WireError::Malformed(
-                "MTU must be 256, 512, 1024, 2048 or 4096",
-            ));
-        }
-        qps.push(channel);
+        });
     }
     let n_regions = r.u16()? as usize;
     if n_regions > MAX_REGIONS {
@@ -272,31 +434,21 @@ fn decode_handshake(r: &mut Reader<'_>) -> Result<Handshake, WireError> {
     }
     let mut regions = Vec::with_capacity(n_regions);
     for _ in 0..n_regions {
-        let region = RegionInfo {
+        regions.push(RegionInfo {
             id: r.u32()?,
             addr: r.u64()?,
             len: r.u64()?,
-            rkey: r.u32()?,
             name: r.str()?,
-        };
-        if region.addr.checked_add(region.len).is_none() {
-            return Err(WireError::Malformed(
-                "region wraps around the address space",
-            ));
-        }
-        regions.push(region);
+            rkeys: (0..n_qps).map(|_| r.u32()).collect::<Result<_, _>>()?,
+        });
     }
     Ok(Handshake { qps, regions })
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
-    // Names are capped at 255 bytes, cut at a character boundary.
-    let mut end = s.len().min(255);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    out.push(end as u8);
-    out.extend_from_slice(&s.as_bytes()[..end]);
+    // `check` has made sure it fits.
+    out.push(s.len() as u8);
+    out.extend_from_slice(s.as_bytes());
 }
 
 /// A cursor that refuses to read past the end.
@@ -313,7 +465,9 @@ impl Reader<'_> {
     }
 
     fn array<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
-        Ok(self.take(N)?.try_into().expect("take returned N bytes"))
+        let mut out = [0; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
     }
 
     fn u16(&mut self) -> Result<u16, WireError> {
@@ -335,12 +489,86 @@ impl Reader<'_> {
     }
 }
 
+/// Reads frames incrementally from a stream, one `read` call at a time, so
+/// that the caller decides how long each read may wait (a handshake's
+/// absolute deadline) or that none waits at all (a non-blocking control
+/// connection polled from a reactor thread).
+///
+/// Its buffer is allocated once, for the largest frame it accepts; reading
+/// allocates nothing.
+#[derive(Debug)]
+pub struct FrameReader {
+    buf: Box<[u8]>,
+    have: usize,
+    /// The frame's total length once its header is in.
+    frame_len: Option<usize>,
+    max_payload: u32,
+}
+
+impl FrameReader {
+    /// A reader of frames with at most `max_payload` bytes of payload.
+    pub fn new(max_payload: u32) -> Self {
+        Self {
+            buf: vec![0; FRAME_HEADER_LEN + max_payload as usize].into_boxed_slice(),
+            have: 0,
+            frame_len: None,
+            max_payload,
+        }
+    }
+
+    /// Bytes of a frame received so far (0 between frames).
+    pub fn pending(&self) -> usize {
+        self.have
+    }
+
+    /// Makes one `read` call for the current frame. Returns the whole frame
+    /// once it is in (the next call starts the next frame), `None` while it
+    /// is incomplete. A bad header fails as soon as its 12 bytes are in; the
+    /// end of the stream fails as [`WireError::Truncated`] inside a frame
+    /// and as an `UnexpectedEof` I/O error between frames; a read that would
+    /// block or timed out comes back as the I/O error it is.
+    pub fn read_from(&mut self, stream: &mut impl Read) -> Result<Option<&[u8]>, WireError> {
+        if self.frame_len == Some(self.have) {
+            // The previous call returned a frame; start the next.
+            self.have = 0;
+            self.frame_len = None;
+        }
+        let want = self.frame_len.unwrap_or(FRAME_HEADER_LEN);
+        let n = match stream.read(&mut self.buf[self.have..want]) {
+            Ok(0) => {
+                return Err(match (self.have, self.frame_len) {
+                    (0, _) => WireError::Io(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the connection closed",
+                    )),
+                    (_, None) => WireError::Truncated("header"),
+                    (_, Some(_)) => WireError::Truncated("payload"),
+                });
+            }
+            Ok(n) => n,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => 0,
+            Err(err) => return Err(WireError::Io(err)),
+        };
+        self.have += n;
+        if self.frame_len.is_none() && self.have == FRAME_HEADER_LEN {
+            let mut header = [0; FRAME_HEADER_LEN];
+            header.copy_from_slice(&self.buf[..FRAME_HEADER_LEN]);
+            let (_, len) = decode_header(&header, self.max_payload)?;
+            self.frame_len = Some(FRAME_HEADER_LEN + len as usize);
+        }
+        match self.frame_len {
+            Some(len) if len == self.have => Ok(Some(&self.buf[..len])),
+            _ => Ok(None),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn sample() -> Message {
-        Message::Hello(Handshake {
+        Message::Offer(Handshake {
             qps: vec![QpInfo {
                 name: "data".into(),
                 qpn: 0x11,
@@ -354,43 +582,121 @@ mod tests {
                 name: "inbox".into(),
                 addr: 0x7f00_0000_1000,
                 len: 4096,
-                rkey: 0x1234,
+                rkeys: vec![0x1234],
             }],
         })
     }
 
-    #[test]
-    fn messages_round_trip() {
-        for msg in [
+    fn all_kinds() -> Vec<Message> {
+        vec![
+            Message::Hello(Hello {
+                nonce: [3; PROOF_LEN],
+                identity: "client-7".into(),
+                qps: vec!["data".into(), "ctl".into()],
+            }),
+            Message::Challenge {
+                nonce: [4; PROOF_LEN],
+                auth: true,
+            },
+            Message::Proof([5; PROOF_LEN]),
+            Message::Admit,
             sample(),
             Message::Accept(Handshake::default()),
-            Message::Reject {
-                code: 2,
-                reason: "too many QPs".into(),
+            Message::reject(2, "too many QPs"),
+            Message::Ready { proof: None },
+            Message::Ready {
+                proof: Some([6; PROOF_LEN]),
             },
-            Message::Ready,
             Message::Disconnect { code: 0 },
-        ] {
-            let bytes = msg.encode();
+        ]
+    }
+
+    #[test]
+    fn messages_round_trip() {
+        for msg in all_kinds() {
+            let bytes = msg.encode().unwrap();
             let (back, used) = Message::decode(&bytes).unwrap();
             assert_eq!((back, used), (msg.clone(), bytes.len()));
-            assert_eq!(Message::read_from(&mut bytes.as_slice()).unwrap(), msg);
+            let mut reader = FrameReader::new(MAX_PAYLOAD);
+            let mut stream = bytes.as_slice();
+            let frame = loop {
+                if let Some(frame) = reader.read_from(&mut stream).unwrap() {
+                    break frame.to_vec();
+                }
+            };
+            assert_eq!(frame, bytes);
         }
     }
 
     #[test]
     fn fields_are_little_endian_at_fixed_offsets() {
-        let bytes = sample().encode();
+        let bytes = sample().encode().unwrap();
         assert_eq!(&bytes[0..4], b"RCCM");
-        assert_eq!(&bytes[4..6], &[1, 0]);
-        assert_eq!(&bytes[6..8], &[1, 0]);
+        assert_eq!(&bytes[4..6], &[2, 0]);
+        assert_eq!(&bytes[6..8], &[KIND_OFFER as u8, 0]);
         assert_eq!(&bytes[12..14], &[1, 0], "one QP");
         assert_eq!(&bytes[14..18], &[0x11, 0, 0, 0], "qpn");
     }
 
     #[test]
+    fn the_encoder_refuses_what_the_decoder_would() {
+        let long = "x".repeat(MAX_NAME_LEN + 1);
+        let mut bad = vec![
+            Message::Hello(Hello {
+                nonce: [0; PROOF_LEN],
+                identity: long.clone(),
+                qps: vec![],
+            }),
+            Message::Reject {
+                code: 1,
+                reason: long.clone(),
+            },
+        ];
+        let Message::Offer(good) = sample() else {
+            unreachable!()
+        };
+        let mut no_key = good.clone();
+        no_key.regions[0].rkeys.clear();
+        let mut wide_qpn = good.clone();
+        wide_qpn.qps[0].qpn = 1 << 24;
+        let mut many = good.clone();
+        many.qps = vec![good.qps[0].clone(); MAX_QPS + 1];
+        bad.extend([no_key, wide_qpn, many].map(Message::Accept));
+        for message in bad {
+            assert!(message.encode().is_err(), "{message:?}");
+        }
+        assert_eq!(Message::reject(1, &long), Message::reject(1, &long[..255]));
+    }
+
+    #[test]
+    fn the_largest_valid_offer_fits_a_frame() {
+        let name = "n".repeat(MAX_NAME_LEN);
+        let qp = QpInfo {
+            name: name.clone(),
+            qpn: 1,
+            psn: 1,
+            gid: [0; 16],
+            lid: 0,
+            mtu: 4096,
+        };
+        let region = RegionInfo {
+            id: 1,
+            name,
+            addr: 0,
+            len: 1,
+            rkeys: vec![1; MAX_QPS],
+        };
+        let offer = Message::Offer(Handshake {
+            qps: vec![qp; MAX_QPS],
+            regions: vec![region; MAX_REGIONS],
+        });
+        let bytes = offer.encode().unwrap();
+        assert_eq!(Message::decode(&bytes).unwrap().0, offer);
+    }
+
+    #[test]
     fn decoder_rejects_bad_input_with_clear_errors() {
-        let good = sample().encode();
+        let good = sample().encode().unwrap();
         let mut bad_magic = good.clone();
         bad_magic[0] = b'X';
         assert!(matches!(
@@ -399,12 +705,12 @@ mod tests {
         ));
 
         let mut bad_version = good.clone();
-        bad_version[4] = 2;
+        bad_version[4] = 1;
         assert!(matches!(
             Message::decode(&bad_version),
             Err(WireError::UnsupportedVersion {
-                found: 2,
-                supported: 1
+                found: 1,
+                supported: 2
             })
         ));
 
@@ -421,20 +727,22 @@ mod tests {
             Message::decode(&huge),
             Err(WireError::Oversized { len: u32::MAX, .. })
         ));
+        let mut reader = FrameReader::new(MAX_PAYLOAD);
+        let mut stream = huge.as_slice();
         assert!(matches!(
-            Message::read_from(&mut huge.as_slice()),
+            reader.read_from(&mut stream),
             Err(WireError::Oversized { .. })
         ));
 
-        let mut unknown = Message::Ready.encode();
+        let mut unknown = Message::Disconnect { code: 0 }.encode().unwrap();
         unknown[6] = 99;
         assert!(matches!(
             Message::decode(&unknown),
             Err(WireError::UnknownKind(99))
         ));
 
-        let mut trailing = Message::Ready.encode();
-        trailing[8] = 1;
+        let mut trailing = Message::Disconnect { code: 0 }.encode().unwrap();
+        trailing[8] = 3;
         trailing.push(0);
         assert!(matches!(
             Message::decode(&trailing),
@@ -444,8 +752,32 @@ mod tests {
 
     #[test]
     fn garbage_from_a_stray_client_is_bad_magic() {
-        let err = Message::read_from(&mut &b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..]).unwrap_err();
+        let mut reader = FrameReader::new(MAX_PAYLOAD);
+        let err = reader
+            .read_from(&mut &b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..])
+            .unwrap_err();
         assert!(matches!(err, WireError::BadMagic(_)), "{err}");
         assert!(err.to_string().contains("not an rdma-comm-core peer"));
+    }
+
+    #[test]
+    fn a_frame_dripped_byte_by_byte_arrives_whole_and_eof_is_typed() {
+        let bytes = Message::Disconnect { code: 7 }.encode().unwrap();
+        let mut reader = FrameReader::new(16);
+        let mut got = None;
+        for (i, byte) in bytes.iter().enumerate() {
+            let frame = reader.read_from(&mut std::slice::from_ref(byte)).unwrap();
+            assert_eq!(frame.is_some(), i == bytes.len() - 1);
+            got = frame.map(<[u8]>::to_vec);
+        }
+        assert_eq!(got.unwrap(), bytes);
+        let err = reader.read_from(&mut &[][..]).unwrap_err();
+        assert!(matches!(err, WireError::Io(ref e) if e.kind() == io::ErrorKind::UnexpectedEof));
+        let mut reader = FrameReader::new(16);
+        assert!(reader.read_from(&mut &bytes[..3]).unwrap().is_none());
+        assert!(matches!(
+            reader.read_from(&mut &[][..]),
+            Err(WireError::Truncated("header"))
+        ));
     }
 }

@@ -95,6 +95,8 @@ struct Args {
     #[command(flatten)]
     dev: common::DeviceArgs,
     #[command(flatten)]
+    auth: common::AuthArgs,
+    #[command(flatten)]
     reactor: common::ReactorArgs,
 }
 
@@ -657,6 +659,8 @@ fn connect_all(
     let mut config = reactor.server_config(access);
     args.dev.apply(&mut config.qp);
     config.max_peers = Some(higher);
+    let key = args.auth.key().map_err(|err| err.to_string())?;
+    config.auth_key = key.clone();
     config.exports = Some(Arc::new(move |_, pd: &ProtectionDomain| exports(pd)));
     let listen = format!("0.0.0.0:{}", args.base_port as usize + world.rank);
     let server = ServerSession::bind(listen.as_str(), pd, config.clone())
@@ -673,6 +677,7 @@ fn connect_all(
             client = client.with_exports(vec![Export::shared(1, "inbox", Arc::new(inbox))]);
         }
         client.connect_deadline = Duration::from_secs(args.connect_timeout);
+        client.auth_key = key.clone();
         let peer = address(world.host(rank), (args.base_port as usize + rank) as u16);
         let endpoint = ClientSession::connect(peer.as_str(), pd, &client)
             .map_err(|err| format!("connecting to rank {rank} at {peer}: {err}"))?;

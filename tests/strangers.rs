@@ -1,0 +1,462 @@
+//! A stranger on the network gets nothing and holds nothing (issue #11):
+//! slow-drip handshakes, authentication with a shared key, admission, the
+//! peer limit and the accept backlog, a server dropped mid-handshake, and a
+//! control connection that drips on an established endpoint.
+//! Gated as described in `tests/util/mod.rs`: runs in the Soft-RoCE guest.
+
+mod util;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rdma_comm_core::Error;
+use rdma_comm_core::session::wire::{
+    FrameReader, Handshake, Hello, MAX_PAYLOAD, Message, PROOF_LEN, QpInfo,
+};
+use rdma_comm_core::session::*;
+use rdma_comm_core::verbs::*;
+use socket2::{Domain, Socket, Type};
+use util::ping_pong::{client, start_server};
+use util::process::Proc;
+use util::*;
+
+fn client_config(key: Option<&AuthKey>) -> ClientConfig {
+    let mut config = ClientConfig::new(vec![QpSpec::new("data")]).with_auth_key(key.cloned());
+    config.connect_deadline = Duration::from_secs(5);
+    config.handshake_timeout = Duration::from_secs(5);
+    config
+}
+
+fn key(byte: u8) -> AuthKey {
+    AuthKey::new(&[byte; 32]).unwrap()
+}
+
+/// A TCP connection from `source` (any 127/8 address is loopback on Linux).
+fn connect_from(source: [u8; 4], to: SocketAddr) -> TcpStream {
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    let from = SocketAddr::from((source, 0));
+    socket.bind(&from.into()).unwrap();
+    socket.connect(&to.into()).unwrap();
+    socket.into()
+}
+
+/// Drips a valid-looking Hello, one byte every `every`, until the server
+/// hangs up; returns how long the server held the connection.
+fn drip(mut stream: TcpStream, every: Duration) -> Duration {
+    let start = Instant::now();
+    let frame = Message::Hello(Hello {
+        nonce: [1; PROOF_LEN],
+        identity: "drip".into(),
+        qps: vec!["x".into()],
+    })
+    .encode()
+    .unwrap();
+    stream.set_read_timeout(Some(every)).unwrap();
+    let mut sink = [0u8; 512];
+    for byte in frame.iter().cycle() {
+        if stream.write_all(std::slice::from_ref(byte)).is_err() {
+            break;
+        }
+        match stream.read(&mut sink) {
+            // Hung up (a refusal may come first; the close follows).
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => break,
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            break;
+        }
+    }
+    start.elapsed()
+}
+
+verbs_test! {
+    fn slow_drip_handshakes_do_not_deny_service_to_real_clients() {
+        const TIMEOUT: Duration = Duration::from_secs(3);
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let config = ServerConfig { handshake_timeout: TIMEOUT, ..ServerConfig::default() };
+        let per_address = config.max_pending_handshakes.min(config.max_pending_per_address);
+        let srv = ServerSession::bind("127.0.0.1:0", &pd, config).unwrap();
+        let addr = srv.local_addr();
+
+        // 80 drippers from one host and 20 from another, one byte every 500 ms:
+        // the old server waited the whole timeout on every partial read.
+        let drippers: Vec<_> = (0..100)
+            .map(|i| {
+                let source = if i < 80 { [127, 0, 0, 2] } else { [127, 0, 0, 3] };
+                let stream = connect_from(source, addr);
+                thread::spawn(move || drip(stream, Duration::from_millis(500)))
+            })
+            .collect();
+        thread::sleep(Duration::from_millis(500));
+        let pending = srv.pending_handshakes();
+        assert!(pending <= 2 * per_address, "{pending} handshakes pending from two addresses");
+
+        // Real clients from 127.0.0.1, one after another over two handshake
+        // timeouts, all served.
+        let start = Instant::now();
+        let mut served = 0;
+        while start.elapsed() < 2 * TIMEOUT {
+            let endpoint = ClientSession::connect(addr, &pd, &client_config(None))
+                .unwrap_or_else(|err| panic!("a real client during the drip attack: {err}"));
+            let server_side = srv.accept_timeout(DEADLINE).expect("the server side of a real client");
+            assert_eq!(server_side.peer().ip(), endpoint.peer().ip());
+            served += 1;
+            thread::sleep(Duration::from_millis(300));
+        }
+        assert!(served >= 5, "only {served} real clients in {:?}", 2 * TIMEOUT);
+
+        // No dripper was held past the deadline (plus scheduling slack).
+        let held: Vec<Duration> = drippers.into_iter().map(|d| d.join().unwrap()).collect();
+        let longest = held.iter().max().unwrap();
+        assert!(*longest < TIMEOUT + Duration::from_secs(2), "a dripper was held {longest:?}");
+        let refused_at_once = held.iter().filter(|d| **d < Duration::from_secs(1)).count();
+        assert!(refused_at_once >= 100 - 2 * per_address, "{refused_at_once} refused at once: {held:?}");
+        assert_eq!(srv.pending_handshakes(), 0);
+        let failures = srv.take_failures();
+        assert!(
+            failures.iter().any(|f| f.peer.ip() == "127.0.0.2".parse::<std::net::IpAddr>().unwrap()
+                && f.error.to_string().contains("from one address")),
+            "{failures:?}"
+        );
+        assert!(failures.iter().any(|f| f.error.to_string().contains("timed out")), "{failures:?}");
+    }
+}
+
+verbs_test! {
+    fn the_shared_key_is_proven_both_ways_and_a_wrong_or_missing_one_is_refused() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let srv = ServerSession::bind(
+            "127.0.0.1:0",
+            &pd,
+            ServerConfig { auth_key: Some(key(1)), ..ServerConfig::default() },
+        )
+        .unwrap();
+        let addr = srv.local_addr();
+
+        let mut good = ClientSession::connect(addr, &pd, &client_config(Some(&key(1)))).expect("right key");
+        let mut served = srv.accept_timeout(DEADLINE).expect("server side");
+        assert!(matches!(good.check_peer(), PeerStatus::Alive));
+        assert!(matches!(served.check_peer(), PeerStatus::Alive));
+
+        for (client_key, what) in [(Some(key(2)), "wrong key"), (None, "no key")] {
+            let err = ClientSession::connect(addr, &pd, &client_config(client_key.as_ref())).unwrap_err();
+            assert!(
+                matches!(&err, Error::Unauthenticated { peer, .. } if *peer == addr),
+                "client with {what}: {err}"
+            );
+            let failure = wait_failure(&srv);
+            assert!(matches!(failure.error, Error::Unauthenticated { .. }), "server on a client with {what}: {}", failure.error);
+            assert_eq!(failure.peer.ip(), addr.ip(), "the failure names the peer");
+        }
+        assert!(srv.accept_timeout(Duration::from_millis(200)).is_none(), "nothing was admitted");
+
+        // A client with a key refuses a server without one, revealing nothing.
+        let open = ServerSession::bind("127.0.0.1:0", &pd, ServerConfig::default()).unwrap();
+        let err = ClientSession::connect(open.local_addr(), &pd, &client_config(Some(&key(1)))).unwrap_err();
+        assert!(matches!(&err, Error::Unauthenticated { peer, .. } if *peer == open.local_addr()), "{err}");
+        assert!(err.to_string().contains("does not authenticate"), "{err}");
+        assert!(matches!(wait_failure(&open).error, Error::Unauthenticated { .. }));
+    }
+}
+
+fn wait_failure(srv: &ServerSession) -> HandshakeFailure {
+    let start = Instant::now();
+    loop {
+        if let Some(failure) = srv.take_failures().into_iter().next() {
+            return failure;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "no handshake failure was recorded"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+verbs_test! {
+    fn the_authorize_callback_sees_the_authenticated_hello_before_anything_is_made() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&seen);
+        let authorize: Arc<AuthorizeFn> = Arc::new(move |hello: &PeerHello| {
+            log.lock().unwrap().push(hello.clone());
+            if hello.identity == "mallory" {
+                Err(Refusal::unauthorized("mallory is not welcome"))
+            } else {
+                Ok(())
+            }
+        });
+        let srv = ServerSession::bind(
+            "127.0.0.1:0",
+            &pd,
+            ServerConfig { auth_key: Some(key(1)), authorize: Some(authorize), ..ServerConfig::default() },
+        )
+        .unwrap();
+        let addr = srv.local_addr();
+        let err = ClientSession::connect(addr, &pd, &client_config(Some(&key(1))).with_identity("mallory")).unwrap_err();
+        assert!(
+            matches!(&err, Error::Rejected { code, reason, .. } if *code == reject_code::UNAUTHORIZED && reason.contains("not welcome")),
+            "{err}"
+        );
+        assert!(matches!(wait_failure(&srv).error, Error::Unauthorized { .. }));
+        let _alice = ClientSession::connect(addr, &pd, &client_config(Some(&key(1))).with_identity("alice")).expect("alice");
+        let _served = srv.accept_timeout(DEADLINE).expect("alice's server side");
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 2);
+        assert!(seen.iter().all(|h| h.authenticated && h.qps == ["data"] && h.peer.ip() == addr.ip()), "{seen:?}");
+    }
+}
+
+verbs_test! {
+    fn concurrent_handshakes_never_exceed_max_peers_or_the_backlog() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        // Nobody calls accept(): two fit the backlog, the rest are told the
+        // server is busy.
+        let srv = ServerSession::bind(
+            "127.0.0.1:0",
+            &pd,
+            ServerConfig { accept_backlog: 2, ..ServerConfig::default() },
+        )
+        .unwrap();
+        let addr = srv.local_addr();
+        let results = connect_at_once(addr, &pd, 6);
+        let ok = results.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(ok, 2, "{results:?}");
+        assert!(results.iter().filter_map(|r| r.as_ref().err()).all(|e| e.contains("busy")), "{results:?}");
+        let taken: Vec<Endpoint> = (0..2).map(|_| srv.accept_timeout(DEADLINE).unwrap()).collect();
+        assert!(srv.try_accept().is_none());
+        // Taking them makes room again.
+        let later = connect_at_once(addr, &pd, 1);
+        assert!(later[0].is_ok(), "{later:?}");
+        drop(taken);
+
+        let limited = ServerSession::bind(
+            "127.0.0.1:0",
+            &pd,
+            ServerConfig { max_peers: Some(2), ..ServerConfig::default() },
+        )
+        .unwrap();
+        let results = connect_at_once(limited.local_addr(), &pd, 6);
+        assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 2, "{results:?}");
+        assert!(limited.accept_timeout(DEADLINE).is_some() && limited.accept_timeout(DEADLINE).is_some());
+        assert!(limited.accept_timeout(Duration::from_secs(1)).is_none(), "a third peer was admitted");
+    }
+}
+
+/// `n` clients connecting at once; each result as `Ok` or the error text.
+fn connect_at_once(
+    addr: SocketAddr,
+    pd: &ProtectionDomain,
+    n: usize,
+) -> Vec<Result<Endpoint, String>> {
+    let clients: Vec<_> = (0..n)
+        .map(|_| {
+            let pd = pd.clone();
+            thread::spawn(move || {
+                let mut config = client_config(None);
+                config.connect_deadline = Duration::from_secs(2);
+                ClientSession::connect(addr, &pd, &config).map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    clients.into_iter().map(|c| c.join().unwrap()).collect()
+}
+
+fn threads() -> usize {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap()
+}
+
+verbs_test! {
+    fn dropping_the_server_cuts_pending_handshakes_and_joins_their_threads() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let before = threads();
+        let srv = ServerSession::bind(
+            "127.0.0.1:0",
+            &pd,
+            ServerConfig { handshake_timeout: Duration::from_secs(60), ..ServerConfig::default() },
+        )
+        .unwrap();
+        let silent: Vec<TcpStream> = (0..6).map(|_| TcpStream::connect(srv.local_addr()).unwrap()).collect();
+        let start = Instant::now();
+        while srv.pending_handshakes() < 6 {
+            assert!(start.elapsed() < DEADLINE, "handshakes did not start");
+            thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(threads(), before + 7, "an accept thread and six handshake threads");
+        let dropped = Instant::now();
+        drop(srv);
+        assert!(dropped.elapsed() < Duration::from_secs(2), "drop waited {:?}", dropped.elapsed());
+        assert_eq!(threads(), before, "threads outlived the server");
+        for mut stream in silent {
+            stream.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+            let mut byte = [0u8; 64];
+            assert!(matches!(stream.read(&mut byte), Ok(0) | Err(_)), "the socket is closed");
+        }
+    }
+}
+
+/// A client that runs the handshake by hand, so that the test controls
+/// every byte of its control connection afterwards.
+struct RawClient {
+    stream: TcpStream,
+    _qp: QueuePair,
+    _cq: CompletionQueue,
+}
+
+impl RawClient {
+    fn connect(addr: SocketAddr, pd: &ProtectionDomain) -> Self {
+        let cq = pd.context().create_cq(16, None).unwrap();
+        let mut qp = pd.create_qp(&cq, &cq, &remote_config()).unwrap();
+        let mut stream = TcpStream::connect(addr).unwrap();
+        stream.set_read_timeout(Some(DEADLINE)).unwrap();
+        let mut reader = FrameReader::new(MAX_PAYLOAD);
+        let send =
+            |stream: &mut TcpStream, m: Message| stream.write_all(&m.encode().unwrap()).unwrap();
+        let mut recv = |stream: &mut TcpStream| loop {
+            if let Some(frame) = reader.read_from(stream).unwrap() {
+                break Message::decode(frame).unwrap().0;
+            }
+        };
+        send(
+            &mut stream,
+            Message::Hello(Hello {
+                nonce: [2; PROOF_LEN],
+                identity: "raw".into(),
+                qps: vec!["raw".into()],
+            }),
+        );
+        assert!(matches!(
+            recv(&mut stream),
+            Message::Challenge { auth: false, .. }
+        ));
+        assert_eq!(recv(&mut stream), Message::Admit);
+        let ep = qp.endpoint();
+        let info = QpInfo {
+            name: "raw".into(),
+            qpn: ep.qpn,
+            psn: ep.psn,
+            gid: ep.gid.0,
+            lid: ep.lid,
+            mtu: ep.mtu.bytes() as u16,
+        };
+        send(
+            &mut stream,
+            Message::Offer(Handshake {
+                qps: vec![info],
+                regions: vec![],
+            }),
+        );
+        let Message::Accept(accept) = recv(&mut stream) else {
+            panic!("no accept")
+        };
+        let theirs = &accept.qps[0];
+        qp.connect(&QpEndpoint {
+            qpn: theirs.qpn,
+            psn: theirs.psn,
+            gid: Gid(theirs.gid),
+            lid: theirs.lid,
+            mtu: Mtu::from_bytes(u32::from(theirs.mtu)).unwrap(),
+        })
+        .unwrap();
+        send(&mut stream, Message::Ready { proof: None });
+        assert_eq!(recv(&mut stream), Message::Ready { proof: None });
+        RawClient {
+            stream,
+            _qp: qp,
+            _cq: cq,
+        }
+    }
+}
+
+/// `check_peer` and how long it took.
+fn timed_check(endpoint: &mut Endpoint) -> (PeerStatus, Duration) {
+    let start = Instant::now();
+    let status = endpoint.check_peer();
+    (status, start.elapsed())
+}
+
+verbs_test! {
+    fn check_peer_never_blocks_on_a_control_frame_that_arrives_in_pieces() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let srv = ServerSession::bind("127.0.0.1:0", &pd, ServerConfig::default()).unwrap();
+        let mut raw = RawClient::connect(srv.local_addr(), &pd);
+        let mut served = srv.accept_timeout(DEADLINE).expect("server side");
+        let goodbye = Message::Disconnect { code: 42 }.encode().unwrap();
+        // One byte at a time; the old check_peer waited 2 s for the rest.
+        for byte in &goodbye[..goodbye.len() - 1] {
+            raw.stream.write_all(std::slice::from_ref(byte)).unwrap();
+            thread::sleep(Duration::from_millis(20));
+            let (status, took) = timed_check(&mut served);
+            assert!(matches!(status, PeerStatus::Alive), "{status:?}");
+            assert!(took < Duration::from_millis(100), "check_peer blocked for {took:?}");
+        }
+        raw.stream.write_all(&goodbye[goodbye.len() - 1..]).unwrap();
+        thread::sleep(Duration::from_millis(20));
+        assert!(matches!(served.check_peer(), PeerStatus::Disconnected { code: 42 }));
+
+        // An oversized frame on an established link is refused by its
+        // header, without buffering it.
+        let mut raw = RawClient::connect(srv.local_addr(), &pd);
+        let mut served = srv.accept_timeout(DEADLINE).expect("server side");
+        let mut big = Message::Disconnect { code: 1 }.encode().unwrap();
+        big[8..12].copy_from_slice(&(1u32 << 20).to_le_bytes());
+        raw.stream.write_all(&big[..12]).unwrap();
+        thread::sleep(Duration::from_millis(20));
+        let (status, took) = timed_check(&mut served);
+        assert!(matches!(&status, PeerStatus::Lost(Error::PeerGone { .. })), "{status:?}");
+        assert!(took < Duration::from_millis(100), "{took:?}");
+    }
+}
+
+fn write_key(name: &str, byte: u8) -> std::path::PathBuf {
+    let dir = std::env::current_dir()
+        .unwrap()
+        .join("target")
+        .join("strangers");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, [byte; 32]).unwrap();
+    path
+}
+
+verbs_test! {
+    fn the_tools_take_an_auth_key_file_and_name_the_peer_on_a_mismatch() {
+        let server_key = write_key("server.key", 5);
+        let other_key = write_key("other.key", 6);
+        let key_arg = server_key.to_str().unwrap();
+        let (mut server, addr) = start_server(&["--auth-key-file", key_arg]);
+
+        let keyed = |key: &str| {
+            Proc::spawn("ping_pong", &["--connect", &addr.to_string(), "--iters", "50", "--auth-key-file", key])
+        };
+        let (ok, out) = keyed(key_arg).finish();
+        assert!(ok && out.iter().any(|l| l.contains("50 round trips, 0 mismatches")), "{out:#?}");
+        server.expect_line("done: 50 messages verified and echoed");
+
+        let (ok, out) = keyed(other_key.to_str().unwrap()).finish();
+        assert!(!ok, "a wrong key connected: {out:#?}");
+        let text = out.join("\n");
+        assert!(text.contains("authentication with") && text.contains(&addr.to_string()), "{out:#?}");
+
+        let (ok, out) = client(addr, 10, 64, "both").finish();
+        assert!(!ok, "a client without a key connected: {out:#?}");
+        assert!(out.join("\n").contains("requires authentication"), "{out:#?}");
+        server.expect_lines("authentication", 2);
+    }
+}
