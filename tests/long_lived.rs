@@ -268,9 +268,6 @@ impl Cycler {
                 started += 1;
             }
             let completions = self.reactor.turn().expect("client reactor pass");
-            // Not only after passes that report completions: in the event
-            // modes, `turn` does not count those its re-poll before sleeping
-            // handled.
             self.retire_done();
             if timer.expired_after(completions) {
                 self.check_deadlines();

@@ -31,11 +31,16 @@ enum Owner {
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// One pass, then (in the event modes, if it found nothing) one wait.
+    /// Returns the completions handled, those of the re-poll after arming
+    /// included.
     pub fn turn(&mut self) -> Result<usize> {
-        let done = self.poll_once()?;
-        if done == 0 && self.config.event_mode != EventMode::BusyPoll && self.prepare_wait()? {
-            self.waiter.wait(self.config.idle_timeout)?;
-            self.drain_channel_events()?;
+        let mut done = self.poll_once()?;
+        if done == 0 && self.config.event_mode != EventMode::BusyPoll {
+            done = self.arm_and_poll()?;
+            if done == 0 {
+                self.waiter.wait(self.config.idle_timeout)?;
+                self.drain_channel_events()?;
+            }
         }
         Ok(done)
     }
@@ -112,6 +117,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if self.config.event_mode == EventMode::BusyPoll {
             return Ok(false);
         }
+        Ok(self.arm_and_poll()? == 0)
+    }
+
+    /// Arms every CQ, then polls once more; returns what that pass handled.
+    fn arm_and_poll(&mut self) -> Result<usize> {
         // Sleeping with an unsignaled tail would leave its completions
         // unreported: signal it out first. Its completion (or, without a
         // credit, the peer's next credit update) then wakes us.
@@ -119,7 +129,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         for cq in &mut self.cqs {
             cq.req_notify(false)?;
         }
-        Ok(self.poll_once()? == 0)
+        self.poll_once()
     }
 
     /// Consumes the completion events that woke us (acked in batches).
