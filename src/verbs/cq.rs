@@ -5,7 +5,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::raw::{c_int, c_void};
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use crate::error::{Error, Result, os_result};
 pub use crate::error::{WcOpcode, WcStatus};
@@ -23,11 +23,24 @@ type ReqNotifyFn = unsafe extern "C" fn(*mut sys::ibv_cq, c_int) -> c_int;
 
 pub(crate) struct CqInner {
     pub(crate) cq: NonNull<sys::ibv_cq>,
-    unacked_events: AtomicU32,
+    /// Where the CQ's `cq_context` points. A separate allocation, so that
+    /// a channel owner on another thread reading it through that raw
+    /// pointer never aliases the `&mut CqInner` of `Drop`.
+    events: Arc<EventCount>,
     // Field order is drop order: the CQ is destroyed (in Drop) before the
     // channel and the context it uses are released.
     _channel: Option<Arc<ChannelInner>>,
     pub(crate) ctx: Arc<ContextInner>,
+}
+
+/// Completion events taken from the channel and not yet acknowledged.
+struct EventCount {
+    unacked: AtomicU32,
+    /// Set by `Drop` before it acks what was counted: an event another
+    /// thread took from the channel just then is acked by that thread at
+    /// once, or `ibv_destroy_cq` (which waits for every delivered event's
+    /// ack) would wait for a batch that never fills.
+    dropping: AtomicBool,
 }
 
 // SAFETY: CQ handles are thread-safe in libibverbs for create/destroy/ack;
@@ -38,9 +51,11 @@ unsafe impl Sync for CqInner {}
 
 impl Drop for CqInner {
     fn drop(&mut self) {
-        let unacked = *self.unacked_events.get_mut();
+        self.events.dropping.store(true, Ordering::SeqCst);
+        let unacked = self.events.unacked.swap(0, Ordering::SeqCst);
         // SAFETY: every QP using this CQ holds an Arc to it, so none is alive.
-        // ibv_destroy_cq waits until all delivered events are acked, so ack first.
+        // ibv_destroy_cq waits until all delivered events are acked, so ack
+        // first; events counted later are acked by their taker (`dropping`).
         let rc = unsafe {
             if unacked > 0 {
                 sys::ibv_ack_cq_events(self.cq.as_ptr(), unacked);
@@ -142,7 +157,10 @@ impl Context {
         };
         let inner = Arc::new(CqInner {
             cq,
-            unacked_events: AtomicU32::new(0),
+            events: Arc::new(EventCount {
+                unacked: AtomicU32::new(0),
+                dropping: AtomicBool::new(false),
+            }),
             _channel: channel.map(|c| Arc::clone(&c.inner)),
             ctx: Arc::clone(&self.inner),
         });
@@ -152,9 +170,10 @@ impl Context {
                 device: Arc::clone(name),
             });
         };
-        // SAFETY: cq_context is the user's field; it points at the Arc'd inner,
-        // which outlives every event the kernel can deliver for this CQ.
-        unsafe { (*cq.as_ptr()).cq_context = Arc::as_ptr(&inner) as *mut c_void };
+        // SAFETY: cq_context is the user's field; it points at the Arc'd
+        // event count, which the inner keeps until after ibv_destroy_cq, and
+        // that waits until every event delivered for this CQ was acked.
+        unsafe { (*cq.as_ptr()).cq_context = Arc::as_ptr(&inner.events) as *mut c_void };
         Ok(CompletionQueue {
             inner,
             poll_fn,
@@ -363,18 +382,18 @@ impl CompletionChannel {
                 }),
             };
         }
-        // SAFETY: cq_context was set to the CqInner at creation. The CQ cannot be
-        // destroyed while this event is unacknowledged (ibv_destroy_cq waits for
-        // the ack), so the CqInner is still alive here.
-        let inner = unsafe { &*(cq_context as *const CqInner) };
-        let pending = inner.unacked_events.fetch_add(1, Ordering::AcqRel) + 1;
-        if pending >= ACK_BATCH {
-            let taken = inner.unacked_events.swap(0, Ordering::AcqRel);
+        // SAFETY: the CQ cannot be destroyed while this event is
+        // unacknowledged (ibv_destroy_cq waits for the ack), so `cq` and the
+        // event count its context points at (set at creation) are alive
+        // until we ack below; neither is touched after that.
+        let (id, events) = unsafe { (CqId((*cq).handle), &*(cq_context as *const EventCount)) };
+        let pending = events.unacked.fetch_add(1, Ordering::SeqCst) + 1;
+        if pending >= ACK_BATCH || events.dropping.load(Ordering::SeqCst) {
+            let taken = events.unacked.swap(0, Ordering::SeqCst);
             // SAFETY: we ack at most as many events as were delivered.
             unsafe { sys::ibv_ack_cq_events(cq, taken) };
         }
-        // SAFETY: `cq` is live (see above).
-        Ok(Some(CqId(unsafe { (*cq).handle })))
+        Ok(Some(id))
     }
 }
 
