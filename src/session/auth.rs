@@ -132,10 +132,12 @@ pub(crate) fn nonce() -> Result<[u8; PROOF_LEN]> {
     Ok(nonce)
 }
 
-/// Labels of the four proofs: who proves, and at which step.
+/// Labels of the proofs: who proves, and at which step.
 pub(crate) mod label {
     pub(crate) const CLIENT: &[u8] = b"rdma-comm-core v2 client proof";
     pub(crate) const SERVER: &[u8] = b"rdma-comm-core v2 server proof";
+    pub(crate) const CLIENT_OFFER: &[u8] = b"rdma-comm-core v2 client offer";
+    pub(crate) const SERVER_ACCEPT: &[u8] = b"rdma-comm-core v2 server accept";
     pub(crate) const CLIENT_READY: &[u8] = b"rdma-comm-core v2 client ready";
     pub(crate) const SERVER_READY: &[u8] = b"rdma-comm-core v2 server ready";
 }

@@ -8,7 +8,7 @@ use super::handshake::{self, Resources};
 use super::wire::Handshake;
 use super::{
     AuthKey, Control, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, QpSpec, SessionQp, build_qps,
-    check_exports, check_qp_names, connect_qps, local_handshake,
+    check_exports, check_qp_names, connect_qps, local_handshake, reject_code,
 };
 use crate::error::{Error, Result};
 use crate::verbs::ProtectionDomain;
@@ -96,8 +96,41 @@ impl ClientSession {
                 "a client identity is at most 255 bytes",
             ));
         }
-        let (stream, peer) = connect_with_retry(&addr, config)?;
-        let mut control = Control::new(stream, peer, config.handshake_timeout);
+        let start = Instant::now();
+        let mut backoff = config.initial_backoff;
+        loop {
+            match Self::attempt(&addr, pd, config, start) {
+                // A busy server asks us to come back: do, within the deadline.
+                Err(Error::Rejected { code, .. })
+                    if code == reject_code::BUSY
+                        && start.elapsed() + backoff < config.connect_deadline =>
+                {
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(config.max_backoff);
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn attempt(
+        addr: &impl ToSocketAddrs,
+        pd: &ProtectionDomain,
+        config: &ClientConfig,
+        start: Instant,
+    ) -> Result<Endpoint> {
+        let remaining = config.connect_deadline.saturating_sub(start.elapsed());
+        let retry = ClientConfig {
+            connect_deadline: remaining.max(Duration::from_millis(1)),
+            ..config.clone()
+        };
+        let (stream, peer) = connect_with_retry(addr, &retry)?;
+        let mut control = Control::new(
+            stream,
+            peer,
+            config.handshake_timeout,
+            config.handshake_timeout,
+        );
         let mut side = ClientSide {
             pd,
             config,

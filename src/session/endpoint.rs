@@ -18,6 +18,10 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 /// has 2 bytes): anything longer is a protocol error, not a buffer to grow.
 const CONTROL_MAX_PAYLOAD: u32 = 64;
 
+/// A control frame that started arriving must be whole within this long;
+/// a peer that sends part of one and stops is lost.
+const CONTROL_FRAME_DEADLINE: Duration = Duration::from_secs(5);
+
 /// One RC queue pair of an endpoint.
 pub struct SessionQp {
     name: String,
@@ -152,6 +156,8 @@ pub struct SessionLink {
     control: TcpStream,
     /// A control frame arriving in pieces.
     reader: FrameReader,
+    /// When the frame in `reader` started arriving.
+    partial_since: Option<Instant>,
     closed: bool,
     /// Set once the disconnect message went out: whether it reached the
     /// socket (see [`SessionLink::send_disconnect`]).
@@ -195,6 +201,7 @@ impl Endpoint {
                 remote_regions,
                 control,
                 reader: FrameReader::new(CONTROL_MAX_PAYLOAD),
+                partial_since: None,
                 closed: false,
                 disconnect_sent: None,
             },
@@ -340,12 +347,14 @@ impl SessionLink {
     /// Looks at the control connection without blocking: a disconnect
     /// message, EOF, a reset or garbage all mean the peer is gone. A frame
     /// that arrives in pieces is kept until it is whole, so a peer that
-    /// sends one byte at a time stalls nothing; one `recv` when nothing
-    /// came, and it allocates nothing.
+    /// sends one byte at a time stalls nothing (a frame not whole within
+    /// 5 s loses the peer); one `recv` when nothing came, and it allocates
+    /// nothing.
     pub fn check_peer(&mut self) -> PeerStatus {
         loop {
             match self.reader.read_from(&mut self.control) {
                 Ok(Some(frame)) => {
+                    self.partial_since = None;
                     return match Message::decode(frame) {
                         Ok((Message::Disconnect { code }, _)) => PeerStatus::Disconnected { code },
                         Ok((other, _)) => PeerStatus::Lost(Error::Protocol {
@@ -362,7 +371,17 @@ impl SessionLink {
                 }
                 Ok(None) => {}
                 Err(WireError::Io(err)) if err.kind() == io::ErrorKind::WouldBlock => {
-                    return PeerStatus::Alive;
+                    if self.reader.pending() == 0 {
+                        return PeerStatus::Alive;
+                    }
+                    let since = *self.partial_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() < CONTROL_FRAME_DEADLINE {
+                        return PeerStatus::Alive;
+                    }
+                    return PeerStatus::Lost(self.lost(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "a control frame stopped arriving halfway",
+                    )));
                 }
                 Err(WireError::Io(err)) if err.kind() == io::ErrorKind::UnexpectedEof => {
                     return PeerStatus::Lost(self.lost(io::Error::new(

@@ -15,8 +15,11 @@
 //!    → `Admit` (or `Reject` with the reason).
 //! 5. Only now: client creates its QPs → `Offer` (its QPs and regions),
 //!    server creates its QPs and exports, connects them and → `Accept`.
+//!    With a key, each is followed by a `Proof` over the transcript up to
+//!    it, checked before anything is built or connected from it: QP numbers
+//!    or region keys altered or injected in transit are refused.
 //! 6. Both → `Ready`; with a key each carries a proof over the whole
-//!    transcript, so altered QP numbers or region keys are caught.
+//!    transcript.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -38,6 +41,9 @@ pub(crate) trait FrameIo {
     fn send_last(&mut self, frame: &[u8]) {
         let _ = self.send_frame(frame);
     }
+    /// The peer was admitted: the handshake's full deadline and frame size
+    /// apply from now on.
+    fn admitted(&mut self) {}
 }
 
 /// What a server's admission policy and authorize callback see of a peer
@@ -189,6 +195,31 @@ impl<'a, F: FrameIo> Exchange<'a, F> {
         }
     }
 
+    /// With a key: sends a proof over the transcript so far.
+    fn send_proof(&mut self, key: Option<&AuthKey>, label: &[u8]) -> Result<()> {
+        match key {
+            Some(key) => {
+                let digest = self.transcript.digest();
+                self.send(&Message::Proof(key.prove(label, &digest)))
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// With a key: receives the peer's proof over the transcript so far.
+    fn recv_proof(&mut self, key: Option<&AuthKey>, label: &[u8], of: &str) -> Result<()> {
+        let Some(key) = key else { return Ok(()) };
+        let digest = self.transcript.digest();
+        match self.recv()? {
+            Message::Proof(proof) if key.verify(label, &digest, &proof) => Ok(()),
+            Message::Proof(_) => Err(self.unauthenticated(
+                "a proof does not match",
+                format!("the proof of the {of} does not match (altered in transit?)"),
+            )),
+            other => Err(self.unexpected("Proof", &other)),
+        }
+    }
+
     fn send_ready(&mut self, key: Option<&AuthKey>, label: &[u8]) -> Result<()> {
         let digest = self.transcript.digest();
         let proof = key.map(|key| key.prove(label, &digest));
@@ -282,12 +313,14 @@ pub(crate) fn serve(
             reason: refusal.reason,
         });
     }
+    x.io.admitted();
     x.send(&Message::Admit)?;
 
     let offer = match x.recv()? {
         Message::Offer(offer) => offer,
         other => return Err(x.unexpected("Offer", &other)),
     };
+    x.recv_proof(key, label::CLIENT_OFFER, "client's offer")?;
     if !offer.qps.iter().map(|qp| &qp.name).eq(&hello.qps) {
         let what = "the offer's QPs differ from the hello's".to_string();
         return Err(x.refuse_protocol(reject_code::BAD_REQUEST, what));
@@ -298,11 +331,16 @@ pub(crate) fn serve(
     {
         Ok(ours) => ours,
         Err(err) => {
-            x.refuse(reject_code::RESOURCES, &err.to_string());
+            // The details stay in our log, not with the peer.
+            x.refuse(
+                reject_code::RESOURCES,
+                "the server could not set up the QPs",
+            );
             return Err(err);
         }
     };
     x.send(&Message::Accept(ours))?;
+    x.send_proof(key, label::SERVER_ACCEPT)?;
     x.recv_ready(key, label::CLIENT_READY)?;
     x.send_ready(key, label::SERVER_READY)?;
     Ok((hello, offer))
@@ -362,7 +400,7 @@ pub(crate) fn connect(
         }
     }
     match x.recv()? {
-        Message::Admit => {}
+        Message::Admit => x.io.admitted(),
         other => return Err(x.unexpected("Admit", &other)),
     }
 
@@ -374,10 +412,12 @@ pub(crate) fn connect(
         }
     };
     x.send(&Message::Offer(ours))?;
+    x.send_proof(key, label::CLIENT_OFFER)?;
     let accept = match x.recv()? {
         Message::Accept(accept) => accept,
         other => return Err(x.unexpected("Accept", &other)),
     };
+    x.recv_proof(key, label::SERVER_ACCEPT, "server's accept")?;
     if accept.qps.len() != expected {
         let what = format!(
             "the server answered with {} QPs for our {expected}",
@@ -480,6 +520,8 @@ mod tests {
         built: usize,
         connected: usize,
         qps: usize,
+        /// The peer handshake `connect` was given.
+        connected_to: Option<Handshake>,
     }
 
     impl Resources for Counted {
@@ -506,8 +548,9 @@ mod tests {
                 }],
             })
         }
-        fn connect(&mut self, _: &Handshake) -> Result<()> {
+        fn connect(&mut self, peer: &Handshake) -> Result<()> {
             self.connected += 1;
+            self.connected_to = Some(peer.clone());
             Ok(())
         }
     }
@@ -603,6 +646,166 @@ mod tests {
         assert!(err.to_string().contains("not on the list"), "{err}");
         assert!(matches!(server, Err(Error::Unauthorized { .. })));
         assert_eq!((c.built, s.built), (0, 0));
+    }
+
+    /// Changes one field of a message (or the message itself); `how`
+    /// picks which.
+    fn tamper(message: Message, how: u8) -> Message {
+        let flip = |mut p: [u8; PROOF_LEN]| {
+            p[usize::from(how)] ^= 0x40;
+            p
+        };
+        let alter = |mut h: Handshake| {
+            if how == 0 {
+                h.qps[0].qpn ^= 1;
+            } else {
+                h.regions[0].rkeys[0] ^= 1;
+            }
+            h
+        };
+        match message {
+            Message::Hello(mut h) => {
+                h.identity.push('!');
+                Message::Hello(h)
+            }
+            Message::Challenge { nonce, auth } if how == 0 => {
+                Message::Challenge { nonce, auth: !auth }
+            }
+            Message::Challenge { nonce, auth } => Message::Challenge {
+                nonce: flip(nonce),
+                auth,
+            },
+            Message::Proof(p) => Message::Proof(flip(p)),
+            Message::Admit => Message::reject(reject_code::BUSY, "injected"),
+            Message::Offer(h) => Message::Offer(alter(h)),
+            Message::Accept(h) => Message::Accept(alter(h)),
+            Message::Ready { .. } if how == 0 => Message::Ready { proof: None },
+            Message::Ready { proof } => Message::Ready {
+                proof: proof.map(flip),
+            },
+            other => other,
+        }
+    }
+
+    /// Client and server with a man in the middle that alters frame `at`
+    /// (counted over both directions).
+    fn tampered_pair(at: usize, how: u8) -> (bool, bool, Counted, Counted) {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let (mut client_end, middle_client) = pipe();
+        let (middle_server, mut server_end) = pipe();
+        let count = Arc::new(AtomicUsize::new(0));
+        let forward = |from: Pipe, to: Pipe, count: Arc<AtomicUsize>| {
+            std::thread::spawn(move || {
+                while let Ok(frame) = from.rx.recv_timeout(Duration::from_secs(5)) {
+                    let index = count.fetch_add(1, Ordering::SeqCst);
+                    let frame = if index == at {
+                        let (message, _) = Message::decode(&frame).unwrap();
+                        tamper(message, how).encode().unwrap()
+                    } else {
+                        frame
+                    };
+                    if to.tx.send(frame).is_err() {
+                        break;
+                    }
+                }
+            })
+        };
+        // Frames from the client reach the server's end and back.
+        let (c2s_from, s2c_to) = (middle_client, middle_server);
+        let a = forward(
+            Pipe {
+                tx: s2c_to.tx.clone(),
+                rx: c2s_from.rx,
+            },
+            Pipe {
+                tx: s2c_to.tx,
+                rx: mpsc::channel().1,
+            },
+            Arc::clone(&count),
+        );
+        let b = forward(
+            Pipe {
+                tx: c2s_from.tx.clone(),
+                rx: s2c_to.rx,
+            },
+            Pipe {
+                tx: c2s_from.tx,
+                rx: mpsc::channel().1,
+            },
+            count,
+        );
+        let server = std::thread::spawn(move || {
+            let mut resources = Counted::default();
+            let ok = serve(
+                &mut server_end,
+                Some(&key(3)),
+                4,
+                |_| Ok(()),
+                &mut resources,
+            )
+            .is_ok();
+            (ok, resources)
+        });
+        let mut resources = Counted {
+            qps: 2,
+            ..Counted::default()
+        };
+        let client_ok = connect(
+            &mut client_end,
+            Some(&key(3)),
+            "c",
+            names(2),
+            &mut resources,
+        )
+        .is_ok();
+        drop(client_end);
+        let (server_ok, server_resources) = server.join().unwrap();
+        let _ = (a.join(), b.join());
+        (client_ok, server_ok, resources, server_resources)
+    }
+
+    /// What an honest run exchanges.
+    fn honest() -> (Handshake, Handshake) {
+        let offer = Counted {
+            qps: 2,
+            ..Counted::default()
+        }
+        .build(None)
+        .unwrap();
+        let accept = Counted::default().build(Some(&offer)).unwrap();
+        (offer, accept)
+    }
+
+    #[test]
+    fn with_a_key_no_frame_can_be_altered_in_transit_unnoticed() {
+        let (offer, accept) = honest();
+        let (client_ok, server_ok, ..) = tampered_pair(usize::MAX, 0);
+        assert!(client_ok && server_ok, "the untouched run connects");
+        // Hello, Challenge, Proof, Proof, Admit, Offer, Proof, Accept, Proof, Ready, Ready.
+        for at in 0..11 {
+            for how in 0..2 {
+                let (client_ok, server_ok, client, server) = tampered_pair(at, how);
+                assert!(
+                    !(client_ok && server_ok),
+                    "frame {at} altered ({how}) went unnoticed"
+                );
+                assert!(
+                    server
+                        .connected_to
+                        .as_ref()
+                        .is_none_or(|seen| *seen == offer),
+                    "frame {at} ({how}): the server connected to an altered offer"
+                );
+                assert!(
+                    client
+                        .connected_to
+                        .as_ref()
+                        .is_none_or(|seen| *seen == accept),
+                    "frame {at} ({how}): the client connected to an altered accept"
+                );
+            }
+        }
     }
 
     fn frame(message: &Message) -> Vec<u8> {

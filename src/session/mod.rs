@@ -28,6 +28,7 @@ mod auth;
 mod client;
 mod endpoint;
 mod handshake;
+mod net;
 mod server;
 pub mod wire;
 
@@ -142,28 +143,57 @@ impl Export {
 /// Default time a handshake may take end to end.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Default time a server gives a connection to say hello and prove its key
+/// before it is admitted (see [`ServerConfig::hello_timeout`]).
+pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Largest frame payload before admission: a hello with the most QPs and
+/// the longest names (about 16.3 KiB); proofs and rejections are smaller.
+const PRE_ADMISSION_MAX_PAYLOAD: u32 = 17 * 1024;
+
+/// Keepalive on established control connections: a peer that vanished
+/// without a FIN or RST is noticed within idle + probes × interval (20 s).
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_PROBES: u32 = 3;
+
 /// Longest a last frame (a rejection) is waited on.
 const LAST_FRAME_WAIT: Duration = Duration::from_millis(200);
 
 /// The TCP control connection during a handshake. One absolute deadline
 /// bounds the whole handshake: every read and write waits at most until
-/// then, however the peer drips its bytes.
+/// then, however the peer drips its bytes. Before admission a shorter one
+/// applies, and frames are capped at what a hello needs.
 struct Control {
     stream: TcpStream,
     peer: SocketAddr,
     deadline: Instant,
+    final_deadline: Instant,
     reader: FrameReader,
 }
 
 impl Control {
-    fn new(stream: TcpStream, peer: SocketAddr, timeout: Duration) -> Self {
+    fn new(
+        stream: TcpStream,
+        peer: SocketAddr,
+        timeout: Duration,
+        hello_timeout: Duration,
+    ) -> Self {
         // Handshake messages are tiny; send them without Nagle delay.
         let _ = stream.set_nodelay(true);
+        let now = Instant::now();
+        // A timeout too large for the clock means "a year".
+        let after = |d: Duration| {
+            now.checked_add(d)
+                .unwrap_or(now + Duration::from_secs(365 * 86_400))
+        };
+        let final_deadline = after(timeout);
         Self {
             stream,
             peer,
-            deadline: Instant::now() + timeout,
-            reader: FrameReader::new(wire::MAX_PAYLOAD),
+            deadline: after(hello_timeout).min(final_deadline),
+            final_deadline,
+            reader: FrameReader::new(PRE_ADMISSION_MAX_PAYLOAD),
         }
     }
 
@@ -205,14 +235,20 @@ impl Control {
     }
 
     /// The stream for the endpoint: non-blocking, so nothing on a reactor
-    /// thread ever waits on the peer.
+    /// thread ever waits on the peer, with keepalive, so a peer that
+    /// vanished silently is noticed.
     fn into_stream(self) -> Result<TcpStream> {
+        let os = |what| move |source| Error::Os { what, source };
         self.stream
             .set_nonblocking(true)
-            .map_err(|source| Error::Os {
-                what: "making the control connection non-blocking",
-                source,
-            })?;
+            .map_err(os("making the control connection non-blocking"))?;
+        net::keepalive(
+            &self.stream,
+            KEEPALIVE_IDLE,
+            KEEPALIVE_INTERVAL,
+            KEEPALIVE_PROBES,
+        )
+        .map_err(os("enabling keepalive on the control connection"))?;
         Ok(self.stream)
     }
 }
@@ -232,6 +268,11 @@ impl FrameIo for Control {
 
     fn send_frame(&mut self, frame: &[u8]) -> std::result::Result<(), WireError> {
         self.write_until(frame, self.deadline)
+    }
+
+    fn admitted(&mut self) {
+        self.deadline = self.final_deadline;
+        self.reader.set_max_payload(wire::MAX_PAYLOAD);
     }
 
     fn send_last(&mut self, frame: &[u8]) {
@@ -264,8 +305,12 @@ pub mod reject_code {
     /// A key is missing or wrong on one side.
     pub const UNAUTHENTICATED: u16 = 3;
     /// The server's admission refused the peer (authorize callback, peer
-    /// limit, backlog, pending handshakes from its address).
+    /// limit).
     pub const UNAUTHORIZED: u16 = 4;
+    /// The server is busy (too many handshakes in progress, from the
+    /// peer's address or in all, or a full accept backlog): try again later.
+    /// A client retries it within its connect deadline.
+    pub const BUSY: u16 = 5;
 }
 
 fn build_qps(pd: &ProtectionDomain, specs: &[QpSpec]) -> Result<Vec<SessionQp>> {

@@ -3,19 +3,22 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::io::Write;
+use std::io::{self, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use super::net::{self, WakeReceiver, Waker};
+
 use super::handshake::{self, PeerHello, Refusal, Resources};
 use super::wire::{Handshake, MAX_QPS, Message};
 use super::{
-    AuthKey, Control, CqChoice, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, QpSpec, SessionQp,
-    build_qps, check_exports, connect_qps, local_handshake, reject_code,
+    AuthKey, Control, CqChoice, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_HELLO_TIMEOUT, Endpoint, Export,
+    QpSpec, SessionQp, build_qps, check_exports, connect_qps, local_handshake, reject_code,
 };
 use crate::error::{Error, Result};
 use crate::verbs::{ProtectionDomain, QpConfig, SrqAttachment};
@@ -50,11 +53,15 @@ pub struct ServerConfig {
     /// Time one handshake may take from accept to ready, whatever the peer
     /// sends and however slowly: its thread and socket are gone by then.
     pub handshake_timeout: Duration,
+    /// Time a connection has, within `handshake_timeout`, to say hello and
+    /// (with a key) prove it: a stranger holds a pending slot at most this
+    /// long.
+    pub hello_timeout: Duration,
     /// Handshakes in progress at once; connections beyond it are refused at
-    /// once.
+    /// once as busy (clients retry within their connect deadline).
     pub max_pending_handshakes: usize,
-    /// Handshakes in progress at once from one IP address, so that one
-    /// host cannot take every pending slot.
+    /// Handshakes in progress at once from one IPv4 address or IPv6 /64, so
+    /// that one host cannot take every pending slot.
     pub max_pending_per_address: usize,
     /// Established endpoints waiting for [`ServerSession::accept`]; a peer
     /// that would exceed it is refused before anything is created for it.
@@ -77,6 +84,7 @@ impl fmt::Debug for ServerConfig {
             .field("max_qps", &self.max_qps)
             .field("max_peers", &self.max_peers)
             .field("handshake_timeout", &self.handshake_timeout)
+            .field("hello_timeout", &self.hello_timeout)
             .field("max_pending_handshakes", &self.max_pending_handshakes)
             .field("max_pending_per_address", &self.max_pending_per_address)
             .field("accept_backlog", &self.accept_backlog)
@@ -96,6 +104,7 @@ impl Default for ServerConfig {
             max_qps: 16,
             max_peers: None,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            hello_timeout: DEFAULT_HELLO_TIMEOUT,
             max_pending_handshakes: 64,
             max_pending_per_address: 8,
             accept_backlog: 64,
@@ -148,7 +157,11 @@ struct State {
     reserved: AtomicUsize,
     /// Peers admitted in all (for `max_peers`), less those that failed after.
     admitted: AtomicUsize,
+    /// Handshakes that produced an endpoint.
+    established: AtomicUsize,
     shutdown: AtomicBool,
+    /// Wakes the accept thread (shutdown, or `max_peers` reached).
+    waker: Waker,
 }
 
 /// Handshakes in progress: how many, from where, and their sockets (to cut
@@ -156,9 +169,29 @@ struct State {
 #[derive(Default)]
 struct Pending {
     total: usize,
-    per_address: HashMap<IpAddr, usize>,
+    per_address: HashMap<AddressKey, usize>,
     sockets: HashMap<u64, TcpStream>,
     next_id: u64,
+}
+
+/// What the per-address limit counts by: an IPv4 address, or the /64 of an
+/// IPv6 one (a host usually holds a whole /64).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum AddressKey {
+    V4(u32),
+    V6(u64),
+}
+
+impl AddressKey {
+    fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(v4) => AddressKey::V4(v4.to_bits()),
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => AddressKey::V4(v4.to_bits()),
+                None => AddressKey::V6((v6.to_bits() >> 64) as u64),
+            },
+        }
+    }
 }
 
 /// Everything a handshake thread needs.
@@ -167,7 +200,6 @@ struct Worker {
     config: ServerConfig,
     accepted: SyncSender<Endpoint>,
     state: Arc<State>,
-    local_addr: SocketAddr,
 }
 
 impl ServerSession {
@@ -185,14 +217,15 @@ impl ServerSession {
                 "pending-handshake limits and the accept backlog must be at least 1",
             ));
         }
-        let listener = TcpListener::bind(addr).map_err(|source| Error::Os {
-            what: "binding the session listener",
-            source,
-        })?;
-        let local_addr = listener.local_addr().map_err(|source| Error::Os {
-            what: "reading the listener address",
-            source,
-        })?;
+        let os = |what| move |source| Error::Os { what, source };
+        let listener = TcpListener::bind(addr).map_err(os("binding the session listener"))?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(os("reading the listener address"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(os("making the listener non-blocking"))?;
+        let (waker, wake_receiver) = net::wake_pair().map_err(os("creating the accept wake-up"))?;
         let (tx, rx) = mpsc::sync_channel(config.accept_backlog);
         let state = Arc::new(State {
             failures: Mutex::new(VecDeque::new()),
@@ -200,22 +233,20 @@ impl ServerSession {
             pending: Mutex::new(Pending::default()),
             reserved: AtomicUsize::new(0),
             admitted: AtomicUsize::new(0),
+            established: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
+            waker,
         });
         let worker = Arc::new(Worker {
             pd: pd.clone(),
             config,
             accepted: tx,
             state: Arc::clone(&state),
-            local_addr,
         });
         let acceptor = std::thread::Builder::new()
             .name(format!("rdma-accept-{}", local_addr.port()))
-            .spawn(move || accept_loop(listener, worker))
-            .map_err(|source| Error::Os {
-                what: "spawning the accept thread",
-                source,
-            })?;
+            .spawn(move || accept_loop(listener, wake_receiver, worker))
+            .map_err(os("spawning the accept thread"))?;
         Ok(Self {
             local_addr,
             accepted: rx,
@@ -272,8 +303,7 @@ impl ServerSession {
 impl Drop for ServerSession {
     fn drop(&mut self) {
         self.state.shutdown.store(true, Ordering::Release);
-        // Wake the blocking accept() so the thread sees the flag.
-        let _ = TcpStream::connect_timeout(&wake_addr(self.local_addr), Duration::from_millis(200));
+        self.state.waker.wake();
         if let Some(acceptor) = self.acceptor.take() {
             let _ = acceptor.join();
         }
@@ -292,7 +322,11 @@ impl State {
     }
 
     fn record_failure(&self, peer: SocketAddr, error: Error) {
-        log::warn!("session handshake from {peer} failed: {error}");
+        // Debug formatting escapes what a peer chose (its reject reason).
+        log::warn!(
+            "session handshake from {peer} failed: {:?}",
+            error.to_string()
+        );
         self.failed.fetch_add(1, Ordering::AcqRel);
         let mut failures = lock(&self.failures);
         if failures.len() == MAX_RECORDED_FAILURES {
@@ -301,49 +335,55 @@ impl State {
         failures.push_back(HandshakeFailure { peer, error });
     }
 
+    /// Records a connection refused at the door (logged at debug level: a
+    /// flood of them must not flood the log).
+    fn record_refusal(&self, peer: SocketAddr, reason: String) {
+        log::debug!("session connection from {peer} refused: {reason}");
+        self.failed.fetch_add(1, Ordering::AcqRel);
+        let mut failures = lock(&self.failures);
+        if failures.len() == MAX_RECORDED_FAILURES {
+            failures.pop_front();
+        }
+        failures.push_back(HandshakeFailure {
+            peer,
+            error: Error::Unauthorized { peer, reason },
+        });
+    }
+
+    fn max_peers_reached(&self, config: &ServerConfig) -> bool {
+        config
+            .max_peers
+            .is_some_and(|max| self.established.load(Ordering::Acquire) >= max)
+    }
+
     /// Takes a pending slot for `peer`, or says why not.
     fn register(
-        &self,
+        self: &Arc<Self>,
         config: &ServerConfig,
         peer: SocketAddr,
         stream: &TcpStream,
-    ) -> std::result::Result<u64, String> {
+    ) -> std::result::Result<PendingSlot, String> {
         let mut pending = self.pending();
         if pending.total >= config.max_pending_handshakes {
-            return Err(format!(
-                "{} handshakes in progress, the most this server allows",
-                pending.total
-            ));
+            return Err("too many handshakes in progress".into());
         }
-        let from_address = pending.per_address.get(&peer.ip()).copied().unwrap_or(0);
-        if from_address >= config.max_pending_per_address {
-            return Err(format!(
-                "{from_address} handshakes in progress from {}, the most this server allows \
-                 from one address",
-                peer.ip()
-            ));
+        let key = AddressKey::of(peer.ip());
+        if pending.per_address.get(&key).copied().unwrap_or(0) >= config.max_pending_per_address {
+            return Err("too many handshakes in progress from one address".into());
         }
         // A clone of the socket, so that a server going away can cut the
         // handshake short.
         let clone = stream.try_clone().map_err(|err| err.to_string())?;
         pending.total += 1;
-        *pending.per_address.entry(peer.ip()).or_default() += 1;
+        *pending.per_address.entry(key).or_default() += 1;
         let id = pending.next_id;
         pending.next_id += 1;
         pending.sockets.insert(id, clone);
-        Ok(id)
-    }
-
-    fn unregister(&self, id: u64, peer: SocketAddr) {
-        let mut pending = self.pending();
-        pending.total -= 1;
-        pending.sockets.remove(&id);
-        if let Some(count) = pending.per_address.get_mut(&peer.ip()) {
-            *count -= 1;
-            if *count == 0 {
-                pending.per_address.remove(&peer.ip());
-            }
-        }
+        Ok(PendingSlot {
+            state: Arc::clone(self),
+            id,
+            key,
+        })
     }
 
     /// Cuts every handshake in progress: their reads and writes fail now.
@@ -354,76 +394,115 @@ impl State {
     }
 }
 
-/// The listener's address as a connectable one (0.0.0.0 / :: become loopback).
-fn wake_addr(addr: SocketAddr) -> SocketAddr {
-    let mut addr = addr;
-    if addr.ip().is_unspecified() {
-        addr.set_ip(match addr {
-            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
-            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-        });
+/// A pending-handshake slot, given back when dropped: on every path out of
+/// a handshake thread, a panic included.
+struct PendingSlot {
+    state: Arc<State>,
+    id: u64,
+    key: AddressKey,
+}
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        let mut pending = self.state.pending();
+        pending.total -= 1;
+        pending.sockets.remove(&self.id);
+        if let Some(count) = pending.per_address.get_mut(&self.key) {
+            *count -= 1;
+            if *count == 0 {
+                pending.per_address.remove(&self.key);
+            }
+        }
     }
-    addr
+}
+
+/// An admitted peer's `max_peers` and backlog reservations, given back when
+/// dropped unless its endpoint reached the accept queue.
+struct Admission<'a> {
+    state: &'a State,
+    kept: bool,
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.state.admitted.fetch_sub(1, Ordering::AcqRel);
+            self.state.reserved.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 /// Tells a refused connection why, without waiting for it to read.
-fn refuse_at_once(mut stream: TcpStream, reason: &str) {
+fn refuse_at_once(mut stream: TcpStream, code: u16, reason: &str) {
     if stream.set_nonblocking(true).is_ok()
-        && let Ok(frame) = Message::reject(reject_code::UNAUTHORIZED, reason).encode()
+        && let Ok(frame) = Message::reject(code, reason).encode()
     {
         let _ = stream.write(&frame);
     }
 }
 
-fn accept_loop(listener: TcpListener, worker: Arc<Worker>) {
+fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc<Worker>) {
     let state = Arc::clone(&worker.state);
     let mut threads: Vec<JoinHandle<()>> = Vec::new();
-    loop {
+    let mut accept_errors = 0u64;
+    while !state.shutdown.load(Ordering::Acquire) && !state.max_peers_reached(&worker.config) {
         let (stream, peer) = match listener.accept() {
             Ok(conn) => conn,
-            Err(err) => {
-                if state.shutdown.load(Ordering::Acquire) {
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
+                if let Err(err) = wake.wait(&listener) {
+                    log::error!("session listener {:?}: poll: {err}", listener.local_addr());
                     break;
                 }
-                // EMFILE, ECONNABORTED and friends are per-connection; keep going.
-                log::warn!("session accept on {}: {err}", worker.local_addr);
+                continue;
+            }
+            Err(err) => {
+                // EMFILE, ECONNABORTED and friends are per-connection; keep
+                // going, logging the first and then every thousandth.
+                if accept_errors.is_multiple_of(1000) {
+                    log::warn!("session accept on {:?}: {err}", listener.local_addr());
+                }
+                accept_errors += 1;
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
         };
         threads.retain(|thread| !thread.is_finished());
-        if state.shutdown.load(Ordering::Acquire) {
-            break;
+        if stream.set_nonblocking(false).is_err() {
+            continue;
         }
-        if let Some(max) = worker.config.max_peers
-            && state.admitted.load(Ordering::Acquire) >= max
-            && state.pending().total == 0
-        {
-            break;
+        if state.admitted.load(Ordering::Acquire) >= worker.config.max_peers.unwrap_or(usize::MAX) {
+            refuse_at_once(
+                stream,
+                reject_code::UNAUTHORIZED,
+                "the server takes no more peers",
+            );
+            continue;
         }
-        let id = match state.register(&worker.config, peer, &stream) {
-            Ok(id) => id,
-            Err(reason) => {
-                refuse_at_once(stream, &reason);
-                state.record_failure(peer, Error::Unauthorized { peer, reason });
-                continue;
-            }
-        };
         let thread_worker = Arc::clone(&worker);
-        let spawned = std::thread::Builder::new()
-            .name(format!("rdma-handshake-{peer}"))
-            .spawn(move || run_handshake(&thread_worker, stream, peer, id));
-        match spawned {
-            Ok(thread) => threads.push(thread),
-            Err(source) => {
-                state.unregister(id, peer);
-                state.record_failure(
-                    peer,
-                    Error::Os {
-                        what: "spawning a handshake thread",
-                        source,
-                    },
-                );
+        match state.register(&worker.config, peer, &stream) {
+            Ok(slot) => {
+                let spawned = std::thread::Builder::new()
+                    .name(format!("rdma-handshake-{peer}"))
+                    .spawn(move || {
+                        // Released on every way out, a panic included.
+                        let _slot = slot;
+                        run_handshake(&thread_worker, stream, peer);
+                    });
+                match spawned {
+                    Ok(thread) => threads.push(thread),
+                    // The closure (and the slot in it) was dropped.
+                    Err(source) => state.record_failure(
+                        peer,
+                        Error::Os {
+                            what: "spawning a handshake thread",
+                            source,
+                        },
+                    ),
+                }
+            }
+            Err(reason) => {
+                refuse_at_once(stream, reject_code::BUSY, &reason);
+                state.record_refusal(peer, reason);
             }
         }
     }
@@ -433,44 +512,41 @@ fn accept_loop(listener: TcpListener, worker: Arc<Worker>) {
     }
 }
 
-fn run_handshake(worker: &Worker, stream: TcpStream, peer: SocketAddr, id: u64) {
+fn run_handshake(worker: &Worker, stream: TcpStream, peer: SocketAddr) {
     let state = &worker.state;
-    let mut admitted = false;
-    let result = serve_handshake(worker, stream, peer, &mut admitted);
-    state.unregister(id, peer);
+    let mut admission = None;
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        serve_handshake(worker, stream, peer, &mut admission)
+    }))
+    .unwrap_or_else(|_| {
+        Err(Error::Protocol {
+            peer,
+            what: "the handshake panicked (in an authorize or exports callback?)".into(),
+        })
+    });
     let endpoint = match result {
         Ok(endpoint) => endpoint,
         Err(error) => {
-            if admitted {
-                state.admitted.fetch_sub(1, Ordering::AcqRel);
-                state.reserved.fetch_sub(1, Ordering::AcqRel);
-            }
             state.record_failure(peer, error);
             return;
         }
     };
-    match worker.accepted.try_send(endpoint) {
-        Ok(()) => {}
-        // Admission reserved room, so the queue is full only if the server
-        // is gone; the endpoint goes with its QPs.
-        Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
-            state.reserved.fetch_sub(1, Ordering::AcqRel);
-            return;
+    // Admission reserved room in the queue, so it is full only if the server
+    // is gone (then the endpoint goes with its QPs, and the reservation with
+    // the admission guard).
+    if worker.accepted.try_send(endpoint).is_ok() {
+        if let Some(admission) = admission.as_mut() {
+            admission.kept = true;
         }
-    }
-    if worker
-        .config
-        .max_peers
-        .is_some_and(|max| state.admitted.load(Ordering::Acquire) >= max)
-    {
-        // Unblock accept() so the acceptor sees the limit and stops.
-        let _ =
-            TcpStream::connect_timeout(&wake_addr(worker.local_addr), Duration::from_millis(200));
+        state.established.fetch_add(1, Ordering::AcqRel);
+        if state.max_peers_reached(&worker.config) {
+            state.waker.wake();
+        }
     }
 }
 
 /// Admits a peer: a peer-limit slot, a backlog slot, then the user's say.
-fn admit(worker: &Worker, hello: &PeerHello) -> std::result::Result<(), Refusal> {
+fn admit<'a>(worker: &'a Worker, hello: &PeerHello) -> std::result::Result<Admission<'a>, Refusal> {
     let state = &worker.state;
     let config = &worker.config;
     if state.shutdown.load(Ordering::Acquire) {
@@ -486,7 +562,6 @@ fn admit(worker: &Worker, hello: &PeerHello) -> std::result::Result<(), Refusal>
     {
         return Err(Refusal::unauthorized("the server takes no more peers"));
     }
-    let release_peer = || state.admitted.fetch_sub(1, Ordering::AcqRel);
     if state
         .reserved
         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -494,19 +569,18 @@ fn admit(worker: &Worker, hello: &PeerHello) -> std::result::Result<(), Refusal>
         })
         .is_err()
     {
-        release_peer();
-        return Err(Refusal::unauthorized(
-            "the server is busy: its accept backlog is full",
-        ));
+        state.admitted.fetch_sub(1, Ordering::AcqRel);
+        return Err(Refusal {
+            code: reject_code::BUSY,
+            reason: "the server is busy".into(),
+        });
     }
-    if let Some(authorize) = &config.authorize
-        && let Err(refusal) = authorize(hello)
-    {
-        release_peer();
-        state.reserved.fetch_sub(1, Ordering::AcqRel);
-        return Err(refusal);
+    // From here on the guard gives both back on any failure.
+    let admission = Admission { state, kept: false };
+    if let Some(authorize) = &config.authorize {
+        authorize(hello)?;
     }
-    Ok(())
+    Ok(admission)
 }
 
 /// The server's resources for one admitted peer.
@@ -543,14 +617,14 @@ impl Resources for ServerSide<'_> {
     }
 }
 
-fn serve_handshake(
-    worker: &Worker,
+fn serve_handshake<'a>(
+    worker: &'a Worker,
     stream: TcpStream,
     peer: SocketAddr,
-    admitted: &mut bool,
+    admission: &mut Option<Admission<'a>>,
 ) -> Result<Endpoint> {
     let config = &worker.config;
-    let mut control = Control::new(stream, peer, config.handshake_timeout);
+    let mut control = Control::new(stream, peer, config.handshake_timeout, config.hello_timeout);
     let mut side = ServerSide {
         worker,
         peer,
@@ -562,8 +636,7 @@ fn serve_handshake(
         config.auth_key.as_ref(),
         config.max_qps.min(MAX_QPS),
         |hello| {
-            admit(worker, hello)?;
-            *admitted = true;
+            *admission = Some(admit(worker, hello)?);
             Ok(())
         },
         &mut side,

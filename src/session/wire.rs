@@ -494,26 +494,36 @@ impl Reader<'_> {
 /// absolute deadline) or that none waits at all (a non-blocking control
 /// connection polled from a reactor thread).
 ///
-/// Its buffer is allocated once, for the largest frame it accepts; reading
-/// allocates nothing.
+/// Its buffer grows to the frame being read, never past the header plus
+/// the payload limit; up to 1 KiB of it is allocated up front, so a reader
+/// of small frames (a control connection's) never allocates while reading.
+/// After an error it stays failed: a stream out of step is not resumed.
 #[derive(Debug)]
 pub struct FrameReader {
-    buf: Box<[u8]>,
+    buf: Vec<u8>,
     have: usize,
     /// The frame's total length once its header is in.
     frame_len: Option<usize>,
     max_payload: u32,
+    failed: bool,
 }
 
 impl FrameReader {
     /// A reader of frames with at most `max_payload` bytes of payload.
     pub fn new(max_payload: u32) -> Self {
+        let upfront = FRAME_HEADER_LEN + (max_payload as usize).min(1024);
         Self {
-            buf: vec![0; FRAME_HEADER_LEN + max_payload as usize].into_boxed_slice(),
+            buf: vec![0; upfront],
             have: 0,
             frame_len: None,
             max_payload,
+            failed: false,
         }
+    }
+
+    /// Changes the payload limit for the frames whose header is not in yet.
+    pub fn set_max_payload(&mut self, max_payload: u32) {
+        self.max_payload = max_payload;
     }
 
     /// Bytes of a frame received so far (0 between frames).
@@ -526,8 +536,32 @@ impl FrameReader {
     /// is incomplete. A bad header fails as soon as its 12 bytes are in; the
     /// end of the stream fails as [`WireError::Truncated`] inside a frame
     /// and as an `UnexpectedEof` I/O error between frames; a read that would
-    /// block or timed out comes back as the I/O error it is.
+    /// block or timed out comes back as the I/O error it is (and the reader
+    /// goes on from there next time). Any other error is final.
     pub fn read_from(&mut self, stream: &mut impl Read) -> Result<Option<&[u8]>, WireError> {
+        if self.failed {
+            return Err(WireError::Malformed("the stream already failed"));
+        }
+        match self.read_some(stream) {
+            Err(WireError::Io(err))
+                if matches!(
+                    err.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                Err(WireError::Io(err))
+            }
+            Err(err) => {
+                self.failed = true;
+                Err(err)
+            }
+            Ok(true) => Ok(Some(&self.buf[..self.have])),
+            Ok(false) => Ok(None),
+        }
+    }
+
+    /// One read; whether the frame is complete.
+    fn read_some(&mut self, stream: &mut impl Read) -> Result<bool, WireError> {
         if self.frame_len == Some(self.have) {
             // The previous call returned a frame; start the next.
             self.have = 0;
@@ -554,12 +588,13 @@ impl FrameReader {
             let mut header = [0; FRAME_HEADER_LEN];
             header.copy_from_slice(&self.buf[..FRAME_HEADER_LEN]);
             let (_, len) = decode_header(&header, self.max_payload)?;
-            self.frame_len = Some(FRAME_HEADER_LEN + len as usize);
+            let frame_len = FRAME_HEADER_LEN + len as usize;
+            if self.buf.len() < frame_len {
+                self.buf.resize(frame_len, 0);
+            }
+            self.frame_len = Some(frame_len);
         }
-        match self.frame_len {
-            Some(len) if len == self.have => Ok(Some(&self.buf[..len])),
-            _ => Ok(None),
-        }
+        Ok(self.frame_len == Some(self.have))
     }
 }
 
