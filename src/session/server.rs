@@ -483,11 +483,7 @@ fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc<Worker>) {
             Ok(slot) => {
                 let spawned = std::thread::Builder::new()
                     .name(format!("rdma-handshake-{peer}"))
-                    .spawn(move || {
-                        // Released on every way out, a panic included.
-                        let _slot = slot;
-                        run_handshake(&thread_worker, stream, peer);
-                    });
+                    .spawn(move || run_handshake(&thread_worker, slot, stream, peer));
                 match spawned {
                     Ok(thread) => threads.push(thread),
                     // The closure (and the slot in it) was dropped.
@@ -512,7 +508,11 @@ fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc<Worker>) {
     }
 }
 
-fn run_handshake(worker: &Worker, stream: TcpStream, peer: SocketAddr) {
+/// Runs one handshake on its thread; `slot` (released on every way out, a
+/// panic included) is given back as soon as the handshake is over, before
+/// the endpoint is queued: a server that stops once `max_peers` endpoints
+/// exist cuts the sockets still pending, and this one is no longer.
+fn run_handshake(worker: &Worker, slot: PendingSlot, stream: TcpStream, peer: SocketAddr) {
     let state = &worker.state;
     let mut admission = None;
     let result = catch_unwind(AssertUnwindSafe(|| {
@@ -524,6 +524,7 @@ fn run_handshake(worker: &Worker, stream: TcpStream, peer: SocketAddr) {
             what: "the handshake panicked (in an authorize or exports callback?)".into(),
         })
     });
+    drop(slot);
     let endpoint = match result {
         Ok(endpoint) => endpoint,
         Err(error) => {
