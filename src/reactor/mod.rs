@@ -347,6 +347,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         (self.foreign_completions, reclaimed)
     }
 
+    /// Receives of the shared receive queue posted now (or going out with
+    /// the current pass), out of [`ReactorConfig::srq_depth`]; `None`
+    /// without an SRQ. The rest are consumed and not yet reposted: held by
+    /// handlers, being forwarded, or waiting for a fuller repost batch.
+    /// Once the reactor has been idle for a few passes with nothing held,
+    /// every slot is posted again, including those a peer that was cut off
+    /// for ignoring its credits ([`Error::CreditOverrun`](crate::Error::CreditOverrun))
+    /// had taken.
+    pub fn srq_posted(&self) -> Option<u32> {
+        self.srq.as_ref().map(|pool| pool.available)
+    }
+
     /// Runs passes until a [`Stopper`] or [`Ctx::stop`] asks it to return.
     pub fn run(&mut self) -> Result<()> {
         // A plain load per pass: a locked read-modify-write on every empty
