@@ -24,7 +24,11 @@
 //! with a zero-length SEND_WITH_IMM. One credit and one send-queue entry are
 //! kept back for those updates, so two peers can never starve each other. A
 //! slow receiver therefore slows the sender ([`SendError::WouldBlock`]): no
-//! RNR, no loss.
+//! RNR, no loss. A peer that does not keep to its credits, and consumes a
+//! receive beyond the highest count it was told, is cut off with
+//! [`Error::CreditOverrun`](crate::Error::CreditOverrun) (which matters most
+//! with a shared receive queue, whose receives it would take from the
+//! others; see [`ReactorConfig::srq_depth`] for the limit of that).
 //!
 //! ```no_run
 //! use rdma_comm_core::reactor::*;
