@@ -4,6 +4,11 @@
 //! the other side of the rule: peers that keep to their credits, however
 //! close to the limit a slow, holding or forwarding receiver drives them,
 //! are never cut off. Gated as described in `tests/util/mod.rs`.
+//!
+//! The rates and counts they print go straight to stderr
+//! (`writeln!(std::io::stderr())`): the test harness captures `eprintln!`,
+//! and these figures are meant to show when the tests pass.
+#![allow(clippy::explicit_write)]
 
 mod util;
 
