@@ -225,7 +225,7 @@ pub enum SendError {
     /// A held message of another reactor, or of a connection that is gone.
     #[error("the held message belongs to another reactor or to a connection that is gone")]
     Foreign,
-    /// The fill closure of [`Ctx::send_from`] staged nothing.
+    /// The fill closure of [`Ctx::send_from`](super::Ctx::send_from) staged nothing.
     #[error("the fill closure produced no message")]
     Cancelled,
     /// The request itself is invalid.
