@@ -193,6 +193,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.dispatch_unusual(key, wc, kind);
             return;
         }
+        // A receive beyond what the peer was granted: it ignores its credits.
+        if let WrKind::Recv { slot } = kind
+            && !conn.count_receive()
+        {
+            self.overrun(key, slot);
+            return;
+        }
         let (session, id) = (conn.session, conn.id);
         let Some(record) = self.sessions.get_mut(session.0) else {
             return;
@@ -302,6 +309,27 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             .ok()
             .err()
             .unwrap_or(Error::InvalidArgument("failed completion"));
+        self.fail(ConnId(key), error);
+    }
+
+    /// A peer consumed a receive beyond its grant (see
+    /// [`Error::CreditOverrun`]): the receive is not delivered, its slot
+    /// goes back (to the SRQ, where it belongs to everyone), and the
+    /// connection fails like any other: its QP goes to the error state, so
+    /// the peer can take no more SRQ receives, and the handler is told.
+    /// Receives the peer consumed meanwhile still complete on its QP; they
+    /// reach the closed connection and their slots go back too
+    /// (`dispatch_unusual`), or, once the session is removed, the SRQ pool
+    /// reclaims them.
+    #[cold]
+    #[inline(never)]
+    fn overrun(&mut self, key: Key, slot: u32) {
+        let Some(conn) = self.conns.get_mut(key) else {
+            return;
+        };
+        let error = conn.overrun_error();
+        log::warn!("cutting off a peer: {error}");
+        conn.queue_repost(slot);
         self.fail(ConnId(key), error);
     }
 

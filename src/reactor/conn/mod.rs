@@ -88,7 +88,13 @@ pub(crate) struct Conn {
     peer_posted: u32,
     consumed: u32,
     posted: u32,
+    /// The highest receive count we have put on the wire (or are about to,
+    /// with this pass's doorbell): everything the peer was ever granted.
     advertised: u32,
+    /// Receives the peer consumed on this QP (SENDs, WRITE_WITH_IMMs and
+    /// credit updates that completed here): never more than `advertised`
+    /// for a peer that keeps to its credits.
+    received: u32,
     credit_threshold: u32,
     // Staging.
     pub(crate) batch: SendList<MAX_STAGED>,
@@ -180,6 +186,7 @@ impl Conn {
             consumed: 0,
             posted: 0,
             advertised: 0,
+            received: 0,
             credit_threshold: (recv_depth / 4).max(1),
             batch: SendList::new(),
             has_staged_send: false,
