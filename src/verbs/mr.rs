@@ -534,7 +534,8 @@ impl MemoryRegion {
     ///
     /// # Safety
     /// No work request may read or write any of these bytes while the slice
-    /// lives (nothing posted on them, no peer holding their rkey).
+    /// lives (nothing posted on them, no peer holding their rkey or the
+    /// rkey of a memory window bound to them).
     pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: valid for len bytes; `&mut self` excludes other CPU access and
         // the caller rules out DMA.

@@ -105,9 +105,18 @@ impl WindowSlot {
     }
 }
 
-/// A type-2 memory window, not bound yet (see the [module docs](self)).
+/// A type-2 memory window, not bound yet: remote access to registered
+/// memory that, once bound on a QP, only requests arriving on that QP can
+/// use.
 ///
-/// Bind it with [`QueuePair::bind_window`]; dropping it deallocates it.
+/// A PD's QPs share its regions, and an MR's own rkey works on every QP of
+/// the PD: a peer that learns the descriptor of memory exported to another
+/// peer can use it too. Register the memory with [`AccessFlags::MW_BIND`]
+/// and no `REMOTE_*` flag instead, bind one window per peer on the QP that
+/// serves that peer ([`QueuePair::bind_window`]), and give each peer its
+/// own window's descriptor ([`BoundWindow::remote`]). Binding consumes the
+/// window (a type-2 window is bound once); dropping an unbound window
+/// deallocates it.
 pub struct MemoryWindow {
     handle: WindowHandle,
 }
