@@ -344,7 +344,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// Completions the reactor ignored because nothing of its own posted
-    /// them (see [`QpSource`]), and SRQ receives consumed by QPs it does not
+    /// them (see [`QpSource`]; the window binds of a QP it serves are not
+    /// counted), and SRQ receives consumed by QPs it does not
     /// serve (not yet added, or removed), whose slots it gave back.
     pub fn ignored_completions(&self) -> (u64, u64) {
         let reclaimed = self.srq.as_ref().map_or(0, |pool| pool.reclaimed);

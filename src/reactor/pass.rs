@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::session::PeerStatus;
-use crate::verbs::{WcOpcode, WorkCompletion};
+use crate::verbs::{BIND_WR_ID, WcOpcode, WorkCompletion};
 
 use super::conn::{OpKind, WrKind, decode_wr_id, same_generation};
 use super::slab::Key;
@@ -279,12 +279,38 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
-    /// A completion no connection of ours posted: ignored, counted.
+    /// A completion no connection of ours posted: a window bind of a QP
+    /// we serve (posted before we took it), which fails its connection if
+    /// the bind failed; anything else is ignored and counted.
     #[cold]
     #[inline(never)]
     fn foreign(&mut self, wc: &WorkCompletion) {
+        if wc.wr_id() == BIND_WR_ID
+            && let Some(key) = self.bound_on(wc.qp_num())
+        {
+            if !wc.is_success() && self.conns.get(key).is_some_and(|c| !c.is_closed()) {
+                let error = wc
+                    .ok()
+                    .err()
+                    .unwrap_or(Error::InvalidArgument("failed window bind"));
+                self.fail(ConnId(key), error);
+            }
+            return;
+        }
         self.foreign_completions += 1;
         log::debug!("ignoring a completion no connection of this reactor posted: {wc:?}");
+    }
+
+    /// The connection whose QP is `qpn` and had windows bound on it before
+    /// it came (a QP number is unique among live QPs; requiring binds keeps
+    /// a stale completion of a destroyed QP whose number was reused from
+    /// failing a connection that never bound a window).
+    #[cold]
+    fn bound_on(&self, qpn: u32) -> Option<Key> {
+        self.conns
+            .iter()
+            .find(|(_, conn)| conn.qpn == qpn && conn.binds > 0)
+            .map(|(key, _)| key)
     }
 
     /// A failed completion, or one for a closed connection: give back the
