@@ -185,10 +185,8 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
     for size in sizes(args) {
         let spec = spec(args, size);
         let mut reactor: Reactor<PerfHandler> = Reactor::new(&pd, reactor_config(args, size))?;
-        let buffer = pd.alloc_mr(
-            2 * size,
-            AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
-        )?;
+        // Exported through a window per peer: no REMOTE_* rights of its own.
+        let buffer = pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?;
         let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
         let endpoint = if args.server {
             let mut config = reactor.server_config(access);
@@ -197,7 +195,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
             config.auth_key = args.auth.key()?;
             let export = buffer.registration().clone();
             config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
-                Ok(vec![Export::new(1, "perf", export.clone())])
+                Ok(vec![Export::new(1, "perf", export.clone(), access)])
             }));
             let server = ServerSession::bind(args.listen.as_str(), &pd, config)?;
             let endpoint = server
@@ -212,8 +210,8 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
         } else {
             let mut spec = reactor.qp_spec_with_access("perf", access);
             args.dev.apply(&mut spec.qp);
-            let mut config =
-                ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "perf", &buffer)]);
+            let mut config = ClientConfig::new(vec![spec])
+                .with_exports(vec![Export::new(1, "perf", &buffer, access)]);
             config.connect_deadline = Duration::from_secs(60);
             config.auth_key = args.auth.key()?;
             ClientSession::connect(args.connect.as_deref().unwrap_or_default(), &pd, &config)?

@@ -178,7 +178,10 @@ mod tests {
         let path = dir.join("key");
         std::fs::write(&path, [7u8; 32]).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        assert!(AuthKey::from_file(&path).is_err(), "a world-readable key file");
+        assert!(
+            AuthKey::from_file(&path).is_err(),
+            "a world-readable key file"
+        );
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert!(AuthKey::from_file(&path).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();

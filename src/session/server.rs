@@ -18,10 +18,11 @@ use super::handshake::{self, PeerHello, Refusal, Resources};
 use super::wire::{Handshake, MAX_QPS, Message};
 use super::{
     AuthKey, Control, CqChoice, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_HELLO_TIMEOUT, Endpoint, Export,
-    QpSpec, SessionQp, build_qps, check_exports, connect_qps, local_handshake, reject_code,
+    ExportWindows, QpSpec, SessionQp, build_qps, check_exports, connect_qps, local_handshake,
+    reject_code,
 };
 use crate::error::{Error, Result};
-use crate::verbs::{ProtectionDomain, QpConfig, SrqAttachment};
+use crate::verbs::{BoundWindow, ProtectionDomain, QpConfig, SrqAttachment};
 
 /// Builds the regions exported to one peer (called once per handshake,
 /// after the peer was authenticated and admitted).
@@ -590,6 +591,8 @@ struct ServerSide<'a> {
     peer: SocketAddr,
     qps: Vec<SessionQp>,
     exports: Vec<Export>,
+    windows: Option<ExportWindows>,
+    bound: Vec<BoundWindow>,
 }
 
 impl Resources for ServerSide<'_> {
@@ -605,16 +608,23 @@ impl Resources for ServerSide<'_> {
                 srq: config.srq.clone(),
             })
             .collect();
-        self.qps = build_qps(&self.worker.pd, &specs)?;
         if let Some(make) = &config.exports {
             self.exports = make(self.peer, &self.worker.pd)?;
             check_exports(&self.exports)?;
         }
-        local_handshake(&self.qps, &self.exports)
+        self.qps = build_qps(&self.worker.pd, &specs, self.exports.len())?;
+        let windows = ExportWindows::allocate(&self.worker.pd, &self.exports, self.qps.len())?;
+        let ours = local_handshake(&self.qps, &self.exports, &windows)?;
+        self.windows = Some(windows);
+        Ok(ours)
     }
 
     fn connect(&mut self, peer: &Handshake) -> Result<()> {
-        connect_qps(self.peer, &mut self.qps, &peer.qps)
+        connect_qps(self.peer, &mut self.qps, &peer.qps)?;
+        if let Some(windows) = self.windows.take() {
+            self.bound = windows.bind(&mut self.qps, &self.exports)?;
+        }
+        Ok(())
     }
 }
 
@@ -631,6 +641,8 @@ fn serve_handshake<'a>(
         peer,
         qps: Vec::new(),
         exports: Vec::new(),
+        windows: None,
+        bound: Vec::new(),
     };
     let (_, offer) = handshake::serve(
         &mut control,
@@ -646,6 +658,7 @@ fn serve_handshake<'a>(
         peer,
         side.qps,
         side.exports,
+        side.bound,
         offer.regions,
         control.into_stream()?,
     ))

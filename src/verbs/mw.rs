@@ -73,6 +73,17 @@ impl Drop for WindowHandle {
     }
 }
 
+impl MemoryWindow {
+    /// The rkey the peer will use once this window is bound: known before
+    /// the bind (the consumer picks the key byte), so it can be announced
+    /// while the QP is still being connected.
+    pub fn rkey_when_bound(&self) -> u32 {
+        // SAFETY: a pure function of its argument (a static inline of the
+        // header, through the shim).
+        unsafe { sys::ibv_inc_rkey(self.handle.rkey()) }
+    }
+}
+
 impl WindowHandle {
     fn rkey(&self) -> u32 {
         // SAFETY: the window is allocated for as long as `self` lives.
@@ -296,10 +307,8 @@ impl QueuePair {
                 "windows are bound on a QP in RTS (connect it first)",
             ));
         }
+        let rkey = window.rkey_when_bound();
         let mut handle = window.handle;
-        // SAFETY: a pure function of its argument (a static inline of the
-        // header, through the shim).
-        let rkey = unsafe { sys::ibv_inc_rkey(handle.rkey()) };
         let mut wr = sys::ibv_send_wr {
             wr_id: BIND_WR_ID,
             opcode: sys::IBV_WR_BIND_MW,
