@@ -77,11 +77,23 @@ verbs_test! {
         let (ok, out) = server.finish();
         assert!(ok, "server failed: {out:#?}");
         assert_eq!(out.iter().filter(|l| l.contains("messages verified and echoed")).count(), 8, "{out:#?}");
-        let failures: Vec<&String> = out.iter().filter(|l| l.starts_with("rejected ")).collect();
+        // All nine clients come from 127.0.0.1: some may be told "busy" at
+        // the door (eight handshakes at once per address) and retry; those
+        // are not failures of a stray.
+        let failures: Vec<&String> = out
+            .iter()
+            .filter(|l| l.starts_with("rejected ") && !l.contains("too many handshakes in progress"))
+            .collect();
         assert_eq!(failures.len(), 4, "one logged error per stray client: {failures:#?}");
-        for expected in ["bad magic", "truncated", "exceeds the maximum", "timed out"] {
+        for expected in ["bad magic", "truncated", "exceeds the maximum"] {
             assert!(failures.iter().any(|l| l.contains(expected)), "no failure mentions {expected:?}: {failures:#?}");
         }
+        // The silent one times out, or is cut when the eighth peer makes
+        // the server stop listening, whichever comes first.
+        assert!(
+            failures.iter().any(|l| l.contains("timed out") || l.contains("the connection closed")),
+            "the silent client: {failures:#?}"
+        );
     }
 }
 
