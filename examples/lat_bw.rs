@@ -176,7 +176,12 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
         ),
     };
     if let Some(reason) = &placement.fallback {
-        eprintln!("lat_bw: {reason}; pinned to core {:?}", placement.core);
+        match placement.core {
+            Some(core) => {
+                eprintln!("lat_bw: the reactor runs on core {core} ({reason}, so any core will do)")
+            }
+            None => eprintln!("lat_bw: the reactor is not pinned ({reason}, and pinning failed)"),
+        }
     }
     let mut results = Vec::new();
     if !args.server {

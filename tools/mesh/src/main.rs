@@ -720,11 +720,13 @@ fn run(args: &Args) -> Result<bool, String> {
     if !args.no_pin {
         let placement =
             pin_current_thread(ctx.name(), CorePreference::NearDevice, world.local_rank);
-        if let Some(reason) = &placement.fallback {
-            eprintln!(
-                "mesh: rank {}: {reason}; pinned to core {:?}",
-                world.rank, placement.core
-            );
+        if let (Some(reason), true) = (&placement.fallback, world.rank == 0) {
+            match placement.core {
+                Some(core) => eprintln!(
+                    "mesh: rank 0 runs on core {core} ({reason}, so any core will do; each rank takes the core of its node-local rank)"
+                ),
+                None => eprintln!("mesh: rank 0 is not pinned ({reason}, and pinning failed)"),
+            }
         }
     }
     let pd = ctx.alloc_pd().map_err(|err| err.to_string())?;
