@@ -35,7 +35,7 @@ pub struct NewSession<'a> {
 ///         let _ = ctx.send(conn, data, imm);
 ///     }
 /// }
-/// let factory = |_: &NewSession<'_>| Ok(Echo);
+/// let factory = |_: &NewSession<'_>| Ok::<_, rdma_comm_core::Error>(Echo);
 /// # let _ = factory;
 /// ```
 pub trait HandlerFactory: Send + Sync + 'static {
