@@ -454,4 +454,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Release);
     }
+
+    /// Whether a [`Stopper`], [`Ctx::stop`] or [`stop`](Self::stop) asked
+    /// the reactor to stop since `run` last returned: for a loop of its own.
+    pub fn stop_requested(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
 }

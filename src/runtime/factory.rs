@@ -22,7 +22,10 @@ pub struct NewSession<'a> {
 }
 
 /// Builds handlers; runs on the reactor threads (so it is shared: `Sync`),
-/// each handler on the thread of the reactor that serves its session.
+/// each handler on the thread of the reactor that serves its session. A
+/// handler that calls [`Ctx::stop`] stops its reactor; the handlers of the
+/// sessions a stopping reactor still serves come back through
+/// [`stopped`](Self::stopped).
 ///
 /// Any `Fn(&NewSession) -> Result<H>` is a factory:
 ///
@@ -52,6 +55,13 @@ pub trait HandlerFactory: Send + Sync + 'static {
     /// Logs by default.
     fn refused(&self, reactor: usize, peer: SocketAddr, error: &Error) {
         log::warn!("reactor {reactor} did not take the session of {peer}: {error}");
+    }
+
+    /// Reactor `reactor` stopped while it still served a session: its
+    /// handler comes back here (after the session's QPs are destroyed and
+    /// its peer told goodbye), for results it holds. Drops it by default.
+    fn stopped(&self, reactor: usize, handler: Self::Handler) {
+        let _ = (reactor, handler);
     }
 }
 

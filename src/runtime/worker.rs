@@ -112,7 +112,8 @@ impl<F: HandlerFactory> Worker<'_, F> {
         let port = self.port;
         let (mut busy_passes, mut since_publish) = (0u32, 0u32);
         let mut look = true;
-        while !port.stop.load(std::sync::atomic::Ordering::Acquire) {
+        // A handler's Ctx::stop stops this reactor.
+        while !port.stop.load(std::sync::atomic::Ordering::Acquire) && !reactor.stop_requested() {
             if look || busy_passes >= ARRIVAL_CHECK_PASSES {
                 self.take_arrivals(reactor);
                 busy_passes = 0;
@@ -132,7 +133,7 @@ impl<F: HandlerFactory> Worker<'_, F> {
                 self.publish(reactor);
                 since_publish = 0;
                 port.going_to_sleep();
-                if !self.has_news() {
+                if !self.has_news() && !reactor.stop_requested() {
                     reactor.wait()?;
                 }
                 port.awake();
