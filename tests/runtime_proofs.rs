@@ -153,9 +153,11 @@ verbs_test! {
 
         // The peer: a sink on a reactor of its own, in a thread.
         let (bad, got) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        // The sink's thread ends (and frees its reactor) only after the window.
+        let release = Arc::new(AtomicBool::new(false));
         let total = WARM_UP + MEASURED;
         let sink = {
-            let (bad, got) = (Arc::clone(&bad), Arc::clone(&got));
+            let (bad, got, release) = (Arc::clone(&bad), Arc::clone(&got), Arc::clone(&release));
             std::thread::spawn(move || {
                 let ctx = open_device();
                 let pd = ctx.alloc_pd().unwrap();
@@ -169,7 +171,7 @@ verbs_test! {
                 let endpoint = ClientSession::connect(addr, &pd, &ClientConfig::new(vec![spec])).unwrap();
                 reactor.add(endpoint, Sink { next: 0, bad, got: Arc::clone(&got) }).unwrap();
                 let started = Instant::now();
-                while got.load(Ordering::Acquire) < total && started.elapsed() < 10 * DEADLINE {
+                while !release.load(Ordering::Acquire) && started.elapsed() < 10 * DEADLINE {
                     reactor.turn().unwrap();
                 }
             })
@@ -222,6 +224,7 @@ verbs_test! {
         reactor.disable().unwrap();
         let reactor_syscalls = reactor.read().unwrap() - reactor_before;
         let elapsed = started.elapsed();
+        release.store(true, Ordering::Release);
         sink.join().unwrap();
         assert!(!timed_out, "{} of {total} messages arrived", got.load(Ordering::Acquire));
         assert_eq!(bad.load(Ordering::Relaxed), 0, "every message intact and in order");

@@ -481,6 +481,13 @@ struct PendingSlot {
     key: AddressKey,
 }
 
+impl PendingSlot {
+    /// Takes the handshake's socket out of those a stopping server cuts.
+    fn forget_socket(&self) {
+        self.state.pending().sockets.remove(&self.id);
+    }
+}
+
 impl Drop for PendingSlot {
     fn drop(&mut self) {
         let mut pending = self.state.pending();
@@ -564,8 +571,8 @@ fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc<Worker>) {
                     .name(format!("rdma-handshake-{peer}"))
                     .spawn(move || {
                         // Released on every way out, a panic included.
-                        let _slot = slot;
-                        run_handshake(&thread_worker, stream, peer);
+                        let slot = slot;
+                        run_handshake(&thread_worker, stream, peer, &slot);
                     });
                 match spawned {
                     Ok(thread) => threads.push(thread),
@@ -591,7 +598,7 @@ fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc<Worker>) {
     }
 }
 
-fn run_handshake(worker: &Worker, stream: TcpStream, peer: SocketAddr) {
+fn run_handshake(worker: &Worker, stream: TcpStream, peer: SocketAddr, slot: &PendingSlot) {
     let state = &worker.state;
     let mut admission = None;
     let result = catch_unwind(AssertUnwindSafe(|| {
@@ -610,6 +617,9 @@ fn run_handshake(worker: &Worker, stream: TcpStream, peer: SocketAddr) {
             return;
         }
     };
+    // The endpoint owns its socket from here on: a server that stops
+    // listening (max_peers reached, or shut down) must not cut it.
+    slot.forget_socket();
     // Admission reserved room in the queue, so it is full only if the server
     // is gone (then the endpoint goes with its QPs, and the reservation with
     // the admission guard).
