@@ -350,10 +350,8 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
     for size in sizes(args) {
         let spec = spec(args, size);
         let mut reactor: Reactor<PerfHandler> = Reactor::new(pd, reactor_config(args, size))?;
-        let buffer = pd.alloc_mr(
-            2 * size,
-            AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
-        )?;
+        // Exported through a window per peer: no REMOTE_* rights of its own.
+        let buffer = pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?;
         let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
         let endpoint = if args.server {
             let mut config = reactor.server_config(access);
@@ -362,7 +360,7 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
             config.auth_key = args.auth.key()?;
             let export = buffer.registration().clone();
             config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
-                Ok(vec![Export::new(1, "perf", export.clone())])
+                Ok(vec![Export::new(1, "perf", export.clone(), access)])
             }));
             let server = ServerSession::bind(addr, pd, config)?;
             let endpoint = server
@@ -377,8 +375,8 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
         } else {
             let mut spec = reactor.qp_spec_with_access("perf", access);
             args.dev.apply(&mut spec.qp);
-            let mut config =
-                ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "perf", &buffer)]);
+            let mut config = ClientConfig::new(vec![spec])
+                .with_exports(vec![Export::new(1, "perf", &buffer, access)]);
             config.connect_deadline = Duration::from_secs(60);
             config.auth_key = args.auth.key()?;
             ClientSession::connect(addr, pd, &config)?

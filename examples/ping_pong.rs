@@ -288,7 +288,10 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
     let pd = ctx.alloc_pd()?;
     let size = args.size.max(1);
     let window = args.reactor.batch_or(1).min(MAX_WINDOW);
-    let inbox = Arc::new(pd.alloc_mr(window * size, AccessFlags::REMOTE_WRITE)?);
+    let inbox = Arc::new(pd.alloc_mr(
+        window * size,
+        AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+    )?);
     let source = pd.alloc_mr(window * size, AccessFlags::empty())?;
     let depth = (2 * window as u32).max(16);
     let mut reactor: Reactor<Pinger> =
@@ -296,7 +299,12 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
     let mut spec = reactor.qp_spec_with_access("ping", AccessFlags::REMOTE_WRITE);
     args.dev.apply(&mut spec.qp);
     let config = ClientConfig::new(vec![spec])
-        .with_exports(vec![Export::new(1, "inbox", inbox.as_ref())])
+        .with_exports(vec![Export::new(
+            1,
+            "inbox",
+            inbox.as_ref(),
+            AccessFlags::REMOTE_WRITE,
+        )])
         .with_auth_key(args.auth.key()?);
     let endpoint = ClientSession::connect(addr, &pd, &config)?;
     let peer = endpoint.peer();
@@ -622,11 +630,13 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
     config.auth_key = args.auth.key()?;
     config.exports = Some(Arc::new(move |_peer: SocketAddr, pd: &ProtectionDomain| {
-        // Each peer writes into its own inbox: no peer can touch another's data.
+        // Each peer writes into its own inbox, through a window bound to its
+        // own QP: no peer can touch another's inbox, even knowing its key.
         Ok(vec![Export::shared(
             1,
             "inbox",
-            Arc::new(pd.alloc_mr(max_size, AccessFlags::REMOTE_WRITE)?),
+            Arc::new(pd.alloc_mr(max_size, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?),
+            AccessFlags::REMOTE_WRITE,
         )])
     }));
     config.on_failure = Some(Arc::new(|failure: &HandshakeFailure| {

@@ -176,6 +176,28 @@ pub enum Error {
         /// The last attempt's error.
         last: io::Error,
     },
+    /// The peer of a reactor connection ignored its credits: it consumed
+    /// more receives than the reactor had granted it. On a shared receive
+    /// queue such a peer would take receives promised to other
+    /// connections, so the reactor cuts it off: the QP goes to the error
+    /// state, the receive is not delivered, and the handler's `on_error`
+    /// gets this. Both counts are cumulative over the connection's life
+    /// (and wrap at 2^32); a peer that keeps to its credits never has
+    /// `consumed > granted`.
+    #[error(
+        "the peer of QP {qpn} ignored its credits: it consumed {consumed} receives but was granted {granted} (a share of {share}); connection cut off"
+    )]
+    CreditOverrun {
+        /// The local QP the receives arrived on.
+        qpn: u32,
+        /// Receives granted to the peer: the highest receive count the
+        /// reactor had announced to it.
+        granted: u32,
+        /// Receives the peer had consumed, the one that overran included.
+        consumed: u32,
+        /// The connection's share of receives (`ReactorConfig::recv_depth`).
+        share: u32,
+    },
     /// An operating-system call outside libibverbs failed.
     #[error("{what}: {source}")]
     Os {

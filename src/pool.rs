@@ -10,8 +10,9 @@
 //! - the slot handle is the only way to the bytes: the pool exposes neither
 //!   its region nor a descriptor that would let a request be posted on a
 //!   slot without consuming its handle;
-//! - a pool is never registered with remote access, so no peer can write
-//!   into a slot a Rust reference covers;
+//! - a pool is never registered with remote access (nor for memory windows,
+//!   which would grant it), so no peer can write into a slot a Rust
+//!   reference covers;
 //! - every pool has a 64-bit id that is never reused (creation fails once
 //!   the id space is spent, rather than wrap), and a handle or a completion
 //!   from another pool is refused with [`Error::ForeignHandle`];
@@ -157,7 +158,8 @@ impl BufferPool {
     /// available.
     ///
     /// `access` may hold `LOCAL_WRITE` (for RECV and READ targets) but no
-    /// `REMOTE_*` flag: slot bytes are handed out as Rust slices, which a
+    /// `REMOTE_*` flag and no `MW_BIND` (a window would grant remote access
+    /// all the same): slot bytes are handed out as Rust slices, which a
     /// peer must never be able to write under. Export a plain
     /// [`MemoryRegion`] instead.
     pub fn new(
@@ -171,9 +173,9 @@ impl BufferPool {
                 "a pool needs 1 to MAX_SLOTS slots of at least one byte",
             ));
         }
-        if access.is_remote() {
+        if access.is_remote() || access.contains(AccessFlags::MW_BIND) {
             return Err(Error::InvalidArgument(
-                "a buffer pool cannot be registered with remote access: a peer could write a slot a Rust reference covers",
+                "a buffer pool cannot be registered with remote access or for memory windows: a peer could write a slot a Rust reference covers",
             ));
         }
         let pool_id = next_pool_id()?;

@@ -218,7 +218,10 @@ impl Cycler {
     fn new(worker: usize, addr: SocketAddr, pd: &ProtectionDomain) -> Self {
         let free = (0..IN_FLIGHT)
             .map(|_| Buffers {
-                inbox: Arc::new(pd.alloc_mr(SIZE, AccessFlags::REMOTE_WRITE).unwrap()),
+                inbox: Arc::new(
+                    pd.alloc_mr(SIZE, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)
+                        .unwrap(),
+                ),
                 source: pd.alloc_mr(SIZE, AccessFlags::empty()).unwrap(),
             })
             .collect();
@@ -287,6 +290,7 @@ impl Cycler {
             1,
             "inbox",
             Arc::clone(&buffers.inbox),
+            AccessFlags::REMOTE_WRITE,
         )]);
         let connect_start = Instant::now();
         let endpoint = ClientSession::connect(self.addr, &self.pd, &config)

@@ -381,10 +381,17 @@ fn quiet_peer(addr: std::net::SocketAddr, quit: Arc<AtomicBool>) -> std::thread:
             ..ReactorConfig::for_traffic(64, 16, 1)
         };
         let mut reactor: Reactor<Quiet> = Reactor::new(&pd, config).unwrap();
-        let inbox = pd.alloc_mr(4096, AccessFlags::REMOTE_WRITE).unwrap();
+        // Exported through a window: no REMOTE_* rights of its own.
+        let inbox = pd
+            .alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)
+            .unwrap();
         let spec = reactor.qp_spec_with_access("ping", AccessFlags::REMOTE_WRITE);
-        let config =
-            ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "inbox", &inbox)]);
+        let config = ClientConfig::new(vec![spec]).with_exports(vec![Export::new(
+            1,
+            "inbox",
+            &inbox,
+            AccessFlags::REMOTE_WRITE,
+        )]);
         let endpoint = ClientSession::connect(addr, &pd, &config).unwrap();
         let session = reactor.add(endpoint, Quiet).unwrap();
         while !quit.load(Ordering::Acquire) {

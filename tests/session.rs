@@ -284,11 +284,11 @@ verbs_test! {
     fn exported_regions_reach_the_peer_with_least_privilege() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let server_inbox = Arc::new(pd.alloc_mr(4096, AccessFlags::REMOTE_WRITE).unwrap());
+        let server_inbox = Arc::new(pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND).unwrap());
         let inbox_for_server = Arc::clone(&server_inbox);
         let mut config = ServerConfig::default();
         config.qp.remote_access = AccessFlags::REMOTE_WRITE;
-        config.exports = Some(Arc::new(move |_peer, _pd: &ProtectionDomain| Ok(vec![Export::new(7, "inbox", &inbox_for_server)])));
+        config.exports = Some(Arc::new(move |_peer, _pd: &ProtectionDomain| Ok(vec![Export::new(7, "inbox", &inbox_for_server, AccessFlags::REMOTE_WRITE)])));
         let srv = server(&pd, config);
         let mut client = ClientSession::connect(srv.local_addr(), &pd, &client_config(&["a"])).unwrap();
         let served = srv.accept_timeout(DEADLINE).unwrap();
@@ -309,10 +309,24 @@ verbs_test! {
         pool.release(slot).unwrap();
         assert_eq!(read_back(&server_inbox, 100, 5), b"hello");
 
-        // A region without remote access cannot be exported.
-        let private = Arc::new(pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap());
-        let config = client_config(&["a"]).with_exports(vec![Export::new(1, "private", &private)]);
-        assert!(matches!(ClientSession::connect(srv.local_addr(), &pd, &config), Err(Error::InvalidArgument(_))));
+        // Only memory that windows can grant, and only remote rights, can be
+        // exported: not memory without MW_BIND, not memory with rights of
+        // its own (its rkey would reach it from any QP), not local rights.
+        let plain = Arc::new(pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap());
+        let open = Arc::new(pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND | AccessFlags::REMOTE_WRITE).unwrap());
+        let fine = Arc::new(pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND).unwrap());
+        for export in [
+            Export::new(1, "plain", &plain, AccessFlags::REMOTE_WRITE),
+            Export::new(1, "open", &open, AccessFlags::REMOTE_WRITE),
+            Export::new(1, "local", &fine, AccessFlags::LOCAL_WRITE),
+            Export::new(1, "nothing", &fine, AccessFlags::empty()),
+        ] {
+            let config = client_config(&["a"]).with_exports(vec![export.clone()]);
+            assert!(
+                matches!(ClientSession::connect(srv.local_addr(), &pd, &config), Err(Error::InvalidArgument(_))),
+                "{export:?}"
+            );
+        }
         drop(served);
     }
 }

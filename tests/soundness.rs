@@ -774,7 +774,7 @@ verbs_test! {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
         let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, reactor_config(false)).unwrap();
-        let inbox = Arc::new(pd.alloc_mr(16 * 1024, AccessFlags::REMOTE_WRITE).unwrap());
+        let inbox = Arc::new(pd.alloc_mr(16 * 1024, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND).unwrap());
         let (server_ep, client_ep) = connect(&pd, &mut Sides::One(&mut reactor), &inbox, &inbox);
         // Inline-sized WRITEs (the provider copies the payload when the
         // doorbell rings, after the drop) and larger ones (the NIC reads it).

@@ -13,6 +13,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rdma_comm_core::Error;
+use rdma_comm_core::error::WcStatus;
 use rdma_comm_core::session::wire::{
     FrameReader, Handshake, Hello, MAX_PAYLOAD, Message, PROOF_LEN, QpInfo,
 };
@@ -431,6 +432,7 @@ fn write_key(name: &str, byte: u8) -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(name);
     std::fs::write(&path, [byte; 32]).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     path
 }
 
@@ -462,5 +464,79 @@ verbs_test! {
         assert!(!ok, "a client without a key connected: {out}");
         assert!(out.contains("requires authentication"), "{out}");
         server.expect_lines("authentication", 2);
+    }
+}
+
+/// WRITEs `bytes` at `offset` of `target` from `endpoint`'s first QP (private
+/// CQ); the completion.
+fn write_through(
+    pd: &ProtectionDomain,
+    endpoint: &mut Endpoint,
+    target: RemoteRegion,
+    offset: u64,
+    bytes: &[u8],
+) -> WorkCompletion {
+    let mut pool = rdma_comm_core::pool::BufferPool::new(pd, 256, 1, AccessFlags::empty()).unwrap();
+    let mut slot = pool.acquire().unwrap();
+    pool.bytes_mut(&mut slot).unwrap()[..bytes.len()].copy_from_slice(bytes);
+    let qp = endpoint.qp_at(0).unwrap();
+    pool.post_write(
+        qp.qp_mut(),
+        slot,
+        target.slice(offset, bytes.len() as u64).unwrap(),
+        None,
+    )
+    .unwrap();
+    let wc = wait_for(qp.cq_mut().unwrap(), 1)[0];
+    let _ = pool.complete(&wc);
+    wc
+}
+
+verbs_test! {
+    fn a_peer_reaches_only_the_memory_exported_to_it() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let mut config = ServerConfig::default();
+        config.qp.remote_access = AccessFlags::REMOTE_WRITE;
+        // Each peer gets an inbox of its own, in the one PD all peers share.
+        let inboxes = Arc::new(Mutex::new(Vec::new()));
+        let made = Arc::clone(&inboxes);
+        config.exports = Some(Arc::new(move |peer, pd: &ProtectionDomain| {
+            let inbox = Arc::new(pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?);
+            made.lock().unwrap().push((peer, Arc::clone(&inbox)));
+            Ok(vec![Export::shared(1, "inbox", inbox, AccessFlags::REMOTE_WRITE)])
+        }));
+        let srv = ServerSession::bind("127.0.0.1:0", &pd, config).unwrap();
+        let mut a = ClientSession::connect(srv.local_addr(), &pd, &client_config(None)).unwrap();
+        let _a_served = srv.accept_timeout(DEADLINE).unwrap();
+        let mut b = ClientSession::connect(srv.local_addr(), &pd, &client_config(None)).unwrap();
+        let _b_served = srv.accept_timeout(DEADLINE).unwrap();
+        // A connected first, so its inbox was made first.
+        let (a_inbox, b_inbox) = {
+            let made = inboxes.lock().unwrap();
+            (Arc::clone(&made[0].1), Arc::clone(&made[1].1))
+        };
+        let a_target = a.remote_region("inbox").unwrap();
+        let b_target = b.remote_region("inbox").unwrap();
+        assert_ne!(a_target.rkey(), b_target.rkey(), "each peer has a key of its own");
+
+        // Each peer writes its own inbox.
+        assert!(write_through(&pd, &mut a, a_target, 0, b"from a").ok().is_ok());
+        assert!(write_through(&pd, &mut b, b_target, 0, b"from b").ok().is_ok());
+        assert_eq!(read_back(&a_inbox, 0, 6), b"from a");
+        assert_eq!(read_back(&b_inbox, 0, 6), b"from b");
+
+        // B, holding A's exact descriptor, gets a remote access error, and
+        // A's inbox is untouched.
+        let stolen = write_through(&pd, &mut b, a_target, 0, b"evil b");
+        assert_eq!(stolen.status(), WcStatus::REM_ACCESS_ERR, "{stolen:?}");
+        assert_eq!(read_back(&a_inbox, 0, 6), b"from a");
+
+        // A goes on unaffected.
+        for round in 0..20u8 {
+            let wc = write_through(&pd, &mut a, a_target, 64, &[round; 8]);
+            assert!(wc.ok().is_ok(), "A's write {round}: {wc:?}");
+        }
+        assert_eq!(read_back(&a_inbox, 64, 8), [19u8; 8]);
     }
 }

@@ -1,12 +1,12 @@
 //! Taking sessions in and out of a reactor: checks that a source's QPs are
 //! fit to be served (the reactor's CQs, room in them, the reactor's SRQ,
-//! nothing posted yet), building their connections, and tearing them down
+//! nothing posted yet but window binds), building their connections, and tearing them down
 //! so that a long-lived reactor holds only the peers it serves.
 
 use crate::error::{Error, Result};
 use crate::verbs::QueuePair;
 
-use super::conn::{Conn, MAX_CONNS};
+use super::conn::{Conn, MAX_CONNS, MIN_SQ_DEPTH, sq_room};
 use super::{ConnId, Handler, PeerLink, QpSource, Reactor, Session, SessionId};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
@@ -15,8 +15,16 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// receive rings now and sends the initial credit updates with the next
     /// pass. `handler` gets every callback for its connections.
     ///
+    /// A QP may come with memory windows bound on it
+    /// ([`QueuePair::bind_window`], signaled or not): they take their
+    /// send-queue entries from the reactor's depth for that connection
+    /// (create the QP with `max_send_wr` = `sq_depth` + binds to keep the
+    /// full depth) and a CQ entry each, and a bind that fails fails its
+    /// connection ([`Handler::on_error`] with `IBV_WC_MW_BIND_ERR`).
+    ///
     /// Refused with a typed error, leaving the reactor as it was: a QP on
-    /// other CQs or another SRQ, a QP anything was posted on already, more
+    /// other CQs or another SRQ, a QP anything but binds was posted on
+    /// already, a QP whose binds leave fewer than 4 send-queue entries, more
     /// connections than the CQs can absorb at the configured depths (see
     /// [`ReactorConfig::absorbing`](super::ReactorConfig::absorbing)) or
     /// than the SRQ can give their shares.
@@ -118,7 +126,15 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     "something was posted on this QP already: the reactor takes only QPs whose every completion will be its own",
                 ));
             }
-            let sq = self.config.sq_depth.min(qp.max_send_wr()).max(4);
+            // Window binds posted before hold send-queue entries until the
+            // reactor's first signaled completion, and a CQ entry each if
+            // they are signaled or fail.
+            if qp.bound_windows() > 0 && sq_room(&self.config, qp) < MIN_SQ_DEPTH {
+                return Err(Error::InvalidArgument(
+                    "the QP's window binds leave the reactor too little of its send queue (create it with max_send_wr = sq_depth + binds)",
+                ));
+            }
+            let sq = sq_room(&self.config, qp).max(MIN_SQ_DEPTH) + qp.bound_windows();
             // With an SRQ, receive completions are bounded by the SRQ, whose
             // whole depth every CQ keeps room for (a peer that ignores its
             // credits can consume all of it), not by the connection's share.

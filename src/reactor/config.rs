@@ -49,6 +49,14 @@ pub struct ReactorConfig {
     /// with the traffic in flight instead of with the number of peers.
     /// Connections are refused once their `recv_depth` shares would exceed
     /// it, so credit flow control still rules out RNR.
+    ///
+    /// A peer that ignores its credits is cut off
+    /// ([`Error::CreditOverrun`]) when the reactor polls its first receive
+    /// beyond its grant. Until its QP is in the error state the NIC hands
+    /// its SENDs in flight whatever receives are free, and other peers may
+    /// meet RNR NAKs for that moment: their NIC retries them (keep their
+    /// `rnr_retry` at 7, the default), and headroom above the sum of the
+    /// shares (at least a peer's send-queue depth) absorbs the burst.
     pub srq_depth: u32,
     /// Consumed receives are reposted in batches of this many (fewer after
     /// a few empty busy-poll passes, or before the reactor sleeps).
@@ -229,7 +237,7 @@ pub enum SendError {
     /// A held message of another reactor, or of a connection that is gone.
     #[error("the held message belongs to another reactor or to a connection that is gone")]
     Foreign,
-    /// The fill closure of [`Ctx::send_from`] staged nothing.
+    /// The fill closure of [`Ctx::send_from`](super::Ctx::send_from) staged nothing.
     #[error("the fill closure produced no message")]
     Cancelled,
     /// The request itself is invalid.

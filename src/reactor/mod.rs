@@ -24,7 +24,11 @@
 //! with a zero-length SEND_WITH_IMM. One credit and one send-queue entry are
 //! kept back for those updates, so two peers can never starve each other. A
 //! slow receiver therefore slows the sender ([`SendError::WouldBlock`]): no
-//! RNR, no loss.
+//! RNR, no loss. A peer that does not keep to its credits, and consumes a
+//! receive beyond the highest count it was told, is cut off with
+//! [`Error::CreditOverrun`](crate::Error::CreditOverrun) (which matters most
+//! with a shared receive queue, whose receives it would take from the
+//! others; see [`ReactorConfig::srq_depth`] for the limit of that).
 //!
 //! ```no_run
 //! use rdma_comm_core::reactor::*;
@@ -350,7 +354,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// Completions the reactor ignored because nothing of its own posted
-    /// them (see [`QpSource`]), and SRQ receives consumed by QPs it does not
+    /// them (see [`QpSource`]; the window binds of a QP it serves are not
+    /// counted), and SRQ receives consumed by QPs it does not
     /// serve (not yet added, or removed), whose slots it gave back.
     pub fn ignored_completions(&self) -> (u64, u64) {
         let reclaimed = self.srq.as_ref().map_or(0, |pool| pool.reclaimed);
@@ -382,6 +387,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.unsettled = true;
         }
         result
+    }
+
+    /// Receives of the shared receive queue posted now (or going out with
+    /// the current pass), out of [`ReactorConfig::srq_depth`]; `None`
+    /// without an SRQ. The rest are consumed and not yet reposted: held by
+    /// handlers, being forwarded, or waiting for a fuller repost batch.
+    /// Once the reactor has been idle for a few passes with nothing held,
+    /// every slot is posted again, including those a peer that was cut off
+    /// for ignoring its credits ([`Error::CreditOverrun`](crate::Error::CreditOverrun))
+    /// had taken.
+    pub fn srq_posted(&self) -> Option<u32> {
+        self.srq.as_ref().map(|pool| pool.available)
     }
 
     /// Runs passes until a [`Stopper`] or [`Ctx::stop`] asks it to return.

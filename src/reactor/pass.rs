@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::session::PeerStatus;
-use crate::verbs::{WcOpcode, WorkCompletion};
+use crate::verbs::{BIND_WR_ID, WcOpcode, WorkCompletion};
 
 use super::conn::{OpKind, WrKind, decode_wr_id, same_generation};
 use super::slab::Key;
@@ -216,6 +216,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.dispatch_unusual(key, wc, kind);
             return;
         }
+        // A receive beyond what the peer was granted: it ignores its credits.
+        if let WrKind::Recv { slot } = kind
+            && !conn.count_receive()
+        {
+            self.overrun(key, slot);
+            return;
+        }
         let (session, id) = (conn.session, conn.id);
         let Some(record) = self.sessions.get_mut(session.0) else {
             return;
@@ -297,12 +304,38 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
-    /// A completion no connection of ours posted: ignored, counted.
+    /// A completion no connection of ours posted: a window bind of a QP
+    /// we serve (posted before we took it), which fails its connection if
+    /// the bind failed; anything else is ignored and counted.
     #[cold]
     #[inline(never)]
     fn foreign(&mut self, wc: &WorkCompletion) {
+        if wc.wr_id() == BIND_WR_ID
+            && let Some(key) = self.bound_on(wc.qp_num())
+        {
+            if !wc.is_success() && self.conns.get(key).is_some_and(|c| !c.is_closed()) {
+                let error = wc
+                    .ok()
+                    .err()
+                    .unwrap_or(Error::InvalidArgument("failed window bind"));
+                self.fail(ConnId(key), error);
+            }
+            return;
+        }
         self.foreign_completions += 1;
         log::debug!("ignoring a completion no connection of this reactor posted: {wc:?}");
+    }
+
+    /// The connection whose QP is `qpn` and had windows bound on it before
+    /// it came (a QP number is unique among live QPs; requiring binds keeps
+    /// a stale completion of a destroyed QP whose number was reused from
+    /// failing a connection that never bound a window).
+    #[cold]
+    fn bound_on(&self, qpn: u32) -> Option<Key> {
+        self.conns
+            .iter()
+            .find(|(_, conn)| conn.qpn == qpn && conn.binds > 0)
+            .map(|(key, _)| key)
     }
 
     /// A failed completion, or one for a closed connection: give back the
@@ -327,6 +360,27 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             .ok()
             .err()
             .unwrap_or(Error::InvalidArgument("failed completion"));
+        self.fail(ConnId(key), error);
+    }
+
+    /// A peer consumed a receive beyond its grant (see
+    /// [`Error::CreditOverrun`]): the receive is not delivered, its slot
+    /// goes back (to the SRQ, where it belongs to everyone), and the
+    /// connection fails like any other: its QP goes to the error state, so
+    /// the peer can take no more SRQ receives, and the handler is told.
+    /// Receives the peer consumed meanwhile still complete on its QP; they
+    /// reach the closed connection and their slots go back too
+    /// (`dispatch_unusual`), or, once the session is removed, the SRQ pool
+    /// reclaims them.
+    #[cold]
+    #[inline(never)]
+    fn overrun(&mut self, key: Key, slot: u32) {
+        let Some(conn) = self.conns.get_mut(key) else {
+            return;
+        };
+        let error = conn.overrun_error();
+        log::warn!("cutting off a peer: {error}");
+        conn.queue_repost(slot);
         self.fail(ConnId(key), error);
     }
 

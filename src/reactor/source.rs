@@ -5,7 +5,10 @@
 //! a service's own control plane can be others. The reactor takes the QPs
 //! whole, so nothing else can post on them while it serves them, and it
 //! refuses a QP that already had anything posted: every completion on the
-//! reactor's queues is then one of its own requests.
+//! reactor's queues is then one of its own requests, or the completion of
+//! a memory window bind posted before (`wr_id`
+//! [`BIND_WR_ID`](crate::verbs::BIND_WR_ID), which no request of the
+//! reactor's carries), which it never takes for one of its own.
 
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 
@@ -17,7 +20,8 @@ pub trait QpSource {
     /// What stays with the session while the reactor serves it.
     type Link: PeerLink;
 
-    /// Hands over the QPs (connected, nothing posted) and the link.
+    /// Hands over the QPs (connected, nothing posted but window binds)
+    /// and the link.
     fn into_parts(self) -> (Vec<QueuePair>, Self::Link);
 }
 

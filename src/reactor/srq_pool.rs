@@ -43,6 +43,9 @@ pub(super) struct SrqPool {
     posted_ids: Vec<u64>,
     tag_key: RandomState,
     posts: u64,
+    /// Slots posted (or queued to be posted with this pass): the receives
+    /// the SRQ can take now.
+    pub(super) available: u32,
     /// Receives consumed by QPs the reactor does not serve (not yet added,
     /// or removed), given back to the SRQ.
     pub(super) reclaimed: u64,
@@ -77,6 +80,7 @@ impl SrqPool {
             posted_ids: vec![0; slots as usize],
             tag_key: RandomState::new(),
             posts: 0,
+            available: 0,
             reclaimed: 0,
         };
         for slot in 0..slots {
@@ -147,6 +151,7 @@ impl SrqPool {
             return None;
         }
         *posted = 0;
+        self.available = self.available.saturating_sub(1);
         Some(slot)
     }
 
@@ -176,6 +181,9 @@ impl SrqPool {
         let wr_id = srq_recv_wr_id(slot, tag);
         let request = recv_request(self.shared.ring, self.slot_size, wr_id, slot);
         let _ = self.returning.push(request);
+        if self.posted_ids[slot as usize] == 0 {
+            self.available += 1;
+        }
         self.posted_ids[slot as usize] = wr_id;
         if self.returning.is_full() {
             self.srq.post_recv_batch(&mut self.returning)?;

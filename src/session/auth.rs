@@ -21,9 +21,13 @@ type HmacSha256 = Hmac<Sha256>;
 /// Bytes of a nonce and of a MAC.
 pub const PROOF_LEN: usize = 32;
 
-/// Shortest key accepted: 128 bits. Keys are meant to be random bytes (say
-/// `head -c 32 /dev/urandom > key`), not passwords.
-pub const MIN_KEY_LEN: usize = 16;
+/// Shortest key accepted: 32 bytes. Keys are meant to be random bytes (say
+/// `head -c 32 /dev/urandom > key`), not passwords: a peer that gets one
+/// proof (a rogue server a client connects to, say) can try guesses offline.
+pub const MIN_KEY_LEN: usize = 32;
+
+/// Largest key file read.
+const MAX_KEY_FILE: u64 = 4096;
 
 /// The environment variable the tools read a key from when no
 /// `--auth-key-file` is given.
@@ -45,18 +49,38 @@ impl AuthKey {
     pub fn new(bytes: &[u8]) -> Result<Self> {
         if bytes.len() < MIN_KEY_LEN {
             return Err(Error::InvalidArgument(
-                "an authentication key needs at least 16 bytes",
+                "an authentication key needs at least 32 bytes",
             ));
         }
         Ok(Self(bytes.into()))
     }
 
-    /// Reads a key file: its bytes, without one trailing newline.
+    /// Reads a key file: its bytes, without one trailing newline. The file
+    /// must not be readable or writable by group or others (`chmod 600`),
+    /// and at most 4 KiB.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        let bytes = std::fs::read(path.as_ref()).map_err(|source| Error::Os {
+        use std::io::Read;
+        use std::os::unix::fs::PermissionsExt;
+        let os = |source| Error::Os {
             what: "reading the authentication key file",
             source,
-        })?;
+        };
+        let file = std::fs::File::open(path.as_ref()).map_err(os)?;
+        let mode = file.metadata().map_err(os)?.permissions().mode();
+        if mode & 0o077 != 0 {
+            return Err(Error::InvalidArgument(
+                "the authentication key file is accessible to group or others (chmod 600 it)",
+            ));
+        }
+        let mut bytes = Vec::new();
+        file.take(MAX_KEY_FILE + 1)
+            .read_to_end(&mut bytes)
+            .map_err(os)?;
+        if bytes.len() as u64 > MAX_KEY_FILE {
+            return Err(Error::InvalidArgument(
+                "the authentication key file is larger than 4 KiB",
+            ));
+        }
         Self::new(strip_newline(&bytes))
     }
 
@@ -147,6 +171,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn key_files_must_be_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("rcc-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("key");
+        std::fs::write(&path, [7u8; 32]).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(
+            AuthKey::from_file(&path).is_err(),
+            "a world-readable key file"
+        );
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(AuthKey::from_file(&path).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn proofs_depend_on_key_label_and_transcript() {
         let key = AuthKey::new(&[7; 32]).unwrap();
         let other = AuthKey::new(&[8; 32]).unwrap();
@@ -174,9 +215,9 @@ mod tests {
 
     #[test]
     fn short_keys_are_refused_and_debug_hides_the_bytes() {
-        assert!(AuthKey::new(b"short").is_err());
-        let key = AuthKey::new(b"0123456789abcdef\n").unwrap();
-        assert_eq!(format!("{key:?}"), "AuthKey(17 bytes)");
+        assert!(AuthKey::new(&[1; 31]).is_err());
+        let key = AuthKey::new(&[1; 33]).unwrap();
+        assert_eq!(format!("{key:?}"), "AuthKey(33 bytes)");
         assert_eq!(strip_newline(b"0123456789abcdef\n"), b"0123456789abcdef");
     }
 }

@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 use super::handshake::{self, Resources};
 use super::wire::Handshake;
 use super::{
-    AuthKey, Control, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, QpSpec, SessionQp, build_qps,
-    check_exports, check_qp_names, connect_qps, local_handshake, reject_code,
+    AuthKey, Control, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, ExportWindows, QpSpec,
+    SessionQp, build_qps, check_exports, check_qp_names, connect_qps, local_handshake, reject_code,
 };
 use crate::error::{Error, Result};
-use crate::verbs::ProtectionDomain;
+use crate::verbs::{BoundWindow, ProtectionDomain};
 
 /// What a client asks for and how hard it tries.
 #[derive(Debug, Clone)]
@@ -136,6 +136,8 @@ impl ClientSession {
             config,
             peer,
             qps: Vec::new(),
+            windows: None,
+            bound: Vec::new(),
         };
         let names = config.qps.iter().map(|spec| spec.name.clone()).collect();
         let accept = handshake::connect(
@@ -149,6 +151,7 @@ impl ClientSession {
             peer,
             side.qps,
             config.exports.clone(),
+            side.bound,
             accept.regions,
             control.into_stream()?,
         ))
@@ -161,16 +164,26 @@ struct ClientSide<'a> {
     config: &'a ClientConfig,
     peer: SocketAddr,
     qps: Vec<SessionQp>,
+    windows: Option<ExportWindows>,
+    bound: Vec<BoundWindow>,
 }
 
 impl Resources for ClientSide<'_> {
     fn build(&mut self, _: Option<&Handshake>) -> Result<Handshake> {
-        self.qps = build_qps(self.pd, &self.config.qps)?;
-        local_handshake(&self.qps, &self.config.exports)
+        let exports = &self.config.exports;
+        self.qps = build_qps(self.pd, &self.config.qps, exports.len())?;
+        let windows = ExportWindows::allocate(self.pd, exports, self.qps.len())?;
+        let ours = local_handshake(&self.qps, exports, &windows)?;
+        self.windows = Some(windows);
+        Ok(ours)
     }
 
     fn connect(&mut self, peer: &Handshake) -> Result<()> {
-        connect_qps(self.peer, &mut self.qps, &peer.qps)
+        connect_qps(self.peer, &mut self.qps, &peer.qps)?;
+        if let Some(windows) = self.windows.take() {
+            self.bound = windows.bind(&mut self.qps, &self.config.exports)?;
+        }
+        Ok(())
     }
 }
 

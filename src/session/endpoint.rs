@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use super::Export;
 use super::wire::{FrameReader, Message, RegionInfo, WireError};
 use crate::error::{Error, Result};
-use crate::verbs::{CompletionQueue, QueuePair, RemoteRegion, WorkCompletion};
+use crate::verbs::{BoundWindow, CompletionQueue, QueuePair, RemoteRegion, WorkCompletion};
 
 /// How long a graceful close waits for flushed completions on private CQs.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -154,6 +154,9 @@ pub struct Endpoint {
 pub struct SessionLink {
     peer: SocketAddr,
     exports: Vec<Export>,
+    /// The peer's windows onto our exports: dropping them (with the link)
+    /// ends its access, even if its QPs lived on.
+    windows: Vec<BoundWindow>,
     remote_regions: Vec<NamedRegion>,
     /// Non-blocking: nothing on this link ever waits on the peer.
     control: TcpStream,
@@ -192,6 +195,7 @@ impl Endpoint {
         peer: SocketAddr,
         qps: Vec<SessionQp>,
         exports: Vec<Export>,
+        windows: Vec<BoundWindow>,
         remote_regions: Vec<RegionInfo>,
         control: TcpStream,
     ) -> Self {
@@ -201,6 +205,7 @@ impl Endpoint {
             link: SessionLink {
                 peer,
                 exports,
+                windows,
                 remote_regions,
                 control,
                 reader: FrameReader::new(CONTROL_MAX_PAYLOAD),
@@ -353,6 +358,12 @@ impl SessionLink {
     /// Our regions this peer may access.
     pub fn exports(&self) -> &[Export] {
         &self.exports
+    }
+
+    /// The windows the peer reaches our exports through, one per export and
+    /// QP (export-major order); they are revoked when the link goes.
+    pub fn windows(&self) -> &[BoundWindow] {
+        &self.windows
     }
 
     /// Looks at the control connection without blocking: a disconnect

@@ -48,8 +48,8 @@ pub use server::{
 
 use crate::error::{Error, Result};
 use crate::verbs::{
-    CqSource, Gid, MemoryRegion, Mtu, ProtectionDomain, QpConfig, QpEndpoint, QueuePair,
-    Registration, SharedCq, SrqAttachment,
+    AccessFlags, BoundWindow, CqSource, Gid, MemoryRegion, MemoryWindow, Mtu, ProtectionDomain,
+    QpConfig, QpEndpoint, QueuePair, Registration, SendFlags, SharedCq, SrqAttachment,
 };
 use handshake::FrameIo;
 use wire::{FrameReader, Handshake, QpInfo, RegionInfo, WireError};
@@ -100,46 +100,81 @@ impl QpSpec {
 
 /// A local region offered to the peer for WRITE and/or READ.
 ///
-/// The region must have been registered with remote access; its rkey is sent
-/// only to the peer of the endpoint that exports it.
+/// Each peer gets its own type-2 memory window per QP, bound on the QP that
+/// serves it: its key reaches the memory only through that QP, so a peer
+/// that learns another peer's descriptor reaches nothing with it, and the
+/// access ends when the session does. So the memory is registered with
+/// `LOCAL_WRITE | MW_BIND` and no `REMOTE_*` flag (its own rkey then
+/// reaches nothing), and `access` says what the peer may do.
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use rdma_comm_core::session::Export;
+/// # use rdma_comm_core::verbs::*;
+/// # let pd = Context::open_default(None)?.alloc_pd()?;
+/// let inbox = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?;
+/// let export = Export::new(1, "inbox", &inbox, AccessFlags::REMOTE_WRITE);
+/// # Ok::<(), rdma_comm_core::Error>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct Export {
     /// Caller-chosen id.
     pub id: u32,
     /// Caller-chosen name (at most 255 bytes).
     pub name: String,
-    /// The region's registration: the endpoint (and then its link) keeps
-    /// it registered while the peer may access it, even if the caller drops
+    /// The region's registration: the endpoint's windows keep it
+    /// registered while the peer may access it, even if the caller drops
     /// its [`MemoryRegion`] first.
     pub region: Registration,
+    /// What the peer may do: `REMOTE_WRITE` and/or `REMOTE_READ`
+    /// (`REMOTE_ATOMIC` too, where the device has atomics).
+    pub access: AccessFlags,
     /// The region itself when it was exported shared ([`Export::shared`]),
     /// so that whoever serves the peer can read what it wrote.
     pub memory: Option<Arc<MemoryRegion>>,
 }
 
 impl Export {
-    /// Offers `region` (a `&MemoryRegion` or its [`Registration`]) under `name`.
-    pub fn new(id: u32, name: impl Into<String>, region: impl Into<Registration>) -> Self {
+    /// Offers `region` (a `&MemoryRegion` or its [`Registration`]) under
+    /// `name`, for `access`.
+    pub fn new(
+        id: u32,
+        name: impl Into<String>,
+        region: impl Into<Registration>,
+        access: AccessFlags,
+    ) -> Self {
         Self {
             id,
             name: name.into(),
             region: region.into(),
+            access,
             memory: None,
         }
     }
 
-    /// Offers `memory` under `name` and keeps it readable through
-    /// [`Export::memory`] (a server's per-peer inbox, say). Shared, it can
-    /// no longer be written by the CPU: only the peer writes it.
-    pub fn shared(id: u32, name: impl Into<String>, memory: Arc<MemoryRegion>) -> Self {
+    /// Offers `memory` under `name` for `access`, and keeps it readable
+    /// through [`Export::memory`] (a server's per-peer inbox, say). Shared,
+    /// it can no longer be written by the CPU: only the peer writes it.
+    pub fn shared(
+        id: u32,
+        name: impl Into<String>,
+        memory: Arc<MemoryRegion>,
+        access: AccessFlags,
+    ) -> Self {
         Self {
             id,
             name: name.into(),
             region: memory.registration().clone(),
+            access,
             memory: Some(memory),
         }
     }
 }
+
+/// What a window may grant.
+const WINDOW_RIGHTS: AccessFlags = AccessFlags::REMOTE_WRITE
+    .union(AccessFlags::REMOTE_READ)
+    .union(AccessFlags::REMOTE_ATOMIC);
 
 /// Default time a handshake may take end to end.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -314,21 +349,61 @@ pub mod reject_code {
     pub const BUSY: u16 = 5;
 }
 
-fn build_qps(pd: &ProtectionDomain, specs: &[QpSpec]) -> Result<Vec<SessionQp>> {
+/// Creates the QPs of `specs`, each with room in its send queue for the
+/// `binds` window binds it will carry.
+fn build_qps(pd: &ProtectionDomain, specs: &[QpSpec], binds: usize) -> Result<Vec<SessionQp>> {
     let ctx = pd.context();
     specs
         .iter()
         .map(|spec| {
+            let mut spec = spec.clone();
+            spec.qp.max_send_wr = spec.qp.max_send_wr.saturating_add(binds as u32);
             let (qp, cq) = match &spec.cq {
                 CqChoice::Private { entries } => {
                     let cq = ctx.create_cq(*entries, None)?;
-                    (create_qp(pd, &cq, spec)?, Some(cq))
+                    (create_qp(pd, &cq, &spec)?, Some(cq))
                 }
-                CqChoice::Shared(shared) => (create_qp(pd, shared, spec)?, None),
+                CqChoice::Shared(shared) => (create_qp(pd, shared, &spec)?, None),
             };
             Ok(SessionQp::new(spec.name.clone(), qp, cq))
         })
         .collect()
+}
+
+/// One window per export and QP (`[export][qp]`), bound once the QPs are
+/// connected; their keys are known now, for the handshake.
+struct ExportWindows(Vec<Vec<MemoryWindow>>);
+
+impl ExportWindows {
+    fn allocate(pd: &ProtectionDomain, exports: &[Export], qps: usize) -> Result<Self> {
+        exports
+            .iter()
+            .map(|_| (0..qps).map(|_| pd.alloc_mw()).collect())
+            .collect::<Result<_>>()
+            .map(Self)
+    }
+
+    /// Binds every window on its QP (unsignaled: the QP's CQ may be a
+    /// reactor's). The peer hears of the keys only after this, when the
+    /// next handshake message goes out; its first access follows a TCP
+    /// round trip, by which time the bind (queued first on the QP) has run.
+    fn bind(self, qps: &mut [SessionQp], exports: &[Export]) -> Result<Vec<BoundWindow>> {
+        let mut bound = Vec::new();
+        for (export, windows) in exports.iter().zip(self.0) {
+            for (session_qp, window) in qps.iter_mut().zip(windows) {
+                let announced = window.rkey_when_bound();
+                let window = session_qp.qp_mut().bind_window(
+                    window,
+                    &export.region,
+                    export.access,
+                    SendFlags::empty(),
+                )?;
+                debug_assert_eq!(window.rkey(), announced);
+                bound.push(window);
+            }
+        }
+        Ok(bound)
+    }
 }
 
 fn create_qp(pd: &ProtectionDomain, cq: &impl CqSource, spec: &QpSpec) -> Result<QueuePair> {
@@ -338,7 +413,11 @@ fn create_qp(pd: &ProtectionDomain, cq: &impl CqSource, spec: &QpSpec) -> Result
     }
 }
 
-fn local_handshake(qps: &[SessionQp], exports: &[Export]) -> Result<Handshake> {
+fn local_handshake(
+    qps: &[SessionQp],
+    exports: &[Export],
+    windows: &ExportWindows,
+) -> Result<Handshake> {
     let qp_infos = qps
         .iter()
         .map(|c| {
@@ -355,17 +434,18 @@ fn local_handshake(qps: &[SessionQp], exports: &[Export]) -> Result<Handshake> {
         .collect();
     let regions = exports
         .iter()
-        .map(|e| {
-            let remote = e.region.remote()?;
-            Ok(RegionInfo {
+        .zip(&windows.0)
+        .map(|(e, windows)| {
+            let (addr, len) = (e.region.addr(), e.region.len() as u64);
+            RegionInfo {
                 id: e.id,
                 name: e.name.clone(),
-                addr: remote.addr(),
-                len: remote.len(),
-                rkeys: vec![remote.rkey(); qps.len()],
-            })
+                addr,
+                len,
+                rkeys: windows.iter().map(MemoryWindow::rkey_when_bound).collect(),
+            }
         })
-        .collect::<Result<_>>()?;
+        .collect();
     Ok(Handshake {
         qps: qp_infos,
         regions,
@@ -414,13 +494,33 @@ fn check_qp_names(specs: &[QpSpec]) -> Result<()> {
     Ok(())
 }
 
-/// Checks what the wire carries of exports: their number and name lengths.
+/// Checks exports: what the wire carries (their number, name lengths), and
+/// that each can be granted through windows only.
 fn check_exports(exports: &[Export]) -> Result<()> {
     if exports.len() > wire::MAX_REGIONS {
         return Err(Error::InvalidArgument("a side exports at most 64 regions"));
     }
-    if exports.iter().any(|e| e.name.len() > wire::MAX_NAME_LEN) {
-        return Err(Error::InvalidArgument("export names are at most 255 bytes"));
+    for export in exports {
+        if export.name.len() > wire::MAX_NAME_LEN {
+            return Err(Error::InvalidArgument("export names are at most 255 bytes"));
+        }
+        let registered = export.region.access();
+        if registered.intersects(WINDOW_RIGHTS) {
+            return Err(Error::InvalidArgument(
+                "exported memory is registered without REMOTE_* rights (LOCAL_WRITE | MW_BIND): \
+                 each peer gets them through a window of its own",
+            ));
+        }
+        if !registered.contains(AccessFlags::MW_BIND) {
+            return Err(Error::InvalidArgument(
+                "exported memory is registered with MW_BIND",
+            ));
+        }
+        if export.access.is_empty() || !WINDOW_RIGHTS.contains(export.access) {
+            return Err(Error::InvalidArgument(
+                "an export grants REMOTE_WRITE, REMOTE_READ and/or REMOTE_ATOMIC",
+            ));
+        }
     }
     Ok(())
 }

@@ -20,10 +20,11 @@ use super::handshake::{self, PeerHello, Refusal, Resources};
 use super::wire::{Handshake, MAX_QPS, Message};
 use super::{
     AuthKey, Control, CqChoice, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_HELLO_TIMEOUT, Endpoint, Export,
-    QpSpec, SessionQp, build_qps, check_exports, connect_qps, local_handshake, reject_code,
+    ExportWindows, QpSpec, SessionQp, build_qps, check_exports, connect_qps, local_handshake,
+    reject_code,
 };
 use crate::error::{Error, Result};
-use crate::verbs::{ProtectionDomain, QpConfig, SrqAttachment};
+use crate::verbs::{BoundWindow, ProtectionDomain, QpConfig, SrqAttachment};
 
 /// Builds the regions exported to one peer (called once per handshake,
 /// after the peer was authenticated and admitted).
@@ -481,13 +482,6 @@ struct PendingSlot {
     key: AddressKey,
 }
 
-impl PendingSlot {
-    /// Takes the handshake's socket out of those a stopping server cuts.
-    fn forget_socket(&self) {
-        self.state.pending().sockets.remove(&self.id);
-    }
-}
-
 impl Drop for PendingSlot {
     fn drop(&mut self) {
         let mut pending = self.state.pending();
@@ -569,11 +563,7 @@ fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc<Worker>) {
             Ok(slot) => {
                 let spawned = std::thread::Builder::new()
                     .name(format!("rdma-handshake-{peer}"))
-                    .spawn(move || {
-                        // Released on every way out, a panic included.
-                        let slot = slot;
-                        run_handshake(&thread_worker, stream, peer, &slot);
-                    });
+                    .spawn(move || run_handshake(&thread_worker, slot, stream, peer));
                 match spawned {
                     Ok(thread) => threads.push(thread),
                     // The closure (and the slot in it) was dropped.
@@ -598,7 +588,11 @@ fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc<Worker>) {
     }
 }
 
-fn run_handshake(worker: &Worker, stream: TcpStream, peer: SocketAddr, slot: &PendingSlot) {
+/// Runs one handshake on its thread; `slot` (released on every way out, a
+/// panic included) is given back as soon as the handshake is over, before
+/// the endpoint is queued: a server that stops once `max_peers` endpoints
+/// exist cuts the sockets still pending, and this one is no longer.
+fn run_handshake(worker: &Worker, slot: PendingSlot, stream: TcpStream, peer: SocketAddr) {
     let state = &worker.state;
     let mut admission = None;
     let result = catch_unwind(AssertUnwindSafe(|| {
@@ -610,6 +604,7 @@ fn run_handshake(worker: &Worker, stream: TcpStream, peer: SocketAddr, slot: &Pe
             what: "the handshake panicked (in an authorize or exports callback?)".into(),
         })
     });
+    drop(slot);
     let endpoint = match result {
         Ok(endpoint) => endpoint,
         Err(error) => {
@@ -617,9 +612,6 @@ fn run_handshake(worker: &Worker, stream: TcpStream, peer: SocketAddr, slot: &Pe
             return;
         }
     };
-    // The endpoint owns its socket from here on: a server that stops
-    // listening (max_peers reached, or shut down) must not cut it.
-    slot.forget_socket();
     // Admission reserved room in the queue, so it is full only if the server
     // is gone (then the endpoint goes with its QPs, and the reservation with
     // the admission guard).
@@ -680,6 +672,8 @@ struct ServerSide<'a> {
     exports: Vec<Export>,
     /// Where `place` put the peer (set at admission).
     home: &'a RefCell<Option<QpHome>>,
+    windows: Option<ExportWindows>,
+    bound: Vec<BoundWindow>,
 }
 
 impl Resources for ServerSide<'_> {
@@ -701,16 +695,23 @@ impl Resources for ServerSide<'_> {
             })
             .collect();
         drop(home);
-        self.qps = build_qps(&self.worker.pd, &specs)?;
         if let Some(make) = &config.exports {
             self.exports = make(self.peer, &self.worker.pd)?;
             check_exports(&self.exports)?;
         }
-        local_handshake(&self.qps, &self.exports)
+        self.qps = build_qps(&self.worker.pd, &specs, self.exports.len())?;
+        let windows = ExportWindows::allocate(&self.worker.pd, &self.exports, self.qps.len())?;
+        let ours = local_handshake(&self.qps, &self.exports, &windows)?;
+        self.windows = Some(windows);
+        Ok(ours)
     }
 
     fn connect(&mut self, peer: &Handshake) -> Result<()> {
-        connect_qps(self.peer, &mut self.qps, &peer.qps)
+        connect_qps(self.peer, &mut self.qps, &peer.qps)?;
+        if let Some(windows) = self.windows.take() {
+            self.bound = windows.bind(&mut self.qps, &self.exports)?;
+        }
+        Ok(())
     }
 }
 
@@ -729,6 +730,8 @@ fn serve_handshake<'a>(
         qps: Vec::new(),
         exports: Vec::new(),
         home: &home,
+        windows: None,
+        bound: Vec::new(),
     };
     let (_, offer) = handshake::serve(
         &mut control,
@@ -747,6 +750,7 @@ fn serve_handshake<'a>(
         peer,
         side.qps,
         side.exports,
+        side.bound,
         offer.regions,
         control.into_stream()?,
     );

@@ -200,6 +200,10 @@ impl Context {
             max_mr_size: attr.max_mr_size,
             max_qp_rd_atom: attr.max_qp_rd_atom.clamp(0, 255) as u8,
             max_qp_init_rd_atom: attr.max_qp_init_rd_atom.clamp(0, 255) as u8,
+            max_mw: attr.max_mw.max(0) as u32,
+            mem_window_type2: attr.device_cap_flags
+                & (sys::IBV_DEVICE_MEM_WINDOW_TYPE_2A | sys::IBV_DEVICE_MEM_WINDOW_TYPE_2B)
+                != 0,
         })
     }
 
@@ -348,6 +352,11 @@ pub struct DeviceAttr {
     pub max_qp_rd_atom: u8,
     /// Maximum outstanding RDMA READs a QP can initiate.
     pub max_qp_init_rd_atom: u8,
+    /// Maximum memory windows.
+    pub max_mw: u32,
+    /// True if the device has type-2 memory windows (2A or 2B), which
+    /// [`ProtectionDomain::alloc_mw`](super::ProtectionDomain::alloc_mw) allocates.
+    pub mem_window_type2: bool,
 }
 
 /// What `ibv_query_port` reports that connection set-up needs.

@@ -12,6 +12,7 @@ mod cq;
 mod device;
 mod list;
 mod mr;
+mod mw;
 mod pd;
 mod qp;
 mod srq;
@@ -26,6 +27,7 @@ pub use device::{
 };
 pub(crate) use list::{SendDescriptor, SendList, SendOpcode, Sge};
 pub use mr::{AccessFlags, LocalSlice, MemoryRegion, Registration, RemoteRegion, RemoteSlice};
+pub use mw::{BIND_WR_ID, BoundWindow, MemoryWindow};
 pub use pd::ProtectionDomain;
 pub use qp::{QpConfig, QpEndpoint, QpState, QueuePair};
 pub use srq::{SharedReceiveQueue, SrqAttachment};

@@ -33,6 +33,13 @@ bitflags::bitflags! {
         const REMOTE_READ = sys::IBV_ACCESS_REMOTE_READ;
         /// Peers may run atomics on it (implies `LOCAL_WRITE`).
         const REMOTE_ATOMIC = sys::IBV_ACCESS_REMOTE_ATOMIC;
+        /// Memory windows may be bound to the region
+        /// ([`QueuePair::bind_window`](super::QueuePair::bind_window)). A
+        /// region with this flag and no `REMOTE_*` flag is out of every
+        /// peer's reach except through a window, which grants its rights to
+        /// the one QP it is bound to. Not itself a remote right: such a
+        /// region cannot be exported with [`remote`](MemoryRegion::remote).
+        const MW_BIND = sys::IBV_ACCESS_MW_BIND;
     }
 }
 
@@ -325,6 +332,25 @@ impl Registration {
         self.inner.huge_pages
     }
 
+    /// The MR's own remote key. It reaches the memory only if the region
+    /// was registered with `REMOTE_*` rights (export such a region with
+    /// [`remote`](Self::remote)); a region registered for windows alone
+    /// ([`AccessFlags::MW_BIND`]) is reachable only through a window's key.
+    pub fn mr_rkey(&self) -> u32 {
+        // SAFETY: the MR is registered for as long as `self` lives.
+        unsafe { self.inner.mr.as_ref().rkey }
+    }
+
+    /// The verbs MR, for a bind request (registered while `self` lives).
+    pub(crate) fn mr_ptr(&self) -> *mut sys::ibv_mr {
+        self.inner.mr.as_ptr()
+    }
+
+    /// True if the memory was registered in `pd`.
+    pub(crate) fn in_pd(&self, pd: &Arc<PdInner>) -> bool {
+        Arc::ptr_eq(&self.inner.pd, pd)
+    }
+
     /// True if both handles are the same registration.
     pub fn same_as(&self, other: &Registration) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
@@ -346,12 +372,10 @@ impl Registration {
                 "region was registered without remote access; it cannot be exported",
             ));
         }
-        // SAFETY: the MR is registered for as long as `self` lives.
-        let rkey = unsafe { self.inner.mr.as_ref().rkey };
         Ok(RemoteRegion {
             addr: self.addr(),
             len: self.inner.len as u64,
-            rkey,
+            rkey: self.mr_rkey(),
         })
     }
 
@@ -510,7 +534,8 @@ impl MemoryRegion {
     ///
     /// # Safety
     /// No work request may read or write any of these bytes while the slice
-    /// lives (nothing posted on them, no peer holding their rkey).
+    /// lives (nothing posted on them, no peer holding their rkey or the
+    /// rkey of a memory window bound to them).
     pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: valid for len bytes; `&mut self` excludes other CPU access and
         // the caller rules out DMA.

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::os::raw::c_int;
 use std::ptr::{self, NonNull};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use crate::error::{Error, Result};
 use crate::sys;
@@ -12,6 +12,7 @@ use super::cq::{CompletionQueue, CqId, CqInner, CqSource};
 use super::device::{Gid, LinkLayer, Mtu};
 use super::list::SendList;
 use super::mr::AccessFlags;
+use super::mw::WindowSlot;
 use super::pd::{PdInner, ProtectionDomain};
 use super::srq::{SrqAttachment, SrqInner};
 use super::wr::{RecvBatch, RecvRequest, SendBatch, WorkRequest};
@@ -163,6 +164,12 @@ pub struct QueuePair {
     /// Set by the first post: a reactor only takes QPs nothing else has
     /// posted on, so every completion it sees is one of its own requests.
     posted: bool,
+    /// Window binds posted (not counted in `posted`: a reactor takes such a
+    /// QP and recognises their completions by `BIND_WR_ID`).
+    binds: u32,
+    /// The windows bound on this QP that may still be allocated: they are
+    /// deallocated before the QP is destroyed.
+    windows: Vec<Weak<WindowSlot>>,
     // Dropped after the QP is destroyed in Drop: SRQ, CQs, then the PD.
     srq: Option<Arc<SrqInner>>,
     send_cq: Arc<CqInner>,
@@ -189,6 +196,13 @@ impl fmt::Debug for QueuePair {
 
 impl Drop for QueuePair {
     fn drop(&mut self) {
+        // Windows bound to the QP go first (rxe's destroy blocks for long
+        // while one is bound); their peers' keys reach nothing from here on.
+        for window in self.windows.drain(..) {
+            if let Some(window) = window.upgrade() {
+                window.revoke();
+            }
+        }
         // SAFETY: the QP came from ibv_create_qp and is destroyed once, before
         // the CQs and PD it uses (held by the fields below).
         let rc = unsafe { sys::ibv_destroy_qp(self.qp.as_ptr()) };
@@ -310,6 +324,8 @@ impl ProtectionDomain {
             max_recv_wr: init_attr.cap.max_recv_wr,
             config,
             posted: false,
+            binds: 0,
+            windows: Vec::new(),
             srq: srq.map(|srq| Arc::clone(&srq.inner)),
             send_cq: send_cq.inner,
             recv_cq: recv_cq.inner,
@@ -348,9 +364,25 @@ impl QueuePair {
         })
     }
 
-    /// True once anything was posted on this QP (through any handle).
+    /// True once anything was posted on this QP (through any handle),
+    /// window binds aside (see [`bound_windows`](Self::bound_windows)).
     pub fn has_posted(&self) -> bool {
         self.posted
+    }
+
+    /// How many window binds were posted on this QP
+    /// ([`bind_window`](Self::bind_window)). Each takes a send-queue entry
+    /// until a later signaled request completes, and a CQ entry if it is
+    /// signaled or fails; a reactor that takes the QP leaves it that much
+    /// less of the send queue (so create a QP that will bind `n` windows
+    /// with `max_send_wr` = the reactor's `sq_depth` + `n`).
+    pub fn bound_windows(&self) -> u32 {
+        self.binds
+    }
+
+    /// The PD the QP was created in.
+    pub(super) fn pd_inner(&self) -> &Arc<PdInner> {
+        &self.pd
     }
 
     /// The CQ that send completions go to.
@@ -584,6 +616,44 @@ impl QueuePair {
     #[inline]
     unsafe fn post_send_raw(&mut self, head: *mut sys::ibv_send_wr, len: usize) -> Result<()> {
         self.posted = true;
+        // SAFETY: as the caller vouches.
+        unsafe { self.post_send_unrecorded(head, len) }
+    }
+
+    /// Posts one window bind, counted in [`bound_windows`](Self::bound_windows)
+    /// instead of [`has_posted`](Self::has_posted).
+    ///
+    /// # Safety
+    /// `wr` must be a valid, NULL-terminated `IBV_WR_BIND_MW` request with
+    /// the `wr_id` [`BIND_WR_ID`](super::BIND_WR_ID), whose window and MR
+    /// are live for the call.
+    pub(super) unsafe fn post_bind(
+        &mut self,
+        wr: &mut sys::ibv_send_wr,
+        window: &Arc<WindowSlot>,
+    ) -> Result<()> {
+        debug_assert_eq!(wr.opcode, sys::IBV_WR_BIND_MW);
+        debug_assert_eq!(wr.wr_id, super::BIND_WR_ID);
+        wr.next = ptr::null_mut();
+        // SAFETY: as the caller vouches; one request.
+        unsafe { self.post_send_unrecorded(wr, 1) }?;
+        self.binds += 1;
+        // Windows dropped since then need no tracking.
+        self.windows.retain(|w| w.strong_count() > 0);
+        self.windows.push(Arc::downgrade(window));
+        Ok(())
+    }
+
+    /// Posts a list of send requests without noting it.
+    ///
+    /// # Safety
+    /// As for `post_send_raw`.
+    #[inline]
+    unsafe fn post_send_unrecorded(
+        &mut self,
+        head: *mut sys::ibv_send_wr,
+        len: usize,
+    ) -> Result<()> {
         let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
         // SAFETY: the caller vouches for the list; the provider copies the
         // requests (or the inline payload) before returning.

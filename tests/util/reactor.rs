@@ -386,15 +386,24 @@ pub fn connect(
     let mut config = sides.server().server_config(AccessFlags::REMOTE_WRITE);
     let export = Arc::clone(server_inbox);
     config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
-        Ok(vec![Export::new(1, "inbox", &export)])
+        Ok(vec![Export::new(
+            1,
+            "inbox",
+            &export,
+            AccessFlags::REMOTE_WRITE,
+        )])
     }));
     config.max_peers = Some(1);
     let listener = ServerSession::bind("127.0.0.1:0", pd, config).expect("bind");
     let spec = sides
         .client()
         .qp_spec_with_access("data", AccessFlags::REMOTE_WRITE);
-    let client_config =
-        ClientConfig::new(vec![spec]).with_exports(vec![Export::new(1, "inbox", client_inbox)]);
+    let client_config = ClientConfig::new(vec![spec]).with_exports(vec![Export::new(
+        1,
+        "inbox",
+        client_inbox,
+        AccessFlags::REMOTE_WRITE,
+    )]);
     let client_ep =
         ClientSession::connect(listener.local_addr(), pd, &client_config).expect("connect");
     let server_ep = listener
@@ -407,8 +416,11 @@ pub fn connect(
 pub fn regions(pd: &ProtectionDomain, size: usize) -> (Arc<MemoryRegion>, MemoryRegion) {
     (
         Arc::new(
-            pd.alloc_mr(size.max(64), AccessFlags::REMOTE_WRITE)
-                .unwrap(),
+            pd.alloc_mr(
+                size.max(64),
+                AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+            )
+            .unwrap(),
         ),
         pd.alloc_mr(size.max(64), AccessFlags::LOCAL_WRITE).unwrap(),
     )

@@ -2,6 +2,7 @@
 //! peer how many we have posted (in SEND headers, or a zero-length
 //! SEND_WITH_IMM when there is nothing to send).
 
+use crate::error::Error;
 use crate::verbs::{SendDescriptor, Sge};
 
 use super::staging::{OpKind, SqOp};
@@ -27,6 +28,36 @@ impl Conn {
             return true;
         }
         false
+    }
+
+    /// Counts a receive the peer consumed on this QP (a SEND, a
+    /// WRITE_WITH_IMM or a credit update). Returns false if it goes beyond
+    /// what the peer was granted: a peer that ignores its credits.
+    ///
+    /// The grant is `advertised`, the highest receive count we put on the
+    /// wire, in a SEND header or a credit update: every count is cumulative,
+    /// so updates that cross each other or arrive late only leave the peer
+    /// with less, and a peer that keeps to its credits (it posts a
+    /// RECV-consuming request only while the count it last heard exceeds
+    /// what it has consumed) never gets past it. Receives the handler holds
+    /// or forwards are not reposted, so they do not raise the count until
+    /// they come back. One add and one compare per receive.
+    #[inline]
+    pub(crate) fn count_receive(&mut self) -> bool {
+        self.received = self.received.wrapping_add(1);
+        self.advertised.wrapping_sub(self.received) as i32 >= 0
+    }
+
+    /// The error that cuts off a peer that consumed more receives than it
+    /// was granted (see [`count_receive`](Self::count_receive)).
+    #[cold]
+    pub(crate) fn overrun_error(&self) -> Error {
+        Error::CreditOverrun {
+            qpn: self.qpn,
+            granted: self.advertised,
+            consumed: self.received,
+            share: self.recv_depth,
+        }
     }
 
     /// Nothing staged and no credit update due (reposts may be pending).

@@ -49,6 +49,9 @@ pub(crate) struct Conn {
     /// The QP's position among its session's QPs.
     pub(crate) qp_index: usize,
     pub(crate) qpn: u32,
+    /// Window binds posted on the QP before the reactor took it: their
+    /// completions (failures, or signaled ones) carry `BIND_WR_ID`.
+    pub(crate) binds: u32,
     pub(crate) state: ConnState,
     // Declared before the rings' registrations: the QP is destroyed first.
     // Only this connection posts on it (the reactor took it whole).
@@ -88,7 +91,13 @@ pub(crate) struct Conn {
     peer_posted: u32,
     consumed: u32,
     posted: u32,
+    /// The highest receive count we have put on the wire (or are about to,
+    /// with this pass's doorbell): everything the peer was ever granted.
     advertised: u32,
+    /// Receives the peer consumed on this QP (SENDs, WRITE_WITH_IMMs and
+    /// credit updates that completed here): never more than `advertised`
+    /// for a peer that keeps to its credits.
+    received: u32,
     credit_threshold: u32,
     // Staging.
     pub(crate) batch: SendList<MAX_STAGED>,
@@ -130,7 +139,7 @@ impl Conn {
             None => config.recv_depth.min(qp.max_recv_wr()).max(2),
         };
         // A power of two, so the ring index stays continuous when seq wraps.
-        let sq_depth = prev_power_of_two(config.sq_depth.min(qp.max_send_wr()).max(4));
+        let sq_depth = prev_power_of_two(sq_room(config, &qp).max(MIN_SQ_DEPTH));
         let signal_interval = config.signal_interval.clamp(1, sq_depth / 2);
         // Powers of two, so ring positions are masks, not divisions (a DIV
         // on every message shows up in latency, under emulation most of all).
@@ -156,6 +165,7 @@ impl Conn {
             session,
             qp_index,
             qpn: qp.qpn(),
+            binds: qp.bound_windows(),
             state: ConnState::Connecting,
             qp,
             recv_ring,
@@ -180,6 +190,7 @@ impl Conn {
             consumed: 0,
             posted: 0,
             advertised: 0,
+            received: 0,
             credit_threshold: (recv_depth / 4).max(1),
             batch: SendList::new(),
             has_staged_send: false,
@@ -256,6 +267,19 @@ impl Conn {
     pub(crate) fn stats(&self) -> (u32, u32, i32) {
         (self.sq_used(), self.send_in_use, self.credits())
     }
+}
+
+/// The fewest send-queue entries a connection works with.
+pub(crate) const MIN_SQ_DEPTH: u32 = 4;
+
+/// The send-queue entries of `qp` the reactor may use before rounding: its
+/// configured depth, at most the QP's, less the entries the QP's window
+/// binds hold (until a signaled completion retires them, which the reactor
+/// does not track: it leaves them their entries for good).
+pub(crate) fn sq_room(config: &ReactorConfig, qp: &QueuePair) -> u32 {
+    config
+        .sq_depth
+        .min(qp.max_send_wr().saturating_sub(qp.bound_windows()))
 }
 
 fn prev_power_of_two(n: u32) -> u32 {

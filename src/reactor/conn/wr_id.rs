@@ -134,4 +134,9 @@ mod tests {
         assert_eq!(srq_slot(srq_recv((1 << 20) - 1, 0)), (1 << 20) - 1);
         assert_eq!(decode(0).2, WrKind::Unknown);
     }
+
+    #[test]
+    fn window_binds_are_never_taken_for_our_requests() {
+        assert_eq!(decode(crate::verbs::BIND_WR_ID).2, WrKind::Unknown);
+    }
 }

@@ -656,8 +656,13 @@ fn connect_all(
         if access.is_empty() {
             return Ok(Vec::new());
         }
-        let inbox = pd.alloc_mr(inbox_len, AccessFlags::REMOTE_WRITE)?;
-        Ok(vec![Export::shared(1, "inbox", Arc::new(inbox))])
+        let inbox = pd.alloc_mr(inbox_len, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?;
+        Ok(vec![Export::shared(
+            1,
+            "inbox",
+            Arc::new(inbox),
+            AccessFlags::REMOTE_WRITE,
+        )])
     };
     let higher = world.size - 1 - world.rank;
     let mut config = reactor.server_config(access);
@@ -676,9 +681,14 @@ fn connect_all(
         let mut client = ClientConfig::new(vec![spec]);
         if !access.is_empty() {
             let inbox = pd
-                .alloc_mr(inbox_len, AccessFlags::REMOTE_WRITE)
+                .alloc_mr(inbox_len, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)
                 .map_err(|err| err.to_string())?;
-            client = client.with_exports(vec![Export::shared(1, "inbox", Arc::new(inbox))]);
+            client = client.with_exports(vec![Export::shared(
+                1,
+                "inbox",
+                Arc::new(inbox),
+                AccessFlags::REMOTE_WRITE,
+            )]);
         }
         client.connect_deadline = Duration::from_secs(args.connect_timeout);
         client.auth_key = key.clone();
