@@ -202,6 +202,12 @@ impl Handler for Pinger {
         self.pump(ctx);
     }
 
+    /// Credits can come back in a credit update, which calls no handler:
+    /// try again once the reactor is idle.
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        self.pump(ctx);
+    }
+
     fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
         self.finish(Some(error.to_string()));
     }
