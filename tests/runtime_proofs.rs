@@ -298,15 +298,30 @@ const IDLE: Duration = Duration::from_secs(2);
 
 verbs_test! {
     fn an_idle_runtime_makes_no_syscalls_yet_wakes_for_sessions_peers_and_stop() {
-        let _serial = serial();
-        let ctx = open_device();
-        let pd = ctx.alloc_pd().unwrap();
+        idle_runtime(EventMode::Blocking);
+    }
+}
 
-        // Before: a plain Blocking reactor with the default idle timeout and
-        // a peer watch, as the tools ran one, wakes on its timers.
-        let plain = {
-            let pd = pd.clone();
-            std::thread::Builder::new().name("rdma-reactor-plain".into()).spawn(move || {
+verbs_test! {
+    fn an_idle_epoll_runtime_makes_no_syscalls_either() {
+        idle_runtime(EventMode::Epoll);
+    }
+}
+
+/// An idle runtime in `mode` makes no syscalls, with or without a peer, and
+/// wakes for a peer that leaves, a new session and a stop.
+fn idle_runtime(mode: EventMode) {
+    let _serial = serial();
+    let ctx = open_device();
+    let pd = ctx.alloc_pd().unwrap();
+
+    // Before: a plain Blocking reactor with the default idle timeout and
+    // a peer watch, as the tools ran one, wakes on its timers.
+    let plain = {
+        let pd = pd.clone();
+        std::thread::Builder::new()
+            .name("rdma-reactor-plain".into())
+            .spawn(move || {
                 let config = ReactorConfig {
                     event_mode: EventMode::Blocking,
                     ..ReactorConfig::default()
@@ -319,50 +334,81 @@ verbs_test! {
                     stopper.stop();
                 });
                 reactor.run().unwrap();
-            }).unwrap()
-        };
-        std::thread::sleep(Duration::from_millis(200));
-        let plain_thread: Vec<_> = runtime_threads().into_iter().take(1).collect();
-        let old = syscalls_of(&plain_thread, || std::thread::sleep(Duration::from_secs(1)));
-        plain.join().unwrap();
-        println!("before: a plain Blocking reactor with the default idle timeout, idle for 1 s: {old:?} syscalls");
+            })
+            .unwrap()
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let plain_thread: Vec<_> = runtime_threads().into_iter().take(1).collect();
+    let old = syscalls_of(&plain_thread, || std::thread::sleep(Duration::from_secs(1)));
+    plain.join().unwrap();
+    println!(
+        "before: a plain Blocking reactor with the default idle timeout, idle for 1 s: {old:?} syscalls"
+    );
 
-        let (tx, events) = mpsc::channel();
-        let config = RuntimeConfig {
-            reactors: 2,
-            reactor: blocking(4),
-            ..RuntimeConfig::default()
-        };
-        let mut runtime = Runtime::start(&pd, config, echo_factory(tx)).unwrap();
-        let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty())).unwrap();
-        // Threads name themselves once they run.
-        wait_until("the runtime's threads", || runtime_threads().len() == 4);
-        let threads = runtime_threads();
-        std::thread::sleep(Duration::from_millis(200));
-        let idle = syscalls_of(&threads, || std::thread::sleep(IDLE));
-        println!("idle runtime, no peers, {IDLE:?}: {idle:?}");
-        assert!(idle.iter().all(|(_, n)| *n == 0), "an idle runtime made syscalls: {idle:?}");
+    let (tx, events) = mpsc::channel();
+    let config = RuntimeConfig {
+        reactors: 2,
+        reactor: ReactorConfig {
+            event_mode: mode,
+            ..blocking(4)
+        },
+        ..RuntimeConfig::default()
+    };
+    let mut runtime = Runtime::start(&pd, config, echo_factory(tx)).unwrap();
+    let addr = runtime
+        .serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty()))
+        .unwrap();
+    // Threads name themselves once they run.
+    wait_until("the runtime's threads", || runtime_threads().len() == 4);
+    let threads = runtime_threads();
+    std::thread::sleep(Duration::from_millis(200));
+    let idle = syscalls_of(&threads, || std::thread::sleep(IDLE));
+    println!("idle {mode:?} runtime, no peers, {IDLE:?}: {idle:?}");
+    assert!(
+        idle.iter().all(|(_, n)| *n == 0),
+        "an idle runtime made syscalls: {idle:?}"
+    );
 
-        // A peer that pings, then stays connected and quiet.
-        let client = ping_client(addr, "quiet", 20, Duration::from_secs(4));
-        wait_until("the pings", || runtime.stats().iter().map(|s| s.counters.messages).sum::<u64>() >= 20);
-        std::thread::sleep(Duration::from_millis(300));
-        let with_peer = syscalls_of(&threads, || std::thread::sleep(IDLE));
-        println!("idle runtime, one quiet peer, {IDLE:?}: {with_peer:?}");
-        assert!(with_peer.iter().all(|(_, n)| *n == 0), "an idle runtime with a peer made syscalls: {with_peer:?}");
+    // A peer that pings, then stays connected and quiet.
+    let client = ping_client(addr, "quiet", 20, Duration::from_secs(4));
+    wait_until("the pings", || {
+        runtime
+            .stats()
+            .iter()
+            .map(|s| s.counters.messages)
+            .sum::<u64>()
+            >= 20
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let with_peer = syscalls_of(&threads, || std::thread::sleep(IDLE));
+    println!("idle {mode:?} runtime, one quiet peer, {IDLE:?}: {with_peer:?}");
+    assert!(
+        with_peer.iter().all(|(_, n)| *n == 0),
+        "an idle runtime with a peer made syscalls: {with_peer:?}"
+    );
 
-        // The peer leaves: its control connection wakes its reactor.
-        assert_eq!(client.join().unwrap(), Ok(20));
-        wait_until("the session to be removed", || runtime.stats().iter().all(|s| s.sessions == 0));
-        // A new session wakes a sleeping reactor through its queue.
-        assert_eq!(ping_client(addr, "late", 10, Duration::ZERO).join().unwrap(), Ok(10));
-        while events.try_recv().is_ok() {}
-        // And a stop wakes them all.
-        runtime.stop();
-        let started = Instant::now();
-        runtime.join().unwrap();
-        assert!(started.elapsed() < Duration::from_secs(5), "join took {:?}", started.elapsed());
-    }
+    // The peer leaves: its control connection wakes its reactor.
+    assert_eq!(client.join().unwrap(), Ok(20));
+    wait_until("the session to be removed", || {
+        runtime.stats().iter().all(|s| s.sessions == 0)
+    });
+    // A new session wakes a sleeping reactor through its queue.
+    assert_eq!(
+        ping_client(addr, "late", 10, Duration::ZERO)
+            .join()
+            .unwrap(),
+        Ok(10)
+    );
+    while events.try_recv().is_ok() {}
+    // And a stop wakes them all.
+    runtime.stop();
+    let started = Instant::now();
+    runtime.join().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "join took {:?}",
+        started.elapsed()
+    );
 }
 
 /// A peer that connects, exports an inbox as ping_pong clients do, and says
