@@ -168,12 +168,17 @@ impl fmt::Display for ReactorStats {
 /// What every handle shares.
 struct Shared {
     ports: Vec<Arc<Port>>,
+    /// The factory's [`HandlerFactory::refused`], for sessions that never
+    /// reached their reactor.
+    refused: Box<RefusedFn>,
     chooser: Chooser,
     pd: ProtectionDomain,
     submit_ring: usize,
     submit_slot_size: usize,
     listeners: std::sync::Mutex<Vec<ServerShutdown>>,
 }
+
+type RefusedFn = dyn Fn(usize, SocketAddr, &Error) + Send + Sync;
 
 /// A listener's choice for one peer, carried with its endpoint.
 struct Placed {
@@ -253,15 +258,22 @@ impl Runtime {
             .enumerate()
             .map(|(i, &core)| Arc::new(Port::new(i, core, config.arrival_queue, may_sleep)))
             .collect();
+        let factory = Arc::new(factory);
+        let refused = {
+            let factory = Arc::clone(&factory);
+            Box::new(move |reactor: usize, peer: SocketAddr, error: &Error| {
+                factory.refused(reactor, peer, error)
+            })
+        };
         let shared = Arc::new(Shared {
             ports,
+            refused,
             chooser: Chooser::new(config.policy.clone()),
             pd: pd.clone(),
             submit_ring: config.submit_ring,
             submit_slot_size: config.submit_slot_size,
             listeners: std::sync::Mutex::new(Vec::new()),
         });
-        let factory = Arc::new(factory);
         let mut runtime = Runtime {
             handle: RuntimeHandle {
                 shared: Arc::clone(&shared),
@@ -427,13 +439,14 @@ fn route(server: &ServerSession, shared: &Shared) {
             seat,
             hello,
         } = *placed;
+        let peer = endpoint.peer();
         let arrival = Arrival::Session(Box::new(Incoming {
             endpoint,
             seat,
             hello: Some(hello),
         }));
         if let Err(err) = shared.deliver(reactor, arrival) {
-            log::warn!("{err}");
+            (shared.refused)(reactor, peer, &err);
         }
     }
 }
@@ -665,7 +678,7 @@ impl Submitter {
         imm: Option<u32>,
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<(), SubmitError> {
-        if self.port.stop.load(std::sync::atomic::Ordering::Relaxed) {
+        if !self.port.is_open() {
             return Err(SubmitError::Stopped);
         }
         self.producer.push(conn, len, imm, fill)?;
