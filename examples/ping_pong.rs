@@ -432,8 +432,26 @@ struct Echoer {
     transport: Option<String>,
     /// The outcome was reported and the session's removal asked for.
     retired: bool,
-    /// Told once the outcome is reported.
+    /// Last field, so it drops last: the outcome's line is printed once the
+    /// reactor removed the session (its QP, control socket and, with the
+    /// fields above, its inbox are gone by then).
+    report: Report,
+}
+
+/// A peer's outcome, printed when dropped.
+struct Report {
+    line: Option<String>,
+    /// Told once the line is printed.
     finished: mpsc::Sender<()>,
+}
+
+impl Drop for Report {
+    fn drop(&mut self) {
+        if let Some(line) = self.line.take() {
+            println!("{line}");
+            let _ = self.finished.send(());
+        }
+    }
 }
 
 impl Echoer {
@@ -480,12 +498,12 @@ impl Echoer {
         }
         self.retired = true;
         let peer = self.peer;
-        match outcome {
-            Ok(count) => println!("peer {peer} done: {count} messages verified and echoed"),
-            Err(err) => println!("peer {peer} error: {err}"),
-        }
+        self.report.line = Some(match outcome {
+            Ok(count) => format!("peer {peer} done: {count} messages verified and echoed"),
+            Err(err) => format!("peer {peer} error: {err}"),
+        });
+        // Printed when the reactor drops this handler with the session.
         ctx.remove_session(session);
-        let _ = self.finished.send(());
     }
 }
 
@@ -594,7 +612,10 @@ impl HandlerFactory for Echoers {
             waiting: VecDeque::with_capacity(MAX_WINDOW),
             corrupt: None,
             transport: None,
-            finished: self.finished.clone(),
+            report: Report {
+                line: None,
+                finished: self.finished.clone(),
+            },
         })
     }
 
