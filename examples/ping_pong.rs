@@ -675,6 +675,11 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
         }
         served += 1;
     }
+    // Let handshakes still in progress end on their own (each by its
+    // timeout), so their failures are reported rather than cut short.
+    while runtime.pending_handshakes() > 0 {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     runtime.stop();
     for reactor in runtime.join()? {
         println!("{reactor}");

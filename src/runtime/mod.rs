@@ -616,6 +616,21 @@ impl RuntimeHandle {
         }
     }
 
+    /// Handshakes in progress on the runtime's listeners (each ends within
+    /// its handshake timeout): a server that stops after its last peer can
+    /// let them end on their own first.
+    pub fn pending_handshakes(&self) -> usize {
+        let listeners = self
+            .shared
+            .listeners
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        listeners
+            .iter()
+            .map(ServerShutdown::pending_handshakes)
+            .sum()
+    }
+
     /// Each reactor's statistics, as last published.
     pub fn stats(&self) -> Vec<ReactorStats> {
         self.shared

@@ -371,6 +371,12 @@ impl fmt::Debug for ServerShutdown {
 }
 
 impl ServerShutdown {
+    /// Handshakes in progress right now (see
+    /// [`ServerSession::pending_handshakes`]).
+    pub fn pending_handshakes(&self) -> usize {
+        self.state.pending().total
+    }
+
     /// Stops listening and cuts the handshakes in progress.
     pub fn shutdown(&self) {
         self.state.shutdown.store(true, Ordering::Release);
