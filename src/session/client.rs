@@ -90,7 +90,7 @@ impl ClientSession {
             return Err(Error::InvalidArgument("a client needs at least one QP"));
         }
         check_qp_names(&config.qps)?;
-        check_exports(&config.exports)?;
+        check_exports(pd, &config.exports)?;
         if config.identity.len() > super::wire::MAX_NAME_LEN {
             return Err(Error::InvalidArgument(
                 "a client identity is at most 255 bytes",

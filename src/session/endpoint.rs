@@ -271,9 +271,17 @@ impl Endpoint {
         self.link.remote_regions()
     }
 
-    /// The peer's region called `name`.
+    /// The peer's region called `name`, for use on the first QP (see
+    /// [`remote_region_on`](Self::remote_region_on) for the others).
     pub fn remote_region(&self, name: &str) -> Option<RemoteRegion> {
         self.link.remote_region(name)
+    }
+
+    /// The peer's region called `name`, for use on QP number `qp`: each QP
+    /// has a key of its own, and another QP's key gives a remote access
+    /// error.
+    pub fn remote_region_on(&self, name: &str, qp: usize) -> Option<RemoteRegion> {
+        self.link.remote_region_on(name, qp)
     }
 
     /// Our regions this peer may access.
@@ -347,12 +355,17 @@ impl SessionLink {
         &self.remote_regions
     }
 
-    /// The peer's region called `name`.
+    /// The peer's region called `name`, for use on the first QP.
     pub fn remote_region(&self, name: &str) -> Option<RemoteRegion> {
+        self.remote_region_on(name, 0)
+    }
+
+    /// The peer's region called `name`, for use on QP number `qp`.
+    pub fn remote_region_on(&self, name: &str, qp: usize) -> Option<RemoteRegion> {
         self.remote_regions
             .iter()
             .find(|r| r.name == name)
-            .map(|r| r.region)
+            .and_then(|r| r.on_qp(qp))
     }
 
     /// Our regions this peer may access.

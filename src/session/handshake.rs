@@ -808,6 +808,52 @@ mod tests {
         }
     }
 
+    #[test]
+    fn an_offer_that_differs_from_the_hello_is_refused_before_anything_is_built() {
+        let offer = |names: &[&str]| {
+            let mut h = Counted {
+                qps: names.len(),
+                ..Counted::default()
+            }
+            .build(None)
+            .unwrap();
+            for (qp, name) in h.qps.iter_mut().zip(names) {
+                qp.name = (*name).to_string();
+            }
+            for region in &mut h.regions {
+                region.rkeys.truncate(names.len());
+            }
+            Message::Offer(h)
+        };
+        for (said, offered) in [
+            (&["qp0"][..], &["qp0", "qp1"][..]),
+            (&["qp0"], &["other"]),
+            (&["qp0", "qp1"], &["qp1", "qp0"]),
+        ] {
+            let hello = Message::Hello(Hello {
+                nonce: [1; PROOF_LEN],
+                identity: "x".into(),
+                qps: said.iter().map(|s| s.to_string()).collect(),
+            });
+            let mut io = Script::new(vec![frame(&hello), frame(&offer(offered))]);
+            let mut resources = Counted::default();
+            let err = serve(&mut io, None, 4, |_| Ok(()), &mut resources).unwrap_err();
+            assert!(matches!(err, Error::Protocol { .. }), "{err}");
+            assert_eq!(resources.built, 0, "{said:?} then {offered:?}");
+            assert!(
+                matches!(
+                    io.sent.last(),
+                    Some(Message::Reject {
+                        code: reject_code::BAD_REQUEST,
+                        ..
+                    })
+                ),
+                "{:?}",
+                io.sent
+            );
+        }
+    }
+
     fn frame(message: &Message) -> Vec<u8> {
         message.encode().unwrap()
     }

@@ -496,7 +496,7 @@ fn check_qp_names(specs: &[QpSpec]) -> Result<()> {
 
 /// Checks exports: what the wire carries (their number, name lengths), and
 /// that each can be granted through windows only.
-fn check_exports(exports: &[Export]) -> Result<()> {
+fn check_exports(pd: &ProtectionDomain, exports: &[Export]) -> Result<()> {
     if exports.len() > wire::MAX_REGIONS {
         return Err(Error::InvalidArgument("a side exports at most 64 regions"));
     }
@@ -519,6 +519,20 @@ fn check_exports(exports: &[Export]) -> Result<()> {
         if export.access.is_empty() || !WINDOW_RIGHTS.contains(export.access) {
             return Err(Error::InvalidArgument(
                 "an export grants REMOTE_WRITE, REMOTE_READ and/or REMOTE_ATOMIC",
+            ));
+        }
+        if export
+            .access
+            .intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
+            && !registered.contains(AccessFlags::LOCAL_WRITE)
+        {
+            return Err(Error::InvalidArgument(
+                "memory exported for REMOTE_WRITE or REMOTE_ATOMIC is registered with LOCAL_WRITE",
+            ));
+        }
+        if !export.region.belongs_to(pd) {
+            return Err(Error::InvalidArgument(
+                "exported memory is registered in the session's protection domain",
             ));
         }
     }

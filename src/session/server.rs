@@ -405,9 +405,17 @@ impl State {
         lock(&self.pending)
     }
 
-    fn record_failure(&self, peer: SocketAddr, error: Error) {
+    /// Records a failed handshake; logged at warn level only for a peer
+    /// that was admitted (a stranger's garbage must not flood the log).
+    fn record_failure(&self, peer: SocketAddr, error: Error, admitted: bool) {
+        let level = if admitted {
+            log::Level::Warn
+        } else {
+            log::Level::Debug
+        };
         // Debug formatting escapes what a peer chose (its reject reason).
-        log::warn!(
+        log::log!(
+            level,
             "session handshake from {peer} failed: {:?}",
             error.to_string()
         );
@@ -557,11 +565,9 @@ fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc<Worker>) {
             continue;
         }
         if state.admitted.load(Ordering::Acquire) >= worker.config.max_peers.unwrap_or(usize::MAX) {
-            refuse_at_once(
-                stream,
-                reject_code::UNAUTHORIZED,
-                "the server takes no more peers",
-            );
+            // Every peer slot is taken, some perhaps by handshakes that may
+            // still fail: "busy" (come back) rather than "no".
+            refuse_at_once(stream, reject_code::BUSY, "the server is busy");
             continue;
         }
         let thread_worker = Arc::clone(&worker);
@@ -579,6 +585,7 @@ fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc<Worker>) {
                             what: "spawning a handshake thread",
                             source,
                         },
+                        true,
                     ),
                 }
             }
@@ -614,7 +621,7 @@ fn run_handshake(worker: &Worker, slot: PendingSlot, stream: TcpStream, peer: So
     let endpoint = match result {
         Ok(endpoint) => endpoint,
         Err(error) => {
-            state.record_failure(peer, error);
+            state.record_failure(peer, error, admission.is_some());
             return;
         }
     };
@@ -647,7 +654,11 @@ fn admit<'a>(worker: &'a Worker, hello: &PeerHello) -> std::result::Result<Admis
         })
         .is_err()
     {
-        return Err(Refusal::unauthorized("the server takes no more peers"));
+        // Reserved by handshakes still in progress, which may fail yet.
+        return Err(Refusal {
+            code: reject_code::BUSY,
+            reason: "the server is busy".into(),
+        });
     }
     if state
         .reserved
@@ -703,7 +714,7 @@ impl Resources for ServerSide<'_> {
         drop(home);
         if let Some(make) = &config.exports {
             self.exports = make(self.peer, &self.worker.pd)?;
-            check_exports(&self.exports)?;
+            check_exports(&self.worker.pd, &self.exports)?;
         }
         self.qps = build_qps(&self.worker.pd, &specs, self.exports.len())?;
         let windows = ExportWindows::allocate(&self.worker.pd, &self.exports, self.qps.len())?;

@@ -351,6 +351,11 @@ impl Registration {
         Arc::ptr_eq(&self.inner.pd, pd)
     }
 
+    /// True if the memory was registered in `pd`.
+    pub fn belongs_to(&self, pd: &super::ProtectionDomain) -> bool {
+        self.in_pd(&pd.inner)
+    }
+
     /// True if both handles are the same registration.
     pub fn same_as(&self, other: &Registration) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)

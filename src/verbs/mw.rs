@@ -334,8 +334,11 @@ impl QueuePair {
         // SAFETY: one request, NULL-terminated, alive for the call; the
         // window and the MR it names are live (the provider takes their
         // handles). The memory stays registered for as long as the window
-        // exists, so whenever the device executes the bind, it is bound to
-        // registered memory.
+        // is allocated. If the window is revoked (deallocated) before a
+        // queued bind runs, the bind names a window and an MR handle that
+        // may be gone: the device re-checks both keys when it executes the
+        // bind and fails it (the QP goes to error); nothing is bound to
+        // unregistered memory.
         unsafe { self.post_bind(&mut wr, &slot)? };
         Ok(BoundWindow {
             slot,
