@@ -8,6 +8,11 @@
 //!
 //! Both sides take the same `--op/--test/--size/--all/--iters` flags, as with
 //! perftest. The client prints the table (and `--json FILE` writes it).
+//!
+//! `--reactors N` (on both sides) runs N streams at once, each on a reactor
+//! thread pinned to a core of its own (`--cores LIST`, or the NIC's NUMA node
+//! first), stream i on the listen port + i: the client prints each stream's
+//! row and, for bandwidth, their sum.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -17,6 +22,7 @@ mod common;
 
 use clap::{Parser, ValueEnum};
 use rdma_comm_core::reactor::*;
+use rdma_comm_core::runtime::{CorePlan, parse_core_list};
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
 use rdma_perf::*;
@@ -69,11 +75,13 @@ struct Args {
     reactor: common::ReactorArgs,
     /// Pin the reactor to this CPU (default: a core near the NIC; the server
     /// takes the first, the client the second).
-    #[arg(long, conflicts_with = "no_pin")]
+    #[arg(long, conflicts_with_all = ["no_pin", "cores"])]
     core: Option<usize>,
     /// Leave the reactor thread unpinned.
     #[arg(long)]
     no_pin: bool,
+    #[command(flatten)]
+    runtime: common::RuntimeArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -97,8 +105,8 @@ fn event_mode(args: &Args) -> common::EventArg {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
+    let args = args_of();
+    match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("lat_bw: {err}");
@@ -163,10 +171,144 @@ fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
         .watching_peers(Duration::from_millis(200))
 }
 
+/// One size's result on one stream.
+enum Row {
+    Latency(LatencyStats),
+    Bandwidth(BandwidthStats),
+    /// The server side, which measures nothing.
+    Served,
+}
+
 fn run(args: &Args) -> rdma_comm_core::Result<()> {
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
-    let placement = match (args.core, args.no_pin) {
+    let streams = usize::from(args.runtime.reactors);
+    let rows: Vec<Vec<Row>> = if streams == 1 {
+        pin_one(args, &ctx)?;
+        if !args.server {
+            print_banner(args, &ctx)?;
+        }
+        vec![measure(args, &pd, &endpoint_addr(args, 0)?)?]
+    } else {
+        let choice = args.runtime.core_choice(args.no_pin)?;
+        let plan = CorePlan::choose(ctx.name(), streams, &choice)?;
+        eprintln!("lat_bw: {streams} streams, {plan}");
+        if !args.server {
+            print_banner(args, &ctx)?;
+        }
+        let threads: Vec<_> = (0..streams)
+            .map(|stream| {
+                let (pd, core, addr) =
+                    (pd.clone(), plan.cores[stream], endpoint_addr(args, stream));
+                std::thread::Builder::new()
+                    .name(format!("lat_bw-{stream}"))
+                    .spawn(move || {
+                        if let Some(core) = core {
+                            core_affinity::set_for_current(core_affinity::CoreId { id: core });
+                        }
+                        measure(args_of(), &pd, &addr?)
+                    })
+            })
+            .collect::<Result<_, _>>()
+            .map_err(|source| rdma_comm_core::Error::Os {
+                what: "spawning a stream's thread",
+                source,
+            })?;
+        threads
+            .into_iter()
+            .map(|thread| {
+                thread.join().unwrap_or_else(|_| {
+                    Err(rdma_comm_core::Error::Runtime("a stream panicked".into()))
+                })
+            })
+            .collect::<rdma_comm_core::Result<_>>()?
+    };
+    if args.server {
+        return Ok(());
+    }
+    let mut results = Vec::new();
+    for (i, size) in sizes(args).into_iter().enumerate() {
+        let mut total: Option<BandwidthStats> = None;
+        for (stream, stream_rows) in rows.iter().enumerate() {
+            let label = if streams > 1 {
+                format!("stream {stream}: ")
+            } else {
+                String::new()
+            };
+            match stream_rows.get(i) {
+                Some(Row::Latency(stats)) => {
+                    println!("{label}{}", stats.row());
+                    results.push(serde_json::json!({
+                        "stream": stream, "bytes": size, "iterations": stats.iters, "t_min_us": stats.min_us, "t_max_us": stats.max_us,
+                        "t_typical_us": stats.typical_us, "t_avg_us": stats.avg_us, "t_stdev_us": stats.stdev_us,
+                        "p99_us": stats.p99_us, "p999_us": stats.p999_us,
+                    }));
+                }
+                Some(Row::Bandwidth(stats)) => {
+                    println!("{label}{}", stats.row(args.report_gbits));
+                    results.push(serde_json::json!({
+                        "stream": stream, "bytes": size, "iterations": stats.iters, "bw_peak_mib_s": stats.peak_bytes_per_sec / 1048576.0,
+                        "bw_avg_mib_s": stats.avg_bytes_per_sec / 1048576.0, "msg_rate_mpps": stats.msg_rate_mpps,
+                    }));
+                    let sum = total.get_or_insert(BandwidthStats {
+                        bytes: stats.bytes,
+                        iters: 0,
+                        peak_bytes_per_sec: 0.0,
+                        avg_bytes_per_sec: 0.0,
+                        msg_rate_mpps: 0.0,
+                    });
+                    sum.iters += stats.iters;
+                    sum.peak_bytes_per_sec += stats.peak_bytes_per_sec;
+                    sum.avg_bytes_per_sec += stats.avg_bytes_per_sec;
+                    sum.msg_rate_mpps += stats.msg_rate_mpps;
+                }
+                _ => {}
+            }
+        }
+        if let (Some(total), true) = (total, streams > 1) {
+            println!("all {streams} streams: {}", total.row(args.report_gbits));
+        }
+    }
+    println!("{}", "-".repeat(87));
+    if let Some(path) = &args.plot {
+        plot(path, args, ctx.name(), &results).map_err(|what| rdma_comm_core::Error::Os {
+            what: "drawing the plot",
+            source: std::io::Error::other(what),
+        })?;
+    }
+    if let Some(path) = &args.json {
+        let doc = serde_json::json!({
+            "op": format!("{:?}", args.op), "test": format!("{:?}", args.test), "device": ctx.name(),
+            "event_mode": format!("{:?}", event_mode(args)), "signal_interval": args.reactor.signal_interval,
+            "batch": args.reactor.batch_or(16), "streams": streams, "results": results,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(
+            |source| rdma_comm_core::Error::Os {
+                what: "writing the JSON report",
+                source,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// The arguments, for stream threads (parsed once; they live as long as
+/// the process).
+fn args_of() -> &'static Args {
+    static ARGS: std::sync::OnceLock<Args> = std::sync::OnceLock::new();
+    ARGS.get_or_init(Args::parse)
+}
+
+/// Pins the one reactor thread: `--no-pin`, `--core`, the first of
+/// `--cores`, or a core near the NIC (the server takes the first, the
+/// client the second). Says where, in words, when the NIC's node was no
+/// guide.
+fn pin_one(args: &Args, ctx: &Context) -> rdma_comm_core::Result<()> {
+    let listed = match &args.runtime.cores {
+        Some(list) => parse_core_list(list)?.first().copied(),
+        None => None,
+    };
+    let placement = match (args.core.or(listed), args.no_pin) {
         (_, true) => pin_current_thread(ctx.name(), CorePreference::Unpinned, 0),
         (Some(core), _) => pin_current_thread(ctx.name(), CorePreference::Core(core), 0),
         (None, _) => pin_current_thread(
@@ -176,15 +318,38 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
         ),
     };
     if let Some(reason) = &placement.fallback {
-        eprintln!("lat_bw: {reason}; pinned to core {:?}", placement.core);
+        match placement.core {
+            Some(core) => {
+                eprintln!("lat_bw: the reactor runs on core {core} ({reason}, so any core will do)")
+            }
+            None => eprintln!("lat_bw: the reactor is not pinned ({reason}, and pinning failed)"),
+        }
     }
-    let mut results = Vec::new();
-    if !args.server {
-        print_banner(args, &ctx)?;
-    }
+    Ok(())
+}
+
+/// Where stream `stream` listens or connects: the given port + `stream`.
+fn endpoint_addr(args: &Args, stream: usize) -> rdma_comm_core::Result<String> {
+    let base = match &args.connect {
+        Some(addr) if !args.server => addr.as_str(),
+        _ => args.listen.as_str(),
+    };
+    let bad = || rdma_comm_core::Error::Runtime(format!("{base} is not HOST:PORT"));
+    let (host, port) = base.rsplit_once(':').ok_or_else(bad)?;
+    let port: u16 = port.parse().map_err(|_| bad())?;
+    let port = port
+        .checked_add(stream as u16)
+        .filter(|&p| stream == 0 || p != 0)
+        .ok_or_else(bad)?;
+    Ok(format!("{host}:{port}"))
+}
+
+/// Runs every size on one stream (listening on or connecting to `addr`).
+fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Result<Vec<Row>> {
+    let mut rows = Vec::new();
     for size in sizes(args) {
         let spec = spec(args, size);
-        let mut reactor: Reactor<PerfHandler> = Reactor::new(&pd, reactor_config(args, size))?;
+        let mut reactor: Reactor<PerfHandler> = Reactor::new(pd, reactor_config(args, size))?;
         // Exported through a window per peer: no REMOTE_* rights of its own.
         let buffer = pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?;
         let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
@@ -197,7 +362,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
             config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
                 Ok(vec![Export::new(1, "perf", export.clone(), access)])
             }));
-            let server = ServerSession::bind(args.listen.as_str(), &pd, config)?;
+            let server = ServerSession::bind(addr, pd, config)?;
             let endpoint = server
                 .accept()
                 .ok_or(rdma_comm_core::Error::InvalidArgument(
@@ -214,7 +379,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
                 .with_exports(vec![Export::new(1, "perf", &buffer, access)]);
             config.connect_deadline = Duration::from_secs(60);
             config.auth_key = args.auth.key()?;
-            ClientSession::connect(args.connect.as_deref().unwrap_or_default(), &pd, &config)?
+            ClientSession::connect(addr, pd, &config)?
         };
         let peer =
             endpoint
@@ -247,51 +412,18 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
                 what: failure.to_string(),
             });
         }
-        match &handler {
+        rows.push(match &handler {
             PerfHandler::Latency(client) => {
-                if let Some(stats) = LatencyStats::from_ns(size, &client.latencies_ns()) {
-                    println!("{}", stats.row());
-                    results.push(serde_json::json!({
-                        "bytes": size, "iterations": stats.iters, "t_min_us": stats.min_us, "t_max_us": stats.max_us,
-                        "t_typical_us": stats.typical_us, "t_avg_us": stats.avg_us, "t_stdev_us": stats.stdev_us,
-                        "p99_us": stats.p99_us, "p999_us": stats.p999_us,
-                    }));
+                match LatencyStats::from_ns(size, &client.latencies_ns()) {
+                    Some(stats) => Row::Latency(stats),
+                    None => Row::Served,
                 }
             }
-            PerfHandler::Rate(sender) => {
-                let stats = sender.stats();
-                println!("{}", stats.row(args.report_gbits));
-                results.push(serde_json::json!({
-                    "bytes": size, "iterations": stats.iters, "bw_peak_mib_s": stats.peak_bytes_per_sec / 1048576.0,
-                    "bw_avg_mib_s": stats.avg_bytes_per_sec / 1048576.0, "msg_rate_mpps": stats.msg_rate_mpps,
-                }));
-            }
-            _ => {}
-        }
+            PerfHandler::Rate(sender) => Row::Bandwidth(sender.stats()),
+            _ => Row::Served,
+        });
     }
-    if !args.server {
-        println!("{}", "-".repeat(87));
-        if let Some(path) = &args.plot {
-            plot(path, args, ctx.name(), &results).map_err(|what| rdma_comm_core::Error::Os {
-                what: "drawing the plot",
-                source: std::io::Error::other(what),
-            })?;
-        }
-        if let Some(path) = &args.json {
-            let doc = serde_json::json!({
-                "op": format!("{:?}", args.op), "test": format!("{:?}", args.test), "device": ctx.name(),
-                "event_mode": format!("{:?}", event_mode(args)), "signal_interval": args.reactor.signal_interval,
-                "batch": args.reactor.batch_or(16), "results": results,
-            });
-            std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(
-                |source| rdma_comm_core::Error::Os {
-                    what: "writing the JSON report",
-                    source,
-                },
-            )?;
-        }
-    }
-    Ok(())
+    Ok(rows)
 }
 
 fn print_banner(args: &Args, ctx: &Context) -> rdma_comm_core::Result<()> {

@@ -2,7 +2,7 @@
 //! both sides on the reactor.
 //!
 //! ```text
-//! ping_pong --server [--listen 0.0.0.0:7471] [--max-peers N] [--event-mode blocking]
+//! ping_pong --server [--listen 0.0.0.0:7471] [--max-peers N] [--reactors N] [--cores LIST] [--event-mode blocking]
 //! ping_pong --connect HOST:7471 [--iters 1000] [--size 64] [--op send|write-imm|both] [--batch 1]
 //! ```
 //!
@@ -11,15 +11,17 @@
 //! flight, staged in one pass and so posted with one doorbell. The client
 //! prints an RTT summary and exits 0 only if every byte matched.
 //!
-//! The server serves any number of peers from one reactor thread over its
-//! shared CQ: it echoes SENDs straight out of their receive slots (no copy)
-//! and WRITE_WITH_IMMs back from its inbox, removes a peer when it
-//! disconnects or fails, and keeps serving the others.
+//! The server runs a runtime of `--reactors` pinned reactor threads (one by
+//! default), each serving the peers placed on it over its own CQs: it
+//! echoes SENDs straight out of their receive slots (no copy) and
+//! WRITE_WITH_IMMs back from the peer's inbox, removes a peer when it
+//! disconnects or fails, and keeps serving the others. In the Blocking and
+//! Epoll modes an idle server makes no syscalls at all.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 mod common;
@@ -27,6 +29,7 @@ mod common;
 use clap::{Parser, ValueEnum};
 use rdma_comm_core::Error;
 use rdma_comm_core::reactor::*;
+use rdma_comm_core::runtime::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
 use rdma_perf::Clock;
@@ -68,6 +71,8 @@ struct Args {
     auth: common::AuthArgs,
     #[command(flatten)]
     reactor: common::ReactorArgs,
+    #[command(flatten)]
+    runtime: common::RuntimeArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -81,8 +86,8 @@ enum Op {
 const ROUND_TRIP_DEADLINE: Duration = Duration::from_secs(10);
 /// How often control connections are checked for a vanished peer.
 const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
-/// Peers the server's CQs are sized for at once (more are refused with an
-/// error naming them, until some leave).
+/// Peers each of the server's reactors has CQs for at once (more are
+/// refused with an error naming them, until some leave).
 const MAX_PEERS_AT_ONCE: u32 = 64;
 /// Most pings in flight: the WRITE_WITH_IMM immediate carries the inbox slot
 /// in its top byte and the sequence number in the other 24 bits.
@@ -427,6 +432,26 @@ struct Echoer {
     transport: Option<String>,
     /// The outcome was reported and the session's removal asked for.
     retired: bool,
+    /// Last field, so it drops last: the outcome's line is printed once the
+    /// reactor removed the session (its QP, control socket and, with the
+    /// fields above, its inbox are gone by then).
+    report: Report,
+}
+
+/// A peer's outcome, printed when dropped.
+struct Report {
+    line: Option<String>,
+    /// Told once the line is printed.
+    finished: mpsc::Sender<()>,
+}
+
+impl Drop for Report {
+    fn drop(&mut self) {
+        if let Some(line) = self.line.take() {
+            println!("{line}");
+            let _ = self.finished.send(());
+        }
+    }
 }
 
 impl Echoer {
@@ -465,10 +490,6 @@ impl Echoer {
         }
     }
 
-    fn failure(&self) -> Option<&str> {
-        self.corrupt.as_deref().or(self.transport.as_deref())
-    }
-
     /// Reports how the peer's session ended and has the reactor remove it
     /// after this pass; the other peers go on.
     fn retire(&mut self, ctx: &mut Ctx<'_>, session: SessionId, outcome: Result<u64, String>) {
@@ -477,10 +498,11 @@ impl Echoer {
         }
         self.retired = true;
         let peer = self.peer;
-        match outcome {
-            Ok(count) => println!("peer {peer} done: {count} messages verified and echoed"),
-            Err(err) => println!("peer {peer} error: {err}"),
-        }
+        self.report.line = Some(match outcome {
+            Ok(count) => format!("peer {peer} done: {count} messages verified and echoed"),
+            Err(err) => format!("peer {peer} error: {err}"),
+        });
+        // Printed when the reactor drops this handler with the session.
         ctx.remove_session(session);
     }
 }
@@ -539,7 +561,10 @@ impl Handler for Echoer {
             (_, Some(corrupt)) => Err(corrupt.to_string()),
             // A polite goodbye explains a transport error that followed it.
             (PeerStatus::Disconnected { .. }, None) => Ok(self.seq),
-            (PeerStatus::Lost(err), None) => Err(err.to_string()),
+            (PeerStatus::Lost(err), None) => Err(match &self.transport {
+                Some(transport) => format!("{err} (after {transport})"),
+                None => err.to_string(),
+            }),
             (PeerStatus::Alive, None) => return,
         };
         self.retire(ctx, session, outcome);
@@ -552,17 +577,75 @@ impl Handler for Echoer {
     }
 }
 
+/// Builds each peer's [`Echoer`] on the reactor that serves it.
+struct Echoers {
+    max_size: usize,
+    finished: mpsc::Sender<()>,
+}
+
+impl HandlerFactory for Echoers {
+    type Handler = Echoer;
+
+    fn build(&self, session: &NewSession<'_>) -> rdma_comm_core::Result<Echoer> {
+        let endpoint = session.endpoint;
+        let peer = endpoint.peer();
+        let protocol = |what: &str| Error::Protocol {
+            peer,
+            what: what.into(),
+        };
+        let client_inbox = endpoint
+            .remote_region("inbox")
+            .ok_or_else(|| protocol("it exported no inbox"))?;
+        let inbox = endpoint.exports()[0]
+            .memory
+            .clone()
+            .ok_or_else(|| protocol("its inbox is not readable"))?;
+        println!("peer {peer} connected");
+        Ok(Echoer {
+            peer,
+            retired: false,
+            conn: None,
+            inbox,
+            client_inbox,
+            scratch: vec![0; self.max_size],
+            seq: 0,
+            waiting: VecDeque::with_capacity(MAX_WINDOW),
+            corrupt: None,
+            transport: None,
+            report: Report {
+                line: None,
+                finished: self.finished.clone(),
+            },
+        })
+    }
+
+    fn refused(&self, _reactor: usize, peer: SocketAddr, error: &Error) {
+        println!("peer {peer} error: {error}");
+        let _ = self.finished.send(());
+    }
+}
+
 fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
     let max_size = args.max_size.max(1);
     // A full client window plus the credits the reactor keeps in reserve.
     let depth = MAX_WINDOW as u32 + 8;
-    let mut reactor: Reactor<Echoer> = Reactor::new(
-        &pd,
-        reactor_config(args, max_size, depth, 1, MAX_PEERS_AT_ONCE),
-    )?;
-    let mut config = reactor.server_config(AccessFlags::REMOTE_WRITE);
+    let (finished, outcomes) = mpsc::channel();
+    let config = RuntimeConfig {
+        reactors: args.runtime.reactors.into(),
+        cores: args.runtime.core_choice(false)?,
+        reactor: reactor_config(args, max_size, depth, 1, MAX_PEERS_AT_ONCE),
+        policy: PlacementPolicy::FewestSessions,
+        ..RuntimeConfig::default()
+    };
+    let factory = Echoers {
+        max_size,
+        finished: finished.clone(),
+    };
+    let mut runtime = Runtime::start(&pd, config, factory)?;
+    println!("runtime: {}", runtime.plan());
+    let mut config = runtime.server_config(AccessFlags::REMOTE_WRITE);
     args.dev.apply(&mut config.qp);
     config.max_peers = args.max_peers;
     config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
@@ -577,80 +660,29 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
             AccessFlags::REMOTE_WRITE,
         )])
     }));
-    let server = ServerSession::bind(args.listen.as_str(), &pd, config)?;
-    println!("listening on {}", server.local_addr());
-
+    config.on_failure = Some(Arc::new(|failure: &HandshakeFailure| {
+        println!("rejected {}: {}", failure.peer, failure.error);
+    }));
+    let addr = runtime.serve(args.listen.as_str(), config)?;
+    println!("listening on {addr}");
+    // Every peer ends with one outcome (done, error, or refused by its
+    // reactor); the reactors report them. Waiting here costs nothing.
+    drop(finished);
     let mut served = 0;
-    let mut admin_check = reactor.pass_timer(PEER_CHECK_INTERVAL);
-    loop {
-        let completions = reactor.turn()?;
-        if !admin_check.expired_after(completions) {
-            continue;
-        }
-        for failure in server.take_failures() {
-            println!("rejected {}: {}", failure.peer, failure.error);
-        }
-        while args.max_peers.is_none_or(|max| served < max) {
-            let Some(endpoint) = server.accept_timeout(Duration::ZERO) else {
-                break;
-            };
-            served += 1;
-            let peer = endpoint.peer();
-            let Some(client_inbox) = endpoint.remote_region("inbox") else {
-                println!("peer {peer} error: it exported no inbox");
-                continue;
-            };
-            let Some(inbox) = endpoint.exports()[0].memory.clone() else {
-                println!("peer {peer} error: its inbox is not readable");
-                continue;
-            };
-            let echoer = Echoer {
-                peer,
-                retired: false,
-                conn: None,
-                inbox,
-                client_inbox,
-                scratch: vec![0; max_size],
-                seq: 0,
-                waiting: VecDeque::with_capacity(MAX_WINDOW),
-                corrupt: None,
-                transport: None,
-            };
-            match reactor.add(endpoint, echoer) {
-                Ok(_) => println!("peer {peer} connected"),
-                Err(err) => println!("peer {peer} error: {err}"),
-            }
-        }
-        retire_failed_peers(&mut reactor);
-        let all_served = args.max_peers.is_some_and(|max| served >= max);
-        if all_served && reactor.sessions().next().is_none() {
+    while args.max_peers.is_none_or(|max| served < max) {
+        if outcomes.recv().is_err() {
             break;
         }
+        served += 1;
     }
-    // Report handshakes still in progress too (each ends by its timeout).
-    while server.pending_handshakes() > 0 {
+    // Let handshakes still in progress end on their own (each by its
+    // timeout), so their failures are reported rather than cut short.
+    while runtime.pending_handshakes() > 0 {
         std::thread::sleep(Duration::from_millis(50));
     }
-    for failure in server.take_failures() {
-        println!("rejected {}: {}", failure.peer, failure.error);
+    runtime.stop();
+    for reactor in runtime.join()? {
+        println!("{reactor}");
     }
     Ok(true)
-}
-
-/// Removes peers whose connection failed while their control connection
-/// still looks alive, reporting each (peers that left were retired by the
-/// reactor's peer watch, `Echoer::on_peer_gone`); the rest go on.
-fn retire_failed_peers(reactor: &mut Reactor<Echoer>) {
-    let sessions: Vec<SessionId> = reactor.sessions().collect();
-    for session in sessions {
-        let Some(echoer) = reactor.handler(session) else {
-            continue;
-        };
-        let Some(failure) = echoer.failure().map(str::to_string) else {
-            continue;
-        };
-        if reactor.remove(session).is_some() {
-            println!("peer error: {failure}");
-        }
-    }
 }

@@ -207,6 +207,10 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// A runtime could not be started or used as asked: too few cores, a
+    /// core listed twice, a reactor that failed to start or has stopped.
+    #[error("runtime: {0}")]
+    Runtime(String),
 }
 
 /// Why bytes from a peer were not a valid message.

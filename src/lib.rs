@@ -48,6 +48,7 @@
 pub mod error;
 pub mod pool;
 pub mod reactor;
+pub mod runtime;
 pub mod session;
 mod sys;
 pub mod verbs;

@@ -129,3 +129,32 @@ verbs_test! {
         bandwidth("read");
     }
 }
+
+verbs_test! {
+    fn two_reactors_run_two_streams_and_report_their_sum() {
+        let started = Instant::now();
+        let listen = format!("127.0.0.1:{}", free_port());
+        let common = ["--op", "write", "--test", "bw", "-s", "64", "-n", "2000", "--reactors", "2"];
+        let mut server_args = vec!["--server", "--listen", &listen];
+        server_args.extend(common);
+        let server = lat_bw(&server_args);
+        let mut client_args = vec!["--connect", &listen];
+        client_args.extend(common);
+        let client = finish(lat_bw(&client_args), "the client", started);
+        let server = finish(server, "the server", started);
+        let (stdout, stderr) = (String::from_utf8_lossy(&client.stdout), String::from_utf8_lossy(&client.stderr));
+        assert!(client.status.success() && server.status.success(), "{stdout}\n{stderr}");
+        assert!(stderr.contains("lat_bw: 2 streams, 2 reactors on cores "), "{stderr}");
+        let numbers = |prefix: &str| -> Vec<f64> {
+            let line = stdout
+                .lines()
+                .find(|line| line.starts_with(prefix))
+                .unwrap_or_else(|| panic!("no {prefix:?} row in {stdout}"));
+            line[prefix.len()..].split_whitespace().map(|f| f.parse().unwrap()).collect()
+        };
+        let (a, b, all) = (numbers("stream 0: "), numbers("stream 1: "), numbers("all 2 streams: "));
+        assert_eq!((a.len(), b.len(), all.len()), (5, 5, 5), "{stdout}");
+        assert_eq!(all[1], a[1] + b[1], "iterations add up: {stdout}");
+        assert!((all[3] - (a[3] + b[3])).abs() < 0.01 * all[3] + 0.01, "average bandwidth adds up: {stdout}");
+    }
+}

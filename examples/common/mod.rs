@@ -94,3 +94,32 @@ impl ReactorArgs {
         self.batch.unwrap_or(default).max(1)
     }
 }
+
+/// How many reactors a tool runs, and where (`--reactors`, `--cores`).
+#[derive(Args, Debug, Clone)]
+pub struct RuntimeArgs {
+    /// Reactor threads, each pinned to a core of its own (the NIC's NUMA
+    /// node first).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub reactors: u16,
+    /// Pin reactor i to the i-th core of this list (e.g. 0,2 or 4-7)
+    /// instead of choosing cores near the NIC.
+    #[arg(long, value_name = "LIST")]
+    pub cores: Option<String>,
+}
+
+impl RuntimeArgs {
+    /// The core choice these flags make (`unpinned` when asked not to pin).
+    #[allow(dead_code)]
+    pub fn core_choice(
+        &self,
+        unpinned: bool,
+    ) -> Result<rdma_comm_core::runtime::CoreChoice, rdma_comm_core::Error> {
+        use rdma_comm_core::runtime::{CoreChoice, parse_core_list};
+        Ok(match (&self.cores, unpinned) {
+            (_, true) => CoreChoice::Unpinned,
+            (Some(list), false) => CoreChoice::List(parse_core_list(list)?),
+            (None, false) => CoreChoice::NearDevice,
+        })
+    }
+}

@@ -78,8 +78,15 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             cq_charges,
             gone: false,
         };
+        let watched = record.link.event_fd();
         let key = self.sessions.insert(record);
         debug_assert_eq!(key, Some(session.0));
+        if let Some(fd) = watched
+            && let Err(err) = self.waiter.watch(fd, u64::from(session.0.index))
+        {
+            // The periodic watch (if configured) still sees this peer.
+            log::warn!("cannot wait on a peer's control connection: {err}");
+        }
         // The initial credit updates wait for the next flush.
         self.unsettled = true;
         Ok(session)
@@ -186,6 +193,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// the ones it serves now.
     pub fn remove(&mut self, session: SessionId) -> Option<(L, H)> {
         let record = self.sessions.remove(session.0)?;
+        if !record.gone
+            && let Some(fd) = record.link.event_fd()
+        {
+            self.waiter.unwatch(fd);
+        }
         for &(cq, entries) in &record.cq_charges {
             self.cq_load[cq] = self.cq_load[cq].saturating_sub(entries);
         }

@@ -70,6 +70,9 @@ pub struct ReactorConfig {
     /// Inline payload size to ask the QP for.
     pub max_inline: u32,
     /// Longest sleep in the Blocking and Epoll modes before `on_idle` runs.
+    /// [`Duration::MAX`] (see [`sleeping_until_woken`](Self::sleeping_until_woken))
+    /// sleeps until a completion, a peer event or a [`Waker`](super::Waker)
+    /// ends it, so an idle reactor makes no syscalls at all.
     pub idle_timeout: Duration,
     /// How often the reactor asks each session's peer link whether the peer
     /// is still there ([`Handler::on_peer_gone`](super::Handler::on_peer_gone)); `None` never asks. The
@@ -136,6 +139,15 @@ impl ReactorConfig {
         self.cq_count = self.cq_count.max(needed.div_ceil(per_cq_room));
         let per_cq = needed.div_ceil(self.cq_count) + self.srq_depth;
         self.cq_size = self.cq_size.max(per_cq).max(256);
+        self
+    }
+
+    /// Sleeps (Blocking and Epoll modes) until something happens, never on a
+    /// timer: completions, peers' control connections (see
+    /// [`PeerLink::event_fd`](super::PeerLink::event_fd)) and
+    /// [`Waker`](super::Waker)s end the sleep; `on_idle` runs only after them.
+    pub fn sleeping_until_woken(mut self) -> Self {
+        self.idle_timeout = Duration::MAX;
         self
     }
 
@@ -231,4 +243,14 @@ pub enum SendError {
     /// The request itself is invalid.
     #[error(transparent)]
     Invalid(Error),
+}
+
+/// A connection id made up for unit tests of other modules.
+#[cfg(test)]
+pub(crate) fn slab_key_for_tests(index: u32) -> ConnId {
+    ConnId(Key {
+        index,
+        generation: 1,
+        owner: 0,
+    })
 }

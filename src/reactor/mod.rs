@@ -63,6 +63,7 @@
 mod admin;
 mod config;
 mod conn;
+mod counters;
 mod ctx;
 mod handler;
 mod pass;
@@ -91,7 +92,10 @@ use slab::Slab;
 use srq_pool::SrqPool;
 use wait::Waiter;
 
+#[cfg(test)]
+pub(crate) use config::slab_key_for_tests;
 pub use config::{ConnId, EventMode, ReactorConfig, SendError, SessionId, ThreadMode};
+pub use counters::Counters;
 pub use ctx::{Ctx, HeldRecv};
 pub use handler::Handler;
 pub use pass_timer::{CLOCK_READ_INTERVAL, PassTimer};
@@ -171,6 +175,10 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     peer_timer: Option<PassTimer>,
     /// Completions no connection of ours posted (ignored).
     foreign_completions: u64,
+    /// Running totals ([`Reactor::counters`]).
+    counters: Counters,
+    /// Sessions whose link fd woke the last wait (reused: no allocation).
+    fired: Vec<u64>,
 }
 
 impl<H: Handler, L: PeerLink> fmt::Debug for Reactor<H, L> {
@@ -245,6 +253,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             },
             peer_timer,
             foreign_completions: 0,
+            counters: Counters::default(),
+            fired: Vec::with_capacity(wait::MAX_EVENTS),
         })
     }
 
@@ -352,6 +362,33 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         (self.foreign_completions, reclaimed)
     }
 
+    /// What the reactor has done so far: passes, completions, messages,
+    /// requests, doorbells, sleeps.
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// A handle that wakes the reactor from a sleep (or makes its next wait
+    /// return at once) from any thread: for a loop of its own that also
+    /// waits for work from other threads.
+    pub fn waker(&self) -> Waker {
+        self.waiter.waker.clone()
+    }
+
+    /// Lets `stage` stage work through a [`Ctx`] between passes, as a
+    /// callback would: it goes out with the next pass's doorbells (one per
+    /// QP, shared with whatever the handlers stage in that pass). For work
+    /// that comes from outside the handlers, such as commands other threads
+    /// queued.
+    pub fn with_ctx<R>(&mut self, stage: impl FnOnce(&mut Ctx<'_>) -> R) -> R {
+        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+        let result = stage(&mut ctx);
+        if ctx.touched {
+            self.unsettled = true;
+        }
+        result
+    }
+
     /// Receives of the shared receive queue posted now (or going out with
     /// the current pass), out of [`ReactorConfig::srq_depth`]; `None`
     /// without an SRQ. The rest are consumed and not yet reposted: held by
@@ -433,5 +470,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Asks the reactor's `run` loop to return after this pass.
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Release);
+    }
+
+    /// Whether a [`Stopper`], [`Ctx::stop`] or [`stop`](Self::stop) asked
+    /// the reactor to stop since `run` last returned: for a loop of its own.
+    pub fn stop_requested(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
     }
 }

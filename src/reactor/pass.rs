@@ -38,11 +38,31 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if done == 0 && self.config.event_mode != EventMode::BusyPoll {
             done = self.arm_and_poll()?;
             if done == 0 {
-                self.waiter.wait(self.config.idle_timeout)?;
-                self.drain_channel_events()?;
+                self.wait()?;
             }
         }
         Ok(done)
+    }
+
+    /// Sleeps until a completion, a peer event (a watched control
+    /// connection, see [`PeerLink::event_fd`]), a [`Waker`](super::Waker)
+    /// or the idle timeout, then consumes the completion events and looks
+    /// at the peers whose connection woke it. Call it only after
+    /// [`prepare_wait`](Self::prepare_wait) said nothing is pending: for a
+    /// loop of its own that checks other work between arming and sleeping.
+    /// Returns at once in busy-poll mode.
+    pub fn wait(&mut self) -> Result<()> {
+        if self.config.event_mode == EventMode::BusyPoll {
+            return Ok(());
+        }
+        self.counters.sleeps += 1;
+        self.waiter
+            .wait(self.config.idle_timeout, &mut self.fired)?;
+        self.drain_channel_events()?;
+        if !self.fired.is_empty() {
+            self.check_fired_peers();
+        }
+        Ok(())
     }
 
     /// Polls every CQ once (in batches), dispatches, then flushes: reposts
@@ -56,6 +76,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // once every CQ has been polled empty below, no completion naming
         // them is left and their slab entries can take newcomers.
         let settled = self.conns.quarantined();
+        self.counters.passes += 1;
         for cq_index in 0..self.cqs.len() {
             loop {
                 let n = self.cqs[cq_index].poll(&mut self.wcs)?.len();
@@ -72,8 +93,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if settled > 0 {
             self.conns.release_quarantine(settled);
         }
+        self.counters.completions += done as u64;
         let mut touched = done > 0;
         if done == 0 {
+            self.counters.empty_passes += 1;
             let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
             for (_, session) in self.sessions.iter_mut() {
                 session.handler.on_idle(&mut ctx);
@@ -213,6 +236,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 };
                 let len = wc.byte_len();
                 if wc.opcode() == WcOpcode::RECV_RDMA_WITH_IMM {
+                    self.counters.messages += 1;
                     conn.queue_repost(slot);
                     handler.on_write_imm(&mut ctx, id, wc.imm().unwrap_or(0), len);
                     return;
@@ -226,6 +250,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     return;
                 };
                 let from_srq = conn.uses_srq();
+                self.counters.messages += 1;
                 if conn.peer_credit(credit) {
                     handler.on_established(&mut ctx, id);
                 }
@@ -454,6 +479,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if tail && conn.batch.is_empty() {
             conn.stage_tail_signal();
         }
+        let staged = conn.batch.len() as u64;
+        if staged > 0 {
+            self.counters.doorbells += 1;
+            self.counters.requests += staged;
+        }
         let mut result = conn.post_staged();
         if result.is_ok() && repost {
             match &mut self.srq {
@@ -484,9 +514,41 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             let status = session.link.check_peer();
             if !matches!(status, PeerStatus::Alive) {
                 session.gone = true;
+                if let Some(fd) = session.link.event_fd() {
+                    self.waiter.unwatch(fd);
+                }
                 gone.push((SessionId(key), status));
             }
         }
+        self.tell_gone(gone);
+    }
+
+    /// Looks at the peers whose control connection woke the last wait.
+    #[cold]
+    fn check_fired_peers(&mut self) {
+        let mut gone: Vec<(SessionId, PeerStatus)> = Vec::new();
+        for &token in &self.fired {
+            let Some((key, session)) = self.sessions.get_by_index_mut(token as u32) else {
+                continue;
+            };
+            if session.gone {
+                continue;
+            }
+            let status = session.link.check_peer();
+            if !matches!(status, PeerStatus::Alive) {
+                session.gone = true;
+                // Its connection stays readable (EOF): stop waking on it.
+                if let Some(fd) = session.link.event_fd() {
+                    self.waiter.unwatch(fd);
+                }
+                gone.push((SessionId(key), status));
+            }
+        }
+        self.tell_gone(gone);
+    }
+
+    /// Tells each handler whose peer is gone.
+    fn tell_gone(&mut self, gone: Vec<(SessionId, PeerStatus)>) {
         for (session, status) in gone {
             let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
             if let Some(record) = self.sessions.get_mut(session.0) {

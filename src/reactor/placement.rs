@@ -65,9 +65,14 @@ fn any_core(nth: usize) -> Option<usize> {
 }
 
 /// The device's NUMA node (from sysfs) and that node's CPUs (from hwloc).
-fn cores_near(device: &str) -> Result<(u32, Vec<usize>), String> {
+pub(crate) fn cores_near(device: &str) -> Result<(u32, Vec<usize>), String> {
     let path = format!("/sys/class/infiniband/{device}/device/numa_node");
-    let raw = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path} ({e})"))?;
+    let raw = std::fs::read_to_string(&path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => {
+            format!("{device} has no NUMA node in sysfs (a virtual device, such as Soft-RoCE)")
+        }
+        _ => format!("cannot read {path} ({e})"),
+    })?;
     let node: i64 = raw
         .trim()
         .parse()

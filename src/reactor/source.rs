@@ -10,6 +10,8 @@
 //! [`BIND_WR_ID`](crate::verbs::BIND_WR_ID), which no request of the
 //! reactor's carries), which it never takes for one of its own.
 
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+
 use crate::session::{Endpoint, PeerStatus, SessionLink};
 use crate::verbs::QueuePair;
 
@@ -30,6 +32,17 @@ pub trait PeerLink {
     fn check_peer(&mut self) -> PeerStatus {
         PeerStatus::Alive
     }
+
+    /// A descriptor that becomes readable when the peer has something to
+    /// say (a control connection): a reactor in the Blocking or Epoll mode
+    /// waits on it and checks this peer when it fires, so it needs no timer
+    /// to notice a peer leaving. `None`: only the periodic watch
+    /// ([`ReactorConfig::peer_check_interval`](super::ReactorConfig::peer_check_interval))
+    /// sees this peer go. The descriptor must stay open while the reactor
+    /// serves the session.
+    fn event_fd(&self) -> Option<RawFd> {
+        None
+    }
 }
 
 impl QpSource for Endpoint {
@@ -43,6 +56,10 @@ impl QpSource for Endpoint {
 impl PeerLink for SessionLink {
     fn check_peer(&mut self) -> PeerStatus {
         SessionLink::check_peer(self)
+    }
+
+    fn event_fd(&self) -> Option<RawFd> {
+        Some(self.as_fd().as_raw_fd())
     }
 }
 
@@ -61,5 +78,9 @@ impl PeerLink for () {}
 impl PeerLink for Box<dyn PeerLink> {
     fn check_peer(&mut self) -> PeerStatus {
         (**self).check_peer()
+    }
+
+    fn event_fd(&self) -> Option<RawFd> {
+        (**self).event_fd()
     }
 }

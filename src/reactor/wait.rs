@@ -5,6 +5,10 @@
 //! (plus the eventfd); that epoll fd is what users embed in their own loops.
 //! Either way a wait only starts after the CQs were armed and polled once
 //! more, so a completion that raced the arming is never slept through.
+//!
+//! Peers' control connections can be watched too ([`Waiter::watch`]): a wait
+//! that one of them ends reports its token, so the reactor looks at that
+//! peer only, and an idle reactor needs no timer to notice a peer leaving.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
@@ -14,6 +18,13 @@ use crate::error::{Result, os_result};
 use crate::verbs::CompletionChannel;
 
 use super::EventMode;
+
+/// Most events one epoll wait returns (and watched fds reported per wait).
+pub(crate) const MAX_EVENTS: usize = 16;
+
+/// Marks the epoll data of a watched fd (channels and the waker carry
+/// their fd, which is below 2^31).
+const WATCHED: u64 = 1 << 63;
 
 /// Wakes a sleeping reactor from another thread.
 #[derive(Debug, Clone)]
@@ -50,7 +61,12 @@ impl Waker {
 pub(crate) struct Waiter {
     mode: EventMode,
     epoll: Option<OwnedFd>,
+    /// Blocking mode: the channel, the waker, then the watched fds.
     poll_fds: Vec<libc::pollfd>,
+    /// Tokens of the watched fds, in `poll_fds` order after the fixed ones.
+    tokens: Vec<u64>,
+    /// Fixed entries at the front of `poll_fds`.
+    fixed: usize,
     pub(crate) waker: Waker,
 }
 
@@ -64,6 +80,8 @@ impl Waiter {
             mode,
             epoll: None,
             poll_fds: Vec::new(),
+            tokens: Vec::new(),
+            fixed: 0,
             waker,
         };
         match mode {
@@ -80,6 +98,7 @@ impl Waiter {
                         revents: 0,
                     })
                     .collect();
+                waiter.fixed = waiter.poll_fds.len();
             }
             EventMode::Epoll => {
                 // SAFETY: plain syscall; the descriptor is owned below.
@@ -116,31 +135,101 @@ impl Waiter {
         }
     }
 
-    /// Sleeps until a channel or the waker fires, or `timeout` passes.
-    pub(crate) fn wait(&mut self, timeout: Duration) -> Result<()> {
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    /// Adds `fd` to what a wait watches (event modes only; busy polling
+    /// never waits); a wait it ends reports `token` (below 2^63).
+    pub(crate) fn watch(&mut self, fd: RawFd, token: u64) -> Result<()> {
+        match (self.mode, &self.epoll) {
+            (EventMode::Blocking, _) => {
+                self.poll_fds.push(libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+                self.tokens.push(token);
+            }
+            (EventMode::Epoll, Some(epoll)) => {
+                let mut event = libc::epoll_event {
+                    events: libc::EPOLLIN as u32,
+                    u64: WATCHED | token,
+                };
+                // SAFETY: valid epoll fd, a descriptor the caller keeps open
+                // while it is watched, a valid event pointer.
+                let rc = unsafe {
+                    libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event)
+                };
+                os_result(rc.into(), "epoll_ctl(ADD) of a peer's control connection")?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Stops watching `fd` (before it is closed).
+    pub(crate) fn unwatch(&mut self, fd: RawFd) {
+        match (self.mode, &self.epoll) {
+            (EventMode::Blocking, _) => {
+                if let Some(at) = self.poll_fds[self.fixed..].iter().position(|p| p.fd == fd) {
+                    self.poll_fds.swap_remove(self.fixed + at);
+                    self.tokens.swap_remove(at);
+                }
+            }
+            (EventMode::Epoll, Some(epoll)) => {
+                let mut event = libc::epoll_event { events: 0, u64: 0 };
+                // SAFETY: valid epoll fd and event pointer; a descriptor
+                // that is not in the set only makes the call fail.
+                unsafe { libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, &mut event) };
+            }
+            _ => {}
+        }
+    }
+
+    /// Sleeps until a channel, the waker or a watched fd fires, or
+    /// `timeout` passes ([`Duration::MAX`]: no timeout). The tokens of the
+    /// watched fds that fired go to `fired` (at most [`MAX_EVENTS`]).
+    pub(crate) fn wait(&mut self, timeout: Duration, fired: &mut Vec<u64>) -> Result<()> {
+        fired.clear();
+        let ms = match timeout.as_millis() {
+            ms if ms >= i32::MAX as u128 => -1,
+            ms => ms as i32,
+        };
         let rc = match (self.mode, &self.epoll) {
             (EventMode::Epoll, Some(epoll)) => {
-                let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
-                // SAFETY: valid epoll fd and a buffer of 16 events.
-                unsafe {
+                let mut events = [libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
+                // SAFETY: valid epoll fd and a buffer of MAX_EVENTS events.
+                let rc = unsafe {
                     libc::epoll_wait(
                         epoll.as_raw_fd(),
                         events.as_mut_ptr(),
                         events.len() as i32,
                         ms,
                     )
+                };
+                for event in events.iter().take(rc.max(0) as usize) {
+                    let data = event.u64;
+                    if data & WATCHED != 0 {
+                        fired.push(data & !WATCHED);
+                    }
                 }
+                rc
             }
             (EventMode::Blocking, _) => {
                 // SAFETY: poll_fds is a valid array of pollfd.
-                unsafe {
+                let rc = unsafe {
                     libc::poll(
                         self.poll_fds.as_mut_ptr(),
                         self.poll_fds.len() as libc::nfds_t,
                         ms,
                     )
+                };
+                if rc > 0 {
+                    let watched = self.poll_fds[self.fixed..].iter().zip(&self.tokens);
+                    for (entry, &token) in watched {
+                        if entry.revents != 0 && fired.len() < MAX_EVENTS {
+                            fired.push(token);
+                        }
+                    }
                 }
+                rc
             }
             _ => 0,
         };

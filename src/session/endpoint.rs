@@ -4,6 +4,7 @@
 use std::fmt;
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use super::Export;
@@ -141,6 +142,8 @@ pub struct Endpoint {
     // the link, whose exported regions the peer may have been writing into.
     qps: Vec<SessionQp>,
     link: SessionLink,
+    /// What the server's `place` callback attached (see [`QpHome`](super::QpHome)).
+    pub(super) home_token: Option<Box<dyn std::any::Any + Send>>,
 }
 
 /// Everything of a session but its QPs: the peer's address, the control
@@ -210,14 +213,22 @@ impl Endpoint {
                 closed: false,
                 disconnect_sent: None,
             },
+            home_token: None,
         }
     }
 
     /// Splits the endpoint into its QPs, in negotiated order, and the link
     /// (for a reactor that takes the QPs over). Private CQs are released.
     pub fn into_parts(self) -> (Vec<QueuePair>, SessionLink) {
-        let Endpoint { qps, link } = self;
+        let Endpoint { qps, link, .. } = self;
         (qps.into_iter().map(|c| c.qp).collect(), link)
+    }
+
+    /// Takes what the server's [`place`](super::ServerConfig::place)
+    /// callback attached to this peer ([`QpHome::token`](super::QpHome::token)):
+    /// the router that hands endpoints to reactors reads its choice here.
+    pub fn take_home_token(&mut self) -> Option<Box<dyn std::any::Any + Send>> {
+        self.home_token.take()
     }
 
     /// The link: control connection and regions.
@@ -465,6 +476,15 @@ impl SessionLink {
         self.send_disconnect(0);
         let _ = self.control.shutdown(Shutdown::Both);
         self.closed = true;
+    }
+}
+
+/// The control connection's socket (non-blocking): readable when the peer
+/// sent something or left, for an event loop that waits on it and then calls
+/// [`SessionLink::check_peer`].
+impl AsFd for SessionLink {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.control.as_fd()
     }
 }
 

@@ -42,7 +42,8 @@ pub use client::{ClientConfig, ClientSession};
 pub use endpoint::{CloseReport, Endpoint, NamedRegion, PeerStatus, SessionLink, SessionQp};
 pub use handshake::{PeerHello, Refusal};
 pub use server::{
-    AuthorizeFn, ExportFn, HandshakeFailure, MAX_RECORDED_FAILURES, ServerConfig, ServerSession,
+    AuthorizeFn, ExportFn, FailureFn, HandshakeFailure, MAX_RECORDED_FAILURES, PlaceFn, QpHome,
+    ServerConfig, ServerSession, ServerShutdown,
 };
 
 use crate::error::{Error, Result};

@@ -1,6 +1,8 @@
 //! The accepting side: one listener, a handshake thread per connection,
 //! every one of them bounded in number and in time.
 
+use std::any::Any;
+use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io::{self, Write};
@@ -32,6 +34,39 @@ pub type ExportFn = dyn Fn(SocketAddr, &ProtectionDomain) -> Result<Vec<Export>>
 /// anything is created for it. Runs on the peer's handshake thread, after
 /// authentication when a key is configured.
 pub type AuthorizeFn = dyn Fn(&PeerHello) -> std::result::Result<(), Refusal> + Send + Sync;
+
+/// Chooses where one admitted peer's QPs go, from its hello: a runtime
+/// with several reactors puts each peer on the CQs of the reactor that will
+/// serve it. Runs on the peer's handshake thread right after admission
+/// (after `authorize`), before anything is created; a `Refusal` reaches the
+/// peer as a rejection.
+pub type PlaceFn = dyn Fn(&PeerHello) -> std::result::Result<QpHome, Refusal> + Send + Sync;
+
+/// Where one peer's QPs go (see [`ServerConfig::place`]).
+pub struct QpHome {
+    /// The CQ every QP of the peer reports to.
+    pub cq: CqChoice,
+    /// The shared receive queue they take receives from (`None`: their own).
+    pub srq: Option<SrqAttachment>,
+    /// Travels with the peer's endpoint ([`Endpoint::take_home_token`]) for
+    /// whoever routes it; dropped with the handshake if it fails.
+    pub token: Option<Box<dyn Any + Send>>,
+}
+
+impl fmt::Debug for QpHome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QpHome")
+            .field("cq", &self.cq)
+            .field("srq", &self.srq.is_some())
+            .field("token", &self.token.is_some())
+            .finish()
+    }
+}
+
+/// Called with every failed or refused handshake as it happens (on the
+/// thread that saw it), for a server that reports them without polling
+/// [`ServerSession::take_failures`].
+pub type FailureFn = dyn Fn(&HandshakeFailure) + Send + Sync;
 
 /// Most handshake failures kept for [`ServerSession::take_failures`]; older
 /// ones are dropped (and counted by [`ServerSession::failed_handshakes`]).
@@ -74,6 +109,12 @@ pub struct ServerConfig {
     pub authorize: Option<Arc<AuthorizeFn>>,
     /// Regions to export to each peer (none by default).
     pub exports: Option<Arc<ExportFn>>,
+    /// Chooses each admitted peer's CQ and SRQ (none: `cq` and `srq` for
+    /// every peer).
+    pub place: Option<Arc<PlaceFn>>,
+    /// Told of every failed handshake as it happens (besides the log and
+    /// [`ServerSession::take_failures`]).
+    pub on_failure: Option<Arc<FailureFn>>,
 }
 
 impl fmt::Debug for ServerConfig {
@@ -92,6 +133,8 @@ impl fmt::Debug for ServerConfig {
             .field("auth_key", &self.auth_key)
             .field("authorize", &self.authorize.is_some())
             .field("exports", &self.exports.is_some())
+            .field("place", &self.place.is_some())
+            .field("on_failure", &self.on_failure.is_some())
             .finish()
     }
 }
@@ -112,6 +155,8 @@ impl Default for ServerConfig {
             auth_key: None,
             authorize: None,
             exports: None,
+            place: None,
+            on_failure: None,
         }
     }
 }
@@ -163,6 +208,8 @@ struct State {
     shutdown: AtomicBool,
     /// Wakes the accept thread (shutdown, or `max_peers` reached).
     waker: Waker,
+    /// [`ServerConfig::on_failure`].
+    on_failure: Option<Arc<FailureFn>>,
 }
 
 /// Handshakes in progress: how many, from where, and their sockets (to cut
@@ -237,6 +284,7 @@ impl ServerSession {
             established: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
             waker,
+            on_failure: config.on_failure.clone(),
         });
         let worker = Arc::new(Worker {
             pd: pd.clone(),
@@ -294,10 +342,45 @@ impl ServerSession {
         self.state.failed.load(Ordering::Acquire)
     }
 
+    /// A handle that stops this server from another thread: it stops
+    /// listening, cuts the handshakes in progress, and [`accept`](Self::accept)
+    /// returns `None` once the endpoints already made are taken.
+    pub fn shutdown_handle(&self) -> ServerShutdown {
+        ServerShutdown {
+            state: Arc::clone(&self.state),
+        }
+    }
+
     /// Handshakes that failed since the last call, at most
     /// [`MAX_RECORDED_FAILURES`] of the latest (each was also logged).
     pub fn take_failures(&self) -> Vec<HandshakeFailure> {
         lock(&self.state.failures).drain(..).collect()
+    }
+}
+
+/// Stops a [`ServerSession`] from any thread ([`ServerSession::shutdown_handle`]).
+#[derive(Clone)]
+pub struct ServerShutdown {
+    state: Arc<State>,
+}
+
+impl fmt::Debug for ServerShutdown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerShutdown").finish_non_exhaustive()
+    }
+}
+
+impl ServerShutdown {
+    /// Handshakes in progress right now (see
+    /// [`ServerSession::pending_handshakes`]).
+    pub fn pending_handshakes(&self) -> usize {
+        self.state.pending().total
+    }
+
+    /// Stops listening and cuts the handshakes in progress.
+    pub fn shutdown(&self) {
+        self.state.shutdown.store(true, Ordering::Release);
+        self.state.waker.wake();
     }
 }
 
@@ -336,24 +419,26 @@ impl State {
             "session handshake from {peer} failed: {:?}",
             error.to_string()
         );
+        self.keep_failure(HandshakeFailure { peer, error });
+    }
+
+    fn keep_failure(&self, failure: HandshakeFailure) {
         self.failed.fetch_add(1, Ordering::AcqRel);
+        if let Some(tell) = &self.on_failure {
+            tell(&failure);
+        }
         let mut failures = lock(&self.failures);
         if failures.len() == MAX_RECORDED_FAILURES {
             failures.pop_front();
         }
-        failures.push_back(HandshakeFailure { peer, error });
+        failures.push_back(failure);
     }
 
     /// Records a connection refused at the door (logged at debug level: a
     /// flood of them must not flood the log).
     fn record_refusal(&self, peer: SocketAddr, reason: String) {
         log::debug!("session connection from {peer} refused: {reason}");
-        self.failed.fetch_add(1, Ordering::AcqRel);
-        let mut failures = lock(&self.failures);
-        if failures.len() == MAX_RECORDED_FAILURES {
-            failures.pop_front();
-        }
-        failures.push_back(HandshakeFailure {
+        self.keep_failure(HandshakeFailure {
             peer,
             error: Error::Unauthorized { peer, reason },
         });
@@ -602,6 +687,8 @@ struct ServerSide<'a> {
     peer: SocketAddr,
     qps: Vec<SessionQp>,
     exports: Vec<Export>,
+    /// Where `place` put the peer (set at admission).
+    home: &'a RefCell<Option<QpHome>>,
     windows: Option<ExportWindows>,
     bound: Vec<BoundWindow>,
 }
@@ -609,16 +696,22 @@ struct ServerSide<'a> {
 impl Resources for ServerSide<'_> {
     fn build(&mut self, offer: Option<&Handshake>) -> Result<Handshake> {
         let config = &self.worker.config;
+        let home = self.home.borrow();
+        let (cq, srq) = match home.as_ref() {
+            Some(home) => (&home.cq, &home.srq),
+            None => (&config.cq, &config.srq),
+        };
         let specs: Vec<QpSpec> = offer
             .map_or(&[][..], |offer| &offer.qps)
             .iter()
             .map(|qp| QpSpec {
                 name: qp.name.clone(),
-                cq: config.cq.clone(),
+                cq: cq.clone(),
                 qp: config.qp.clone(),
-                srq: config.srq.clone(),
+                srq: srq.clone(),
             })
             .collect();
+        drop(home);
         if let Some(make) = &config.exports {
             self.exports = make(self.peer, &self.worker.pd)?;
             check_exports(&self.worker.pd, &self.exports)?;
@@ -647,11 +740,13 @@ fn serve_handshake<'a>(
 ) -> Result<Endpoint> {
     let config = &worker.config;
     let mut control = Control::new(stream, peer, config.handshake_timeout, config.hello_timeout);
+    let home = RefCell::new(None);
     let mut side = ServerSide {
         worker,
         peer,
         qps: Vec::new(),
         exports: Vec::new(),
+        home: &home,
         windows: None,
         bound: Vec::new(),
     };
@@ -661,16 +756,21 @@ fn serve_handshake<'a>(
         config.max_qps.min(MAX_QPS),
         |hello| {
             *admission = Some(admit(worker, hello)?);
+            if let Some(place) = &config.place {
+                *home.borrow_mut() = Some(place(hello)?);
+            }
             Ok(())
         },
         &mut side,
     )?;
-    Ok(Endpoint::new(
+    let mut endpoint = Endpoint::new(
         peer,
         side.qps,
         side.exports,
         side.bound,
         offer.regions,
         control.into_stream()?,
-    ))
+    );
+    endpoint.home_token = home.into_inner().and_then(|home| home.token);
+    Ok(endpoint)
 }

@@ -11,6 +11,8 @@
 pub mod ping_pong;
 pub mod process;
 pub mod reactor;
+pub mod runtime;
+pub mod syscalls;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

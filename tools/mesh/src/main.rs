@@ -92,6 +92,10 @@ struct Args {
     /// chosen by the node-local rank).
     #[arg(long)]
     no_pin: bool,
+    /// Pin the rank with node-local rank i to the i-th core of this list
+    /// (e.g. 0,2,4-7) instead of choosing cores near the NIC.
+    #[arg(long, value_name = "LIST", conflicts_with = "no_pin")]
+    cores: Option<String>,
     #[command(flatten)]
     dev: common::DeviceArgs,
     #[command(flatten)]
@@ -728,13 +732,29 @@ fn run(args: &Args) -> Result<bool, String> {
     let world = world(args)?;
     let ctx = Context::open_default(args.dev.device.as_deref()).map_err(|err| err.to_string())?;
     if !args.no_pin {
-        let placement =
-            pin_current_thread(ctx.name(), CorePreference::NearDevice, world.local_rank);
-        if let Some(reason) = &placement.fallback {
-            eprintln!(
-                "mesh: rank {}: {reason}; pinned to core {:?}",
-                world.rank, placement.core
-            );
+        let preference = match &args.cores {
+            Some(list) => {
+                let cores = rdma_comm_core::runtime::parse_core_list(list)
+                    .map_err(|err| err.to_string())?;
+                let core = cores.get(world.local_rank).copied().ok_or_else(|| {
+                    format!(
+                        "--cores lists {} cores, but this node runs node-local rank {}",
+                        cores.len(),
+                        world.local_rank
+                    )
+                })?;
+                CorePreference::Core(core)
+            }
+            None => CorePreference::NearDevice,
+        };
+        let placement = pin_current_thread(ctx.name(), preference, world.local_rank);
+        if let (Some(reason), true) = (&placement.fallback, world.rank == 0) {
+            match placement.core {
+                Some(core) => eprintln!(
+                    "mesh: rank 0 runs on core {core} ({reason}, so any core will do; each rank takes the core of its node-local rank)"
+                ),
+                None => eprintln!("mesh: rank 0 is not pinned ({reason}, and pinning failed)"),
+            }
         }
     }
     let pd = ctx.alloc_pd().map_err(|err| err.to_string())?;

@@ -1,0 +1,37 @@
+//! What a reactor has done so far: plain counters it bumps as it goes (no
+//! atomics on the data path), read between passes.
+
+/// Running totals of one reactor, since it was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Passes ([`Reactor::poll_once`](super::Reactor::poll_once) calls,
+    /// directly or through `turn`, `run` and `prepare_wait`).
+    pub passes: u64,
+    /// Passes that found no completion.
+    pub empty_passes: u64,
+    /// Completions polled from the reactor's CQs (credit updates and
+    /// unsignaled-tail signals included).
+    pub completions: u64,
+    /// Messages handed to handlers: SENDs (`on_message`) and
+    /// WRITE_WITH_IMMs (`on_write_imm`), not credit updates.
+    pub messages: u64,
+    /// Send-queue requests posted (SENDs, WRITEs, READs, forwards, credit
+    /// updates).
+    pub requests: u64,
+    /// Doorbells rung: one `ibv_post_send` per QP per pass with staged work.
+    pub doorbells: u64,
+    /// Times the reactor went to sleep (Blocking and Epoll modes).
+    pub sleeps: u64,
+}
+
+impl Counters {
+    /// The share of passes that found nothing to do, from 0 to 1 (0 before
+    /// the first pass). In the event modes a sleep ends an empty pass, so
+    /// this is the share of passes spent waiting.
+    pub fn idle_fraction(&self) -> f64 {
+        if self.passes == 0 {
+            return 0.0;
+        }
+        self.empty_passes as f64 / self.passes as f64
+    }
+}

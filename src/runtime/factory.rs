@@ -1,0 +1,121 @@
+//! Building each session's handler on the reactor thread that will own it,
+//! so a handler need not be `Send` (it may hold `Rc`s, or state shared by
+//! the sessions of one reactor only).
+
+use std::net::SocketAddr;
+
+use crate::error::{Error, Result};
+use crate::reactor::{ConnId, Ctx, Handler, SessionId};
+use crate::session::{Endpoint, PeerHello, PeerStatus};
+
+use super::port::Seat;
+
+/// A session about to be served, as its handler's factory sees it.
+#[derive(Debug)]
+pub struct NewSession<'a> {
+    /// The reactor that will serve it.
+    pub reactor: usize,
+    /// The connected endpoint: the peer's address, its regions, ours.
+    pub endpoint: &'a Endpoint,
+    /// What the peer said in its hello (sessions a listener accepted).
+    pub hello: Option<&'a PeerHello>,
+}
+
+/// Builds handlers; runs on the reactor threads (so it is shared: `Sync`),
+/// each handler on the thread of the reactor that serves its session. A
+/// handler that calls [`Ctx::stop`] stops its reactor; the handlers of the
+/// sessions a stopping reactor still serves come back through
+/// [`stopped`](Self::stopped).
+///
+/// Any `Fn(&NewSession) -> Result<H>` is a factory:
+///
+/// ```no_run
+/// # use rdma_comm_core::reactor::*;
+/// # use rdma_comm_core::runtime::*;
+/// struct Echo;
+/// impl Handler for Echo {
+///     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+///         let _ = ctx.send(conn, data, imm);
+///     }
+/// }
+/// let factory = |_: &NewSession<'_>| Ok::<_, rdma_comm_core::Error>(Echo);
+/// # let _ = factory;
+/// ```
+pub trait HandlerFactory: Send + Sync + 'static {
+    /// The handler of one session.
+    type Handler: Handler + 'static;
+
+    /// The handler for `session`. An error refuses the session: its
+    /// endpoint is dropped (telling the peer goodbye) and
+    /// [`refused`](Self::refused) is told why.
+    fn build(&self, session: &NewSession<'_>) -> Result<Self::Handler>;
+
+    /// A session that reached `reactor` was not served: `build` or the
+    /// reactor refused it (its QPs not on the reactor's CQs, no room left).
+    /// Logs by default.
+    fn refused(&self, reactor: usize, peer: SocketAddr, error: &Error) {
+        log::warn!("reactor {reactor} did not take the session of {peer}: {error}");
+    }
+
+    /// Reactor `reactor` stopped while it still served a session: its
+    /// handler comes back here (after the session's QPs are destroyed and
+    /// its peer told goodbye), for results it holds. Drops it by default.
+    fn stopped(&self, reactor: usize, handler: Self::Handler) {
+        let _ = (reactor, handler);
+    }
+}
+
+impl<F, H> HandlerFactory for F
+where
+    F: Fn(&NewSession<'_>) -> Result<H> + Send + Sync + 'static,
+    H: Handler + 'static,
+{
+    type Handler = H;
+
+    fn build(&self, session: &NewSession<'_>) -> Result<H> {
+        self(session)
+    }
+}
+
+/// A handler and the seat that counts its session on its reactor.
+pub(crate) struct Seated<H> {
+    pub(crate) handler: H,
+    pub(crate) _seat: Seat,
+}
+
+impl<H: Handler> Handler for Seated<H> {
+    #[inline]
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.handler.on_established(ctx, conn)
+    }
+    #[inline]
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
+        self.handler.on_message(ctx, conn, data, imm)
+    }
+    #[inline]
+    fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
+        self.handler.on_write_imm(ctx, conn, imm, len)
+    }
+    #[inline]
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.handler.on_send_complete(ctx, conn, seq)
+    }
+    #[inline]
+    fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.handler.on_write_complete(ctx, conn, seq)
+    }
+    #[inline]
+    fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
+        self.handler.on_read_complete(ctx, conn, seq)
+    }
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
+        self.handler.on_error(ctx, conn, error)
+    }
+    fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
+        self.handler.on_peer_gone(ctx, session, status)
+    }
+    #[inline]
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        self.handler.on_idle(ctx)
+    }
+}

@@ -1,0 +1,220 @@
+//! One reactor thread: pins itself, builds its reactor (its CQs, its SRQ),
+//! then runs passes: new sessions and rings from its queue when idle (and
+//! every so many busy passes), commands from the rings staged before each
+//! pass so they share its doorbells, and in the event modes a sleep that
+//! only a completion, a peer, a new arrival or a stop ends.
+
+use std::sync::Arc;
+use std::sync::mpsc::SyncSender;
+
+use crate::error::{Error, Result};
+use crate::reactor::{EventMode, Reactor, ReactorConfig, SendError};
+use crate::verbs::{AccessFlags, ProtectionDomain};
+
+use super::factory::{HandlerFactory, NewSession, Seated};
+use super::port::{Arrival, Incoming, Port, Setup};
+use super::submit::Consumer;
+
+/// Busy passes between two looks at the arrival queue (idle passes always
+/// look): a saturated reactor still takes newcomers.
+const ARRIVAL_CHECK_PASSES: u32 = 256;
+/// Passes between two publications of the statistics (and always before
+/// sleeping, and at the end).
+const PUBLISH_PASSES: u32 = 1024;
+
+/// Everything a reactor thread starts from.
+pub(crate) struct Start<F> {
+    pub(crate) port: Arc<Port>,
+    pub(crate) pd: ProtectionDomain,
+    pub(crate) config: ReactorConfig,
+    pub(crate) factory: Arc<F>,
+    pub(crate) ready: SyncSender<Result<()>>,
+}
+
+/// The thread's body: set-up, then the loop until stopped. The reactor (and
+/// with it every session it serves) is dropped on the way out, telling the
+/// peers goodbye.
+pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
+    let Start {
+        port,
+        pd,
+        config,
+        factory,
+        ready,
+    } = start;
+    let mut reactor = match set_up::<F>(&port, &pd, config) {
+        Ok(reactor) => {
+            port.running
+                .store(true, std::sync::atomic::Ordering::Release);
+            let _ = ready.send(Ok(()));
+            reactor
+        }
+        Err(err) => {
+            let message = err.to_string();
+            let _ = ready.send(Err(err));
+            return Err(Error::Runtime(format!(
+                "reactor {} did not start: {message}",
+                port.index
+            )));
+        }
+    };
+    let mut worker = Worker {
+        port: &port,
+        factory: &*factory,
+        rings: Vec::new(),
+        commands: 0,
+    };
+    let result = worker.serve(&mut reactor);
+    port.running
+        .store(false, std::sync::atomic::Ordering::Release);
+    worker.publish(&reactor);
+    // Sessions and rings still queued are dropped with the queue's items.
+    while port.arrivals.pop().is_some() {}
+    drop(reactor);
+    result.map_err(|err| Error::Runtime(format!("reactor {} failed: {err}", port.index)))
+}
+
+fn set_up<F: HandlerFactory>(
+    port: &Port,
+    pd: &ProtectionDomain,
+    config: ReactorConfig,
+) -> Result<Reactor<Seated<F::Handler>>> {
+    if let Some(core) = port.core
+        && !core_affinity::set_for_current(core_affinity::CoreId { id: core })
+    {
+        return Err(Error::Runtime(format!(
+            "reactor {} could not be pinned to core {core}",
+            port.index
+        )));
+    }
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    port.stats.set_thread_id(tid as u64);
+    let mut reactor = Reactor::new(pd, config)?;
+    let specs = (0..reactor.config().cq_count.max(1))
+        .map(|_| reactor.qp_spec_with_access("", AccessFlags::empty()))
+        .collect();
+    let _ = port.setup.set(Setup::new(reactor.waker(), specs));
+    Ok(reactor)
+}
+
+struct Worker<'a, F> {
+    port: &'a Port,
+    factory: &'a F,
+    rings: Vec<Consumer>,
+    /// Commands staged from the rings.
+    commands: u64,
+}
+
+impl<F: HandlerFactory> Worker<'_, F> {
+    fn serve(&mut self, reactor: &mut Reactor<Seated<F::Handler>>) -> Result<()> {
+        let may_sleep = reactor.config().event_mode != EventMode::BusyPoll;
+        let port = self.port;
+        let (mut busy_passes, mut since_publish) = (0u32, 0u32);
+        let mut look = true;
+        // A handler's Ctx::stop stops this reactor.
+        while !port.stop.load(std::sync::atomic::Ordering::Acquire) && !reactor.stop_requested() {
+            if look || busy_passes >= ARRIVAL_CHECK_PASSES {
+                self.take_arrivals(reactor);
+                busy_passes = 0;
+            }
+            if !self.rings.is_empty() {
+                self.stage_commands(reactor);
+            }
+            let done = reactor.poll_once()?;
+            look = done == 0;
+            busy_passes += 1;
+            since_publish += 1;
+            if since_publish >= PUBLISH_PASSES {
+                self.publish(reactor);
+                since_publish = 0;
+            }
+            if done == 0 && may_sleep && reactor.prepare_wait()? {
+                self.publish(reactor);
+                since_publish = 0;
+                port.going_to_sleep();
+                if !self.has_news() && !reactor.stop_requested() {
+                    reactor.wait()?;
+                }
+                port.awake();
+            }
+        }
+        Ok(())
+    }
+
+    /// Something arrived or was asked since the reactor last looked.
+    fn has_news(&self) -> bool {
+        self.port.stop.load(std::sync::atomic::Ordering::Acquire)
+            || !self.port.arrivals.is_empty()
+            || self.rings.iter().any(Consumer::has_news)
+    }
+
+    /// Serves the sessions and takes the rings that arrived.
+    #[cold]
+    fn take_arrivals(&mut self, reactor: &mut Reactor<Seated<F::Handler>>) {
+        while let Some(arrival) = self.port.arrivals.pop() {
+            match arrival {
+                Arrival::Ring(ring) => self.rings.push(ring),
+                Arrival::Session(incoming) => {
+                    let Incoming {
+                        endpoint,
+                        seat,
+                        hello,
+                    } = *incoming;
+                    let peer = endpoint.peer();
+                    let session = NewSession {
+                        reactor: self.port.index,
+                        endpoint: &endpoint,
+                        hello: hello.as_ref(),
+                    };
+                    let added = self.factory.build(&session).and_then(|handler| {
+                        reactor.add(
+                            endpoint,
+                            Seated {
+                                handler,
+                                _seat: seat,
+                            },
+                        )
+                    });
+                    if let Err(err) = added {
+                        self.factory.refused(self.port.index, peer, &err);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stages the rings' commands in order until a connection cannot take
+    /// one (it waits there for a completion to make room).
+    #[inline]
+    fn stage_commands(&mut self, reactor: &mut Reactor<Seated<F::Handler>>) {
+        let rings = &mut self.rings;
+        let staged = reactor.with_ctx(|ctx| {
+            let mut staged = 0;
+            for ring in rings.iter_mut() {
+                while let Some((command, payload)) = ring.peek() {
+                    match ctx.send(command.conn, payload, command.imm()) {
+                        Ok(_) => {
+                            ring.pop(true);
+                            staged += 1;
+                        }
+                        Err(SendError::WouldBlock) => break,
+                        Err(_) => ring.pop(false),
+                    }
+                }
+            }
+            staged
+        });
+        self.commands += staged;
+        if self.rings.iter().any(Consumer::is_finished) {
+            self.rings.retain(|ring| !ring.is_finished());
+        }
+    }
+
+    fn publish(&self, reactor: &Reactor<Seated<F::Handler>>) {
+        let sessions = reactor.sessions().count();
+        self.port
+            .stats
+            .publish(&reactor.counters(), sessions, self.commands);
+    }
+}
