@@ -188,7 +188,20 @@ verbs_test! {
             reactor: blocking(1),
             ..RuntimeConfig::default()
         };
-        let err = Runtime::start(&pd, config, echo_factory(tx)).unwrap_err().to_string();
+        let err = Runtime::start(&pd, config, echo_factory(tx.clone())).unwrap_err().to_string();
         assert!(err.contains("core 0 is listed twice"), "{err}");
+        // Submission rings whose slots would overflow (or exhaust) memory
+        // are refused before anything is allocated.
+        for (ring, slot) in [(2, 1usize << 63), (1 << 20, 1024), (1024, usize::MAX)] {
+            let config = RuntimeConfig {
+                reactors: 1,
+                submit_ring: ring,
+                submit_slot_size: slot,
+                reactor: blocking(1),
+                ..RuntimeConfig::default()
+            };
+            let err = Runtime::start(&pd, config, echo_factory(tx.clone())).unwrap_err().to_string();
+            assert!(err.contains("submission rings hold at most"), "{ring} × {slot}: {err}");
+        }
     }
 }

@@ -73,6 +73,11 @@ pub use submit::{INLINE_PAYLOAD, SubmitError};
 use policy::Chooser;
 use port::{Arrival, Incoming, Port, Seat};
 
+/// Largest payload slot of a submission ring entry.
+pub const MAX_SUBMIT_SLOT: usize = 1 << 20;
+/// Most commands in one submission ring.
+pub const MAX_SUBMIT_RING: usize = 1 << 16;
+
 /// How many reactors, where, and how sessions and commands reach them.
 #[derive(Debug, Clone)]
 pub struct RuntimeConfig {
@@ -93,7 +98,8 @@ pub struct RuntimeConfig {
     /// Commands in each submission ring (rounded up to a power of two).
     pub submit_ring: usize,
     /// Payload bytes each submission ring entry can carry beyond the
-    /// [`INLINE_PAYLOAD`] that fit in the command (0: inline only).
+    /// [`INLINE_PAYLOAD`] that fit in the command (0: inline only; at most
+    /// [`MAX_SUBMIT_SLOT`]).
     pub submit_slot_size: usize,
     /// Name prefix of the reactor threads (`NAME-0`, `NAME-1`, ...).
     pub thread_name: String,
@@ -245,6 +251,24 @@ impl Runtime {
         config: RuntimeConfig,
         factory: F,
     ) -> Result<Self> {
+        // Each ring allocates `submit_ring × submit_slot_size` bytes up
+        // front: bounded, so that the product can neither overflow nor
+        // exhaust memory, and a slot length always fits a command's u32.
+        if config.submit_slot_size > MAX_SUBMIT_SLOT
+            || config.submit_ring > MAX_SUBMIT_RING
+            || config
+                .submit_ring
+                .max(2)
+                .next_power_of_two()
+                .checked_mul(config.submit_slot_size)
+                .is_none()
+        {
+            return Err(Error::Runtime(format!(
+                "submission rings hold at most {MAX_SUBMIT_RING} commands with slots of at most \
+                 {MAX_SUBMIT_SLOT} bytes (asked for {} of {})",
+                config.submit_ring, config.submit_slot_size
+            )));
+        }
         let device = pd.context().name().to_string();
         let plan = CorePlan::choose(&device, config.reactors, &config.cores)?;
         let mut reactor_config = config.reactor.clone();

@@ -64,7 +64,16 @@ pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
         rings: Vec::new(),
         commands: 0,
     };
-    let result = worker.serve(&mut reactor);
+    // A panic in a handler or the factory ends this reactor like an error:
+    // it is marked closed and its queue drained, so placement stops sending
+    // peers to a thread that no longer serves them.
+    let result =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.serve(&mut reactor)))
+            .unwrap_or_else(|_| {
+                Err(Error::Runtime(
+                    "a handler or the handler factory panicked".into(),
+                ))
+            });
     port.running
         .store(false, std::sync::atomic::Ordering::Release);
     worker.publish(&reactor);
