@@ -7,6 +7,7 @@ mod util;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -202,6 +203,50 @@ verbs_test! {
             };
             let err = Runtime::start(&pd, config, echo_factory(tx.clone())).unwrap_err().to_string();
             assert!(err.contains("submission rings hold at most"), "{ring} × {slot}: {err}");
+        }
+    }
+}
+
+/// Counts the handlers a stopping reactor hands back.
+struct HandsBack<F> {
+    inner: F,
+    stopped: Arc<AtomicUsize>,
+}
+
+impl<F: HandlerFactory> HandlerFactory for HandsBack<F> {
+    type Handler = F::Handler;
+
+    fn build(&self, session: &NewSession<'_>) -> rdma_comm_core::Result<Self::Handler> {
+        self.inner.build(session)
+    }
+
+    fn stopped(&self, _reactor: usize, handler: Self::Handler) {
+        drop(handler);
+        self.stopped.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+verbs_test! {
+    fn a_stopping_reactor_hands_its_sessions_handlers_back_to_the_factory() {
+        let _serial = serial();
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let (tx, events) = mpsc::channel();
+        let stopped = Arc::new(AtomicUsize::new(0));
+        let factory = HandsBack { inner: echo_factory(tx), stopped: Arc::clone(&stopped) };
+        let mut runtime = Runtime::start(&pd, two_reactors(PlacementPolicy::RoundRobin), factory).unwrap();
+        let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty())).unwrap();
+        // Two clients that stay connected while the runtime stops.
+        let clients: Vec<_> = ["a", "b"]
+            .iter()
+            .map(|id| ping_client(addr, id, 5, Duration::from_secs(5)))
+            .collect();
+        built(&events, 2);
+        runtime.stop();
+        runtime.join().unwrap();
+        assert_eq!(stopped.load(Ordering::Acquire), 2, "both handlers came back");
+        for client in clients {
+            let _ = client.join().unwrap();
         }
     }
 }

@@ -79,6 +79,17 @@ pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
     worker.publish(&reactor);
     // Sessions and rings still queued are dropped with the queue's items.
     while port.arrivals.pop().is_some() {}
+    // The sessions still served go one by one (QPs destroyed, the peer told
+    // goodbye as the link drops), and their handlers back to the factory.
+    let served: Vec<_> = reactor.sessions().collect();
+    for session in served {
+        if let Some((link, seated)) = reactor.remove(session) {
+            drop(link);
+            let Seated { handler, _seat } = seated;
+            drop(_seat);
+            factory.stopped(port.index, handler);
+        }
+    }
     drop(reactor);
     result.map_err(|err| Error::Runtime(format!("reactor {} failed: {err}", port.index)))
 }
