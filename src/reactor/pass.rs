@@ -8,7 +8,9 @@ use crate::verbs::{BIND_WR_ID, WcOpcode, WorkCompletion};
 
 use super::conn::{OpKind, WrKind, decode_wr_id, same_generation};
 use super::slab::Key;
-use super::{ConnId, Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, SessionId};
+use super::{
+    ConnId, Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, Session, SessionId, Waiter,
+};
 
 /// Empty busy-poll passes after which unsignaled tails are signaled out.
 const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
@@ -508,15 +510,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     fn check_peers(&mut self) {
         let mut gone: Vec<(SessionId, PeerStatus)> = Vec::new();
         for (key, session) in self.sessions.iter_mut() {
-            if session.gone {
-                continue;
-            }
-            let status = session.link.check_peer();
-            if !matches!(status, PeerStatus::Alive) {
-                session.gone = true;
-                if let Some(fd) = session.link.event_fd() {
-                    self.waiter.unwatch(fd);
-                }
+            if let Some(status) = Self::check_one(&mut self.waiter, session) {
                 gone.push((SessionId(key), status));
             }
         }
@@ -531,20 +525,30 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             let Some((key, session)) = self.sessions.get_by_index_mut(token as u32) else {
                 continue;
             };
-            if session.gone {
-                continue;
-            }
-            let status = session.link.check_peer();
-            if !matches!(status, PeerStatus::Alive) {
-                session.gone = true;
-                // Its connection stays readable (EOF): stop waking on it.
-                if let Some(fd) = session.link.event_fd() {
-                    self.waiter.unwatch(fd);
-                }
+            if let Some(status) = Self::check_one(&mut self.waiter, session) {
                 gone.push((SessionId(key), status));
             }
         }
         self.tell_gone(gone);
+    }
+
+    /// Checks one session's control connection, unless its peer is known
+    /// gone already; a peer found gone is marked so, its connection (which
+    /// stays readable at EOF) no longer wakes the wait, and its status is
+    /// returned.
+    fn check_one(waiter: &mut Waiter, session: &mut Session<H, L>) -> Option<PeerStatus> {
+        if session.gone {
+            return None;
+        }
+        let status = session.link.check_peer();
+        if matches!(status, PeerStatus::Alive) {
+            return None;
+        }
+        session.gone = true;
+        if let Some(fd) = session.link.event_fd() {
+            waiter.unwatch(fd);
+        }
+        Some(status)
     }
 
     /// Tells each handler whose peer is gone.
