@@ -1,12 +1,15 @@
 //! What the runtime promises, measured in the guest:
 //! - commands an application thread submits through a ring reach the peer
-//!   intact, and while 100,000 of them flow the whole process allocates
-//!   nothing, the submitting thread makes no syscall at all (no lock, no
-//!   wake-up: the reactor busy-polls) and the reactor thread none besides
-//!   its doorbells; and they share the reactor's doorbells;
+//!   intact, and while 1,000,000 of them flow (the ring running full) the
+//!   whole process allocates nothing, the submitting thread makes no
+//!   syscall at all (no lock, no wake-up: the reactor busy-polls) and the
+//!   reactor thread none besides its doorbells; and they share the
+//!   reactor's doorbells;
+//! - commands submitted to a sleeping reactor wake it;
 //! - an idle runtime in Blocking mode makes no syscalls at all, with or
 //!   without peers, and still wakes for a new session, a peer that leaves
-//!   and a stop.
+//!   and a stop; a reactor sleeping without a timer still loses a peer
+//!   whose control frame stops halfway, at that frame's deadline.
 //!
 //! Allocations are counted process-wide while a window is open, with a
 //! counting `#[global_allocator]`; syscalls with perf events on the
@@ -39,7 +42,10 @@ static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 static CULPRITS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
 
 fn note(size: usize) {
-    if MEASURING.load(Ordering::Relaxed) {
+    // The test harness's main thread (tid = pid) is not the system under
+    // test: it allocates to print "has been running for over 60 seconds".
+    // SAFETY: getpid and gettid have no preconditions.
+    if MEASURING.load(Ordering::Relaxed) && unsafe { libc::gettid() != libc::getpid() } {
         let n = ALLOCATIONS.fetch_add(1, Ordering::Relaxed) as usize;
         if let Some(slot) = CULPRITS.get(n) {
             // SAFETY: gettid has no preconditions.
@@ -94,7 +100,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
 static GLOBAL: CountingAllocator = CountingAllocator;
 
 const WARM_UP: u64 = 2_000;
-const MEASURED: u64 = 100_000;
+const MEASURED: u64 = 1_000_000;
 
 /// Length of command `seq`: most inline, every third in the entry's slot.
 fn command_len(seq: u64) -> usize {
@@ -123,15 +129,63 @@ impl Handler for Sink {
     }
 }
 
+/// Times a submission found the ring full.
+static RING_FULL: AtomicU64 = AtomicU64::new(0);
+
 /// Submits command `seq`, spinning (no syscall) while the ring is full.
 fn submit(submitter: &mut Submitter, conn: ConnId, seq: u64) {
+    let mut full = false;
     loop {
         match submitter.send_with(conn, command_len(seq), Some(seq as u32), |buf| {
             fill(buf, seq)
         }) {
-            Ok(()) => return,
-            Err(SubmitError::WouldBlock) => std::hint::spin_loop(),
+            Ok(()) => break,
+            Err(SubmitError::WouldBlock) => {
+                full = true;
+                std::hint::spin_loop()
+            }
             Err(err) => panic!("command {seq}: {err}"),
+        }
+    }
+    if full {
+        RING_FULL.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The peer of the submission tests: a sink checking every command's
+/// message on a reactor of its own, in a thread, until `release`.
+fn sink_peer(
+    addr: std::net::SocketAddr,
+    bad: Arc<AtomicU64>,
+    got: Arc<AtomicU64>,
+    release: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let config = ReactorConfig {
+            event_mode: EventMode::Blocking,
+            idle_timeout: Duration::from_millis(50),
+            ..ReactorConfig::for_traffic(512, 64, 1)
+        };
+        let mut reactor: Reactor<Sink> = Reactor::new(&pd, config).unwrap();
+        let spec = reactor.qp_spec("rpc");
+        let endpoint = ClientSession::connect(addr, &pd, &ClientConfig::new(vec![spec])).unwrap();
+        reactor.add(endpoint, Sink { next: 0, bad, got }).unwrap();
+        let started = Instant::now();
+        while !release.load(Ordering::Acquire) && started.elapsed() < 20 * DEADLINE {
+            reactor.turn().unwrap();
+        }
+    })
+}
+
+/// The first connection the echo factory reports established.
+fn established(events: &mpsc::Receiver<Event>) -> ConnId {
+    loop {
+        match events.recv_timeout(DEADLINE) {
+            Ok(Event::Established { conn, .. }) => break conn,
+            Ok(Event::Built { .. }) => {}
+            Err(err) => panic!("no session: {err}"),
         }
     }
 }
@@ -156,33 +210,8 @@ verbs_test! {
         // The sink's thread ends (and frees its reactor) only after the window.
         let release = Arc::new(AtomicBool::new(false));
         let total = WARM_UP + MEASURED;
-        let sink = {
-            let (bad, got, release) = (Arc::clone(&bad), Arc::clone(&got), Arc::clone(&release));
-            std::thread::spawn(move || {
-                let ctx = open_device();
-                let pd = ctx.alloc_pd().unwrap();
-                let config = ReactorConfig {
-                    event_mode: EventMode::Blocking,
-                    idle_timeout: Duration::from_millis(50),
-                    ..ReactorConfig::for_traffic(512, 64, 1)
-                };
-                let mut reactor: Reactor<Sink> = Reactor::new(&pd, config).unwrap();
-                let spec = reactor.qp_spec("rpc");
-                let endpoint = ClientSession::connect(addr, &pd, &ClientConfig::new(vec![spec])).unwrap();
-                reactor.add(endpoint, Sink { next: 0, bad, got: Arc::clone(&got) }).unwrap();
-                let started = Instant::now();
-                while !release.load(Ordering::Acquire) && started.elapsed() < 10 * DEADLINE {
-                    reactor.turn().unwrap();
-                }
-            })
-        };
-        let conn = loop {
-            match events.recv_timeout(DEADLINE) {
-                Ok(Event::Established { conn, .. }) => break conn,
-                Ok(Event::Built { .. }) => {}
-                Err(err) => panic!("no session: {err}"),
-            }
-        };
+        let sink = sink_peer(addr, Arc::clone(&bad), Arc::clone(&got), Arc::clone(&release));
+        let conn = established(&events);
         let mut submitter = runtime.submitter(0).unwrap();
         assert_eq!(submitter.max_payload(), 1024);
         assert_eq!(
@@ -227,6 +256,9 @@ verbs_test! {
         release.store(true, Ordering::Release);
         sink.join().unwrap();
         assert!(!timed_out, "{} of {total} messages arrived", got.load(Ordering::Acquire));
+        let full = RING_FULL.load(Ordering::Relaxed);
+        println!("the ring of {} commands was found full {full} times", submitter.capacity());
+        assert!(full > 0, "the ring never ran full: nothing shows full rings lose nothing");
         assert_eq!(bad.load(Ordering::Relaxed), 0, "every message intact and in order");
         assert_eq!(submitter.rejected(), 0);
 
@@ -494,5 +526,111 @@ verbs_test! {
         let (ok, lines) = server.finish();
         assert!(ok, "{lines:#?}");
         assert!(lines.iter().any(|l| l.starts_with("reactor 1 (core ")), "per-reactor statistics: {lines:#?}");
+    }
+}
+
+/// The scheduler state of one of this process's threads ('R', 'S', ...).
+fn thread_state(tid: u64) -> char {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap_or_default();
+    stat.rsplit_once(") ")
+        .and_then(|(_, rest)| rest.chars().next())
+        .unwrap_or('?')
+}
+
+verbs_test! {
+    fn commands_submitted_to_a_sleeping_reactor_wake_it() {
+        let _serial = serial();
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let (tx, events) = mpsc::channel();
+        // Blocking: the runtime's reactor sleeps with no timeout.
+        let config = RuntimeConfig { reactors: 1, reactor: blocking(1), ..RuntimeConfig::default() };
+        let mut runtime = Runtime::start(&pd, config, echo_factory(tx)).unwrap();
+        let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty())).unwrap();
+        let (bad, got) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let release = Arc::new(AtomicBool::new(false));
+        let sink = sink_peer(addr, Arc::clone(&bad), Arc::clone(&got), Arc::clone(&release));
+        let conn = established(&events);
+        let mut submitter = runtime.submitter(0).unwrap();
+        let tid = runtime.stats()[0].thread_id;
+        let mut seq = 0;
+        // One command at a time, each to a reactor asleep in its wait, then
+        // bursts of twice the ring (it runs full while the reactor wakes).
+        for burst in [1u64, 1, 1, 1, 1, 1, 1, 1, 2 * 1024, 2 * 1024] {
+            // Asleep, and still asleep a moment later: in its wait.
+            wait_until("the reactor to sleep", || {
+                thread_state(tid) == 'S' && {
+                    std::thread::sleep(Duration::from_millis(100));
+                    thread_state(tid) == 'S'
+                }
+            });
+            for _ in 0..burst {
+                submit(&mut submitter, conn, seq);
+                seq += 1;
+            }
+            wait_until("the commands to arrive", || got.load(Ordering::Acquire) == seq);
+        }
+        release.store(true, Ordering::Release);
+        sink.join().unwrap();
+        assert_eq!(bad.load(Ordering::Relaxed), 0, "every message intact, in order, once");
+        assert_eq!(runtime.stats()[0].commands, seq);
+        drop(submitter);
+        runtime.stop();
+        runtime.join().unwrap();
+    }
+}
+
+/// Tells the test how and when its peer was found gone.
+struct Watcher(mpsc::Sender<(Instant, String)>);
+
+impl Handler for Watcher {
+    fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
+
+    fn on_peer_gone(&mut self, _: &mut Ctx<'_>, _: SessionId, status: &PeerStatus) {
+        let _ = self.0.send((Instant::now(), format!("{status:?}")));
+    }
+}
+
+verbs_test! {
+    fn a_reactor_sleeping_without_a_timer_loses_a_peer_whose_frame_stops_halfway() {
+        let _serial = serial();
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let config = ReactorConfig { event_mode: EventMode::Blocking, ..ReactorConfig::for_traffic(64, 16, 1) }
+            .sleeping_until_woken();
+        let mut server_side: Reactor<Watcher> = Reactor::new(&pd, config.clone()).unwrap();
+        let server = ServerSession::bind("127.0.0.1:0", &pd, server_side.server_config(AccessFlags::empty())).unwrap();
+        let addr = server.local_addr();
+        let client = std::thread::spawn(move || {
+            let ctx = open_device();
+            let pd = ctx.alloc_pd().unwrap();
+            let mut reactor: Reactor<Watcher> = Reactor::new(&pd, config).unwrap();
+            let spec = reactor.qp_spec("rpc");
+            let endpoint = ClientSession::connect(addr, &pd, &ClientConfig::new(vec![spec])).unwrap();
+            (ctx, pd, reactor, endpoint)
+        });
+        let peer = server.accept().unwrap();
+        let (_ctx, _pd, mut reactor, endpoint) = client.join().unwrap();
+        let (tx, gone) = mpsc::channel();
+        reactor.add(endpoint, Watcher(tx)).unwrap();
+        let stopper = reactor.stopper();
+        let driver = std::thread::spawn(move || reactor.run().unwrap());
+        // The server side writes the first byte of a frame on the control
+        // connection and nothing more.
+        std::thread::sleep(Duration::from_millis(300));
+        use std::io::Write;
+        use std::os::fd::AsFd;
+        let (_qps, link) = peer.into_parts();
+        let mut control = std::net::TcpStream::from(link.as_fd().try_clone_to_owned().unwrap());
+        control.write_all(&[1]).unwrap();
+        let sent = Instant::now();
+        let (at, status) = gone.recv_timeout(DEADLINE).expect("the peer was never found gone");
+        let after = at - sent;
+        println!("a peer that stopped halfway through a frame was lost after {after:?}: {status}");
+        assert!(status.contains("halfway"), "{status}");
+        assert!(after >= Duration::from_secs(5) && after < Duration::from_secs(8), "{after:?}");
+        stopper.stop();
+        driver.join().unwrap();
+        drop((control, link, server_side));
     }
 }

@@ -179,6 +179,9 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     counters: Counters,
     /// Sessions whose link fd woke the last wait (reused: no allocation).
     fired: Vec<u64>,
+    /// When a link holding part of a frame must be looked at again
+    /// ([`PeerLink::recheck_within`]); bounds the wait.
+    recheck_at: Option<std::time::Instant>,
 }
 
 impl<H: Handler, L: PeerLink> fmt::Debug for Reactor<H, L> {
@@ -255,6 +258,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             foreign_completions: 0,
             counters: Counters::default(),
             fired: Vec::with_capacity(wait::MAX_EVENTS),
+            recheck_at: None,
         })
     }
 

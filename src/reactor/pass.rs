@@ -2,6 +2,8 @@
 //! and handler, then flush (one doorbell per QP with staged work, receive
 //! reposts off the latency path), and now and then watch the peers.
 
+use std::time::Instant;
+
 use crate::error::{Error, Result};
 use crate::session::PeerStatus;
 use crate::verbs::{BIND_WR_ID, WcOpcode, WorkCompletion};
@@ -58,11 +60,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return Ok(());
         }
         self.counters.sleeps += 1;
-        self.waiter
-            .wait(self.config.idle_timeout, &mut self.fired)?;
+        let mut timeout = self.config.idle_timeout;
+        if let Some(at) = self.recheck_at {
+            timeout = timeout.min(at.saturating_duration_since(Instant::now()));
+        }
+        self.waiter.wait(timeout, &mut self.fired)?;
         self.drain_channel_events()?;
         if !self.fired.is_empty() {
             self.check_fired_peers();
+        }
+        if self.recheck_at.is_some_and(|at| Instant::now() >= at) {
+            self.check_peers();
         }
         Ok(())
     }
@@ -509,8 +517,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     fn check_peers(&mut self) {
         let mut gone: Vec<(SessionId, PeerStatus)> = Vec::new();
+        // Every link is looked at: those still holding part of a frame set
+        // the next recheck again.
+        self.recheck_at = None;
         for (key, session) in self.sessions.iter_mut() {
-            if let Some(status) = Self::check_one(&mut self.waiter, session) {
+            if let Some(status) = Self::check_one(&mut self.waiter, &mut self.recheck_at, session) {
                 gone.push((SessionId(key), status));
             }
         }
@@ -525,7 +536,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             let Some((key, session)) = self.sessions.get_by_index_mut(token as u32) else {
                 continue;
             };
-            if let Some(status) = Self::check_one(&mut self.waiter, session) {
+            if let Some(status) = Self::check_one(&mut self.waiter, &mut self.recheck_at, session) {
                 gone.push((SessionId(key), status));
             }
         }
@@ -535,13 +546,22 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Checks one session's control connection, unless its peer is known
     /// gone already; a peer found gone is marked so, its connection (which
     /// stays readable at EOF) no longer wakes the wait, and its status is
-    /// returned.
-    fn check_one(waiter: &mut Waiter, session: &mut Session<H, L>) -> Option<PeerStatus> {
+    /// returned. A live link holding part of a frame moves `recheck_at`
+    /// up to when it must be looked at again.
+    fn check_one(
+        waiter: &mut Waiter,
+        recheck_at: &mut Option<Instant>,
+        session: &mut Session<H, L>,
+    ) -> Option<PeerStatus> {
         if session.gone {
             return None;
         }
         let status = session.link.check_peer();
         if matches!(status, PeerStatus::Alive) {
+            if let Some(within) = session.link.recheck_within() {
+                let at = Instant::now() + within;
+                *recheck_at = Some(recheck_at.map_or(at, |earlier| earlier.min(at)));
+            }
             return None;
         }
         session.gone = true;

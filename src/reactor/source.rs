@@ -11,6 +11,7 @@
 //! reactor's carries), which it never takes for one of its own.
 
 use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::time::Duration;
 
 use crate::session::{Endpoint, PeerStatus, SessionLink};
 use crate::verbs::QueuePair;
@@ -43,6 +44,15 @@ pub trait PeerLink {
     fn event_fd(&self) -> Option<RawFd> {
         None
     }
+
+    /// Check this peer again within this time even if nothing wakes the
+    /// reactor: the link holds part of a frame and must see whether the
+    /// rest comes before its deadline. A sleeping reactor bounds its sleep
+    /// by it. `None` (the default): an event or the periodic watch is
+    /// enough.
+    fn recheck_within(&self) -> Option<Duration> {
+        None
+    }
 }
 
 impl QpSource for Endpoint {
@@ -60,6 +70,10 @@ impl PeerLink for SessionLink {
 
     fn event_fd(&self) -> Option<RawFd> {
         Some(self.as_fd().as_raw_fd())
+    }
+
+    fn recheck_within(&self) -> Option<Duration> {
+        SessionLink::recheck_within(self)
     }
 }
 
@@ -82,5 +96,9 @@ impl PeerLink for Box<dyn PeerLink> {
 
     fn event_fd(&self) -> Option<RawFd> {
         (**self).event_fd()
+    }
+
+    fn recheck_within(&self) -> Option<Duration> {
+        (**self).recheck_within()
     }
 }

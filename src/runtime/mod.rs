@@ -371,6 +371,15 @@ impl Runtime {
                 }
             })?;
             let port = &shared.ports[reactor];
+            // A reactor that has not drained its queue yet would drop the
+            // endpoint at the end of the handshake: the peer is told to try
+            // again instead, before anything is built.
+            if port.arrivals.is_full() {
+                return Err(Refusal {
+                    code: crate::session::reject_code::BUSY,
+                    reason: "the reactor's arrival queue is full".into(),
+                });
+            }
             let Some(setup) = port.setup.get() else {
                 return Err(Refusal::unauthorized("the server is shutting down"));
             };
@@ -504,6 +513,9 @@ impl Shared {
     }
 
     /// Queues `arrival` for reactor `reactor` and wakes it if it sleeps.
+    /// If the reactor stops during the hand-over, a session goes to the
+    /// factory's `refused` instead (and a ring is dropped), and this still
+    /// returns `Ok`: the arrival was taken care of either way.
     fn deliver(&self, reactor: usize, arrival: Arrival) -> Result<()> {
         let port = self.port(reactor)?;
         if !port.is_open() {
@@ -517,6 +529,15 @@ impl Shared {
             )));
         }
         port.nudge();
+        // The reactor may have stopped between the check above and the
+        // push, after it drained its queue for the last time: then this
+        // side drains it, so no endpoint waits there for the runtime's end.
+        // (Pairs with the reactor's fence between `running = false` and
+        // its drain: one of the two sides sees the other.)
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if !port.running.load(std::sync::atomic::Ordering::Acquire) {
+            port.refuse_queued(&self.refused);
+        }
         Ok(())
     }
 }
@@ -584,7 +605,9 @@ impl RuntimeHandle {
     ///
     /// # Errors
     /// [`Error::Runtime`] when the reactor has stopped or its arrival queue
-    /// is full (the endpoint is dropped, telling the peer goodbye).
+    /// is full (the endpoint is dropped, telling the peer goodbye). A
+    /// reactor that stops while the endpoint is on its way hands it to the
+    /// factory's [`refused`](HandlerFactory::refused) instead.
     pub fn adopt(&self, reactor: usize, endpoint: Endpoint) -> Result<()> {
         let port = self.shared.port(reactor)?;
         let arrival = Arrival::Session(Box::new(Incoming {
@@ -677,6 +700,14 @@ impl RuntimeHandle {
 /// them, in order, in the same pass as its handlers' work. A full ring is an
 /// immediate [`SubmitError::WouldBlock`]; nothing blocks, locks or allocates
 /// on either side. One thread owns it (`&mut self`); open one per thread.
+///
+/// Commands leave in the order they were queued, across connections too:
+/// a connection without send credit holds the commands queued behind it
+/// until a completion or a credit update makes room (or the connection
+/// fails, and its commands are [`rejected`](Self::rejected)). The ring is
+/// bounded, so the producer sees `WouldBlock`, never unbounded growth.
+/// Give connections that must not wait for each other a ring each (a
+/// thread may open several to one reactor).
 pub struct Submitter {
     producer: submit::Producer,
     port: Arc<Port>,

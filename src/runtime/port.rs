@@ -2,12 +2,14 @@
 //! submission rings arrive through, the stop and sleep flags, the published
 //! statistics, and what other threads need to build QPs on its CQs.
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
 use std::sync::{Arc, OnceLock};
 
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
 
+use crate::error::Error;
 use crate::reactor::{Counters, Waker};
 use crate::session::{CqChoice, Endpoint, PeerHello, QpSpec};
 use crate::verbs::{AccessFlags, QpConfig, SharedCq, SrqAttachment};
@@ -207,6 +209,23 @@ impl Port {
 
     pub(crate) fn awake(&self) {
         self.sleeping.store(false, Ordering::Relaxed);
+    }
+
+    /// Empties the queue of a reactor that stopped: each session goes to
+    /// `refused` after its endpoint is dropped (telling the peer goodbye);
+    /// rings are dropped, and their submitters see the stop.
+    pub(crate) fn refuse_queued(&self, refused: impl Fn(usize, SocketAddr, &Error)) {
+        while let Some(arrival) = self.arrivals.pop() {
+            if let Arrival::Session(incoming) = arrival {
+                let peer = incoming.endpoint.peer();
+                drop(incoming);
+                let err = Error::Runtime(format!(
+                    "reactor {} stopped before it took the session",
+                    self.index
+                ));
+                refused(self.index, peer, &err);
+            }
+        }
     }
 
     /// Asks the reactor to stop and wakes it.

@@ -76,9 +76,11 @@ pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
             });
     port.running
         .store(false, std::sync::atomic::Ordering::Release);
+    // Pairs with the fence in `Shared::deliver`: a producer that pushes
+    // after this drain sees `running` false and drains its arrival itself.
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
     worker.publish(&reactor);
-    // Sessions and rings still queued are dropped with the queue's items.
-    while port.arrivals.pop().is_some() {}
+    port.refuse_queued(|reactor, peer, err| factory.refused(reactor, peer, err));
     // The sessions still served go one by one (QPs destroyed, the peer told
     // goodbye as the link drops), and their handlers back to the factory.
     let served: Vec<_> = reactor.sessions().collect();

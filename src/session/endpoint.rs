@@ -434,6 +434,15 @@ impl SessionLink {
         }
     }
 
+    /// While part of a control frame is held: the time left until its
+    /// deadline (just past it), after which [`check_peer`](Self::check_peer)
+    /// must run again to lose the peer even if no more bytes come.
+    pub fn recheck_within(&self) -> Option<Duration> {
+        self.partial_since.map(|since| {
+            CONTROL_FRAME_DEADLINE.saturating_sub(since.elapsed()) + Duration::from_millis(1)
+        })
+    }
+
     fn lost(&self, err: io::Error) -> Error {
         Error::PeerGone {
             peer: self.peer,
