@@ -33,175 +33,22 @@ use std::time::{Duration, Instant};
 #[path = "../../../examples/common/mod.rs"]
 mod common;
 
+mod args;
 mod cluster;
+mod pattern;
+mod report;
+mod wire;
 
-use clap::{Parser, ValueEnum};
+use args::{Args, OpArg};
+use clap::Parser;
 use cluster::{World, parse_hostfile};
+use pattern::{fill_pattern, pattern_matches};
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
 use rdma_perf::Clock;
-
-/// Full-mesh RDMA traffic with verified data, per-pair latency and bandwidth.
-#[derive(Parser, Debug)]
-#[command(version, about)]
-struct Args {
-    /// This rank (default: from mpirun or srun).
-    #[arg(long, requires = "size")]
-    rank: Option<usize>,
-    /// Number of ranks (default: from mpirun or srun).
-    #[arg(long, requires = "rank")]
-    size: Option<usize>,
-    /// Host of every rank, comma-separated (or one per node, ranks in blocks).
-    #[arg(long, value_delimiter = ',', conflicts_with = "hostfile")]
-    hosts: Option<Vec<String>>,
-    /// Open MPI style hostfile (`host slots=N` per line).
-    #[arg(long)]
-    hostfile: Option<std::path::PathBuf>,
-    /// Rank r listens on this port plus r.
-    #[arg(long, default_value_t = 7600)]
-    base_port: u16,
-    /// Traffic to stream.
-    #[arg(long, value_enum, default_value_t = OpArg::Write)]
-    op: OpArg,
-    /// Bytes per message.
-    #[arg(short = 's', long, default_value_t = 64 * 1024)]
-    msg_size: usize,
-    /// Seconds each stream runs.
-    #[arg(long, default_value_t = 5.0, conflicts_with = "bytes")]
-    duration: f64,
-    /// Bytes each stream carries instead (suffixes K, M, G).
-    #[arg(long, value_parser = parse_bytes)]
-    bytes: Option<u64>,
-    /// Ping-pongs per pair for the latency figures.
-    #[arg(long, default_value_t = 1000)]
-    lat_iters: u32,
-    /// Messages in flight per stream (receive ring and inbox blocks).
-    #[arg(long, default_value_t = 32)]
-    depth: u32,
-    /// Skip filling and checking the payload (peak bandwidth only).
-    #[arg(long)]
-    no_verify: bool,
-    /// Seconds to wait for all ranks to connect.
-    #[arg(long, default_value_t = 60)]
-    connect_timeout: u64,
-    /// Rank 0 also writes the matrices as JSON here.
-    #[arg(long, value_name = "FILE")]
-    json: Option<String>,
-    /// Leave the reactor thread unpinned (default: a core near the NIC,
-    /// chosen by the node-local rank).
-    #[arg(long)]
-    no_pin: bool,
-    /// Pin the rank with node-local rank i to the i-th core of this list
-    /// (e.g. 0,2,4-7) instead of choosing cores near the NIC.
-    #[arg(long, value_name = "LIST", conflicts_with = "no_pin")]
-    cores: Option<String>,
-    #[command(flatten)]
-    dev: common::DeviceArgs,
-    #[command(flatten)]
-    auth: common::AuthArgs,
-    #[command(flatten)]
-    reactor: common::ReactorArgs,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum OpArg {
-    Write,
-    Send,
-}
-
-fn parse_bytes(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let (digits, unit) = match text.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        Some((i, _)) => text.split_at(i),
-        None => (text, ""),
-    };
-    let scale = match unit.to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "K" | "KIB" => 1 << 10,
-        "M" | "MIB" => 1 << 20,
-        "G" | "GIB" => 1 << 30,
-        _ => return Err(format!("unknown unit {unit:?} (use K, M or G)")),
-    };
-    digits
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(scale))
-        .ok_or_else(|| format!("{text:?} is not a byte count"))
-}
-
-// Immediate layout of SENDs: kind in the top byte, a 24-bit counter below.
-const PING: u32 = 1;
-const PONG: u32 = 2;
-const LATENCY_DONE: u32 = 3;
-const DATA: u32 = 4;
-const END: u32 = 5;
-const RESULT: u32 = 6;
-
-fn tagged(kind: u32, low: u64) -> u32 {
-    (kind << 24) | (low as u32 & 0x00ff_ffff)
-}
-
-/// One rank's figures towards one peer, as sent to rank 0.
-#[derive(Debug, Clone, Copy, Default)]
-struct Cell {
-    latency_ns: u64,
-    bytes: u64,
-    elapsed_ns: u64,
-    bad: u64,
-}
-
-const CELL_BYTES: usize = 32;
-
-impl Cell {
-    fn encode(&self, out: &mut [u8]) {
-        for (chunk, value) in
-            out.chunks_exact_mut(8)
-                .zip([self.latency_ns, self.bytes, self.elapsed_ns, self.bad])
-        {
-            chunk.copy_from_slice(&value.to_le_bytes());
-        }
-    }
-
-    fn decode(bytes: &[u8]) -> Self {
-        let word =
-            |i: usize| u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap_or_default());
-        Cell {
-            latency_ns: word(0),
-            bytes: word(1),
-            elapsed_ns: word(2),
-            bad: word(3),
-        }
-    }
-
-    fn mib_per_sec(&self) -> f64 {
-        if self.elapsed_ns == 0 {
-            return 0.0;
-        }
-        self.bytes as f64 / (self.elapsed_ns as f64 / 1e9) / f64::from(1 << 20)
-    }
-}
-
-/// The word at `index` of message `seq` from `from` to `to`: any lost,
-/// misplaced, stale or foreign message fails the check.
-#[inline]
-fn pattern_word(from: usize, to: usize, seq: u64, index: usize) -> u64 {
-    let key = (seq << 24) ^ ((from as u64) << 12) ^ to as u64;
-    key.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (index as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9)
-}
-
-fn fill_pattern(buf: &mut [u8], from: usize, to: usize, seq: u64) {
-    for (index, chunk) in buf.chunks_mut(8).enumerate() {
-        let word = pattern_word(from, to, seq, index).to_le_bytes();
-        chunk.copy_from_slice(&word[..chunk.len()]);
-    }
-}
-
-fn pattern_matches(buf: &[u8], from: usize, to: usize, seq: u64) -> bool {
-    buf.chunks(8).enumerate().all(|(index, chunk)| {
-        chunk == &pattern_word(from, to, seq, index).to_le_bytes()[..chunk.len()]
-    })
-}
+use report::Report;
+use wire::*;
 
 /// Everything about one peer.
 struct Peer {
@@ -485,7 +332,7 @@ impl Handler for Mesh {
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
         let index = self.peer_of(conn);
         let imm = imm.unwrap_or(0);
-        let (kind, low) = (imm >> 24, u64::from(imm & 0x00ff_ffff));
+        let (kind, low) = untagged(imm);
         match kind {
             PING => {
                 if ctx.send(conn, data, Some(tagged(PONG, low))).is_err() {
@@ -843,7 +690,16 @@ fn run(args: &Args) -> Result<bool, String> {
         );
     }
     if state.me == 0 {
-        let report = Report::new(args, &world, &state);
+        let mut cells = vec![vec![Cell::default(); world.size]; world.size];
+        for peer in &state.peers {
+            cells[0][peer.rank] = peer.cell();
+            if let Some(row) = &peer.row {
+                for (to, cell) in row.iter().enumerate().take(world.size) {
+                    cells[peer.rank][to] = *cell;
+                }
+            }
+        }
+        let report = Report::new(args, &world, cells);
         report.print();
         if let Some(path) = &args.json {
             std::fs::write(path, report.json()).map_err(|err| format!("writing {path}: {err}"))?;
@@ -921,120 +777,5 @@ fn tell_the_others(reactor: &mut Reactor<Rc<RefCell<Mesh>>>, mesh: &Rc<RefCell<M
         if let Some(link) = reactor.link_mut(session) {
             link.send_disconnect(code);
         }
-    }
-}
-
-/// Rank 0's view of the whole mesh.
-struct Report {
-    header: String,
-    size: usize,
-    /// `cells[from][to]`
-    cells: Vec<Vec<Cell>>,
-    bad: u64,
-}
-
-impl Report {
-    fn new(args: &Args, world: &World, state: &Mesh) -> Self {
-        let mut cells = vec![vec![Cell::default(); world.size]; world.size];
-        for peer in &state.peers {
-            cells[0][peer.rank] = peer.cell();
-            if let Some(row) = &peer.row {
-                for (to, cell) in row.iter().enumerate().take(world.size) {
-                    cells[peer.rank][to] = *cell;
-                }
-            }
-        }
-        let bad = cells.iter().flatten().map(|c| c.bad).sum();
-        let limit = match args.bytes {
-            Some(bytes) => format!("{bytes} bytes per stream"),
-            None => format!("{} s per stream", args.duration),
-        };
-        let header = format!(
-            "mesh: {} ranks ({}), {:?}, {} B messages, {limit}, {}",
-            world.size,
-            world.launcher,
-            args.op,
-            args.msg_size,
-            if args.no_verify {
-                "data not verified"
-            } else {
-                "data verified"
-            }
-        );
-        Report {
-            header,
-            size: world.size,
-            cells,
-            bad,
-        }
-    }
-
-    fn matrix(&self, title: &str, value: impl Fn(&Cell) -> f64) {
-        println!("{title}");
-        print!("{:>6}", "");
-        for to in 0..self.size {
-            print!("{to:>11}");
-        }
-        println!();
-        for from in 0..self.size {
-            print!("{from:>6}");
-            for to in 0..self.size {
-                if from == to {
-                    print!("{:>11}", "-");
-                } else {
-                    print!("{:>11.2}", value(&self.cells[from][to]));
-                }
-            }
-            println!();
-        }
-    }
-
-    fn pairs(&self) -> impl Iterator<Item = &Cell> {
-        self.cells.iter().enumerate().flat_map(|(from, row)| {
-            row.iter()
-                .enumerate()
-                .filter(move |(to, _)| *to != from)
-                .map(|(_, c)| c)
-        })
-    }
-
-    fn print(&self) {
-        println!("{}", self.header);
-        self.matrix(
-            "latency, half round trip, median [usec] (row: from, column: to)",
-            |c| c.latency_ns as f64 / 1000.0,
-        );
-        self.matrix(
-            "bandwidth [MiB/sec] (row: sender, column: receiver)",
-            Cell::mib_per_sec,
-        );
-        let streams = self.pairs().count();
-        let total: f64 = self.pairs().map(Cell::mib_per_sec).sum();
-        let mut latencies: Vec<u64> = self.pairs().map(|c| c.latency_ns).collect();
-        latencies.sort_unstable();
-        let median = latencies.get(latencies.len() / 2).copied().unwrap_or(0);
-        println!(
-            "aggregate: {streams} streams, {total:.2} MiB/sec in total, {:.2} MiB/sec per stream, median latency {:.2} usec, {} bad messages",
-            total / streams.max(1) as f64,
-            median as f64 / 1000.0,
-            self.bad
-        );
-    }
-
-    fn json(&self) -> String {
-        let matrix = |value: &dyn Fn(&Cell) -> f64| -> Vec<Vec<f64>> {
-            self.cells
-                .iter()
-                .map(|row| row.iter().map(value).collect())
-                .collect()
-        };
-        let doc = serde_json::json!({
-            "summary": self.header,
-            "latency_us": matrix(&|c| c.latency_ns as f64 / 1000.0),
-            "bandwidth_mib_s": matrix(&Cell::mib_per_sec),
-            "bytes": self.cells.iter().map(|row| row.iter().map(|c| c.bytes).collect::<Vec<_>>()).collect::<Vec<_>>(),
-            "bad_messages": self.bad,
-        });
-        serde_json::to_string_pretty(&doc).unwrap_or_default()
     }
 }
