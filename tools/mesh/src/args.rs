@@ -51,19 +51,26 @@ pub struct Args {
     /// Rank 0 also writes the matrices as JSON here.
     #[arg(long, value_name = "FILE")]
     pub json: Option<String>,
-    /// Leave the reactor thread unpinned (default: a core near the NIC,
+    /// Reactor threads of this rank, each pinned to a core of its own;
+    /// reactor p % N serves the session with peer rank p.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub reactors: u16,
+    /// Leave the reactor threads unpinned (default: cores near the NIC,
     /// chosen by the node-local rank).
     #[arg(long)]
     pub no_pin: bool,
-    /// Pin the rank with node-local rank i to the i-th core of this list
-    /// (e.g. 0,2,4-7) instead of choosing cores near the NIC.
+    /// Pin the reactors of the rank with node-local rank i to entries
+    /// i*N to i*N+N-1 of this list, N being --reactors (e.g. 0,2,4-7; with
+    /// one reactor, the i-th core), instead of choosing cores near the NIC.
     #[arg(long, value_name = "LIST", conflicts_with = "no_pin")]
     pub cores: Option<String>,
-    // Device, key and reactor flags, as every example has them.
+    /// Device, port and GID (clap shows no doc of a flattened group).
     #[command(flatten)]
     pub dev: common::DeviceArgs,
+    /// The shared key.
     #[command(flatten)]
     pub auth: common::AuthArgs,
+    /// Event mode, signaling, batch size.
     #[command(flatten)]
     pub reactor: common::ReactorArgs,
 }

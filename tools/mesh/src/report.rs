@@ -8,7 +8,9 @@ use crate::wire::Cell;
 /// Every rank's row, gathered by rank 0.
 #[derive(Debug)]
 pub struct Report {
+    /// What ran: ranks, launcher, operation, sizes.
     header: String,
+    /// Number of ranks.
     size: usize,
     /// `cells[from][to]`
     cells: Vec<Vec<Cell>>,
@@ -44,6 +46,7 @@ impl Report {
         }
     }
 
+    /// Prints one matrix of `value` of every cell, the diagonal blank.
     fn matrix(&self, title: &str, value: impl Fn(&Cell) -> f64) {
         println!("{title}");
         print!("{:>6}", "");
@@ -64,6 +67,7 @@ impl Report {
         }
     }
 
+    /// Every pair's cell (the diagonal left out).
     fn pairs(&self) -> impl Iterator<Item = &Cell> {
         self.cells.iter().enumerate().flat_map(|(from, row)| {
             row.iter()

@@ -24,6 +24,11 @@ pub const DATA: u32 = 4;
 pub const END: u32 = 5;
 /// A rank's row of [`Cell`]s, for rank 0.
 pub const RESULT: u32 = 6;
+/// The sender gives up: its run failed over the rank in the number
+/// ([`NOBODY`] when no rank is to blame), and it is about to leave.
+pub const ABORT: u32 = 7;
+/// The number of an [`ABORT`] that names no rank.
+pub const NOBODY: u64 = 0x00ff_ffff;
 
 /// One rank's figures towards one peer, as sent to rank 0.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
