@@ -1,6 +1,7 @@
 //! `tools/mesh/run` under a real launcher: `mpirun -np 4 --oversubscribe` (Open
-//! MPI) on one rxe device, one port per rank, for WRITE and SEND traffic; and
-//! a rank killed mid-stream, which the others report instead of hanging.
+//! MPI) on one rxe device, one port per rank, for WRITE and SEND traffic, on
+//! one reactor per rank and on two; and a rank killed mid-stream, which the
+//! others report instead of hanging.
 //! Gated as described in `tests/util/mod.rs`: runs in the Soft-RoCE guest.
 
 mod util;
@@ -16,7 +17,9 @@ fn mesh_tool() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/mesh/run")
 }
 
-/// Runs `tools/mesh/run` on 4 ranks under mpirun; returns its output and rank 0's JSON.
+/// Runs `tools/mesh/run` on 4 ranks under mpirun (which binds them to no
+/// core: the mesh pins its reactors itself, unless `--no-pin` is among
+/// `flags`); returns its output and rank 0's JSON.
 fn mpirun_mesh(flags: &[&str]) -> (Output, serde_json::Value) {
     let json = std::env::temp_dir().join(format!("mesh-{}.json", free_port()));
     let base_port = free_port().saturating_sub(8).max(1024).to_string();
@@ -27,9 +30,10 @@ fn mpirun_mesh(flags: &[&str]) -> (Output, serde_json::Value) {
         command.arg("--allow-run-as-root");
     }
     let output = command
-        .args(["--oversubscribe", "-np", "4", "-x", "MESH_BIN"])
+        .args(["--oversubscribe", "--bind-to", "none"])
+        .args(["-np", "4", "-x", "MESH_BIN"])
         .arg(mesh_tool())
-        .args(["--no-pin", "--event-mode", "blocking", "--lat-iters", "200"])
+        .args(["--event-mode", "blocking", "--lat-iters", "200"])
         .args(["--base-port", &base_port, "--json"])
         .arg(&json)
         .args(flags)
@@ -66,29 +70,63 @@ fn off_diagonal(doc: &serde_json::Value, key: &str) -> Vec<f64> {
     values
 }
 
+/// Rank 0 printed the matrices of all 12 streams, none with a bad message,
+/// and every pair has a latency and a bandwidth figure.
+fn every_pair_measured_intact(output: &Output, doc: &serde_json::Value) {
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("mesh: 4 ranks (Open MPI)"),
+        "rank 0 printed no matrix"
+    );
+    assert!(stdout.contains("12 streams"), "not every pair streamed");
+    assert_eq!(doc["bad_messages"], 0);
+    for latency in off_diagonal(doc, "latency_us") {
+        assert!(latency > 0.0, "a pair has no latency figure");
+    }
+    for bandwidth in off_diagonal(doc, "bandwidth_mib_s") {
+        assert!(bandwidth > 0.0, "a pair moved nothing");
+    }
+}
+
 verbs_test! {
     fn four_ranks_under_mpirun_stream_verified_writes_to_each_other() {
-        let (output, doc) = mpirun_mesh(&["--op", "write", "--duration", "2"]);
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(stdout.contains("mesh: 4 ranks (Open MPI)"), "rank 0 printed no matrix");
-        assert!(stdout.contains("12 streams"), "not every pair streamed");
-        assert_eq!(doc["bad_messages"], 0);
-        for latency in off_diagonal(&doc, "latency_us") {
-            assert!(latency > 0.0, "a pair has no latency figure");
-        }
-        for bandwidth in off_diagonal(&doc, "bandwidth_mib_s") {
-            assert!(bandwidth > 0.0, "a pair moved nothing");
-        }
+        let (output, doc) = mpirun_mesh(&["--no-pin", "--op", "write", "--duration", "2"]);
+        every_pair_measured_intact(&output, &doc);
     }
 }
 
 verbs_test! {
     fn four_ranks_under_mpirun_send_exactly_the_requested_bytes() {
         // 2 MiB in 10000-byte messages: the last message of each stream is short.
-        let (_, doc) = mpirun_mesh(&["--op", "send", "--bytes", "2M", "--msg-size", "10000"]);
+        let (_, doc) = mpirun_mesh(&["--no-pin", "--op", "send", "--bytes", "2M", "--msg-size", "10000"]);
         assert_eq!(doc["bad_messages"], 0);
         for bytes in off_diagonal(&doc, "bytes") {
             assert_eq!(bytes, f64::from(2 << 20), "a stream carried the wrong byte count");
+        }
+    }
+}
+
+verbs_test! {
+    fn four_ranks_with_two_pinned_reactors_each_stream_verified_writes() {
+        // 8 reactors on the guest's 2 vCPUs: the Blocking mode lets them share.
+        let (output, doc) = mpirun_mesh(&["--reactors", "2", "--op", "write", "--duration", "2"]);
+        every_pair_measured_intact(&output, &doc);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        // Peer p on reactor p % 2: every rank has a peer on each reactor.
+        for rank in 0..4 {
+            let plan = format!("mesh: rank {rank}: 2 reactors on cores ");
+            assert!(stderr.contains(&plan), "rank {rank} did not say where its reactors run");
+            for reactor in 0..2 {
+                let line = stderr
+                    .lines()
+                    .find(|line| line.starts_with(&format!("mesh: rank {rank}: reactor {reactor} (core ")))
+                    .unwrap_or_else(|| panic!("rank {rank} printed no statistics of its pinned reactor {reactor}"));
+                let sessions = if (rank + reactor) % 2 == 0 { 1 } else { 2 };
+                assert!(
+                    line.contains(&format!("): {sessions} sessions,")),
+                    "rank {rank}'s reactor {reactor} did not serve {sessions} peers: {line}"
+                );
+            }
         }
     }
 }
