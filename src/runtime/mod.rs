@@ -643,6 +643,19 @@ impl RuntimeHandle {
         self.stop_listeners();
     }
 
+    /// Wakes every sleeping reactor for one pass, so its handlers' `on_idle`
+    /// runs: for state shared across reactors (a handler on one reactor
+    /// that must act on what a handler on another one posted). Costs a
+    /// write to each sleeping reactor's eventfd; a busy one just finds it
+    /// set.
+    pub fn wake_all(&self) {
+        for port in &self.shared.ports {
+            if let Some(setup) = port.setup.get() {
+                setup.waker.wake();
+            }
+        }
+    }
+
     /// Stops reactor `reactor` only; new sessions go to the others.
     ///
     /// # Errors

@@ -8,8 +8,10 @@
 //! message. The main thread waits on it ([`Board::supervise`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
+
+use rdma_comm_core::runtime::RuntimeHandle;
 
 use crate::wire::{CELL_BYTES, Cell};
 
@@ -43,6 +45,10 @@ pub struct Board {
     state: Mutex<State>,
     /// Rung on every change of `state`, for the main thread.
     changed: Condvar,
+    /// The rank's reactors, woken on every change, so the handler that
+    /// must act on it (the one owning rank 0's session, or every handler
+    /// when giving up) does so on a reactor that sleeps until woken.
+    reactors: OnceLock<RuntimeHandle>,
 }
 
 /// The board's locked part.
@@ -111,6 +117,18 @@ impl Board {
                 rejected: Vec::new(),
             }),
             changed: Condvar::new(),
+            reactors: OnceLock::new(),
+        }
+    }
+
+    /// The runtime whose reactors serve this rank's peers.
+    pub fn wake_through(&self, reactors: RuntimeHandle) {
+        let _ = self.reactors.set(reactors);
+    }
+
+    fn wake_reactors(&self) {
+        if let Some(reactors) = self.reactors.get() {
+            reactors.wake_all();
         }
     }
 
@@ -124,6 +142,7 @@ impl Board {
     fn update<R>(&self, change: impl FnOnce(&mut State) -> R) -> R {
         let result = change(&mut self.lock());
         self.changed.notify_all();
+        self.wake_reactors();
         result
     }
 
@@ -290,6 +309,7 @@ impl Board {
     fn give_up(&self, culprit: Option<usize>) {
         let code = culprit.map_or(OVER_NOBODY, |rank| rank.min(OVER_NOBODY - 1));
         self.abort.store(code, Ordering::Release);
+        self.wake_reactors();
         let until = Instant::now() + LAST_WORDS;
         let mut state = self.lock();
         while state.told < state.claimed.iter().filter(|c| **c).count() {

@@ -23,12 +23,6 @@ use crate::wire::CELL_BYTES;
 
 /// How often each reactor looks at every peer's control connection.
 const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
-/// Longest sleep of a reactor in the Blocking and Epoll modes: what other
-/// reactors post on the board (the last cell of our row, the decision to
-/// give up) wakes no one, so a sleeping reactor looks this often. Shorter
-/// than the reactors' default, which a runtime turns into sleeping until
-/// woken.
-const IDLE_LOOK: Duration = Duration::from_millis(5);
 
 /// Rank, size and hosts, from the flags or the launcher.
 pub fn world(args: &Args) -> Result<World, String> {
@@ -145,7 +139,6 @@ fn reactor_config(args: &Args, world: &World) -> ReactorConfig {
         slot_size: (payload.max(world.size * CELL_BYTES).max(64) + CREDIT_HEADER_LEN)
             .next_multiple_of(64),
         signal_interval: args.reactor.signal_interval,
-        idle_timeout: IDLE_LOOK,
         ..ReactorConfig::for_traffic(0, args.depth, per_reactor.max(1) as u32)
     }
     .watching_peers(PEER_CHECK_INTERVAL)
@@ -276,6 +269,8 @@ pub fn start(
         ring_len: ring_len(args),
     };
     let mut runtime = Runtime::start(pd, config, factory).map_err(|err| err.to_string())?;
+    // What the board learns wakes the reactors (they sleep until woken).
+    board.wake_through(runtime.handle());
     let access = remote_access(args.op);
     let mut config = runtime.server_config(access);
     args.dev.apply(&mut config.qp);
