@@ -9,10 +9,11 @@
 //! Both sides take the same `--op/--test/--size/--all/--iters` flags, as with
 //! perftest. The client prints the table (and `--json FILE` writes it).
 //!
-//! `--reactors N` (on both sides) runs N streams at once, each on a reactor
-//! thread pinned to a core of its own (`--cores LIST`, or the NIC's NUMA node
-//! first), stream i on the listen port + i: the client prints each stream's
-//! row and, for bandwidth, their sum.
+//! `--reactors N` (on both sides) runs N streams at once on a runtime of N
+//! reactors, each pinned to a core of its own (`--cores LIST`, or the NIC's
+//! NUMA node first): the client connects stream i as `stream-i` and adopts it
+//! on its reactor i, the server places it on its reactor i; the client
+//! prints each stream's row and, for bandwidth, their sum.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -22,7 +23,7 @@ mod common;
 
 use clap::{Parser, ValueEnum};
 use rdma_comm_core::reactor::*;
-use rdma_comm_core::runtime::{CorePlan, parse_core_list};
+use rdma_comm_core::runtime::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
 use rdma_perf::*;
@@ -179,7 +180,7 @@ enum Row {
     Served,
 }
 
-fn run(args: &Args) -> rdma_comm_core::Result<()> {
+fn run(args: &'static Args) -> rdma_comm_core::Result<()> {
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
     let streams = usize::from(args.runtime.reactors);
@@ -188,40 +189,29 @@ fn run(args: &Args) -> rdma_comm_core::Result<()> {
         if !args.server {
             print_banner(args, &ctx)?;
         }
-        vec![measure(args, &pd, &endpoint_addr(args, 0)?)?]
+        vec![measure(args, &pd, endpoint_addr(args))?]
     } else {
         let choice = args.runtime.core_choice(args.no_pin)?;
-        let plan = CorePlan::choose(ctx.name(), streams, &choice)?;
-        eprintln!("lat_bw: {streams} streams, {plan}");
-        if !args.server {
-            print_banner(args, &ctx)?;
+        let mut per_size = Vec::new();
+        for (i, size) in sizes(args).into_iter().enumerate() {
+            per_size.push(measure_on_runtime(
+                args,
+                &pd,
+                streams,
+                &choice,
+                size,
+                i == 0,
+            )?);
         }
-        let threads: Vec<_> = (0..streams)
+        // By stream, then size, as the single-stream path returns them.
+        (0..streams)
             .map(|stream| {
-                let (pd, core, addr) =
-                    (pd.clone(), plan.cores[stream], endpoint_addr(args, stream));
-                std::thread::Builder::new()
-                    .name(format!("lat_bw-{stream}"))
-                    .spawn(move || {
-                        if let Some(core) = core {
-                            core_affinity::set_for_current(core_affinity::CoreId { id: core });
-                        }
-                        measure(args_of(), &pd, &addr?)
-                    })
+                per_size
+                    .iter_mut()
+                    .map(|rows| std::mem::replace(&mut rows[stream], Row::Served))
+                    .collect()
             })
-            .collect::<Result<_, _>>()
-            .map_err(|source| rdma_comm_core::Error::Os {
-                what: "spawning a stream's thread",
-                source,
-            })?;
-        threads
-            .into_iter()
-            .map(|thread| {
-                thread.join().unwrap_or_else(|_| {
-                    Err(rdma_comm_core::Error::Runtime("a stream panicked".into()))
-                })
-            })
-            .collect::<rdma_comm_core::Result<_>>()?
+            .collect()
     };
     if args.server {
         return Ok(());
@@ -328,20 +318,12 @@ fn pin_one(args: &Args, ctx: &Context) -> rdma_comm_core::Result<()> {
     Ok(())
 }
 
-/// Where stream `stream` listens or connects: the given port + `stream`.
-fn endpoint_addr(args: &Args, stream: usize) -> rdma_comm_core::Result<String> {
-    let base = match &args.connect {
+/// Where the client connects, or the single-stream server listens.
+fn endpoint_addr(args: &Args) -> &str {
+    match &args.connect {
         Some(addr) if !args.server => addr.as_str(),
         _ => args.listen.as_str(),
-    };
-    let bad = || rdma_comm_core::Error::Runtime(format!("{base} is not HOST:PORT"));
-    let (host, port) = base.rsplit_once(':').ok_or_else(bad)?;
-    let port: u16 = port.parse().map_err(|_| bad())?;
-    let port = port
-        .checked_add(stream as u16)
-        .filter(|&p| stream == 0 || p != 0)
-        .ok_or_else(bad)?;
-    Ok(format!("{host}:{port}"))
+    }
 }
 
 /// Runs every size on one stream (listening on or connecting to `addr`).
@@ -389,12 +371,7 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
                     what: "peer exported no \"perf\" region".into(),
                 })?;
         let buffers = PerfBuffers { buffer, peer };
-        let handler = match (args.server, args.test) {
-            (true, TestArg::Lat) => PerfHandler::Reflect(Reflector::new(spec, buffers)),
-            (true, TestArg::Bw) => PerfHandler::Sink(RateSink::default()),
-            (false, TestArg::Lat) => PerfHandler::Latency(LatencyClient::new(spec, buffers)),
-            (false, TestArg::Bw) => PerfHandler::Rate(RateSender::new(spec, buffers)),
-        };
+        let handler = handler_for(args, spec, buffers);
         let peer_addr = endpoint.peer();
         let session = reactor.add(endpoint, handler)?;
         // The reactor watches the peer's control connection, so a vanished
@@ -406,24 +383,226 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
                 .ok_or(rdma_comm_core::Error::InvalidArgument(
                     "the session vanished from its reactor",
                 ))?;
-        if let Some(failure) = handler.failure() {
-            return Err(rdma_comm_core::Error::Protocol {
-                peer: peer_addr,
-                what: failure.to_string(),
-            });
-        }
-        rows.push(match &handler {
-            PerfHandler::Latency(client) => {
-                match LatencyStats::from_ns(size, &client.latencies_ns()) {
-                    Some(stats) => Row::Latency(stats),
-                    None => Row::Served,
-                }
-            }
-            PerfHandler::Rate(sender) => Row::Bandwidth(sender.stats()),
-            _ => Row::Served,
-        });
+        rows.push(row_of(&handler, size, peer_addr)?);
     }
     Ok(rows)
+}
+
+/// What a finished handler measured (or why it failed).
+fn row_of(
+    handler: &PerfHandler,
+    size: usize,
+    peer: std::net::SocketAddr,
+) -> rdma_comm_core::Result<Row> {
+    if let Some(failure) = handler.failure() {
+        return Err(rdma_comm_core::Error::Protocol {
+            peer,
+            what: failure.to_string(),
+        });
+    }
+    Ok(match handler {
+        PerfHandler::Latency(client) => match LatencyStats::from_ns(size, &client.latencies_ns()) {
+            Some(stats) => Row::Latency(stats),
+            None => Row::Served,
+        },
+        PerfHandler::Rate(sender) => Row::Bandwidth(sender.stats()),
+        _ => Row::Served,
+    })
+}
+
+/// The role a handler plays, from the flags.
+fn handler_for(args: &Args, spec: PerfSpec, buffers: PerfBuffers) -> PerfHandler {
+    match (args.server, args.test) {
+        (true, TestArg::Lat) => PerfHandler::Reflect(Reflector::new(spec, buffers)),
+        (true, TestArg::Bw) => PerfHandler::Sink(RateSink::default()),
+        (false, TestArg::Lat) => PerfHandler::Latency(LatencyClient::new(spec, buffers)),
+        (false, TestArg::Bw) => PerfHandler::Rate(RateSender::new(spec, buffers)),
+    }
+}
+
+/// Server: the buffer exported to each peer, by its address.
+type Offered = std::sync::Mutex<std::collections::HashMap<std::net::SocketAddr, usize>>;
+
+/// Builds each stream's handler on the runtime reactor that serves it,
+/// with that stream's buffer, and reports what it measured once its
+/// handler stops its reactor.
+struct Streams {
+    args: &'static Args,
+    spec: PerfSpec,
+    /// Each stream's buffer until its handler takes it.
+    buffers: Arc<std::sync::Mutex<Vec<Option<MemoryRegion>>>>,
+    /// Server: which buffer each peer was offered (its export).
+    offered: Arc<Offered>,
+    /// (reactor, what its stream measured).
+    done: std::sync::mpsc::Sender<(usize, rdma_comm_core::Result<Row>)>,
+}
+
+impl HandlerFactory for Streams {
+    type Handler = PerfHandler;
+
+    fn build(&self, session: &NewSession<'_>) -> rdma_comm_core::Result<PerfHandler> {
+        let endpoint = session.endpoint;
+        let peer_addr = endpoint.peer();
+        let protocol = |what: &str| rdma_comm_core::Error::Protocol {
+            peer: peer_addr,
+            what: what.into(),
+        };
+        // The client hands stream i to reactor i; the server looks up the
+        // buffer it exported to this peer.
+        let index = if self.args.server {
+            let offered = self.offered.lock().unwrap_or_else(|p| p.into_inner());
+            *offered
+                .get(&peer_addr)
+                .ok_or_else(|| protocol("no buffer was exported to it"))?
+        } else {
+            session.reactor
+        };
+        let buffer = self
+            .buffers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(index)
+            .and_then(Option::take)
+            .ok_or_else(|| protocol("its stream's buffer is taken"))?;
+        let peer = endpoint
+            .remote_region("perf")
+            .ok_or_else(|| protocol("peer exported no \"perf\" region"))?;
+        Ok(handler_for(
+            self.args,
+            self.spec,
+            PerfBuffers { buffer, peer },
+        ))
+    }
+
+    fn refused(&self, reactor: usize, peer: std::net::SocketAddr, error: &rdma_comm_core::Error) {
+        let what = format!("stream on reactor {reactor} refused: {error}");
+        let _ = self
+            .done
+            .send((reactor, Err(rdma_comm_core::Error::Protocol { peer, what })));
+    }
+
+    fn stopped(&self, reactor: usize, handler: PerfHandler) {
+        let peer = std::net::SocketAddr::from(([0, 0, 0, 0], 0));
+        let _ = self
+            .done
+            .send((reactor, row_of(&handler, self.spec.size, peer)));
+    }
+}
+
+/// One size on `streams` streams at once, stream i on reactor i of a
+/// runtime of pinned reactors (the server listens once; the client
+/// connects each stream as `stream-i`, which the server places on reactor
+/// i). Each handler stops its reactor when its stream is over; the runtime
+/// then ends.
+fn measure_on_runtime(
+    args: &'static Args,
+    pd: &ProtectionDomain,
+    streams: usize,
+    choice: &CoreChoice,
+    size: usize,
+    first: bool,
+) -> rdma_comm_core::Result<Vec<Row>> {
+    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    // Exported through a window per peer: no REMOTE_* rights of their own.
+    let buffers = (0..streams)
+        .map(|_| pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND))
+        .collect::<rdma_comm_core::Result<Vec<_>>>()?;
+    let registrations: Vec<_> = buffers.iter().map(|b| b.registration().clone()).collect();
+    let (done, results) = std::sync::mpsc::channel();
+    let slots = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let offered = Arc::new(Offered::default());
+    let factory = Streams {
+        args,
+        spec: spec(args, size),
+        buffers: Arc::clone(&slots),
+        offered: Arc::clone(&offered),
+        done,
+    };
+    // Handlers take their buffers once these are filled in (below, before
+    // any session can reach a reactor).
+    let fill_slots = |buffers: Vec<MemoryRegion>| {
+        *slots.lock().unwrap_or_else(|p| p.into_inner()) = buffers.into_iter().map(Some).collect();
+    };
+    let by_stream: Arc<ChooseFn> = Arc::new(|hello: &PeerHello, loads: &[ReactorLoad]| {
+        let stream = hello
+            .identity
+            .strip_prefix("stream-")?
+            .parse::<usize>()
+            .ok()?;
+        (stream < loads.len()).then_some(stream)
+    });
+    let config = RuntimeConfig {
+        reactors: streams,
+        cores: choice.clone(),
+        reactor: reactor_config(args, size),
+        policy: PlacementPolicy::Custom(by_stream),
+        thread_name: "lat_bw".into(),
+        ..RuntimeConfig::default()
+    };
+    let mut runtime = Runtime::start(pd, config, factory)?;
+    if first {
+        eprintln!("lat_bw: {streams} streams, {}", runtime.plan());
+    }
+    let handle = runtime.handle();
+    if args.server {
+        fill_slots(buffers);
+        let mut config = runtime.server_config(access);
+        args.dev.apply(&mut config.qp);
+        config.max_peers = Some(streams);
+        config.auth_key = args.auth.key()?;
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        config.exports = Some(Arc::new(move |peer, _: &ProtectionDomain| {
+            let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let export = registrations
+                .get(index)
+                .ok_or(rdma_comm_core::Error::InvalidArgument(
+                    "more peers than streams",
+                ))?;
+            offered
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(peer, index);
+            Ok(vec![Export::new(1, "perf", export.clone(), access)])
+        }));
+        runtime.serve(args.listen.as_str(), config)?;
+    } else {
+        let addr = endpoint_addr(args);
+        let mut endpoints = Vec::new();
+        for (stream, buffer) in buffers.iter().enumerate() {
+            let mut spec = handle.qp_spec(stream, "perf", access)?;
+            args.dev.apply(&mut spec.qp);
+            let mut config = ClientConfig::new(vec![spec])
+                .with_exports(vec![Export::new(1, "perf", buffer, access)])
+                .with_identity(format!("stream-{stream}"));
+            config.connect_deadline = Duration::from_secs(60);
+            config.auth_key = args.auth.key()?;
+            endpoints.push(ClientSession::connect(addr, pd, &config)?);
+        }
+        fill_slots(buffers);
+        for (stream, endpoint) in endpoints.into_iter().enumerate() {
+            handle.adopt(stream, endpoint)?;
+        }
+    }
+    let mut rows: Vec<Option<rdma_comm_core::Result<Row>>> = (0..streams).map(|_| None).collect();
+    for _ in 0..streams {
+        let Ok((reactor, row)) = results.recv() else {
+            break;
+        };
+        if let Some(slot) = rows.get_mut(reactor) {
+            *slot = Some(row);
+        }
+    }
+    runtime.join()?;
+    rows.into_iter()
+        .enumerate()
+        .map(|(stream, row)| {
+            row.unwrap_or_else(|| {
+                Err(rdma_comm_core::Error::Runtime(format!(
+                    "stream {stream} ended without a result"
+                )))
+            })
+        })
+        .collect()
 }
 
 fn print_banner(args: &Args, ctx: &Context) -> rdma_comm_core::Result<()> {
