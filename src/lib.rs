@@ -45,6 +45,7 @@
 #![deny(missing_docs, missing_debug_implementations)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod clock;
 pub mod error;
 pub mod pool;
 pub mod reactor;

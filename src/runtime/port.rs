@@ -14,8 +14,8 @@ use crate::reactor::{Counters, Waker};
 use crate::session::{CqChoice, Endpoint, PeerHello, QpSpec};
 use crate::verbs::{AccessFlags, QpConfig, SharedCq, SrqAttachment};
 
-use super::ReactorStats;
 use super::submit::Consumer;
+use super::{ReactorStats, SubmitLatency};
 
 /// Something handed to a reactor thread.
 pub(crate) enum Arrival {
@@ -122,6 +122,8 @@ pub(crate) struct StatCells {
     sessions: AtomicU64,
     commands: AtomicU64,
     thread_id: AtomicU64,
+    /// Submit-to-doorbell ages: samples (0: not traced), p50, p99, max.
+    traced: [AtomicU64; 4],
 }
 
 impl StatCells {
@@ -136,6 +138,18 @@ impl StatCells {
         store(&self.sleeps, counters.sleeps);
         store(&self.sessions, sessions as u64);
         store(&self.commands, commands);
+    }
+
+    pub(crate) fn publish_trace(&self, latency: &SubmitLatency) {
+        let values = [
+            latency.samples,
+            latency.p50_ns,
+            latency.p99_ns,
+            latency.max_ns,
+        ];
+        for (cell, value) in self.traced.iter().zip(values) {
+            cell.store(value, Ordering::Relaxed);
+        }
     }
 
     pub(crate) fn set_thread_id(&self, tid: u64) {
@@ -255,6 +269,12 @@ impl Port {
                 doorbells: load(&cells.doorbells),
                 sleeps: load(&cells.sleeps),
             },
+            submit_latency: (load(&cells.traced[0]) > 0).then(|| SubmitLatency {
+                samples: load(&cells.traced[0]),
+                p50_ns: load(&cells.traced[1]),
+                p99_ns: load(&cells.traced[2]),
+                max_ns: load(&cells.traced[3]),
+            }),
         }
     }
 }

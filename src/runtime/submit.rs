@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crossbeam_utils::CachePadded;
 
+use crate::clock::Clock;
 use crate::reactor::ConnId;
 
 /// Payload bytes that travel inside the command itself; longer payloads go
@@ -85,6 +86,12 @@ pub(crate) struct Ring {
     commands: Box<[UnsafeCell<MaybeUninit<Command>>]>,
     slot_size: usize,
     slots: Box<[UnsafeCell<u8>]>,
+    /// When each entry was queued (TSC ticks), with submission tracing on;
+    /// empty otherwise. Written before the tail's release store and read
+    /// after its acquire load, like the commands.
+    stamps: Box<[AtomicU64]>,
+    /// The clock of the stamps, with tracing on.
+    clock: Option<Clock>,
 }
 
 // SAFETY: one producer and one consumer. An entry is written only by the
@@ -108,8 +115,13 @@ impl fmt::Debug for Ring {
 }
 
 /// Makes a ring of `capacity` commands (rounded up to a power of two),
-/// each with a payload slot of `slot_size` bytes (0: inline payloads only).
-pub(crate) fn ring(capacity: usize, slot_size: usize) -> (Producer, Consumer) {
+/// each with a payload slot of `slot_size` bytes (0: inline payloads only);
+/// with `clock`, each command is stamped when queued.
+pub(crate) fn ring(
+    capacity: usize,
+    slot_size: usize,
+    clock: Option<Clock>,
+) -> (Producer, Consumer) {
     let capacity = capacity.max(2).next_power_of_two();
     let ring = Arc::new(Ring {
         head: CachePadded::new(AtomicUsize::new(0)),
@@ -124,6 +136,10 @@ pub(crate) fn ring(capacity: usize, slot_size: usize) -> (Producer, Consumer) {
         slots: (0..capacity * slot_size)
             .map(|_| UnsafeCell::new(0))
             .collect(),
+        stamps: (0..if clock.is_some() { capacity } else { 0 })
+            .map(|_| AtomicU64::new(0))
+            .collect(),
+        clock,
     });
     (
         Producer {
@@ -230,6 +246,9 @@ impl Producer {
         // SAFETY: as above, the entry is ours until the tail store below
         // publishes it.
         unsafe { (*self.ring.commands[index].get()).write(command) };
+        if let Some(clock) = &self.ring.clock {
+            self.ring.stamps[index].store(clock.now(), Ordering::Relaxed);
+        }
         self.tail += 1;
         self.ring.tail.store(self.tail, Ordering::Release);
         Ok(())
@@ -292,6 +311,16 @@ impl Consumer {
         Some((command, payload))
     }
 
+    /// When the oldest command was queued (TSC ticks of the ring's clock),
+    /// if the ring stamps its commands.
+    #[inline]
+    pub(crate) fn stamp(&self) -> Option<u64> {
+        self.ring
+            .stamps
+            .get(self.head & self.ring.mask)
+            .map(|stamp| stamp.load(Ordering::Relaxed))
+    }
+
     /// Frees the oldest command's entry for the producer.
     #[inline]
     pub(crate) fn pop(&mut self, staged: bool) {
@@ -328,7 +357,7 @@ mod tests {
 
     #[test]
     fn commands_arrive_in_order_inline_or_in_their_slot() {
-        let (mut tx, mut rx) = ring(4, 256);
+        let (mut tx, mut rx) = ring(4, 256, None);
         tx.push(conn(1), 3, Some(7), |b| b.copy_from_slice(b"abc"))
             .unwrap();
         tx.push(conn(2), 100, None, |b| b.fill(9)).unwrap();
@@ -351,7 +380,7 @@ mod tests {
 
     #[test]
     fn a_full_ring_is_an_immediate_would_block_and_frees_up() {
-        let (mut tx, mut rx) = ring(2, 0);
+        let (mut tx, mut rx) = ring(2, 0, None);
         tx.push(conn(1), 1, None, |b| b[0] = 1).unwrap();
         tx.push(conn(1), 1, None, |b| b[0] = 2).unwrap();
         assert_eq!(
@@ -383,7 +412,7 @@ mod tests {
     #[test]
     fn two_threads_pass_a_million_commands_intact() {
         const N: u32 = 1_000_000;
-        let (mut tx, mut rx) = ring(64, 128);
+        let (mut tx, mut rx) = ring(64, 128, None);
         let producer = std::thread::spawn(move || {
             for i in 0..N {
                 let len = 1 + (i as usize % 120);

@@ -14,6 +14,8 @@ use crate::verbs::{AccessFlags, ProtectionDomain};
 use super::factory::{HandlerFactory, NewSession, Seated};
 use super::port::{Arrival, Incoming, Port, Setup};
 use super::submit::Consumer;
+use super::trace::Tracer;
+use crate::clock::Clock;
 
 /// Busy passes between two looks at the arrival queue (idle passes always
 /// look): a saturated reactor still takes newcomers.
@@ -28,6 +30,8 @@ pub(crate) struct Start<F> {
     pub(crate) pd: ProtectionDomain,
     pub(crate) config: ReactorConfig,
     pub(crate) factory: Arc<F>,
+    /// The clock of traced submissions.
+    pub(crate) trace: Option<Clock>,
     pub(crate) ready: SyncSender<Result<()>>,
 }
 
@@ -40,6 +44,7 @@ pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
         pd,
         config,
         factory,
+        trace,
         ready,
     } = start;
     let mut reactor = match set_up::<F>(&port, &pd, config) {
@@ -63,6 +68,7 @@ pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
         factory: &*factory,
         rings: Vec::new(),
         commands: 0,
+        tracer: trace.map(Tracer::new),
     };
     // A panic in a handler or the factory ends this reactor like an error:
     // it is marked closed and its queue drained, so placement stops sending
@@ -126,6 +132,8 @@ struct Worker<'a, F> {
     rings: Vec<Consumer>,
     /// Commands staged from the rings.
     commands: u64,
+    /// Submit-to-doorbell ages, when traced.
+    tracer: Option<Tracer>,
 }
 
 impl<F: HandlerFactory> Worker<'_, F> {
@@ -144,6 +152,10 @@ impl<F: HandlerFactory> Worker<'_, F> {
                 self.stage_commands(reactor);
             }
             let done = reactor.poll_once()?;
+            // The pass has rung its doorbells, staged commands included.
+            if let Some(tracer) = &mut self.tracer {
+                tracer.doorbells_rung();
+            }
             look = done == 0;
             busy_passes += 1;
             since_publish += 1;
@@ -210,13 +222,16 @@ impl<F: HandlerFactory> Worker<'_, F> {
     /// one (it waits there for a completion to make room).
     #[inline]
     fn stage_commands(&mut self, reactor: &mut Reactor<Seated<F::Handler>>) {
-        let rings = &mut self.rings;
+        let (rings, tracer) = (&mut self.rings, &mut self.tracer);
         let staged = reactor.with_ctx(|ctx| {
             let mut staged = 0;
             for ring in rings.iter_mut() {
                 while let Some((command, payload)) = ring.peek() {
                     match ctx.send(command.conn, payload, command.imm()) {
                         Ok(_) => {
+                            if let (Some(tracer), Some(stamp)) = (tracer.as_mut(), ring.stamp()) {
+                                let _ = tracer.staged.try_push(stamp);
+                            }
                             ring.pop(true);
                             staged += 1;
                         }
@@ -238,5 +253,8 @@ impl<F: HandlerFactory> Worker<'_, F> {
         self.port
             .stats
             .publish(&reactor.counters(), sessions, self.commands);
+        if let Some(tracer) = &self.tracer {
+            self.port.stats.publish_trace(&tracer.ages.summary());
+        }
     }
 }

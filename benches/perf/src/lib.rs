@@ -15,7 +15,6 @@
 #![deny(missing_docs, missing_debug_implementations)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-mod clock;
 mod handler;
 mod latency;
 mod rate;
@@ -23,9 +22,9 @@ mod run_end;
 mod spec;
 mod stats;
 
-pub use clock::Clock;
 pub use handler::PerfHandler;
 pub use latency::{LatencyClient, Reflector};
 pub use rate::{RateSender, RateSink};
+pub use rdma_comm_core::clock::Clock;
 pub use spec::{DONE_MARKER, PerfBuffers, PerfOp, PerfSpec};
 pub use stats::{BandwidthStats, LATENCY_HEADER, LatencyStats, bandwidth_header};

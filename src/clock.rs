@@ -1,4 +1,5 @@
-//! The TSC clock every measurement reads.
+//! The TSC clock the benchmarks, the tools and the runtime's optional
+//! submission tracing read (`rdma_perf` re-exports it).
 
 /// Cycle-accurate timestamps, taken the way perftest takes them.
 ///
@@ -9,12 +10,12 @@
 /// every measured round trip.
 ///
 /// ```
-/// let clock = rdma_perf::Clock::new();
+/// let clock = rdma_comm_core::clock::Clock::new();
 /// let start = clock.now();
 /// let elapsed_ns = clock.nanos(start, clock.now());
 /// # let _ = elapsed_ns;
 /// ```
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Clock {
     reference: quanta::Clock,
     ns_per_tick: f64,
