@@ -192,6 +192,9 @@ fn run(args: &'static Args) -> rdma_comm_core::Result<()> {
         vec![measure(args, &pd, endpoint_addr(args))?]
     } else {
         let choice = args.runtime.core_choice(args.no_pin)?;
+        if !args.server {
+            print_banner(args, &ctx)?;
+        }
         let mut per_size = Vec::new();
         for (i, size) in sizes(args).into_iter().enumerate() {
             per_size.push(measure_on_runtime(
@@ -420,7 +423,7 @@ fn handler_for(args: &Args, spec: PerfSpec, buffers: PerfBuffers) -> PerfHandler
     }
 }
 
-/// Server: the buffer exported to each peer, by its address.
+/// Server: each peer's stream, by its address (for its export).
 type Offered = std::sync::Mutex<std::collections::HashMap<std::net::SocketAddr, usize>>;
 
 /// Builds each stream's handler on the runtime reactor that serves it,
@@ -431,8 +434,6 @@ struct Streams {
     spec: PerfSpec,
     /// Each stream's buffer until its handler takes it.
     buffers: Arc<std::sync::Mutex<Vec<Option<MemoryRegion>>>>,
-    /// Server: which buffer each peer was offered (its export).
-    offered: Arc<Offered>,
     /// (reactor, what its stream measured).
     done: std::sync::mpsc::Sender<(usize, rdma_comm_core::Result<Row>)>,
 }
@@ -447,16 +448,8 @@ impl HandlerFactory for Streams {
             peer: peer_addr,
             what: what.into(),
         };
-        // The client hands stream i to reactor i; the server looks up the
-        // buffer it exported to this peer.
-        let index = if self.args.server {
-            let offered = self.offered.lock().unwrap_or_else(|p| p.into_inner());
-            *offered
-                .get(&peer_addr)
-                .ok_or_else(|| protocol("no buffer was exported to it"))?
-        } else {
-            session.reactor
-        };
+        // Stream i is served by reactor i on both sides.
+        let index = session.reactor;
         let buffer = self
             .buffers
             .lock()
@@ -515,7 +508,6 @@ fn measure_on_runtime(
         args,
         spec: spec(args, size),
         buffers: Arc::clone(&slots),
-        offered: Arc::clone(&offered),
         done,
     };
     // Handlers take their buffers once these are filled in (below, before
@@ -523,13 +515,22 @@ fn measure_on_runtime(
     let fill_slots = |buffers: Vec<MemoryRegion>| {
         *slots.lock().unwrap_or_else(|p| p.into_inner()) = buffers.into_iter().map(Some).collect();
     };
-    let by_stream: Arc<ChooseFn> = Arc::new(|hello: &PeerHello, loads: &[ReactorLoad]| {
+    // Stream i goes to reactor i, and the server remembers the peer's
+    // stream for its export (placement runs first), so a stream that fails
+    // halfway through its handshake shifts no other stream's buffer.
+    let placed = Arc::clone(&offered);
+    let by_stream: Arc<ChooseFn> = Arc::new(move |hello: &PeerHello, loads: &[ReactorLoad]| {
         let stream = hello
             .identity
             .strip_prefix("stream-")?
             .parse::<usize>()
-            .ok()?;
-        (stream < loads.len()).then_some(stream)
+            .ok()
+            .filter(|&stream| stream < loads.len())?;
+        placed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(hello.peer, stream);
+        Some(stream)
     });
     let config = RuntimeConfig {
         reactors: streams,
@@ -550,18 +551,15 @@ fn measure_on_runtime(
         args.dev.apply(&mut config.qp);
         config.max_peers = Some(streams);
         config.auth_key = args.auth.key()?;
-        let next = std::sync::atomic::AtomicUsize::new(0);
         config.exports = Some(Arc::new(move |peer, _: &ProtectionDomain| {
-            let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let export = registrations
-                .get(index)
-                .ok_or(rdma_comm_core::Error::InvalidArgument(
-                    "more peers than streams",
-                ))?;
-            offered
+            let stream = offered
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .insert(peer, index);
+                .get(&peer)
+                .copied();
+            let export = stream.and_then(|stream| registrations.get(stream)).ok_or(
+                rdma_comm_core::Error::InvalidArgument("a peer that is no stream"),
+            )?;
             Ok(vec![Export::new(1, "perf", export.clone(), access)])
         }));
         runtime.serve(args.listen.as_str(), config)?;
@@ -592,6 +590,8 @@ fn measure_on_runtime(
             *slot = Some(row);
         }
     }
+    // A stream refused or failed did not stop its reactor: stop them all.
+    runtime.stop();
     runtime.join()?;
     rows.into_iter()
         .enumerate()

@@ -188,6 +188,11 @@ fn submit_all(
         }
         if one_at_a_time {
             while submitter.queued() > 0 {
+                if Instant::now() > deadline {
+                    return Err(rdma_comm_core::Error::Runtime(
+                        "the reactor stopped taking commands".into(),
+                    ));
+                }
                 std::hint::spin_loop();
             }
             let pause = Instant::now();

@@ -160,6 +160,18 @@ fn sink_peer(
     got: Arc<AtomicU64>,
     release: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<()> {
+    stalling_sink_peer(addr, bad, got, release, Arc::new(AtomicBool::new(false)))
+}
+
+/// [`sink_peer`] that stops turning its reactor (so it returns no credit)
+/// while `stall` is set.
+fn stalling_sink_peer(
+    addr: std::net::SocketAddr,
+    bad: Arc<AtomicU64>,
+    got: Arc<AtomicU64>,
+    release: Arc<AtomicBool>,
+    stall: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
@@ -174,6 +186,10 @@ fn sink_peer(
         reactor.add(endpoint, Sink { next: 0, bad, got }).unwrap();
         let started = Instant::now();
         while !release.load(Ordering::Acquire) && started.elapsed() < 20 * DEADLINE {
+            if stall.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
             reactor.turn().unwrap();
         }
     })
@@ -549,27 +565,44 @@ verbs_test! {
         let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty())).unwrap();
         let (bad, got) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let release = Arc::new(AtomicBool::new(false));
-        let sink = sink_peer(addr, Arc::clone(&bad), Arc::clone(&got), Arc::clone(&release));
+        let stall = Arc::new(AtomicBool::new(false));
+        let sink = stalling_sink_peer(addr, Arc::clone(&bad), Arc::clone(&got), Arc::clone(&release), Arc::clone(&stall));
         let conn = established(&events);
         let mut submitter = runtime.submitter(0).unwrap();
         let tid = runtime.stats()[0].thread_id;
-        let mut seq = 0;
-        // One command at a time, each to a reactor asleep in its wait, then
-        // bursts of twice the ring (it runs full while the reactor wakes).
-        for burst in [1u64, 1, 1, 1, 1, 1, 1, 1, 2 * 1024, 2 * 1024] {
-            // Asleep, and still asleep a moment later: in its wait.
+        let asleep = || {
             wait_until("the reactor to sleep", || {
                 thread_state(tid) == 'S' && {
                     std::thread::sleep(Duration::from_millis(100));
                     thread_state(tid) == 'S'
                 }
-            });
+            })
+        };
+        let mut seq = 0;
+        // One command at a time, each to a reactor asleep in its wait, then
+        // bursts of twice the ring (it runs full while the reactor wakes).
+        for burst in [1u64, 1, 1, 1, 1, 1, 1, 1, 2 * 1024, 2 * 1024] {
+            // Asleep, and still asleep a moment later: in its wait.
+            asleep();
             for _ in 0..burst {
                 submit(&mut submitter, conn, seq);
                 seq += 1;
             }
             wait_until("the commands to arrive", || got.load(Ordering::Acquire) == seq);
         }
+        // The peer stops returning credit: the ring's first command cannot
+        // be staged and more wait behind it. The reactor still sleeps (a
+        // credit update will wake it), and everything arrives once the peer
+        // turns again.
+        stall.store(true, Ordering::Release);
+        for _ in 0..300 {
+            submit(&mut submitter, conn, seq);
+            seq += 1;
+        }
+        asleep();
+        assert!(submitter.queued() > 0, "commands wait behind the stalled connection");
+        stall.store(false, Ordering::Release);
+        wait_until("the held-back commands to arrive", || got.load(Ordering::Acquire) == seq);
         release.store(true, Ordering::Release);
         sink.join().unwrap();
         assert_eq!(bad.load(Ordering::Relaxed), 0, "every message intact, in order, once");

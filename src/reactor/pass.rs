@@ -2,7 +2,7 @@
 //! and handler, then flush (one doorbell per QP with staged work, receive
 //! reposts off the latency path), and now and then watch the peers.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::session::PeerStatus;
@@ -558,8 +558,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         let status = session.link.check_peer();
         if matches!(status, PeerStatus::Alive) {
-            if let Some(within) = session.link.recheck_within() {
-                let at = Instant::now() + within;
+            // At least a millisecond (a zero would spin), and a time too far
+            // to represent is no deadline at all.
+            if let Some(within) = session.link.recheck_within()
+                && let Some(at) = Instant::now().checked_add(within.max(Duration::from_millis(1)))
+            {
                 *recheck_at = Some(recheck_at.map_or(at, |earlier| earlier.min(at)));
             }
             return None;

@@ -188,7 +188,9 @@ impl Waiter {
     /// watched fds that fired go to `fired` (at most [`MAX_EVENTS`]).
     pub(crate) fn wait(&mut self, timeout: Duration, fired: &mut Vec<u64>) -> Result<()> {
         fired.clear();
-        let ms = match timeout.as_millis() {
+        // Rounded up: a deadline less than a millisecond away must not
+        // become a zero timeout that returns at once until it passes.
+        let ms = match timeout.as_nanos().div_ceil(1_000_000) {
             ms if ms >= i32::MAX as u128 => -1,
             ms => ms as i32,
         };

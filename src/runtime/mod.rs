@@ -105,10 +105,13 @@ pub struct RuntimeConfig {
     pub submit_slot_size: usize,
     /// Name prefix of the reactor threads (`NAME-0`, `NAME-1`, ...).
     pub thread_name: String,
-    /// Measure how long submitted commands wait until the doorbell of the
-    /// pass that posts them ([`ReactorStats::submit_latency`]): one TSC
-    /// read per command on the submitting thread and one per pass on the
-    /// reactor. Off by default.
+    /// Measure how long submitted commands wait until the pass that posts
+    /// them has returned from its doorbells (the end of that pass:
+    /// [`ReactorStats::submit_latency`]): one TSC read per command on the
+    /// submitting thread, one per pass that staged commands on the reactor,
+    /// and a walk over the histogram when the statistics are published
+    /// after new samples. At most 64 commands a pass are sampled. Off by
+    /// default.
     pub trace_submissions: bool,
 }
 
@@ -672,11 +675,13 @@ impl RuntimeHandle {
         self.stop_listeners();
     }
 
-    /// Wakes every sleeping reactor for one pass, so its handlers' `on_idle`
-    /// runs: for state shared across reactors (a handler on one reactor
-    /// that must act on what a handler on another one posted). Costs a
-    /// write to each sleeping reactor's eventfd; a busy one just finds it
-    /// set.
+    /// Wakes every reactor for a pass, so its handlers' `on_idle` runs: for
+    /// state shared across reactors (a handler on one reactor that must act
+    /// on what a handler on another one posted). Costs one eventfd write
+    /// per reactor, sleeping or not (a busy one runs an extra pass). Meant
+    /// for phase boundaries, not per message. A handle kept by a handler or
+    /// the factory keeps the runtime's shared state (its PD, CQ handles,
+    /// listeners) alive until that handle is dropped: drop it when done.
     pub fn wake_all(&self) {
         for port in &self.shared.ports {
             if let Some(setup) = port.setup.get() {

@@ -102,8 +102,14 @@ pub(crate) struct Ring {
 // consumer's release store of the head (acquired by the producer) says it
 // is done. The indices themselves are atomics.
 unsafe impl Sync for Ring {}
-// SAFETY: the ring owns plain bytes and atomics; see Sync for the sharing.
+// SAFETY: the ring owns plain bytes, atomics and a `Clock` (Send and Sync,
+// asserted below); see Sync for the sharing.
 unsafe impl Send for Ring {}
+
+const _: () = {
+    const fn send_and_sync<T: Send + Sync>() {}
+    send_and_sync::<Clock>();
+};
 
 impl fmt::Debug for Ring {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -331,6 +337,17 @@ impl Consumer {
         self.ring.head.store(self.head, Ordering::Release);
     }
 
+    /// The oldest command cannot be staged yet (its connection has no
+    /// room): every command queued so far counts as looked at, so
+    /// [`has_news`](Self::has_news) reports only newer ones. The blocked
+    /// command waits for a completion or a credit update, which wakes the
+    /// reactor anyway; without this, a command queued behind it would keep
+    /// a sleeping reactor from ever sleeping.
+    #[inline]
+    pub(crate) fn noted(&mut self) {
+        self.tail_seen = self.ring.tail.load(Ordering::Acquire);
+    }
+
     /// Whether commands arrived that this end has not looked at yet (the
     /// reactor then does not sleep). Commands it looked at and could not
     /// stage yet wait for a completion, which wakes it anyway.
@@ -407,6 +424,25 @@ mod tests {
         assert!(!rx.is_finished());
         drop(tx);
         assert!(rx.is_finished());
+    }
+
+    #[test]
+    fn a_blocked_command_with_more_behind_it_is_not_news_forever() {
+        let (mut tx, mut rx) = ring(4, 0, None);
+        tx.push(conn(1), 1, None, |b| b[0] = 1).unwrap();
+        rx.peek().unwrap();
+        tx.push(conn(1), 1, None, |b| b[0] = 2).unwrap();
+        assert!(rx.has_news());
+        // The first cannot be staged: the reactor notes what it has seen.
+        rx.peek().unwrap();
+        rx.noted();
+        assert!(!rx.has_news(), "a reactor may sleep until the credit comes");
+        tx.push(conn(1), 1, None, |b| b[0] = 3).unwrap();
+        assert!(rx.has_news(), "a newer command still counts");
+        for expected in 1..=3 {
+            assert_eq!(rx.peek().unwrap().1, &[expected]);
+            rx.pop(true);
+        }
     }
 
     #[test]

@@ -103,6 +103,8 @@ pub(crate) struct Tracer {
     /// Stamps of the commands staged in this pass.
     pub(crate) staged: ArrayVec<u64, PER_PASS>,
     pub(crate) ages: Histogram,
+    /// Samples in the last summary published.
+    published: u64,
 }
 
 impl Tracer {
@@ -111,11 +113,21 @@ impl Tracer {
             clock,
             staged: ArrayVec::new(),
             ages: Histogram::new(),
+            published: 0,
         }
     }
 
-    /// The pass rang its doorbells: the staged commands' ages go into the
-    /// histogram.
+    /// The summary, if samples came in since the last one (its walk over
+    /// the buckets is not repeated on every sleep of an idle reactor).
+    pub(crate) fn new_summary(&mut self) -> Option<SubmitLatency> {
+        (self.ages.total != self.published).then(|| {
+            self.published = self.ages.total;
+            self.ages.summary()
+        })
+    }
+
+    /// The pass that staged commands has returned from its doorbells: the
+    /// staged commands' ages go into the histogram.
     #[inline]
     pub(crate) fn doorbells_rung(&mut self) {
         if self.staged.is_empty() {

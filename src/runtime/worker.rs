@@ -229,13 +229,18 @@ impl<F: HandlerFactory> Worker<'_, F> {
                 while let Some((command, payload)) = ring.peek() {
                     match ctx.send(command.conn, payload, command.imm()) {
                         Ok(_) => {
-                            if let (Some(tracer), Some(stamp)) = (tracer.as_mut(), ring.stamp()) {
+                            if let Some(tracer) = tracer.as_mut()
+                                && let Some(stamp) = ring.stamp()
+                            {
                                 let _ = tracer.staged.try_push(stamp);
                             }
                             ring.pop(true);
                             staged += 1;
                         }
-                        Err(SendError::WouldBlock) => break,
+                        Err(SendError::WouldBlock) => {
+                            ring.noted();
+                            break;
+                        }
                         Err(_) => ring.pop(false),
                     }
                 }
@@ -248,13 +253,15 @@ impl<F: HandlerFactory> Worker<'_, F> {
         }
     }
 
-    fn publish(&self, reactor: &Reactor<Seated<F::Handler>>) {
+    fn publish(&mut self, reactor: &Reactor<Seated<F::Handler>>) {
         let sessions = reactor.sessions().count();
         self.port
             .stats
             .publish(&reactor.counters(), sessions, self.commands);
-        if let Some(tracer) = &self.tracer {
-            self.port.stats.publish_trace(&tracer.ages.summary());
+        if let Some(tracer) = &mut self.tracer
+            && let Some(latency) = tracer.new_summary()
+        {
+            self.port.stats.publish_trace(&latency);
         }
     }
 }

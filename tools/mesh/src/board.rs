@@ -8,7 +8,7 @@
 //! message. The main thread waits on it ([`Board::supervise`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use rdma_comm_core::runtime::RuntimeHandle;
@@ -48,7 +48,9 @@ pub struct Board {
     /// The rank's reactors, woken on every change, so the handler that
     /// must act on it (the one owning rank 0's session, or every handler
     /// when giving up) does so on a reactor that sleeps until woken.
-    reactors: OnceLock<RuntimeHandle>,
+    /// (A handle here closes a cycle through the factory, which holds the
+    /// board: `stop_waking` breaks it once the runtime has ended.)
+    reactors: Mutex<Option<RuntimeHandle>>,
 }
 
 /// The board's locked part.
@@ -98,6 +100,9 @@ impl State {
     }
 }
 
+/// Refused handshakes the board keeps for its failure message.
+const MAX_REJECTED: usize = 8;
+
 impl Board {
     /// The board of rank `me` of `size`.
     pub fn new(me: usize, size: usize) -> Self {
@@ -117,17 +122,25 @@ impl Board {
                 rejected: Vec::new(),
             }),
             changed: Condvar::new(),
-            reactors: OnceLock::new(),
+            reactors: Mutex::new(None),
         }
     }
 
     /// The runtime whose reactors serve this rank's peers.
     pub fn wake_through(&self, reactors: RuntimeHandle) {
-        let _ = self.reactors.set(reactors);
+        *self.reactors.lock().unwrap_or_else(PoisonError::into_inner) = Some(reactors);
+    }
+
+    /// The runtime has ended: let go of its handle.
+    pub fn stop_waking(&self) {
+        self.reactors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
     }
 
     fn wake_reactors(&self) {
-        if let Some(reactors) = self.reactors.get() {
+        if let Some(reactors) = &*self.reactors.lock().unwrap_or_else(PoisonError::into_inner) {
             reactors.wake_all();
         }
     }
@@ -218,7 +231,13 @@ impl Board {
     /// A handshake the listener refused (named if the higher ranks do not
     /// all connect in time).
     pub fn reject(&self, what: String) {
-        self.update(|state| state.rejected.push(what));
+        // The first few name the problem; strangers hammering the port
+        // must not grow the board.
+        self.update(|state| {
+            if state.rejected.len() < MAX_REJECTED {
+                state.rejected.push(what);
+            }
+        });
     }
 
     /// Once this rank gives up: the rank it gives up over, if any

@@ -116,6 +116,7 @@ fn run(args: &Args) -> Result<bool, String> {
     });
     runtime.stop();
     let stats = runtime.join();
+    board.stop_waking();
     match &stats {
         Ok(stats) if reactors > 1 => {
             for reactor in stats {

@@ -463,11 +463,14 @@ impl Handler for PeerHandler {
             (_, false) => true,
             (Some(inbox), true) => {
                 let offset = (expected % self.traffic.blocks) as usize * self.traffic.msg_size;
-                let scratch = &mut self.scratch[..len as usize];
-                // The peer reuses this block only after our receive for it is
-                // reposted, which happens after this callback returns.
-                inbox.read(offset, scratch).is_ok()
-                    && pattern_matches(scratch, self.rank, self.traffic.me, expected)
+                // A peer's length beyond our message size (a rank started
+                // with another --msg-size) is a bad message, not a panic.
+                // The peer reuses this block only after our receive for it
+                // is reposted, which happens after this callback returns.
+                self.scratch.get_mut(..len as usize).is_some_and(|scratch| {
+                    inbox.read(offset, scratch).is_ok()
+                        && pattern_matches(scratch, self.rank, self.traffic.me, expected)
+                })
             }
             (None, true) => false,
         };
