@@ -599,6 +599,11 @@ verbs_test! {
             submit(&mut submitter, conn, seq);
             seq += 1;
         }
+        // One more after the reactor found the first one stuck: news it
+        // must not take for work it can do.
+        std::thread::sleep(Duration::from_millis(300));
+        submit(&mut submitter, conn, seq);
+        seq += 1;
         asleep();
         assert!(submitter.queued() > 0, "commands wait behind the stalled connection");
         stall.store(false, Ordering::Release);
