@@ -409,19 +409,21 @@ impl Conn {
         Ok(len)
     }
 
-    /// Flushes the QP and, unless the peer left first, disconnects and
-    /// waits briefly for the `Disconnected` that confirms it.
+    /// Flushes the QP and disconnects: after the peer's disconnect this
+    /// answers it (as rping does), otherwise it asks, and waits briefly for
+    /// the `Disconnected` that confirms it.
     fn close(mut self, peer_left: bool) {
         if let Err(err) = self.qp.set_error() {
             self.debug(|| err.to_string());
         }
+        if let Err(err) = self.id.disconnect() {
+            self.debug(|| err.to_string());
+        }
         if !peer_left {
-            if let Err(err) = self.id.disconnect() {
-                self.debug(|| err.to_string());
-            }
-            let _ =
+            let done =
                 self.channel
                     .expect(&self.id, CmEventKind::Disconnected, Duration::from_secs(2));
+            self.debug(|| format!("disconnect: {:?}", done.map(|event| event.kind())));
         }
     }
 }
