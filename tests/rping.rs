@@ -281,17 +281,32 @@ fn assert_pings(who: &str, lines: &[String], prefix: &str, size: u32) {
 }
 
 /// One client run of 100 validated pings against a server, both checked.
+/// Our client runs with -d, which reports how its disconnect ended: the
+/// server must answer it (both rping and ours do).
 fn ping_pong(server_bin: PathBuf, client_bin: PathBuf, size: u32) {
     let port = port();
     let mut server = Run::spawn("server", server_bin, &server_args(port, size));
     wait_listening(&mut server, port);
-    let client = Run::spawn("client", client_bin, &client_args(port, size, COUNT));
+    let ours = client_bin == self::ours();
+    let mut args = client_args(port, size, COUNT);
+    if ours {
+        args.push("-d".into());
+    }
+    let client = Run::spawn("client", client_bin, &args);
     let (status, out, err) = client.finish();
     assert!(
         status.success(),
         "client failed at {size} B ({status}): {err:#?}"
     );
     assert_pings("client", &out, "ping data: ", size);
+    if ours {
+        assert!(
+            err.iter()
+                .any(|l| l.contains("disconnect: Ok(Disconnected)")),
+            "the server did not answer our disconnect: {:#?}",
+            &err[err.len().saturating_sub(5)..]
+        );
+    }
     let (status, out, err) = server.finish();
     assert!(
         status.success(),
