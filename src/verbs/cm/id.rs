@@ -296,7 +296,8 @@ impl CmId {
     /// Disconnects (`rdma_disconnect`): both sides then get
     /// `Disconnected`. The QP is not touched (librdmacm moves only QPs it
     /// created to the error state): its owner moves it with
-    /// [`QueuePair::set_error`] to flush what is posted, or drops it.
+    /// [`QueuePair::set_error`](super::super::QueuePair::set_error) to flush
+    /// what is posted, or drops it.
     pub fn disconnect(&mut self) -> Result<()> {
         // SAFETY: the id is live; librdmacm checks that it has a device.
         self.call("rdma_disconnect", None, |id| unsafe {
