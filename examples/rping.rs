@@ -215,6 +215,27 @@ struct Conn {
 }
 
 impl Conn {
+    fn new(
+        debug: bool,
+        peer: SocketAddr,
+        channel: EventChannel,
+        id: CmId,
+        qp: QueuePair,
+        res: Resources,
+    ) -> Self {
+        let conn = Conn {
+            debug,
+            peer,
+            channel,
+            id,
+            qp,
+            res,
+            pending: VecDeque::new(),
+        };
+        conn.debug(|| format!("connected with {peer}"));
+        conn
+    }
+
     fn debug(&self, what: impl FnOnce() -> String) {
         if self.debug {
             eprintln!("rping debug: {}", what());
@@ -468,16 +489,7 @@ fn client(args: &Args) -> Result<()> {
     drop(channel.expect(&id, CmEventKind::ConnectResponse, CONNECT_TIMEOUT)?);
     id.establish(&mut qp)?;
     let peer = id.peer_addr().unwrap_or(dst);
-    let mut conn = Conn {
-        debug: args.debug,
-        peer,
-        channel,
-        id,
-        qp,
-        res,
-        pending: VecDeque::new(),
-    };
-    conn.debug(|| format!("connected to {peer}"));
+    let mut conn = Conn::new(args.debug, peer, channel, id, qp, res);
 
     let mut data = vec![0u8; args.size as usize];
     let mut echo = vec![0u8; args.size as usize];
@@ -514,22 +526,15 @@ fn server(args: &Args) -> Result<()> {
             break request;
         }
     };
-    let res = Resources::new(&request.context()?, args.size, false)?;
-    let mut qp = request.create_qp(&res.pd, &res.cq, &res.cq, &res.config)?;
+    let res = Resources::new(&request.id().context()?, args.size, false)?;
+    let mut qp = request
+        .id()
+        .create_qp(&res.pd, &res.cq, &res.cq, &res.config)?;
     res.post_recv(&mut qp)?;
     let peer = request.peer_addr().unwrap_or(bind);
     let id = request.accept(&mut qp, &[])?;
     // Established arrives in its time; the first receive is what matters.
-    let mut conn = Conn {
-        debug: args.debug,
-        peer,
-        channel,
-        id,
-        qp,
-        res,
-        pending: VecDeque::new(),
-    };
-    conn.debug(|| format!("accepted {peer}"));
+    let mut conn = Conn::new(args.debug, peer, channel, id, qp, res);
 
     let mut data = vec![0u8; args.size as usize];
     let mut ping: u64 = 0;

@@ -85,9 +85,10 @@ fn connected(client_data: &[u8], server_data: &[u8]) -> (Side, Side, CmId, Vec<u
     drop(event);
     let got_by_server = request.private_data().to_vec();
     assert_eq!(request.peer_addr().map(|a| a.ip()), Some(at.ip()));
-    let server_ctx = request.context().unwrap();
+    let server_ctx = request.id().context().unwrap();
     let (spd, scq) = resources(&server_ctx);
     let mut sqp = request
+        .id()
         .create_qp(&spd, &scq, &scq, &QpConfig::default())
         .unwrap();
     let smr = spd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();

@@ -8,7 +8,7 @@ use arrayvec::ArrayVec;
 
 use crate::error::Result;
 
-use super::super::{Context, CqSource, ProtectionDomain, QpConfig, QueuePair, SrqAttachment};
+use super::super::QueuePair;
 use super::{CmId, ConnParams};
 
 /// A connect request: the new id for the connection, the peer's private
@@ -31,7 +31,9 @@ impl fmt::Debug for ConnectRequest {
 }
 
 impl ConnectRequest {
-    /// The connection's id (bound to the device the request came in on).
+    /// The connection's id, bound to the device the request came in on:
+    /// make the QP with its [`context`](CmId::context) and
+    /// [`create_qp`](CmId::create_qp) before accepting.
     pub fn id(&self) -> &CmId {
         &self.id
     }
@@ -54,37 +56,8 @@ impl ConnectRequest {
         self.id.peer_addr()
     }
 
-    /// The device context the request came in on ([`CmId::context`]).
-    pub fn context(&self) -> Result<Context> {
-        self.id.context()
-    }
-
-    /// Creates the connection's QP ([`CmId::create_qp`]).
-    pub fn create_qp(
-        &self,
-        pd: &ProtectionDomain,
-        send_cq: &impl CqSource,
-        recv_cq: &impl CqSource,
-        config: &QpConfig,
-    ) -> Result<QueuePair> {
-        self.id.create_qp(pd, send_cq, recv_cq, config)
-    }
-
-    /// Creates the connection's QP on a shared receive queue.
-    pub fn create_qp_with_srq(
-        &self,
-        pd: &ProtectionDomain,
-        send_cq: &impl CqSource,
-        recv_cq: &impl CqSource,
-        srq: &SrqAttachment,
-        config: &QpConfig,
-    ) -> Result<QueuePair> {
-        self.id
-            .create_qp_with_srq(pd, send_cq, recv_cq, srq, config)
-    }
-
-    /// Accepts with `qp` (made by [`create_qp`](Self::create_qp); post its
-    /// receives first) and up to 196 bytes of `private_data`: the QP goes to
+    /// Accepts with `qp` (made by the request's id, see [`id`](Self::id);
+    /// post its receives first) and up to 196 bytes of `private_data`: the QP goes to
     /// RTS with READ depths no deeper than the peer asked for and the QP's
     /// `max_rd_atomic`, and the peer is answered. `Established` follows
     /// on the channel once the peer confirms. On failure the QP is left in
