@@ -101,18 +101,26 @@ impl Run {
     /// Waits until `count` stdout lines contain `needle`.
     #[track_caller]
     fn wait_for_lines(&mut self, needle: &str, count: usize) {
+        let what = format!("printing {count} lines with {needle:?}");
+        self.wait_until(&what, |run| run.count(needle) >= count);
+    }
+
+    /// Polls `ready` until it holds, failing if the child exits first or
+    /// at the deadline.
+    #[track_caller]
+    fn wait_until(&mut self, what: &str, mut ready: impl FnMut(&Run) -> bool) {
         let start = Instant::now();
-        while self.count(needle) < count {
+        while !ready(self) {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!(
-                    "{} exited ({status}) before printing {count} lines with {needle:?}: {}",
+                    "{} exited ({status}) before {what}: {}",
                     self.name,
                     self.dump()
                 );
             }
             assert!(
                 start.elapsed() < DEADLINE,
-                "{}: no {count} lines with {needle:?} within {DEADLINE:?}: {}",
+                "{}: not {what} within {DEADLINE:?}: {}",
                 self.name,
                 self.dump()
             );
@@ -182,69 +190,38 @@ fn collect(
 /// neither rping server says when it is ready.
 #[track_caller]
 fn wait_listening(server: &mut Run, port: u16) {
-    let start = Instant::now();
     let wanted = format!("{ADDR}:{port}");
-    loop {
+    server.wait_until(&format!("listening on {wanted}"), |_| {
         let out = Command::new("rdma")
             .args(["-j", "res", "show", "cm_id"])
             .output()
             .expect("run `rdma -j res show cm_id` (iproute2)");
         let ids: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-        let listening =
-            ids.as_array().into_iter().flatten().any(|id| {
-                id["state"] == "LISTEN" && id["src-addr"].as_str() == Some(wanted.as_str())
-            });
-        if listening {
-            return;
-        }
-        if let Ok(Some(status)) = server.child.try_wait() {
-            panic!(
-                "{} exited ({status}) before listening: {}",
-                server.name,
-                server.dump()
-            );
-        }
-        assert!(
-            start.elapsed() < DEADLINE,
-            "{} does not listen on {wanted}",
-            server.name
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
+        ids.as_array()
+            .into_iter()
+            .flatten()
+            .any(|id| id["state"] == "LISTEN" && id["src-addr"].as_str() == Some(wanted.as_str()))
+    });
 }
 
-fn args(list: &[&str]) -> Vec<String> {
-    list.iter().map(|s| s.to_string()).collect()
+/// The flags both sides get: validated and printed pings of `size` bytes
+/// at ADDR:`port`.
+fn side_args(side: &str, port: u16, size: u32) -> Vec<String> {
+    let (port, size) = (port.to_string(), size.to_string());
+    let mut all = vec![side.to_string()];
+    all.extend(["-V", "-v", "-a", ADDR, "-p", &port, "-S", &size].map(String::from));
+    all
 }
 
 fn server_args(port: u16, size: u32) -> Vec<String> {
-    args(&[
-        "-s",
-        "-V",
-        "-v",
-        "-a",
-        ADDR,
-        "-p",
-        &port.to_string(),
-        "-S",
-        &size.to_string(),
-    ])
+    side_args("-s", port, size)
 }
 
+/// A client's flags; `count` 0 pings for ever.
 fn client_args(port: u16, size: u32, count: usize) -> Vec<String> {
-    args(&[
-        "-c",
-        "-V",
-        "-v",
-        "-a",
-        ADDR,
-        "-p",
-        &port.to_string(),
-        "-C",
-        &count.to_string(),
-        "-S",
-        &size.to_string(),
-    ])
+    let mut args = side_args("-c", port, size);
+    args.extend(["-C".to_string(), count.to_string()]);
+    args
 }
 
 /// The ping data of ping `n` as printed (`%s`: up to its NUL), which is
@@ -339,25 +316,46 @@ verbs_test! {
     }
 }
 
+/// Runs `server_bin` and `client_bin` with endless 4 KiB pings, kills one
+/// of them after 20 pings, and returns how the other (ours) ended: its
+/// exit status, stdout lines and stderr. Our side must not hang.
+fn kill_mid_run(
+    server_bin: PathBuf,
+    client_bin: PathBuf,
+    kill_server: bool,
+) -> (ExitStatus, Vec<String>, String) {
+    let port = port();
+    let mut server = Run::spawn("server", server_bin, &server_args(port, 4096));
+    wait_listening(&mut server, port);
+    let client = Run::spawn("client", client_bin, &client_args(port, 4096, 0));
+    let (mut killed, survivor) = if kill_server {
+        (server, client)
+    } else {
+        (client, server)
+    };
+    let mut survivor = survivor;
+    survivor.wait_for_lines("ping data: ", 20);
+    killed.kill();
+    let (status, out, err) = survivor.finish();
+    let err = err.join("\n");
+    assert!(out.len() >= 20, "only {} pings before the kill", out.len());
+    assert!(
+        status.success() || err.contains("RDMA_CM_EVENT_DISCONNECTED") || err.contains("IBV_WC_"),
+        "our side failed without naming the disconnect or a failed completion: {err}"
+    );
+    assert!(
+        status.success() || err.contains(&format!("{ADDR}:")),
+        "our side's error does not name the peer: {err}"
+    );
+    (status, out, err)
+}
+
 verbs_test! {
     /// The rping server is killed mid-run: our client says so with a typed
     /// error naming the peer and exits non-zero, without hanging.
     fn rping_server_killed_mid_run() {
-        let port = port();
-        let mut server = Run::spawn("rping server", rping_path(), &server_args(port, 4096));
-        wait_listening(&mut server, port);
-        let mut client = Run::spawn("our client", ours(), &client_args(port, 4096, 0));
-        client.wait_for_lines("ping data: ", 20);
-        server.kill();
-        let (status, out, err) = client.finish();
+        let (status, _, _) = kill_mid_run(rping_path(), ours(), true);
         assert!(!status.success(), "our client exited 0 after its server was killed");
-        let err = err.join("\n");
-        assert!(
-            err.contains("RDMA_CM_EVENT_DISCONNECTED") || err.contains("IBV_WC_"),
-            "our client's error names neither the disconnect nor a failed completion: {err}"
-        );
-        assert!(err.contains(&format!("{ADDR}:{port}")), "the error does not name the peer: {err}");
-        assert!(out.len() >= 20, "only {} pings before the kill", out.len());
     }
 }
 
@@ -366,23 +364,10 @@ verbs_test! {
     /// (between pings, rping's own "server DISCONNECT EVENT..." and exit 0;
     /// in the middle of one, a typed error and exit 1) and does not hang.
     fn rping_client_killed_mid_run() {
-        let port = port();
-        let mut server = Run::spawn("our server", ours(), &server_args(port, 4096));
-        wait_listening(&mut server, port);
-        let mut client = Run::spawn("rping client", rping_path(), &client_args(port, 4096, 0));
-        server.wait_for_lines("server ping data: ", 20);
-        client.kill();
-        let (status, out, err) = server.finish();
-        let err = err.join("\n");
+        let (status, _, err) = kill_mid_run(ours(), rping_path(), false);
         if status.success() {
             assert!(err.contains("server DISCONNECT EVENT"), "exit 0 without the disconnect: {err}");
-        } else {
-            assert!(
-                err.contains("RDMA_CM_EVENT_DISCONNECTED") || err.contains("IBV_WC_"),
-                "our server failed without naming the disconnect: {err}"
-            );
         }
-        assert!(out.len() >= 20, "only {} pings before the kill", out.len());
     }
 }
 
