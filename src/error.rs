@@ -543,3 +543,43 @@ pub(crate) fn verbs_error(
         qpn,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cm_errors_name_the_op_the_peer_and_the_event() {
+        let peer = Some("10.77.0.1:7174".parse().unwrap());
+        let rejected = Error::Cm {
+            op: "rdma_connect",
+            peer,
+            cause: CmFailure::Event {
+                got: CmEventKind::Rejected,
+                status: 8,
+                expected: Some(CmEventKind::ConnectResponse),
+            },
+        };
+        assert_eq!(
+            rejected.to_string(),
+            "rdma_connect with 10.77.0.1:7174: RDMA_CM_EVENT_REJECTED (reason 8: no listener \
+             at that port) instead of RDMA_CM_EVENT_CONNECT_RESPONSE"
+        );
+        let addr_error = CmFailure::Event {
+            got: CmEventKind::AddrError,
+            status: -libc::ETIMEDOUT,
+            expected: None,
+        };
+        assert!(addr_error.to_string().starts_with("RDMA_CM_EVENT_ADDR_ERROR: "));
+        let errno = Error::Cm {
+            op: "rdma_bind_addr",
+            peer: None,
+            cause: CmFailure::Errno(libc::EADDRINUSE),
+        };
+        assert_eq!(errno.errno(), Some(libc::EADDRINUSE));
+        assert_eq!(errno.cm_failure(), Some(CmFailure::Errno(libc::EADDRINUSE)));
+        assert_eq!(CmFailure::Timeout(2000).to_string(), "no event within 2000 ms");
+        // Connection-manager errors do not make every Result larger.
+        assert!(std::mem::size_of::<Error>() <= 64);
+    }
+}

@@ -100,7 +100,8 @@ enum Owner {
 }
 
 // SAFETY: libibverbs contexts are thread-safe; the pointer is only freed in Drop,
-// after every child (which holds an Arc to this) is gone.
+// after every child (which holds an Arc to this) is gone, by us or (a lent
+// context) by its owner once the guard, dropped last, lets it.
 unsafe impl Send for ContextInner {}
 // SAFETY: see Send; all verbs taking a context may be called concurrently.
 unsafe impl Sync for ContextInner {}
