@@ -570,7 +570,11 @@ mod tests {
             status: -libc::ETIMEDOUT,
             expected: None,
         };
-        assert!(addr_error.to_string().starts_with("RDMA_CM_EVENT_ADDR_ERROR: "));
+        assert!(
+            addr_error
+                .to_string()
+                .starts_with("RDMA_CM_EVENT_ADDR_ERROR: ")
+        );
         let errno = Error::Cm {
             op: "rdma_bind_addr",
             peer: None,
@@ -578,7 +582,10 @@ mod tests {
         };
         assert_eq!(errno.errno(), Some(libc::EADDRINUSE));
         assert_eq!(errno.cm_failure(), Some(CmFailure::Errno(libc::EADDRINUSE)));
-        assert_eq!(CmFailure::Timeout(2000).to_string(), "no event within 2000 ms");
+        assert_eq!(
+            CmFailure::Timeout(2000).to_string(),
+            "no event within 2000 ms"
+        );
         // Connection-manager errors do not make every Result larger.
         assert!(std::mem::size_of::<Error>() <= 64);
     }
