@@ -1,4 +1,5 @@
-//! Generates the FFI bindings to libibverbs from the system's rdma-core headers.
+//! Generates the FFI bindings to libibverbs and librdmacm (the RDMA
+//! connection manager, `<rdma/rdma_cma.h>`) from the system's rdma-core headers.
 //!
 //! Static inline verbs: `ibv_post_send`, `ibv_post_recv`, `ibv_poll_cq` and
 //! `ibv_req_notify_cq` are one indirect call through `context->ops` in the
@@ -12,20 +13,22 @@
 use std::env;
 use std::path::PathBuf;
 
-const HEADER: &str = "infiniband/verbs.h";
-const INSTALL_HINT: &str = "install the Debian packages libibverbs-dev (rdma-core headers), \
-     libclang-dev (for bindgen) and ibverbs-providers: \
-     `apt-get install libibverbs-dev libclang-dev ibverbs-providers`";
+const HEADERS: [&str; 2] = ["infiniband/verbs.h", "rdma/rdma_cma.h"];
+const INSTALL_HINT: &str = "install the Debian packages libibverbs-dev and librdmacm-dev \
+     (rdma-core headers), libclang-dev (for bindgen) and ibverbs-providers: \
+     `apt-get install libibverbs-dev librdmacm-dev libclang-dev ibverbs-providers`";
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/sys/wrapper.h");
 
-    let header_found = ["/usr/include", "/usr/local/include"]
-        .iter()
-        .any(|dir| PathBuf::from(dir).join(HEADER).exists());
-    if !header_found {
-        panic!("rdma-comm-core: <{HEADER}> not found; {INSTALL_HINT}");
+    for header in HEADERS {
+        let found = ["/usr/include", "/usr/local/include"]
+            .iter()
+            .any(|dir| PathBuf::from(dir).join(header).exists());
+        if !found {
+            panic!("rdma-comm-core: <{header}> not found; {INSTALL_HINT}");
+        }
     }
 
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
@@ -33,9 +36,9 @@ fn main() {
 
     let bindings = bindgen::Builder::default()
         .header("src/sys/wrapper.h")
-        .allowlist_function("ibv_.*|_ibv_.*|___ibv_.*")
-        .allowlist_type("ibv_.*")
-        .allowlist_var("IBV_.*")
+        .allowlist_function("ibv_.*|_ibv_.*|___ibv_.*|rdma_.*")
+        .allowlist_type("ibv_.*|rdma_.*")
+        .allowlist_var("IBV_.*|RDMA_.*")
         .default_enum_style(bindgen::EnumVariation::Consts)
         .derive_default(true)
         .derive_debug(true)
@@ -46,7 +49,7 @@ fn main() {
         .layout_tests(true)
         .generate()
         .unwrap_or_else(|err| {
-            panic!("rdma-comm-core: bindgen failed on <{HEADER}> ({err}); {INSTALL_HINT}")
+            panic!("rdma-comm-core: bindgen failed on {HEADERS:?} ({err}); {INSTALL_HINT}")
         });
     bindings
         .write_to_file(out_dir.join("verbs.rs"))
@@ -61,4 +64,5 @@ fn main() {
         .compile("verbs_static_inline_shim");
 
     println!("cargo:rustc-link-lib=ibverbs");
+    println!("cargo:rustc-link-lib=rdmacm");
 }

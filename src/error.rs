@@ -198,6 +198,19 @@ pub enum Error {
         /// The connection's share of receives (`ReactorConfig::recv_depth`).
         share: u32,
     },
+    /// A connection-manager (rdma_cm) call failed, or the event that came
+    /// back was not the one the operation waits for (a reject, an
+    /// unreachable peer, a disconnect, a timeout).
+    #[error("{op}{}: {cause}", peer_suffix(*.peer))]
+    Cm {
+        /// The operation, e.g. `rdma_resolve_addr` or `rdma_connect`.
+        op: &'static str,
+        /// The peer's address, when the id has one.
+        peer: Option<SocketAddr>,
+        /// What happened.
+        #[source]
+        cause: CmFailure,
+    },
     /// An operating-system call outside libibverbs failed.
     #[error("{what}: {source}")]
     Os {
@@ -248,6 +261,142 @@ pub enum WireError {
     /// The transport failed or timed out.
     #[error("{0}")]
     Io(#[from] io::Error),
+}
+
+/// Why a connection-manager operation failed ([`Error::Cm`]). Small and
+/// allocation-free, like every error here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CmFailure {
+    /// The call itself failed with this errno.
+    #[error("{}", io::Error::from_raw_os_error(*.0))]
+    Errno(i32),
+    /// An event said no, or came instead of the one awaited.
+    #[error("{got}{}{}", cm_status(*got, *status), expected_suffix(*expected))]
+    Event {
+        /// The event that came (`Rejected`, `Disconnected`, ...).
+        got: CmEventKind,
+        /// Its status: a negative errno, or for `Rejected` the transport's
+        /// reject reason (InfiniBand CM: 28 is the peer's own reject, 8 no
+        /// listener at that port).
+        status: i32,
+        /// The event the operation was waiting for, if any.
+        expected: Option<CmEventKind>,
+    },
+    /// The awaited event did not come within this many milliseconds.
+    #[error("no event within {0} ms")]
+    Timeout(u32),
+}
+
+fn cm_status(got: CmEventKind, status: i32) -> String {
+    let rejected = got == CmEventKind::Rejected;
+    match status {
+        0 => String::new(),
+        s if s < 0 => format!(": {} (status {s})", io::Error::from_raw_os_error(-s)),
+        8 if rejected => " (reason 8: no listener at that port)".into(),
+        28 if rejected => " (reason 28: rejected by the peer)".into(),
+        s if rejected => format!(" (reason {s})"),
+        s => format!(" (status {s})"),
+    }
+}
+
+fn expected_suffix(expected: Option<CmEventKind>) -> String {
+    expected.map_or_else(String::new, |e| format!(" instead of {e}"))
+}
+
+/// What a connection-manager event reports (`enum rdma_cm_event_type`).
+/// Defined here, beside the error that names it, and re-exported by
+/// [`verbs::cm`](crate::verbs::cm).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CmEventKind {
+    /// `rdma_resolve_addr` succeeded: the id is bound to a device.
+    AddrResolved,
+    /// `rdma_resolve_addr` failed (status: a negative errno).
+    AddrError,
+    /// `rdma_resolve_route` succeeded.
+    RouteResolved,
+    /// `rdma_resolve_route` failed.
+    RouteError,
+    /// A peer asks to connect to a listening id; the event carries the new
+    /// id (`CmEvent::take_request`).
+    ConnectRequest,
+    /// The peer accepted our connect request: call `CmId::establish`.
+    ConnectResponse,
+    /// Establishing the connection failed.
+    ConnectError,
+    /// The peer did not answer (or its answer was unusable).
+    Unreachable,
+    /// The peer rejected the request (status: the transport's reason).
+    Rejected,
+    /// The connection is up.
+    Established,
+    /// The connection is gone: the peer disconnected, or its process or
+    /// host died and its side was torn down.
+    Disconnected,
+    /// The device the id is bound to was removed; destroy the id.
+    DeviceRemoval,
+    /// A multicast join completed (datagram ids only).
+    MulticastJoin,
+    /// A multicast join failed (datagram ids only).
+    MulticastError,
+    /// The address's network device changed its hardware address.
+    AddrChange,
+    /// The QP of a closed connection left its timewait state.
+    TimewaitExit,
+    /// An event this crate does not know.
+    Unknown,
+}
+
+impl CmEventKind {
+    /// rdma_cm's name for it, e.g. `RDMA_CM_EVENT_REJECTED`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::AddrResolved => "RDMA_CM_EVENT_ADDR_RESOLVED",
+            Self::AddrError => "RDMA_CM_EVENT_ADDR_ERROR",
+            Self::RouteResolved => "RDMA_CM_EVENT_ROUTE_RESOLVED",
+            Self::RouteError => "RDMA_CM_EVENT_ROUTE_ERROR",
+            Self::ConnectRequest => "RDMA_CM_EVENT_CONNECT_REQUEST",
+            Self::ConnectResponse => "RDMA_CM_EVENT_CONNECT_RESPONSE",
+            Self::ConnectError => "RDMA_CM_EVENT_CONNECT_ERROR",
+            Self::Unreachable => "RDMA_CM_EVENT_UNREACHABLE",
+            Self::Rejected => "RDMA_CM_EVENT_REJECTED",
+            Self::Established => "RDMA_CM_EVENT_ESTABLISHED",
+            Self::Disconnected => "RDMA_CM_EVENT_DISCONNECTED",
+            Self::DeviceRemoval => "RDMA_CM_EVENT_DEVICE_REMOVAL",
+            Self::MulticastJoin => "RDMA_CM_EVENT_MULTICAST_JOIN",
+            Self::MulticastError => "RDMA_CM_EVENT_MULTICAST_ERROR",
+            Self::AddrChange => "RDMA_CM_EVENT_ADDR_CHANGE",
+            Self::TimewaitExit => "RDMA_CM_EVENT_TIMEWAIT_EXIT",
+            Self::Unknown => "RDMA_CM_EVENT_(unknown)",
+        }
+    }
+
+    /// True for the events that end an operation or a connection in
+    /// failure (address, route and connect errors, unreachable, rejected,
+    /// disconnected, device removal).
+    pub fn is_failure(self) -> bool {
+        matches!(
+            self,
+            Self::AddrError
+                | Self::RouteError
+                | Self::ConnectError
+                | Self::Unreachable
+                | Self::Rejected
+                | Self::Disconnected
+                | Self::DeviceRemoval
+        )
+    }
+}
+
+impl fmt::Display for CmEventKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn peer_suffix(peer: Option<SocketAddr>) -> String {
+    peer.map(|p| format!(" with {p}")).unwrap_or_default()
 }
 
 /// A completion status (`IBV_WC_*`). The values are rdma-core's
@@ -349,6 +498,10 @@ impl Error {
         match self {
             Error::Verbs { errno, .. } | Error::Post { errno, .. } => Some(*errno),
             Error::Os { source, .. } => source.raw_os_error(),
+            Error::Cm {
+                cause: CmFailure::Errno(errno),
+                ..
+            } => Some(*errno),
             _ => None,
         }
     }
@@ -357,6 +510,14 @@ impl Error {
     /// (providers report `ENOMEM`); the caller should poll and retry.
     pub fn is_queue_full(&self) -> bool {
         matches!(self, Error::Verbs { errno, .. } | Error::Post { errno, .. } if *errno == libc::ENOMEM)
+    }
+
+    /// Why a connection-manager operation failed, when this is one.
+    pub fn cm_failure(&self) -> Option<CmFailure> {
+        match self {
+            Error::Cm { cause, .. } => Some(*cause),
+            _ => None,
+        }
     }
 
     /// The completion status, when this error came from a failed completion.
@@ -380,5 +541,52 @@ pub(crate) fn verbs_error(
         errno,
         device: Arc::clone(device),
         qpn,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cm_errors_name_the_op_the_peer_and_the_event() {
+        let peer = Some("10.77.0.1:7174".parse().unwrap());
+        let rejected = Error::Cm {
+            op: "rdma_connect",
+            peer,
+            cause: CmFailure::Event {
+                got: CmEventKind::Rejected,
+                status: 8,
+                expected: Some(CmEventKind::ConnectResponse),
+            },
+        };
+        assert_eq!(
+            rejected.to_string(),
+            "rdma_connect with 10.77.0.1:7174: RDMA_CM_EVENT_REJECTED (reason 8: no listener \
+             at that port) instead of RDMA_CM_EVENT_CONNECT_RESPONSE"
+        );
+        let addr_error = CmFailure::Event {
+            got: CmEventKind::AddrError,
+            status: -libc::ETIMEDOUT,
+            expected: None,
+        };
+        assert!(
+            addr_error
+                .to_string()
+                .starts_with("RDMA_CM_EVENT_ADDR_ERROR: ")
+        );
+        let errno = Error::Cm {
+            op: "rdma_bind_addr",
+            peer: None,
+            cause: CmFailure::Errno(libc::EADDRINUSE),
+        };
+        assert_eq!(errno.errno(), Some(libc::EADDRINUSE));
+        assert_eq!(errno.cm_failure(), Some(CmFailure::Errno(libc::EADDRINUSE)));
+        assert_eq!(
+            CmFailure::Timeout(2000).to_string(),
+            "no event within 2000 ms"
+        );
+        // Connection-manager errors do not make every Result larger.
+        assert!(std::mem::size_of::<Error>() <= 64);
     }
 }

@@ -1,5 +1,6 @@
 //! Devices, ports and GIDs: finding and opening an RDMA device.
 
+use std::any::Any;
 use std::ffi::CStr;
 use std::fmt;
 use std::net::Ipv4Addr;
@@ -85,16 +86,33 @@ fn device_name(dev: *mut sys::ibv_device) -> String {
 pub(crate) struct ContextInner {
     pub(crate) ctx: NonNull<sys::ibv_context>,
     pub(crate) name: Arc<str>,
+    owner: Owner,
+}
+
+/// Who closes a device context.
+enum Owner {
+    /// We opened it with `ibv_open_device`, so `Drop` closes it.
+    Opened,
+    /// Another library opened it and lent it to us (librdmacm's context of
+    /// the device an rdma_cm id is bound to): the guard keeps it open until
+    /// it is dropped, after every object created from it.
+    Lent(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
 }
 
 // SAFETY: libibverbs contexts are thread-safe; the pointer is only freed in Drop,
-// after every child (which holds an Arc to this) is gone.
+// after every child (which holds an Arc to this) is gone, by us or (a lent
+// context) by its owner once the guard, dropped last, lets it.
 unsafe impl Send for ContextInner {}
 // SAFETY: see Send; all verbs taking a context may be called concurrently.
 unsafe impl Sync for ContextInner {}
 
 impl Drop for ContextInner {
     fn drop(&mut self) {
+        if let Owner::Lent(_) = self.owner {
+            // Its owner closes it; the guard is released after this body,
+            // and every child (which holds an Arc to us) is gone already.
+            return;
+        }
         // SAFETY: every child object holds an Arc to us, so none is alive now.
         let rc = unsafe { sys::ibv_close_device(self.ctx.as_ptr()) };
         if let Err(err) = check_rc(rc, "ibv_close_device", &self.name, None) {
@@ -177,8 +195,47 @@ impl Context {
             &name,
         )?;
         Ok(Self {
-            inner: Arc::new(ContextInner { ctx, name }),
+            inner: Arc::new(ContextInner {
+                ctx,
+                name,
+                owner: Owner::Opened,
+            }),
         })
+    }
+
+    /// Wraps a device context another library opened, which this `Context`
+    /// must never close.
+    ///
+    /// # Safety
+    /// `ctx` must be an open device context that stays open, and is closed
+    /// by nobody, for as long as `keep_open` is alive.
+    pub(crate) unsafe fn lent(
+        ctx: NonNull<sys::ibv_context>,
+        keep_open: Box<dyn Any + Send + Sync>,
+    ) -> Self {
+        // SAFETY: the caller vouches that the context is open; its device
+        // pointer and name live as long as it does.
+        let name = device_name(unsafe { (*ctx.as_ptr()).device });
+        Self {
+            inner: Arc::new(ContextInner {
+                ctx,
+                name: Arc::from(name),
+                owner: Owner::Lent(keep_open),
+            }),
+        }
+    }
+
+    /// True if this context was lent by the connection manager
+    /// ([`cm`](super::cm)) rather than opened by [`Context::open`].
+    pub fn is_lent(&self) -> bool {
+        matches!(self.inner.owner, Owner::Lent(_))
+    }
+
+    /// True if both handles are the very same device context (not merely
+    /// the same device: each [`Context::open`] opens a context of its own).
+    /// Objects of one context cannot be used with another's.
+    pub fn same_context(&self, other: &Context) -> bool {
+        self.inner.ctx == other.inner.ctx
     }
 
     /// The device name.

@@ -6,8 +6,12 @@
 //! user drops handles in, a QP is destroyed before its CQs, an MR before its PD
 //! and everything before the device is closed.
 //!
+//! The [`cm`] module connects QPs through the RDMA connection manager
+//! (librdmacm).
+//!
 //! All `unsafe` FFI lives in this module tree; each block says why it is sound.
 
+pub mod cm;
 mod cq;
 mod device;
 mod list;

@@ -1,5 +1,6 @@
 //! Reliable-connected queue pairs: creation, the INIT→RTR→RTS handshake and posting.
 
+use std::any::Any;
 use std::fmt;
 use std::os::raw::c_int;
 use std::ptr::{self, NonNull};
@@ -170,11 +171,15 @@ pub struct QueuePair {
     /// The windows bound on this QP that may still be allocated: they are
     /// deallocated before the QP is destroyed.
     windows: Vec<Weak<WindowSlot>>,
-    // Dropped after the QP is destroyed in Drop: SRQ, CQs, then the PD.
+    // Dropped after the QP is destroyed in Drop: SRQ, CQs, the PD, then
+    // what the QP was connected through.
     srq: Option<Arc<SrqInner>>,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
     pd: Arc<PdInner>,
+    /// The rdma_cm id the QP was created on ([`cm::CmId::create_qp`](super::cm::CmId::create_qp)),
+    /// kept so that the id is destroyed only after the QP.
+    anchor: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 // SAFETY: libibverbs QPs may be used from any thread, and posting is internally
@@ -236,7 +241,7 @@ impl ProtectionDomain {
         self.create_qp_inner(send_cq, recv_cq, Some(srq), config)
     }
 
-    fn create_qp_inner(
+    pub(super) fn create_qp_inner(
         &self,
         send_cq: &impl CqSource,
         recv_cq: &impl CqSource,
@@ -330,6 +335,7 @@ impl ProtectionDomain {
             send_cq: send_cq.inner,
             recv_cq: recv_cq.inner,
             pd: Arc::clone(&self.inner),
+            anchor: None,
         };
         qp.enter_init()?;
         Ok(qp)
@@ -443,6 +449,39 @@ impl QueuePair {
     /// The receive-queue depth the provider granted.
     pub fn max_recv_wr(&self) -> u32 {
         self.max_recv_wr
+    }
+
+    /// Keeps `anchor` alive until after the QP is destroyed.
+    pub(super) fn anchor_to(&mut self, anchor: Arc<dyn Any + Send + Sync>) {
+        self.anchor = Some(anchor);
+    }
+
+    /// True if the QP was anchored to exactly this object.
+    pub(super) fn is_anchored_to<T: Any + Send + Sync>(&self, anchor: &Arc<T>) -> bool {
+        self.anchor
+            .as_ref()
+            .is_some_and(|own| std::ptr::addr_eq(Arc::as_ptr(own), Arc::as_ptr(anchor)))
+    }
+
+    /// How this QP was configured (READ depths clamped to the device).
+    pub(super) fn config(&self) -> &QpConfig {
+        &self.config
+    }
+
+    /// Applies a state transition whose attributes another party computed
+    /// (the connection manager's `rdma_init_qp_attr`), noting the send PSN
+    /// it chose in [`endpoint`](Self::endpoint).
+    pub(super) fn modify_with(
+        &mut self,
+        attr: &mut sys::ibv_qp_attr,
+        mask: u32,
+        verb: &'static str,
+    ) -> Result<()> {
+        self.modify(attr, mask, verb)?;
+        if mask & sys::IBV_QP_SQ_PSN != 0 {
+            self.local.psn = attr.sq_psn & 0x00ff_ffff;
+        }
+        Ok(())
     }
 
     fn modify(&self, attr: &mut sys::ibv_qp_attr, mask: u32, verb: &'static str) -> Result<()> {

@@ -1,0 +1,75 @@
+//! A peer's connect request, taken from its event: accept it with a QP
+//! created on its id, or reject it.
+
+use std::fmt;
+use std::net::SocketAddr;
+
+use arrayvec::ArrayVec;
+
+use crate::error::Result;
+
+use super::super::QueuePair;
+use super::{CmId, ConnParams};
+
+/// A connect request: the new id for the connection, the peer's private
+/// data and what it asked for. Dropping it unanswered destroys the id,
+/// which rejects the peer.
+pub struct ConnectRequest {
+    pub(super) id: CmId,
+    pub(super) private_data: ArrayVec<u8, { super::MAX_PRIVATE_DATA }>,
+    pub(super) requested: ConnParams,
+}
+
+impl fmt::Debug for ConnectRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConnectRequest")
+            .field("id", &self.id)
+            .field("requested", &self.requested)
+            .field("private_data_len", &self.private_data.len())
+            .finish()
+    }
+}
+
+impl ConnectRequest {
+    /// The connection's id, bound to the device the request came in on:
+    /// make the QP with its [`context`](CmId::context) and
+    /// [`create_qp`](CmId::create_qp) before accepting.
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+
+    /// The private data of the request (as padded by the transport: up to
+    /// 56 bytes on InfiniBand and RoCE, zeros after what the peer sent).
+    pub fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    /// What the peer asked for, from our side: `responder_resources` is how
+    /// many READs it wants to have outstanding at us, `initiator_depth` how
+    /// many it will serve.
+    pub fn requested(&self) -> ConnParams {
+        self.requested
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.id.peer_addr()
+    }
+
+    /// Accepts with `qp` (made by the request's id, see [`id`](Self::id);
+    /// post its receives first) and up to 196 bytes of `private_data`: the QP goes to
+    /// RTS with READ depths no deeper than the peer asked for and the QP's
+    /// `max_rd_atomic`, and the peer is answered. `Established` follows
+    /// on the channel once the peer confirms. On failure the QP is left in
+    /// the error state and the id is dropped (rejecting the peer).
+    pub fn accept(mut self, qp: &mut QueuePair, private_data: &[u8]) -> Result<CmId> {
+        self.id.accept(qp, self.requested, private_data)?;
+        Ok(self.id)
+    }
+
+    /// Rejects the request with up to 148 bytes of `private_data`, which the
+    /// peer gets with its `Rejected` event.
+    pub fn reject(mut self, private_data: &[u8]) -> Result<()> {
+        self.id.reject(private_data)
+    }
+}
