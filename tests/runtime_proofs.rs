@@ -152,6 +152,15 @@ fn submit(submitter: &mut Submitter, conn: ConnId, seq: u64) {
     }
 }
 
+/// A test peer's reactor: Blocking, waking every 50 ms to see its flags.
+fn peer_config(payload: usize, depth: u32) -> ReactorConfig {
+    ReactorConfig {
+        event_mode: EventMode::Blocking,
+        idle_timeout: Duration::from_millis(50),
+        ..ReactorConfig::for_traffic(payload, depth, 1)
+    }
+}
+
 /// The peer of the submission tests: a sink checking every command's
 /// message on a reactor of its own, in a thread, until `release`.
 fn sink_peer(
@@ -175,11 +184,7 @@ fn stalling_sink_peer(
     std::thread::spawn(move || {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let config = ReactorConfig {
-            event_mode: EventMode::Blocking,
-            idle_timeout: Duration::from_millis(50),
-            ..ReactorConfig::for_traffic(512, 64, 1)
-        };
+        let config = peer_config(512, 64);
         let mut reactor: Reactor<Sink> = Reactor::new(&pd, config).unwrap();
         let spec = reactor.qp_spec("rpc");
         let endpoint = ClientSession::connect(addr, &pd, &ClientConfig::new(vec![spec])).unwrap();
@@ -469,11 +474,7 @@ fn quiet_peer(addr: std::net::SocketAddr, quit: Arc<AtomicBool>) -> std::thread:
     std::thread::spawn(move || {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let config = ReactorConfig {
-            event_mode: EventMode::Blocking,
-            idle_timeout: Duration::from_millis(50),
-            ..ReactorConfig::for_traffic(64, 16, 1)
-        };
+        let config = peer_config(64, 16);
         let mut reactor: Reactor<Quiet> = Reactor::new(&pd, config).unwrap();
         // Exported through a window: no REMOTE_* rights of its own.
         let inbox = pd
