@@ -126,6 +126,9 @@ fn socket_addr(host: &str, port: u16) -> Result<SocketAddr> {
 /// The client's ping data, exactly as rping writes it: `rdma-ping-N: `,
 /// then letters from 'A' + N mod 58 up to 'z' and round again, NUL last.
 fn fill_ping(buf: &mut [u8], ping: u64) {
+    if buf.is_empty() {
+        return;
+    }
     let prefix = format!("rdma-ping-{ping}: ");
     let copied = prefix.len().min(buf.len() - 1);
     buf[..copied].copy_from_slice(&prefix.as_bytes()[..copied]);
@@ -395,6 +398,9 @@ impl Conn {
         validate: bool,
     ) -> Result<usize> {
         let len = source.len() as usize;
+        if len == 0 {
+            return Err(self.protocol("the client advertised an empty buffer".into()));
+        }
         if len > data.len() {
             return Err(self.protocol(format!(
                 "the client's buffer of {len} bytes is larger than ours of {} (-S)",

@@ -85,6 +85,9 @@ pub(super) unsafe fn ready(
                 if let Some(depths) = depths {
                     attr.max_dest_rd_atomic = depths.responder;
                 }
+                // On the active side the depths come from the peer's reply:
+                // it must not make us reserve more than we configured.
+                attr.max_dest_rd_atomic = attr.max_dest_rd_atomic.min(config.max_rd_atomic);
                 if mask & sys::IBV_QP_MIN_RNR_TIMER != 0 {
                     attr.min_rnr_timer = config.min_rnr_timer;
                 }
@@ -93,6 +96,7 @@ pub(super) unsafe fn ready(
                 if let Some(depths) = depths {
                     attr.max_rd_atomic = depths.initiator;
                 }
+                attr.max_rd_atomic = attr.max_rd_atomic.min(config.max_rd_atomic);
             }
         }
         qp.modify_with(&mut attr, mask, verb)?;
