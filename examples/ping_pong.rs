@@ -162,6 +162,9 @@ struct Pinger {
     rtts_ns: Vec<u64>,
     mismatches: u64,
     failure: Option<String>,
+    /// The failure is a transport error of the connection (it names the
+    /// QP and the server), not a protocol one.
+    typed_failure: bool,
 }
 
 impl Pinger {
@@ -274,6 +277,8 @@ impl Handler for Pinger {
     }
 
     fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
+        // A typed error names the QP and the server already.
+        self.typed_failure = self.failure.is_none();
         self.failure.get_or_insert_with(|| error.to_string());
     }
 
@@ -345,6 +350,7 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
         rtts_ns: Vec::with_capacity(args.iters as usize),
         mismatches: 0,
         failure: None,
+        typed_failure: false,
     };
     let session = reactor.add(endpoint, pinger)?;
 
@@ -382,6 +388,10 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
     // The reactor destroyed the QPs; say goodbye on the control connection.
     link.close();
     if let Some(failure) = &pinger.failure {
+        if pinger.typed_failure {
+            eprintln!("ping_pong: {failure}");
+            return Ok(false);
+        }
         return Err(Error::Protocol {
             peer,
             what: failure.clone(),
@@ -550,7 +560,17 @@ impl Handler for Echoer {
         self.drain(ctx, conn);
     }
 
-    fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
+        // The peer stopped acknowledging for the whole retry window (it
+        // died, or its link is down): no goodbye explains that, since one
+        // comes over the control connection long before the window ends.
+        // Report it now rather than when the control connection times out.
+        if let (Some(WcStatus::RETRY_EXC_ERR), Some(session)) =
+            (error.completion_status(), ctx.session_of(conn))
+        {
+            self.retire(ctx, session, Err(error.to_string()));
+            return;
+        }
         // Kept until the peer watch tells whether the peer left politely
         // (which explains a transport error that followed) or was lost.
         self.transport.get_or_insert_with(|| error.to_string());

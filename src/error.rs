@@ -53,8 +53,13 @@ pub enum Error {
         device: Arc<str>,
     },
     /// A work request completed with an error status.
+    ///
+    /// `IBV_WC_RETRY_EXC_ERR` means the peer stopped acknowledging: it
+    /// died, or the link was down for longer than the QP's retry window
+    /// (see [`QpConfig::timeout`](crate::verbs::QpConfig::timeout)).
     #[error(
-        "{opcode} work request {wr_id:#x} on QP {qpn} failed: {status} (vendor error {vendor_err:#x})"
+        "{opcode} work request {wr_id:#x} on QP {qpn}{} failed: {status} (vendor error {vendor_err:#x})",
+        peer_suffix(*.peer)
     )]
     Completion {
         /// Completion status, e.g. `IBV_WC_REM_ACCESS_ERR`.
@@ -67,6 +72,10 @@ pub enum Error {
         wr_id: u64,
         /// Provider-specific detail.
         vendor_err: u32,
+        /// The peer the QP is connected to, when known: the reactor fills
+        /// it in from the session's link ([`PeerLink::peer`](crate::reactor::PeerLink::peer));
+        /// a bare [`WorkCompletion::ok`](crate::verbs::WorkCompletion::ok) knows none.
+        peer: Option<SocketAddr>,
     },
     /// No RDMA device matched (or none exists at all).
     #[error("no RDMA device {0}")]
@@ -201,7 +210,7 @@ pub enum Error {
     /// A connection-manager (rdma_cm) call failed, or the event that came
     /// back was not the one the operation waits for (a reject, an
     /// unreachable peer, a disconnect, a timeout).
-    #[error("{op}{}: {cause}", peer_suffix(*.peer))]
+    #[error("{op}{}: {cause}", with_peer_suffix(*.peer))]
     Cm {
         /// The operation, e.g. `rdma_resolve_addr` or `rdma_connect`.
         op: &'static str,
@@ -395,7 +404,7 @@ impl fmt::Display for CmEventKind {
     }
 }
 
-fn peer_suffix(peer: Option<SocketAddr>) -> String {
+fn with_peer_suffix(peer: Option<SocketAddr>) -> String {
     peer.map(|p| format!(" with {p}")).unwrap_or_default()
 }
 
@@ -492,6 +501,10 @@ fn qpn_suffix(qpn: Option<u32>) -> String {
     qpn.map(|n| format!(" (QP {n})")).unwrap_or_default()
 }
 
+fn peer_suffix(peer: Option<SocketAddr>) -> String {
+    peer.map(|p| format!(" (peer {p})")).unwrap_or_default()
+}
+
 impl Error {
     /// The errno carried by a verbs or OS error, if any.
     pub fn errno(&self) -> Option<i32> {
@@ -526,6 +539,34 @@ impl Error {
             Error::Completion { status, .. } => Some(*status),
             _ => None,
         }
+    }
+
+    /// The peer this error names, if any: the address of a session's peer
+    /// (handshake, control connection, rejection) or the peer of the QP
+    /// whose request failed.
+    pub fn peer(&self) -> Option<SocketAddr> {
+        match self {
+            Error::Completion { peer, .. } => *peer,
+            Error::Handshake { peer, .. }
+            | Error::PeerGone { peer, .. }
+            | Error::Rejected { peer, .. }
+            | Error::Unauthenticated { peer, .. }
+            | Error::Unauthorized { peer, .. }
+            | Error::Protocol { peer, .. } => Some(*peer),
+            _ => None,
+        }
+    }
+
+    /// Names `peer` as the peer of a failed completion that did not say
+    /// (other errors are returned as they are).
+    pub(crate) fn with_peer(mut self, peer: Option<SocketAddr>) -> Self {
+        if let Error::Completion {
+            peer: slot @ None, ..
+        } = &mut self
+        {
+            *slot = peer;
+        }
+        self
     }
 }
 
@@ -588,5 +629,39 @@ mod tests {
         );
         // Connection-manager errors do not make every Result larger.
         assert!(std::mem::size_of::<Error>() <= 64);
+    }
+
+    fn retry_exceeded(peer: Option<SocketAddr>) -> Error {
+        Error::Completion {
+            status: WcStatus::RETRY_EXC_ERR,
+            opcode: WcOpcode::SEND,
+            qpn: 17,
+            wr_id: 0x2a,
+            vendor_err: 0,
+            peer,
+        }
+    }
+
+    #[test]
+    fn a_failed_completion_names_its_peer_once_known() {
+        let bare = retry_exceeded(None);
+        assert_eq!(
+            bare.to_string(),
+            "IBV_WC_SEND work request 0x2a on QP 17 failed: IBV_WC_RETRY_EXC_ERR (vendor error 0x0)"
+        );
+        assert_eq!(bare.peer(), None);
+        let peer: SocketAddr = "10.78.0.1:7471".parse().unwrap();
+        let named = bare.with_peer(Some(peer));
+        assert_eq!(
+            named.to_string(),
+            "IBV_WC_SEND work request 0x2a on QP 17 (peer 10.78.0.1:7471) failed: IBV_WC_RETRY_EXC_ERR (vendor error 0x0)"
+        );
+        assert_eq!(named.peer(), Some(peer));
+        assert_eq!(named.completion_status(), Some(WcStatus::RETRY_EXC_ERR));
+        // A peer already named stays; other errors are left alone.
+        let other: SocketAddr = "10.78.0.9:1".parse().unwrap();
+        assert_eq!(named.with_peer(Some(other)).peer(), Some(peer));
+        let gone = Error::InvalidArgument("x").with_peer(Some(other));
+        assert_eq!(gone.peer(), None);
     }
 }

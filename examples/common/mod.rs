@@ -16,14 +16,38 @@ pub struct DeviceArgs {
     /// GID index (default: the RoCE v2 IPv4-mapped GID).
     #[arg(short = 'x', long)]
     pub gid_index: Option<u32>,
+    /// RC ACK timeout exponent: a request is sent again after
+    /// 4.096 us x 2^N without an ACK (default 14: 67 ms; 0: never). With
+    /// --retry-cnt it bounds how long a dead peer takes to be noticed
+    /// while requests are in flight: about (retry-cnt + 1) x the timeout.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=31))]
+    pub qp_timeout: Option<u8>,
+    /// RC transport retries before a request fails with
+    /// IBV_WC_RETRY_EXC_ERR (default 7; 7 is a count, not forever).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=7))]
+    pub retry_cnt: Option<u8>,
+    /// RNR retries before a SEND the peer had no receive for fails with
+    /// IBV_WC_RNR_RETRY_EXC_ERR (default 7: forever).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=7))]
+    pub rnr_retry: Option<u8>,
 }
 
 impl DeviceArgs {
-    /// Applies the port and GID choice to a QP configuration.
+    /// Applies the port and GID choice and the fault settings given to a
+    /// QP configuration (the others keep `QpConfig`'s defaults).
     #[allow(dead_code)]
     pub fn apply(&self, qp: &mut QpConfig) {
         qp.port = self.ib_port;
         qp.gid_index = self.gid_index;
+        if let Some(timeout) = self.qp_timeout {
+            qp.timeout = timeout;
+        }
+        if let Some(retry_cnt) = self.retry_cnt {
+            qp.retry_cnt = retry_cnt;
+        }
+        if let Some(rnr_retry) = self.rnr_retry {
+            qp.rnr_retry = rnr_retry;
+        }
     }
 }
 

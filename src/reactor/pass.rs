@@ -413,6 +413,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.release_forwarded(released);
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         if let Some(record) = self.sessions.get_mut(session.0) {
+            // A failed completion names the peer it lost.
+            let error = error.with_peer(record.link.peer());
             record.handler.on_error(&mut ctx, id, &error);
         }
     }

@@ -10,6 +10,7 @@
 //! [`BIND_WR_ID`](crate::verbs::BIND_WR_ID), which no request of the
 //! reactor's carries), which it never takes for one of its own.
 
+use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::time::Duration;
 
@@ -53,6 +54,14 @@ pub trait PeerLink {
     fn recheck_within(&self) -> Option<Duration> {
         None
     }
+
+    /// The peer's address, if the link knows it: the reactor puts it into
+    /// the failed completions it hands the session's handler
+    /// ([`Error::Completion`](crate::Error::Completion)'s `peer`), so a
+    /// transport error names whom it lost.
+    fn peer(&self) -> Option<SocketAddr> {
+        None
+    }
 }
 
 impl QpSource for Endpoint {
@@ -74,6 +83,10 @@ impl PeerLink for SessionLink {
 
     fn recheck_within(&self) -> Option<Duration> {
         SessionLink::recheck_within(self)
+    }
+
+    fn peer(&self) -> Option<SocketAddr> {
+        Some(SessionLink::peer(self))
     }
 }
 
@@ -100,5 +113,9 @@ impl PeerLink for Box<dyn PeerLink> {
 
     fn recheck_within(&self) -> Option<Duration> {
         (**self).recheck_within()
+    }
+
+    fn peer(&self) -> Option<SocketAddr> {
+        (**self).peer()
     }
 }

@@ -439,6 +439,7 @@ impl WorkCompletion {
                 qpn: self.qp_num(),
                 wr_id: self.wr_id(),
                 vendor_err: self.0.vendor_err,
+                peer: None,
             })
         }
     }

@@ -54,13 +54,42 @@ pub struct QpConfig {
     /// Outstanding READs this QP may issue (and serve, as a target); clamped
     /// to what the device supports.
     pub max_rd_atomic: u8,
-    /// Local ACK timeout exponent: 4.096 µs × 2^timeout.
+    /// Local ACK timeout exponent (0 to 31, default 14): a request not
+    /// acknowledged within 4.096 µs × 2^`timeout` is sent again (14: 67 ms;
+    /// 18: 1.07 s). 0 means wait forever, so a dead peer is never noticed
+    /// by the QP.
+    ///
+    /// With [`retry_cnt`](Self::retry_cnt) it bounds how long a QP takes to
+    /// notice a peer that stopped answering while requests are in flight:
+    /// after about (`retry_cnt` + 1) × 4.096 µs × 2^`timeout` (with the
+    /// defaults 8 × 67 ms ≈ 0.54 s) the request completes with
+    /// `IBV_WC_RETRY_EXC_ERR`, the QP goes to the error state and the
+    /// reactor hands the handler an [`Error::Completion`] naming the QP and
+    /// the peer. Providers may round the timer up: Soft-RoCE (rxe) uses
+    /// the kernel's jiffies and its own retransmit logic (the README's
+    /// "Faults across hosts" has the times measured across guests). A QP
+    /// with nothing in flight notices nothing: an idle session learns of a
+    /// dead peer from its control connection (keepalive, 20 s).
     pub timeout: u8,
-    /// Transport retries before `IBV_WC_RETRY_EXC_ERR`.
+    /// Transport retries (0 to 7, default 7) after an ACK timeout or a
+    /// sequence error NAK before the request fails with
+    /// `IBV_WC_RETRY_EXC_ERR`; see [`timeout`](Self::timeout). In the
+    /// InfiniBand specification 7 is a count, unlike
+    /// [`rnr_retry`](Self::rnr_retry)'s "forever", but Soft-RoCE (rxe)
+    /// treats `retry_cnt` 7 as "retry forever" too: with the default a
+    /// QP on rxe never reports a dead peer, and only the control
+    /// connection does (keepalive, 20 s). Ask for 6 or less where the QP
+    /// itself must notice (the tools' `--retry-cnt`).
     pub retry_cnt: u8,
-    /// RNR retries (7 = forever).
+    /// RNR retries (0 to 7, default 7 = forever): how often a SEND the peer
+    /// had no receive posted for is tried again before it fails with
+    /// `IBV_WC_RNR_RETRY_EXC_ERR`. The reactor's credits keep its own
+    /// peers from RNR; keep 7 on the peers of an SRQ reactor (see the
+    /// README's shared receive queue section).
     pub rnr_retry: u8,
-    /// Minimum RNR NAK timer code advertised to the peer.
+    /// Minimum RNR NAK timer code advertised to the peer (default 12:
+    /// 0.64 ms): how long the peer waits before retrying a SEND we had no
+    /// receive for.
     pub min_rnr_timer: u8,
     /// Initial send PSN; `None` draws a random one.
     pub psn: Option<u32>,
