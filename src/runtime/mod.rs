@@ -60,7 +60,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
-use crate::reactor::{ConnId, Counters, EventMode, ReactorConfig};
+use crate::reactor::{Counters, EventMode, ReactorConfig};
 use crate::session::{
     Endpoint, QpHome, QpSpec, Refusal, ServerConfig, ServerSession, ServerShutdown,
 };
@@ -69,7 +69,7 @@ use crate::verbs::{AccessFlags, ProtectionDomain};
 pub use cores::{CoreChoice, CorePlan, parse_core_list};
 pub use factory::{HandlerFactory, NewSession};
 pub use policy::{ChooseFn, PlacementPolicy, ReactorLoad};
-pub use submit::{INLINE_PAYLOAD, SubmitError};
+pub use submit::{INLINE_PAYLOAD, SubmitError, Submitter};
 pub use trace::SubmitLatency;
 
 use policy::Chooser;
@@ -660,10 +660,10 @@ impl RuntimeHandle {
             self.shared.trace_clock.clone(),
         );
         self.shared.deliver(reactor, Arrival::Ring(consumer))?;
-        Ok(Submitter {
+        Ok(Submitter::new(
             producer,
-            port: Arc::clone(self.shared.port(reactor)?),
-        })
+            Arc::clone(self.shared.port(reactor)?),
+        ))
     }
 
     /// Stops every reactor (each drops its sessions, telling their peers
@@ -738,94 +738,5 @@ impl RuntimeHandle {
     /// (handshakes in flight and queued sessions included).
     pub fn loads(&self) -> Vec<ReactorLoad> {
         self.shared.loads()
-    }
-}
-
-/// An application thread's way to one reactor: a bounded ring of fixed-size
-/// SEND commands (a payload inline in the command, or in the entry's slot
-/// that [`send_with`](Self::send_with) fills in place). The reactor stages
-/// them, in order, in the same pass as its handlers' work. A full ring is an
-/// immediate [`SubmitError::WouldBlock`]; nothing blocks, locks or allocates
-/// on either side. One thread owns it (`&mut self`); open one per thread.
-///
-/// Commands leave in the order they were queued, across connections too:
-/// a connection without send credit holds the commands queued behind it
-/// until a completion or a credit update makes room (or the connection
-/// fails, and its commands are [`rejected`](Self::rejected)). The ring is
-/// bounded, so the producer sees `WouldBlock`, never unbounded growth.
-/// Give connections that must not wait for each other a ring each (a
-/// thread may open several to one reactor).
-pub struct Submitter {
-    producer: submit::Producer,
-    port: Arc<Port>,
-}
-
-impl fmt::Debug for Submitter {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Submitter")
-            .field("reactor", &self.port.index)
-            .field("ring", &self.producer)
-            .finish()
-    }
-}
-
-impl Submitter {
-    /// Queues a SEND of `data` with an optional immediate on `conn` (a
-    /// connection of this submitter's reactor).
-    ///
-    /// # Errors
-    /// [`SubmitError::WouldBlock`] when the ring is full,
-    /// [`SubmitError::TooLarge`] beyond [`max_payload`](Self::max_payload),
-    /// [`SubmitError::Stopped`] once the reactor has stopped.
-    #[inline]
-    pub fn send(&mut self, conn: ConnId, data: &[u8], imm: Option<u32>) -> Result<(), SubmitError> {
-        self.send_with(conn, data.len(), imm, |buf| buf.copy_from_slice(data))
-    }
-
-    /// Queues a SEND of `len` bytes that `fill` writes straight into the
-    /// ring entry.
-    ///
-    /// # Errors
-    /// As [`send`](Self::send).
-    #[inline]
-    pub fn send_with(
-        &mut self,
-        conn: ConnId,
-        len: usize,
-        imm: Option<u32>,
-        fill: impl FnOnce(&mut [u8]),
-    ) -> Result<(), SubmitError> {
-        if !self.port.is_open() {
-            return Err(SubmitError::Stopped);
-        }
-        self.producer.push(conn, len, imm, fill)?;
-        self.port.nudge();
-        Ok(())
-    }
-
-    /// The reactor this ring feeds.
-    pub fn reactor(&self) -> usize {
-        self.port.index
-    }
-
-    /// Commands queued and not yet taken by the reactor.
-    pub fn queued(&self) -> usize {
-        self.producer.queued()
-    }
-
-    /// Commands the ring holds at most.
-    pub fn capacity(&self) -> usize {
-        self.producer.capacity()
-    }
-
-    /// The longest payload one command carries.
-    pub fn max_payload(&self) -> usize {
-        self.producer.max_payload()
-    }
-
-    /// Commands the reactor took but could not stage: a connection that is
-    /// closed or not its own, or a payload too large for the connection.
-    pub fn rejected(&self) -> u64 {
-        self.producer.rejected()
     }
 }

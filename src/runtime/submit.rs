@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crossbeam_utils::CachePadded;
 
+use super::port::Port;
 use crate::clock::Clock;
 use crate::reactor::ConnId;
 
@@ -360,6 +361,100 @@ impl Consumer {
     pub(crate) fn is_finished(&self) -> bool {
         self.ring.closed.load(Ordering::Acquire)
             && self.ring.tail.load(Ordering::Acquire) == self.head
+    }
+}
+
+/// An application thread's way to one reactor: a bounded ring of fixed-size
+/// SEND commands (a payload inline in the command, or in the entry's slot
+/// that [`send_with`](Self::send_with) fills in place). The reactor stages
+/// them, in order, in the same pass as its handlers' work. A full ring is an
+/// immediate [`SubmitError::WouldBlock`]; nothing blocks, locks or allocates
+/// on either side. One thread owns it (`&mut self`); open one per thread.
+///
+/// Commands leave in the order they were queued, across connections too:
+/// a connection without send credit holds the commands queued behind it
+/// until a completion or a credit update makes room (or the connection
+/// fails, and its commands are [`rejected`](Self::rejected)). The ring is
+/// bounded, so the producer sees `WouldBlock`, never unbounded growth.
+/// Give connections that must not wait for each other a ring each (a
+/// thread may open several to one reactor).
+pub struct Submitter {
+    producer: Producer,
+    port: Arc<Port>,
+}
+
+impl fmt::Debug for Submitter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Submitter")
+            .field("reactor", &self.port.index)
+            .field("ring", &self.producer)
+            .finish()
+    }
+}
+
+impl Submitter {
+    /// An application's end of a ring that reactor `port` drains.
+    pub(super) fn new(producer: Producer, port: Arc<Port>) -> Self {
+        Self { producer, port }
+    }
+
+    /// Queues a SEND of `data` with an optional immediate on `conn` (a
+    /// connection of this submitter's reactor).
+    ///
+    /// # Errors
+    /// [`SubmitError::WouldBlock`] when the ring is full,
+    /// [`SubmitError::TooLarge`] beyond [`max_payload`](Self::max_payload),
+    /// [`SubmitError::Stopped`] once the reactor has stopped.
+    #[inline]
+    pub fn send(&mut self, conn: ConnId, data: &[u8], imm: Option<u32>) -> Result<(), SubmitError> {
+        self.send_with(conn, data.len(), imm, |buf| buf.copy_from_slice(data))
+    }
+
+    /// Queues a SEND of `len` bytes that `fill` writes straight into the
+    /// ring entry.
+    ///
+    /// # Errors
+    /// As [`send`](Self::send).
+    #[inline]
+    pub fn send_with(
+        &mut self,
+        conn: ConnId,
+        len: usize,
+        imm: Option<u32>,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<(), SubmitError> {
+        if !self.port.is_open() {
+            return Err(SubmitError::Stopped);
+        }
+        self.producer.push(conn, len, imm, fill)?;
+        self.port.nudge();
+        Ok(())
+    }
+
+    /// The reactor this ring feeds.
+    pub fn reactor(&self) -> usize {
+        self.port.index
+    }
+
+    /// Commands queued and not yet taken by the reactor.
+    pub fn queued(&self) -> usize {
+        self.producer.queued()
+    }
+
+    /// Commands the ring holds at most.
+    pub fn capacity(&self) -> usize {
+        self.producer.capacity()
+    }
+
+    /// The longest payload one command carries.
+    pub fn max_payload(&self) -> usize {
+        self.producer.max_payload()
+    }
+
+    /// Commands the reactor took but could not stage: a connection that is
+    /// closed or not its own, or a payload too large for the connection.
+    pub fn rejected(&self) -> u64 {
+        self.producer.rejected()
     }
 }
 
