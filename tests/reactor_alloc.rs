@@ -6,24 +6,25 @@ mod util;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use rdma_comm_core::reactor::*;
 use util::reactor::*;
 use util::*;
 
-/// Counts allocations made by threads that opted in.
+/// Counts allocations made by threads that opted in, per thread: the tests
+/// of this file run in parallel, and one's count must not leak into another's.
 struct CountingAllocator;
-
-static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static COUNTING: Cell<bool> = const { Cell::new(false) };
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
 }
 
 fn note_allocation() {
-    if COUNTING.with(Cell::get) {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    // `try_with`: the allocator also runs while thread-locals are torn down.
+    if COUNTING.try_with(Cell::get).unwrap_or(false) {
+        let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
     }
 }
 
@@ -94,7 +95,7 @@ fn round_trips_allocate_nothing(measured: u64, srq_depth: u32) {
     drop(std::hint::black_box(Box::new(1u8)));
     COUNTING.with(|c| c.set(false));
     assert_eq!(
-        ALLOCATIONS.swap(0, Ordering::Relaxed),
+        ALLOCATIONS.with(|n| n.replace(0)),
         1,
         "the counting allocator counts"
     );
@@ -105,7 +106,7 @@ fn round_trips_allocate_nothing(measured: u64, srq_depth: u32) {
     COUNTING.with(|c| c.set(false));
     result.unwrap();
 
-    let allocations = ALLOCATIONS.load(Ordering::Relaxed);
+    let allocations = ALLOCATIONS.with(Cell::get);
     println!(
         "{measured} round trips through the reactor (SRQ depth {srq_depth}): {allocations} heap allocations"
     );

@@ -349,6 +349,24 @@ fn syscalls_of(threads: &[(i32, String)], idle: impl FnOnce()) -> Vec<(String, u
 
 const IDLE: Duration = Duration::from_secs(2);
 
+/// Waits until the threads `measure` counts have finished what start-up or a
+/// handshake left them doing: until one short window passes without a
+/// syscall (at most 10 s, then the measurement that follows fails). Under TCG
+/// a loaded guest can take longer than any fixed pause. A thread that wakes
+/// on a timer shorter than [`IDLE`] is still caught by that measurement.
+fn settle(measure: impl Fn(Duration) -> Vec<(String, u64)>) {
+    let start = Instant::now();
+    let mut last = Vec::new();
+    while start.elapsed() < Duration::from_secs(10) {
+        last = measure(Duration::from_millis(300));
+        if last.iter().all(|(_, n)| *n == 0) {
+            println!("settled after {:?}", start.elapsed());
+            return;
+        }
+    }
+    println!("not settled after 10 s: {last:?}");
+}
+
 verbs_test! {
     fn an_idle_runtime_makes_no_syscalls_yet_wakes_for_sessions_peers_and_stop() {
         idle_runtime(EventMode::Blocking);
@@ -414,7 +432,7 @@ fn idle_runtime(mode: EventMode) {
     // Threads name themselves once they run.
     wait_until("the runtime's threads", || runtime_threads().len() == 4);
     let threads = runtime_threads();
-    std::thread::sleep(Duration::from_millis(200));
+    settle(|window| syscalls_of(&threads, || std::thread::sleep(window)));
     let idle = syscalls_of(&threads, || std::thread::sleep(IDLE));
     println!("idle {mode:?} runtime, no peers, {IDLE:?}: {idle:?}");
     assert!(
@@ -432,7 +450,7 @@ fn idle_runtime(mode: EventMode) {
             .sum::<u64>()
             >= 20
     });
-    std::thread::sleep(Duration::from_millis(300));
+    settle(|window| syscalls_of(&threads, || std::thread::sleep(window)));
     let with_peer = syscalls_of(&threads, || std::thread::sleep(IDLE));
     println!("idle {mode:?} runtime, one quiet peer, {IDLE:?}: {with_peer:?}");
     assert!(
@@ -519,7 +537,7 @@ verbs_test! {
         ]);
         let placement = server.expect_line("runtime: ");
         println!("{placement}");
-        std::thread::sleep(Duration::from_millis(300));
+        settle(|window| process_syscalls(server.pid(), || std::thread::sleep(window)));
         let alone = process_syscalls(server.pid(), || std::thread::sleep(IDLE));
         println!("idle ping_pong server, no peers, {IDLE:?}: {alone:?}");
         assert!(alone.len() >= 4, "main, 2 reactors, router, accept: {alone:?}");
@@ -528,7 +546,7 @@ verbs_test! {
         let quit = Arc::new(AtomicBool::new(false));
         let peer = quiet_peer(addr, Arc::clone(&quit));
         server.expect_line(" connected");
-        std::thread::sleep(Duration::from_millis(500));
+        settle(|window| process_syscalls(server.pid(), || std::thread::sleep(window)));
         let with_peer = process_syscalls(server.pid(), || std::thread::sleep(IDLE));
         println!("idle ping_pong server, one quiet peer, {IDLE:?}: {with_peer:?}");
         assert!(with_peer.iter().all(|(_, n)| *n == 0), "an idle server with a peer made syscalls: {with_peer:?}");
