@@ -340,8 +340,10 @@ pub enum CmEventKind {
     Rejected,
     /// The connection is up.
     Established,
-    /// The connection is gone: the peer disconnected, or its process or
-    /// host died and its side was torn down.
+    /// The connection is gone: the peer disconnected, or its process died
+    /// and its kernel tore its side down. A host that dies, or a network
+    /// partition, sends nothing: no event comes, and only traffic (a QP's
+    /// retries running out) or a keepalive notices it.
     Disconnected,
     /// The device the id is bound to was removed; destroy the id.
     DeviceRemoval,

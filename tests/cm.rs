@@ -166,6 +166,14 @@ verbs_test! {
         send(&mut client, &mut server, 10, b"ping over rdma_cm");
         send(&mut server, &mut client, 11, b"pong");
 
+        // Calls out of order are refused before they touch the working QP.
+        let again = client.id.as_mut().unwrap().establish(&mut client.qp);
+        assert!(matches!(again, Err(Error::InvalidArgument(_))), "{again:?}");
+        let again = client.id.as_mut().unwrap().connect(&client.qp, b"");
+        assert!(matches!(again, Err(Error::InvalidArgument(_))), "{again:?}");
+        assert_eq!(client.qp.state().unwrap(), QpState::ReadyToSend);
+        send(&mut client, &mut server, 12, b"still connected");
+
         // The DREQ reaches the server; its own disconnect answers it (DREP),
         // which is the client's Disconnected.
         client.id().disconnect().unwrap();

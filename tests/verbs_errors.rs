@@ -130,3 +130,26 @@ verbs_test! {
         assert!(posted >= depth.min(8), "posted {posted} of {depth}");
     }
 }
+
+verbs_test! {
+    fn a_cq_or_srq_of_another_context_is_refused() {
+        // Two opens of the same device are two contexts: a CQ handle of one
+        // means nothing (or another CQ) in the other.
+        let (ours, other) = (open_device(), open_device());
+        let pd = ours.alloc_pd().unwrap();
+        let own_cq = ours.create_cq(16, None).unwrap();
+        let foreign_cq = other.create_cq(16, None).unwrap();
+        let config = QpConfig::default();
+        for (send, recv) in [(&foreign_cq, &own_cq), (&own_cq, &foreign_cq)] {
+            let err = pd.create_qp(send, recv, &config).unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        }
+        let foreign_srq = other.alloc_pd().unwrap().create_srq(16).unwrap();
+        let err = pd
+            .create_qp_with_srq(&own_cq, &own_cq, &foreign_srq.attachment(), &config)
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        // The same context is fine.
+        pd.create_qp(&own_cq, &own_cq, &config).unwrap();
+    }
+}

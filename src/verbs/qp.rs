@@ -278,6 +278,18 @@ impl ProtectionDomain {
         config: &QpConfig,
     ) -> Result<QueuePair> {
         let (send_cq, recv_cq) = (send_cq.as_shared(), recv_cq.as_shared());
+        // The kernel looks the CQs and the SRQ up by their handles in the
+        // PD's context: one of another context fails, or worse, names an
+        // unrelated CQ there and the QP's completions go to it.
+        let own = self.inner.ctx.ctx;
+        if send_cq.inner.ctx.ctx != own
+            || recv_cq.inner.ctx.ctx != own
+            || srq.is_some_and(|srq| srq.inner.pd.ctx.ctx != own)
+        {
+            return Err(Error::InvalidArgument(
+                "create_qp: the CQs and the SRQ must be on the PD's device context",
+            ));
+        }
         let ctx = self.context();
         let name = &self.inner.ctx.name;
         let port = match config.port {

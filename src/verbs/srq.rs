@@ -24,7 +24,7 @@ pub(crate) struct SrqInner {
     post_recv_fn: PostSrqRecvFn,
     max_wr: u32,
     // Dropped after the SRQ is destroyed: the PD outlives it.
-    pd: Arc<PdInner>,
+    pub(crate) pd: Arc<PdInner>,
 }
 
 // SAFETY: libibverbs SRQs may be used from any thread (posting is serialised

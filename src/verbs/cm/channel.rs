@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::ptr::{self, NonNull};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
@@ -44,6 +44,15 @@ impl Registry {
             self.by_addr.retain(|_, weak| weak.strong_count() > 0);
         }
         self.by_addr.insert(id.addr(), Arc::downgrade(id));
+    }
+
+    /// Forgets `id` (moved to another channel).
+    pub(crate) fn remove(&mut self, id: &Arc<CmIdInner>) {
+        if let Some(weak) = self.by_addr.get(&id.addr())
+            && Weak::ptr_eq(weak, &Arc::downgrade(id))
+        {
+            self.by_addr.remove(&id.addr());
+        }
     }
 
     fn find(&self, raw: *mut sys::rdma_cm_id) -> Option<Arc<CmIdInner>> {
@@ -103,7 +112,7 @@ impl ChannelInner {
 /// # Ok::<(), rdma_comm_core::Error>(())
 /// ```
 pub struct EventChannel {
-    inner: Arc<ChannelInner>,
+    pub(super) inner: Arc<ChannelInner>,
 }
 
 impl fmt::Debug for EventChannel {
@@ -111,6 +120,16 @@ impl fmt::Debug for EventChannel {
         f.debug_struct("EventChannel")
             .field("fd", &self.fd())
             .finish()
+    }
+}
+
+/// The channel's descriptor, for epoll, mio or a reactor's wait.
+impl AsFd for EventChannel {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the descriptor is the channel's own; `self` holds the
+        // channel, which closes it only when destroyed, and the borrow
+        // cannot outlive `self`.
+        unsafe { BorrowedFd::borrow_raw(self.inner.fd()) }
     }
 }
 
@@ -221,7 +240,8 @@ impl EventChannel {
     /// Waits up to `timeout` (for ever with `None`) for the next event;
     /// `Ok(None)` when none came in time.
     pub fn get_event(&self, timeout: Option<Duration>) -> Result<Option<CmEvent>> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout past the clock's range waits for ever.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
             if let Some(event) = self.try_get_event()? {
                 return Ok(Some(event));

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::sys;
 
 use super::super::{CqSource, ProtectionDomain, QpConfig, QueuePair, SrqAttachment};
-use super::id::NOT_BOUND;
+use super::id::{NOT_BOUND, Progress};
 use super::transition::{self, ReadDepths};
 use super::{
     CmId, ConnParams, MAX_ACCEPT_PRIVATE_DATA, MAX_CONNECT_PRIVATE_DATA, MAX_REJECT_PRIVATE_DATA,
@@ -91,13 +91,20 @@ impl CmId {
             ));
         }
         self.check_qp(qp, "rdma_connect: the QP was not created on this id")?;
+        if self.progress != Progress::Idle {
+            return Err(Error::InvalidArgument(
+                "rdma_connect: the id is already connecting or connected",
+            ));
+        }
         let depth = qp.config().max_rd_atomic;
         let mut param = conn_param(qp, depth, depth, private_data);
         // SAFETY: the id is live and bound (it has a QP); the parameters and
         // the private data they point at are read during the call.
         self.call("rdma_connect", None, |id| unsafe {
             sys::rdma_connect(id, &mut param)
-        })
+        })?;
+        self.progress = Progress::Connecting { qpn: qp.qpn() };
+        Ok(())
     }
 
     /// Completes a connection after its `ConnectResponse`: takes `qp` to
@@ -106,13 +113,22 @@ impl CmId {
     /// On failure the QP is left in the error state.
     pub fn establish(&mut self, qp: &mut QueuePair) -> Result<()> {
         self.check_qp(qp, "rdma_establish: the QP was not created on this id")?;
+        // Refused before the QP is touched: a working connection's QP is
+        // not moved to the error state by a call out of order.
+        if self.progress != (Progress::Connecting { qpn: qp.qpn() }) {
+            return Err(Error::InvalidArgument(
+                "rdma_establish: only once, after connect with this QP and its ConnectResponse",
+            ));
+        }
         let result = self.ready(qp, None).and_then(|()| {
             // SAFETY: the id is live; it has no librdmacm QP, as the call requires.
             self.call("rdma_establish", None, |id| unsafe {
                 sys::rdma_establish(id)
             })
         });
-        fail_qp_on_error(qp, result)
+        fail_qp_on_error(qp, result)?;
+        self.progress = Progress::Connected;
+        Ok(())
     }
 
     /// Accepts the connect request this id came with (see
@@ -132,6 +148,11 @@ impl CmId {
             qp,
             "rdma_accept: the QP was not created on the request's id",
         )?;
+        if self.progress != Progress::Idle {
+            return Err(Error::InvalidArgument(
+                "rdma_accept: the id is already connected",
+            ));
+        }
         // The peer's READs need our responder resources, ours its; neither
         // beyond what our QP was configured for.
         let max = qp.config().max_rd_atomic;
@@ -147,7 +168,9 @@ impl CmId {
                 sys::rdma_accept(id, &mut param)
             })
         });
-        fail_qp_on_error(qp, result)
+        fail_qp_on_error(qp, result)?;
+        self.progress = Progress::Connected;
+        Ok(())
     }
 
     /// Rejects the connect request this id came with.

@@ -5,14 +5,15 @@
 use std::fmt;
 use std::net::SocketAddr;
 use std::ptr::{self, NonNull};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::error::{CmFailure, Error, Result};
 use crate::sys;
 
 use super::super::Context;
+use super::EventChannel;
 use super::addr::{self, RawAddr};
 use super::channel::{ChannelInner, Registry};
 use super::last_errno;
@@ -43,8 +44,10 @@ impl CmToken {
 pub(crate) struct CmIdInner {
     raw: NonNull<sys::rdma_cm_id>,
     token: CmToken,
-    // Dropped after the id is destroyed: the channel goes last.
-    channel: Arc<ChannelInner>,
+    /// The channel the id's events arrive on (changed only by
+    /// [`CmId::migrate`], holding both channels' locks). Dropped after the
+    /// id is destroyed: the channel goes last.
+    channel: Mutex<Arc<ChannelInner>>,
 }
 
 // SAFETY: librdmacm ids may be used from any thread; every call on one but
@@ -79,6 +82,11 @@ impl CmIdInner {
     pub(crate) fn token(&self) -> CmToken {
         self.token
     }
+
+    /// The channel the id is on now.
+    fn channel(&self) -> Arc<ChannelInner> {
+        Arc::clone(&self.channel.lock().unwrap_or_else(PoisonError::into_inner))
+    }
 }
 
 /// An rdma_cm id for reliable connections: resolve and connect (active
@@ -91,6 +99,21 @@ impl CmIdInner {
 /// alive.
 pub struct CmId {
     pub(super) inner: Arc<CmIdInner>,
+    /// How far this handle has taken its connection: calls out of order
+    /// are refused before they touch a QP.
+    pub(super) progress: Progress,
+}
+
+/// Where an id's connection stands (see [`CmId::connect`],
+/// [`CmId::establish`] and [`ConnectRequest::accept`](super::ConnectRequest::accept)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Progress {
+    /// Not connecting.
+    Idle,
+    /// A connect request went out for the QP with this number.
+    Connecting { qpn: u32 },
+    /// Established or accepted.
+    Connected,
 }
 
 impl fmt::Debug for CmId {
@@ -148,10 +171,13 @@ impl CmId {
         let inner = Arc::new(CmIdInner {
             raw,
             token: CmToken::next(),
-            channel: Arc::clone(channel),
+            channel: Mutex::new(Arc::clone(channel)),
         });
         registry.insert(&inner);
-        Self { inner }
+        Self {
+            inner,
+            progress: Progress::Idle,
+        }
     }
 
     /// What names this id in its channel's events.
@@ -167,7 +193,8 @@ impl CmId {
         peer: Option<SocketAddr>,
         call: impl FnOnce(*mut sys::rdma_cm_id) -> libc::c_int,
     ) -> Result<()> {
-        let _lock = self.inner.channel.lock();
+        let channel = self.inner.channel();
+        let _lock = channel.lock();
         if call(self.inner.raw.as_ptr()) == 0 {
             return Ok(());
         }
@@ -191,6 +218,11 @@ impl CmId {
     /// Listens for connect requests, which arrive on the channel as
     /// [`CmEventKind::ConnectRequest`](super::CmEventKind::ConnectRequest)
     /// events carrying a new id ([`CmEvent::take_request`](super::CmEvent::take_request)).
+    ///
+    /// `backlog` bounds only the requests not read yet: each one read is a
+    /// kernel id the application holds until it answers, so a server that
+    /// gathers requests before answering them must bound how many it holds
+    /// (the session layer's pending-handshake limits do).
     pub fn listen(&mut self, backlog: u16) -> Result<()> {
         // SAFETY: the id is live.
         self.call("rdma_listen", None, |id| unsafe {
@@ -250,7 +282,8 @@ impl CmId {
         &self,
         why: &'static str,
     ) -> Result<(NonNull<sys::ibv_context>, u8)> {
-        let _lock = self.inner.channel.lock();
+        let channel = self.inner.channel();
+        let _lock = channel.lock();
         // SAFETY: the id is live; librdmacm writes these fields only
         // during calls on this channel, which hold the lock we hold.
         let (verbs, port) = unsafe {
@@ -265,7 +298,8 @@ impl CmId {
     /// The local address (after a bind, an address resolution, or for a
     /// request's id).
     pub fn local_addr(&self) -> Option<SocketAddr> {
-        let _lock = self.inner.channel.lock();
+        let channel = self.inner.channel();
+        let _lock = channel.lock();
         // SAFETY: the id is live and its route fields are not written
         // while we hold the lock; the address is a sockaddr_storage union.
         unsafe { addr::read(sys::rdma_get_local_addr(self.inner.raw.as_ptr())) }
@@ -274,7 +308,8 @@ impl CmId {
     /// The peer's address (after an address resolution, or for a
     /// request's id).
     pub fn peer_addr(&self) -> Option<SocketAddr> {
-        let _lock = self.inner.channel.lock();
+        let channel = self.inner.channel();
+        let _lock = channel.lock();
         self.peer_addr_locked()
     }
 
@@ -284,13 +319,70 @@ impl CmId {
         &self,
         f: impl FnOnce(*mut sys::rdma_cm_id, Option<SocketAddr>) -> R,
     ) -> R {
-        let _lock = self.inner.channel.lock();
+        let channel = self.inner.channel();
+        let _lock = channel.lock();
         f(self.inner.raw.as_ptr(), self.peer_addr_locked())
     }
 
     fn peer_addr_locked(&self) -> Option<SocketAddr> {
         // SAFETY: as in local_addr; the caller holds the lock.
         unsafe { addr::read(sys::rdma_get_peer_addr(self.inner.raw.as_ptr())) }
+    }
+
+    /// Moves the id to channel `to` (`rdma_migrate_id`): its later events
+    /// arrive there. A server moves each connection's id from the
+    /// listener's channel to one of its own, so that the connection's
+    /// events (`Established`, `Disconnected`) are waited on apart from new
+    /// requests.
+    ///
+    /// Only while nothing else holds the id: before a QP is created on it
+    /// and with no event about it held (librdmacm would wait for that
+    /// event's acknowledgement, which could then never come);
+    /// `InvalidArgument` otherwise.
+    pub fn migrate(&mut self, to: &EventChannel) -> Result<()> {
+        let from = self.inner.channel();
+        if Arc::ptr_eq(&from, &to.inner) {
+            return Ok(());
+        }
+        // Both locks, in address order (two threads migrating between the
+        // same channels in opposite directions cannot deadlock): no event
+        // of either channel is read, and no call made on either, meanwhile.
+        let from_first = Arc::as_ptr(&from) < Arc::as_ptr(&to.inner);
+        let (mut old, mut new);
+        if from_first {
+            old = from.lock();
+            new = to.inner.lock();
+        } else {
+            new = to.inner.lock();
+            old = from.lock();
+        }
+        // Events and QPs take their reference to the id under its
+        // channel's lock (an event) or through `&self` (a QP), neither of
+        // which can happen now: a count of one is this handle alone.
+        if Arc::strong_count(&self.inner) != 1 {
+            return Err(Error::InvalidArgument(
+                "rdma_migrate_id: a QP or an unacknowledged event holds the id",
+            ));
+        }
+        // SAFETY: the id and both channels are live and we hold both
+        // channels' locks; no event of the id is unacknowledged (above), so
+        // the call does not wait.
+        let rc = unsafe { sys::rdma_migrate_id(self.inner.raw.as_ptr(), to.inner.raw()) };
+        if rc != 0 {
+            return Err(Error::Cm {
+                op: "rdma_migrate_id",
+                peer: self.peer_addr_locked(),
+                cause: CmFailure::Errno(last_errno()),
+            });
+        }
+        old.remove(&self.inner);
+        new.insert(&self.inner);
+        *self
+            .inner
+            .channel
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Arc::clone(&to.inner);
+        Ok(())
     }
 
     /// Disconnects (`rdma_disconnect`): both sides then get

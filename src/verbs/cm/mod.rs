@@ -52,7 +52,11 @@
 //! Every librdmacm call on a channel and its ids holds the channel's lock,
 //! so an id's fields are never read while the library writes them for an
 //! event; the final destroy and the acknowledgement do not (they run in
-//! `Drop` and never wait for a thread holding the lock).
+//! `Drop` and never wait for a thread holding the lock). Calls that can
+//! take a while under the lock (a route resolution on InfiniBand may ask
+//! ibacm; `accept` and `establish` modify the QP three times) hold up the
+//! other ids of the same channel meanwhile: give connections that must not
+//! wait on each other channels of their own ([`CmId::migrate`]).
 
 mod addr;
 mod channel;

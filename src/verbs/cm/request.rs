@@ -13,7 +13,9 @@ use super::{CmId, ConnParams};
 
 /// A connect request: the new id for the connection, the peer's private
 /// data and what it asked for. Dropping it unanswered destroys the id,
-/// which rejects the peer.
+/// which rejects the peer; but a QP created on the id holds it, so after
+/// [`CmId::create_qp`] answer with [`reject`](Self::reject) (or drop the
+/// QP too).
 pub struct ConnectRequest {
     pub(super) id: CmId,
     pub(super) private_data: ArrayVec<u8, { super::MAX_PRIVATE_DATA }>,
@@ -36,6 +38,13 @@ impl ConnectRequest {
     /// [`create_qp`](CmId::create_qp) before accepting.
     pub fn id(&self) -> &CmId {
         &self.id
+    }
+
+    /// Moves the connection's id to channel `to`, where its later events
+    /// (`Established`, `Disconnected`) then arrive: call it before creating
+    /// the QP (see [`CmId::migrate`]).
+    pub fn migrate(&mut self, to: &super::EventChannel) -> Result<()> {
+        self.id.migrate(to)
     }
 
     /// The private data of the request (as padded by the transport: up to
@@ -61,9 +70,15 @@ impl ConnectRequest {
     /// RTS with READ depths no deeper than the peer asked for and the QP's
     /// `max_rd_atomic`, and the peer is answered. `Established` follows
     /// on the channel once the peer confirms. On failure the QP is left in
-    /// the error state and the id is dropped (rejecting the peer).
+    /// the error state and the peer is rejected.
     pub fn accept(mut self, qp: &mut QueuePair, private_data: &[u8]) -> Result<CmId> {
-        self.id.accept(qp, self.requested, private_data)?;
+        if let Err(err) = self.id.accept(qp, self.requested, private_data) {
+            // The QP holds the id, so dropping the request would not
+            // destroy it: say no now rather than leave the peer waiting
+            // for its connect timeout.
+            let _ = self.id.reject(&[]);
+            return Err(err);
+        }
         Ok(self.id)
     }
 
