@@ -73,6 +73,8 @@ struct Args {
     #[command(flatten)]
     auth: common::AuthArgs,
     #[command(flatten)]
+    transport: common::TransportArgs,
+    #[command(flatten)]
     reactor: common::ReactorArgs,
     /// Pin the reactor to this CPU (default: a core near the NIC; the server
     /// takes the first, the client the second).
@@ -343,6 +345,7 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
             args.dev.apply(&mut config.qp);
             config.max_peers = Some(1);
             config.auth_key = args.auth.key()?;
+            config.transport = args.transport.transport();
             let export = buffer.registration().clone();
             config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
                 Ok(vec![Export::new(1, "perf", export.clone(), access)])
@@ -364,6 +367,7 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
                 .with_exports(vec![Export::new(1, "perf", &buffer, access)]);
             config.connect_deadline = Duration::from_secs(60);
             config.auth_key = args.auth.key()?;
+            config.transport = args.transport.transport();
             ClientSession::connect(addr, pd, &config)?
         };
         let peer =
@@ -551,6 +555,7 @@ fn measure_on_runtime(
         args.dev.apply(&mut config.qp);
         config.max_peers = Some(streams);
         config.auth_key = args.auth.key()?;
+        config.transport = args.transport.transport();
         config.exports = Some(Arc::new(move |peer, _: &ProtectionDomain| {
             let stream = offered
                 .lock()
@@ -574,6 +579,7 @@ fn measure_on_runtime(
                 .with_identity(format!("stream-{stream}"));
             config.connect_deadline = Duration::from_secs(60);
             config.auth_key = args.auth.key()?;
+            config.transport = args.transport.transport();
             endpoints.push(ClientSession::connect(addr, pd, &config)?);
         }
         fill_slots(buffers);

@@ -70,6 +70,8 @@ struct Args {
     #[command(flatten)]
     auth: common::AuthArgs,
     #[command(flatten)]
+    transport: common::TransportArgs,
+    #[command(flatten)]
     reactor: common::ReactorArgs,
     #[command(flatten)]
     runtime: common::RuntimeArgs,
@@ -310,7 +312,8 @@ fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
             inbox.as_ref(),
             AccessFlags::REMOTE_WRITE,
         )])
-        .with_auth_key(args.auth.key()?);
+        .with_auth_key(args.auth.key()?)
+        .with_transport(args.transport.transport());
     let endpoint = ClientSession::connect(addr, &pd, &config)?;
     let peer = endpoint.peer();
     let server_inbox = endpoint
@@ -670,6 +673,7 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     config.max_peers = args.max_peers;
     config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
     config.auth_key = args.auth.key()?;
+    config.transport = args.transport.transport();
     config.exports = Some(Arc::new(move |_peer: SocketAddr, pd: &ProtectionDomain| {
         // Each peer writes into its own inbox, through a window bound to its
         // own QP: no peer can touch another's inbox, even knowing its key.

@@ -57,15 +57,34 @@ fn data_row(stdout: &str) -> Vec<f64> {
 
 /// Runs one server/client pair; returns the client's data row.
 fn run(op: &str, test: &str, size: usize, iters: usize) -> Vec<f64> {
+    run_on(
+        &format!("127.0.0.1:{}", free_port()),
+        &[],
+        op,
+        test,
+        size,
+        iters,
+    )
+}
+
+/// Runs one server/client pair on `listen` with `extra` flags on both.
+fn run_on(
+    listen: &str,
+    extra: &[&str],
+    op: &str,
+    test: &str,
+    size: usize,
+    iters: usize,
+) -> Vec<f64> {
     let started = Instant::now();
-    let listen = format!("127.0.0.1:{}", free_port());
     let (size, iters) = (size.to_string(), iters.to_string());
-    let common = ["--op", op, "--test", test, "-s", &size, "-n", &iters];
-    let mut server_args = vec!["--server", "--listen", &listen];
-    server_args.extend(common);
+    let mut common = vec!["--op", op, "--test", test, "-s", &size, "-n", &iters];
+    common.extend(extra);
+    let mut server_args = vec!["--server", "--listen", listen];
+    server_args.extend(&common);
     let server = lat_bw(&server_args);
-    let mut client_args = vec!["--connect", &listen];
-    client_args.extend(common);
+    let mut client_args = vec!["--connect", listen];
+    client_args.extend(&common);
     let client = lat_bw(&client_args);
     let client = finish(client, "the client", started);
     let server = finish(server, "the server", started);
@@ -156,5 +175,19 @@ verbs_test! {
         assert_eq!((a.len(), b.len(), all.len()), (5, 5, 5), "{stdout}");
         assert_eq!(all[1], a[1] + b[1], "iterations add up: {stdout}");
         assert!((all[3] - (a[3] + b[3])).abs() < 0.01 * all[3] + 0.01, "average bandwidth adds up: {stdout}");
+    }
+}
+
+verbs_test! {
+    fn every_op_runs_over_rdma_cm() {
+        // rxe0's address: the connection manager resolves it to the device.
+        for (port, op) in [(7700, "send"), (7701, "write"), (7702, "write-imm"), (7703, "read")] {
+            let listen = format!("10.77.0.1:{port}");
+            let row = run_on(&listen, &["--cm"], op, "lat", 8, 200);
+            assert_eq!(row.len(), 9, "{op}: {row:?}");
+            let row = run_on(&listen, &["--cm"], op, "bw", 64, 2000);
+            assert!(row[3] > 0.0, "{op}: {row:?}");
+            println!("{op} over rdma_cm: bandwidth row {row:?}");
+        }
     }
 }

@@ -147,3 +147,25 @@ impl RuntimeArgs {
         })
     }
 }
+
+/// How sessions connect (the `--cm` flag).
+#[derive(Args, Debug, Clone, Default)]
+pub struct TransportArgs {
+    /// Connect through the RDMA connection manager (rdma_cm) instead of
+    /// TCP: the address is an RDMA interface's IP address and an rdma_cm
+    /// port. Both ends need it.
+    #[arg(long)]
+    pub cm: bool,
+}
+
+impl TransportArgs {
+    /// The session transport chosen.
+    #[allow(dead_code)]
+    pub fn transport(&self) -> rdma_comm_core::session::Transport {
+        if self.cm {
+            rdma_comm_core::session::Transport::RdmaCm
+        } else {
+            rdma_comm_core::session::Transport::Tcp
+        }
+    }
+}

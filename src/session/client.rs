@@ -1,14 +1,17 @@
-//! The connecting side: TCP with retry and backoff, then the handshake.
+//! The connecting side: TCP (or the connection manager) with retry and
+//! backoff, then the handshake.
 
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use super::handshake::{self, Resources};
+use super::endpoint::ControlLink;
+use super::handshake::{self, FrameIo, Resources};
 use super::wire::Handshake;
 use super::{
     AuthKey, Control, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, ExportWindows, QpSpec,
-    SessionQp, build_qps, check_exports, check_qp_names, connect_qps, local_handshake, reject_code,
+    SessionQp, Transport, build_qps, check_exports, check_qp_names, connect_qps, local_handshake,
+    reject_code,
 };
 use crate::error::{Error, Result};
 use crate::verbs::{BoundWindow, ProtectionDomain};
@@ -35,6 +38,8 @@ pub struct ClientConfig {
     /// Who this client says it is (the server's authorize callback sees it;
     /// at most 255 bytes).
     pub identity: String,
+    /// TCP, or the RDMA connection manager (the server must use the same).
+    pub transport: Transport,
 }
 
 impl ClientConfig {
@@ -49,7 +54,14 @@ impl ClientConfig {
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             auth_key: None,
             identity: String::new(),
+            transport: Transport::Tcp,
         }
+    }
+
+    /// Connects over `transport`.
+    pub fn with_transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self
     }
 
     /// Proves `key` to the server and requires the server to prove it.
@@ -119,18 +131,45 @@ impl ClientSession {
         config: &ClientConfig,
         start: Instant,
     ) -> Result<Endpoint> {
-        let remaining = config.connect_deadline.saturating_sub(start.elapsed());
-        let retry = ClientConfig {
-            connect_deadline: remaining.max(Duration::from_millis(1)),
-            ..config.clone()
-        };
-        let (stream, peer) = connect_with_retry(addr, &retry)?;
-        let mut control = Control::new(
-            stream,
-            peer,
-            config.handshake_timeout,
-            config.handshake_timeout,
-        );
+        match config.transport {
+            Transport::Tcp => {
+                let remaining = config.connect_deadline.saturating_sub(start.elapsed());
+                let retry = ClientConfig {
+                    connect_deadline: remaining.max(Duration::from_millis(1)),
+                    ..config.clone()
+                };
+                let (stream, peer) = connect_with_retry(addr, &retry)?;
+                let control = Control::new(
+                    stream,
+                    peer,
+                    config.handshake_timeout,
+                    config.handshake_timeout,
+                );
+                Self::handshake(pd, config, control, |control| {
+                    Ok(ControlLink::tcp(control.into_stream()?))
+                })
+            }
+            Transport::RdmaCm => {
+                let deadline = start + config.connect_deadline;
+                let backoff = (config.initial_backoff, config.max_backoff);
+                let control =
+                    super::cm::connect(addr, config.handshake_timeout, deadline, backoff)?;
+                Self::handshake(pd, config, control, |control| {
+                    Ok(ControlLink::Cm(Box::new(control.into_link())))
+                })
+            }
+        }
+    }
+
+    /// Runs the handshake over `control`, then makes the endpoint with the
+    /// link `link` makes of it.
+    fn handshake<C: FrameIo>(
+        pd: &ProtectionDomain,
+        config: &ClientConfig,
+        mut control: C,
+        link: impl FnOnce(C) -> Result<ControlLink>,
+    ) -> Result<Endpoint> {
+        let peer = control.peer();
         let mut side = ClientSide {
             pd,
             config,
@@ -153,7 +192,7 @@ impl ClientSession {
             config.exports.clone(),
             side.bound,
             accept.regions,
-            control.into_stream()?,
+            link(control)?,
         ))
     }
 }

@@ -158,12 +158,8 @@ pub struct SessionLink {
     /// ends its access, even if its QPs lived on.
     windows: Vec<BoundWindow>,
     remote_regions: Vec<NamedRegion>,
-    /// Non-blocking: nothing on this link ever waits on the peer.
-    control: TcpStream,
-    /// A control frame arriving in pieces.
-    reader: FrameReader,
-    /// When the frame in `reader` started arriving.
-    partial_since: Option<Instant>,
+    /// Where the goodbye travels and a lost peer shows.
+    control: ControlLink,
     closed: bool,
     /// Set once the disconnect message went out: whether it reached the
     /// socket (see [`SessionLink::send_disconnect`]).
@@ -197,7 +193,7 @@ impl Endpoint {
         exports: Vec<Export>,
         windows: Vec<BoundWindow>,
         remote_regions: Vec<RegionInfo>,
-        control: TcpStream,
+        control: ControlLink,
     ) -> Self {
         let remote_regions = remote_regions.into_iter().map(NamedRegion::from).collect();
         Self {
@@ -208,8 +204,6 @@ impl Endpoint {
                 windows,
                 remote_regions,
                 control,
-                reader: FrameReader::new(CONTROL_MAX_PAYLOAD),
-                partial_since: None,
                 closed: false,
                 disconnect_sent: None,
             },
@@ -384,53 +378,12 @@ impl SessionLink {
     /// that arrives in pieces is kept until it is whole, so a peer that
     /// sends one byte at a time stalls nothing (a frame not whole within
     /// 5 s loses the peer); one `recv` when nothing came, and it allocates
-    /// nothing.
+    /// nothing. Over the connection manager: the peer's goodbye, or its
+    /// `Disconnected` event (see [`Transport::RdmaCm`](super::Transport::RdmaCm)).
     pub fn check_peer(&mut self) -> PeerStatus {
-        loop {
-            match self.reader.read_from(&mut self.control) {
-                Ok(Some(frame)) => {
-                    self.partial_since = None;
-                    return match Message::decode(frame) {
-                        Ok((Message::Disconnect { code }, _)) => PeerStatus::Disconnected { code },
-                        Ok((other, _)) => PeerStatus::Lost(Error::Protocol {
-                            peer: self.peer,
-                            what: format!(
-                                "unexpected control message {other:?} on an established endpoint"
-                            ),
-                        }),
-                        Err(source) => PeerStatus::Lost(Error::PeerGone {
-                            peer: self.peer,
-                            source,
-                        }),
-                    };
-                }
-                Ok(None) => {}
-                Err(WireError::Io(err)) if err.kind() == io::ErrorKind::WouldBlock => {
-                    if self.reader.pending() == 0 {
-                        return PeerStatus::Alive;
-                    }
-                    let since = *self.partial_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() < CONTROL_FRAME_DEADLINE {
-                        return PeerStatus::Alive;
-                    }
-                    return PeerStatus::Lost(self.lost(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "a control frame stopped arriving halfway",
-                    )));
-                }
-                Err(WireError::Io(err)) if err.kind() == io::ErrorKind::UnexpectedEof => {
-                    return PeerStatus::Lost(self.lost(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "control connection closed without a disconnect message",
-                    )));
-                }
-                Err(source) => {
-                    return PeerStatus::Lost(Error::PeerGone {
-                        peer: self.peer,
-                        source,
-                    });
-                }
-            }
+        match &mut self.control {
+            ControlLink::Tcp(tcp) => tcp.check(self.peer),
+            ControlLink::Cm(cm) => cm.check(),
         }
     }
 
@@ -438,15 +391,11 @@ impl SessionLink {
     /// deadline (just past it), after which [`check_peer`](Self::check_peer)
     /// must run again to lose the peer even if no more bytes come.
     pub fn recheck_within(&self) -> Option<Duration> {
-        self.partial_since.map(|since| {
-            CONTROL_FRAME_DEADLINE.saturating_sub(since.elapsed()) + Duration::from_millis(1)
-        })
-    }
-
-    fn lost(&self, err: io::Error) -> Error {
-        Error::PeerGone {
-            peer: self.peer,
-            source: err.into(),
+        match &self.control {
+            ControlLink::Tcp(tcp) => tcp.partial_since.map(|since| {
+                CONTROL_FRAME_DEADLINE.saturating_sub(since.elapsed()) + Duration::from_millis(1)
+            }),
+            ControlLink::Cm(_) => None,
         }
     }
 
@@ -468,11 +417,14 @@ impl SessionLink {
         if let Some(delivered) = self.disconnect_sent {
             return delivered;
         }
-        // The socket is non-blocking and the frame tiny: it goes into the
-        // send buffer at once, or the peer stopped reading long ago.
-        let delivered = Message::Disconnect { code }
-            .encode()
-            .is_ok_and(|frame| matches!(self.control.write(&frame), Ok(n) if n == frame.len()));
+        let delivered = match &mut self.control {
+            // The socket is non-blocking and the frame tiny: it goes into the
+            // send buffer at once, or the peer stopped reading long ago.
+            ControlLink::Tcp(tcp) => Message::Disconnect { code }
+                .encode()
+                .is_ok_and(|frame| matches!(tcp.stream.write(&frame), Ok(n) if n == frame.len())),
+            ControlLink::Cm(cm) => cm.send_disconnect(code),
+        };
         self.disconnect_sent = Some(delivered);
         delivered
     }
@@ -483,17 +435,102 @@ impl SessionLink {
             return;
         }
         self.send_disconnect(0);
-        let _ = self.control.shutdown(Shutdown::Both);
+        match &mut self.control {
+            ControlLink::Tcp(tcp) => {
+                let _ = tcp.stream.shutdown(Shutdown::Both);
+            }
+            ControlLink::Cm(cm) => cm.disconnect(),
+        }
         self.closed = true;
     }
 }
 
-/// The control connection's socket (non-blocking): readable when the peer
-/// sent something or left, for an event loop that waits on it and then calls
+/// The control connection's socket (non-blocking), or over the connection
+/// manager the session's event channel: readable when the peer sent
+/// something or left, for an event loop that waits on it and then calls
 /// [`SessionLink::check_peer`].
 impl AsFd for SessionLink {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.control.as_fd()
+        match &self.control {
+            ControlLink::Tcp(tcp) => tcp.stream.as_fd(),
+            ControlLink::Cm(cm) => cm.as_fd(),
+        }
+    }
+}
+
+/// What carries an established session's goodbye and shows a lost peer.
+pub(super) enum ControlLink {
+    /// The handshake's TCP connection.
+    Tcp(TcpLink),
+    /// The connection manager's control QP and event channel.
+    Cm(Box<super::cm::CmLink>),
+}
+
+impl ControlLink {
+    /// The handshake's TCP connection (non-blocking, with keepalive).
+    pub(super) fn tcp(stream: TcpStream) -> Self {
+        ControlLink::Tcp(TcpLink {
+            stream,
+            reader: FrameReader::new(CONTROL_MAX_PAYLOAD),
+            partial_since: None,
+        })
+    }
+}
+
+/// The TCP control connection of an established session.
+pub(super) struct TcpLink {
+    /// Non-blocking: nothing on this link ever waits on the peer.
+    stream: TcpStream,
+    /// A control frame arriving in pieces.
+    reader: FrameReader,
+    /// When the frame in `reader` started arriving.
+    partial_since: Option<Instant>,
+}
+
+impl TcpLink {
+    fn check(&mut self, peer: SocketAddr) -> PeerStatus {
+        let lost = |err: io::Error| Error::PeerGone {
+            peer,
+            source: err.into(),
+        };
+        loop {
+            match self.reader.read_from(&mut self.stream) {
+                Ok(Some(frame)) => {
+                    self.partial_since = None;
+                    return match Message::decode(frame) {
+                        Ok((Message::Disconnect { code }, _)) => PeerStatus::Disconnected { code },
+                        Ok((other, _)) => PeerStatus::Lost(Error::Protocol {
+                            peer,
+                            what: format!(
+                                "unexpected control message {other:?} on an established endpoint"
+                            ),
+                        }),
+                        Err(source) => PeerStatus::Lost(Error::PeerGone { peer, source }),
+                    };
+                }
+                Ok(None) => {}
+                Err(WireError::Io(err)) if err.kind() == io::ErrorKind::WouldBlock => {
+                    if self.reader.pending() == 0 {
+                        return PeerStatus::Alive;
+                    }
+                    let since = *self.partial_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() < CONTROL_FRAME_DEADLINE {
+                        return PeerStatus::Alive;
+                    }
+                    return PeerStatus::Lost(lost(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "a control frame stopped arriving halfway",
+                    )));
+                }
+                Err(WireError::Io(err)) if err.kind() == io::ErrorKind::UnexpectedEof => {
+                    return PeerStatus::Lost(lost(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "control connection closed without a disconnect message",
+                    )));
+                }
+                Err(source) => return PeerStatus::Lost(Error::PeerGone { peer, source }),
+            }
+        }
     }
 }
 

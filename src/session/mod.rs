@@ -26,6 +26,7 @@
 
 mod auth;
 mod client;
+mod cm;
 mod endpoint;
 mod handshake;
 mod net;
@@ -39,6 +40,7 @@ use std::time::{Duration, Instant};
 
 pub use auth::{AUTH_KEY_ENV, AuthKey, MIN_KEY_LEN};
 pub use client::{ClientConfig, ClientSession};
+pub use cm::CONTROL_BUFFERS;
 pub use endpoint::{CloseReport, Endpoint, NamedRegion, PeerStatus, SessionLink, SessionQp};
 pub use handshake::{PeerHello, Refusal};
 pub use server::{
@@ -53,6 +55,29 @@ use crate::verbs::{
 };
 use handshake::FrameIo;
 use wire::{FrameReader, Handshake, QpInfo, RegionInfo, WireError};
+
+/// How a session's peers find each other and talk before their QPs are
+/// connected, and how a lost peer shows afterwards.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// A TCP connection carries the handshake and stays open as the
+    /// control connection, with keepalive: a peer whose host died is
+    /// noticed within about 20 s even on an idle session.
+    #[default]
+    Tcp,
+    /// The RDMA connection manager (librdmacm's `rdma_cm`) resolves the
+    /// peer's IP address to a device, port and route, and connects a small
+    /// control QP that carries the same handshake (one frame per SEND; see
+    /// [`CONTROL_BUFFERS`] for what it holds) and later the goodbye. The
+    /// session's QPs are connected by that handshake as over TCP. A peer
+    /// whose process ends is reported through the connection manager's
+    /// `Disconnected` event; a peer whose host dies sends nothing, so it is
+    /// noticed only by traffic (a QP's retries running out, see
+    /// [`QpConfig`]), not on an idle session. The address and port are the
+    /// connection manager's (an RDMA-capable interface's IP address), not
+    /// a TCP port: a server on `Transport::RdmaCm` opens no TCP socket.
+    RdmaCm,
+}
 
 /// Which completion queue a session's QP reports to.
 #[derive(Debug, Clone)]

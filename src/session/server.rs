@@ -16,14 +16,16 @@ use std::time::Duration;
 
 use super::net::{self, WakeReceiver, Waker};
 
-use super::handshake::{self, PeerHello, Refusal, Resources};
+use super::endpoint::ControlLink;
+use super::handshake::{self, FrameIo, PeerHello, Refusal, Resources};
 use super::wire::{Handshake, MAX_QPS, Message};
 use super::{
     AuthKey, Control, CqChoice, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_HELLO_TIMEOUT, Endpoint, Export,
-    ExportWindows, QpSpec, SessionQp, build_qps, check_exports, connect_qps, local_handshake,
-    reject_code,
+    ExportWindows, QpSpec, SessionQp, Transport, build_qps, check_exports, connect_qps,
+    local_handshake, reject_code,
 };
 use crate::error::{Error, Result};
+use crate::verbs::cm::{CmId, EventChannel};
 use crate::verbs::{BoundWindow, ProtectionDomain, QpConfig, SrqAttachment};
 
 /// Builds the regions exported to one peer (called once per handshake,
@@ -115,6 +117,11 @@ pub struct ServerConfig {
     /// Told of every failed handshake as it happens (besides the log and
     /// [`ServerSession::take_failures`]).
     pub on_failure: Option<Arc<FailureFn>>,
+    /// TCP, or the RDMA connection manager (clients must use the same).
+    /// Over the connection manager a connect request without this crate's
+    /// session tag in its private data (an rping, say) is rejected at once,
+    /// and one beyond the pending limits is rejected as busy.
+    pub transport: Transport,
 }
 
 impl fmt::Debug for ServerConfig {
@@ -157,6 +164,7 @@ impl Default for ServerConfig {
             exports: None,
             place: None,
             on_failure: None,
+            transport: Transport::Tcp,
         }
     }
 }
@@ -206,6 +214,8 @@ struct State {
     /// Handshakes that produced an endpoint.
     established: AtomicUsize,
     shutdown: AtomicBool,
+    /// Set when the accept thread stops: handshakes still in progress end.
+    cut: AtomicBool,
     /// Wakes the accept thread (shutdown, or `max_peers` reached).
     waker: Waker,
     /// [`ServerConfig::on_failure`].
@@ -242,6 +252,12 @@ impl AddressKey {
     }
 }
 
+/// What the accept thread listens on.
+enum Listener {
+    Tcp(TcpListener),
+    Cm(EventChannel, CmId),
+}
+
 /// Everything a handshake thread needs.
 struct Worker {
     pd: ProtectionDomain,
@@ -266,13 +282,23 @@ impl ServerSession {
             ));
         }
         let os = |what| move |source| Error::Os { what, source };
-        let listener = TcpListener::bind(addr).map_err(os("binding the session listener"))?;
-        let local_addr = listener
-            .local_addr()
-            .map_err(os("reading the listener address"))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(os("making the listener non-blocking"))?;
+        let (listener, local_addr) = match config.transport {
+            Transport::Tcp => {
+                let listener =
+                    TcpListener::bind(addr).map_err(os("binding the session listener"))?;
+                let local_addr = listener
+                    .local_addr()
+                    .map_err(os("reading the listener address"))?;
+                listener
+                    .set_nonblocking(true)
+                    .map_err(os("making the listener non-blocking"))?;
+                (Listener::Tcp(listener), local_addr)
+            }
+            Transport::RdmaCm => {
+                let (channel, id, local_addr) = super::cm::listen(addr, config.accept_backlog)?;
+                (Listener::Cm(channel, id), local_addr)
+            }
+        };
         let (waker, wake_receiver) = net::wake_pair().map_err(os("creating the accept wake-up"))?;
         let (tx, rx) = mpsc::sync_channel(config.accept_backlog);
         let state = Arc::new(State {
@@ -283,6 +309,7 @@ impl ServerSession {
             admitted: AtomicUsize::new(0),
             established: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
+            cut: AtomicBool::new(false),
             waker,
             on_failure: config.on_failure.clone(),
         });
@@ -294,7 +321,10 @@ impl ServerSession {
         });
         let acceptor = std::thread::Builder::new()
             .name(format!("rdma-accept-{}", local_addr.port()))
-            .spawn(move || accept_loop(listener, wake_receiver, worker))
+            .spawn(move || match listener {
+                Listener::Tcp(listener) => accept_loop(listener, wake_receiver, worker),
+                Listener::Cm(channel, id) => cm_accept_loop(channel, id, wake_receiver, worker),
+            })
             .map_err(os("spawning the accept thread"))?;
         Ok(Self {
             local_addr,
@@ -455,7 +485,7 @@ impl State {
         self: &Arc<Self>,
         config: &ServerConfig,
         peer: SocketAddr,
-        stream: &TcpStream,
+        stream: Option<&TcpStream>,
     ) -> std::result::Result<PendingSlot, String> {
         let mut pending = self.pending();
         if pending.total >= config.max_pending_handshakes {
@@ -466,13 +496,18 @@ impl State {
             return Err("too many handshakes in progress from one address".into());
         }
         // A clone of the socket, so that a server going away can cut the
-        // handshake short.
-        let clone = stream.try_clone().map_err(|err| err.to_string())?;
+        // handshake short (a connection manager handshake watches `cut`).
+        let clone = stream
+            .map(TcpStream::try_clone)
+            .transpose()
+            .map_err(|err| err.to_string())?;
         pending.total += 1;
         *pending.per_address.entry(key).or_default() += 1;
         let id = pending.next_id;
         pending.next_id += 1;
-        pending.sockets.insert(id, clone);
+        if let Some(clone) = clone {
+            pending.sockets.insert(id, clone);
+        }
         Ok(PendingSlot {
             state: Arc::clone(self),
             id,
@@ -482,6 +517,7 @@ impl State {
 
     /// Cuts every handshake in progress: their reads and writes fail now.
     fn cut_pending(&self) {
+        self.cut.store(true, Ordering::Release);
         for socket in self.pending().sockets.values() {
             let _ = socket.shutdown(Shutdown::Both);
         }
@@ -571,26 +607,118 @@ fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc<Worker>) {
             continue;
         }
         let thread_worker = Arc::clone(&worker);
-        match state.register(&worker.config, peer, &stream) {
-            Ok(slot) => {
-                let spawned = std::thread::Builder::new()
-                    .name(format!("rdma-handshake-{peer}"))
-                    .spawn(move || run_handshake(&thread_worker, slot, stream, peer));
-                match spawned {
-                    Ok(thread) => threads.push(thread),
-                    // The closure (and the slot in it) was dropped.
-                    Err(source) => state.record_failure(
-                        peer,
-                        Error::Os {
-                            what: "spawning a handshake thread",
-                            source,
-                        },
-                        true,
-                    ),
-                }
-            }
+        match state.register(&worker.config, peer, Some(&stream)) {
+            Ok(slot) => spawn_handshake(&mut threads, &state, peer, move || {
+                run_handshake(&thread_worker, slot, peer, |admission| {
+                    let config = &thread_worker.config;
+                    let control =
+                        Control::new(stream, peer, config.handshake_timeout, config.hello_timeout);
+                    serve_handshake(&thread_worker, control, peer, admission, |control| {
+                        Ok(ControlLink::tcp(control.into_stream()?))
+                    })
+                })
+            }),
             Err(reason) => {
                 refuse_at_once(stream, reject_code::BUSY, &reason);
+                state.record_refusal(peer, reason);
+            }
+        }
+    }
+    state.cut_pending();
+    for thread in threads {
+        let _ = thread.join();
+    }
+}
+
+/// Starts a handshake's thread (`run`, which owns its pending slot).
+fn spawn_handshake(
+    threads: &mut Vec<JoinHandle<()>>,
+    state: &State,
+    peer: SocketAddr,
+    run: impl FnOnce() + Send + 'static,
+) {
+    let spawned = std::thread::Builder::new()
+        .name(format!("rdma-handshake-{peer}"))
+        .spawn(run);
+    match spawned {
+        Ok(thread) => threads.push(thread),
+        // The closure (and the slot in it) was dropped.
+        Err(source) => state.record_failure(
+            peer,
+            Error::Os {
+                what: "spawning a handshake thread",
+                source,
+            },
+            true,
+        ),
+    }
+}
+
+/// The connection manager's accept loop: the listener's event channel
+/// brings connect requests; each one admitted to the pending limits gets
+/// a handshake thread, which moves its id to a channel of its own.
+fn cm_accept_loop(channel: EventChannel, listener: CmId, wake: WakeReceiver, worker: Arc<Worker>) {
+    let state = Arc::clone(&worker.state);
+    let mut threads: Vec<JoinHandle<()>> = Vec::new();
+    let mut errors = 0u64;
+    while !state.shutdown.load(Ordering::Acquire) && !state.max_peers_reached(&worker.config) {
+        let request = match channel.try_get_event() {
+            // Anything but a request (the listener's own news) is acknowledged.
+            Ok(Some(mut event)) => match event.take_request() {
+                Some(request) => request,
+                None => continue,
+            },
+            Ok(None) => {
+                if let Err(err) = wake.wait(&channel) {
+                    log::error!("session listener {:?}: poll: {err}", listener.local_addr());
+                    break;
+                }
+                continue;
+            }
+            Err(err) => {
+                if errors.is_multiple_of(1000) {
+                    log::warn!("session listener {:?}: {err}", listener.local_addr());
+                }
+                errors += 1;
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        threads.retain(|thread| !thread.is_finished());
+        let peer = request
+            .peer_addr()
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+        if !super::cm::is_session_request(&request) {
+            super::cm::refuse(request, reject_code::BAD_REQUEST);
+            state.record_refusal(peer, "a connect request without the session tag".into());
+            continue;
+        }
+        if state.admitted.load(Ordering::Acquire) >= worker.config.max_peers.unwrap_or(usize::MAX) {
+            super::cm::refuse(request, reject_code::BUSY);
+            continue;
+        }
+        match state.register(&worker.config, peer, None) {
+            Ok(slot) => {
+                let thread_worker = Arc::clone(&worker);
+                spawn_handshake(&mut threads, &state, peer, move || {
+                    run_handshake(&thread_worker, slot, peer, |admission| {
+                        let config = &thread_worker.config;
+                        let cut_state = Arc::clone(&thread_worker.state);
+                        let control = super::cm::accept(
+                            request,
+                            peer,
+                            config.handshake_timeout,
+                            config.hello_timeout,
+                            Box::new(move || cut_state.cut.load(Ordering::Acquire)),
+                        )?;
+                        serve_handshake(&thread_worker, control, peer, admission, |control| {
+                            Ok(ControlLink::Cm(Box::new(control.into_link())))
+                        })
+                    })
+                });
+            }
+            Err(reason) => {
+                super::cm::refuse(request, reject_code::BUSY);
                 state.record_refusal(peer, reason);
             }
         }
@@ -605,13 +733,15 @@ fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc<Worker>) {
 /// panic included) is given back as soon as the handshake is over, before
 /// the endpoint is queued: a server that stops once `max_peers` endpoints
 /// exist cuts the sockets still pending, and this one is no longer.
-fn run_handshake(worker: &Worker, slot: PendingSlot, stream: TcpStream, peer: SocketAddr) {
+fn run_handshake<'a>(
+    worker: &'a Worker,
+    slot: PendingSlot,
+    peer: SocketAddr,
+    serve: impl FnOnce(&mut Option<Admission<'a>>) -> Result<Endpoint>,
+) {
     let state = &worker.state;
     let mut admission = None;
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        serve_handshake(worker, stream, peer, &mut admission)
-    }))
-    .unwrap_or_else(|_| {
+    let result = catch_unwind(AssertUnwindSafe(|| serve(&mut admission))).unwrap_or_else(|_| {
         Err(Error::Protocol {
             peer,
             what: "the handshake panicked (in an authorize or exports callback?)".into(),
@@ -732,14 +862,16 @@ impl Resources for ServerSide<'_> {
     }
 }
 
-fn serve_handshake<'a>(
+/// Serves the handshake over `control`, then makes the endpoint with the
+/// link `link` makes of it.
+fn serve_handshake<'a, C: FrameIo>(
     worker: &'a Worker,
-    stream: TcpStream,
+    mut control: C,
     peer: SocketAddr,
     admission: &mut Option<Admission<'a>>,
+    link: impl FnOnce(C) -> Result<ControlLink>,
 ) -> Result<Endpoint> {
     let config = &worker.config;
-    let mut control = Control::new(stream, peer, config.handshake_timeout, config.hello_timeout);
     let home = RefCell::new(None);
     let mut side = ServerSide {
         worker,
@@ -769,7 +901,7 @@ fn serve_handshake<'a>(
         side.exports,
         side.bound,
         offer.regions,
-        control.into_stream()?,
+        link(control)?,
     );
     endpoint.home_token = home.into_inner().and_then(|home| home.token);
     Ok(endpoint)

@@ -1,0 +1,227 @@
+//! Sessions over the RDMA connection manager (`Transport::RdmaCm`) on rxe0
+//! at 10.77.0.1: the handshake on the control QP (exports, authentication),
+//! the goodbye and a killed peer reported through the connection manager,
+//! a request without the session tag refused before anything is made, a
+//! client that starts before its server, and `ping_pong --cm` end to end.
+//! Gated as described in `tests/util/mod.rs`: runs in the Soft-RoCE guest.
+
+mod util;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rdma_comm_core::Error;
+use rdma_comm_core::session::*;
+use rdma_comm_core::verbs::cm::{CmEventKind, EventChannel};
+use rdma_comm_core::verbs::*;
+use util::process::Proc;
+use util::*;
+
+/// A fresh rdma_cm port on rxe0's address for each use.
+fn addr() -> SocketAddr {
+    static NEXT: AtomicU16 = AtomicU16::new(7600);
+    SocketAddr::from(([10, 77, 0, 1], NEXT.fetch_add(1, Ordering::Relaxed)))
+}
+
+fn server_config() -> ServerConfig {
+    ServerConfig {
+        transport: Transport::RdmaCm,
+        ..ServerConfig::default()
+    }
+}
+
+fn client_config() -> ClientConfig {
+    let mut config = ClientConfig::new(vec![QpSpec::new("data")]).with_transport(Transport::RdmaCm);
+    config.connect_deadline = Duration::from_secs(20);
+    config
+}
+
+fn key(byte: u8) -> AuthKey {
+    AuthKey::new(&[byte; 32]).unwrap()
+}
+
+/// One SEND from `from` to `to` on QP 0, verified.
+#[track_caller]
+fn exchange(pd: &ProtectionDomain, from: &mut Endpoint, to: &mut Endpoint, payload: &[u8]) {
+    let rx = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut tx = pd.alloc_mr(4096, AccessFlags::empty()).unwrap();
+    tx.write(0, payload).unwrap();
+    to.qp_at(0)
+        .unwrap()
+        .qp_mut()
+        .post_recv(RecvRequest::new(1, rx.slice(0, 4096).unwrap()).unwrap())
+        .unwrap();
+    let sender = from.qp_at(0).unwrap();
+    sender
+        .qp_mut()
+        .post_send(WorkRequest::send(2, tx.slice(0, payload.len()).unwrap()).signaled())
+        .unwrap();
+    wait_ok(sender.cq_mut().unwrap());
+    let wc = wait_ok(to.qp_at(0).unwrap().cq_mut().unwrap());
+    assert_eq!(wc.byte_len() as usize, payload.len());
+    assert_eq!(read_back(&rx, 0, payload.len()), payload);
+}
+
+/// Polls `check_peer` until it reports something, within the deadline.
+#[track_caller]
+fn peer_status(endpoint: &mut Endpoint) -> PeerStatus {
+    let start = Instant::now();
+    loop {
+        match endpoint.check_peer() {
+            PeerStatus::Alive if start.elapsed() < DEADLINE => {
+                thread::sleep(Duration::from_millis(10))
+            }
+            status => return status,
+        }
+    }
+}
+
+verbs_test! {
+    fn a_session_over_rdma_cm_writes_into_exports_and_says_goodbye_with_a_code() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let inbox = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND).unwrap();
+        let export = inbox.registration().clone();
+        let mut config = server_config();
+        config.qp.remote_access = AccessFlags::REMOTE_WRITE;
+        config.auth_key = Some(key(7));
+        config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
+            Ok(vec![Export::new(1, "inbox", export.clone(), AccessFlags::REMOTE_WRITE)])
+        }));
+        let server = ServerSession::bind(addr(), &pd, config).unwrap();
+        let at = server.local_addr();
+        assert_eq!(at.ip(), addr().ip(), "bound where asked");
+
+        let client_pd = pd.clone();
+        let client = thread::spawn(move || {
+            ClientSession::connect(at, &client_pd, &client_config().with_auth_key(Some(key(7))))
+        });
+        let mut served = server.accept_timeout(DEADLINE).expect("the server's endpoint");
+        let mut client = client.join().unwrap().expect("the client connects over rdma_cm");
+        assert_eq!(client.peer().ip(), at.ip(), "the client's peer is the server's address");
+        assert_eq!(served.peer().ip(), at.ip(), "the server's peer is the client's address");
+
+        // Both directions, then a WRITE into the exported inbox.
+        exchange(&pd, &mut client, &mut served, b"hello over the connection manager");
+        exchange(&pd, &mut served, &mut client, b"and back");
+        let target = client.remote_region("inbox").expect("the server's export arrived");
+        let mut tx = pd.alloc_mr(64, AccessFlags::empty()).unwrap();
+        tx.write(0, b"written through the window").unwrap();
+        let qp = client.qp_at(0).unwrap();
+        qp.qp_mut()
+            .post_send(WorkRequest::write(3, tx.slice(0, 26).unwrap(), target.slice(0, 26).unwrap()).unwrap().signaled())
+            .unwrap();
+        wait_ok(qp.cq_mut().unwrap());
+        assert_eq!(read_back(&inbox, 0, 26), b"written through the window");
+
+        // Nothing reported while both live; then the client's goodbye.
+        assert!(matches!(served.check_peer(), PeerStatus::Alive));
+        assert!(client.send_disconnect(42), "the goodbye was acknowledged");
+        drop(client);
+        match peer_status(&mut served) {
+            PeerStatus::Disconnected { code } => assert_eq!(code, 42),
+            other => panic!("expected the goodbye with its code, got {other:?}"),
+        }
+    }
+}
+
+verbs_test! {
+    fn a_wrong_key_is_refused_and_a_request_without_the_tag_gets_nothing() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let mut config = server_config();
+        config.auth_key = Some(key(1));
+        let server = ServerSession::bind(addr(), &pd, config).unwrap();
+        let at = server.local_addr();
+
+        let wrong = ClientSession::connect(at, &pd, &client_config().with_auth_key(Some(key(2))));
+        assert!(matches!(wrong, Err(Error::Unauthenticated { .. })), "{wrong:?}");
+        let missing = ClientSession::connect(at, &pd, &client_config());
+        assert!(matches!(missing, Err(Error::Unauthenticated { .. } | Error::Rejected { .. })), "{missing:?}");
+
+        // A plain rdma_cm peer (rping's request, say) carries no tag: it is
+        // rejected at once with the tag and BAD_REQUEST, and holds nothing.
+        let channel = EventChannel::new().unwrap();
+        let mut id = channel.create_id().unwrap();
+        id.resolve_addr(None, at, DEADLINE).unwrap();
+        drop(channel.expect(&id, CmEventKind::AddrResolved, DEADLINE).unwrap());
+        id.resolve_route(DEADLINE).unwrap();
+        drop(channel.expect(&id, CmEventKind::RouteResolved, DEADLINE).unwrap());
+        let id_ctx = id.context().unwrap();
+        let id_pd = id_ctx.alloc_pd().unwrap();
+        let cq = id_ctx.create_cq(4, None).unwrap();
+        let qp = id.create_qp(&id_pd, &cq, &cq, &QpConfig::default()).unwrap();
+        id.connect(&qp, b"not a session").unwrap();
+        let answer = channel.get_event(Some(DEADLINE)).unwrap().expect("an answer");
+        assert_eq!(answer.kind(), CmEventKind::Rejected);
+        let data = answer.private_data();
+        assert_eq!(&data[8..10], &reject_code::BAD_REQUEST.to_be_bytes(), "{data:?}");
+        assert_eq!(server.pending_handshakes(), 0);
+        let failures = server.take_failures();
+        assert!(
+            failures.iter().any(|f| f.error.to_string().contains("without the session tag")),
+            "{failures:?}"
+        );
+
+        // The right key still gets in afterwards.
+        let client_pd = pd.clone();
+        let good = thread::spawn(move || {
+            ClientSession::connect(at, &client_pd, &client_config().with_auth_key(Some(key(1))))
+        });
+        let mut served = server.accept_timeout(DEADLINE).expect("the good client's endpoint");
+        let mut client = good.join().unwrap().expect("the right key connects");
+        exchange(&pd, &mut client, &mut served, b"authenticated");
+    }
+}
+
+verbs_test! {
+    fn a_client_that_starts_first_waits_for_its_server() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let at = addr();
+        let client_pd = pd.clone();
+        let started = Instant::now();
+        let client = thread::spawn(move || ClientSession::connect(at, &client_pd, &client_config()));
+        thread::sleep(Duration::from_millis(700));
+        let server = ServerSession::bind(at, &pd, server_config()).unwrap();
+        let mut served = server.accept_timeout(DEADLINE).expect("the late server's endpoint");
+        let mut client = client.join().unwrap().expect("the client retried until the server listened");
+        assert!(started.elapsed() >= Duration::from_millis(700));
+        exchange(&pd, &mut client, &mut served, b"late but fine");
+    }
+}
+
+verbs_test! {
+    fn ping_pong_over_cm_verifies_round_trips_and_names_a_killed_peer() {
+        let at = addr().to_string();
+        let mut server = Proc::spawn(
+            "ping_pong",
+            &["--server", "--cm", "--listen", &at, "--reactors", "1"],
+        );
+        server.expect_line("listening on ");
+        let ok = |iters: &str| {
+            Proc::spawn("ping_pong", &["--connect", &at, "--cm", "--iters", iters, "--size", "64", "--op", "both"])
+        };
+        let mut client = ok("300");
+        client.expect_line("300 round trips, 0 mismatches");
+        server.expect_line("done: 300 messages verified and echoed");
+
+        // A client killed mid-run: its process's exit tears its rdma_cm id
+        // down, and the server hears of it as a disconnect.
+        let mut victim = ok("100000000");
+        server.expect_line(" connected");
+        thread::sleep(Duration::from_millis(500));
+        let killed = Instant::now();
+        victim.child.kill().unwrap();
+        let line = server.expect_line("error");
+        println!("killed client reported after {:?}: {line}", killed.elapsed());
+        assert!(line.contains("10.77.0.1"), "the error names the peer: {line}");
+
+        // And the server goes on serving.
+        let mut after = ok("200");
+        after.expect_line("200 round trips, 0 mismatches");
+    }
+}
