@@ -321,6 +321,9 @@ impl ProtectionDomain {
             sq_sig_all: 0,
             ..Default::default()
         };
+        // Clamp the READ depths to the device (the verbs fail EINVAL beyond);
+        // asked before the QP exists, so a failure leaves nothing to destroy.
+        let limits = ctx.query_device()?;
         // SAFETY: PD and CQs are live (we hold Arcs from here on); init_attr is
         // fully initialised and the provider writes back the granted caps.
         let raw = unsafe { sys::ibv_create_qp(self.inner.pd.as_ptr(), &mut init_attr) };
@@ -347,8 +350,6 @@ impl ProtectionDomain {
                 device: Arc::clone(name),
             });
         };
-        // Clamp the READ depths to the device (the verbs fail EINVAL beyond).
-        let limits = ctx.query_device()?;
         let mut config = config.clone();
         config.max_rd_atomic = config
             .max_rd_atomic
