@@ -3,7 +3,8 @@
 
 mod util;
 
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rdma_comm_core::reactor::*;
@@ -318,5 +319,61 @@ verbs_test! {
         assert!(reactor.remove(first).is_some());
         let (ours, _theirs2) = connect(&pd, &mut Sides::Two { server: &mut reactor, client: &mut other }, &inbox, &inbox);
         reactor.add(ours, Box::new(Sink::new(1, 1, Default::default()))).expect("the freed share");
+    }
+}
+
+/// Notes `on_established` and sends nothing.
+struct Silent(Arc<AtomicBool>);
+
+impl Handler for Silent {
+    fn on_established(&mut self, _: &mut Ctx<'_>, _: ConnId) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
+}
+
+verbs_test! {
+    /// Through a shared receive queue, the peer's initial credit update can
+    /// land before our reactor took the QP: it is then a stranger's
+    /// completion there and dropped. Against a peer that never sends, our
+    /// side would wait for a credit for good; the peer answers the first
+    /// credit it hears with another, so both sides get established.
+    fn a_credit_update_lost_before_the_srq_reactor_took_its_qp_is_sent_again() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let mut srq_side: Reactor<BoxedHandler> =
+            Reactor::new(&pd, config_srq(EventMode::BusyPoll, true)).unwrap();
+        let mut plain_side: Reactor<BoxedHandler> =
+            Reactor::new(&pd, config(EventMode::BusyPoll)).unwrap();
+        let (server_inbox, _) = regions(&pd, 64);
+        let (client_inbox, _) = regions(&pd, 64);
+        let (server_ep, client_ep) = connect(
+            &pd,
+            &mut Sides::Two { server: &mut srq_side, client: &mut plain_side },
+            &server_inbox,
+            &client_inbox,
+        );
+        let (srq_up, plain_up) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        // The plain side first: its initial update reaches the SRQ side's
+        // shared queue, whose reactor polls it before it has the QP.
+        plain_side.add(client_ep, Box::new(Silent(Arc::clone(&plain_up)))).unwrap();
+        let start = std::time::Instant::now();
+        while start.elapsed() < Duration::from_millis(500) {
+            plain_side.turn().unwrap();
+            srq_side.turn().unwrap();
+        }
+        assert!(!plain_up.load(Ordering::Acquire), "nobody sent the plain side a credit yet");
+        srq_side.add(server_ep, Box::new(Silent(Arc::clone(&srq_up)))).unwrap();
+        let start = std::time::Instant::now();
+        while !(srq_up.load(Ordering::Acquire) && plain_up.load(Ordering::Acquire))
+            && start.elapsed() < Duration::from_secs(10)
+        {
+            plain_side.turn().unwrap();
+            srq_side.turn().unwrap();
+        }
+        assert!(plain_up.load(Ordering::Acquire), "the plain side heard the SRQ side's update");
+        assert!(srq_up.load(Ordering::Acquire), "the SRQ side heard a credit after all");
+        println!("both sides established after {:?}", start.elapsed());
     }
 }

@@ -255,6 +255,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     // A credit update: the immediate is the peer's receive count.
                     conn.queue_repost(slot);
                     if conn.peer_credit(wc.imm().unwrap_or(0)) {
+                        conn.answer_first_credit();
                         handler.on_established(&mut ctx, id);
                     }
                     return;
@@ -262,6 +263,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 let from_srq = conn.uses_srq();
                 self.counters.messages += 1;
                 if conn.peer_credit(credit) {
+                    conn.answer_first_credit();
                     handler.on_established(&mut ctx, id);
                 }
                 ctx.offer(id, slot, len, from_srq);

@@ -115,6 +115,19 @@ impl Conn {
         self.stage_credit_update(false);
     }
 
+    /// Answers the first credit the peer sent with one more update of ours.
+    /// The peer may have missed our initial one: through a shared receive
+    /// queue, an update that arrives before the peer's reactor took its QP
+    /// is a stranger's completion there and is dropped, and a peer that
+    /// then never sends would stay connecting for good. The peer has its
+    /// QP by now (it sent this), so this one reaches it. Skipped without a
+    /// credit (then our next SEND announces the count anyway).
+    pub(crate) fn answer_first_credit(&mut self) {
+        if self.can_stage_update() {
+            self.stage_credit_update(false);
+        }
+    }
+
     /// Room for a credit update: the reserved credit, an SQ entry, a batch slot.
     fn can_stage_update(&self) -> bool {
         self.credits() >= 1 && self.sq_used() < self.sq_depth && !self.batch.is_full()
