@@ -150,7 +150,10 @@ impl ClientSession {
                 })
             }
             Transport::RdmaCm => {
-                let deadline = start + config.connect_deadline;
+                // A deadline past the clock's range is a year away.
+                let deadline = start
+                    .checked_add(config.connect_deadline)
+                    .unwrap_or(start + Duration::from_secs(365 * 86_400));
                 let backoff = (config.initial_backoff, config.max_backoff);
                 let control =
                     super::cm::connect(addr, config.handshake_timeout, deadline, backoff)?;

@@ -9,10 +9,13 @@
 //! session's event channel (its descriptor is what a reactor waits on)
 //! reports a peer whose process went away as `Disconnected`.
 //!
-//! What a stranger holds before it is authorized: one control QP with a
-//! 4-entry CQ and [`CONTROL_BUFFERS`] bytes of registered buffers, no
-//! remote access, for at most the server's hello timeout, within the same
-//! pending-handshake limits (in all and per address) as over TCP.
+//! What a stranger holds before it is authorized: a handshake thread, an
+//! event channel, a kernel id, and on the id's device a PD, a 4-entry CQ,
+//! one control QP without remote access and [`CONTROL_BUFFERS`] bytes of
+//! registered buffers (a frame longer than a slot arrives in several
+//! SENDs), for at most the server's hello timeout, within the same
+//! pending-handshake limits as over TCP. The per-address limit counts the
+//! address the request carries, which a host on the same network can forge.
 //!
 //! [`Transport::RdmaCm`]: super::Transport::RdmaCm
 
@@ -20,28 +23,34 @@ use std::collections::VecDeque;
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::OnceLock;
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::time::{Duration, Instant};
 
 use super::endpoint::PeerStatus;
 use super::handshake::FrameIo;
-use super::wire::{self, FRAME_HEADER_LEN, FrameReader, Message, WireError};
-use crate::error::{CmFailure, Error, Result};
-use crate::verbs::cm::{CmEvent, CmEventKind, CmId, ConnectRequest, EventChannel};
+use super::reject_code;
+use super::wire::{self, FrameReader, Message, WireError};
+use crate::error::{CmEventKind, CmFailure, Error, Result};
+use crate::verbs::cm::{CmEvent, CmId, ConnectRequest, EventChannel};
 use crate::verbs::{
     AccessFlags, CompletionQueue, MemoryRegion, ProtectionDomain, QpConfig, QueuePair, RecvRequest,
     WorkCompletion, WorkRequest,
 };
 
-/// One message slot: the largest handshake frame.
-const SLOT: usize = FRAME_HEADER_LEN + wire::MAX_PAYLOAD as usize;
+/// One message slot. A frame longer than this travels in several SENDs,
+/// which the receiver reads as one byte stream (bounded as over TCP), so a
+/// stranger's handshake pins little memory.
+const SLOT: usize = 4096;
 
-/// Receives kept posted on a control QP. The handshake alternates, so two
-/// are enough; a third frame waits in the sender's RNR retries (the control
-/// QP retries them forever, within the handshake's deadline) until one is
-/// reposted.
+/// Receives kept posted on a control QP. The handshake alternates, and
+/// each piece of a long frame is acknowledged before the next is sent;
+/// a piece that finds no receive waits in the sender's RNR retries (within
+/// the sender's deadline) until one is reposted.
 const RECV_SLOTS: usize = 2;
 
-/// Registered bytes per control QP: its receive slots and one send slot.
+/// Registered bytes per control QP, for the session's whole life: its
+/// receive slots and one send slot.
 pub const CONTROL_BUFFERS: usize = (RECV_SLOTS + 1) * SLOT;
 
 /// The work request id of the control QP's one SEND; receives use their
@@ -49,9 +58,9 @@ pub const CONTROL_BUFFERS: usize = (RECV_SLOTS + 1) * SLOT;
 const WR_SEND: u64 = u64::MAX;
 
 /// The private data of a session's connect request: it names this crate's
-/// session protocol and its version, so a request without it (rping, say)
-/// is refused before anything is made for it. A refusal's private data is
-/// the same tag and a reject code (big-endian).
+/// session protocol (magic, "CM") and its version, so a request without
+/// it (rping, say) is refused before anything is made for it. A refusal's
+/// private data is the same tag and a reject code (big-endian).
 const TAG: [u8; 8] = {
     let magic = wire::MAGIC.to_be_bytes();
     let version = wire::VERSION.to_be_bytes();
@@ -60,19 +69,26 @@ const TAG: [u8; 8] = {
     ]
 };
 
+/// The InfiniBand CM's reject reason when nobody listens on the port
+/// (`IB_CM_REJ_INVALID_SERVICE_ID`): the one refusal a client retries.
+const REJECT_NO_LISTENER: i32 = 8;
+
 /// How long one step of the connection manager (address, route, the
 /// peer's answer) may take, within the connect deadline.
 const CM_STEP: Duration = Duration::from_secs(5);
 
-/// How long a goodbye waits for the peer's acknowledgement.
-const GOODBYE_WAIT: Duration = Duration::from_millis(50);
+/// How long a goodbye is given to reach the peer before the connection is
+/// torn down anyway, by a background thread: no reactor waits for it.
+const GOODBYE_WAIT: Duration = Duration::from_secs(1);
 
-/// Between polls of a control QP while a handshake waits.
+/// Between polls of a control QP while a handshake or a goodbye waits.
 const POLL_PAUSE: Duration = Duration::from_micros(200);
 
-/// True when a connect request carries this crate's session tag.
+/// True when a connect request carries this crate's session tag (any
+/// version: a version the server does not speak is answered in the
+/// handshake, as over TCP).
 pub(super) fn is_session_request(request: &ConnectRequest) -> bool {
-    request.private_data().starts_with(&TAG)
+    request.private_data().starts_with(&TAG[..6])
 }
 
 /// Refuses a connect request with `code` in its private data.
@@ -83,11 +99,24 @@ pub(super) fn refuse(request: ConnectRequest, code: u16) {
     let _ = request.reject(&data);
 }
 
-/// The reject code in a refusal's private data, if it is one of ours.
+/// What a tagged refusal says: its reject code; `None` when the private
+/// data is not a refusal of this crate's.
 fn refusal_code(private_data: &[u8]) -> Option<u16> {
-    let code = private_data.strip_prefix(&TAG)?.get(..2)?;
-    Some(u16::from_be_bytes([code[0], code[1]]))
+    let rest = private_data.strip_prefix(&TAG[..6])?;
+    Some(u16::from_be_bytes([*rest.get(2)?, *rest.get(3)?]))
 }
+
+/// What a reject code means, for the error the client returns.
+fn refusal_reason(code: u16) -> &'static str {
+    match code {
+        reject_code::BUSY => "refused before the handshake: the server is busy",
+        reject_code::BAD_REQUEST => "refused before the handshake: not a session request",
+        _ => "refused before the handshake",
+    }
+}
+
+/// Says when a server is going away (its handshakes then end).
+pub(super) type CutFn = Box<dyn Fn() -> bool + Send + Sync>;
 
 /// A control QP and what it needs, made on a connection manager id's
 /// device: the handshake's frame transport, then the established link.
@@ -102,14 +131,23 @@ pub(super) struct ControlQp {
     id: Option<CmId>,
     channel: EventChannel,
     peer: SocketAddr,
-    /// Frames received, not read yet: (slot, bytes).
+    /// Messages received, not read yet: (slot, bytes).
     arrived: VecDeque<(usize, usize)>,
+    /// The handshake's byte stream: the message being read, how far, and
+    /// the reader of the frame it belongs to.
+    chunk: Vec<u8>,
+    chunk_read: usize,
+    reader: FrameReader,
+    /// Our one SEND is posted and not completed: the send buffer is the
+    /// NIC's until it completes.
+    sending: bool,
+    /// The event that ended the connection, once one came (kept, whoever
+    /// read it off the channel).
+    ended: Option<(CmEventKind, i32)>,
     /// The handshake's current deadline (the hello's, then the whole one).
     deadline: Instant,
     final_deadline: Instant,
-    max_payload: u32,
-    /// A server going away cuts its handshakes short.
-    cut: Option<Box<dyn Fn() -> bool + Send>>,
+    cut: Option<CutFn>,
 }
 
 impl ControlQp {
@@ -122,7 +160,8 @@ impl ControlQp {
             max_send_wr: 1,
             max_recv_wr: RECV_SLOTS as u32,
             remote_access: AccessFlags::empty(),
-            // A frame the peer has no receive for yet waits for one.
+            // A piece the peer has no receive for yet waits for one; every
+            // wait is bounded by a deadline of ours.
             rnr_retry: 7,
             ..QpConfig::default()
         };
@@ -140,9 +179,13 @@ impl ControlQp {
             channel,
             peer,
             arrived: VecDeque::new(),
+            chunk: Vec::new(),
+            chunk_read: 0,
+            reader: FrameReader::new(super::PRE_ADMISSION_MAX_PAYLOAD),
+            sending: false,
+            ended: None,
             deadline: now,
             final_deadline: now,
-            max_payload: super::PRE_ADMISSION_MAX_PAYLOAD,
             cut: None,
         };
         for slot in 0..RECV_SLOTS {
@@ -167,17 +210,21 @@ impl ControlQp {
         self.deadline = after(hello_timeout).min(self.final_deadline);
     }
 
+    /// A library error where the handshake's transport wants an I/O one.
     fn wire_error(&self, err: Error) -> WireError {
         WireError::Io(io::Error::other(err.to_string()))
     }
 
-    /// Polls the CQ once: receives go to `arrived`; returns whether the
+    /// Polls the CQ once: receives go to `arrived`; returns whether our
     /// SEND completed. A failed completion is an error.
     fn poll(&mut self) -> Result<bool> {
         let mut wcs = [WorkCompletion::default(); 4];
         let mut sent = false;
         let done = self.cq.poll(&mut wcs)?;
         for wc in done {
+            if wc.wr_id() == WR_SEND {
+                self.sending = false;
+            }
             wc.ok().map_err(|err| err.with_peer(Some(self.peer)))?;
             if wc.wr_id() == WR_SEND {
                 sent = true;
@@ -189,26 +236,32 @@ impl ControlQp {
         Ok(sent)
     }
 
-    /// Fails on a connection manager event that ends the connection.
+    /// Reads the connection manager's events; notes the one that ended the
+    /// connection, and fails with it from then on.
     fn check_events(&mut self) -> Result<()> {
-        while let Some(event) = self.channel.try_get_event()? {
+        while self.ended.is_none() {
+            let Some(event) = self.channel.try_get_event()? else {
+                break;
+            };
             if event.kind().is_failure() {
-                return Err(event_error(
-                    "the session's control connection",
-                    &event,
-                    self.peer,
-                ));
+                self.ended = Some((event.kind(), event.status()));
             }
         }
-        Ok(())
+        match self.ended {
+            Some((got, status)) => Err(ended_error(got, status, self.peer)),
+            None => Ok(()),
+        }
     }
 
-    /// One round of waiting: the CQ, the events, the deadline, the cut.
+    /// One round of waiting: the CQ and the events, then the cut and the
+    /// deadline, then a pause if nothing came. Returns whether our SEND
+    /// completed.
     fn pump(&mut self, deadline: Instant) -> std::result::Result<bool, WireError> {
+        let before = self.arrived.len();
         let sent = self.poll().map_err(|err| self.wire_error(err))?;
         self.check_events().map_err(|err| self.wire_error(err))?;
-        if sent || !self.arrived.is_empty() {
-            return Ok(sent);
+        if sent {
+            return Ok(true);
         }
         if self.cut.as_ref().is_some_and(|cut| cut()) {
             return Err(WireError::Io(io::Error::other(
@@ -221,30 +274,39 @@ impl ControlQp {
                 "handshake timed out",
             )));
         }
-        std::thread::sleep(POLL_PAUSE);
+        if self.arrived.len() == before {
+            std::thread::sleep(POLL_PAUSE);
+        }
         Ok(false)
     }
 
-    /// Sends one frame and waits until the peer has it (or `deadline`).
+    /// Posts `bytes` (at most a slot) as one SEND. The buffer is the NIC's
+    /// until it completes, so nothing is posted while one is in flight.
+    fn post(&mut self, bytes: &[u8]) -> Result<()> {
+        if self.sending {
+            return Err(Error::InvalidArgument(
+                "the control QP's previous SEND has not completed",
+            ));
+        }
+        self.send.write(0, bytes)?;
+        let slice = self.send.slice(0, bytes.len())?;
+        self.qp
+            .post_send(WorkRequest::send(WR_SEND, slice).signaled())?;
+        self.sending = true;
+        Ok(())
+    }
+
+    /// Sends one frame, a slot at a time, each acknowledged before the
+    /// next, within `deadline`.
     fn send_until(
         &mut self,
         frame: &[u8],
         deadline: Instant,
     ) -> std::result::Result<(), WireError> {
-        if frame.len() > SLOT {
-            return Err(WireError::Oversized {
-                len: frame.len() as u32,
-                max: SLOT as u32,
-            });
+        for piece in frame.chunks(SLOT) {
+            self.post(piece).map_err(|err| self.wire_error(err))?;
+            while !self.pump(deadline)? {}
         }
-        let posted = self.send.write(0, frame).and_then(|()| {
-            let slice = self.send.slice(0, frame.len())?;
-            self.qp
-                .post_send(WorkRequest::send(WR_SEND, slice).signaled())
-        });
-        posted.map_err(|err| self.wire_error(err))?;
-        // The send buffer is written again only after this completion.
-        while !self.pump(deadline)? {}
         Ok(())
     }
 
@@ -258,20 +320,6 @@ impl ControlQp {
         read.and_then(|()| self.post_recv(slot))
             .map_err(|err| self.wire_error(err))?;
         Ok(Some(bytes))
-    }
-
-    /// Decodes one message as exactly one frame of at most `max_payload`.
-    fn one_frame(bytes: &[u8], max_payload: u32) -> std::result::Result<Vec<u8>, WireError> {
-        let mut reader = FrameReader::new(max_payload);
-        let mut source = bytes;
-        loop {
-            if let Some(frame) = reader.read_from(&mut source)? {
-                if !source.is_empty() {
-                    return Err(WireError::Malformed("bytes after the frame in a message"));
-                }
-                return Ok(frame.to_vec());
-            }
-        }
     }
 }
 
@@ -291,20 +339,32 @@ impl FrameIo for ControlQp {
 
     fn admitted(&mut self) {
         self.deadline = self.final_deadline;
-        self.max_payload = wire::MAX_PAYLOAD;
+        self.reader.set_max_payload(wire::MAX_PAYLOAD);
     }
 
     fn recv_frame(&mut self) -> std::result::Result<Vec<u8>, WireError> {
         loop {
+            // The messages are one byte stream: a frame may span several.
+            while self.chunk_read < self.chunk.len() {
+                let mut source = &self.chunk[self.chunk_read..];
+                let before = source.len();
+                let frame = self.reader.read_from(&mut source)?;
+                self.chunk_read += before - source.len();
+                if let Some(frame) = frame {
+                    return Ok(frame.to_vec());
+                }
+            }
             if let Some(bytes) = self.take_arrived()? {
-                return Self::one_frame(&bytes, self.max_payload);
+                self.chunk = bytes;
+                self.chunk_read = 0;
+                continue;
             }
             self.pump(self.deadline)?;
         }
     }
 }
 
-/// The error an ending event is for `what`.
+/// The error for an event that came instead of the one awaited.
 fn event_error(what: &'static str, event: &CmEvent, peer: SocketAddr) -> Error {
     Error::Cm {
         op: what,
@@ -317,10 +377,23 @@ fn event_error(what: &'static str, event: &CmEvent, peer: SocketAddr) -> Error {
     }
 }
 
+/// The error for the event that ended a session's control connection.
+fn ended_error(got: CmEventKind, status: i32, peer: SocketAddr) -> Error {
+    Error::Cm {
+        op: "the session's control connection",
+        peer: Some(peer),
+        cause: CmFailure::Event {
+            got,
+            status,
+            expected: None,
+        },
+    }
+}
+
 /// The client's side: resolves `addr` and connects a control QP to the
 /// session server there, within `deadline`. A server that is not
-/// listening yet is retried with backoff; a refusal comes back as
-/// [`Error::Rejected`] with the server's code.
+/// listening yet (or not reachable yet) is retried with backoff; a
+/// server's refusal comes back as [`Error::Rejected`] with its code.
 pub(super) fn connect(
     addr: &impl ToSocketAddrs,
     handshake_timeout: Duration,
@@ -339,15 +412,7 @@ pub(super) fn connect(
     let (mut wait, max_wait) = backoff;
     loop {
         match connect_once(target, deadline) {
-            // Nobody listens there (yet): come back within the deadline.
-            Err(Error::Cm {
-                cause:
-                    CmFailure::Event {
-                        got: CmEventKind::Rejected | CmEventKind::Unreachable,
-                        ..
-                    },
-                ..
-            }) if Instant::now() + wait < deadline => {
+            Err(err) if not_there_yet(&err) && Instant::now() + wait < deadline => {
                 std::thread::sleep(wait);
                 wait = (wait * 2).min(max_wait);
             }
@@ -358,6 +423,25 @@ pub(super) fn connect(
             Err(err) => return Err(err),
         }
     }
+}
+
+/// Nobody listens there (yet), or the peer did not answer: worth another
+/// try within the deadline. Any other refusal is final.
+fn not_there_yet(err: &Error) -> bool {
+    matches!(
+        err,
+        Error::Cm {
+            cause: CmFailure::Event {
+                got: CmEventKind::Unreachable,
+                ..
+            } | CmFailure::Event {
+                got: CmEventKind::Rejected,
+                status: REJECT_NO_LISTENER,
+                ..
+            },
+            ..
+        }
+    )
 }
 
 fn connect_once(target: SocketAddr, deadline: Instant) -> Result<ControlQp> {
@@ -375,28 +459,31 @@ fn connect_once(target: SocketAddr, deadline: Instant) -> Result<ControlQp> {
     let peer = id.peer_addr().unwrap_or(target);
     let mut control = ControlQp::new(&id, channel, peer)?;
     id.connect(&control.qp, &TAG)?;
+    let wait = step();
     let answer = loop {
-        match control.channel.get_event(Some(step()))? {
+        match control.channel.get_event(Some(wait))? {
             Some(event) if event.is_for(&id) => break event,
             Some(_) => {}
             None => {
                 return Err(Error::Cm {
                     op: "waiting for the session server's answer",
                     peer: Some(peer),
-                    cause: CmFailure::Timeout(step().as_millis() as u32),
+                    cause: CmFailure::Timeout(wait.as_millis().min(u128::from(u32::MAX)) as u32),
                 });
             }
         }
     };
     match answer.kind() {
         CmEventKind::ConnectResponse => {}
-        CmEventKind::Rejected if refusal_code(answer.private_data()).is_some() => {
-            let code = refusal_code(answer.private_data()).unwrap_or_default();
-            return Err(Error::Rejected {
-                peer,
-                code,
-                reason: "refused before the handshake (the server is busy)".into(),
-            });
+        CmEventKind::Rejected => {
+            if let Some(code) = refusal_code(answer.private_data()) {
+                return Err(Error::Rejected {
+                    peer,
+                    code,
+                    reason: refusal_reason(code).into(),
+                });
+            }
+            return Err(event_error("rdma_connect", &answer, peer));
         }
         _ => return Err(event_error("rdma_connect", &answer, peer)),
     }
@@ -414,7 +501,7 @@ pub(super) fn accept(
     peer: SocketAddr,
     handshake_timeout: Duration,
     hello_timeout: Duration,
-    cut: Box<dyn Fn() -> bool + Send>,
+    cut: CutFn,
 ) -> Result<ControlQp> {
     let channel = EventChannel::new()?;
     request.migrate(&channel)?;
@@ -424,114 +511,6 @@ pub(super) fn accept(
     let id = request.accept(&mut control.qp, &[])?;
     control.id = Some(id);
     Ok(control)
-}
-
-impl ControlQp {
-    /// The established session's link.
-    pub(super) fn into_link(mut self) -> CmLink {
-        self.cut = None;
-        CmLink {
-            control: self,
-            lost: false,
-        }
-    }
-}
-
-/// An established session's control QP and event channel.
-pub(super) struct CmLink {
-    control: ControlQp,
-    /// Set once the peer is known gone: no goodbye is waited for then.
-    lost: bool,
-}
-
-impl CmLink {
-    /// Looks for the peer's goodbye or the end of the connection, without
-    /// blocking.
-    pub(super) fn check(&mut self) -> PeerStatus {
-        let status = self.look();
-        if !matches!(status, PeerStatus::Alive) {
-            self.lost = true;
-        }
-        status
-    }
-
-    fn look(&mut self) -> PeerStatus {
-        let peer = self.control.peer;
-        if let Err(err) = self.control.poll() {
-            return PeerStatus::Lost(err);
-        }
-        if let Some(status) = self.goodbye() {
-            return status;
-        }
-        loop {
-            match self.control.channel.try_get_event() {
-                Ok(Some(event)) if event.kind().is_failure() => {
-                    // The goodbye was acknowledged before the disconnect
-                    // went out: if one came, it is in the CQ by now.
-                    if self.control.poll().is_ok()
-                        && let Some(status) = self.goodbye()
-                    {
-                        return status;
-                    }
-                    return PeerStatus::Lost(event_error(
-                        "the session's control connection",
-                        &event,
-                        peer,
-                    ));
-                }
-                Ok(Some(_)) => {}
-                Ok(None) => return PeerStatus::Alive,
-                Err(err) => return PeerStatus::Lost(err),
-            }
-        }
-    }
-
-    /// The peer's goodbye, or anything else it had no business sending.
-    fn goodbye(&mut self) -> Option<PeerStatus> {
-        let peer = self.control.peer;
-        let bytes = match self.control.take_arrived() {
-            Ok(bytes) => bytes?,
-            Err(source) => return Some(PeerStatus::Lost(Error::PeerGone { peer, source })),
-        };
-        Some(match Message::decode(&bytes) {
-            Ok((Message::Disconnect { code }, used)) if used == bytes.len() => {
-                PeerStatus::Disconnected { code }
-            }
-            Ok((other, _)) => PeerStatus::Lost(Error::Protocol {
-                peer,
-                what: format!("unexpected control message {other:?} on an established endpoint"),
-            }),
-            Err(source) => PeerStatus::Lost(Error::PeerGone { peer, source }),
-        })
-    }
-
-    /// Sends the goodbye and waits briefly for the peer's acknowledgement
-    /// (not at all once the peer is known gone); whether it got one.
-    pub(super) fn send_disconnect(&mut self, code: u16) -> bool {
-        if self.lost {
-            return false;
-        }
-        let Ok(frame) = (Message::Disconnect { code }).encode() else {
-            return false;
-        };
-        let deadline = Instant::now() + GOODBYE_WAIT;
-        self.control.send_until(&frame, deadline).is_ok()
-    }
-
-    /// Disconnects: the peer's side reports `Disconnected`.
-    pub(super) fn disconnect(&mut self) {
-        if let Some(id) = self.control.id.as_mut() {
-            let _ = id.disconnect();
-        }
-    }
-}
-
-/// The session's event channel: readable when the connection manager has
-/// news (the peer's disconnect, above all).
-impl AsFd for CmLink {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.control.channel.as_fd()
-    }
 }
 
 /// A listening id on a channel of its own, bound to `addr` (port 0 picks
@@ -555,4 +534,214 @@ pub(super) fn listen(
     id.listen(backlog.clamp(1, usize::from(u16::MAX)) as u16)?;
     let local = id.local_addr().unwrap_or(addr);
     Ok((channel, id, local))
+}
+
+impl ControlQp {
+    /// The established session's link.
+    pub(super) fn into_link(mut self) -> CmLink {
+        self.cut = None;
+        CmLink {
+            control: Some(self),
+            goodbye_pending: false,
+            disconnect_due: false,
+        }
+    }
+}
+
+/// An established session's control QP and event channel.
+pub(super) struct CmLink {
+    /// Present until the link is dropped (then perhaps handed to the
+    /// goodbye thread).
+    control: Option<ControlQp>,
+    /// Our goodbye is posted and not acknowledged yet.
+    goodbye_pending: bool,
+    /// The disconnect waits for the goodbye's acknowledgement, so that the
+    /// peer reads the goodbye before it hears of the disconnect.
+    disconnect_due: bool,
+}
+
+impl CmLink {
+    fn control(&mut self) -> &mut ControlQp {
+        self.control
+            .as_mut()
+            .expect("a link's control QP is there until the link is dropped")
+    }
+
+    /// Looks for the peer's goodbye or the end of the connection, without
+    /// blocking.
+    pub(super) fn check(&mut self) -> PeerStatus {
+        let polled = self.control().poll();
+        if let Err(err) = polled {
+            return PeerStatus::Lost(err);
+        }
+        self.goodbye_acknowledged();
+        if let Some(status) = self.goodbye() {
+            return status;
+        }
+        let ended = self.control().check_events();
+        match ended {
+            Ok(()) => PeerStatus::Alive,
+            Err(err) => {
+                // The peer's goodbye was acknowledged before its disconnect
+                // went out: if one came, it is in the CQ by now.
+                if self.control().poll().is_ok()
+                    && let Some(status) = self.goodbye()
+                {
+                    return status;
+                }
+                PeerStatus::Lost(err)
+            }
+        }
+    }
+
+    /// Sends the delayed disconnect once our goodbye is acknowledged.
+    fn goodbye_acknowledged(&mut self) {
+        if self.goodbye_pending && !self.control().sending {
+            self.goodbye_pending = false;
+            if self.disconnect_due {
+                self.disconnect();
+            }
+        }
+    }
+
+    /// The peer's goodbye, or anything else it had no business sending.
+    fn goodbye(&mut self) -> Option<PeerStatus> {
+        let control = self.control();
+        let peer = control.peer;
+        let bytes = match control.take_arrived() {
+            Ok(bytes) => bytes?,
+            Err(source) => return Some(PeerStatus::Lost(Error::PeerGone { peer, source })),
+        };
+        Some(match Message::decode(&bytes) {
+            Ok((Message::Disconnect { code }, used)) if used == bytes.len() => {
+                PeerStatus::Disconnected { code }
+            }
+            Ok((other, _)) => PeerStatus::Lost(Error::Protocol {
+                peer,
+                what: format!("unexpected control message {other:?} on an established endpoint"),
+            }),
+            Err(source) => PeerStatus::Lost(Error::PeerGone { peer, source }),
+        })
+    }
+
+    /// Posts the goodbye without waiting: whether it was posted (not when
+    /// the connection is known to be over). Its acknowledgement, and the
+    /// disconnect after it, are awaited by [`check`](Self::check) or, once
+    /// the link is dropped, by a background thread for at most
+    /// [`GOODBYE_WAIT`].
+    pub(super) fn send_disconnect(&mut self, code: u16) -> bool {
+        let control = self.control();
+        if control.ended.is_some() {
+            return false;
+        }
+        let Ok(frame) = (Message::Disconnect { code }).encode() else {
+            return false;
+        };
+        if control.post(&frame).is_err() {
+            return false;
+        }
+        self.goodbye_pending = true;
+        let _ = self.control().poll();
+        self.goodbye_acknowledged();
+        true
+    }
+
+    /// Disconnects, after the goodbye if one is on its way: the peer's side
+    /// reports `Disconnected`.
+    pub(super) fn disconnect(&mut self) {
+        if self.goodbye_pending {
+            self.disconnect_due = true;
+            return;
+        }
+        self.disconnect_due = false;
+        if let Some(id) = self.control().id.as_mut() {
+            let _ = id.disconnect();
+        }
+    }
+}
+
+impl Drop for CmLink {
+    fn drop(&mut self) {
+        let Some(control) = self.control.take() else {
+            return;
+        };
+        // A goodbye still on its way is given its time elsewhere; without
+        // one, destroying the id disconnects at once.
+        if self.goodbye_pending && control.ended.is_none() {
+            let farewell = Farewell {
+                control,
+                until: Instant::now() + GOODBYE_WAIT,
+            };
+            // Without the thread, the link goes now (the goodbye may be lost).
+            if let Some(queue) = farewells() {
+                let _ = queue.send(farewell);
+            }
+        }
+    }
+}
+
+/// The session's event channel: readable when the connection manager has
+/// news (the peer's disconnect, above all).
+impl AsFd for CmLink {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        let control = self
+            .control
+            .as_ref()
+            .expect("a link's control QP is there until the link is dropped");
+        control.channel.as_fd()
+    }
+}
+
+/// A dropped link whose goodbye is still on its way.
+struct Farewell {
+    control: ControlQp,
+    until: Instant,
+}
+
+impl Farewell {
+    /// Whether it is done: the goodbye acknowledged (then disconnected),
+    /// failed, or out of time.
+    fn done(&mut self) -> bool {
+        let acknowledged = matches!(self.control.poll(), Ok(true)) || !self.control.sending;
+        let over = self.control.check_events().is_err() || Instant::now() >= self.until;
+        if acknowledged && let Some(id) = self.control.id.as_mut() {
+            let _ = id.disconnect();
+        }
+        acknowledged || over
+    }
+}
+
+/// The goodbye thread's queue, started with the first farewell; `None` if
+/// the thread could not be started (then links go at once).
+fn farewells() -> Option<&'static Sender<Farewell>> {
+    static QUEUE: OnceLock<Option<Sender<Farewell>>> = OnceLock::new();
+    QUEUE
+        .get_or_init(|| {
+            let (tx, rx) = mpsc::channel();
+            std::thread::Builder::new()
+                .name("rdma-cm-goodbye".into())
+                .spawn(move || see_off(rx))
+                .ok()
+                .map(|_| tx)
+        })
+        .as_ref()
+}
+
+/// The goodbye thread: each link goes once its goodbye is acknowledged or
+/// its time is up; asleep in `recv` while there are none.
+fn see_off(queue: Receiver<Farewell>) {
+    let mut waiting: Vec<Farewell> = Vec::new();
+    loop {
+        if waiting.is_empty() {
+            match queue.recv() {
+                Ok(farewell) => waiting.push(farewell),
+                Err(_) => return,
+            }
+        }
+        waiting.extend(queue.try_iter());
+        waiting.retain_mut(|farewell| !farewell.done());
+        if !waiting.is_empty() {
+            std::thread::sleep(POLL_PAUSE);
+        }
+    }
 }

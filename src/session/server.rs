@@ -25,7 +25,7 @@ use super::{
     local_handshake, reject_code,
 };
 use crate::error::{Error, Result};
-use crate::verbs::cm::{CmId, EventChannel};
+use crate::verbs::cm::{CmEventKind, CmId, EventChannel};
 use crate::verbs::{BoundWindow, ProtectionDomain, QpConfig, SrqAttachment};
 
 /// Builds the regions exported to one peer (called once per handshake,
@@ -663,9 +663,17 @@ fn cm_accept_loop(channel: EventChannel, listener: CmId, wake: WakeReceiver, wor
     let mut errors = 0u64;
     while !state.shutdown.load(Ordering::Acquire) && !state.max_peers_reached(&worker.config) {
         let request = match channel.try_get_event() {
-            // Anything but a request (the listener's own news) is acknowledged.
+            // Anything but a request (the listener's own news) is
+            // acknowledged; a removed device ends the listener.
             Ok(Some(mut event)) => match event.take_request() {
                 Some(request) => request,
+                None if event.kind() == CmEventKind::DeviceRemoval => {
+                    log::error!(
+                        "session listener {:?}: its device was removed; no more peers are accepted",
+                        listener.local_addr()
+                    );
+                    break;
+                }
                 None => continue,
             },
             Ok(None) => {

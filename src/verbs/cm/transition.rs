@@ -97,6 +97,11 @@ pub(super) unsafe fn ready(
                     attr.max_rd_atomic = depths.initiator;
                 }
                 attr.max_rd_atomic = attr.max_rd_atomic.min(config.max_rd_atomic);
+                // The retry counts come from the peer's request or reply:
+                // a peer must not make us retry longer than we configured
+                // (RNR 7 is for ever).
+                attr.retry_cnt = attr.retry_cnt.min(config.retry_cnt);
+                attr.rnr_retry = attr.rnr_retry.min(config.rnr_retry);
             }
         }
         qp.modify_with(&mut attr, mask, verb)?;
