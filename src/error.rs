@@ -105,6 +105,19 @@ pub enum Error {
     /// A request was malformed before it reached the device.
     #[error("invalid request: {0}")]
     InvalidArgument(&'static str),
+    /// A [`QpConfig`](crate::verbs::QpConfig) setting is outside the range
+    /// its field has on the wire (see
+    /// [`QpConfig::validate`](crate::verbs::QpConfig::validate)); no QP was
+    /// created or changed.
+    #[error("invalid QP configuration: {field} = {value} is out of range (at most {max})")]
+    QpConfigOutOfRange {
+        /// The `QpConfig` field, e.g. `retry_cnt`.
+        field: &'static str,
+        /// The value it was given.
+        value: u8,
+        /// The largest value it takes.
+        max: u8,
+    },
     /// A handle (a pool slot, say) was given to an object it does not
     /// belong to, or that no longer holds what it named.
     #[error("foreign handle: {0}")]
