@@ -279,9 +279,13 @@ impl Handler for Pinger {
     }
 
     fn on_error(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, error: &Error) {
-        // A typed error names the QP and the server already.
-        self.typed_failure = self.failure.is_none();
-        self.failure.get_or_insert_with(|| error.to_string());
+        // A typed error names the QP and the server already. Only the
+        // first failure counts: a later error does not retype an earlier
+        // protocol failure (nor the other way round).
+        if self.failure.is_none() {
+            self.typed_failure = true;
+            self.failure = Some(error.to_string());
+        }
     }
 
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
@@ -571,7 +575,13 @@ impl Handler for Echoer {
         if let (Some(WcStatus::RETRY_EXC_ERR), Some(session)) =
             (error.completion_status(), ctx.session_of(conn))
         {
-            self.retire(ctx, session, Err(error.to_string()));
+            // Corrupted data seen before is reported too, as on_peer_gone
+            // would have.
+            let outcome = match &self.corrupt {
+                Some(corrupt) => format!("{corrupt}; then {error}"),
+                None => error.to_string(),
+            };
+            self.retire(ctx, session, Err(outcome));
             return;
         }
         // Kept until the peer watch tells whether the peer left politely

@@ -119,13 +119,16 @@ fn pattern(
         Ok(Sender(tx))
     };
     let mut runtime = Runtime::start(pd, config, factory)?;
-    let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty()))?;
+    let mut server = runtime.server_config(AccessFlags::empty());
+    args.dev.apply(&mut server.qp);
+    let addr = runtime.serve("127.0.0.1:0", server)?;
 
     // The peer: a sink on a Blocking reactor of its own.
     let arrived = Arc::new(AtomicU64::new(0));
     let quit = Arc::new(AtomicBool::new(false));
     let sink = {
         let (arrived, quit, pd) = (Arc::clone(&arrived), Arc::clone(&quit), pd.clone());
+        let dev = args.dev.clone();
         let size = args.size;
         std::thread::spawn(move || -> rdma_comm_core::Result<()> {
             let config = ReactorConfig {
@@ -134,7 +137,8 @@ fn pattern(
                 ..ReactorConfig::for_traffic(size.max(64), 64, 1)
             };
             let mut reactor: Reactor<Sink> = Reactor::new(&pd, config)?;
-            let spec = reactor.qp_spec("sink");
+            let mut spec = reactor.qp_spec("sink");
+            dev.apply(&mut spec.qp);
             let endpoint = ClientSession::connect(addr, &pd, &ClientConfig::new(vec![spec]))?;
             reactor.add(endpoint, Sink(arrived))?;
             while !quit.load(Ordering::Acquire) {

@@ -57,14 +57,19 @@ pub enum Error {
     /// `IBV_WC_RETRY_EXC_ERR` means the peer stopped acknowledging: it
     /// died, or the link was down for longer than the QP's retry window
     /// (see [`QpConfig::timeout`](crate::verbs::QpConfig::timeout)).
+    ///
+    /// The message leaves the opcode out: libibverbs defines it only for
+    /// successful completions.
     #[error(
-        "{opcode} work request {wr_id:#x} on QP {qpn}{} failed: {status} (vendor error {vendor_err:#x})",
+        "work request {wr_id:#x} on QP {qpn}{} failed: {status} (vendor error {vendor_err:#x})",
         peer_suffix(*.peer)
     )]
     Completion {
         /// Completion status, e.g. `IBV_WC_REM_ACCESS_ERR`.
         status: WcStatus,
-        /// The operation as reported by the completion.
+        /// The operation as the completion reported it: undefined, since
+        /// libibverbs sets it only for successful completions (some
+        /// providers do fill it in). The work request id says what failed.
         opcode: WcOpcode,
         /// The QP the completion belongs to.
         qpn: u32,
@@ -105,6 +110,19 @@ pub enum Error {
     /// A request was malformed before it reached the device.
     #[error("invalid request: {0}")]
     InvalidArgument(&'static str),
+    /// A [`QpConfig`](crate::verbs::QpConfig) setting is outside the range
+    /// its field has on the wire (see
+    /// [`QpConfig::validate`](crate::verbs::QpConfig::validate)); no QP was
+    /// created or changed.
+    #[error("invalid QP configuration: {field} = {value} is out of range (at most {max})")]
+    QpConfigOutOfRange {
+        /// The `QpConfig` field, e.g. `retry_cnt`.
+        field: &'static str,
+        /// The value it was given.
+        value: u8,
+        /// The largest value it takes.
+        max: u8,
+    },
     /// A handle (a pool slot, say) was given to an object it does not
     /// belong to, or that no longer holds what it named.
     #[error("foreign handle: {0}")]
@@ -194,11 +212,15 @@ pub enum Error {
     /// (and wrap at 2^32); a peer that keeps to its credits never has
     /// `consumed > granted`.
     #[error(
-        "the peer of QP {qpn} ignored its credits: it consumed {consumed} receives but was granted {granted} (a share of {share}); connection cut off"
+        "the peer{} of QP {qpn} ignored its credits: it consumed {consumed} receives but was granted {granted} (a share of {share}); connection cut off",
+        peer.map(|p| format!(" {p}")).unwrap_or_default()
     )]
     CreditOverrun {
         /// The local QP the receives arrived on.
         qpn: u32,
+        /// The peer's address, when known: the reactor fills it in from the
+        /// session's link, as for [`Error::Completion`].
+        peer: Option<SocketAddr>,
         /// Receives granted to the peer: the highest receive count the
         /// reactor had announced to it.
         granted: u32,
@@ -544,25 +566,47 @@ impl Error {
     }
 
     /// The peer this error names, if any: the address of a session's peer
-    /// (handshake, control connection, rejection) or the peer of the QP
-    /// whose request failed.
+    /// (handshake, control connection, rejection), the peer of the QP whose
+    /// request failed or that ignored its credits, or the peer of a
+    /// connection-manager id.
     pub fn peer(&self) -> Option<SocketAddr> {
+        // Every variant is listed, with no catch-all: a new one must be
+        // classified here, or the crate does not build.
         match self {
-            Error::Completion { peer, .. } => *peer,
+            Error::Completion { peer, .. }
+            | Error::CreditOverrun { peer, .. }
+            | Error::Cm { peer, .. } => *peer,
             Error::Handshake { peer, .. }
             | Error::PeerGone { peer, .. }
             | Error::Rejected { peer, .. }
             | Error::Unauthenticated { peer, .. }
             | Error::Unauthorized { peer, .. }
             | Error::Protocol { peer, .. } => Some(*peer),
-            _ => None,
+            // ConnectTimeout's address is what the caller asked for (a
+            // name, perhaps), not a peer that answered.
+            Error::Verbs { .. }
+            | Error::Post { .. }
+            | Error::Unsupported { .. }
+            | Error::NoDevice(_)
+            | Error::Port { .. }
+            | Error::OutOfBounds { .. }
+            | Error::InvalidArgument(_)
+            | Error::QpConfigOutOfRange { .. }
+            | Error::ForeignHandle(_)
+            | Error::InlineTooLarge { .. }
+            | Error::ConnectTimeout { .. }
+            | Error::Os { .. }
+            | Error::Runtime(_) => None,
         }
     }
 
-    /// Names `peer` as the peer of a failed completion that did not say
-    /// (other errors are returned as they are).
+    /// Names `peer` as the peer of a failed completion or a credit overrun
+    /// that did not say (other errors are returned as they are).
     pub(crate) fn with_peer(mut self, peer: Option<SocketAddr>) -> Self {
         if let Error::Completion {
+            peer: slot @ None, ..
+        }
+        | Error::CreditOverrun {
             peer: slot @ None, ..
         } = &mut self
         {
@@ -649,14 +693,14 @@ mod tests {
         let bare = retry_exceeded(None);
         assert_eq!(
             bare.to_string(),
-            "IBV_WC_SEND work request 0x2a on QP 17 failed: IBV_WC_RETRY_EXC_ERR (vendor error 0x0)"
+            "work request 0x2a on QP 17 failed: IBV_WC_RETRY_EXC_ERR (vendor error 0x0)"
         );
         assert_eq!(bare.peer(), None);
         let peer: SocketAddr = "10.78.0.1:7471".parse().unwrap();
         let named = bare.with_peer(Some(peer));
         assert_eq!(
             named.to_string(),
-            "IBV_WC_SEND work request 0x2a on QP 17 (peer 10.78.0.1:7471) failed: IBV_WC_RETRY_EXC_ERR (vendor error 0x0)"
+            "work request 0x2a on QP 17 (peer 10.78.0.1:7471) failed: IBV_WC_RETRY_EXC_ERR (vendor error 0x0)"
         );
         assert_eq!(named.peer(), Some(peer));
         assert_eq!(named.completion_status(), Some(WcStatus::RETRY_EXC_ERR));
@@ -665,5 +709,39 @@ mod tests {
         assert_eq!(named.with_peer(Some(other)).peer(), Some(peer));
         let gone = Error::InvalidArgument("x").with_peer(Some(other));
         assert_eq!(gone.peer(), None);
+    }
+
+    #[test]
+    fn a_credit_overrun_names_its_peer_once_known() {
+        let bare = Error::CreditOverrun {
+            qpn: 9,
+            peer: None,
+            granted: 64,
+            consumed: 65,
+            share: 64,
+        };
+        assert_eq!(bare.peer(), None);
+        assert!(bare.to_string().starts_with("the peer of QP 9 ignored"));
+        let peer: SocketAddr = "10.78.0.2:7471".parse().unwrap();
+        let named = bare.with_peer(Some(peer));
+        assert_eq!(named.peer(), Some(peer));
+        assert!(
+            named
+                .to_string()
+                .starts_with("the peer 10.78.0.2:7471 of QP 9 ignored"),
+            "{named}"
+        );
+    }
+
+    #[test]
+    fn a_cm_error_names_its_peer() {
+        let peer: SocketAddr = "10.77.0.1:7174".parse().unwrap();
+        let error = |peer| Error::Cm {
+            op: "rdma_connect",
+            peer,
+            cause: CmFailure::Timeout(10),
+        };
+        assert_eq!(error(Some(peer)).peer(), Some(peer));
+        assert_eq!(error(None).peer(), None);
     }
 }

@@ -71,6 +71,8 @@ struct Seen {
     errors: Mutex<Vec<String>>,
     /// The fields of a `CreditOverrun`: (qpn, granted, consumed, share).
     overrun: Mutex<Option<(u32, u32, u32, u32)>>,
+    /// The peer the `CreditOverrun` named (`Error::peer`).
+    peer: Mutex<Option<std::net::SocketAddr>>,
 }
 
 /// The reactor's handler of the hostile peer's connection: an ordinary
@@ -98,9 +100,11 @@ impl Handler for HostileSide {
             granted,
             consumed,
             share,
+            ..
         } = *error
         {
             *self.seen.overrun.lock().unwrap() = Some((qpn, granted, consumed, share));
+            *self.seen.peer.lock().unwrap() = error.peer();
         }
         // What it held goes back to the SRQ although the connection is dead.
         for held in self.held.drain(..) {
@@ -374,6 +378,7 @@ fn credit_overrun(hold: bool) {
         .expect("connect");
     let theirs = listener.accept_timeout(DEADLINE).expect("accept");
     let hostile_qpn = ours.qps()[0].qp().qpn();
+    let hostile_peer = ours.peer();
     let seen = Arc::new(Seen::default());
     let side = HostileSide {
         seen: Arc::clone(&seen),
@@ -438,6 +443,12 @@ fn credit_overrun(hold: bool) {
         panic!("H's error is not a CreditOverrun: {errors:?}");
     };
     assert_eq!((qpn, share), (hostile_qpn, SHARE), "{}", errors[0]);
+    assert_eq!(
+        *seen.peer.lock().unwrap(),
+        Some(hostile_peer),
+        "the overrun names H's address: {}",
+        errors[0]
+    );
     assert_eq!(
         consumed,
         granted.wrapping_add(1),

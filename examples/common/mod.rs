@@ -16,14 +16,17 @@ pub struct DeviceArgs {
     /// GID index (default: the RoCE v2 IPv4-mapped GID).
     #[arg(short = 'x', long)]
     pub gid_index: Option<u32>,
-    /// RC ACK timeout exponent: a request is sent again after
+    /// RC ACK timeout exponent: a request is sent again after at least
     /// 4.096 us x 2^N without an ACK (default 14: 67 ms; 0: never). With
     /// --retry-cnt it bounds how long a dead peer takes to be noticed
-    /// while requests are in flight: about (retry-cnt + 1) x the timeout.
+    /// while requests are in flight: at least (retry-cnt + 1) x the
+    /// timeout, up to about 4 times that.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=31))]
     pub qp_timeout: Option<u8>,
     /// RC transport retries before a request fails with
-    /// IBV_WC_RETRY_EXC_ERR (default 7; 7 is a count, not forever).
+    /// IBV_WC_RETRY_EXC_ERR (default 7). Soft-RoCE (rxe) treats 7 as
+    /// "retry forever", so there a QP notices a dead peer only with 6 or
+    /// less (the InfiniBand specification makes 7 a count).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=7))]
     pub retry_cnt: Option<u8>,
     /// RNR retries before a SEND the peer had no receive for fails with

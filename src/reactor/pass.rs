@@ -390,7 +390,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let Some(conn) = self.conns.get_mut(key) else {
             return;
         };
-        let error = conn.overrun_error();
+        // Named here already (fail would too) so the log line says who.
+        let peer = self
+            .sessions
+            .get(conn.session.0)
+            .and_then(|record| record.link.peer());
+        let error = conn.overrun_error().with_peer(peer);
         log::warn!("cutting off a peer: {error}");
         conn.queue_repost(slot);
         self.fail(ConnId(key), error);
@@ -415,7 +420,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.release_forwarded(released);
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         if let Some(record) = self.sessions.get_mut(session.0) {
-            // A failed completion names the peer it lost.
+            // A failed completion or a credit overrun names its peer.
             let error = error.with_peer(record.link.peer());
             record.handler.on_error(&mut ctx, id, &error);
         }

@@ -54,6 +54,8 @@ impl Conn {
     pub(crate) fn overrun_error(&self) -> Error {
         Error::CreditOverrun {
             qpn: self.qpn,
+            // The reactor names the peer when it hands the error over.
+            peer: None,
             granted: self.advertised,
             consumed: self.received,
             share: self.recv_depth,

@@ -225,9 +225,10 @@ fn conn_param(
         responder_resources: responder,
         initiator_depth: initiator,
         flow_control: 0,
-        // 3-bit fields on the wire.
-        retry_count: config.retry_cnt.min(7),
-        rnr_retry_count: config.rnr_retry.min(7),
+        // 3-bit fields on the wire: QpConfig::validate refused anything
+        // larger when the QP was created (its config cannot change since).
+        retry_count: config.retry_cnt,
+        rnr_retry_count: config.rnr_retry,
         srq: u8::from(qp.shared_receive_queue().is_some()),
         qp_num: qp.qpn(),
     }
