@@ -44,28 +44,6 @@ fn key(byte: u8) -> AuthKey {
     AuthKey::new(&[byte; 32]).unwrap()
 }
 
-/// One SEND from `from` to `to` on QP 0, verified.
-#[track_caller]
-fn exchange(pd: &ProtectionDomain, from: &mut Endpoint, to: &mut Endpoint, payload: &[u8]) {
-    let rx = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
-    let mut tx = pd.alloc_mr(4096, AccessFlags::empty()).unwrap();
-    tx.write(0, payload).unwrap();
-    to.qp_at(0)
-        .unwrap()
-        .qp_mut()
-        .post_recv(RecvRequest::new(1, rx.slice(0, 4096).unwrap()).unwrap())
-        .unwrap();
-    let sender = from.qp_at(0).unwrap();
-    sender
-        .qp_mut()
-        .post_send(WorkRequest::send(2, tx.slice(0, payload.len()).unwrap()).signaled())
-        .unwrap();
-    wait_ok(sender.cq_mut().unwrap());
-    let wc = wait_ok(to.qp_at(0).unwrap().cq_mut().unwrap());
-    assert_eq!(wc.byte_len() as usize, payload.len());
-    assert_eq!(read_back(&rx, 0, payload.len()), payload);
-}
-
 /// Polls `check_peer` until it reports something, within the deadline.
 #[track_caller]
 fn peer_status(endpoint: &mut Endpoint) -> PeerStatus {
@@ -145,16 +123,7 @@ verbs_test! {
 
         // A plain rdma_cm peer (rping's request, say) carries no tag: it is
         // rejected at once with the tag and BAD_REQUEST, and holds nothing.
-        let channel = EventChannel::new().unwrap();
-        let mut id = channel.create_id().unwrap();
-        id.resolve_addr(None, at, DEADLINE).unwrap();
-        drop(channel.expect(&id, CmEventKind::AddrResolved, DEADLINE).unwrap());
-        id.resolve_route(DEADLINE).unwrap();
-        drop(channel.expect(&id, CmEventKind::RouteResolved, DEADLINE).unwrap());
-        let id_ctx = id.context().unwrap();
-        let id_pd = id_ctx.alloc_pd().unwrap();
-        let cq = id_ctx.create_cq(4, None).unwrap();
-        let qp = id.create_qp(&id_pd, &cq, &cq, &QpConfig::default()).unwrap();
+        let RawClient { channel, mut id, qp, .. } = raw_client(at);
         id.connect(&qp, b"not a session").unwrap();
         let answer = channel.get_event(Some(DEADLINE)).unwrap().expect("an answer");
         assert_eq!(answer.kind(), CmEventKind::Rejected);
@@ -234,20 +203,16 @@ verbs_test! {
     }
 }
 
-/// The 8-byte tag a session's connect request carries.
-fn tag() -> [u8; 8] {
-    let (magic, version) = (MAGIC.to_be_bytes(), VERSION.to_be_bytes());
-    [
-        magic[0], magic[1], magic[2], magic[3], b'C', b'M', version[0], version[1],
-    ]
+/// A plain rdma_cm client, resolved to `at`, with a QP on its id.
+struct RawClient {
+    channel: EventChannel,
+    id: CmId,
+    qp: QueuePair,
+    cq: CompletionQueue,
+    pd: ProtectionDomain,
 }
 
-/// A stranger that knows the tag: its request is accepted, then it posts
-/// no receive, so our answer waits in RNR retries, and sends `frames`.
-fn stalling_stranger(
-    at: SocketAddr,
-    frames: &[Vec<u8>],
-) -> (EventChannel, CmId, QueuePair, MemoryRegion) {
+fn raw_client(at: SocketAddr) -> RawClient {
     let channel = EventChannel::new().unwrap();
     let mut id = channel.create_id().unwrap();
     id.resolve_addr(None, at, DEADLINE).unwrap();
@@ -264,8 +229,38 @@ fn stalling_stranger(
     );
     let ctx = id.context().unwrap();
     let pd = ctx.alloc_pd().unwrap();
-    let mut cq = ctx.create_cq(16, None).unwrap();
-    let mut qp = id.create_qp(&pd, &cq, &cq, &QpConfig::default()).unwrap();
+    let cq = ctx.create_cq(16, None).unwrap();
+    let qp = id.create_qp(&pd, &cq, &cq, &QpConfig::default()).unwrap();
+    RawClient {
+        channel,
+        id,
+        qp,
+        cq,
+        pd,
+    }
+}
+
+/// The 8-byte tag a session's connect request carries.
+fn tag() -> [u8; 8] {
+    let (magic, version) = (MAGIC.to_be_bytes(), VERSION.to_be_bytes());
+    [
+        magic[0], magic[1], magic[2], magic[3], b'C', b'M', version[0], version[1],
+    ]
+}
+
+/// A stranger that knows the tag: its request is accepted, then it posts
+/// no receive, so our answer waits in RNR retries, and sends `frames`.
+fn stalling_stranger(
+    at: SocketAddr,
+    frames: &[Vec<u8>],
+) -> (EventChannel, CmId, QueuePair, MemoryRegion) {
+    let RawClient {
+        channel,
+        mut id,
+        mut qp,
+        mut cq,
+        pd,
+    } = raw_client(at);
     id.connect(&qp, &tag()).unwrap();
     drop(
         channel
@@ -305,16 +300,7 @@ verbs_test! {
         let start = Instant::now();
         let strangers: Vec<_> = (0..2).map(|_| stalling_stranger(at, &[hello.clone(), hello.clone()])).collect();
         // Both pending slots are taken: a third is refused as busy at once.
-        let channel = EventChannel::new().unwrap();
-        let mut id = channel.create_id().unwrap();
-        id.resolve_addr(None, at, DEADLINE).unwrap();
-        drop(channel.expect(&id, CmEventKind::AddrResolved, DEADLINE).unwrap());
-        id.resolve_route(DEADLINE).unwrap();
-        drop(channel.expect(&id, CmEventKind::RouteResolved, DEADLINE).unwrap());
-        let id_ctx = id.context().unwrap();
-        let id_pd = id_ctx.alloc_pd().unwrap();
-        let cq = id_ctx.create_cq(4, None).unwrap();
-        let qp = id.create_qp(&id_pd, &cq, &cq, &QpConfig::default()).unwrap();
+        let RawClient { channel, mut id, qp, .. } = raw_client(at);
         id.connect(&qp, &tag()).unwrap();
         let answer = channel.get_event(Some(DEADLINE)).unwrap().expect("an answer");
         assert_eq!(answer.kind(), CmEventKind::Rejected);

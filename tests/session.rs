@@ -26,28 +26,6 @@ fn client_config(names: &[&str]) -> ClientConfig {
     config
 }
 
-/// One SEND from `from` to `to` on channel 0, verified.
-#[track_caller]
-fn exchange(pd: &ProtectionDomain, from: &mut Endpoint, to: &mut Endpoint, payload: &[u8]) {
-    let rx = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
-    let mut tx = pd.alloc_mr(4096, AccessFlags::empty()).unwrap();
-    tx.write(0, payload).unwrap();
-    let receiver = to.qp_at(0).unwrap();
-    receiver
-        .qp_mut()
-        .post_recv(RecvRequest::new(1, rx.slice(0, 4096).unwrap()).unwrap())
-        .unwrap();
-    let sender = from.qp_at(0).unwrap();
-    sender
-        .qp_mut()
-        .post_send(WorkRequest::send(2, tx.slice(0, payload.len()).unwrap()).signaled())
-        .unwrap();
-    wait_ok(sender.cq_mut().unwrap());
-    let wc = wait_ok(to.qp_at(0).unwrap().cq_mut().unwrap());
-    assert_eq!(wc.byte_len() as usize, payload.len());
-    assert_eq!(read_back(&rx, 0, payload.len()), payload);
-}
-
 fn header(version: u16, kind: u16, len: u32) -> Vec<u8> {
     let mut h = Vec::with_capacity(FRAME_HEADER_LEN);
     h.extend_from_slice(&MAGIC.to_le_bytes());
