@@ -129,6 +129,7 @@ verbs_test! {
         assert_eq!(answer.kind(), CmEventKind::Rejected);
         let data = answer.private_data();
         assert_eq!(&data[8..10], &reject_code::BAD_REQUEST.to_be_bytes(), "{data:?}");
+        // Recorded before the refusal went out.
         let failures = server.take_failures();
         assert!(
             failures.iter().any(|f| f.error.to_string().contains("without the session tag")),

@@ -696,9 +696,10 @@ fn cm_accept_loop(channel: EventChannel, listener: CmId, wake: WakeReceiver, wor
         let peer = request
             .peer_addr()
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+        // Each refusal is recorded before the peer hears of it.
         if !super::cm::is_session_request(&request) {
-            super::cm::refuse(request, reject_code::BAD_REQUEST);
             state.record_refusal(peer, "a connect request without the session tag".into());
+            super::cm::refuse(request, reject_code::BAD_REQUEST);
             continue;
         }
         if state.admitted.load(Ordering::Acquire) >= worker.config.max_peers.unwrap_or(usize::MAX) {
@@ -726,8 +727,8 @@ fn cm_accept_loop(channel: EventChannel, listener: CmId, wake: WakeReceiver, wor
                 });
             }
             Err(reason) => {
-                super::cm::refuse(request, reject_code::BUSY);
                 state.record_refusal(peer, reason);
+                super::cm::refuse(request, reject_code::BUSY);
             }
         }
     }
