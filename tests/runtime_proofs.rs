@@ -321,28 +321,42 @@ fn runtime_threads() -> Vec<(i32, String)> {
     threads
 }
 
-/// Syscalls (all of them) the given threads make while `idle` runs.
+/// Syscalls (all of them) the given threads make while `idle` runs. A
+/// thread that exited before it could be counted (a handshake thread that
+/// just finished, say) counts as one syscall, its exit: not idle.
 fn syscalls_of(threads: &[(i32, String)], idle: impl FnOnce()) -> Vec<(String, u64)> {
-    let counters: Vec<SyscallCounter> = threads
+    let counters: Vec<Option<SyscallCounter>> = threads
         .iter()
-        .map(|(tid, comm)| {
-            SyscallCounter::open_for(*tid, None).unwrap_or_else(|e| panic!("counting {comm}: {e}"))
+        .map(|(tid, comm)| match SyscallCounter::open_for(*tid, None) {
+            Ok(counter) => Some(counter),
+            Err(_)
+                if !std::path::Path::new(&format!("/proc/self/task/{tid}")).exists()
+                    && !std::path::Path::new(&format!("/proc/{tid}")).exists() =>
+            {
+                None
+            }
+            Err(e) => panic!("counting {comm}: {e}"),
         })
         .collect();
     let before: Vec<u64> = counters
         .iter()
         .map(|c| {
-            c.enable().unwrap();
-            c.read().unwrap()
+            c.as_ref().map_or(0, |c| {
+                c.enable().unwrap();
+                c.read().unwrap()
+            })
         })
         .collect();
     idle();
     threads
         .iter()
         .zip(counters.iter().zip(before))
-        .map(|((_, comm), (counter, before))| {
-            counter.disable().unwrap();
-            (comm.clone(), counter.read().unwrap() - before)
+        .map(|((_, comm), (counter, before))| match counter {
+            Some(counter) => {
+                counter.disable().unwrap();
+                (comm.clone(), counter.read().unwrap() - before)
+            }
+            None => (format!("{comm} (exited)"), 1),
         })
         .collect()
 }
