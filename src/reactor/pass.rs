@@ -583,8 +583,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         Some(status)
     }
 
-    /// Tells each handler whose peer is gone.
+    /// Tells each handler whose peer is gone, after one more poll of the
+    /// CQs: what the peer sent before its goodbye (acknowledged, so in our
+    /// CQ before the goodbye left) reaches the handler first, whatever the
+    /// order in which this pass saw the two.
     fn tell_gone(&mut self, gone: Vec<(SessionId, PeerStatus)>) {
+        if gone.is_empty() {
+            return;
+        }
+        if let Err(err) = self.poll_once() {
+            log::warn!("polling before telling of peers gone: {err}");
+        }
         for (session, status) in gone {
             let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
             if let Some(record) = self.sessions.get_mut(session.0) {
