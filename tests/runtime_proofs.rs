@@ -243,6 +243,9 @@ verbs_test! {
             submit(&mut submitter, conn, seq);
         }
         wait_until("the warm-up", || got.load(Ordering::Acquire) >= WARM_UP);
+        // The reactor publishes its statistics now and then: wait until they
+        // count the whole warm-up, or the measured count includes part of it.
+        wait_until("the warm-up's statistics", || runtime.stats()[0].commands >= WARM_UP);
         let before = runtime.stats()[0].clone();
 
         let mine = SyscallCounter::open_for(0, None).expect("counting this thread's syscalls");
