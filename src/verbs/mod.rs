@@ -19,6 +19,7 @@ mod mr;
 mod mw;
 mod pd;
 mod qp;
+mod qp_config;
 mod srq;
 mod wr;
 
@@ -33,7 +34,8 @@ pub(crate) use list::{SendDescriptor, SendList, SendOpcode, Sge};
 pub use mr::{AccessFlags, LocalSlice, MemoryRegion, Registration, RemoteRegion, RemoteSlice};
 pub use mw::{BIND_WR_ID, BoundWindow, MemoryWindow};
 pub use pd::ProtectionDomain;
-pub use qp::{QpConfig, QpEndpoint, QpState, QueuePair};
+pub use qp::{QpEndpoint, QpState, QueuePair};
+pub use qp_config::QpConfig;
 pub use srq::{SharedReceiveQueue, SrqAttachment};
 pub use wr::{Batch, RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
 
