@@ -259,9 +259,18 @@ impl ControlQp {
     fn pump(&mut self, deadline: Instant) -> std::result::Result<bool, WireError> {
         let before = self.arrived.len();
         let sent = self.poll().map_err(|err| self.wire_error(err))?;
-        self.check_events().map_err(|err| self.wire_error(err))?;
         if sent {
             return Ok(true);
+        }
+        if let Err(err) = self.check_events() {
+            // What the peer sent before it left (a rejection, say) was
+            // acknowledged before its disconnect, so it is in our CQ by
+            // now: it is read first, and the end (kept) comes after.
+            let late = self.poll().map_err(|err| self.wire_error(err))?;
+            if late || self.arrived.len() > before {
+                return Ok(late);
+            }
+            return Err(self.wire_error(err));
         }
         if self.cut.as_ref().is_some_and(|cut| cut()) {
             return Err(WireError::Io(io::Error::other(
