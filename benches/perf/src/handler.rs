@@ -74,8 +74,13 @@ impl Handler for PerfHandler {
         each_role!(self, h => h.on_idle(ctx))
     }
     /// A peer that leaves before the run ended fails it (the reactor's peer
-    /// watch only runs while the run does).
+    /// watch only runs while the run does). One that leaves after is
+    /// expected: the peer check of the very pass that ended the run may
+    /// already see it go.
     fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, _session: SessionId, status: &PeerStatus) {
+        if each_role!(self, h => h.is_done()) {
+            return;
+        }
         let why = match status {
             PeerStatus::Alive => return,
             PeerStatus::Disconnected { code } => {

@@ -213,6 +213,8 @@ pub struct Reflector {
     buffers: PerfBuffers,
     conn: Option<ConnId>,
     last_marker: u8,
+    /// The client's done marker arrived.
+    told_done: bool,
     pub(crate) failed: Option<String>,
 }
 
@@ -224,6 +226,7 @@ impl Reflector {
             buffers,
             conn: None,
             last_marker: 0,
+            told_done: false,
             failed: None,
         }
     }
@@ -231,6 +234,11 @@ impl Reflector {
     /// The error that ended the run early, if any.
     pub fn failure(&self) -> Option<&str> {
         self.failed.as_deref()
+    }
+
+    /// True once the client said its run is over.
+    pub fn is_done(&self) -> bool {
+        self.told_done
     }
 
     fn write_back(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: Option<u32>) {
@@ -257,6 +265,7 @@ impl Handler for Reflector {
 
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
         if imm == Some(DONE_MARKER) {
+            self.told_done = true;
             ctx.stop();
         } else if self.spec.op == PerfOp::Send {
             // Echo the receive slot itself (as ib_send_lat answers from a

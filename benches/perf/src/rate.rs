@@ -188,6 +188,8 @@ impl Handler for RateSender {
 #[derive(Debug, Default)]
 pub struct RateSink {
     received: u64,
+    /// The sender's done marker arrived.
+    told_done: bool,
     pub(crate) failed: Option<String>,
 }
 
@@ -195,6 +197,11 @@ impl RateSink {
     /// Messages received so far.
     pub fn received(&self) -> u64 {
         self.received
+    }
+
+    /// True once the sender said its run is over.
+    pub fn is_done(&self) -> bool {
+        self.told_done
     }
 
     /// The error that ended the run early, if any.
@@ -206,6 +213,7 @@ impl RateSink {
 impl Handler for RateSink {
     fn on_message(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _data: &[u8], imm: Option<u32>) {
         if imm == Some(DONE_MARKER) {
+            self.told_done = true;
             ctx.stop();
         } else {
             self.received += 1;
