@@ -20,6 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
+#[path = "common/plot.rs"]
+mod plot;
 
 use clap::{Parser, ValueEnum};
 use rdma_comm_core::reactor::*;
@@ -648,92 +650,45 @@ fn print_banner(args: &Args, ctx: &Context) -> rdma_comm_core::Result<()> {
 }
 
 /// Draws the measured curve (latency: typical and 99th percentile;
-/// bandwidth: average) against message size on a log2 axis.
+/// bandwidth: average) against message size.
 fn plot(
     path: &str,
     args: &Args,
     device: &str,
     results: &[serde_json::Value],
 ) -> Result<(), String> {
-    use plotters::prelude::*;
+    use plotters::style::{BLUE, RED};
 
-    let series: Vec<(&str, &str, RGBColor)> = match args.test {
+    let wanted = match args.test {
         TestArg::Lat => vec![
             ("t_typical_us", "typical", BLUE),
             ("p99_us", "99th percentile", RED),
         ],
         TestArg::Bw => vec![("bw_avg_mib_s", "average", BLUE)],
     };
-    let points = |key: &str| -> Vec<(f64, f64)> {
-        results
-            .iter()
-            .filter_map(|r| Some((r["bytes"].as_f64()?, r[key].as_f64()?)))
-            .collect()
-    };
-    let all: Vec<(f64, f64)> = series.iter().flat_map(|(key, _, _)| points(key)).collect();
-    if all.is_empty() {
-        return Err("nothing was measured".into());
-    }
-    let (x_min, x_max) = all.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &(x, _)| {
-        (lo.min(x), hi.max(x))
-    });
-    // Both axes are logarithmic: sizes double per step, and latency and
-    // bandwidth each span orders of magnitude between 2 B and 8 MiB.
-    let (y_min, y_max) = all
-        .iter()
-        .filter(|&&(_, y)| y > 0.0)
-        .fold((f64::MAX, f64::MIN), |(lo, hi), &(_, y)| {
-            (lo.min(y), hi.max(y))
-        });
-    if y_min > y_max {
-        return Err("every figure is zero".into());
-    }
-    let (title, y_label) = match args.test {
+    let series: Vec<plot::Series> = wanted
+        .into_iter()
+        .map(|(key, label, color)| plot::Series {
+            label: label.into(),
+            color,
+            points: results
+                .iter()
+                .filter_map(|r| Some((r["bytes"].as_f64()?, r[key].as_f64()?)))
+                .collect(),
+        })
+        .collect();
+    let (title, y_desc) = match args.test {
         TestArg::Lat => ("latency", "usec"),
         TestArg::Bw => ("bandwidth", "MiB/sec"),
     };
-    let caption = format!("{:?} {title} on {device} (rdma-comm-core)", args.op);
-    let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| e.to_string())?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(caption, ("sans-serif", 22))
-        .margin(20)
-        .x_label_area_size(45)
-        .y_label_area_size(70)
-        .build_cartesian_2d(
-            ((x_min / 2.0).max(0.5)..x_max * 2.0).log_scale().base(2.0),
-            (y_min / 1.5..y_max * 1.5).log_scale(),
-        )
-        .map_err(|e| e.to_string())?;
-    chart
-        .configure_mesh()
-        .x_desc("message size [bytes]")
-        .y_desc(y_label)
-        .y_label_formatter(&|y| format!("{y:.3}"))
-        .x_label_formatter(&|bytes| human_bytes(*bytes))
-        .draw()
-        .map_err(|e| e.to_string())?;
-    for (key, label, color) in series {
-        let points = points(key);
-        chart
-            .draw_series(LineSeries::new(
-                points.iter().copied(),
-                color.stroke_width(2),
-            ))
-            .map_err(|e| e.to_string())?
-            .label(label)
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color));
-        chart
-            .draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))
-            .map_err(|e| e.to_string())?;
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| e.to_string())?;
-    root.present().map_err(|e| e.to_string())
+    let chart = plot::Chart {
+        path,
+        caption: format!("{:?} {title} on {device} (rdma-comm-core)", args.op),
+        x_desc: "message size [bytes]",
+        y_desc,
+        x_label: &|bytes| human_bytes(*bytes),
+    };
+    plot::draw(&chart, &series)
 }
 
 fn human_bytes(bytes: f64) -> String {
