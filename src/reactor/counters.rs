@@ -35,3 +35,18 @@ impl Counters {
         self.empty_passes as f64 / self.passes as f64
     }
 }
+
+/// Memory a reactor has registered for its connections' rings: what the
+/// NIC may write into (receives) or read from (send slots). Handlers'
+/// own buffers are not counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryUse {
+    /// Receive rings: every connection's own ring, plus the shared receive
+    /// queue's ring (fixed by [`ReactorConfig::srq_depth`](super::ReactorConfig::srq_depth),
+    /// whatever the number of connections).
+    pub receive_bytes: usize,
+    /// Send slots: [`ReactorConfig::send_slots`](super::ReactorConfig::send_slots) per connection.
+    pub send_bytes: usize,
+    /// Connections counted (closed ones still holding their rings included).
+    pub connections: usize,
+}

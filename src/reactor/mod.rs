@@ -95,7 +95,7 @@ use wait::Waiter;
 #[cfg(test)]
 pub(crate) use config::slab_key_for_tests;
 pub use config::{ConnId, EventMode, ReactorConfig, SendError, SessionId, ThreadMode};
-pub use counters::Counters;
+pub use counters::{Counters, MemoryUse};
 pub use ctx::{Ctx, HeldRecv};
 pub use handler::Handler;
 pub use pass_timer::{CLOCK_READ_INTERVAL, PassTimer};
@@ -403,6 +403,22 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// had taken.
     pub fn srq_posted(&self) -> Option<u32> {
         self.srq.as_ref().map(|pool| pool.available)
+    }
+
+    /// Memory registered for the connections' rings now (walks the
+    /// connections: not for the data path).
+    pub fn memory(&self) -> MemoryUse {
+        let mut usage = MemoryUse {
+            receive_bytes: self.srq.as_ref().map_or(0, SrqPool::registered_bytes),
+            ..MemoryUse::default()
+        };
+        for (_, conn) in self.conns.iter() {
+            let (receive, send) = conn.registered_bytes();
+            usage.receive_bytes += receive;
+            usage.send_bytes += send;
+            usage.connections += 1;
+        }
+        usage
     }
 
     /// Runs passes until a [`Stopper`] or [`Ctx::stop`] asks it to return.

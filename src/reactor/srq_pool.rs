@@ -29,7 +29,7 @@ pub(super) struct SrqPool {
     srq: SharedReceiveQueue,
     shared: SharedRing,
     // Registered for as long as the reactor lives; dropped after the QPs.
-    _region: MemoryRegion,
+    region: MemoryRegion,
     /// Sum of the connections' shares.
     promised: u32,
     /// (QP number, connection), sorted: which connection consumed an SRQ
@@ -51,11 +51,16 @@ pub(super) struct SrqPool {
     pub(super) reclaimed: u64,
 }
 
-// SAFETY: the ring pointer and the batch point into `_region`, which the
+// SAFETY: the ring pointer and the batch point into `region`, which the
 // pool owns; moving the pool to another thread moves their owner too.
 unsafe impl Send for SrqPool {}
 
 impl SrqPool {
+    /// Bytes registered for the shared receive ring.
+    pub(super) fn registered_bytes(&self) -> usize {
+        self.region.len()
+    }
+
     pub(super) fn new(pd: &ProtectionDomain, config: &ReactorConfig) -> Result<Self> {
         let slot_size = config.slot_size.max(CREDIT_HEADER_LEN);
         let slots = config.srq_depth;
@@ -72,7 +77,7 @@ impl SrqPool {
                 slots,
                 registration: region.registration().clone(),
             },
-            _region: region,
+            region,
             promised: 0,
             owners: Vec::new(),
             returning: RecvBatch::new(),

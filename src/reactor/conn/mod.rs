@@ -62,7 +62,7 @@ pub(crate) struct Conn {
     recv_ring: Ring,
     send_ring: Ring,
     /// Own receive ring (none with an SRQ) and send slots.
-    _regions: (Option<MemoryRegion>, MemoryRegion),
+    regions: (Option<MemoryRegion>, MemoryRegion),
     /// Set when receives come from the reactor's SRQ.
     shared_recv: bool,
     /// The receive ring's registration (own or the SRQ's): forwards out of
@@ -170,7 +170,7 @@ impl Conn {
             qp,
             recv_ring,
             send_ring: Ring::of(&send_region),
-            _regions: (recv_region, send_region),
+            regions: (recv_region, send_region),
             shared_recv,
             recv_registration,
             slot_size,
@@ -208,6 +208,13 @@ impl Conn {
     }
 
     /// Largest payload of one SEND.
+    /// Bytes registered for this connection alone: its own receive ring
+    /// (none with an SRQ) and its send slots.
+    pub(crate) fn registered_bytes(&self) -> (usize, usize) {
+        let (recv, send) = &self.regions;
+        (recv.as_ref().map_or(0, MemoryRegion::len), send.len())
+    }
+
     pub(crate) fn max_payload(&self) -> usize {
         self.slot_size - CREDIT_HEADER_LEN
     }

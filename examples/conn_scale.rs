@@ -1,0 +1,464 @@
+//! Message rate and memory as the connections on one reactor grow.
+//!
+//! ```text
+//! conn_scale [--conns 1,16,256,1024] [--messages 200000] [--size 64] [--srq both|on|off] [--plot FILE.svg]
+//! ```
+//!
+//! For each count N, one process connects N sessions (one QP each) over
+//! 127.0.0.1 from a sending reactor to a receiving reactor, each on a
+//! thread pinned to a core of its own, and streams `--messages` 64-byte
+//! SENDs spread evenly over the N connections, at most `--batch` per
+//! doorbell per connection. It prints, per N, with and without a shared
+//! receive queue on the receiver:
+//!
+//! - the message rate, and its ratio to the rate of the smallest N;
+//! - the receiver's registered receive memory, in all and per connection
+//!   (with an SRQ it is the SRQ's ring, fixed by its depth);
+//! - the process's resident memory growth per connection (both ends: the
+//!   sender's and the receiver's QPs, rings and provider queues).
+//!
+//! Every connection gets the same credit window (`--window`), with or
+//! without the SRQ, so only the number of connections changes.
+
+use std::cell::Cell;
+use std::process::ExitCode;
+use std::rc::Rc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+mod common;
+#[path = "common/plot.rs"]
+mod plot;
+
+use clap::{Parser, ValueEnum};
+use rdma_comm_core::reactor::*;
+use rdma_comm_core::session::*;
+use rdma_comm_core::verbs::*;
+use rdma_comm_core::{Error, Result};
+
+/// Message rate and receive memory against the number of connections.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Connection counts to measure, in order.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,256,1024")]
+    conns: Vec<u32>,
+    /// Messages per measurement, spread over the connections.
+    #[arg(long, default_value_t = 200_000)]
+    messages: u64,
+    /// SEND payload in bytes.
+    #[arg(short = 's', long, default_value_t = 64)]
+    size: usize,
+    /// Credits per connection: receives of its own, or its share of the SRQ.
+    #[arg(long, default_value_t = 16)]
+    window: u32,
+    /// Most requests per doorbell per connection.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Whether the receiver uses a shared receive queue.
+    #[arg(long, value_enum, default_value_t = SrqArg::Both)]
+    srq: SrqArg,
+    /// Also draw the rate against the number of connections into this SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<String>,
+    #[command(flatten)]
+    dev: common::DeviceArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum SrqArg {
+    Both,
+    On,
+    Off,
+}
+
+/// What one count measured.
+struct Point {
+    conns: u32,
+    mpps: f64,
+    receive_bytes: usize,
+    rss_growth: Option<u64>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("conn_scale: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
+    let largest = args.conns.iter().copied().max().unwrap_or(1);
+    if args.conns.is_empty() || args.conns.contains(&0) {
+        return Err(Error::InvalidArgument("--conns takes counts of 1 or more"));
+    }
+    // Each session holds a TCP control connection at both ends.
+    raise_fd_limit(u64::from(largest) * 2 + 64)?;
+    let modes: &[bool] = match args.srq {
+        SrqArg::Both => &[false, true],
+        SrqArg::On => &[true],
+        SrqArg::Off => &[false],
+    };
+    println!(
+        "{} B SENDs, {} messages per point, window {} per connection, batch {}",
+        args.size, args.messages, args.window, args.batch
+    );
+    println!(
+        "{:<6} {:>7} {:>10} {:>8} {:>16} {:>14} {:>16}",
+        "srq", "conns", "Mpps", "x first", "recv mem [KiB]", "per conn [B]", "RSS/conn [KiB]"
+    );
+    let mut series = Vec::new();
+    for &srq in modes {
+        let mut points: Vec<Point> = Vec::new();
+        for &conns in &args.conns {
+            let point = measure(args, conns, srq, largest)?;
+            let first = points.first().map_or(point.mpps, |p| p.mpps);
+            println!(
+                "{:<6} {:>7} {:>10.4} {:>8.2} {:>16.1} {:>14} {:>16}",
+                if srq { "on" } else { "off" },
+                conns,
+                point.mpps,
+                point.mpps / first,
+                point.receive_bytes as f64 / 1024.0,
+                point.receive_bytes / conns as usize,
+                point.rss_growth.map_or("-".into(), |b| format!(
+                    "{:.1}",
+                    b as f64 / 1024.0 / f64::from(conns)
+                )),
+            );
+            points.push(point);
+        }
+        series.push(plot::Series {
+            label: if srq { "with SRQ" } else { "own receive rings" }.into(),
+            color: if srq {
+                plotters::style::RED
+            } else {
+                plotters::style::BLUE
+            },
+            points: points
+                .iter()
+                .map(|p| (f64::from(p.conns), p.mpps))
+                .collect(),
+        });
+    }
+    if let Some(path) = &args.plot {
+        let chart = plot::Chart {
+            path,
+            caption: format!(
+                "{} B SEND rate against connections on one reactor",
+                args.size
+            ),
+            x_desc: "connections",
+            y_desc: "Mpps",
+            x_label: &|n| format!("{n}"),
+        };
+        plot::draw(&chart, &series).map_err(|what| Error::Os {
+            what: "drawing the plot",
+            source: std::io::Error::other(what),
+        })?;
+    }
+    Ok(())
+}
+
+/// The receiving reactor's configuration: the same window per connection
+/// with or without an SRQ; the SRQ is sized for the largest count, once.
+fn config(args: &Args, srq: bool, largest: u32, conns: u32) -> ReactorConfig {
+    let mut config = ReactorConfig::for_traffic(args.size, args.window, conns);
+    config.repost_batch = (args.window / 2).max(1);
+    if srq {
+        config.srq_depth = args.window * largest;
+        config = config.absorbing(conns);
+    }
+    config
+}
+
+/// One count: sets up the receiver on a thread of its own, connects
+/// `conns` sessions, streams, and tears both down.
+fn measure(args: &Args, conns: u32, srq: bool, largest: u32) -> Result<Point> {
+    let rss_before = resident_bytes();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(std::net::SocketAddr, Stopper)>>();
+    let (memory_tx, memory_rx) = mpsc::channel::<MemoryUse>();
+    let receiver_config = config(args, srq, largest, conns);
+    let expected = quota(args, conns) * u64::from(conns);
+    let dev = args.dev.clone();
+    let receiver = std::thread::spawn(move || -> Result<u64> {
+        pin(0);
+        let ctx = Context::open_default(dev.device.as_deref())?;
+        let pd = ctx.alloc_pd()?;
+        let mut reactor: Reactor<Sink> = Reactor::new(&pd, receiver_config)?;
+        let received = Rc::new(Cell::new(0));
+        let mut server = reactor.server_config(AccessFlags::empty());
+        dev.apply(&mut server.qp);
+        server.max_peers = Some(conns as usize);
+        let listener = match ServerSession::bind("127.0.0.1:0", &pd, server) {
+            Ok(listener) => listener,
+            Err(err) => {
+                let _ = ready_tx.send(Err(err));
+                return Ok(0);
+            }
+        };
+        let _ = ready_tx.send(Ok((listener.local_addr(), reactor.stopper())));
+        for _ in 0..conns {
+            // Bounded: a sender that failed to connect must not leave
+            // this thread waiting for ever.
+            let endpoint = listener
+                .accept_timeout(Duration::from_secs(60))
+                .ok_or(Error::InvalidArgument("no connection came within 60 s"))?;
+            reactor.add(
+                endpoint,
+                Sink {
+                    received: received.clone(),
+                    expected,
+                },
+            )?;
+        }
+        let _ = memory_tx.send(reactor.memory());
+        reactor.run()?;
+        Ok(received.get())
+    });
+    let (addr, stopper) = match ready_rx.recv() {
+        Ok(ready) => ready?,
+        // It failed before it listened: its own error says why.
+        Err(_) => {
+            return Err(match receiver.join() {
+                Ok(Err(err)) => err,
+                _ => Error::InvalidArgument("the receiver thread died"),
+            });
+        }
+    };
+    let sent = send_all(args, conns, addr, &memory_rx);
+    if sent.is_err() {
+        stopper.stop();
+    }
+    let received = receiver
+        .join()
+        .map_err(|_| Error::InvalidArgument("the receiver thread panicked"))?;
+    let (mpps, receive_bytes, rss_after, total) = sent?;
+    // The receiver stops once it counted every message: it cannot have
+    // stopped on fewer, but it may have been stopped because we failed.
+    if received? != total {
+        return Err(Error::InvalidArgument(
+            "the receiver counted other than the messages sent",
+        ));
+    }
+    Ok(Point {
+        conns,
+        mpps,
+        receive_bytes,
+        rss_growth: rss_before
+            .zip(rss_after)
+            .map(|(before, after)| after.saturating_sub(before)),
+    })
+}
+
+/// The sending side: connects, waits for every connection, then streams
+/// and times. Returns (Mpps, receiver's receive bytes, RSS with everything
+/// connected, messages sent).
+fn send_all(
+    args: &Args,
+    conns: u32,
+    addr: std::net::SocketAddr,
+    memory: &mpsc::Receiver<MemoryUse>,
+) -> Result<(f64, usize, Option<u64>, u64)> {
+    pin(1);
+    let ctx = Context::open_default(args.dev.device.as_deref())?;
+    let pd = ctx.alloc_pd()?;
+    let config = ReactorConfig::for_traffic(args.size, args.window, conns);
+    let mut reactor: Reactor<Sender> = Reactor::new(&pd, config)?;
+    let quota = quota(args, conns);
+    let shared = Rc::new(Shared::default());
+    for _ in 0..conns {
+        let mut spec = reactor.qp_spec("scale");
+        args.dev.apply(&mut spec.qp);
+        let mut client = ClientConfig::new(vec![spec]);
+        client.connect_deadline = Duration::from_secs(60);
+        let endpoint = ClientSession::connect(addr, &pd, &client)?;
+        reactor.add(endpoint, Sender::new(&shared, quota, args))?;
+    }
+    // Every connection established before the clock starts.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while shared.established.get() < conns as usize {
+        reactor.poll_once()?;
+        if Instant::now() > deadline {
+            return Err(Error::InvalidArgument(
+                "connections still not established after 60 s",
+            ));
+        }
+    }
+    let receiver_memory = memory
+        .recv_timeout(Duration::from_secs(60))
+        .map_err(|_| Error::InvalidArgument("the receiver did not report its memory"))?;
+    let rss = resident_bytes();
+    shared.finished_goal.set(conns as usize);
+    let start = Instant::now();
+    shared.started.set(true);
+    reactor.run()?;
+    let elapsed = start.elapsed().as_secs_f64();
+    if let Some(failure) = shared.failure.take() {
+        return Err(Error::InvalidArgument(failure));
+    }
+    let total = quota * u64::from(conns);
+    Ok((
+        total as f64 / elapsed / 1e6,
+        receiver_memory.receive_bytes,
+        rss,
+        total,
+    ))
+}
+
+/// Messages per connection.
+fn quota(args: &Args, conns: u32) -> u64 {
+    args.messages.div_ceil(u64::from(conns))
+}
+
+/// What the sending sessions share: one reactor thread, so plain cells.
+#[derive(Default)]
+struct Shared {
+    started: Cell<bool>,
+    established: Cell<usize>,
+    finished: Cell<usize>,
+    finished_goal: Cell<usize>,
+    failure: Cell<Option<&'static str>>,
+}
+
+/// Streams its quota of SENDs on its one connection.
+struct Sender {
+    shared: Rc<Shared>,
+    conn: Option<ConnId>,
+    quota: u64,
+    sent: u64,
+    completed: u64,
+    size: usize,
+    batch: usize,
+}
+
+impl Sender {
+    fn new(shared: &Rc<Shared>, quota: u64, args: &Args) -> Self {
+        Self {
+            shared: shared.clone(),
+            conn: None,
+            quota,
+            sent: 0,
+            completed: 0,
+            size: args.size,
+            batch: args.batch,
+        }
+    }
+
+    fn pump(&mut self, ctx: &mut Ctx<'_>) {
+        let Some(conn) = self.conn else { return };
+        if !self.shared.started.get() {
+            return;
+        }
+        while self.sent < self.quota && ctx.staged(conn) < self.batch {
+            match ctx.send_with(conn, self.size, None, |_| {}) {
+                Ok(_) => self.sent += 1,
+                Err(SendError::WouldBlock) => break,
+                Err(_) => {
+                    self.shared.failure.set(Some("a SEND was refused"));
+                    ctx.stop();
+                    break;
+                }
+            }
+        }
+    }
+}
+
+impl Handler for Sender {
+    /// Credit updates are all a sender receives; the reactor takes them.
+    fn on_message(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, _data: &[u8], _imm: Option<u32>) {}
+
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.conn = Some(conn);
+        self.shared
+            .established
+            .set(self.shared.established.get() + 1);
+        self.pump(ctx);
+    }
+
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
+        self.completed += 1;
+        if self.completed == self.quota {
+            let finished = self.shared.finished.get() + 1;
+            self.shared.finished.set(finished);
+            if finished == self.shared.finished_goal.get() {
+                ctx.stop();
+            }
+        } else {
+            self.pump(ctx);
+        }
+    }
+
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _error: &Error) {
+        self.shared.failure.set(Some("a connection failed"));
+        ctx.stop();
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        self.pump(ctx);
+    }
+}
+
+/// The receiving side: counts the SENDs (the reactor reposts and returns
+/// credits), and stops its reactor once all of them arrived.
+struct Sink {
+    received: Rc<Cell<u64>>,
+    expected: u64,
+}
+
+impl Handler for Sink {
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _data: &[u8], _imm: Option<u32>) {
+        let received = self.received.get() + 1;
+        self.received.set(received);
+        if received == self.expected {
+            ctx.stop();
+        }
+    }
+}
+
+/// Pins the calling thread to `core` when there is such a core (the
+/// receiver and the sender each get one of their own).
+fn pin(core: usize) {
+    if let Some(id) = core_affinity::get_core_ids().and_then(|ids| ids.get(core).copied()) {
+        core_affinity::set_for_current(id);
+    }
+}
+
+/// The process's resident memory (Linux), if it can be read.
+fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Lifts the soft limit on open files to `wanted` (up to the hard limit).
+fn raise_fd_limit(wanted: u64) -> Result<()> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we pass and nothing else.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(Error::Os {
+            what: "reading the open-file limit",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    if limit.rlim_cur >= wanted {
+        return Ok(());
+    }
+    limit.rlim_cur = wanted.min(limit.rlim_max);
+    // SAFETY: setrlimit reads the struct we pass.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 || limit.rlim_cur < wanted {
+        return Err(Error::Os {
+            what: "raising the open-file limit (each connection needs two descriptors)",
+            source: std::io::Error::from_raw_os_error(libc::EMFILE),
+        });
+    }
+    Ok(())
+}
