@@ -377,3 +377,63 @@ verbs_test! {
         println!("both sides established after {:?}", start.elapsed());
     }
 }
+
+/// A handler for connections that only sit there.
+struct Quiet;
+
+impl Handler for Quiet {
+    fn on_message(&mut self, _ctx: &mut Ctx<'_>, _conn: ConnId, _data: &[u8], _imm: Option<u32>) {}
+}
+
+verbs_test! {
+    fn a_busy_connection_among_many_quiet_ones_costs_what_it_costs_alone() {
+        // One ping-pong on a reactor that also holds 2 x QUIET_PAIRS quiet
+        // connections (both ends of each on the same reactor, like the
+        // ping-pong). Before the flush kept its lists, every pass that did
+        // work walked all of them; now a pass looks at the connections its
+        // completions and handlers touched (and, when idle, those parked
+        // with work for later), so visits per pass must not grow with the
+        // quiet ones.
+        const QUIET_PAIRS: usize = 24;
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let config = config(EventMode::BusyPoll).absorbing(2 * QUIET_PAIRS as u32 + 2);
+        let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config).unwrap();
+        for _ in 0..QUIET_PAIRS {
+            let (server_inbox, _) = regions(&pd, 64);
+            let (client_inbox, _) = regions(&pd, 64);
+            let (server_ep, client_ep) =
+                connect(&pd, &mut Sides::One(&mut reactor), &server_inbox, &client_inbox);
+            reactor.add(server_ep, Box::new(Quiet)).unwrap();
+            reactor.add(client_ep, Box::new(Quiet)).unwrap();
+        }
+        // Let the quiet ones settle (initial credit updates and their answers).
+        let settle = std::time::Instant::now();
+        while settle.elapsed() < Duration::from_millis(300) {
+            reactor.poll_once().unwrap();
+        }
+        let (ping, echo) = add_ping_pong(&pd, Sides::One(&mut reactor), PING_ITERS, 64, true);
+        let before = reactor.counters();
+        let cancel = watchdog(vec![reactor.stopper()], RUN_DEADLINE);
+        reactor.run().unwrap();
+        cancel.disarm();
+        check("pinger", &ping, PING_ITERS);
+        check("echoer", &echo, PING_ITERS);
+        let after = reactor.counters();
+        let passes = after.passes - before.passes;
+        let busy_passes = passes - (after.empty_passes - before.empty_passes);
+        let visits = after.flush_visits - before.flush_visits;
+        let connections = 2 * QUIET_PAIRS as u64 + 2;
+        eprintln!(
+            "{visits} flush visits over {passes} passes ({busy_passes} with completions), {connections} connections"
+        );
+        // The two ping-pong ends are all a pass has to look at (each maybe
+        // twice: touched, then parked); walking everyone would be at least
+        // `connections` per busy pass.
+        assert!(
+            visits <= 4 * busy_passes.max(1) + 4 * (passes - busy_passes),
+            "{visits} visits for {busy_passes} busy of {passes} passes: the flush walks the quiet connections"
+        );
+        assert!(visits < busy_passes * connections / 4, "{visits} visits: no better than a walk");
+    }
+}

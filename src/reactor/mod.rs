@@ -232,7 +232,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             // Quarantined: completions of a removed connection's QP may
             // still be queued, naming its index; a pass that drained every
             // CQ after the removal releases it (`poll_once`).
-            conns: Slab::new(MAX_CONNS, id.0).quarantining(),
+            conns: Slab::new(MAX_CONNS, id.0).quarantining().tracking(),
             sessions: Slab::new(MAX_SESSIONS, id.0),
             srq,
             // Room for the whole SRQ in every CQ (see `add`).

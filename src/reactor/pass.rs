@@ -9,7 +9,7 @@ use crate::session::PeerStatus;
 use crate::verbs::{BIND_WR_ID, WcOpcode, WorkCompletion};
 
 use super::conn::{OpKind, WrKind, decode_wr_id, same_generation};
-use super::slab::Key;
+use super::slab::{Key, PARKED, TOUCHED};
 use super::{
     ConnId, Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, Session, SessionId, Waiter,
 };
@@ -21,6 +21,17 @@ const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
 /// the next message usually lands then, and a pass that is busy posting
 /// receives finds it later.
 const REPOST_IDLE_PASSES: u32 = 8;
+
+/// What the connections a flush walked still have pending.
+#[derive(Default)]
+struct Left {
+    /// Work any pass must do (see [`Reactor::flush`]).
+    unsettled: bool,
+    /// Receives waiting for a fuller repost batch.
+    reposts: bool,
+    /// Unsignaled requests at the tail of a burst.
+    tails: bool,
+}
 
 /// Whose a completion is.
 enum Owner {
@@ -127,7 +138,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // connections keeps empty passes, and so the time to notice the next
         // completion, short. Receives waiting for a fuller batch do not count
         // until the reactor has been idle for a while.
-        if touched || self.unsettled || tidy || signal_tails {
+        if touched || self.unsettled || tidy || signal_tails || self.conns.has_touched() {
             self.flush(tidy, signal_tails);
         }
         // Here rather than in `turn`, so a loop of the user's own that calls
@@ -437,29 +448,26 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     pub(super) fn flush(&mut self, tidy: bool, signal_tails: bool) {
         // `fail` may set it again while we walk.
         self.unsettled = false;
-        let (mut unsettled, mut reposts_left, mut tails_left) = (false, false, false);
-        for index in 0..self.conns.capacity_used() {
-            let Some((key, conn)) = self.conns.get_by_index_mut(index) else {
-                continue;
-            };
-            let repost = conn.reposts_due() || (tidy && conn.has_pending_reposts());
-            let tail = signal_tails && conn.has_unsignaled_tail();
-            // Most passes on a busy-poll reactor find nothing: this loop stays
-            // a few loads per connection, the work is out of line.
-            let due = if conn.is_closed() {
-                conn.owes_shared_slots()
-            } else {
-                repost || tail || !conn.is_quiet()
-            };
-            if due {
-                self.flush_conn(key, repost, tail);
+        // The connections something may have changed since the last flush
+        // (the slab lists every mutable access): a pass on a reactor of a
+        // thousand connections flushes the few its completions and handlers
+        // touched, not all of them.
+        let touched = self.conns.take(TOUCHED);
+        let idle_work = tidy || signal_tails;
+        let mut left = Left::default();
+        for &index in &touched {
+            self.flush_index(index, tidy, signal_tails, &mut left);
+        }
+        self.conns.give_back(TOUCHED, touched);
+        if idle_work {
+            // The connections a flush left with receives below a batch or
+            // an unsignaled tail: parked by `flush_index`, so idle-time
+            // work visits them, not every connection.
+            let parked = self.conns.take(PARKED);
+            for &index in &parked {
+                self.flush_index(index, tidy, signal_tails, &mut left);
             }
-            let Some(conn) = self.conns.get_mut(key) else {
-                continue;
-            };
-            unsettled |= conn.is_unsettled();
-            reposts_left |= conn.has_pending_reposts();
-            tails_left |= conn.has_unsignaled_tail();
+            self.conns.give_back(PARKED, parked);
         }
         if let Some(pool) = &mut self.srq {
             for slot in self.deferred.srq_returns.drain(..) {
@@ -471,16 +479,68 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 log::error!("reposting SRQ receives: {err}");
             }
         }
-        self.unsettled |= unsettled;
-        self.reposts_left = reposts_left;
-        self.tails_left = tails_left;
+        self.unsettled |= left.unsettled;
+        if idle_work {
+            self.reposts_left = left.reposts;
+            self.tails_left = left.tails;
+        } else {
+            // Connections parked earlier keep what they had pending: only
+            // the idle-time flush, which visits them all, may clear these.
+            self.reposts_left |= left.reposts;
+            self.tails_left |= left.tails;
+        }
+    }
+
+    /// Flushes the connection at slab `index` if it has work, and notes
+    /// in `left` what it still has.
+    #[inline]
+    fn flush_index(&mut self, index: u32, tidy: bool, signal_tails: bool, left: &mut Left) {
+        let Some((key, conn)) = self.conns.get_by_index_quiet(index) else {
+            return;
+        };
+        self.counters.flush_visits += 1;
+        let repost = conn.reposts_due() || (tidy && conn.has_pending_reposts());
+        let tail = signal_tails && conn.has_unsignaled_tail();
+        // Most connections walked have nothing to do: this stays a few
+        // loads per connection, the work is out of line.
+        let due = if conn.is_closed() {
+            conn.owes_shared_slots()
+        } else {
+            repost || tail || !conn.is_quiet()
+        };
+        if due {
+            self.flush_conn(key, repost, tail);
+        }
+        let Some((_, conn)) = self.conns.get_by_index_quiet(index) else {
+            return;
+        };
+        let unsettled = conn.is_unsettled();
+        let reposts = conn.has_pending_reposts();
+        let tail = conn.has_unsignaled_tail();
+        left.unsettled |= unsettled;
+        left.reposts |= reposts;
+        left.tails |= tail;
+        if unsettled {
+            // Work that could not go out this time: the next pass flushes
+            // it again.
+            self.conns.touch(index);
+        }
+        if reposts || tail {
+            // Work for an idle moment: the idle-time flush finds it here.
+            self.conns.park(index);
+        }
     }
 
     /// Rings the doorbell of connection `key` and reposts its receives
     /// (`repost`), signaling out an unsignaled tail first (`tail`).
     #[inline(never)]
     fn flush_conn(&mut self, key: Key, repost: bool, tail: bool) {
-        let Some(conn) = self.conns.get_mut(key) else {
+        // Quietly: the caller lists the connection again if it stays unsettled.
+        let Some((_, conn)) = self
+            .conns
+            .get_by_index_quiet(key.index)
+            .filter(|(found, _)| *found == key)
+        else {
             return;
         };
         if conn.is_closed() {

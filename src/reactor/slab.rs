@@ -15,6 +15,8 @@ pub(crate) struct Key {
 
 struct Entry<T> {
     generation: u32,
+    /// The index is in `lists[list]` (see [`Slab::tracking`]), by list.
+    listed: [bool; LISTS],
     value: Option<T>,
 }
 
@@ -28,7 +30,22 @@ pub(crate) struct Slab<T> {
     live: usize,
     limit: usize,
     owner: u64,
+    /// Whether mutable access lists the entry as touched.
+    tracking: bool,
+    /// By list ([`TOUCHED`], [`PARKED`]): the entries listed since the list
+    /// was last taken, each once. Capacities follow the entries (reserved
+    /// when an entry is added), so listing never allocates.
+    lists: [Vec<u32>; LISTS],
+    /// Where each list handed out by `take` comes back, keeping its
+    /// capacity for the next swap.
+    spares: [Vec<u32>; LISTS],
 }
+
+const LISTS: usize = 2;
+/// Entries mutably accessed (see [`Slab::tracking`]).
+pub(crate) const TOUCHED: usize = 0;
+/// Entries their owner parked for later ([`Slab::park`]).
+pub(crate) const PARKED: usize = 1;
 
 impl<T> Slab<T> {
     /// An empty slab whose keys name `owner`, which must be unique among
@@ -42,6 +59,83 @@ impl<T> Slab<T> {
             live: 0,
             limit,
             owner,
+            tracking: false,
+            lists: [Vec::new(), Vec::new()],
+            spares: [Vec::new(), Vec::new()],
+        }
+    }
+
+    /// Every mutable access lists its entry until the next
+    /// [`take`](Self::take)`(TOUCHED)`: the reactor then flushes only
+    /// the connections something may have changed, instead of walking all
+    /// of them on every busy pass. Listing is by construction: a record can
+    /// only change through `&mut`, and every `&mut` path of the slab lists,
+    /// except [`get_by_index_quiet`](Self::get_by_index_quiet), whose
+    /// caller lists what it leaves unfinished.
+    pub(crate) fn tracking(mut self) -> Self {
+        self.tracking = true;
+        self
+    }
+
+    /// Lists entry `index` as touched (once).
+    #[inline]
+    pub(crate) fn touch(&mut self, index: u32) {
+        if self.tracking {
+            self.mark(TOUCHED, index);
+        }
+    }
+
+    /// Lists entry `index` in the parked list (once): work its owner left
+    /// for later, found again with [`take`](Self::take)`(PARKED)` instead
+    /// of a walk over every entry. The mark stays with the index: a
+    /// newcomer in a parked entry is visited once for nothing.
+    #[inline]
+    pub(crate) fn park(&mut self, index: u32) {
+        self.mark(PARKED, index);
+    }
+
+    #[inline]
+    fn mark(&mut self, list: usize, index: u32) {
+        if let Some(entry) = self.entries.get_mut(index as usize)
+            && !entry.listed[list]
+        {
+            entry.listed[list] = true;
+            // Never beyond capacity: each entry is listed at most once, and
+            // `insert` reserved room for every entry.
+            debug_assert!(self.lists[list].len() < self.lists[list].capacity());
+            self.lists[list].push(index);
+        }
+    }
+
+    /// True if some entry was touched since the last `take(TOUCHED)`.
+    #[inline]
+    pub(crate) fn has_touched(&self) -> bool {
+        !self.lists[TOUCHED].is_empty()
+    }
+
+    /// The entries in `list` so far, each once, in the order first listed;
+    /// they count as unlisted from here on. Hand the list back with
+    /// [`give_back`](Self::give_back) (no allocation either way).
+    #[inline]
+    pub(crate) fn take(&mut self, list: usize) -> Vec<u32> {
+        let mut next = std::mem::take(&mut self.spares[list]);
+        // Only if a list was not handed back (a bug): stay correct anyway.
+        next.reserve(self.entries.len());
+        let taken = std::mem::replace(&mut self.lists[list], next);
+        for &index in &taken {
+            if let Some(entry) = self.entries.get_mut(index as usize) {
+                entry.listed[list] = false;
+            }
+        }
+        taken
+    }
+
+    /// Takes back what [`take`](Self::take)`(list)` handed out.
+    #[inline]
+    pub(crate) fn give_back(&mut self, list: usize, mut taken: Vec<u32>) {
+        taken.clear();
+        if taken.capacity() > self.spares[list].capacity() {
+            self.spares[list] = taken;
         }
     }
 
@@ -107,12 +201,24 @@ impl<T> Slab<T> {
         let key = self.vacant_key()?;
         match self.free.pop() {
             Some(_) => self.entries[key.index as usize].value = Some(value),
-            None => self.entries.push(Entry {
-                generation: 0,
-                value: Some(value),
-            }),
+            None => {
+                // Room to list every entry, in every list and its spare:
+                // the data path never grows them.
+                let wanted = self.entries.len() + 1;
+                for list in self.lists.iter_mut().chain(self.spares.iter_mut()) {
+                    list.reserve(wanted - list.len());
+                }
+                self.entries.push(Entry {
+                    generation: 0,
+                    listed: [false; LISTS],
+                    value: Some(value),
+                });
+            }
         }
         self.live += 1;
+        // A newcomer counts as changed: whatever it was built with (a
+        // connection's first credit update) goes out with the next flush.
+        self.touch(key.index);
         Some(key)
     }
 
@@ -137,12 +243,23 @@ impl<T> Slab<T> {
 
     #[inline]
     pub(crate) fn get_mut(&mut self, key: Key) -> Option<&mut T> {
+        self.entry_mut(key)?;
+        self.touch(key.index);
         self.entry_mut(key)?.value.as_mut()
     }
 
     /// The record at `index`, whatever its generation, with its key.
     #[inline]
     pub(crate) fn get_by_index_mut(&mut self, index: u32) -> Option<(Key, &mut T)> {
+        self.touch(index);
+        self.get_by_index_quiet(index)
+    }
+
+    /// As [`get_by_index_mut`](Self::get_by_index_mut), without listing the
+    /// entry as touched: for the flush that works the list off (it lists
+    /// again, with [`touch`](Self::touch), what it leaves unfinished).
+    #[inline]
+    pub(crate) fn get_by_index_quiet(&mut self, index: u32) -> Option<(Key, &mut T)> {
         let owner = self.owner;
         let entry = self.entries.get_mut(index as usize)?;
         let key = Key {
@@ -168,6 +285,9 @@ impl<T> Slab<T> {
     }
 
     pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (Key, &mut T)> {
+        for index in 0..self.capacity_used() {
+            self.touch(index);
+        }
         let owner = self.owner;
         self.entries
             .iter_mut()
@@ -231,6 +351,83 @@ mod tests {
         assert_eq!(ours.remove(other), None);
         assert_eq!(theirs.get_mut(mine), None);
         assert_eq!(ours.get(mine), Some(&"ours"));
+    }
+
+    #[test]
+    fn mutable_access_lists_each_entry_once_and_quiet_access_does_not() {
+        let mut slab = Slab::new(8, 1).tracking();
+        let keys: Vec<Key> = (0..4).map(|v| slab.insert(v).unwrap()).collect();
+        let capacity = slab.lists[TOUCHED].capacity();
+        assert!(capacity >= 4, "room for every entry was reserved at insert");
+        let list = slab.take(TOUCHED);
+        assert_eq!(list, vec![0, 1, 2, 3], "newcomers are listed");
+        slab.give_back(TOUCHED, list);
+        let _ = slab.get(keys[0]);
+        assert!(!slab.has_touched(), "reading is not touching");
+        *slab.get_mut(keys[2]).unwrap() += 10;
+        *slab.get_mut(keys[2]).unwrap() += 10;
+        slab.get_by_index_mut(1);
+        slab.get_by_index_quiet(3);
+        let list = slab.take(TOUCHED);
+        assert_eq!(
+            list,
+            vec![2, 1],
+            "each once, in the order first touched; quiet access unlisted"
+        );
+        assert!(!slab.has_touched());
+        slab.give_back(TOUCHED, list);
+        slab.get_mut(keys[2]);
+        let list = slab.take(TOUCHED);
+        assert_eq!(list, vec![2], "listed again after being taken");
+        slab.give_back(TOUCHED, list);
+        for _ in 0..10 {
+            for index in 0..4 {
+                slab.touch(index);
+            }
+            let list = slab.take(TOUCHED);
+            assert_eq!(list.len(), 4);
+            slab.give_back(TOUCHED, list);
+        }
+        assert_eq!(
+            slab.lists[TOUCHED].capacity(),
+            capacity,
+            "the lists never grew"
+        );
+        assert_eq!(
+            slab.get_mut(Key {
+                index: 0,
+                generation: 9,
+                owner: 1
+            }),
+            None
+        );
+        assert!(!slab.has_touched(), "a stale key lists nothing");
+    }
+
+    #[test]
+    fn parked_entries_come_back_once_each() {
+        let mut slab = Slab::new(8, 1).tracking();
+        for v in 0..3 {
+            slab.insert(v).unwrap();
+        }
+        let touched = slab.take(TOUCHED);
+        slab.give_back(TOUCHED, touched);
+        slab.park(2);
+        slab.park(0);
+        slab.park(2);
+        assert!(!slab.has_touched(), "parking is not touching");
+        let parked = slab.take(PARKED);
+        assert_eq!(parked, vec![2, 0]);
+        slab.give_back(PARKED, parked);
+        assert!(slab.take(PARKED).is_empty(), "taken means unlisted");
+    }
+
+    #[test]
+    fn untracked_slabs_list_nothing() {
+        let mut slab = Slab::new(2, 1);
+        let key = slab.insert(1).unwrap();
+        slab.get_mut(key);
+        assert!(!slab.has_touched());
     }
 
     #[test]

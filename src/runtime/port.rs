@@ -119,6 +119,7 @@ pub(crate) struct StatCells {
     requests: AtomicU64,
     doorbells: AtomicU64,
     sleeps: AtomicU64,
+    flush_visits: AtomicU64,
     sessions: AtomicU64,
     commands: AtomicU64,
     thread_id: AtomicU64,
@@ -136,6 +137,7 @@ impl StatCells {
         store(&self.requests, counters.requests);
         store(&self.doorbells, counters.doorbells);
         store(&self.sleeps, counters.sleeps);
+        store(&self.flush_visits, counters.flush_visits);
         store(&self.sessions, sessions as u64);
         store(&self.commands, commands);
     }
@@ -268,6 +270,7 @@ impl Port {
                 requests: load(&cells.requests),
                 doorbells: load(&cells.doorbells),
                 sleeps: load(&cells.sleeps),
+                flush_visits: load(&cells.flush_visits),
             },
             submit_latency: (load(&cells.traced[0]) > 0).then(|| SubmitLatency {
                 samples: load(&cells.traced[0]),
