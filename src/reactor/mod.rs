@@ -81,7 +81,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::session::{CqChoice, QpSpec, ServerConfig, SessionLink};
+use crate::session::{CqChoice, CqSpread, QpSpec, ServerConfig, SessionLink};
 use crate::verbs::{
     AccessFlags, CompletionChannel, CompletionQueue, ProtectionDomain, QpConfig, WorkCompletion,
 };
@@ -298,13 +298,19 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         spec
     }
 
-    /// A server configuration whose QPs report to this reactor, with
-    /// `remote_access` granted to peers.
+    /// A server configuration whose QPs report to this reactor (spread
+    /// over its CQs, peer by peer), with `remote_access` granted to peers.
     pub fn server_config(&mut self, remote_access: AccessFlags) -> ServerConfig {
         let spec = self.qp_spec_with_access("", remote_access);
+        // Accepted peers take the reactor's CQs in turn, as `qp_spec`
+        // callers do: one CQ would cap a server at what it can absorb.
+        let cq = match CqSpread::new(self.cqs.iter().map(CompletionQueue::shared).collect()) {
+            Some(spread) if self.cqs.len() > 1 => CqChoice::Spread(spread),
+            _ => spec.cq,
+        };
         ServerConfig {
             qp: spec.qp,
-            cq: spec.cq,
+            cq,
             srq: spec.srq,
             ..ServerConfig::default()
         }

@@ -209,7 +209,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 }
             };
         }
-        let Some((key, conn)) = self.conns.get_by_index_mut(index) else {
+        // Quietly: a stranger's completion naming an index must not list
+        // it for the flush; `dispatch` lists the connection it changes.
+        let Some((key, conn)) = self.conns.get_by_index_quiet(index) else {
             return Owner::Foreign;
         };
         let ours = same_generation(key, generation) && conn.qpn == wc.qp_num();

@@ -91,7 +91,9 @@ impl<T> Slab<T> {
     /// newcomer in a parked entry is visited once for nothing.
     #[inline]
     pub(crate) fn park(&mut self, index: u32) {
-        self.mark(PARKED, index);
+        if self.tracking {
+            self.mark(PARKED, index);
+        }
     }
 
     #[inline]
@@ -202,11 +204,13 @@ impl<T> Slab<T> {
         match self.free.pop() {
             Some(_) => self.entries[key.index as usize].value = Some(value),
             None => {
-                // Room to list every entry, in every list and its spare:
-                // the data path never grows them.
-                let wanted = self.entries.len() + 1;
-                for list in self.lists.iter_mut().chain(self.spares.iter_mut()) {
-                    list.reserve(wanted - list.len());
+                if self.tracking {
+                    // Room to list every entry, in every list and its
+                    // spare: the data path never grows them.
+                    let wanted = self.entries.len() + 1;
+                    for list in self.lists.iter_mut().chain(self.spares.iter_mut()) {
+                        list.reserve(wanted - list.len());
+                    }
                 }
                 self.entries.push(Entry {
                     generation: 0,

@@ -65,8 +65,10 @@ impl Setup {
         let mut cqs = Vec::new();
         let (mut srq, mut qp) = (None, QpConfig::default());
         for spec in specs {
-            if let CqChoice::Shared(cq) = spec.cq {
-                cqs.push(cq);
+            match spec.cq {
+                CqChoice::Shared(cq) => cqs.push(cq),
+                CqChoice::Spread(spread) => cqs.extend(spread.cqs().iter().cloned()),
+                CqChoice::Private { .. } => {}
             }
             srq = spec.srq;
             qp = spec.qp;

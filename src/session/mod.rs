@@ -89,6 +89,39 @@ pub enum CqChoice {
     },
     /// A CQ the caller owns and polls (a reactor's, say).
     Shared(SharedCq),
+    /// CQs the caller owns and polls, taken in turn by successive QPs: a
+    /// server whose peers one reactor with several CQs serves, so that a
+    /// thousand connections are not all charged to one CQ.
+    Spread(CqSpread),
+}
+
+/// CQs that successive QPs take in turn (see [`CqChoice::Spread`]); clones
+/// share the turn.
+#[derive(Debug, Clone)]
+pub struct CqSpread {
+    cqs: Arc<[SharedCq]>,
+    next: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl CqSpread {
+    /// A spread over `cqs`; `None` if there are none.
+    pub fn new(cqs: Vec<SharedCq>) -> Option<Self> {
+        (!cqs.is_empty()).then(|| Self {
+            cqs: cqs.into(),
+            next: Arc::default(),
+        })
+    }
+
+    /// The CQs, in the order they are taken.
+    pub fn cqs(&self) -> &[SharedCq] {
+        &self.cqs
+    }
+
+    /// The CQ the next QP takes.
+    fn take_turn(&self) -> &SharedCq {
+        let turn = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        &self.cqs[turn % self.cqs.len()]
+    }
 }
 
 impl Default for CqChoice {
@@ -389,6 +422,7 @@ fn build_qps(pd: &ProtectionDomain, specs: &[QpSpec], binds: usize) -> Result<Ve
                     (create_qp(pd, &cq, &spec)?, Some(cq))
                 }
                 CqChoice::Shared(shared) => (create_qp(pd, shared, &spec)?, None),
+                CqChoice::Spread(spread) => (create_qp(pd, spread.take_turn(), &spec)?, None),
             };
             Ok(SessionQp::new(spec.name.clone(), qp, cq))
         })
