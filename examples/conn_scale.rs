@@ -8,8 +8,10 @@
 //! 127.0.0.1 from a sending reactor to a receiving reactor, each on a
 //! thread pinned to a core of its own, and streams `--messages` 64-byte
 //! SENDs spread evenly over the N connections, at most `--batch` per
-//! doorbell per connection. It prints, per N, with and without a shared
-//! receive queue on the receiver:
+//! doorbell per connection and `--in-flight` over all of them (the same
+//! offered load at every N; without that cap, 1024 windows of 16 flood
+//! Soft-RoCE into dropping packets and retrying). It prints, per N, with
+//! and without a shared receive queue on the receiver:
 //!
 //! - the message rate, and its ratio to the rate of the smallest N;
 //! - the receiver's registered receive memory, in all and per connection
@@ -55,6 +57,11 @@ struct Args {
     /// Most requests per doorbell per connection.
     #[arg(long, default_value_t = 16)]
     batch: usize,
+    /// Most SENDs in flight over all connections together (0: only the
+    /// per-connection windows limit them). The same offered load at every
+    /// count: what changes is only how many connections carry it.
+    #[arg(long, default_value_t = 64)]
+    in_flight: u64,
     /// Whether the receiver uses a shared receive queue.
     #[arg(long, value_enum, default_value_t = SrqArg::Both)]
     srq: SrqArg,
@@ -104,8 +111,8 @@ fn run(args: &Args) -> Result<()> {
         SrqArg::Off => &[false],
     };
     println!(
-        "{} B SENDs, {} messages per point, window {} per connection, batch {}",
-        args.size, args.messages, args.window, args.batch
+        "{} B SENDs, {} messages per point, window {} per connection, batch {}, at most {} in flight",
+        args.size, args.messages, args.window, args.batch, args.in_flight
     );
     println!(
         "{:<6} {:>7} {:>10} {:>8} {:>16} {:>14} {:>16}",
@@ -217,7 +224,18 @@ fn measure(args: &Args, conns: u32, srq: bool, largest: u32) -> Result<Point> {
             )?;
         }
         let _ = memory_tx.send(reactor.memory());
+        let before = reactor.counters();
         reactor.run()?;
+        let after = reactor.counters();
+        let passes = after.passes - before.passes;
+        eprintln!(
+            "conn_scale: receiver: {passes} passes ({:.0} % empty), {} completions, {} requests in {} doorbells, {} flush visits",
+            100.0 * (after.empty_passes - before.empty_passes) as f64 / passes.max(1) as f64,
+            after.completions - before.completions,
+            after.requests - before.requests,
+            after.doorbells - before.doorbells,
+            after.flush_visits - before.flush_visits,
+        );
         Ok(received.get())
     });
     let (addr, stopper) = match ready_rx.recv() {
@@ -237,7 +255,16 @@ fn measure(args: &Args, conns: u32, srq: bool, largest: u32) -> Result<Point> {
     let received = receiver
         .join()
         .map_err(|_| Error::InvalidArgument("the receiver thread panicked"))?;
-    let (mpps, receive_bytes, rss_after, total) = sent?;
+    let (mpps, receive_bytes, rss_after, total) = match sent {
+        Ok(sent) => sent,
+        Err(err) => {
+            // The receiver's own failure often says why (a limit it hit).
+            if let Err(receiver_err) = &received {
+                eprintln!("conn_scale: the receiver failed: {receiver_err}");
+            }
+            return Err(err);
+        }
+    };
     // The receiver stops once it counted every message: it cannot have
     // stopped on fewer, but it may have been stopped because we failed.
     if received? != total {
@@ -271,6 +298,7 @@ fn send_all(
     let mut reactor: Reactor<Sender> = Reactor::new(&pd, config)?;
     let quota = quota(args, conns);
     let shared = Rc::new(Shared::default());
+    let connecting = Instant::now();
     for _ in 0..conns {
         let mut spec = reactor.qp_spec("scale");
         args.dev.apply(&mut spec.qp);
@@ -293,11 +321,31 @@ fn send_all(
         .recv_timeout(Duration::from_secs(60))
         .map_err(|_| Error::InvalidArgument("the receiver did not report its memory"))?;
     let rss = resident_bytes();
+    eprintln!(
+        "conn_scale: {conns} connections up in {:.2} s",
+        connecting.elapsed().as_secs_f64()
+    );
     shared.finished_goal.set(conns as usize);
+    shared.in_flight_cap.set(if args.in_flight == 0 {
+        u64::MAX
+    } else {
+        args.in_flight
+    });
+    let before = reactor.counters();
     let start = Instant::now();
     shared.started.set(true);
     reactor.run()?;
     let elapsed = start.elapsed().as_secs_f64();
+    let after = reactor.counters();
+    let passes = after.passes - before.passes;
+    eprintln!(
+        "conn_scale: sender: {passes} passes ({:.0} % empty), {} completions, {} requests in {} doorbells, {} flush visits",
+        100.0 * (after.empty_passes - before.empty_passes) as f64 / passes.max(1) as f64,
+        after.completions - before.completions,
+        after.requests - before.requests,
+        after.doorbells - before.doorbells,
+        after.flush_visits - before.flush_visits,
+    );
     if let Some(failure) = shared.failure.take() {
         return Err(Error::InvalidArgument(failure));
     }
@@ -322,6 +370,8 @@ struct Shared {
     established: Cell<usize>,
     finished: Cell<usize>,
     finished_goal: Cell<usize>,
+    in_flight: Cell<u64>,
+    in_flight_cap: Cell<u64>,
     failure: Cell<Option<&'static str>>,
 }
 
@@ -354,16 +404,30 @@ impl Sender {
         if !self.shared.started.get() {
             return;
         }
-        while self.sent < self.quota && ctx.staged(conn) < self.batch {
+        let staged_before = self.sent;
+        while self.sent < self.quota
+            && ctx.staged(conn) < self.batch
+            && self.shared.in_flight.get() < self.shared.in_flight_cap.get()
+        {
             match ctx.send_with(conn, self.size, None, |_| {}) {
-                Ok(_) => self.sent += 1,
+                Ok(_) => {
+                    self.sent += 1;
+                    self.shared.in_flight.set(self.shared.in_flight.get() + 1);
+                }
                 Err(SendError::WouldBlock) => break,
                 Err(_) => {
                     self.shared.failure.set(Some("a SEND was refused"));
                     ctx.stop();
-                    break;
+                    return;
                 }
             }
+        }
+        // The end of a burst is signaled: with the in-flight cap spread
+        // over many connections, a connection may send fewer than the
+        // signaling interval at a time, and unsignaled requests would only
+        // report once the reactor signals out idle tails.
+        if self.sent > staged_before {
+            ctx.signal_staged(conn);
         }
     }
 }
@@ -382,6 +446,7 @@ impl Handler for Sender {
 
     fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, _seq: u32) {
         self.completed += 1;
+        self.shared.in_flight.set(self.shared.in_flight.get() - 1);
         if self.completed == self.quota {
             let finished = self.shared.finished.get() + 1;
             self.shared.finished.set(finished);
