@@ -62,6 +62,10 @@ struct Args {
     /// count: what changes is only how many connections carry it.
     #[arg(long, default_value_t = 64)]
     in_flight: u64,
+    /// Both reactors sleep on their completion channels instead of
+    /// spinning (with Soft-RoCE, the kernel's share of the CPU then grows).
+    #[arg(long)]
+    blocking: bool,
     /// Whether the receiver uses a shared receive queue.
     #[arg(long, value_enum, default_value_t = SrqArg::Both)]
     srq: SrqArg,
@@ -171,10 +175,19 @@ fn run(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// The sending reactor's configuration (the receiver's starts from it).
+fn sender_config(args: &Args, conns: u32) -> ReactorConfig {
+    let mut config = ReactorConfig::for_traffic(args.size, args.window, conns);
+    if args.blocking {
+        config.event_mode = EventMode::Blocking;
+    }
+    config
+}
+
 /// The receiving reactor's configuration: the same window per connection
 /// with or without an SRQ; the SRQ is sized for the largest count, once.
 fn config(args: &Args, srq: bool, largest: u32, conns: u32) -> ReactorConfig {
-    let mut config = ReactorConfig::for_traffic(args.size, args.window, conns);
+    let mut config = sender_config(args, conns);
     config.repost_batch = (args.window / 2).max(1);
     if srq {
         config.srq_depth = args.window * largest;
@@ -226,16 +239,7 @@ fn measure(args: &Args, conns: u32, srq: bool, largest: u32) -> Result<Point> {
         let _ = memory_tx.send(reactor.memory());
         let before = reactor.counters();
         reactor.run()?;
-        let after = reactor.counters();
-        let passes = after.passes - before.passes;
-        eprintln!(
-            "conn_scale: receiver: {passes} passes ({:.0} % empty), {} completions, {} requests in {} doorbells, {} flush visits",
-            100.0 * (after.empty_passes - before.empty_passes) as f64 / passes.max(1) as f64,
-            after.completions - before.completions,
-            after.requests - before.requests,
-            after.doorbells - before.doorbells,
-            after.flush_visits - before.flush_visits,
-        );
+        report("receiver", &before, &reactor.counters());
         Ok(received.get())
     });
     let (addr, stopper) = match ready_rx.recv() {
@@ -294,8 +298,7 @@ fn send_all(
     pin(1);
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
-    let config = ReactorConfig::for_traffic(args.size, args.window, conns);
-    let mut reactor: Reactor<Sender> = Reactor::new(&pd, config)?;
+    let mut reactor: Reactor<Sender> = Reactor::new(&pd, sender_config(args, conns))?;
     let quota = quota(args, conns);
     let shared = Rc::new(Shared::default());
     let connecting = Instant::now();
@@ -336,16 +339,7 @@ fn send_all(
     shared.started.set(true);
     reactor.run()?;
     let elapsed = start.elapsed().as_secs_f64();
-    let after = reactor.counters();
-    let passes = after.passes - before.passes;
-    eprintln!(
-        "conn_scale: sender: {passes} passes ({:.0} % empty), {} completions, {} requests in {} doorbells, {} flush visits",
-        100.0 * (after.empty_passes - before.empty_passes) as f64 / passes.max(1) as f64,
-        after.completions - before.completions,
-        after.requests - before.requests,
-        after.doorbells - before.doorbells,
-        after.flush_visits - before.flush_visits,
-    );
+    report("sender", &before, &reactor.counters());
     if let Some(failure) = shared.failure.take() {
         return Err(Error::InvalidArgument(failure));
     }
@@ -356,6 +350,20 @@ fn send_all(
         rss,
         total,
     ))
+}
+
+/// What one side's reactor did during the run, on stderr: how busy it
+/// was, and how many connections its flushes looked at.
+fn report(side: &str, before: &Counters, after: &Counters) {
+    let passes = after.passes - before.passes;
+    eprintln!(
+        "conn_scale: {side}: {passes} passes ({:.0} % empty), {} completions, {} requests in {} doorbells, {} flush visits",
+        100.0 * (after.empty_passes - before.empty_passes) as f64 / passes.max(1) as f64,
+        after.completions - before.completions,
+        after.requests - before.requests,
+        after.doorbells - before.doorbells,
+        after.flush_visits - before.flush_visits,
+    );
 }
 
 /// Messages per connection.
