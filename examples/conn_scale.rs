@@ -103,6 +103,8 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<()> {
+    // The process's cores, looked at before anything is pinned.
+    usable_cores();
     let largest = args.conns.iter().copied().max().unwrap_or(1);
     if args.conns.is_empty() || args.conns.contains(&0) {
         return Err(Error::InvalidArgument("--conns takes counts of 1 or more"));
@@ -493,11 +495,13 @@ impl Handler for Sink {
     }
 }
 
-/// Pins the calling thread to `core` when there is such a core (the
-/// receiver and the sender each get one of their own).
+/// Pins the calling thread to the `core`th of the process's cores (the
+/// receiver and the sender each get one of their own). `usable_cores`, not
+/// the thread's own list: the second count's receiver is spawned by the
+/// pinned sender and inherits its one core.
 fn pin(core: usize) {
-    if let Some(id) = core_affinity::get_core_ids().and_then(|ids| ids.get(core).copied()) {
-        core_affinity::set_for_current(id);
+    if let Some(&id) = usable_cores().get(core) {
+        core_affinity::set_for_current(core_affinity::CoreId { id });
     }
 }
 

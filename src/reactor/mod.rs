@@ -99,7 +99,7 @@ pub use counters::{Counters, MemoryUse};
 pub use ctx::{Ctx, HeldRecv};
 pub use handler::Handler;
 pub use pass_timer::{CLOCK_READ_INTERVAL, PassTimer};
-pub use placement::{CorePreference, Placement, pin_current_thread};
+pub use placement::{CorePreference, Placement, pin_current_thread, usable_cores};
 pub use source::{PeerLink, QpSource};
 pub use wait::Waker;
 

@@ -1,6 +1,6 @@
 //! Pinning a reactor thread to a core, preferably on the NIC's NUMA node.
 
-use std::sync::Once;
+use std::sync::{Once, OnceLock};
 
 /// Where a reactor thread should run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -60,8 +60,30 @@ pub fn pin_current_thread(device: &str, preference: CorePreference, nth: usize) 
 }
 
 fn any_core(nth: usize) -> Option<usize> {
-    let cores = core_affinity::get_core_ids()?;
-    (!cores.is_empty()).then(|| cores[nth % cores.len()].id)
+    let cores = usable_cores();
+    (!cores.is_empty()).then(|| cores[nth % cores.len()])
+}
+
+/// The cores this process may run on, as the first thread that asked saw
+/// them (its affinity: a `taskset` or cgroup limit is respected), sorted.
+///
+/// Not each caller's own affinity: a thread spawned by a pinned thread
+/// inherits that one core, and choosing "the nth core" among its own would
+/// put every reactor it starts on the same core. So the first look is
+/// kept; ask before pinning anything (placement and
+/// [`CorePlan`](crate::runtime::CorePlan) ask on first use). Empty when
+/// the affinity cannot be read.
+pub fn usable_cores() -> &'static [usize] {
+    static CORES: OnceLock<Vec<usize>> = OnceLock::new();
+    CORES.get_or_init(|| {
+        let mut cores: Vec<usize> = core_affinity::get_core_ids()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|core| core.id)
+            .collect();
+        cores.sort_unstable();
+        cores
+    })
 }
 
 /// The device's NUMA node (from sysfs) and that node's CPUs (from hwloc).

@@ -42,16 +42,14 @@ impl CorePlan {
     /// asked for, when a listed core is listed twice or is not one this
     /// process may run on, or when no reactor is asked for.
     pub fn choose(device: &str, reactors: usize, choice: &CoreChoice) -> Result<Self> {
-        let allowed: Vec<usize> = core_affinity::get_core_ids()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|core| core.id)
-            .collect();
+        // The process's cores, not this thread's: a pinned caller would
+        // otherwise offer its one core to every reactor.
+        let allowed = crate::reactor::placement::usable_cores();
         let near = match choice {
             CoreChoice::NearDevice => cores_near(device),
             _ => Err(String::new()),
         };
-        plan(reactors, choice, near, &allowed).map_err(Error::Runtime)
+        plan(reactors, choice, near, allowed).map_err(Error::Runtime)
     }
 
     /// One line for people: which core each reactor got and why.
