@@ -304,10 +304,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let spec = self.qp_spec_with_access("", remote_access);
         // Accepted peers take the reactor's CQs in turn, as `qp_spec`
         // callers do: one CQ would cap a server at what it can absorb.
-        let cq = match CqSpread::new(self.cqs.iter().map(CompletionQueue::shared).collect()) {
-            Some(spread) if self.cqs.len() > 1 => CqChoice::Spread(spread),
-            _ => spec.cq,
-        };
+        let spread = (self.cqs.len() > 1)
+            .then(|| CqSpread::new(self.cqs.iter().map(CompletionQueue::shared).collect()))
+            .flatten();
+        let cq = spread.map_or(spec.cq, CqChoice::Spread);
         ServerConfig {
             qp: spec.qp,
             cq,

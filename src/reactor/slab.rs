@@ -247,9 +247,18 @@ impl<T> Slab<T> {
 
     #[inline]
     pub(crate) fn get_mut(&mut self, key: Key) -> Option<&mut T> {
-        self.entry_mut(key)?;
-        self.touch(key.index);
-        self.entry_mut(key)?.value.as_mut()
+        // One lookup: the entry and the list are separate fields.
+        let owner = self.owner;
+        let entry = self.entries.get_mut(key.index as usize)?;
+        if key.owner != owner || entry.generation != key.generation {
+            return None;
+        }
+        if self.tracking && !entry.listed[TOUCHED] {
+            entry.listed[TOUCHED] = true;
+            debug_assert!(self.lists[TOUCHED].len() < self.lists[TOUCHED].capacity());
+            self.lists[TOUCHED].push(key.index);
+        }
+        entry.value.as_mut()
     }
 
     /// The record at `index`, whatever its generation, with its key.
@@ -289,8 +298,12 @@ impl<T> Slab<T> {
     }
 
     pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (Key, &mut T)> {
-        for index in 0..self.capacity_used() {
-            self.touch(index);
+        // Untracked slabs (the sessions', walked on every idle pass) skip
+        // the listing loop altogether.
+        if self.tracking {
+            for index in 0..self.capacity_used() {
+                self.mark(TOUCHED, index);
+            }
         }
         let owner = self.owner;
         self.entries
