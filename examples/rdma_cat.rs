@@ -99,6 +99,11 @@ const ACK_TAG: u32 = u32::from_be_bytes(*b"CAT!");
 const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// After a peer hangs up, completions it sent just before may still be queued.
 const LAST_WORDS: Duration = Duration::from_millis(200);
+/// The disconnect code a finished role leaves with: "your acknowledgement
+/// reached me". The acknowledging side can then stop without its own SEND
+/// completion, which may wait on a transport ACK lost on the way back (the
+/// sender's QP is gone by then, so only a retry timeout would end it).
+const STREAM_DONE: u16 = u16::from_be_bytes(*b"OK");
 
 type Failure = String;
 
@@ -132,10 +137,16 @@ struct Status {
 impl Status {
     /// Records a peer that left (the reactor's peer watch); the run fails
     /// with it unless the stream completes within its last words.
-    fn peer_gone(&mut self, session: SessionId, status: &PeerStatus) {
+    /// `acknowledged_to_it` says our acknowledgement to this peer is staged:
+    /// its [`STREAM_DONE`] then means the acknowledgement arrived.
+    fn peer_gone(&mut self, session: SessionId, status: &PeerStatus, acknowledged_to_it: bool) {
         let bytes = self.bytes;
         let what = match status {
             PeerStatus::Alive => return,
+            PeerStatus::Disconnected { code: STREAM_DONE } if acknowledged_to_it => {
+                self.acked = true;
+                return;
+            }
             PeerStatus::Disconnected { code } => format!(
                 "closed the connection (code {code}) after {bytes} bytes, before the stream was acknowledged"
             ),
@@ -197,7 +208,7 @@ impl Sender {
 
 impl Handler for Sender {
     fn on_peer_gone(&mut self, _ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
-        self.status.peer_gone(session, status);
+        self.status.peer_gone(session, status, false);
     }
 
     fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
@@ -275,7 +286,8 @@ impl Receiver {
 
 impl Handler for Receiver {
     fn on_peer_gone(&mut self, _ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
-        self.status.peer_gone(session, status);
+        // One peer only: it is the one we acknowledge.
+        self.status.peer_gone(session, status, self.ack.is_some());
     }
 
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], _imm: Option<u32>) {
@@ -365,8 +377,10 @@ impl Relay {
 }
 
 impl Handler for Relay {
-    fn on_peer_gone(&mut self, _ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
-        self.status.peer_gone(session, status);
+    fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
+        let upstream = self.up.and_then(|up| ctx.session_of(up)) == Some(session);
+        self.status
+            .peer_gone(session, status, upstream && self.up_ack.is_some());
     }
 
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
@@ -513,7 +527,7 @@ fn drive<T: Handler>(
     let mut progress = reactor.pass_timer(PEER_CHECK_INTERVAL);
     loop {
         let completions = reactor.turn().map_err(|err| err.to_string())?;
-        {
+        let acked = {
             let role = role.borrow();
             let status = status_of(&role);
             if let Some(failure) = &status.failure {
@@ -522,8 +536,20 @@ fn drive<T: Handler>(
             if status.acked {
                 bar.set_position(status.bytes);
                 bar.finish();
-                return Ok(());
             }
+            status.acked
+        };
+        if acked {
+            // Both ends of every hop now know the stream arrived; say so to
+            // the peers before leaving, so none waits for a SEND completion
+            // whose transport ACK may have been lost.
+            let sessions: Vec<SessionId> = reactor.sessions().collect();
+            for session in sessions {
+                if let Some(link) = reactor.link_mut(session) {
+                    link.send_disconnect(STREAM_DONE);
+                }
+            }
+            return Ok(());
         }
         if let Some((since, session, what)) = &status_of(&role.borrow()).left {
             if since.elapsed() > LAST_WORDS {
