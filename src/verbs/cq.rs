@@ -12,7 +12,7 @@ pub use crate::error::{WcOpcode, WcStatus};
 use crate::sys;
 
 use super::device::{Context, ContextInner};
-use super::{check_ptr, check_rc};
+use super::{check_ptr, check_rc, loopback};
 
 /// Completion events are acknowledged in batches of this many: each ack takes
 /// the CQ's mutex in libibverbs, so acking every event would cost a lock per wakeup.
@@ -51,6 +51,13 @@ unsafe impl Sync for CqInner {}
 
 impl Drop for CqInner {
     fn drop(&mut self) {
+        if self.ctx.is_loopback() {
+            // SAFETY: created by loopback::create_cq and destroyed once;
+            // every QP using this CQ holds an Arc to it, so none is alive.
+            // (Loopback CQs have no channel, so no event is unacked.)
+            unsafe { loopback::destroy_cq(self.cq) };
+            return;
+        }
         self.events.dropping.store(true, Ordering::SeqCst);
         let unacked = self.events.unacked.swap(0, Ordering::SeqCst);
         // SAFETY: every QP using this CQ holds an Arc to it, so none is alive.
@@ -115,34 +122,20 @@ impl Context {
         channel: Option<&CompletionChannel>,
     ) -> Result<CompletionQueue> {
         let name = &self.inner.name;
-        let ctx = self.inner.ctx.as_ptr();
         let channel_ptr = channel.map_or(ptr::null_mut(), |c| c.inner.channel.as_ptr());
         let cqe = c_int::try_from(min_entries)
             .map_err(|_| Error::InvalidArgument("CQ size exceeds i32"))?;
-
-        let mut attr = sys::ibv_cq_init_attr_ex {
-            cqe: min_entries,
-            channel: channel_ptr,
-            wc_flags: u64::from(sys::IBV_WC_STANDARD_FLAGS),
-            comp_mask: sys::IBV_CQ_INIT_ATTR_MASK_FLAGS,
-            flags: sys::IBV_CREATE_CQ_ATTR_SINGLE_THREADED,
-            ..Default::default()
-        };
-        // SAFETY: the context is open and `attr` is fully initialised.
-        let cq_ex = unsafe { sys::ibv_create_cq_ex(ctx, &mut attr) };
-        let cq = if cq_ex.is_null() {
-            // Providers without extended CQs (or without the single-threaded
-            // hint) still support the classic verb.
-            // SAFETY: the context is open; channel is NULL or a live channel.
-            let raw = unsafe { sys::ibv_create_cq(ctx, cqe, ptr::null_mut(), channel_ptr, 0) };
-            check_ptr(raw, "ibv_create_cq", name)?
+        let cq = if self.inner.is_loopback() {
+            if channel.is_some() {
+                return Err(Error::Unsupported {
+                    verb: "ibv_create_cq with a completion channel",
+                    device: Arc::clone(name),
+                });
+            }
+            loopback::create_cq(self.inner.ctx, min_entries)
+                .map_err(|errno| crate::error::verbs_error("ibv_create_cq", errno, name, None))?
         } else {
-            // SAFETY: cq_ex is a live extended CQ; the conversion is a field access.
-            check_ptr(
-                unsafe { sys::ibv_cq_ex_to_cq(cq_ex) },
-                "ibv_cq_ex_to_cq",
-                name,
-            )?
+            self.create_provider_cq(min_entries, cqe, channel_ptr)?
         };
 
         // SAFETY: `cq` is live; its context's ops table is set by the provider
@@ -179,6 +172,44 @@ impl Context {
             poll_fn,
             req_notify_fn,
             capacity,
+        })
+    }
+}
+
+impl Context {
+    /// `ibv_create_cq_ex` (single-threaded), or `ibv_create_cq` where the
+    /// provider has no extended CQs.
+    fn create_provider_cq(
+        &self,
+        min_entries: u32,
+        cqe: c_int,
+        channel_ptr: *mut sys::ibv_comp_channel,
+    ) -> Result<NonNull<sys::ibv_cq>> {
+        let name = &self.inner.name;
+        let ctx = self.inner.ctx.as_ptr();
+        let mut attr = sys::ibv_cq_init_attr_ex {
+            cqe: min_entries,
+            channel: channel_ptr,
+            wc_flags: u64::from(sys::IBV_WC_STANDARD_FLAGS),
+            comp_mask: sys::IBV_CQ_INIT_ATTR_MASK_FLAGS,
+            flags: sys::IBV_CREATE_CQ_ATTR_SINGLE_THREADED,
+            ..Default::default()
+        };
+        // SAFETY: the context is open and `attr` is fully initialised.
+        let cq_ex = unsafe { sys::ibv_create_cq_ex(ctx, &mut attr) };
+        Ok(if cq_ex.is_null() {
+            // Providers without extended CQs (or without the single-threaded
+            // hint) still support the classic verb.
+            // SAFETY: the context is open; channel is NULL or a live channel.
+            let raw = unsafe { sys::ibv_create_cq(ctx, cqe, ptr::null_mut(), channel_ptr, 0) };
+            check_ptr(raw, "ibv_create_cq", name)?
+        } else {
+            // SAFETY: cq_ex is a live extended CQ; the conversion is a field access.
+            check_ptr(
+                unsafe { sys::ibv_cq_ex_to_cq(cq_ex) },
+                "ibv_cq_ex_to_cq",
+                name,
+            )?
         })
     }
 }
@@ -317,7 +348,17 @@ impl fmt::Debug for CompletionChannel {
 
 impl Context {
     /// Creates a completion channel.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on a [`Context::loopback`] context, which is
+    /// polled only.
     pub fn create_comp_channel(&self) -> Result<CompletionChannel> {
+        if self.inner.is_loopback() {
+            return Err(Error::Unsupported {
+                verb: "ibv_create_comp_channel",
+                device: Arc::clone(&self.inner.name),
+            });
+        }
         // SAFETY: the context is open; the channel is destroyed in ChannelInner::drop.
         let raw = unsafe { sys::ibv_create_comp_channel(self.inner.ctx.as_ptr()) };
         let channel = check_ptr(raw, "ibv_create_comp_channel", &self.inner.name)?;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::sys;
 
-use super::{check_ptr, check_rc};
+use super::{check_ptr, check_rc, loopback};
 
 /// Names of the RDMA devices on this host, in libibverbs order.
 ///
@@ -97,6 +97,18 @@ enum Owner {
     /// the device an rdma_cm id is bound to): the guard keeps it open until
     /// it is dropped, after every object created from it.
     Lent(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
+    /// The in-process software device ([`Context::loopback`]): its objects
+    /// are this crate's own (`verbs::loopback`), not libibverbs'.
+    Loopback,
+}
+
+impl ContextInner {
+    /// True for a [`Context::loopback`] context, whose set-up and teardown
+    /// verbs are served by `verbs::loopback` instead of libibverbs.
+    #[inline]
+    pub(crate) fn is_loopback(&self) -> bool {
+        matches!(self.owner, Owner::Loopback)
+    }
 }
 
 // SAFETY: libibverbs contexts are thread-safe; the pointer is only freed in Drop,
@@ -108,10 +120,17 @@ unsafe impl Sync for ContextInner {}
 
 impl Drop for ContextInner {
     fn drop(&mut self) {
-        if let Owner::Lent(_) = self.owner {
+        match self.owner {
             // Its owner closes it; the guard is released after this body,
             // and every child (which holds an Arc to us) is gone already.
-            return;
+            Owner::Lent(_) => return,
+            Owner::Loopback => {
+                // SAFETY: allocated by loopback::open_context and freed only
+                // here; every child holds an Arc to us, so none is alive.
+                unsafe { loopback::close_context(self.ctx) };
+                return;
+            }
+            Owner::Opened => {}
         }
         // SAFETY: every child object holds an Arc to us, so none is alive now.
         let rc = unsafe { sys::ibv_close_device(self.ctx.as_ptr()) };
@@ -203,6 +222,85 @@ impl Context {
         })
     }
 
+    /// Opens a new context of the in-process software device `loopback`:
+    /// no NIC, no kernel support and no libibverbs device are involved.
+    ///
+    /// It has one port, 1, always ACTIVE (Ethernet link layer, MTU 4096),
+    /// with one GID at index 0: the IPv4-mapped `::ffff:127.0.0.1`
+    /// (RoCE v2). Reliable-connected QPs of any loopback context in the
+    /// process can connect to one another ([`QueuePair::connect`](super::QueuePair::connect)
+    /// finds the peer by its QP number), and work requests execute
+    /// synchronously inside the post call: a SEND lands in the peer's
+    /// oldest receive (or waits for the next one, as RNR retries forever
+    /// would), WRITE and READ copy between memory registered on loopback
+    /// contexts with the key, range and access checks a NIC makes, and the
+    /// completions are on the CQs when the post returns. It exists so that
+    /// tests and benchmarks of everything above the verbs (the reactor's
+    /// staging, doorbell bookkeeping and completion dispatch) run on any
+    /// machine; what it costs per request (a few uncontended locks and a
+    /// `memcpy`) is part of what a benchmark over it measures.
+    ///
+    /// # Safety
+    /// A NIC's DMA is outside the program, so this crate lets Rust code
+    /// read and write registered memory while requests may use it (the
+    /// bytes may tear, nothing worse). The loopback device's "DMA" is a
+    /// copy made by the thread that posts, inside the post call, so the
+    /// caller must rule out the data race: while a post on one thread may
+    /// copy into or out of registered bytes (those of its own gather list,
+    /// the peer's posted receive, the remote range of a WRITE or READ), no
+    /// other thread may access those bytes. Serving every QP of the
+    /// loopback device from one thread satisfies this, as does touching a
+    /// region's bytes only after the completions that end the requests
+    /// using it (a completion polled from a CQ follows its copy).
+    ///
+    /// Not supported ([`Error::Unsupported`]): completion channels and
+    /// `req_notify` (busy polling only), shared receive queues, memory
+    /// windows and the connection manager. Where it differs from a NIC: a
+    /// request to a QP that is not connected back to the sender (not yet,
+    /// or to another QP) fails at once with `IBV_WC_RETRY_EXC_ERR`, where a
+    /// NIC would retry for `timeout` × `retry_cnt` first, so connect both
+    /// ends before posting; QP numbers, keys and handles are process-wide
+    /// counters, meant for tests and benchmarks, not for billions of
+    /// objects.
+    ///
+    /// ```
+    /// use rdma_comm_core::verbs::*;
+    /// // SAFETY: one thread posts every request and touches every byte.
+    /// let ctx = unsafe { Context::loopback() };
+    /// let pd = ctx.alloc_pd()?;
+    /// let mut cq = ctx.create_cq(16, None)?;
+    /// let mut a = pd.create_qp(&cq, &cq, &QpConfig::default())?;
+    /// let mut b = pd.create_qp(&cq, &cq, &QpConfig::default())?;
+    /// let (ea, eb) = (a.endpoint(), b.endpoint());
+    /// a.connect(&eb)?;
+    /// b.connect(&ea)?;
+    /// let mut mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
+    /// mr.write(0, b"hello")?;
+    /// b.post_recv(RecvRequest::new(1, mr.slice(32, 32)?)?)?;
+    /// a.post_send(WorkRequest::send(2, mr.slice(0, 5)?).signaled())?;
+    /// let mut wcs = [WorkCompletion::default(); 4];
+    /// assert_eq!(cq.poll(&mut wcs)?.len(), 2); // the RECV and the SEND
+    /// let mut got = [0u8; 5];
+    /// mr.read(32, &mut got)?;
+    /// assert_eq!(&got, b"hello");
+    /// # Ok::<(), rdma_comm_core::Error>(())
+    /// ```
+    pub unsafe fn loopback() -> Self {
+        Self {
+            inner: Arc::new(ContextInner {
+                ctx: loopback::open_context(),
+                name: Arc::from(loopback::DEVICE_NAME),
+                owner: Owner::Loopback,
+            }),
+        }
+    }
+
+    /// True for a context of the in-process software device
+    /// ([`Context::loopback`]).
+    pub fn is_loopback(&self) -> bool {
+        self.inner.is_loopback()
+    }
+
     /// Wraps a device context another library opened, which this `Context`
     /// must never close.
     ///
@@ -246,9 +344,13 @@ impl Context {
     /// Device-wide limits.
     pub fn query_device(&self) -> Result<DeviceAttr> {
         let mut attr = sys::ibv_device_attr::default();
-        // SAFETY: the context is open and `attr` is a valid out-pointer.
-        let rc = unsafe { sys::ibv_query_device(self.inner.ctx.as_ptr(), &mut attr) };
-        check_rc(rc, "ibv_query_device", &self.inner.name, None)?;
+        if self.inner.is_loopback() {
+            attr = loopback::device_attr();
+        } else {
+            // SAFETY: the context is open and `attr` is a valid out-pointer.
+            let rc = unsafe { sys::ibv_query_device(self.inner.ctx.as_ptr(), &mut attr) };
+            check_rc(rc, "ibv_query_device", &self.inner.name, None)?;
+        }
         Ok(DeviceAttr {
             phys_port_cnt: attr.phys_port_cnt,
             max_qp_wr: attr.max_qp_wr.max(0) as u32,
@@ -267,9 +369,19 @@ impl Context {
     /// State, MTU, link layer and LID of a port (ports are numbered from 1).
     pub fn query_port(&self, port: u8) -> Result<PortAttr> {
         let mut attr = sys::ibv_port_attr::default();
-        // SAFETY: the context is open and `attr` is a valid out-pointer of the
-        // header's current layout (the inline wrapper passes its size).
-        let rc = unsafe { sys::___ibv_query_port(self.inner.ctx.as_ptr(), port, &mut attr) };
+        let rc = if self.inner.is_loopback() {
+            loopback::port_attr(port).map_or_else(
+                |errno| errno,
+                |port| {
+                    attr = port;
+                    0
+                },
+            )
+        } else {
+            // SAFETY: the context is open and `attr` is a valid out-pointer of the
+            // header's current layout (the inline wrapper passes its size).
+            unsafe { sys::___ibv_query_port(self.inner.ctx.as_ptr(), port, &mut attr) }
+        };
         check_rc(rc, "ibv_query_port", &self.inner.name, None)?;
         Ok(PortAttr {
             state: PortState::from_raw(attr.state),
@@ -297,6 +409,9 @@ impl Context {
     /// The populated entries of a port's GID table.
     pub fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>> {
         let len = self.query_port(port)?.gid_table_len as usize;
+        if self.inner.is_loopback() {
+            return Ok(Self::gid_entries(&loopback::gid_table(port)));
+        }
         let ports = usize::from(self.query_device()?.phys_port_cnt.max(1));
         // One call for the whole table: asking entry by entry costs a system
         // call for every empty slot (rxe has 1024 of them per port).
@@ -314,6 +429,11 @@ impl Context {
             // Kernels without the table query: one entry at a time.
             Err(_) => self.gid_entries_one_by_one(port, len),
         };
+        Ok(Self::gid_entries(&raw))
+    }
+
+    /// The populated entries of a raw table, by index.
+    fn gid_entries(raw: &[sys::ibv_gid_entry]) -> Vec<GidEntry> {
         let mut entries: Vec<GidEntry> = raw
             .iter()
             .filter_map(|entry| {
@@ -327,7 +447,7 @@ impl Context {
             })
             .collect();
         entries.sort_by_key(|entry| entry.index);
-        Ok(entries)
+        entries
     }
 
     fn gid_entries_one_by_one(&self, port: u8, len: usize) -> Vec<sys::ibv_gid_entry> {

@@ -15,6 +15,7 @@ pub mod cm;
 mod cq;
 mod device;
 mod list;
+mod loopback;
 mod mr;
 mod mw;
 mod pd;

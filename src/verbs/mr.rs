@@ -16,6 +16,7 @@ use crate::sys;
 
 use super::check_ptr;
 use super::check_rc;
+use super::loopback;
 use super::pd::{PdInner, ProtectionDomain};
 
 bitflags::bitflags! {
@@ -134,10 +135,17 @@ impl fmt::Debug for Registration {
 
 impl Drop for RegistrationInner {
     fn drop(&mut self) {
-        // SAFETY: the MR came from ibv_reg_mr and is deregistered once. After this
-        // the device can no longer reach the buffer, so freeing it below is safe
-        // even if a work request using it never completed.
-        let rc = unsafe { sys::ibv_dereg_mr(self.mr.as_ptr()) };
+        let rc = if self.pd.ctx.is_loopback() {
+            // SAFETY: the MR came from loopback::reg_mr and is deregistered
+            // once; when this returns no loopback copy reaches the buffer.
+            unsafe { loopback::dereg_mr(self.mr) };
+            0
+        } else {
+            // SAFETY: the MR came from ibv_reg_mr and is deregistered once. After this
+            // the device can no longer reach the buffer, so freeing it below is safe
+            // even if a work request using it never completed.
+            unsafe { sys::ibv_dereg_mr(self.mr.as_ptr()) }
+        };
         if let Err(err) = check_rc(rc, "ibv_dereg_mr", &self.pd.ctx.name, None) {
             // Freeing memory the device may still reach would be worse than a leak.
             log::error!("{err}; leaking the buffer");
@@ -197,17 +205,28 @@ impl ProtectionDomain {
         huge_pages: bool,
     ) -> Result<MemoryRegion> {
         let access = access.normalized();
-        // SAFETY: addr..addr+len is valid for the region's life (owned backing, or
-        // the caller's promise in register_raw).
-        let raw = unsafe {
-            sys::ibv_reg_mr(
-                self.inner.pd.as_ptr(),
-                addr.as_ptr().cast(),
-                len,
-                access.bits() as i32,
+        let registered = if self.inner.ctx.is_loopback() {
+            // SAFETY: the PD is a loopback one and live; addr..addr+len is
+            // valid until the deregistration in RegistrationInner::drop,
+            // which runs before the backing is freed (owned backing, or the
+            // caller's promise in register_raw).
+            unsafe { loopback::reg_mr(self.inner.pd, addr.as_ptr(), len, access.bits()) }.map_err(
+                |errno| crate::error::verbs_error("ibv_reg_mr", errno, &self.inner.ctx.name, None),
             )
+        } else {
+            // SAFETY: addr..addr+len is valid for the region's life (owned backing, or
+            // the caller's promise in register_raw).
+            let raw = unsafe {
+                sys::ibv_reg_mr(
+                    self.inner.pd.as_ptr(),
+                    addr.as_ptr().cast(),
+                    len,
+                    access.bits() as i32,
+                )
+            };
+            check_ptr(raw, "ibv_reg_mr", &self.inner.ctx.name)
         };
-        let mr = match check_ptr(raw, "ibv_reg_mr", &self.inner.ctx.name) {
+        let mr = match registered {
             Ok(mr) => mr,
             Err(err) => {
                 free_backing(&backing);

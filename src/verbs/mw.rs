@@ -149,6 +149,12 @@ impl ProtectionDomain {
     /// [`DeviceAttr::mem_window_type2`](super::DeviceAttr::mem_window_type2)),
     /// [`Error::Verbs`] when it has no more.
     pub fn alloc_mw(&self) -> Result<MemoryWindow> {
+        if self.inner.ctx.is_loopback() {
+            return Err(Error::Unsupported {
+                verb: "ibv_alloc_mw",
+                device: Arc::clone(&self.inner.ctx.name),
+            });
+        }
         // SAFETY: the PD is live (we hold it from here on); the window is
         // deallocated in WindowHandle::drop.
         let raw = unsafe { sys::ibv_alloc_mw(self.inner.pd.as_ptr(), sys::IBV_MW_TYPE_2) };

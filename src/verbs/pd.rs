@@ -10,6 +10,7 @@ use crate::sys;
 use super::check_ptr;
 use super::check_rc;
 use super::device::{Context, ContextInner};
+use super::loopback;
 
 pub(crate) struct PdInner {
     pub(crate) pd: NonNull<sys::ibv_pd>,
@@ -24,6 +25,12 @@ unsafe impl Sync for PdInner {}
 
 impl Drop for PdInner {
     fn drop(&mut self) {
+        if self.ctx.is_loopback() {
+            // SAFETY: allocated by loopback::alloc_pd, freed once; all MRs
+            // and QPs of this PD hold an Arc to it, so none is alive.
+            unsafe { loopback::dealloc_pd(self.pd) };
+            return;
+        }
         // SAFETY: all MRs and QPs of this PD hold an Arc to it, so none is alive.
         let rc = unsafe { sys::ibv_dealloc_pd(self.pd.as_ptr()) };
         if let Err(err) = check_rc(rc, "ibv_dealloc_pd", &self.ctx.name, None) {
@@ -59,12 +66,16 @@ impl fmt::Debug for ProtectionDomain {
 impl Context {
     /// Allocates a protection domain.
     pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
-        // SAFETY: the context is open; the PD is freed in PdInner::drop.
-        let pd = check_ptr(
-            unsafe { sys::ibv_alloc_pd(self.inner.ctx.as_ptr()) },
-            "ibv_alloc_pd",
-            &self.inner.name,
-        )?;
+        let pd = if self.inner.is_loopback() {
+            loopback::alloc_pd(self.inner.ctx)
+        } else {
+            // SAFETY: the context is open; the PD is freed in PdInner::drop.
+            check_ptr(
+                unsafe { sys::ibv_alloc_pd(self.inner.ctx.as_ptr()) },
+                "ibv_alloc_pd",
+                &self.inner.name,
+            )?
+        };
         Ok(ProtectionDomain {
             inner: Arc::new(PdInner {
                 pd,

@@ -17,7 +17,7 @@ use super::pd::{PdInner, ProtectionDomain};
 use super::qp_config::QpConfig;
 use super::srq::{SrqAttachment, SrqInner};
 use super::wr::{RecvBatch, RecvRequest, SendBatch, WorkRequest};
-use super::{check_ptr, check_rc};
+use super::{check_ptr, check_rc, loopback};
 
 type PostSendFn = unsafe extern "C" fn(
     *mut sys::ibv_qp,
@@ -150,9 +150,10 @@ impl Drop for QueuePair {
                 window.revoke();
             }
         }
-        // SAFETY: the QP came from ibv_create_qp and is destroyed once, before
-        // the CQs and PD it uses (held by the fields below).
-        let rc = unsafe { sys::ibv_destroy_qp(self.qp.as_ptr()) };
+        // SAFETY: the QP came from ibv_create_qp (or loopback::create_qp, on
+        // a loopback context) and is destroyed once, before the CQs and PD
+        // it uses (held by the fields below).
+        let rc = unsafe { destroy_qp(&self.pd, self.qp) };
         if let Err(err) = check_rc(rc, "ibv_destroy_qp", &self.pd.ctx.name, Some(self.qpn)) {
             log::error!("{err}");
         }
@@ -238,10 +239,17 @@ impl ProtectionDomain {
         // Clamp the READ depths to the device (the verbs fail EINVAL beyond);
         // asked before the QP exists, so a failure leaves nothing to destroy.
         let limits = ctx.query_device()?;
-        // SAFETY: PD and CQs are live (we hold Arcs from here on); init_attr is
-        // fully initialised and the provider writes back the granted caps.
-        let raw = unsafe { sys::ibv_create_qp(self.inner.pd.as_ptr(), &mut init_attr) };
-        let qp = check_ptr(raw, "ibv_create_qp", name)?;
+        let qp = if self.inner.ctx.is_loopback() {
+            // SAFETY: a loopback PD and, on its context (checked above),
+            // loopback CQs, all live; init_attr is fully initialised.
+            unsafe { loopback::create_qp(self.inner.pd, &mut init_attr) }
+                .map_err(|errno| crate::error::verbs_error("ibv_create_qp", errno, name, None))?
+        } else {
+            // SAFETY: PD and CQs are live (we hold Arcs from here on); init_attr is
+            // fully initialised and the provider writes back the granted caps.
+            let raw = unsafe { sys::ibv_create_qp(self.inner.pd.as_ptr(), &mut init_attr) };
+            check_ptr(raw, "ibv_create_qp", name)?
+        };
         // SAFETY: the QP is live; its context's ops table never changes, so the
         // post functions are read once here instead of on every post.
         let (qpn, post_send_fn, post_recv_fn) = unsafe {
@@ -258,7 +266,7 @@ impl ProtectionDomain {
         };
         let (Some(post_send_fn), Some(post_recv_fn)) = (post_send_fn, post_recv_fn) else {
             // SAFETY: the QP is live and not yet owned by a QueuePair.
-            unsafe { sys::ibv_destroy_qp(qp.as_ptr()) };
+            unsafe { destroy_qp(&self.inner, qp) };
             return Err(Error::Unsupported {
                 verb: "ibv_post_send",
                 device: Arc::clone(name),
@@ -295,6 +303,23 @@ impl ProtectionDomain {
         };
         qp.enter_init()?;
         Ok(qp)
+    }
+}
+
+/// Destroys a QP with the verb of its context's provider.
+///
+/// # Safety
+/// `qp` is a live QP created in `pd` and is destroyed once; nothing uses it
+/// afterwards.
+unsafe fn destroy_qp(pd: &PdInner, qp: NonNull<sys::ibv_qp>) -> c_int {
+    if pd.ctx.is_loopback() {
+        // SAFETY: from loopback::create_qp (the PD's context is a loopback
+        // one), destroyed once (the caller).
+        unsafe { loopback::destroy_qp(qp) };
+        0
+    } else {
+        // SAFETY: from ibv_create_qp, destroyed once (the caller).
+        unsafe { sys::ibv_destroy_qp(qp.as_ptr()) }
     }
 }
 
@@ -441,8 +466,13 @@ impl QueuePair {
     }
 
     fn modify(&self, attr: &mut sys::ibv_qp_attr, mask: u32, verb: &'static str) -> Result<()> {
-        // SAFETY: the QP is live and `attr` is initialised for every bit in `mask`.
-        let rc = unsafe { sys::ibv_modify_qp(self.qp.as_ptr(), attr, mask as c_int) };
+        let rc = if self.pd.ctx.is_loopback() {
+            // SAFETY: a live QP of a loopback context (from loopback::create_qp).
+            unsafe { loopback::modify_qp(self.qp, attr, mask) }
+        } else {
+            // SAFETY: the QP is live and `attr` is initialised for every bit in `mask`.
+            unsafe { sys::ibv_modify_qp(self.qp.as_ptr(), attr, mask as c_int) }
+        };
         check_rc(rc, verb, &self.pd.ctx.name, Some(self.qpn))
     }
 
@@ -524,6 +554,12 @@ impl QueuePair {
 
     /// The current state, as the device reports it.
     pub fn state(&self) -> Result<QpState> {
+        if self.pd.ctx.is_loopback() {
+            // SAFETY: a live QP of a loopback context (from loopback::create_qp).
+            return Ok(QpState::from_raw(unsafe {
+                loopback::query_qp_state(self.qp)
+            }));
+        }
         let mut attr = sys::ibv_qp_attr::default();
         let mut init = sys::ibv_qp_init_attr::default();
         // SAFETY: the QP is live and both out-pointers are valid.

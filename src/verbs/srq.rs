@@ -108,6 +108,12 @@ impl ProtectionDomain {
     /// scatter/gather entry each).
     pub fn create_srq(&self, max_wr: u32) -> Result<SharedReceiveQueue> {
         let name = &self.inner.ctx.name;
+        if self.inner.ctx.is_loopback() {
+            return Err(Error::Unsupported {
+                verb: "ibv_create_srq",
+                device: Arc::clone(name),
+            });
+        }
         let mut init = sys::ibv_srq_init_attr {
             attr: sys::ibv_srq_attr {
                 max_wr,

@@ -1,0 +1,171 @@
+//! The reactor's per-message path (staging, doorbell bookkeeping,
+//! completion dispatch) measured over the in-process software device
+//! ([`Context::loopback`]), so it runs on any machine, with no RDMA NIC:
+//! one reactor holds both ends of a connection, whose QPs are loopback QPs
+//! created on the reactor's CQs ([`Reactor::qp_spec`]) and handed to it
+//! directly (a `Vec<QueuePair>` [`QpSource`](rdma_comm_core::reactor::QpSource)).
+//!
+//! What the figures include besides the reactor: the loopback device's
+//! own work per request (a few uncontended mutexes, a key lookup and a
+//! `memcpy`, where a NIC would charge a doorbell and DMA). They say how
+//! much the runtime costs per message on this CPU, not what a network
+//! does. Prints figures (criterion's per-message time); asserts nothing
+//! timed.
+//!
+//! ```sh
+//! cargo bench --bench loopback -- --warm-up-time 1 --measurement-time 3
+//! ```
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use rdma_comm_core::reactor::*;
+use rdma_comm_core::session::CqChoice;
+use rdma_comm_core::verbs::*;
+use rdma_perf::*;
+
+/// One reactor holding both ends of a loopback connection; returns it with
+/// the client's session id and the registrations of both exported buffers,
+/// which stay registered until the run is over even if a role drops its
+/// buffer (the sink does; a real server keeps its exports in the session).
+fn pair(
+    signal_interval: u32,
+    size: usize,
+    client: impl FnOnce(PerfBuffers) -> PerfHandler,
+    server: impl FnOnce(PerfBuffers) -> PerfHandler,
+) -> (Reactor<PerfHandler, ()>, SessionId, [Registration; 2]) {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("alloc_pd on the loopback device");
+    let config = ReactorConfig {
+        signal_interval,
+        slot_size: 256,
+        ..ReactorConfig::default()
+    };
+    let mut reactor: Reactor<PerfHandler, ()> = Reactor::new(&pd, config).expect("reactor");
+    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    let mut qp = |name: &str| {
+        let spec = reactor.qp_spec_with_access(name, access);
+        let CqChoice::Shared(cq) = spec.cq else {
+            unreachable!("qp_spec shares the reactor's CQ")
+        };
+        pd.create_qp(&cq, &cq, &spec.qp).expect("create_qp")
+    };
+    let (mut client_qp, mut server_qp) = (qp("client"), qp("server"));
+    let (client_end, server_end) = (client_qp.endpoint(), server_qp.endpoint());
+    client_qp.connect(&server_end).expect("connect");
+    server_qp.connect(&client_end).expect("connect");
+    let buffer = || {
+        pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | access)
+            .expect("alloc_mr")
+    };
+    let (client_buf, server_buf) = (buffer(), buffer());
+    let to_server = server_buf.remote().expect("exportable");
+    let to_client = client_buf.remote().expect("exportable");
+    let exports = [
+        client_buf.registration().clone(),
+        server_buf.registration().clone(),
+    ];
+    reactor
+        .add(
+            vec![server_qp],
+            server(PerfBuffers {
+                buffer: server_buf,
+                peer: to_client,
+            }),
+        )
+        .expect("add server");
+    let session = reactor
+        .add(
+            vec![client_qp],
+            client(PerfBuffers {
+                buffer: client_buf,
+                peer: to_server,
+            }),
+        )
+        .expect("add client");
+    (reactor, session, exports)
+}
+
+/// Round trips: 8 B SEND ping-pong, 8 B READ. Per iteration: one round trip.
+fn round_trips(c: &mut Criterion) {
+    const SIZE: usize = 8;
+    let mut group = c.benchmark_group("loopback_round_trip_8B");
+    group.sample_size(10);
+    for op in [PerfOp::Send, PerfOp::Read] {
+        group.bench_function(BenchmarkId::from_parameter(op), |b| {
+            b.iter_custom(|iters| {
+                let spec = PerfSpec {
+                    op,
+                    size: SIZE,
+                    iters: iters.max(1),
+                    warmup: 50,
+                    batch: 1,
+                    tx_depth: 0,
+                };
+                let (mut reactor, session, _exports) = pair(
+                    1,
+                    SIZE,
+                    |buffers| PerfHandler::Latency(LatencyClient::new(spec, buffers)),
+                    |buffers| PerfHandler::Reflect(Reflector::new(spec, buffers)),
+                );
+                reactor.run().expect("reactor run");
+                let Some(PerfHandler::Latency(client)) = reactor.handler(session) else {
+                    unreachable!("the client session holds the latency client")
+                };
+                if let Some(failure) = client.failure() {
+                    panic!("{op} round trips failed: {failure}");
+                }
+                // SEND samples are half round trips; READ samples whole ones.
+                let factor = if op == PerfOp::Read { 1 } else { 2 };
+                Duration::from_nanos(client.latencies_ns().iter().map(|ns| factor * ns).sum())
+            });
+        });
+    }
+    group.finish();
+}
+
+/// Streaming: 64 B SEND and WRITE at 1 and 16 requests per doorbell. Per
+/// iteration: one message.
+fn streaming(c: &mut Criterion) {
+    const SIZE: usize = 64;
+    let mut group = c.benchmark_group("loopback_stream_64B");
+    group.sample_size(10).throughput(Throughput::Elements(1));
+    for op in [PerfOp::Send, PerfOp::Write] {
+        for batch in [1, 16] {
+            let id = BenchmarkId::new(op.to_string(), format!("batch{batch}"));
+            group.bench_function(id, |b| {
+                b.iter_custom(|iters| {
+                    let spec = PerfSpec {
+                        op,
+                        size: SIZE,
+                        iters: iters.max(1),
+                        warmup: 0,
+                        batch,
+                        tx_depth: 0,
+                    };
+                    let (mut reactor, session, _exports) = pair(
+                        16,
+                        SIZE,
+                        |buffers| PerfHandler::Rate(RateSender::new(spec, buffers)),
+                        |_| PerfHandler::Sink(RateSink::default()),
+                    );
+                    reactor.run().expect("reactor run");
+                    let Some(PerfHandler::Rate(sender)) = reactor.handler(session) else {
+                        unreachable!("the client session holds the rate sender")
+                    };
+                    if let Some(failure) = sender.failure() {
+                        panic!("{op} streaming failed: {failure}");
+                    }
+                    let stats = black_box(sender.stats());
+                    Duration::from_secs_f64(stats.iters as f64 / (stats.msg_rate_mpps * 1e6))
+                });
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, round_trips, streaming);
+criterion_main!(benches);

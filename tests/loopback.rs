@@ -1,0 +1,369 @@
+//! The reactor over the in-process software device ([`Context::loopback`]):
+//! these tests need no RDMA device and run in every plain `cargo test`.
+//!
+//! Sessions are pairs of loopback QPs created on the reactor's CQs and
+//! handed to it directly (a `Vec<QueuePair>` source), both ends in one
+//! reactor. Waits are bounded by pass counts, never by sleeping.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use rdma_comm_core::Error;
+use rdma_comm_core::reactor::*;
+use rdma_comm_core::session::CqChoice;
+use rdma_comm_core::verbs::*;
+
+/// Passes a test waits for something before failing.
+const MAX_PASSES: usize = 200_000;
+
+/// Everything a session's handler saw.
+#[derive(Debug, Default)]
+struct Seen {
+    established: Vec<ConnId>,
+    messages: Vec<(Vec<u8>, Option<u32>)>,
+    write_imms: Vec<(u32, u32)>,
+    sends_done: Vec<u32>,
+    writes_done: Vec<u32>,
+    reads_done: Vec<u32>,
+    errors: Vec<Option<WcStatus>>,
+}
+
+/// A handler that records into a `Seen` the test keeps a handle to.
+#[derive(Debug, Clone, Default)]
+struct Recorder(Rc<RefCell<Seen>>);
+
+impl Handler for Recorder {
+    fn on_established(&mut self, _: &mut Ctx<'_>, conn: ConnId) {
+        self.0.borrow_mut().established.push(conn);
+    }
+    fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, data: &[u8], imm: Option<u32>) {
+        self.0.borrow_mut().messages.push((data.to_vec(), imm));
+    }
+    fn on_write_imm(&mut self, _: &mut Ctx<'_>, _: ConnId, imm: u32, len: u32) {
+        self.0.borrow_mut().write_imms.push((imm, len));
+    }
+    fn on_send_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, seq: u32) {
+        self.0.borrow_mut().sends_done.push(seq);
+    }
+    fn on_write_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, seq: u32) {
+        self.0.borrow_mut().writes_done.push(seq);
+    }
+    fn on_read_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, seq: u32) {
+        self.0.borrow_mut().reads_done.push(seq);
+    }
+    fn on_error(&mut self, _: &mut Ctx<'_>, _: ConnId, error: &Error) {
+        self.0.borrow_mut().errors.push(error.completion_status());
+    }
+}
+
+const ACCESS: AccessFlags = AccessFlags::REMOTE_WRITE.union(AccessFlags::REMOTE_READ);
+
+/// One session of a pair: its id, its connection and what its handler saw.
+struct End {
+    session: SessionId,
+    conn: ConnId,
+    seen: Rc<RefCell<Seen>>,
+}
+
+fn new_reactor(pd: &ProtectionDomain) -> Reactor<Recorder, ()> {
+    let config = ReactorConfig {
+        slot_size: 256,
+        recv_depth: 16,
+        send_slots: 16,
+        sq_depth: 64,
+        ..ReactorConfig::default()
+    };
+    Reactor::new(pd, config).expect("a reactor on the loopback device")
+}
+
+/// Adds two sessions of one connection each, connected to each other, and
+/// runs passes until both are established.
+fn add_pair(reactor: &mut Reactor<Recorder, ()>, pd: &ProtectionDomain) -> (End, End) {
+    let mut qp = |name: &str| {
+        let spec = reactor.qp_spec_with_access(name, ACCESS);
+        let CqChoice::Shared(cq) = spec.cq else {
+            unreachable!("qp_spec shares the reactor's CQ")
+        };
+        pd.create_qp(&cq, &cq, &spec.qp).expect("create_qp")
+    };
+    let (mut a, mut b) = (qp("a"), qp("b"));
+    let (ea, eb) = (a.endpoint(), b.endpoint());
+    a.connect(&eb).expect("connect a");
+    b.connect(&ea).expect("connect b");
+    let mut add = |qp: QueuePair| {
+        let recorder = Recorder::default();
+        let seen = Rc::clone(&recorder.0);
+        let session = reactor.add(vec![qp], recorder).expect("add");
+        let conn = reactor.conns(session).next().expect("one connection");
+        End {
+            session,
+            conn,
+            seen,
+        }
+    };
+    let (a, b) = (add(a), add(b));
+    run_until(reactor, "both ends established", || {
+        !a.seen.borrow().established.is_empty() && !b.seen.borrow().established.is_empty()
+    });
+    (a, b)
+}
+
+#[track_caller]
+fn run_until(reactor: &mut Reactor<Recorder, ()>, what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..MAX_PASSES {
+        if done() {
+            return;
+        }
+        reactor.turn().expect("a reactor pass");
+    }
+    panic!("not within {MAX_PASSES} passes: {what}");
+}
+
+fn bytes(mr: &MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
+    let mut out = vec![0; len];
+    mr.read(offset, &mut out).expect("read from region");
+    out
+}
+
+#[test]
+fn send_write_write_imm_and_read_deliver_the_right_bytes() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = new_reactor(&pd);
+    let (client, server) = add_pair(&mut reactor, &pd);
+    let mut local = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut exported = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE | ACCESS).unwrap();
+    let remote = exported.remote().unwrap();
+    local.write(0, b"written by WRITE").unwrap();
+    local.write(32, b"with an immediate").unwrap();
+    exported.write(128, b"fetched by READ").unwrap();
+
+    reactor.with_ctx(|ctx| {
+        ctx.send(client.conn, b"hello, server", Some(7)).unwrap();
+        ctx.send(server.conn, b"hello, client", None).unwrap();
+    });
+    run_until(&mut reactor, "both SENDs", || {
+        !client.seen.borrow().messages.is_empty() && !server.seen.borrow().messages.is_empty()
+    });
+    assert_eq!(
+        server.seen.borrow().messages,
+        [(b"hello, server".to_vec(), Some(7))]
+    );
+    assert_eq!(
+        client.seen.borrow().messages,
+        [(b"hello, client".to_vec(), None)]
+    );
+
+    reactor.with_ctx(|ctx| {
+        let write = local.slice(0, 16).unwrap();
+        ctx.write(client.conn, &write, remote.slice(0, 16).unwrap(), None)
+            .unwrap();
+        let write_imm = local.slice(32, 17).unwrap();
+        ctx.write(
+            client.conn,
+            &write_imm,
+            remote.slice(64, 17).unwrap(),
+            Some(0xbeef),
+        )
+        .unwrap();
+        let read = local.slice(128, 15).unwrap();
+        ctx.read(client.conn, &read, remote.slice(128, 15).unwrap())
+            .unwrap();
+    });
+    run_until(
+        &mut reactor,
+        "the WRITEs, the WRITE_WITH_IMM and the READ",
+        || {
+            let seen = client.seen.borrow();
+            seen.writes_done.len() == 2
+                && seen.reads_done.len() == 1
+                && server.seen.borrow().write_imms.len() == 1
+        },
+    );
+    assert_eq!(server.seen.borrow().write_imms, [(0xbeef, 17)]);
+    assert_eq!(bytes(&exported, 0, 16), b"written by WRITE");
+    assert_eq!(bytes(&exported, 64, 17), b"with an immediate");
+    assert_eq!(bytes(&local, 128, 15), b"fetched by READ");
+    for end in [&client, &server] {
+        assert!(
+            end.seen.borrow().errors.is_empty(),
+            "{:?}",
+            end.seen.borrow()
+        );
+    }
+}
+
+#[test]
+fn many_messages_each_way_arrive_in_order() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = new_reactor(&pd);
+    let (a, b) = add_pair(&mut reactor, &pd);
+    // Far more than the receive depth: credits pace the senders.
+    const COUNT: u32 = 2_000;
+    let ends = [&a, &b];
+    let mut next = [0u32; 2];
+    let arrived = || {
+        ends.iter()
+            .all(|end| end.seen.borrow().messages.len() == COUNT as usize)
+    };
+    let mut passes = 0;
+    while !arrived() {
+        assert!(
+            passes < MAX_PASSES,
+            "not every message within {MAX_PASSES} passes"
+        );
+        passes += 1;
+        reactor.with_ctx(|ctx| {
+            for (end, next) in ends.iter().zip(&mut next) {
+                while *next < COUNT {
+                    match ctx.send(end.conn, &next.to_le_bytes(), Some(*next)) {
+                        Ok(_) => *next += 1,
+                        Err(SendError::WouldBlock) => break,
+                        Err(err) => panic!("staging a SEND: {err}"),
+                    }
+                }
+            }
+        });
+        reactor.turn().unwrap();
+    }
+    for end in ends {
+        let seen = end.seen.borrow();
+        for (i, (data, imm)) in seen.messages.iter().enumerate() {
+            let i = i as u32;
+            assert_eq!((data.as_slice(), *imm), (&i.to_le_bytes()[..], Some(i)));
+        }
+        assert!(seen.errors.is_empty());
+    }
+}
+
+#[test]
+fn a_bad_rkey_fails_its_session_while_another_keeps_running() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = new_reactor(&pd);
+    let (bad, bad_peer) = add_pair(&mut reactor, &pd);
+    let (good, good_peer) = add_pair(&mut reactor, &pd);
+    let local = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let exported = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | ACCESS).unwrap();
+    let real = exported.remote().unwrap();
+    let forged = RemoteRegion::new(real.addr(), real.len(), real.rkey().wrapping_add(0x1000));
+
+    reactor.with_ctx(|ctx| {
+        let slice = local.slice(0, 8).unwrap();
+        ctx.write(bad.conn, &slice, forged.slice(0, 8).unwrap(), None)
+            .unwrap();
+    });
+    run_until(&mut reactor, "the failed WRITE's error", || {
+        !bad.seen.borrow().errors.is_empty()
+    });
+    assert_eq!(bad.seen.borrow().errors, [Some(WcStatus::REM_ACCESS_ERR)]);
+    assert!(matches!(
+        reactor.with_ctx(|ctx| ctx.send(bad.conn, b"x", None)),
+        Err(SendError::Closed)
+    ));
+
+    // The other session is untouched.
+    for round in 0..50u32 {
+        reactor.with_ctx(|ctx| ctx.send(good.conn, &round.to_le_bytes(), None).unwrap());
+        run_until(&mut reactor, "the good session's message", || {
+            good_peer.seen.borrow().messages.len() == round as usize + 1
+        });
+    }
+    assert!(good.seen.borrow().errors.is_empty());
+    assert!(good_peer.seen.borrow().errors.is_empty());
+    assert!(bad_peer.seen.borrow().messages.is_empty());
+}
+
+#[test]
+fn removing_a_session_flushes_and_reclaims_it() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = new_reactor(&pd);
+    let (gone, orphan) = add_pair(&mut reactor, &pd);
+    let (stays, stays_peer) = add_pair(&mut reactor, &pd);
+    let before = reactor.memory();
+    assert_eq!(before.connections, 4);
+
+    // Receives are posted on `gone`'s QP: removal moves it to the error
+    // state (flushing them into the shared CQ) and destroys it.
+    let (_link, handler) = reactor.remove(gone.session).expect("a known session");
+    drop(handler);
+    let after = reactor.memory();
+    assert_eq!(after.connections, 3);
+    assert!(after.receive_bytes < before.receive_bytes);
+    assert!(after.send_bytes < before.send_bytes);
+    assert!(reactor.handler(gone.session).is_none());
+    for _ in 0..100 {
+        reactor.turn().unwrap();
+    }
+    // The flushed completions went nowhere: nobody saw an error yet.
+    assert!(gone.seen.borrow().errors.is_empty());
+    assert!(orphan.seen.borrow().errors.is_empty());
+
+    // The orphaned peer finds out when it next talks to the removed QP.
+    reactor.with_ctx(|ctx| ctx.send(orphan.conn, b"anyone?", None).unwrap());
+    run_until(&mut reactor, "the orphan's error", || {
+        !orphan.seen.borrow().errors.is_empty()
+    });
+    assert_eq!(
+        orphan.seen.borrow().errors[0],
+        Some(WcStatus::RETRY_EXC_ERR)
+    );
+    reactor.remove(orphan.session).expect("a known session");
+    assert_eq!(reactor.memory().connections, 2);
+
+    // The slots are reused by a new pair, and the survivors keep talking.
+    let (fresh, fresh_peer) = add_pair(&mut reactor, &pd);
+    reactor.with_ctx(|ctx| {
+        ctx.send(fresh.conn, b"new", None).unwrap();
+        ctx.send(stays.conn, b"old", None).unwrap();
+    });
+    run_until(&mut reactor, "both messages", || {
+        fresh_peer.seen.borrow().messages.len() == 1 && stays_peer.seen.borrow().messages.len() == 1
+    });
+    assert_eq!(reactor.sessions().count(), 4);
+    assert!(stays.seen.borrow().errors.is_empty());
+}
+
+#[test]
+fn loopback_objects_dropped_in_any_order_do_not_crash() {
+    for order in 0..4 {
+        // SAFETY: one thread serves every QP of this device and reads every byte.
+        let ctx = unsafe { Context::loopback() };
+        let pd = ctx.alloc_pd().unwrap();
+        let mut reactor = new_reactor(&pd);
+        let (a, b) = add_pair(&mut reactor, &pd);
+        let local = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+        let exported = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | ACCESS).unwrap();
+        let remote = exported.remote().unwrap();
+        // Work in flight (staged, not yet flushed) when things go away.
+        reactor.with_ctx(|ctx| {
+            let slice = local.slice(0, 8).unwrap();
+            ctx.write(a.conn, &slice, remote.slice(0, 8).unwrap(), None)
+                .unwrap();
+            ctx.send(b.conn, b"pending", None).unwrap();
+        });
+        match order {
+            0 => drop((reactor, local, exported, pd, ctx)),
+            1 => drop((ctx, pd, exported, local, reactor)),
+            2 => {
+                // The target region goes first: the WRITE fails cleanly.
+                drop(exported);
+                run_until(&mut reactor, "the WRITE's failure", || {
+                    !a.seen.borrow().errors.is_empty()
+                });
+                assert_eq!(a.seen.borrow().errors, [Some(WcStatus::REM_ACCESS_ERR)]);
+                drop((pd, reactor, local, ctx));
+            }
+            _ => {
+                reactor.remove(b.session);
+                drop((local, ctx, reactor, exported, pd));
+            }
+        }
+    }
+}
