@@ -100,6 +100,7 @@ fn latency(c: &mut Criterion) {
                             iters,
                             warmup: 50,
                             batch: 1,
+                            tx_depth: 0,
                         };
                         let (mut reactor, session) = pair(
                             &pd,
@@ -142,6 +143,7 @@ fn message_rate(c: &mut Criterion) {
                             iters: iters.max(1),
                             warmup: 0,
                             batch,
+                            tx_depth: 0,
                         };
                         let (mut reactor, session) = pair(
                             &pd,

@@ -58,6 +58,11 @@ struct Args {
     /// Measured iterations per size.
     #[arg(short = 'n', long, default_value_t = 1000)]
     iters: u64,
+    /// Bandwidth: most requests outstanding at once (perftest's -t, whose
+    /// default for bandwidth tests is 128); 0: as many as the send queue
+    /// and the peer's credits allow.
+    #[arg(short = 't', long, default_value_t = 128)]
+    tx_depth: u64,
     /// Unmeasured iterations first (latency).
     #[arg(long, default_value_t = 100)]
     warmup: u64,
@@ -141,6 +146,7 @@ fn spec(args: &Args, size: usize) -> PerfSpec {
         iters: args.iters.max(1),
         warmup: args.warmup,
         batch: args.reactor.batch_or(16),
+        tx_depth: args.tx_depth,
     }
 }
 

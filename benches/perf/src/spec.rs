@@ -45,6 +45,11 @@ pub struct PerfSpec {
     pub warmup: u64,
     /// Bandwidth: most requests per doorbell.
     pub batch: usize,
+    /// Bandwidth: most requests outstanding (posted and not yet known
+    /// complete), perftest's `-t`; 0 leaves it to the send queue and the
+    /// credits. Without a bound, a fast sender keeps hundreds of large
+    /// WRITEs queued at once, which no NIC needs to stay busy.
+    pub tx_depth: u64,
 }
 
 /// Buffers one side needs. `buffer` holds `2 × size` bytes and is exported:
