@@ -13,8 +13,7 @@ fn pair(
     cq_size: u32,
     access: AccessFlags,
 ) -> (ProtectionDomain, CompletionQueue, QueuePair, QueuePair) {
-    // SAFETY: one thread serves every QP of this device and reads every byte.
-    let ctx = unsafe { Context::loopback() };
+    let ctx = single_threaded_context();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(cq_size, None).unwrap();
     let config = QpConfig {
@@ -49,8 +48,7 @@ fn bytes(mr: &MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
 
 #[test]
 fn the_device_reports_one_active_port_with_a_loopback_gid() {
-    // SAFETY: one thread serves every QP of this device and reads every byte.
-    let ctx = unsafe { Context::loopback() };
+    let ctx = single_threaded_context();
     assert!(ctx.is_loopback());
     assert_eq!(ctx.name(), "loopback");
     assert_eq!(ctx.first_active_port().unwrap(), 1);
@@ -58,8 +56,7 @@ fn the_device_reports_one_active_port_with_a_loopback_gid() {
     assert_eq!(gid.index, 0);
     assert_eq!(gid.gid.to_string(), "::ffff:127.0.0.1");
     assert!(ctx.query_port(2).is_err());
-    // SAFETY: nothing is posted on either context.
-    assert!(!ctx.same_context(&unsafe { Context::loopback() }));
+    assert!(!ctx.same_context(&single_threaded_context()));
 }
 
 #[test]
@@ -403,8 +400,7 @@ fn a_full_cq_fails_the_qp_and_then_reports_the_overflow() {
 
 #[test]
 fn queues_refuse_more_than_their_depth() {
-    // SAFETY: one thread serves every QP of this device and reads every byte.
-    let ctx = unsafe { Context::loopback() };
+    let ctx = single_threaded_context();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(64, None).unwrap();
     let config = QpConfig {
@@ -434,8 +430,7 @@ fn queues_refuse_more_than_their_depth() {
 
 #[test]
 fn connecting_needs_a_live_peer_and_happens_once() {
-    // SAFETY: one thread serves every QP of this device and reads every byte.
-    let ctx = unsafe { Context::loopback() };
+    let ctx = single_threaded_context();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(8, None).unwrap();
     let mut a = pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap();
@@ -454,8 +449,7 @@ fn connecting_needs_a_live_peer_and_happens_once() {
 
 #[test]
 fn qps_of_different_loopback_contexts_connect() {
-    // SAFETY: this test's one thread posts every request and reads every byte.
-    let (ctx1, ctx2) = unsafe { (Context::loopback(), Context::loopback()) };
+    let (ctx1, ctx2) = (single_threaded_context(), single_threaded_context());
     let (pd1, pd2) = (ctx1.alloc_pd().unwrap(), ctx2.alloc_pd().unwrap());
     let mut cq1 = ctx1.create_cq(8, None).unwrap();
     let mut cq2 = ctx2.create_cq(8, None).unwrap();
@@ -482,8 +476,7 @@ fn qps_of_different_loopback_contexts_connect() {
 
 #[test]
 fn unsupported_verbs_say_so() {
-    // SAFETY: one thread serves every QP of this device and reads every byte.
-    let ctx = unsafe { Context::loopback() };
+    let ctx = single_threaded_context();
     let pd = ctx.alloc_pd().unwrap();
     assert!(matches!(
         ctx.create_comp_channel(),
