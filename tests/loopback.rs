@@ -367,3 +367,51 @@ fn loopback_objects_dropped_in_any_order_do_not_crash() {
         }
     }
 }
+
+#[test]
+fn a_write_keeps_its_source_registered_after_the_region_is_dropped() {
+    // Three WRITEs from three regions staged in one go: the first region
+    // becomes the connection's kept registration, the other two are held by
+    // handles of their own (the kept one is in flight). Their regions are
+    // dropped before the doorbell; the device reads them at the doorbell
+    // (the loopback device resolves the local key then, as a NIC's DMA
+    // would), so a handle not held would show as a local protection error.
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = new_reactor(&pd);
+    let (client, _server) = add_pair(&mut reactor, &pd);
+    // Larger than the inline limit: a WRITE the device reads by key.
+    const LEN: usize = 200;
+    let exported = pd
+        .alloc_mr(3 * LEN, AccessFlags::LOCAL_WRITE | ACCESS)
+        .unwrap();
+    let remote = exported.remote().unwrap();
+    let sources: Vec<MemoryRegion> = [b"first...", b"second..", b"third..."]
+        .into_iter()
+        .map(|text| {
+            let mut region = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
+            region.write(0, &text.repeat(LEN / 8)).unwrap();
+            region
+        })
+        .collect();
+    reactor.with_ctx(|ctx| {
+        for (i, region) in sources.iter().enumerate() {
+            let local = region.slice(0, LEN).unwrap();
+            let target = remote.slice((LEN * i) as u64, LEN as u64).unwrap();
+            ctx.write(client.conn, &local, target, None).unwrap();
+        }
+    });
+    drop(sources);
+    run_until(&mut reactor, "three WRITEs", || {
+        let seen = client.seen.borrow();
+        seen.writes_done.len() == 3 || !seen.errors.is_empty()
+    });
+    assert!(
+        client.seen.borrow().errors.is_empty(),
+        "{:?}",
+        client.seen.borrow()
+    );
+    let expected = [b"first...", b"second..", b"third..."].map(|text| text.repeat(LEN / 8));
+    assert_eq!(bytes(&exported, 0, 3 * LEN), expected.concat());
+}

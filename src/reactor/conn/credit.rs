@@ -148,6 +148,7 @@ impl Conn {
         self.stage_signaled(
             request,
             SqOp::of(OpKind::Credit),
+            None,
             force_signal || last_credit,
         );
     }

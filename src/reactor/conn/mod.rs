@@ -17,8 +17,8 @@ use crate::verbs::{
 use super::{ConnId, ReactorConfig, SendError, SessionId};
 
 pub(crate) use ring::{Ring, SharedRing, recv_request};
+use staging::SqOp;
 pub(crate) use staging::{ForwardOrigin, OpKind};
-use staging::{Keep, SqOp};
 pub(crate) use wr_id::{MAX_CONNS, SRQ_SLOT_BITS, WrKind};
 pub(crate) use wr_id::{
     decode as decode_wr_id, same_generation, srq_recv as srq_recv_wr_id, srq_slot,
@@ -80,6 +80,10 @@ pub(crate) struct Conn {
     send_in_use: u32,
     // Send-queue accounting: ops[seq % depth] for seq in [sq_done, sq_next).
     ops: Box<[SqOp]>,
+    /// Beside `ops`: the registration handle of an op that holds one of
+    /// its own (`Keep::Own`), None elsewhere. Dropped after the QP (declared
+    /// after it), so a handle never outlives its use by the device.
+    owned: Box<[Option<Registration>]>,
     sq_depth: u32,
     sq_next: u32,
     sq_done: u32,
@@ -180,6 +184,9 @@ impl Conn {
             send_head: 0,
             send_in_use: 0,
             ops: vec![SqOp::default(); sq_depth as usize].into_boxed_slice(),
+            owned: std::iter::repeat_with(|| None)
+                .take(sq_depth as usize)
+                .collect(),
             sq_depth,
             sq_next: 0,
             sq_done: 0,
@@ -229,15 +236,16 @@ impl Conn {
     pub(crate) fn fail(&mut self, mut release: impl FnMut(ConnId, u32, bool)) {
         self.state = ConnState::Failed;
         while self.sq_used() > 0 {
+            // The kept registration (`Keep::Cached`) stays with the
+            // connection as it is; an own handle is bounded by the SQ depth
+            // (this runs once per connection). Taken before `pop_oldest`,
+            // which would drop it.
+            if let Some(registration) = self.take_oldest_owned() {
+                self.retired.push(registration);
+            }
             let (_, op) = self.pop_oldest();
             if let (OpKind::Forward, Some(origin)) = (op.kind, op.origin) {
                 release(origin, op.slot, op.from_srq);
-            }
-            // The kept registration (`Keep::Cached`) stays with the
-            // connection as it is; an own handle is bounded by the SQ depth
-            // (this runs once per connection).
-            if let Keep::Own(registration) = op.keep {
-                self.retired.push(registration);
             }
         }
         self.batch.clear();

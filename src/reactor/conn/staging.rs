@@ -11,8 +11,10 @@ use super::ring::SlotSource;
 use super::{CREDIT_HEADER_LEN, Conn, ConnId, ConnState, SendError, wr_id};
 
 /// An operation on the send queue, remembered until a signaled completion
-/// at or after it proves it done.
-#[derive(Clone, Debug, Default)]
+/// at or after it proves it done. Plain data: staging and retiring one
+/// copies a few words and runs no drop glue (the registration a request
+/// holds by handle, the rare case, waits in `Conn::owned` beside it).
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct SqOp {
     pub(crate) kind: OpKind,
     /// For a forward, the receive slot of connection `origin` to repost.
@@ -38,7 +40,7 @@ pub(crate) struct ForwardOrigin {
 }
 
 /// How a request holds the registration of its local memory.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum Keep {
     /// It points at the connection's own send ring (or nothing).
     #[default]
@@ -47,8 +49,8 @@ pub(crate) enum Keep {
     /// `kept_in_flight`: the common case of one buffer region used over and
     /// over costs no atomic reference count per request.
     Cached,
-    /// A handle of its own.
-    Own(Registration),
+    /// A handle of its own, in `Conn::owned` at the op's position.
+    Own,
 }
 
 impl SqOp {
@@ -100,22 +102,25 @@ impl Conn {
         Ok(())
     }
 
-    /// Records `op` in the SQ ring, decides its signaling, and stages it.
-    #[inline]
-    fn stage(&mut self, request: SendDescriptor, op: SqOp) -> u32 {
-        self.stage_signaled(request, op, false)
-    }
-
+    /// Records `op` in the SQ ring (with the registration handle an op of
+    /// `Keep::Own` holds, `owned`), decides its signaling (always if
+    /// `force_signal`), and stages it.
     #[inline]
     pub(super) fn stage_signaled(
         &mut self,
         request: SendDescriptor,
         op: SqOp,
+        owned: Option<Registration>,
         force_signal: bool,
     ) -> u32 {
         let seq = self.sq_next;
         self.sq_next = seq.wrapping_add(1);
-        self.ops[(seq & (self.sq_depth - 1)) as usize] = op;
+        let at = (seq & (self.sq_depth - 1)) as usize;
+        self.ops[at] = op;
+        if owned.is_some() {
+            // Empty: the op that was here retired and took its handle.
+            self.owned[at] = owned;
+        }
         // Selective signaling: every Nth request, and early whenever the SQ or
         // the slot ring gets low, so resources held by unsignaled requests are
         // always freed by a later signaled one.
@@ -181,7 +186,7 @@ impl Conn {
             len: (CREDIT_HEADER_LEN + len) as u32,
             lkey: self.send_ring.lkey,
         };
-        Ok(self.stage_credited_send(header, sge, imm, SqOp::of(OpKind::Send)))
+        Ok(self.stage_credited_send(header, sge, imm, SqOp::of(OpKind::Send), None))
     }
 
     /// Stages a SEND of `len` bytes (header included) straight from receive
@@ -208,7 +213,7 @@ impl Conn {
             lkey: source.lkey,
         };
         let header = source.ptr;
-        let keep = self.keep(source.registration_id, || registration);
+        let (keep, owned) = self.keep(source.registration_id, || registration);
         let op = SqOp {
             kind: OpKind::Forward,
             slot: origin.slot,
@@ -216,7 +221,7 @@ impl Conn {
             from_srq: origin.from_srq,
             keep,
         };
-        Ok(self.stage_credited_send(header, sge, imm, op))
+        Ok(self.stage_credited_send(header, sge, imm, op, owned))
     }
 
     /// Stages a SEND (address, length, lkey in `sge`) that consumes one peer
@@ -230,6 +235,7 @@ impl Conn {
         sge: Sge,
         imm: Option<u32>,
         op: SqOp,
+        owned: Option<Registration>,
     ) -> u32 {
         // SAFETY: `header` starts a send slot or a held receive slot that this
         // request is about to carry: at least CREDIT_HEADER_LEN bytes we own,
@@ -238,7 +244,7 @@ impl Conn {
         let request = SendDescriptor::send(sge, imm);
         self.consumed = self.consumed.wrapping_add(1);
         self.has_staged_send = true;
-        self.stage(request, op)
+        self.stage_signaled(request, op, owned, false)
     }
 
     /// Stages a WRITE (or WRITE_WITH_IMM, which consumes a peer receive).
@@ -259,13 +265,14 @@ impl Conn {
             self.consumed = self.consumed.wrapping_add(1);
         }
         let request = SendDescriptor::write(Sge::from(local), remote, imm);
+        let (keep, owned) = self.keep(local.registration().id(), || {
+            Some(local.registration().clone())
+        });
         let op = SqOp {
-            keep: self.keep(local.registration().id(), || {
-                Some(local.registration().clone())
-            }),
+            keep,
             ..SqOp::of(OpKind::Write)
         };
-        Ok(self.stage(request, op))
+        Ok(self.stage_signaled(request, op, owned, false))
     }
 
     /// Stages a READ of `remote` into `local`.
@@ -287,15 +294,16 @@ impl Conn {
         }
         self.admit(false, false)?;
         let request = SendDescriptor::read(Sge::from(local), remote);
+        let (keep, owned) = self.keep(local.registration().id(), || {
+            Some(local.registration().clone())
+        });
         let op = SqOp {
-            keep: self.keep(local.registration().id(), || {
-                Some(local.registration().clone())
-            }),
+            keep,
             ..SqOp::of(OpKind::Read)
         };
         // Always signaled: a READ's completion is the only sign its data has
         // landed, and callers wait for it.
-        Ok(self.stage_signaled(request, op, true))
+        Ok(self.stage_signaled(request, op, owned, true))
     }
 
     /// Signals the last staged request, so it and everything before it
@@ -316,21 +324,30 @@ impl Conn {
     }
 
     /// Retires the oldest op, releasing its send slot (and the
-    /// registration it kept).
+    /// registration it kept: the request is complete, so the device no
+    /// longer uses the memory).
     #[inline]
     pub(crate) fn pop_oldest(&mut self) -> (u32, SqOp) {
         let seq = self.sq_done;
-        let op = std::mem::take(&mut self.ops[(seq & (self.sq_depth - 1)) as usize]);
+        let at = (seq & (self.sq_depth - 1)) as usize;
+        let op = self.ops[at];
         self.sq_done = seq.wrapping_add(1);
-        match op.kind {
-            OpKind::Send => {
+        match (op.kind, op.keep) {
+            (OpKind::Send, _) => {
                 self.send_head = (self.send_head + 1) & (self.send_slots - 1);
                 self.send_in_use -= 1;
             }
-            _ if matches!(op.keep, Keep::Cached) => self.kept_in_flight -= 1,
-            _ => {}
+            (_, Keep::Cached) => self.kept_in_flight -= 1,
+            (_, Keep::Own) => drop(self.owned[at].take()),
+            (_, Keep::Nothing) => {}
         }
         (seq, op)
+    }
+
+    /// The registration handle the oldest op in flight holds, taken out
+    /// (a failed connection keeps it until its QP is destroyed).
+    pub(super) fn take_oldest_owned(&mut self) -> Option<Registration> {
+        self.owned[(self.sq_done & (self.sq_depth - 1)) as usize].take()
     }
 
     /// True if the connection's kept registration is the one `id` names.
@@ -342,22 +359,26 @@ impl Conn {
     /// Holds the registration `id` names for one more request: through the
     /// kept one if it is that (no reference count touched), else a handle
     /// from `handle`, which becomes the kept one when nothing in flight
-    /// uses the old.
+    /// uses the old, or else is returned for the op to own.
     #[inline]
-    fn keep(&mut self, id: usize, handle: impl FnOnce() -> Option<Registration>) -> Keep {
+    fn keep(
+        &mut self,
+        id: usize,
+        handle: impl FnOnce() -> Option<Registration>,
+    ) -> (Keep, Option<Registration>) {
         if self.keeps(id) {
             self.kept_in_flight += 1;
-            return Keep::Cached;
+            return (Keep::Cached, None);
         }
         let Some(registration) = handle() else {
-            return Keep::Nothing;
+            return (Keep::Nothing, None);
         };
         if self.kept_in_flight == 0 {
             self.kept = Some(registration);
             self.kept_in_flight = 1;
-            Keep::Cached
+            (Keep::Cached, None)
         } else {
-            Keep::Own(registration)
+            (Keep::Own, Some(registration))
         }
     }
 
