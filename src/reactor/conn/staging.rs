@@ -116,6 +116,10 @@ impl Conn {
         let seq = self.sq_next;
         self.sq_next = seq.wrapping_add(1);
         let at = (seq & (self.sq_depth - 1)) as usize;
+        // An own handle goes with `Keep::Own` and nothing else, and the
+        // op that had this position before took its handle when it retired.
+        debug_assert_eq!(op.keep == Keep::Own, owned.is_some());
+        debug_assert!(self.owned[at].is_none());
         self.ops[at] = op;
         if owned.is_some() {
             // Empty: the op that was here retired and took its handle.
@@ -328,6 +332,8 @@ impl Conn {
     /// longer uses the memory).
     #[inline]
     pub(crate) fn pop_oldest(&mut self) -> (u32, SqOp) {
+        // Entries outside [sq_done, sq_next) are stale: never retire one.
+        debug_assert!(self.sq_used() > 0);
         let seq = self.sq_done;
         let at = (seq & (self.sq_depth - 1)) as usize;
         let op = self.ops[at];
