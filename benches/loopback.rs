@@ -21,71 +21,22 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use rdma_comm_core::reactor::*;
-use rdma_comm_core::session::CqChoice;
 use rdma_comm_core::verbs::*;
+use rdma_perf::loopback::perf_pair;
 use rdma_perf::*;
 
 /// One reactor holding both ends of a loopback connection; returns it with
-/// the client's session id and the registrations of both exported buffers,
-/// which stay registered until the run is over even if a role drops its
-/// buffer (the sink does; a real server keeps its exports in the session).
+/// the client's session id and the registrations of both exported buffers
+/// (see [`perf_pair`]).
 fn pair(
     signal_interval: u32,
     size: usize,
     client: impl FnOnce(PerfBuffers) -> PerfHandler,
     server: impl FnOnce(PerfBuffers) -> PerfHandler,
 ) -> (Reactor<PerfHandler, ()>, SessionId, [Registration; 2]) {
-    // SAFETY: one thread serves every QP of this device and reads every byte.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("alloc_pd on the loopback device");
-    let config = ReactorConfig {
-        signal_interval,
-        slot_size: 256,
-        ..ReactorConfig::default()
-    };
-    let mut reactor: Reactor<PerfHandler, ()> = Reactor::new(&pd, config).expect("reactor");
-    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
-    let mut qp = |name: &str| {
-        let spec = reactor.qp_spec_with_access(name, access);
-        let CqChoice::Shared(cq) = spec.cq else {
-            unreachable!("qp_spec shares the reactor's CQ")
-        };
-        pd.create_qp(&cq, &cq, &spec.qp).expect("create_qp")
-    };
-    let (mut client_qp, mut server_qp) = (qp("client"), qp("server"));
-    let (client_end, server_end) = (client_qp.endpoint(), server_qp.endpoint());
-    client_qp.connect(&server_end).expect("connect");
-    server_qp.connect(&client_end).expect("connect");
-    let buffer = || {
-        pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | access)
-            .expect("alloc_mr")
-    };
-    let (client_buf, server_buf) = (buffer(), buffer());
-    let to_server = server_buf.remote().expect("exportable");
-    let to_client = client_buf.remote().expect("exportable");
-    let exports = [
-        client_buf.registration().clone(),
-        server_buf.registration().clone(),
-    ];
-    reactor
-        .add(
-            vec![server_qp],
-            server(PerfBuffers {
-                buffer: server_buf,
-                peer: to_client,
-            }),
-        )
-        .expect("add server");
-    let session = reactor
-        .add(
-            vec![client_qp],
-            client(PerfBuffers {
-                buffer: client_buf,
-                peer: to_server,
-            }),
-        )
-        .expect("add client");
-    (reactor, session, exports)
+    let pair = perf_pair(signal_interval, size, client, server)
+        .expect("a reactor with both ends on the loopback device");
+    (pair.reactor, pair.client, pair.exports)
 }
 
 /// Round trips: 8 B SEND ping-pong, 8 B READ. Per iteration: one round trip.

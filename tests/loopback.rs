@@ -10,8 +10,8 @@ use std::rc::Rc;
 
 use rdma_comm_core::Error;
 use rdma_comm_core::reactor::*;
-use rdma_comm_core::session::CqChoice;
 use rdma_comm_core::verbs::*;
+use rdma_perf::loopback::connected_pair;
 
 /// Passes a test waits for something before failing.
 const MAX_PASSES: usize = 200_000;
@@ -79,17 +79,7 @@ fn new_reactor(pd: &ProtectionDomain) -> Reactor<Recorder, ()> {
 /// Adds two sessions of one connection each, connected to each other, and
 /// runs passes until both are established.
 fn add_pair(reactor: &mut Reactor<Recorder, ()>, pd: &ProtectionDomain) -> (End, End) {
-    let mut qp = |name: &str| {
-        let spec = reactor.qp_spec_with_access(name, ACCESS);
-        let CqChoice::Shared(cq) = spec.cq else {
-            unreachable!("qp_spec shares the reactor's CQ")
-        };
-        pd.create_qp(&cq, &cq, &spec.qp).expect("create_qp")
-    };
-    let (mut a, mut b) = (qp("a"), qp("b"));
-    let (ea, eb) = (a.endpoint(), b.endpoint());
-    a.connect(&eb).expect("connect a");
-    b.connect(&ea).expect("connect b");
+    let (a, b) = connected_pair(reactor, pd, ACCESS).expect("two connected QPs");
     let mut add = |qp: QueuePair| {
         let recorder = Recorder::default();
         let seen = Rc::clone(&recorder.0);

@@ -17,6 +17,7 @@
 
 mod handler;
 mod latency;
+pub mod loopback;
 mod rate;
 mod run_end;
 mod spec;

@@ -17,12 +17,8 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use rdma_comm_core::reactor::{Reactor, ReactorConfig};
-use rdma_comm_core::session::CqChoice;
-use rdma_comm_core::verbs::{AccessFlags, Context};
-use rdma_perf::{
-    LatencyClient, PerfBuffers, PerfHandler, PerfOp, PerfSpec, RateSender, RateSink, Reflector,
-};
+use rdma_perf::loopback::{PerfPair, perf_pair};
+use rdma_perf::{LatencyClient, PerfHandler, PerfOp, PerfSpec, RateSender, RateSink, Reflector};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
@@ -61,45 +57,6 @@ fn main() -> ExitCode {
 /// Runs one case; returns wall nanoseconds per message.
 fn run(op: PerfOp, latency: bool, batch: usize, messages: u64) -> Result<f64, String> {
     let size = if latency { 8 } else { 64 };
-    // SAFETY: this thread serves both QPs of the device and is the only one
-    // that touches the registered bytes.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
-    let config = ReactorConfig {
-        signal_interval: if latency { 1 } else { 16 },
-        slot_size: 256,
-        ..ReactorConfig::default()
-    };
-    let mut reactor: Reactor<PerfHandler, ()> =
-        Reactor::new(&pd, config).map_err(|e| e.to_string())?;
-    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
-    let mut qps = Vec::new();
-    for name in ["client", "server"] {
-        let spec = reactor.qp_spec_with_access(name, access);
-        let CqChoice::Shared(cq) = spec.cq else {
-            return Err("qp_spec did not share the reactor's CQ".into());
-        };
-        qps.push(
-            pd.create_qp(&cq, &cq, &spec.qp)
-                .map_err(|e| e.to_string())?,
-        );
-    }
-    let (mut server_qp, mut client_qp) = (qps.pop().ok_or("no QP")?, qps.pop().ok_or("no QP")?);
-    let (client_end, server_end) = (client_qp.endpoint(), server_qp.endpoint());
-    client_qp.connect(&server_end).map_err(|e| e.to_string())?;
-    server_qp.connect(&client_end).map_err(|e| e.to_string())?;
-    let buffer = || pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | access);
-    let (client_buf, server_buf) = (
-        buffer().map_err(|e| e.to_string())?,
-        buffer().map_err(|e| e.to_string())?,
-    );
-    let to_server = server_buf.remote().map_err(|e| e.to_string())?;
-    let to_client = client_buf.remote().map_err(|e| e.to_string())?;
-    // The sink drops its buffer: keep both registered for the run.
-    let _keep = [
-        client_buf.registration().clone(),
-        server_buf.registration().clone(),
-    ];
     let spec = PerfSpec {
         op,
         size,
@@ -108,35 +65,31 @@ fn run(op: PerfOp, latency: bool, batch: usize, messages: u64) -> Result<f64, St
         batch,
         tx_depth: 0,
     };
-    let server_buffers = PerfBuffers {
-        buffer: server_buf,
-        peer: to_client,
-    };
-    let client_buffers = PerfBuffers {
-        buffer: client_buf,
-        peer: to_server,
-    };
-    let (server, client) = if latency {
-        (
-            PerfHandler::Reflect(Reflector::new(spec, server_buffers)),
-            PerfHandler::Latency(LatencyClient::new(spec, client_buffers)),
+    let signal_interval = if latency { 1 } else { 16 };
+    let pair = if latency {
+        perf_pair(
+            signal_interval,
+            size,
+            |buffers| PerfHandler::Latency(LatencyClient::new(spec, buffers)),
+            |buffers| PerfHandler::Reflect(Reflector::new(spec, buffers)),
         )
     } else {
-        (
-            PerfHandler::Sink(RateSink::default()),
-            PerfHandler::Rate(RateSender::new(spec, client_buffers)),
+        perf_pair(
+            signal_interval,
+            size,
+            |buffers| PerfHandler::Rate(RateSender::new(spec, buffers)),
+            |_| PerfHandler::Sink(RateSink::default()),
         )
     };
-    reactor
-        .add(vec![server_qp], server)
-        .map_err(|e| e.to_string())?;
-    let session = reactor
-        .add(vec![client_qp], client)
-        .map_err(|e| e.to_string())?;
+    let PerfPair {
+        mut reactor,
+        client,
+        exports: _exports,
+    } = pair.map_err(|e| e.to_string())?;
     let started = Instant::now();
     reactor.run().map_err(|e| e.to_string())?;
     let elapsed = started.elapsed();
-    let failure = match reactor.handler(session) {
+    let failure = match reactor.handler(client) {
         Some(PerfHandler::Latency(client)) => client.failure().map(str::to_owned),
         Some(PerfHandler::Rate(sender)) => sender.failure().map(str::to_owned),
         _ => Some("the client session is gone".into()),

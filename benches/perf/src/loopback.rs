@@ -1,0 +1,98 @@
+//! Both ends of a connection on one reactor over the in-process loopback
+//! device ([`Context::loopback`]): what `benches/loopback.rs`, the
+//! `loopback_path` program (`tools/instr-count --host`) and the host tests
+//! of the reactor set up, so the reactor's own path runs with no NIC.
+
+use rdma_comm_core::reactor::{Handler, PeerLink, Reactor, ReactorConfig, SessionId};
+use rdma_comm_core::session::CqChoice;
+use rdma_comm_core::verbs::{AccessFlags, Context, ProtectionDomain, QueuePair, Registration};
+use rdma_comm_core::{Error, Result};
+
+use crate::{PerfBuffers, PerfHandler};
+
+/// Two QPs of `pd` on `reactor`'s CQs (as [`Reactor::qp_spec_with_access`]
+/// gives them), granting `access`, connected to each other: ready for
+/// [`Reactor::add`] as `vec![qp]` sources.
+pub fn connected_pair<H: Handler, L: PeerLink>(
+    reactor: &mut Reactor<H, L>,
+    pd: &ProtectionDomain,
+    access: AccessFlags,
+) -> Result<(QueuePair, QueuePair)> {
+    let mut qp = |name: &str| {
+        let spec = reactor.qp_spec_with_access(name, access);
+        let CqChoice::Shared(cq) = spec.cq else {
+            return Err(Error::InvalidArgument(
+                "qp_spec did not share the reactor's CQ",
+            ));
+        };
+        pd.create_qp(&cq, &cq, &spec.qp)
+    };
+    let (mut a, mut b) = (qp("a")?, qp("b")?);
+    let (to_a, to_b) = (a.endpoint(), b.endpoint());
+    a.connect(&to_b)?;
+    b.connect(&to_a)?;
+    Ok((a, b))
+}
+
+/// A reactor on a new loopback device holding a client and a server
+/// session of one connection, built by [`perf_pair`].
+#[derive(Debug)]
+pub struct PerfPair {
+    /// The reactor; [`Reactor::run`] it.
+    pub reactor: Reactor<PerfHandler, ()>,
+    /// The client's session.
+    pub client: SessionId,
+    /// Both exported buffers, registered until this is dropped even if a
+    /// role drops its buffer (the sink does; a real server keeps its
+    /// exports in its session).
+    pub exports: [Registration; 2],
+}
+
+/// Opens a loopback device and a reactor on it (`signal_interval`,
+/// 256-byte slots), gives each side a `2 × size` buffer exported to the
+/// other, and adds the roles `client` and `server` build from them.
+pub fn perf_pair(
+    signal_interval: u32,
+    size: usize,
+    client: impl FnOnce(PerfBuffers) -> PerfHandler,
+    server: impl FnOnce(PerfBuffers) -> PerfHandler,
+) -> Result<PerfPair> {
+    // SAFETY: the reactor built here serves both QPs of this device on the
+    // one thread that runs it, and nothing else touches their bytes.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd()?;
+    let config = ReactorConfig {
+        signal_interval,
+        slot_size: 256,
+        ..ReactorConfig::default()
+    };
+    let mut reactor: Reactor<PerfHandler, ()> = Reactor::new(&pd, config)?;
+    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    let (client_qp, server_qp) = connected_pair(&mut reactor, &pd, access)?;
+    let buffer = || pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | access);
+    let (client_buf, server_buf) = (buffer()?, buffer()?);
+    let (to_server, to_client) = (server_buf.remote()?, client_buf.remote()?);
+    let exports = [
+        client_buf.registration().clone(),
+        server_buf.registration().clone(),
+    ];
+    reactor.add(
+        vec![server_qp],
+        server(PerfBuffers {
+            buffer: server_buf,
+            peer: to_client,
+        }),
+    )?;
+    let client = reactor.add(
+        vec![client_qp],
+        client(PerfBuffers {
+            buffer: client_buf,
+            peer: to_server,
+        }),
+    )?;
+    Ok(PerfPair {
+        reactor,
+        client,
+        exports,
+    })
+}
