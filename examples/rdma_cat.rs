@@ -436,7 +436,7 @@ fn reactor_config(opts: &Opts) -> ReactorConfig {
             .reactor
             .event_mode_or(common::EventArg::Blocking)
             .into(),
-        slot_size: opts.block_size.max(1) + CREDIT_HEADER_LEN,
+        slot_size: opts.block_size.max(1) + SLOT_RESERVE,
         recv_depth: depth,
         repost_batch: (depth / 4).max(1),
         send_slots: depth,
@@ -585,7 +585,7 @@ fn send(peer: &str, opts: &Opts) -> Result<(), Failure> {
     let endpoint = connect(peer, &pd, &mut reactor, opts)?;
     let block = opts
         .block_size
-        .clamp(1, reactor.config().slot_size - CREDIT_HEADER_LEN);
+        .clamp(1, reactor.config().slot_size - SLOT_RESERVE);
     let sender = Sender {
         input,
         conn: None,

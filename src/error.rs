@@ -229,6 +229,23 @@ pub enum Error {
         /// The connection's share of receives (`ReactorConfig::recv_depth`).
         share: u32,
     },
+    /// The peer of a reactor connection sent a SEND that the reactor's
+    /// protocol has no place for (no immediate, an unknown kind, a length
+    /// that does not fit its kind): it does not speak the protocol, so the
+    /// reactor cuts it off as for [`Error::CreditOverrun`]. The message is
+    /// not delivered.
+    #[error(
+        "the peer{} of QP {qpn} sent a malformed message ({what}); connection cut off",
+        peer.map(|p| format!(" {p}")).unwrap_or_default()
+    )]
+    MalformedMessage {
+        /// The local QP the message arrived on.
+        qpn: u32,
+        /// The peer's address, when known.
+        peer: Option<SocketAddr>,
+        /// What was wrong with it.
+        what: &'static str,
+    },
     /// A connection-manager (rdma_cm) call failed, or the event that came
     /// back was not the one the operation waits for (a reject, an
     /// unreachable peer, a disconnect, a timeout).
@@ -575,6 +592,7 @@ impl Error {
         match self {
             Error::Completion { peer, .. }
             | Error::CreditOverrun { peer, .. }
+            | Error::MalformedMessage { peer, .. }
             | Error::Cm { peer, .. } => *peer,
             Error::Handshake { peer, .. }
             | Error::PeerGone { peer, .. }

@@ -41,8 +41,9 @@ const MAX: usize = 1000;
 /// Receives the hostile peer posts (and claims in its headers) for the
 /// reactor's credit updates, which it never needs to repost.
 const HOSTILE_RECVS: u32 = 256;
-/// The hostile peer's SENDs: a credit header, then this much payload.
-const HOSTILE_PAYLOAD: usize = 56;
+/// The hostile peer's SENDs: this much payload, with the reactor's
+/// immediate (a message, claiming `HOSTILE_RECVS` receives).
+const HOSTILE_PAYLOAD: usize = 64;
 
 fn srq_config() -> ReactorConfig {
     ReactorConfig {
@@ -114,8 +115,9 @@ impl Handler for HostileSide {
 }
 
 /// Peer H: a raw QP driven through the verbs API, no reactor. It posts
-/// 64-byte SENDs whose first 8 bytes look like a credit header, as fast as
-/// its send queue takes them, whatever credits it was given.
+/// 64-byte SENDs whose immediate looks like the reactor's (a message and a
+/// receive count), as fast as its send queue takes them, whatever credits
+/// it was given.
 struct Flood {
     endpoint: Endpoint,
     message: MemoryRegion,
@@ -136,12 +138,7 @@ const RECV_ID: u64 = 1 << 63;
 impl Flood {
     fn new(pd: &ProtectionDomain, mut endpoint: Endpoint) -> Self {
         let mut message = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-        let mut bytes = vec![0u8; 64];
-        // Cumulative receive count (what the reactor reads as our credit
-        // for it), 4 reserved bytes, payload.
-        bytes[..4].copy_from_slice(&HOSTILE_RECVS.to_le_bytes());
-        bytes[8..].copy_from_slice(&pattern(7, HOSTILE_PAYLOAD));
-        message.write(0, &bytes).unwrap();
+        message.write(0, &pattern(7, HOSTILE_PAYLOAD)).unwrap();
         let inbox = pd
             .alloc_mr(HOSTILE_RECVS as usize * 64, AccessFlags::LOCAL_WRITE)
             .unwrap();
@@ -197,7 +194,14 @@ impl Flood {
         }
         let qp = channel.qp_mut();
         while self.in_flight < self.depth {
-            let wr = WorkRequest::send(self.posted, self.message.slice(0, 64).unwrap()).signaled();
+            // The immediate's kind 0 (a message) and our cumulative receive
+            // count (what the reactor reads as our credit for it).
+            let wr = WorkRequest::send_with_imm(
+                self.posted,
+                self.message.slice(0, 64).unwrap(),
+                HOSTILE_RECVS,
+            )
+            .signaled();
             match qp.post_send(wr) {
                 Ok(()) => {
                     self.in_flight += 1;

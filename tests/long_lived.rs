@@ -242,7 +242,7 @@ impl Cycler {
     /// A reactor sized as `ping_pong`'s client sizes its own.
     fn reactor(pd: &ProtectionDomain) -> Reactor<Pinger> {
         let config = ReactorConfig {
-            slot_size: SIZE + CREDIT_HEADER_LEN,
+            slot_size: SIZE + SLOT_RESERVE,
             recv_depth: 16,
             repost_batch: 4,
             send_slots: 16,

@@ -5,7 +5,7 @@
 //! handed to it directly (a `Vec<QueuePair>` source), both ends in one
 //! reactor. Waits are bounded by pass counts, never by sleeping.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use rdma_comm_core::Error;
@@ -26,18 +26,32 @@ struct Seen {
     writes_done: Vec<u32>,
     reads_done: Vec<u32>,
     errors: Vec<Option<WcStatus>>,
+    /// Every error's text (its variant and fields).
+    error_texts: Vec<String>,
 }
 
-/// A handler that records into a `Seen` the test keeps a handle to.
+/// A handler that records into a `Seen` the test keeps a handle to, and
+/// forwards every message it gets to the connection in `.1` (if set), with
+/// that immediate.
 #[derive(Debug, Clone, Default)]
-struct Recorder(Rc<RefCell<Seen>>);
+struct Recorder(Rc<RefCell<Seen>>, ForwardTo);
+
+/// Where a `Recorder` forwards what it gets, and with which immediate.
+type ForwardTo = Rc<Cell<Option<(ConnId, Option<u32>)>>>;
 
 impl Handler for Recorder {
     fn on_established(&mut self, _: &mut Ctx<'_>, conn: ConnId) {
         self.0.borrow_mut().established.push(conn);
     }
-    fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, data: &[u8], imm: Option<u32>) {
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, _: ConnId, data: &[u8], imm: Option<u32>) {
         self.0.borrow_mut().messages.push((data.to_vec(), imm));
+        if let Some((to, imm)) = self.1.get() {
+            let held = ctx.hold().expect("in on_message");
+            assert_eq!(held.len(), data.len());
+            if let Err((err, held)) = ctx.forward(to, held, imm) {
+                panic!("forwarding {} bytes: {err}", held.len());
+            }
+        }
     }
     fn on_write_imm(&mut self, _: &mut Ctx<'_>, _: ConnId, imm: u32, len: u32) {
         self.0.borrow_mut().write_imms.push((imm, len));
@@ -52,17 +66,21 @@ impl Handler for Recorder {
         self.0.borrow_mut().reads_done.push(seq);
     }
     fn on_error(&mut self, _: &mut Ctx<'_>, _: ConnId, error: &Error) {
-        self.0.borrow_mut().errors.push(error.completion_status());
+        let mut seen = self.0.borrow_mut();
+        seen.errors.push(error.completion_status());
+        seen.error_texts.push(format!("{error:?}"));
     }
 }
 
 const ACCESS: AccessFlags = AccessFlags::REMOTE_WRITE.union(AccessFlags::REMOTE_READ);
 
-/// One session of a pair: its id, its connection and what its handler saw.
+/// One session of a pair: its id, its connection, what its handler saw
+/// and where it forwards.
 struct End {
     session: SessionId,
     conn: ConnId,
     seen: Rc<RefCell<Seen>>,
+    forward: ForwardTo,
 }
 
 fn new_reactor(pd: &ProtectionDomain) -> Reactor<Recorder, ()> {
@@ -82,13 +100,14 @@ fn add_pair(reactor: &mut Reactor<Recorder, ()>, pd: &ProtectionDomain) -> (End,
     let (a, b) = connected_pair(reactor, pd, ACCESS).expect("two connected QPs");
     let mut add = |qp: QueuePair| {
         let recorder = Recorder::default();
-        let seen = Rc::clone(&recorder.0);
+        let (seen, forward) = (Rc::clone(&recorder.0), Rc::clone(&recorder.1));
         let session = reactor.add(vec![qp], recorder).expect("add");
         let conn = reactor.conns(session).next().expect("one connection");
         End {
             session,
             conn,
             seen,
+            forward,
         }
     };
     let (a, b) = (add(a), add(b));
@@ -227,6 +246,122 @@ fn many_messages_each_way_arrive_in_order() {
         }
         assert!(seen.errors.is_empty());
     }
+}
+
+#[test]
+fn forwards_carry_any_payload_with_or_without_an_immediate() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = new_reactor(&pd);
+    // source -> relay_in, whose handler forwards to relay_out -> sink.
+    let (source, relay_in) = add_pair(&mut reactor, &pd);
+    let (relay_out, sink) = add_pair(&mut reactor, &pd);
+    let max = reactor.with_ctx(|ctx| ctx.max_payload(source.conn));
+    assert_eq!(max, 256 - SLOT_RESERVE);
+    // Every combination of immediates in and out, at the sizes where a
+    // trailer could run out of its slot; more messages than receives, so
+    // the relay's slots come back from its forwards and are reused.
+    let mut expected = Vec::new();
+    let mut sent = 0;
+    for imm_in in [None, Some(0xdead_beef_u32)] {
+        for imm_out in [None, Some(u32::MAX), Some(0)] {
+            relay_in.forward.set(Some((relay_out.conn, imm_out)));
+            for len in [0, 1, 3, 4, max - 1, max] {
+                for round in 0..4u8 {
+                    let data: Vec<u8> = (0..len).map(|i| (i as u8) ^ round ^ 0x5a).collect();
+                    // Credits come back with the receiver's updates: wait
+                    // for one when the window is spent.
+                    let mut passes = 0;
+                    while let Err(err) =
+                        reactor.with_ctx(|ctx| ctx.send(source.conn, &data, imm_in))
+                    {
+                        assert!(matches!(err, SendError::WouldBlock), "{err}");
+                        assert!(passes < MAX_PASSES, "no credit within {MAX_PASSES} passes");
+                        passes += 1;
+                        reactor.turn().unwrap();
+                    }
+                    sent += 1;
+                    expected.push((data, imm_out));
+                    run_until(&mut reactor, "the forwarded message", || {
+                        sink.seen.borrow().messages.len() == sent
+                    });
+                }
+            }
+        }
+    }
+    assert_eq!(sink.seen.borrow().messages, expected);
+    assert_eq!(relay_in.seen.borrow().messages.len(), sent);
+    // A message one byte too long is refused before anything is staged.
+    assert!(matches!(
+        reactor.with_ctx(|ctx| ctx.send(source.conn, &vec![0; max + 1], None)),
+        Err(SendError::TooLarge { len, max: m }) if len == max + 1 && m == max
+    ));
+    for end in [&source, &relay_in, &relay_out, &sink] {
+        assert!(end.seen.borrow().errors.is_empty());
+    }
+}
+
+#[test]
+fn a_peer_whose_sends_break_the_protocol_is_cut_off() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = new_reactor(&pd);
+    let max = 256 - SLOT_RESERVE;
+    let payload = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
+    let inbox = pd.alloc_mr(16 * 256, AccessFlags::LOCAL_WRITE).unwrap();
+    // (immediate, length) of SENDs the reactor never sends.
+    let kind = |kind: u32| kind << 30 | 16;
+    let cases: [(Option<u32>, usize, &str); 5] = [
+        (None, 8, "without the reactor's immediate"),
+        (Some(kind(3)), 8, "unknown kind"),
+        (Some(kind(1)), 8, "credit update with a payload"),
+        (Some(kind(2)), 3, "too short for its immediate"),
+        (Some(kind(0)), max + 1, "longer than the largest payload"),
+    ];
+    let mut raw_peers = Vec::new();
+    for (imm, len, what) in cases {
+        let (qp, mut raw) = connected_pair(&mut reactor, &pd, ACCESS).unwrap();
+        // The raw peer takes the reactor's credit update like any peer.
+        for i in 0..16 {
+            let slot = inbox.slice(i * 256, 256).unwrap();
+            raw.post_recv(RecvRequest::new(1 << 40 | i as u64, slot).unwrap())
+                .unwrap();
+        }
+        let recorder = Recorder::default();
+        let seen = Rc::clone(&recorder.0);
+        let session = reactor.add(vec![qp], recorder).unwrap();
+        let conn = reactor.conns(session).next().unwrap();
+        let local = payload.slice(0, len).unwrap();
+        let wr = match imm {
+            Some(imm) => WorkRequest::send_with_imm(7, local, imm),
+            None => WorkRequest::send(7, local),
+        };
+        raw.post_send(wr).unwrap();
+        run_until(&mut reactor, what, || !seen.borrow().errors.is_empty());
+        let text = seen.borrow().error_texts.join("; ");
+        assert!(
+            text.starts_with("MalformedMessage") && text.contains(what),
+            "{what}: {text}"
+        );
+        assert!(seen.borrow().messages.is_empty(), "{what}: delivered");
+        assert!(matches!(
+            reactor.with_ctx(|ctx| ctx.send(conn, b"x", None)),
+            Err(SendError::Closed)
+        ));
+        raw_peers.push(raw);
+    }
+    // An honest pair on the same reactor is untouched.
+    let (a, b) = add_pair(&mut reactor, &pd);
+    reactor.with_ctx(|ctx| ctx.send(a.conn, b"still here", Some(1)).unwrap());
+    run_until(&mut reactor, "the honest message", || {
+        !b.seen.borrow().messages.is_empty()
+    });
+    assert_eq!(
+        b.seen.borrow().messages,
+        [(b"still here".to_vec(), Some(1))]
+    );
 }
 
 #[test]

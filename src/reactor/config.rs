@@ -39,7 +39,8 @@ pub struct ReactorConfig {
     pub cq_count: u32,
     /// Entries per CQ.
     pub cq_size: u32,
-    /// Bytes per send and receive slot (the largest SEND is 8 bytes less).
+    /// Bytes per send and receive slot (the largest SEND payload is
+    /// [`SLOT_RESERVE`](super::SLOT_RESERVE) bytes less).
     pub slot_size: usize,
     /// Receives kept posted per QP; with an SRQ, each connection's share of
     /// it (the credits its peer gets).
@@ -120,7 +121,7 @@ impl ReactorConfig {
     pub fn for_traffic(payload: usize, depth: u32, connections: u32) -> Self {
         let depth = depth.clamp(4, 4096);
         let config = Self {
-            slot_size: (payload + super::CREDIT_HEADER_LEN).next_multiple_of(64),
+            slot_size: (payload + super::SLOT_RESERVE).next_multiple_of(64),
             recv_depth: depth,
             repost_batch: (depth / 4).max(1),
             send_slots: depth,

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::verbs::{LocalSlice, RemoteSlice};
 
-use super::conn::{CREDIT_HEADER_LEN, Conn, ConnState, ForwardOrigin};
+use super::conn::{Conn, ConnState, ForwardOrigin};
 use super::slab::Slab;
 use super::{ConnId, SendError, SessionId};
 
@@ -84,7 +84,7 @@ pub struct HeldRecv {
     /// The slot is one of the reactor's SRQ (it goes back there even if
     /// its connection is gone by the time the message is released).
     from_srq: bool,
-    /// Bytes received, header included.
+    /// Payload bytes (at the start of the slot).
     len: u32,
 }
 
@@ -96,7 +96,7 @@ impl HeldRecv {
 
     /// Payload length in bytes.
     pub fn len(&self) -> usize {
-        self.len as usize - CREDIT_HEADER_LEN
+        self.len as usize
     }
 
     /// True for a message with no payload.
@@ -120,7 +120,8 @@ impl Ctx<'_> {
         self.conns.get_mut(conn.key()).ok_or(SendError::Closed)
     }
 
-    /// A received message whose slot the handler may hold, for `on_message`.
+    /// A received message of `len` payload bytes whose slot the handler may
+    /// hold, for `on_message`.
     pub(super) fn offer(&mut self, conn: ConnId, slot: u32, len: u32, from_srq: bool) {
         self.current = Some(HeldRecv {
             reactor: self.reactor,
@@ -207,8 +208,7 @@ impl Ctx<'_> {
     /// reactor or of a connection that is gone.
     pub fn held_bytes(&self, held: &HeldRecv) -> Option<&[u8]> {
         let conn = self.held_origin(held)?;
-        conn.recv_bytes(held.slot, held.len as usize)
-            .get(CREDIT_HEADER_LEN..)
+        Some(conn.recv_bytes(held.slot, held.len as usize))
     }
 
     /// Gives a held receive slot back: it is reposted with this pass (an

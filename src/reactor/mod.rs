@@ -5,8 +5,10 @@
 //! # How a message flows
 //! 1. A handler stages work through [`Ctx`] (`send`, `write`, `read`). A SEND's
 //!    payload is written straight into a registered send slot.
-//!    Staging stamps the reactor's receive count into the SEND's 8-byte
-//!    header (piggybacked credits).
+//!    Staging puts the reactor's receive count into the SEND's immediate
+//!    (piggybacked credits; every SEND is a SEND_WITH_IMM, and a user's
+//!    immediate travels in 4 bytes after the payload), so a payload that
+//!    fits a packet goes in one.
 //! 2. At the end of the pass the reactor posts all staged requests of a QP
 //!    as one linked list: one doorbell. Then it reposts the consumed
 //!    receives, a batch per `ibv_post_recv`, off the latency path; the next
@@ -20,15 +22,17 @@
 //! # Flow control
 //! A sender never posts more RECV-consuming requests (SEND, WRITE_WITH_IMM)
 //! than the peer has receives posted. Each side counts the receives it has
-//! posted and tells the peer in SEND headers, or, when it has nothing to send,
-//! with a zero-length SEND_WITH_IMM. One credit and one send-queue entry are
+//! posted and tells the peer in the immediate of its SENDs, or, when it has
+//! nothing to send, with a zero-length one. One credit and one send-queue entry are
 //! kept back for those updates, so two peers can never starve each other. A
 //! slow receiver therefore slows the sender ([`SendError::WouldBlock`]): no
 //! RNR, no loss. A peer that does not keep to its credits, and consumes a
 //! receive beyond the highest count it was told, is cut off with
 //! [`Error::CreditOverrun`](crate::Error::CreditOverrun) (which matters most
 //! with a shared receive queue, whose receives it would take from the
-//! others; see [`ReactorConfig::srq_depth`] for the limit of that).
+//! others; see [`ReactorConfig::srq_depth`] for the limit of that). A peer
+//! whose SEND the protocol has no place for is cut off with
+//! [`Error::MalformedMessage`](crate::Error::MalformedMessage).
 //!
 //! ```no_run
 //! use rdma_comm_core::reactor::*;
@@ -86,7 +90,7 @@ use crate::verbs::{
     AccessFlags, CompletionChannel, CompletionQueue, ProtectionDomain, QpConfig, WorkCompletion,
 };
 
-use conn::{CREDIT_HEADER_LEN as HEADER, Conn, MAX_CONNS};
+use conn::{Conn, IMM_TRAILER_LEN, MAX_CONNS};
 use ctx::{Deferred, ReactorId};
 use slab::Slab;
 use srq_pool::SrqPool;
@@ -103,9 +107,12 @@ pub use placement::{CorePreference, Placement, pin_current_thread, usable_cores}
 pub use source::{PeerLink, QpSource};
 pub use wait::Waker;
 
-/// Bytes of every slot the reactor keeps for its credit header: a SEND
-/// carries at most `slot_size - CREDIT_HEADER_LEN` payload bytes.
-pub const CREDIT_HEADER_LEN: usize = HEADER;
+/// Bytes of every slot the reactor keeps back: a SEND carries at most
+/// `slot_size - SLOT_RESERVE` payload bytes. The reserve holds a user
+/// immediate, which travels after the payload (the SEND's own immediate
+/// carries the credits), so a received message can always be forwarded
+/// with one, in place.
+pub const SLOT_RESERVE: usize = IMM_TRAILER_LEN;
 
 /// Completions polled per CQ per call.
 const POLL_BATCH: usize = 32;

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::session::PeerStatus;
 use crate::verbs::{BIND_WR_ID, WcOpcode, WorkCompletion};
 
-use super::conn::{OpKind, WrKind, decode_wr_id, same_generation};
+use super::conn::{Arrival, OpKind, WrKind, decode_wr_id, same_generation};
 use super::slab::{Key, PARKED, TOUCHED};
 use super::{
     ConnId, Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, Session, SessionId, Waiter,
@@ -264,30 +264,37 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     handler.on_write_imm(&mut ctx, id, wc.imm().unwrap_or(0), len);
                     return;
                 }
-                let Some((credit, data)) = conn.recv_message(slot, len) else {
-                    // A credit update: the immediate is the peer's receive count.
-                    conn.queue_repost(slot);
-                    if conn.peer_credit(wc.imm().unwrap_or(0)) {
-                        conn.answer_first_credit();
-                        handler.on_established(&mut ctx, id);
+                let (count, data, imm) = match conn.recv_message(slot, len, wc.imm()) {
+                    Ok(Arrival::Message { count, data, imm }) => (count, data, imm),
+                    Ok(Arrival::Credit(count)) => {
+                        conn.queue_repost(slot);
+                        if conn.peer_credit(count) {
+                            conn.answer_first_credit();
+                            handler.on_established(&mut ctx, id);
+                        }
+                        return;
                     }
-                    return;
+                    Err(what) => {
+                        self.malformed(key, slot, what);
+                        return;
+                    }
                 };
                 let from_srq = conn.uses_srq();
                 self.counters.messages += 1;
-                if conn.peer_credit(credit) {
+                if conn.peer_credit(count) {
                     conn.answer_first_credit();
                     handler.on_established(&mut ctx, id);
                 }
-                ctx.offer(id, slot, len, from_srq);
+                ctx.offer(id, slot, data.1 as u32, from_srq);
                 // SAFETY: the bytes live in the connection's receive ring,
                 // registered while the connection lives, which is past this
                 // call (removals wait for the end of the pass); the slot is
                 // reposted only after the handler returns (or releases its
                 // hold), so the NIC does not write it meanwhile, and nothing
-                // reachable through `ctx` writes it either.
+                // reachable through `ctx` writes these bytes either (a
+                // forward with an immediate writes only the 4 after them).
                 let data = unsafe { std::slice::from_raw_parts(data.0, data.1) };
-                handler.on_message(&mut ctx, id, data, wc.imm());
+                handler.on_message(&mut ctx, id, data, imm);
                 if ctx.current.is_some()
                     && let Some(conn) = ctx.conns.get_mut(key)
                 {
@@ -409,6 +416,28 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             .get(conn.session.0)
             .and_then(|record| record.link.peer());
         let error = conn.overrun_error().with_peer(peer);
+        log::warn!("cutting off a peer: {error}");
+        conn.queue_repost(slot);
+        self.fail(ConnId(key), error);
+    }
+
+    /// Cuts off the peer of `key`, whose SEND into `slot` is none the
+    /// reactor sends (`what`): it does not speak the protocol, and nothing
+    /// it sends can be trusted.
+    #[cold]
+    fn malformed(&mut self, key: Key, slot: u32, what: &'static str) {
+        let Some(conn) = self.conns.get_mut(key) else {
+            return;
+        };
+        let peer = self
+            .sessions
+            .get(conn.session.0)
+            .and_then(|record| record.link.peer());
+        let error = Error::MalformedMessage {
+            qpn: conn.qpn,
+            peer,
+            what,
+        };
         log::warn!("cutting off a peer: {error}");
         conn.queue_repost(slot);
         self.fail(ConnId(key), error);

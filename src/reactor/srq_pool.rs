@@ -20,7 +20,7 @@ use crate::verbs::{
 
 use super::ReactorConfig;
 use super::conn::{
-    CREDIT_HEADER_LEN, MAX_REPOST, Ring, SRQ_SLOT_BITS, SharedRing, recv_request, srq_recv_wr_id,
+    IMM_TRAILER_LEN, MAX_REPOST, Ring, SRQ_SLOT_BITS, SharedRing, recv_request, srq_recv_wr_id,
     srq_slot,
 };
 use super::slab::Key;
@@ -62,7 +62,7 @@ impl SrqPool {
     }
 
     pub(super) fn new(pd: &ProtectionDomain, config: &ReactorConfig) -> Result<Self> {
-        let slot_size = config.slot_size.max(CREDIT_HEADER_LEN);
+        let slot_size = config.slot_size.max(IMM_TRAILER_LEN);
         let slots = config.srq_depth;
         if slots > 1 << SRQ_SLOT_BITS {
             return Err(Error::InvalidArgument("an SRQ holds at most 2^20 receives"));

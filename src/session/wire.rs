@@ -1,4 +1,4 @@
-//! The out-of-band handshake wire format (version 2).
+//! The out-of-band handshake wire format (version 3).
 //!
 //! Every message is one frame: a 12-byte header, then the payload.
 //!
@@ -34,8 +34,11 @@ use std::io::{self, Read};
 
 /// Identifies our frames; anything else on the port is a stray client.
 pub const MAGIC: u32 = 0x4D43_4352;
-/// The protocol version this build speaks.
-pub const VERSION: u16 = 2;
+/// The protocol version this build speaks: of the handshake and of the
+/// reactor's messages on the QPs it sets up (3: credits in every SEND's
+/// immediate, a user immediate after the payload; 2 carried them in an
+/// 8-byte header, and a peer of one cannot read the other).
+pub const VERSION: u16 = 3;
 /// Header size in bytes.
 pub const FRAME_HEADER_LEN: usize = 12;
 /// Largest payload accepted. The largest valid message (an offer with

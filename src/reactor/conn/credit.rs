@@ -1,12 +1,112 @@
 //! Credits: how many receives the peer has posted for us, and telling the
-//! peer how many we have posted (in SEND headers, or a zero-length
-//! SEND_WITH_IMM when there is nothing to send).
+//! peer how many we have posted (in the immediate of every SEND, or of a
+//! zero-length one when there is nothing to send).
 
 use crate::error::Error;
 use crate::verbs::{SendDescriptor, Sge};
 
 use super::staging::{OpKind, SqOp};
 use super::{Conn, ConnState};
+
+/// The immediate of every SEND the reactor posts (all are SEND_WITH_IMM):
+/// the top two bits say what the SEND is, the low 30 carry the sender's
+/// cumulative receive count modulo 2^30 (its credits for us).
+///
+/// ```text
+/// kind 0  message            payload = every byte received
+/// kind 1  credit update      no payload
+/// kind 2  message with imm   payload, then the user's immediate (u32 LE)
+/// kind 3  (never sent: a peer that sends it is cut off)
+/// ```
+///
+/// The credit rides in the immediate rather than in a header so that a
+/// payload that fits a packet goes in one (a 4 KiB block at a 4 KiB MTU),
+/// and the user's immediate goes in a trailer so that a received message,
+/// which starts its slot, can be forwarded with one by writing 4 bytes
+/// after it.
+pub(crate) mod send_imm {
+    /// Bits of the receive count.
+    pub(crate) const COUNT_BITS: u32 = 30;
+    /// The receive count's bits.
+    pub(crate) const COUNT_MASK: u32 = (1 << COUNT_BITS) - 1;
+    /// A message whose payload is everything received.
+    pub(crate) const MESSAGE: u32 = 0;
+    /// A credit update (no payload).
+    pub(crate) const CREDIT: u32 = 1;
+    /// A message followed by the user's immediate.
+    pub(crate) const MESSAGE_WITH_IMM: u32 = 2;
+
+    /// The immediate of a SEND of `kind` from a sender that has posted
+    /// `posted` receives.
+    #[inline]
+    pub(crate) fn encode(kind: u32, posted: u32) -> u32 {
+        (kind << COUNT_BITS) | (posted & COUNT_MASK)
+    }
+
+    /// The full receive count that `count` (its low 30 bits) reports, given
+    /// `known`, the highest heard so far: a step forward of less than 2^29
+    /// (a peer's receives are far fewer) raises it; anything else is an
+    /// update that crossed a later one, and leaves it.
+    #[inline]
+    pub(crate) fn advance(known: u32, count: u32) -> u32 {
+        let step = count.wrapping_sub(known) & COUNT_MASK;
+        if step < 1 << (COUNT_BITS - 1) {
+            known.wrapping_add(step)
+        } else {
+            known
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn the_kind_and_count_share_the_immediate() {
+            assert_eq!(encode(MESSAGE, 5), 5);
+            assert_eq!(encode(CREDIT, 5), 0x4000_0005);
+            assert_eq!(encode(MESSAGE_WITH_IMM, u32::MAX), 0xBFFF_FFFF);
+            for kind in [MESSAGE, CREDIT, MESSAGE_WITH_IMM] {
+                let imm = encode(kind, 0x1234_5678);
+                assert_eq!(imm >> COUNT_BITS, kind);
+                assert_eq!(imm & COUNT_MASK, 0x1234_5678 & COUNT_MASK);
+            }
+        }
+
+        #[test]
+        fn counts_rebuild_across_every_wrap() {
+            // Around the 30-bit wrap of the wire and the 32-bit wrap of
+            // the full count, a count a step ahead raises the known one by
+            // exactly that step.
+            for known in [0, 100, COUNT_MASK - 3, (1 << 31) + 7, u32::MAX - 2] {
+                for step in [1, 2, 64, 4096, (1 << 29) - 1] {
+                    let full = known.wrapping_add(step);
+                    assert_eq!(advance(known, full & COUNT_MASK), full, "{known} + {step}");
+                }
+                // The same count again, or one that crossed a later update.
+                assert_eq!(advance(known, known & COUNT_MASK), known);
+                for behind in [1, 64, 1 << 29] {
+                    let stale = known.wrapping_sub(behind) & COUNT_MASK;
+                    assert_eq!(advance(known, stale), known, "{known} - {behind}");
+                }
+            }
+        }
+    }
+}
+
+/// A SEND that arrived, decoded (`Conn::recv_message`).
+#[derive(Debug)]
+pub(crate) enum Arrival {
+    /// A credit update: the peer's receive count (30 bits).
+    Credit(u32),
+    /// A message: the peer's receive count (30 bits), the payload (address,
+    /// length) in the receive slot, and the user's immediate.
+    Message {
+        count: u32,
+        data: (*const u8, usize),
+        imm: Option<u32>,
+    },
+}
 
 impl Conn {
     /// Credits available for RECV-consuming requests (may be negative before
@@ -16,13 +116,15 @@ impl Conn {
         self.peer_posted.wrapping_sub(self.consumed) as i32
     }
 
-    /// Applies a credit value the peer sent (in a header or an immediate).
-    /// Returns true if this is the first one (the connection is now usable).
+    /// Applies a receive count the peer sent (30 bits of its cumulative
+    /// count, from a SEND's immediate). Returns true if this is the first
+    /// one (the connection is now usable).
+    ///
+    /// The full count is rebuilt from the one we know
+    /// ([`send_imm::advance`]).
     #[inline]
-    pub(crate) fn peer_credit(&mut self, total: u32) -> bool {
-        if total.wrapping_sub(self.peer_posted) as i32 > 0 {
-            self.peer_posted = total;
-        }
+    pub(crate) fn peer_credit(&mut self, count: u32) -> bool {
+        self.peer_posted = send_imm::advance(self.peer_posted, count);
         if self.state == ConnState::Connecting && self.peer_posted != 0 {
             self.state = ConnState::Established;
             return true;
@@ -35,7 +137,7 @@ impl Conn {
     /// what the peer was granted: a peer that ignores its credits.
     ///
     /// The grant is `advertised`, the highest receive count we put on the
-    /// wire, in a SEND header or a credit update: every count is cumulative,
+    /// wire, in a SEND's immediate (a message or a credit update): every count is cumulative,
     /// so updates that cross each other or arrive late only leave the peer
     /// with less, and a peer that keeps to its credits (it posts a
     /// RECV-consuming request only while the count it last heard exceeds
@@ -142,7 +244,8 @@ impl Conn {
         // owe us no update (it announces only every `credit_threshold`), so
         // unsignaled sends before it would never report completion.
         let last_credit = self.credits() <= 1;
-        let request = SendDescriptor::send(Sge::default(), Some(self.posted));
+        let imm = send_imm::encode(send_imm::CREDIT, self.posted);
+        let request = SendDescriptor::send(Sge::default(), Some(imm));
         self.consumed = self.consumed.wrapping_add(1);
         self.advertised = self.posted;
         self.stage_signaled(

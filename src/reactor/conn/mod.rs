@@ -16,6 +16,7 @@ use crate::verbs::{
 
 use super::{ConnId, ReactorConfig, SendError, SessionId};
 
+pub(crate) use credit::Arrival;
 pub(crate) use ring::{Ring, SharedRing, recv_request};
 use staging::SqOp;
 pub(crate) use staging::{ForwardOrigin, OpKind};
@@ -24,9 +25,11 @@ pub(crate) use wr_id::{
     decode as decode_wr_id, same_generation, srq_recv as srq_recv_wr_id, srq_slot,
 };
 
-/// Bytes in front of every SEND payload: the sender's cumulative count of
-/// receives it has posted (piggybacked credits), then 4 reserved bytes.
-pub(crate) const CREDIT_HEADER_LEN: usize = 8;
+/// Bytes of every slot kept back for the trailer of a SEND that carries a
+/// user immediate: the immediate itself, after the payload. Every SEND of
+/// the reactor is a SEND_WITH_IMM whose immediate carries the credit (see
+/// `credit::send_imm`), so a payload that fits a packet goes in one.
+pub(crate) const IMM_TRAILER_LEN: usize = 4;
 /// Most requests staged for one QP in one pass (one doorbell).
 pub(crate) const MAX_STAGED: usize = 64;
 /// Most receives reposted with one `ibv_post_recv`.
@@ -137,7 +140,7 @@ impl Conn {
         config: &ReactorConfig,
         shared: Option<SharedRing>,
     ) -> crate::Result<Self> {
-        let slot_size = config.slot_size.max(CREDIT_HEADER_LEN);
+        let slot_size = config.slot_size.max(IMM_TRAILER_LEN);
         let recv_depth = match shared {
             Some(_) => config.recv_depth.max(2),
             None => config.recv_depth.min(qp.max_recv_wr()).max(2),
@@ -222,8 +225,11 @@ impl Conn {
         (recv.as_ref().map_or(0, MemoryRegion::len), send.len())
     }
 
+    /// Largest payload of one SEND: a slot less the room a user
+    /// immediate's trailer takes (the same with or without one, so a
+    /// received message can always be forwarded with an immediate).
     pub(crate) fn max_payload(&self) -> usize {
-        self.slot_size - CREDIT_HEADER_LEN
+        self.slot_size - IMM_TRAILER_LEN
     }
 
     /// Marks everything staged and in flight as dead (after a failure).

@@ -4,7 +4,8 @@
 
 use crate::verbs::{MemoryRegion, RecvRequest, Registration};
 
-use super::{CREDIT_HEADER_LEN, Conn, MAX_REPOST, wr_id};
+use super::credit::{Arrival, send_imm};
+use super::{Conn, IMM_TRAILER_LEN, MAX_REPOST, wr_id};
 
 /// A reactor's shared receive queue as a connection sees it: the ring its
 /// receives land in and the ring's size. The reactor reposts its slots.
@@ -33,12 +34,15 @@ pub(crate) fn recv_request(
 }
 
 /// A held receive slot as the source of a forward: where its bytes are
-/// (to stamp the credit header), how the NIC addresses them, and which
+/// and how many (to write a user immediate's trailer after the payload),
+/// how the NIC addresses them, and which
 /// registration holds the ring (the forward keeps it until it completes, so
 /// the ring stays mapped even if its connection is removed meanwhile).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SlotSource {
     pub(super) ptr: *mut u8,
+    /// Bytes of the slot.
+    pub(super) size: usize,
     pub(super) addr: u64,
     pub(super) lkey: u32,
     pub(crate) registration_id: usize,
@@ -153,25 +157,50 @@ impl Conn {
         self.pending_len = 0;
     }
 
-    /// The credit header and the payload (address, length) of a SEND of
-    /// `len` bytes in receive slot `slot`; `None` for a message too short to
-    /// carry a header (a credit update) or a slot outside the ring.
+    /// Decodes a SEND of `len` bytes with immediate `imm` that landed in
+    /// receive slot `slot` (see [`send_imm`]). `Err` names what is wrong
+    /// with a SEND the reactor never sends: a peer that sends one is cut off.
     #[inline]
-    pub(crate) fn recv_message(&self, slot: u32, len: u32) -> Option<(u32, (*const u8, usize))> {
-        let len = len as usize;
-        if len < CREDIT_HEADER_LEN || len > self.slot_size || slot >= self.recv_slots {
-            return None;
+    pub(crate) fn recv_message(
+        &self,
+        slot: u32,
+        len: u32,
+        imm: Option<u32>,
+    ) -> Result<Arrival, &'static str> {
+        let Some(imm) = imm else {
+            return Err("a SEND without the reactor's immediate");
+        };
+        if slot >= self.recv_slots {
+            return Err("a receive outside the ring");
         }
-        // SAFETY: the ring is registered while the connection lives and the
-        // slot's `len` bytes lie inside it; its receive completed and it is
-        // not reposted before the caller is done, so no DMA writes it.
+        let count = imm & send_imm::COUNT_MASK;
+        let len = len as usize;
+        let (payload, trailer) = match imm >> send_imm::COUNT_BITS {
+            send_imm::MESSAGE => (len, false),
+            send_imm::MESSAGE_WITH_IMM if len >= IMM_TRAILER_LEN => (len - IMM_TRAILER_LEN, true),
+            send_imm::CREDIT if len == 0 => return Ok(Arrival::Credit(count)),
+            send_imm::MESSAGE_WITH_IMM => return Err("a SEND too short for its immediate"),
+            send_imm::CREDIT => return Err("a credit update with a payload"),
+            _ => return Err("a SEND of an unknown kind"),
+        };
+        // Past this a forward could not append an immediate in the slot.
+        if payload > self.max_payload() {
+            return Err("a message longer than the largest payload");
+        }
+        // SAFETY: the ring is registered while the connection lives, and
+        // the slot's `len` bytes (`len <= slot_size`: the payload fits the
+        // largest, and a trailer the rest of the slot) lie inside it; its
+        // receive completed and it is not reposted before the caller is
+        // done, so no DMA writes it.
         unsafe {
             let start = self.recv_slot_ptr(slot);
-            let credit = u32::from_le(start.cast::<u32>().read_unaligned());
-            Some((
-                credit,
-                (start.add(CREDIT_HEADER_LEN), len - CREDIT_HEADER_LEN),
-            ))
+            let imm =
+                trailer.then(|| u32::from_le(start.add(payload).cast::<u32>().read_unaligned()));
+            Ok(Arrival::Message {
+                count,
+                data: (start, payload),
+                imm,
+            })
         }
     }
 
@@ -209,6 +238,7 @@ impl Conn {
         Some(SlotSource {
             // SAFETY: `slot` is inside the ring, which is still registered.
             ptr: unsafe { self.recv_slot_ptr(slot) }.cast_mut(),
+            size: self.slot_size,
             addr: self.recv_ring.slot_addr(slot, self.slot_size),
             lkey: self.recv_ring.lkey,
             registration_id: self.recv_registration.id(),

@@ -7,8 +7,9 @@ use crate::verbs::{
     AccessFlags, LocalSlice, Registration, RemoteSlice, SendDescriptor, SendFlags, SendOpcode, Sge,
 };
 
+use super::credit::send_imm;
 use super::ring::SlotSource;
-use super::{CREDIT_HEADER_LEN, Conn, ConnId, ConnState, SendError, wr_id};
+use super::{Conn, ConnId, ConnState, IMM_TRAILER_LEN, SendError, wr_id};
 
 /// An operation on the send queue, remembered until a signaled completion
 /// at or after it proves it done. Plain data: staging and retiring one
@@ -170,31 +171,38 @@ impl Conn {
         // SAFETY: the send ring is registered while the connection lives;
         // the slot is free (no posted request references it: slots are
         // released only when a completion proves their SEND done) and lies
-        // inside the ring; we hold &mut self, and nothing else reaches the
-        // send ring (it has no remote access).
+        // inside the ring (`capacity` and a trailer fit a slot); we hold
+        // &mut self, and nothing else reaches the send ring (it has no
+        // remote access).
         let bytes = unsafe {
             std::slice::from_raw_parts_mut(
                 self.send_ring.ptr.add(start),
-                CREDIT_HEADER_LEN + capacity,
+                capacity + IMM_TRAILER_LEN,
             )
         };
-        let Some(len) = fill(&mut bytes[CREDIT_HEADER_LEN..]) else {
+        let Some(len) = fill(&mut bytes[..capacity]) else {
             return Err(SendError::Cancelled);
         };
         let len = len.min(capacity);
-        let header = bytes.as_mut_ptr();
+        let wire_len = match imm {
+            Some(imm) => {
+                bytes[len..len + IMM_TRAILER_LEN].copy_from_slice(&imm.to_le_bytes());
+                len + IMM_TRAILER_LEN
+            }
+            None => len,
+        };
         self.send_in_use += 1;
-        let addr = self.send_ring.addr + start as u64;
         let sge = Sge {
-            addr,
-            len: (CREDIT_HEADER_LEN + len) as u32,
+            addr: self.send_ring.addr + start as u64,
+            len: wire_len as u32,
             lkey: self.send_ring.lkey,
         };
-        Ok(self.stage_credited_send(header, sge, imm, SqOp::of(OpKind::Send), None))
+        Ok(self.stage_credited_send(sge, imm.is_some(), SqOp::of(OpKind::Send), None))
     }
 
-    /// Stages a SEND of `len` bytes (header included) straight from receive
-    /// slot `slot` of connection `origin`, which is reposted when it completes.
+    /// Stages a SEND of the `len`-byte payload that starts held receive
+    /// slot `source` of connection `origin`, which is reposted when it
+    /// completes. A user immediate goes in the slot right after the payload.
     #[inline]
     pub(crate) fn stage_forward(
         &mut self,
@@ -204,19 +212,34 @@ impl Conn {
         origin: ForwardOrigin,
         registration: Option<Registration>,
     ) -> Result<u32, SendError> {
-        if len - CREDIT_HEADER_LEN > self.max_payload() {
+        let wire_len = len + imm.map_or(0, |_| IMM_TRAILER_LEN);
+        if len > self.max_payload() || wire_len > source.size {
             return Err(SendError::TooLarge {
-                len: len - CREDIT_HEADER_LEN,
-                max: self.max_payload(),
+                len,
+                max: self
+                    .max_payload()
+                    .min(source.size.saturating_sub(IMM_TRAILER_LEN)),
             });
         }
         self.admit(true, false)?;
+        if let Some(imm) = imm {
+            // SAFETY: `source` is a receive slot the caller holds (its
+            // receive completed and it is not reposted or sent on until this
+            // forward completes), so no request reads or writes it now, and
+            // `len + IMM_TRAILER_LEN` bytes lie inside it (checked above).
+            unsafe {
+                source
+                    .ptr
+                    .add(len)
+                    .cast::<u32>()
+                    .write_unaligned(imm.to_le());
+            }
+        }
         let sge = Sge {
             addr: source.addr,
-            len: len as u32,
+            len: wire_len as u32,
             lkey: source.lkey,
         };
-        let header = source.ptr;
         let (keep, owned) = self.keep(source.registration_id, || registration);
         let op = SqOp {
             kind: OpKind::Forward,
@@ -225,27 +248,27 @@ impl Conn {
             from_srq: origin.from_srq,
             keep,
         };
-        Ok(self.stage_credited_send(header, sge, imm, op, owned))
+        Ok(self.stage_credited_send(sge, imm.is_some(), op, owned))
     }
 
-    /// Stages a SEND (address, length, lkey in `sge`) that consumes one peer
-    /// receive, and stamps our receive count into its `header`. The count
-    /// cannot grow before the doorbell: receives are reposted only after the
-    /// doorbell of the pass that staged this.
+    /// Stages a SEND (address, length, lkey in `sge`, a user immediate's
+    /// trailer included if `with_imm`) that consumes one peer receive, with
+    /// our receive count in its immediate. The count cannot grow before the
+    /// doorbell: receives are reposted only after the doorbell of the pass
+    /// that staged this.
     #[inline]
     fn stage_credited_send(
         &mut self,
-        header: *mut u8,
         sge: Sge,
-        imm: Option<u32>,
+        with_imm: bool,
         op: SqOp,
         owned: Option<Registration>,
     ) -> u32 {
-        // SAFETY: `header` starts a send slot or a held receive slot that this
-        // request is about to carry: at least CREDIT_HEADER_LEN bytes we own,
-        // which no posted request reads yet.
-        unsafe { header.cast::<u32>().write_unaligned(self.posted.to_le()) };
-        let request = SendDescriptor::send(sge, imm);
+        let kind = match with_imm {
+            true => send_imm::MESSAGE_WITH_IMM,
+            false => send_imm::MESSAGE,
+        };
+        let request = SendDescriptor::send(sge, Some(send_imm::encode(kind, self.posted)));
         self.consumed = self.consumed.wrapping_add(1);
         self.has_staged_send = true;
         self.stage_signaled(request, op, owned, false)

@@ -136,7 +136,7 @@ fn reactor_config(args: &Args, world: &World) -> ReactorConfig {
     let per_reactor = world.size.div_ceil(usize::from(args.reactors)).min(peers);
     ReactorConfig {
         event_mode: args.reactor.event_mode_or(common::EventArg::Busy).into(),
-        slot_size: (payload.max(world.size * CELL_BYTES).max(64) + CREDIT_HEADER_LEN)
+        slot_size: (payload.max(world.size * CELL_BYTES).max(64) + SLOT_RESERVE)
             .next_multiple_of(64),
         signal_interval: args.reactor.signal_interval,
         ..ReactorConfig::for_traffic(0, args.depth, per_reactor.max(1) as u32)
