@@ -670,7 +670,7 @@ mod tests {
     fn fields_are_little_endian_at_fixed_offsets() {
         let bytes = sample().encode().unwrap();
         assert_eq!(&bytes[0..4], b"RCCM");
-        assert_eq!(&bytes[4..6], &[2, 0]);
+        assert_eq!(&bytes[4..6], &[3, 0]);
         assert_eq!(&bytes[6..8], &[KIND_OFFER as u8, 0]);
         assert_eq!(&bytes[12..14], &[1, 0], "one QP");
         assert_eq!(&bytes[14..18], &[0x11, 0, 0, 0], "qpn");
@@ -743,12 +743,14 @@ mod tests {
         ));
 
         let mut bad_version = good.clone();
-        bad_version[4] = 1;
+        // Version 2 peers put an 8-byte header in front of every SEND:
+        // they are refused at the handshake, not misread on the QP.
+        bad_version[4] = 2;
         assert!(matches!(
             Message::decode(&bad_version),
             Err(WireError::UnsupportedVersion {
-                found: 1,
-                supported: 2
+                found: 2,
+                supported: 3
             })
         ));
 
