@@ -8,8 +8,10 @@ use crate::error::{Error, Result};
 use crate::session::PeerStatus;
 use crate::verbs::{BIND_WR_ID, WcOpcode, WorkCompletion};
 
-use super::conn::{Arrival, OpKind, WrKind, decode_wr_id, same_generation};
+use super::conn::{Arrival, Conn, OpKind, WrKind, decode_wr_id, same_generation};
+use super::counters::Counters;
 use super::slab::{Key, PARKED, TOUCHED};
+use super::srq_pool::SrqPool;
 use super::{
     ConnId, Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, Session, SessionId, Waiter,
 };
@@ -523,90 +525,112 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// Flushes the connection at slab `index` if it has work, and notes
-    /// in `left` what it still has.
+    /// in `left` what it still has. One lookup on the common path: an open
+    /// connection is flushed and looked at through the same borrow.
     #[inline]
     fn flush_index(&mut self, index: u32, tidy: bool, signal_tails: bool, left: &mut Left) {
         let Some((key, conn)) = self.conns.get_by_index_quiet(index) else {
             return;
         };
         self.counters.flush_visits += 1;
+        if conn.is_closed() {
+            self.flush_closed(index, left);
+            return;
+        }
         let repost = conn.reposts_due() || (tidy && conn.has_pending_reposts());
         let tail = signal_tails && conn.has_unsignaled_tail();
         // Most connections walked have nothing to do: this stays a few
         // loads per connection, the work is out of line.
-        let due = if conn.is_closed() {
-            conn.owes_shared_slots()
-        } else {
-            repost || tail || !conn.is_quiet()
-        };
-        if due {
-            self.flush_conn(key, repost, tail);
-        }
-        let Some((_, conn)) = self.conns.get_by_index_quiet(index) else {
+        if (repost || tail || !conn.is_quiet())
+            && let Err(error) =
+                Self::flush_conn(conn, &mut self.srq, &mut self.counters, repost, tail)
+        {
+            self.fail(ConnId(key), error);
+            if let Some((_, conn)) = self.conns.get_by_index_quiet(index) {
+                let (unsettled, reposts, tail) = conn.leftovers();
+                self.note_left(index, left, unsettled, reposts, tail);
+            }
             return;
-        };
-        let unsettled = conn.is_unsettled();
-        let reposts = conn.has_pending_reposts();
-        let tail = conn.has_unsignaled_tail();
+        }
+        let (unsettled, reposts, tail) = conn.leftovers();
+        self.note_left(index, left, unsettled, reposts, tail);
+    }
+
+    /// Notes what connection `index` still has: work that could not go out
+    /// this time is flushed again by the next pass; receives below a batch
+    /// and an unsignaled tail wait for the idle-time flush, which finds the
+    /// connection parked.
+    #[inline]
+    fn note_left(
+        &mut self,
+        index: u32,
+        left: &mut Left,
+        unsettled: bool,
+        reposts: bool,
+        tail: bool,
+    ) {
         left.unsettled |= unsettled;
         left.reposts |= reposts;
         left.tails |= tail;
         if unsettled {
-            // Work that could not go out this time: the next pass flushes
-            // it again.
             self.conns.touch(index);
         }
         if reposts || tail {
-            // Work for an idle moment: the idle-time flush finds it here.
             self.conns.park(index);
         }
     }
 
-    /// Rings the doorbell of connection `key` and reposts its receives
-    /// (`repost`), signaling out an unsignaled tail first (`tail`).
-    #[inline(never)]
-    fn flush_conn(&mut self, key: Key, repost: bool, tail: bool) {
-        // Quietly: the caller lists the connection again if it stays unsettled.
-        let Some((_, conn)) = self
-            .conns
-            .get_by_index_quiet(key.index)
-            .filter(|(found, _)| *found == key)
-        else {
+    /// A closed connection only owes the SRQ its consumed slots.
+    #[cold]
+    fn flush_closed(&mut self, index: u32, left: &mut Left) {
+        let Some((_, conn)) = self.conns.get_by_index_quiet(index) else {
             return;
         };
-        if conn.is_closed() {
-            // A closed connection only owes the SRQ its consumed slots.
-            if let Some(pool) = &mut self.srq {
-                conn.take_shared_reposts(|slot| {
-                    if let Err(err) = pool.give_back(slot) {
-                        log::error!("reposting SRQ receives of a closed connection: {err}");
-                    }
-                });
-            }
-            return;
+        if let Some(pool) = &mut self.srq {
+            conn.take_shared_reposts(|slot| {
+                if let Err(err) = pool.give_back(slot) {
+                    log::error!("reposting SRQ receives of a closed connection: {err}");
+                }
+            });
         }
+        let (unsettled, reposts, tail) = conn.leftovers();
+        self.note_left(index, left, unsettled, reposts, tail);
+    }
+
+    /// Rings the doorbell of open connection `conn` and reposts its
+    /// receives (`repost`), signaling out an unsignaled tail first (`tail`).
+    #[inline(never)]
+    fn flush_conn(
+        conn: &mut Conn,
+        srq: &mut Option<SrqPool>,
+        counters: &mut Counters,
+        repost: bool,
+        tail: bool,
+    ) -> Result<()> {
         conn.prepare_flush();
         if tail && conn.batch.is_empty() {
             conn.stage_tail_signal();
         }
         let staged = conn.batch.len() as u64;
         if staged > 0 {
-            self.counters.doorbells += 1;
-            self.counters.requests += staged;
+            counters.doorbells += 1;
+            counters.requests += staged;
         }
-        let mut result = conn.post_staged();
-        if result.is_ok() && repost {
-            match &mut self.srq {
-                Some(pool) if conn.uses_srq() => conn.take_shared_reposts(|slot| {
+        conn.post_staged()?;
+        if !repost {
+            return Ok(());
+        }
+        match srq {
+            Some(pool) if conn.uses_srq() => {
+                let mut result = Ok(());
+                conn.take_shared_reposts(|slot| {
                     if result.is_ok() {
                         result = pool.give_back(slot);
                     }
-                }),
-                _ => result = conn.flush_reposts(),
+                });
+                result
             }
-        }
-        if let Err(error) = result {
-            self.fail(ConnId(key), error);
+            _ => conn.flush_reposts(),
         }
     }
 

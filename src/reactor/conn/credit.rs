@@ -164,6 +164,18 @@ impl Conn {
         }
     }
 
+    /// What an open connection has left after a flush: work any pass
+    /// must do ([`is_unsettled`](Self::is_unsettled)), receives waiting
+    /// for a fuller batch, an unsignaled tail.
+    #[inline]
+    pub(crate) fn leftovers(&self) -> (bool, bool, bool) {
+        (
+            self.is_unsettled(),
+            self.has_pending_reposts(),
+            self.has_unsignaled_tail(),
+        )
+    }
+
     /// Nothing staged and no credit update due (reposts may be pending).
     #[inline]
     pub(crate) fn is_quiet(&self) -> bool {
