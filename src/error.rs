@@ -618,13 +618,17 @@ impl Error {
         }
     }
 
-    /// Names `peer` as the peer of a failed completion or a credit overrun
-    /// that did not say (other errors are returned as they are).
+    /// Names `peer` as the peer of a failed completion, a credit overrun or
+    /// a malformed message that did not say (other errors are returned as
+    /// they are).
     pub(crate) fn with_peer(mut self, peer: Option<SocketAddr>) -> Self {
         if let Error::Completion {
             peer: slot @ None, ..
         }
         | Error::CreditOverrun {
+            peer: slot @ None, ..
+        }
+        | Error::MalformedMessage {
             peer: slot @ None, ..
         } = &mut self
         {

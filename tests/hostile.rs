@@ -3,7 +3,10 @@
 //! SRQ receives it took come back, and the other peers keep streaming. And
 //! the other side of the rule: peers that keep to their credits, however
 //! close to the limit a slow, holding or forwarding receiver drives them,
-//! are never cut off. Gated as described in `tests/util/mod.rs`.
+//! are never cut off. And a peer whose SENDs break the protocol (no
+//! immediate, an unknown kind) is cut off with `Error::MalformedMessage`
+//! and its SRQ receive comes back. Gated as described in
+//! `tests/util/mod.rs`.
 //!
 //! The rates and counts they print go straight to stderr
 //! (`writeln!(std::io::stderr())`): the test harness captures `eprintln!`,
@@ -38,8 +41,8 @@ const SLOT: usize = 1024;
 /// Messages of each honest stream, of up to `MAX` bytes.
 const STREAM: u64 = 10_000;
 const MAX: usize = 1000;
-/// Receives the hostile peer posts (and claims in its headers) for the
-/// reactor's credit updates, which it never needs to repost.
+/// Receives the hostile peer posts (and claims in its SENDs' immediates)
+/// for the reactor's credit updates, which it never needs to repost.
 const HOSTILE_RECVS: u32 = 256;
 /// The hostile peer's SENDs: this much payload, with the reactor's
 /// immediate (a message, claiming `HOSTILE_RECVS` receives).
@@ -529,6 +532,86 @@ fn credit_overrun(hold: bool) {
         Some(&mut flood),
         "the SRQ after H's removal",
     );
+}
+
+/// A raw peer on the SRQ reactor sends one SEND the protocol has no place
+/// for, in the middle of an honest stream: each time, that peer alone is
+/// cut off with `MalformedMessage`, nothing is delivered, the receive it
+/// took goes back to the SRQ and the stream finishes intact.
+fn malformed_on_an_srq() {
+    let ctx = open_device();
+    let pd = ctx.alloc_pd().unwrap();
+    let mut srq: Reactor<BoxedHandler> = Reactor::new(&pd, srq_config()).unwrap();
+    let mut peer: Reactor<BoxedHandler> = Reactor::new(&pd, peer_config()).unwrap();
+    // (immediate, what the error says): no immediate, kind 3.
+    let cases: [(Option<u32>, &str); 2] = [
+        (None, "without the reactor's immediate"),
+        (Some(3 << 30 | HOSTILE_RECVS), "unknown kind"),
+    ];
+    for (imm, what) in cases {
+        let mut stream = Stream::start(&pd, &mut srq, &mut peer);
+        let listener = ServerSession::bind(
+            "127.0.0.1:0",
+            &pd,
+            ServerConfig {
+                max_peers: Some(1),
+                ..Default::default()
+            },
+        )
+        .expect("bind");
+        let spec = srq.qp_spec("malformed");
+        let ours =
+            ClientSession::connect(listener.local_addr(), &pd, &ClientConfig::new(vec![spec]))
+                .expect("connect");
+        let theirs = listener.accept_timeout(DEADLINE).expect("accept");
+        let seen = Arc::new(Seen::default());
+        let side = HostileSide {
+            seen: Arc::clone(&seen),
+            hold: false,
+            held: Vec::new(),
+        };
+        let bad = srq.add(ours, Box::new(side)).expect("add the peer");
+        // Its receives for the reactor's credit updates; no flooding.
+        let mut raw = Flood::new(&pd, theirs);
+        run_until(
+            &mut srq,
+            &mut peer,
+            None,
+            "the stream to get going",
+            |_, _| stream.received.done.load(Ordering::Relaxed) >= STREAM / 10,
+        );
+        let local = raw.message.slice(0, 64).unwrap();
+        let wr = match imm {
+            Some(imm) => WorkRequest::send_with_imm(1, local, imm),
+            None => WorkRequest::send(1, local),
+        };
+        raw.endpoint.qps_mut()[0].qp_mut().post_send(wr).unwrap();
+        run_until(&mut srq, &mut peer, None, what, |_, _| {
+            !seen.errors.lock().unwrap().is_empty()
+        });
+        let errors = seen.errors.lock().unwrap().clone();
+        assert_eq!(errors.len(), 1, "{what}: {errors:?}");
+        assert!(
+            errors[0].contains("malformed message") && errors[0].contains(what),
+            "{what}: {}",
+            errors[0]
+        );
+        assert_eq!(seen.delivered.load(Ordering::Relaxed), 0, "{what}");
+        run_until(&mut srq, &mut peer, None, "the stream", |_, _| {
+            stream.done()
+        });
+        stream.check(what);
+        srq_back_to_full_strength(&mut srq, &mut peer, None, what);
+        assert!(srq.remove(bad).is_some());
+        assert!(peer.remove(stream.streamer).is_some() && srq.remove(stream.sink).is_some());
+        srq_back_to_full_strength(&mut srq, &mut peer, None, what);
+    }
+}
+
+verbs_test! {
+    fn a_peer_whose_sends_break_the_protocol_on_an_srq_is_cut_off_and_its_receive_comes_back() {
+        malformed_on_an_srq();
+    }
 }
 
 verbs_test! {

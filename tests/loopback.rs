@@ -31,42 +31,61 @@ struct Seen {
 }
 
 /// A handler that records into a `Seen` the test keeps a handle to, and
-/// forwards every message it gets to the connection in `.1` (if set), with
-/// that immediate.
+/// passes every message it gets on as its `relay` says.
 #[derive(Debug, Clone, Default)]
-struct Recorder(Rc<RefCell<Seen>>, ForwardTo);
+struct Recorder {
+    seen: Rc<RefCell<Seen>>,
+    relay: Rc<Cell<Relay>>,
+    held: Rc<RefCell<Vec<HeldRecv>>>,
+}
 
-/// Where a `Recorder` forwards what it gets, and with which immediate.
-type ForwardTo = Rc<Cell<Option<(ConnId, Option<u32>)>>>;
+/// What a `Recorder` does with a message besides recording it.
+#[derive(Debug, Clone, Copy, Default)]
+enum Relay {
+    #[default]
+    Nothing,
+    /// Forwards it at once to this connection, with this immediate.
+    Forward(ConnId, Option<u32>),
+    /// Holds it (into `Recorder::held`).
+    Hold,
+}
 
 impl Handler for Recorder {
     fn on_established(&mut self, _: &mut Ctx<'_>, conn: ConnId) {
-        self.0.borrow_mut().established.push(conn);
+        self.seen.borrow_mut().established.push(conn);
     }
     fn on_message(&mut self, ctx: &mut Ctx<'_>, _: ConnId, data: &[u8], imm: Option<u32>) {
-        self.0.borrow_mut().messages.push((data.to_vec(), imm));
-        if let Some((to, imm)) = self.1.get() {
-            let held = ctx.hold().expect("in on_message");
-            assert_eq!(held.len(), data.len());
-            if let Err((err, held)) = ctx.forward(to, held, imm) {
-                panic!("forwarding {} bytes: {err}", held.len());
+        self.seen.borrow_mut().messages.push((data.to_vec(), imm));
+        match self.relay.get() {
+            Relay::Nothing => {}
+            Relay::Forward(to, imm) => {
+                let held = ctx.hold().expect("in on_message");
+                assert_eq!(held.len(), data.len());
+                if let Err((err, held)) = ctx.forward(to, held, imm) {
+                    panic!("forwarding {} bytes: {err}", held.len());
+                }
+            }
+            Relay::Hold => {
+                let held = ctx.hold().expect("in on_message");
+                assert_eq!(ctx.held_bytes(&held), Some(data));
+                self.held.borrow_mut().push(held);
             }
         }
     }
     fn on_write_imm(&mut self, _: &mut Ctx<'_>, _: ConnId, imm: u32, len: u32) {
-        self.0.borrow_mut().write_imms.push((imm, len));
+        self.seen.borrow_mut().write_imms.push((imm, len));
     }
     fn on_send_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, seq: u32) {
-        self.0.borrow_mut().sends_done.push(seq);
+        self.seen.borrow_mut().sends_done.push(seq);
     }
     fn on_write_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, seq: u32) {
-        self.0.borrow_mut().writes_done.push(seq);
+        self.seen.borrow_mut().writes_done.push(seq);
     }
     fn on_read_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, seq: u32) {
-        self.0.borrow_mut().reads_done.push(seq);
+        self.seen.borrow_mut().reads_done.push(seq);
     }
     fn on_error(&mut self, _: &mut Ctx<'_>, _: ConnId, error: &Error) {
-        let mut seen = self.0.borrow_mut();
+        let mut seen = self.seen.borrow_mut();
         seen.errors.push(error.completion_status());
         seen.error_texts.push(format!("{error:?}"));
     }
@@ -74,13 +93,14 @@ impl Handler for Recorder {
 
 const ACCESS: AccessFlags = AccessFlags::REMOTE_WRITE.union(AccessFlags::REMOTE_READ);
 
-/// One session of a pair: its id, its connection, what its handler saw
-/// and where it forwards.
+/// One session of a pair: its id, its connection, what its handler saw,
+/// what it does with messages and what it holds.
 struct End {
     session: SessionId,
     conn: ConnId,
     seen: Rc<RefCell<Seen>>,
-    forward: ForwardTo,
+    relay: Rc<Cell<Relay>>,
+    held: Rc<RefCell<Vec<HeldRecv>>>,
 }
 
 fn new_reactor(pd: &ProtectionDomain) -> Reactor<Recorder, ()> {
@@ -100,14 +120,19 @@ fn add_pair(reactor: &mut Reactor<Recorder, ()>, pd: &ProtectionDomain) -> (End,
     let (a, b) = connected_pair(reactor, pd, ACCESS).expect("two connected QPs");
     let mut add = |qp: QueuePair| {
         let recorder = Recorder::default();
-        let (seen, forward) = (Rc::clone(&recorder.0), Rc::clone(&recorder.1));
+        let (seen, relay, held) = (
+            Rc::clone(&recorder.seen),
+            Rc::clone(&recorder.relay),
+            Rc::clone(&recorder.held),
+        );
         let session = reactor.add(vec![qp], recorder).expect("add");
         let conn = reactor.conns(session).next().expect("one connection");
         End {
             session,
             conn,
             seen,
-            forward,
+            relay,
+            held,
         }
     };
     let (a, b) = (add(a), add(b));
@@ -262,11 +287,11 @@ fn forwards_carry_any_payload_with_or_without_an_immediate() {
     // Every combination of immediates in and out, at the sizes where a
     // trailer could run out of its slot; more messages than receives, so
     // the relay's slots come back from its forwards and are reused.
-    let mut expected = Vec::new();
+    let (mut expected, mut relayed) = (Vec::new(), Vec::new());
     let mut sent = 0;
     for imm_in in [None, Some(0xdead_beef_u32)] {
         for imm_out in [None, Some(u32::MAX), Some(0)] {
-            relay_in.forward.set(Some((relay_out.conn, imm_out)));
+            relay_in.relay.set(Relay::Forward(relay_out.conn, imm_out));
             for len in [0, 1, 3, 4, max - 1, max] {
                 for round in 0..4u8 {
                     let data: Vec<u8> = (0..len).map(|i| (i as u8) ^ round ^ 0x5a).collect();
@@ -282,6 +307,7 @@ fn forwards_carry_any_payload_with_or_without_an_immediate() {
                         reactor.turn().unwrap();
                     }
                     sent += 1;
+                    relayed.push((data.clone(), imm_in));
                     expected.push((data, imm_out));
                     run_until(&mut reactor, "the forwarded message", || {
                         sink.seen.borrow().messages.len() == sent
@@ -291,7 +317,7 @@ fn forwards_carry_any_payload_with_or_without_an_immediate() {
         }
     }
     assert_eq!(sink.seen.borrow().messages, expected);
-    assert_eq!(relay_in.seen.borrow().messages.len(), sent);
+    assert_eq!(relay_in.seen.borrow().messages, relayed);
     // A message one byte too long is refused before anything is staged.
     assert!(matches!(
         reactor.with_ctx(|ctx| ctx.send(source.conn, &vec![0; max + 1], None)),
@@ -321,7 +347,9 @@ fn a_peer_whose_sends_break_the_protocol_is_cut_off() {
         (Some(kind(0)), max + 1, "longer than the largest payload"),
     ];
     let mut raw_peers = Vec::new();
-    for (imm, len, what) in cases {
+    // An honest pair on the same reactor, checked after every cut-off.
+    let (a, b) = add_pair(&mut reactor, &pd);
+    for (round, (imm, len, what)) in cases.into_iter().enumerate() {
         let (qp, mut raw) = connected_pair(&mut reactor, &pd, ACCESS).unwrap();
         // The raw peer takes the reactor's credit update like any peer.
         for i in 0..16 {
@@ -330,7 +358,7 @@ fn a_peer_whose_sends_break_the_protocol_is_cut_off() {
                 .unwrap();
         }
         let recorder = Recorder::default();
-        let seen = Rc::clone(&recorder.0);
+        let seen = Rc::clone(&recorder.seen);
         let session = reactor.add(vec![qp], recorder).unwrap();
         let conn = reactor.conns(session).next().unwrap();
         let local = payload.slice(0, len).unwrap();
@@ -351,17 +379,107 @@ fn a_peer_whose_sends_break_the_protocol_is_cut_off() {
             Err(SendError::Closed)
         ));
         raw_peers.push(raw);
+        let tag = Some(round as u32);
+        reactor.with_ctx(|ctx| ctx.send(a.conn, b"still here", tag).unwrap());
+        run_until(&mut reactor, "the honest message", || {
+            b.seen.borrow().messages.len() == round + 1
+        });
+        assert_eq!(
+            b.seen.borrow().messages[round],
+            (b"still here".to_vec(), tag)
+        );
     }
-    // An honest pair on the same reactor is untouched.
+    assert!(a.seen.borrow().errors.is_empty() && b.seen.borrow().errors.is_empty());
+}
+
+#[test]
+fn a_short_fill_puts_the_immediate_right_after_what_it_wrote() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = new_reactor(&pd);
     let (a, b) = add_pair(&mut reactor, &pd);
-    reactor.with_ctx(|ctx| ctx.send(a.conn, b"still here", Some(1)).unwrap());
-    run_until(&mut reactor, "the honest message", || {
-        !b.seen.borrow().messages.is_empty()
-    });
-    assert_eq!(
-        b.seen.borrow().messages,
-        [(b"still here".to_vec(), Some(1))]
-    );
+    let capacity = reactor.with_ctx(|ctx| ctx.max_payload(a.conn));
+    let mut expected = Vec::new();
+    for (i, wrote) in [0, 1, capacity / 2, capacity - 1, capacity]
+        .into_iter()
+        .enumerate()
+    {
+        let imm = 0x0101_0101 * (i as u32 + 1);
+        reactor.with_ctx(|ctx| {
+            // The slot is filled with 0xee past what the fill says it
+            // wrote: none of that may arrive.
+            ctx.send_from(a.conn, capacity, Some(imm), |slot| {
+                slot.fill(0xee);
+                slot[..wrote].fill(i as u8);
+                Some(wrote)
+            })
+            .unwrap()
+        });
+        expected.push((vec![i as u8; wrote], Some(imm)));
+        run_until(&mut reactor, "the message", || {
+            b.seen.borrow().messages.len() == i + 1
+        });
+    }
+    assert_eq!(b.seen.borrow().messages, expected);
+}
+
+#[test]
+fn held_messages_forwarded_together_in_a_later_pass_arrive_in_order() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = new_reactor(&pd);
+    let (source, relay_in) = add_pair(&mut reactor, &pd);
+    let (relay_out, sink) = add_pair(&mut reactor, &pd);
+    relay_in.relay.set(Relay::Hold);
+    let max = reactor.with_ctx(|ctx| ctx.max_payload(source.conn));
+    // Three rounds, so the slots the forwards give back are used again.
+    const HELD: usize = 8;
+    let mut expected = Vec::new();
+    for round in 0..3u8 {
+        let mut messages = Vec::new();
+        for i in 0..HELD {
+            let len = [0, 1, max - 1, max][i % 4];
+            let data = vec![round * 16 + i as u8; len];
+            let imm = (i % 2 == 0).then_some(u32::from(round) << 8 | i as u32);
+            let mut passes = 0;
+            while let Err(err) = reactor.with_ctx(|ctx| ctx.send(source.conn, &data, imm)) {
+                assert!(matches!(err, SendError::WouldBlock), "{err}");
+                assert!(passes < MAX_PASSES, "no credit within {MAX_PASSES} passes");
+                passes += 1;
+                reactor.turn().unwrap();
+            }
+            messages.push(data);
+        }
+        run_until(&mut reactor, "every message held", || {
+            relay_in.held.borrow().len() == HELD
+        });
+        // Some passes later, all at once: several forwards in flight, each
+        // with a new immediate or none, some where a trailer came in.
+        for _ in 0..10 {
+            reactor.turn().unwrap();
+        }
+        let held: Vec<HeldRecv> = relay_in.held.borrow_mut().drain(..).collect();
+        reactor.with_ctx(|ctx| {
+            for (i, held) in held.into_iter().enumerate() {
+                let imm = (i % 3 != 0).then_some(!(i as u32));
+                if let Err((err, _)) = ctx.forward(relay_out.conn, held, imm) {
+                    panic!("forward {i}: {err}");
+                }
+            }
+        });
+        for (i, data) in messages.into_iter().enumerate() {
+            expected.push((data, (i % 3 != 0).then_some(!(i as u32))));
+        }
+        run_until(&mut reactor, "the forwarded messages", || {
+            sink.seen.borrow().messages.len() == expected.len()
+        });
+    }
+    assert_eq!(sink.seen.borrow().messages, expected);
+    for end in [&source, &relay_in, &relay_out, &sink] {
+        assert!(end.seen.borrow().errors.is_empty());
+    }
 }
 
 #[test]

@@ -414,7 +414,8 @@ fn foreign_completions_are_ignored(srq: bool) {
             .unwrap();
     }
     // The peer's SENDs land in the foreign QP's receives, whose completions
-    // go to the reactor's CQ. Their first 8 bytes pass for a credit header.
+    // go to the reactor's CQ. They are plain SENDs, which the reactor would
+    // cut off as malformed were they taken for its own.
     for i in 0..RECVS {
         let wr = WorkRequest::send(100 + i as u64, payload.whole().unwrap()).signaled();
         peer_channel.qp_mut().post_send(wr).unwrap();

@@ -23,10 +23,11 @@ pub trait Handler {
     fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}
     /// A READ staged with sequence number `seq` completed: the bytes are local.
     fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}
-    /// The connection failed (a completion error, a failed post, or a peer
+    /// The connection failed (a completion error, a failed post, a peer
     /// that consumed more receives than it was granted:
-    /// [`Error::CreditOverrun`]). It stays closed; other connections are
-    /// unaffected.
+    /// [`Error::CreditOverrun`], or one whose SEND the protocol has no place
+    /// for: [`Error::MalformedMessage`]). It stays closed; other
+    /// connections are unaffected.
     fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {}
     /// The peer watch ([`ReactorConfig::peer_check_interval`](super::ReactorConfig::peer_check_interval)) found the
     /// session's peer gone: it disconnected (`PeerStatus::Disconnected`) or

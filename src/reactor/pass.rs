@@ -427,6 +427,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// reactor sends (`what`): it does not speak the protocol, and nothing
     /// it sends can be trusted.
     #[cold]
+    #[inline(never)]
     fn malformed(&mut self, key: Key, slot: u32, what: &'static str) {
         let Some(conn) = self.conns.get_mut(key) else {
             return;

@@ -217,7 +217,6 @@ impl Conn {
         })
     }
 
-    /// Largest payload of one SEND.
     /// Bytes registered for this connection alone: its own receive ring
     /// (none with an SRQ) and its send slots.
     pub(crate) fn registered_bytes(&self) -> (usize, usize) {
