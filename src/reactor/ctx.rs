@@ -115,6 +115,7 @@ impl fmt::Debug for Ctx<'_> {
 }
 
 impl Ctx<'_> {
+    #[inline]
     fn conn(&mut self, conn: ConnId) -> Result<&mut Conn, SendError> {
         self.touched = true;
         self.conns.get_mut(conn.key()).ok_or(SendError::Closed)

@@ -35,6 +35,26 @@ struct Left {
     tails: bool,
 }
 
+/// What a completion brings the handler, once the connection has done
+/// its part (credits, reposts, the overrun check).
+enum Delivery {
+    /// A WRITE_WITH_IMM landed.
+    WriteImm { imm: u32, len: u32 },
+    /// The peer's first credit: the connection is usable.
+    Established,
+    /// A message in receive slot `slot` (payload address and length),
+    /// maybe with the peer's first credit.
+    Message {
+        established: bool,
+        slot: u32,
+        data: (*const u8, usize),
+        imm: Option<u32>,
+        from_srq: bool,
+    },
+    /// Signaled send-queue work done: this many ops retire.
+    Retired { count: u32 },
+}
+
 /// Whose a completion is.
 enum Owner {
     /// A connection's, with what it reports.
@@ -234,19 +254,70 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 return;
             }
         };
-        let Some(conn) = self.conns.get_mut(key) else {
+        // `owner_of` checked the generation: list it for the flush, and
+        // look it up once for everything the connection itself does.
+        self.conns.touch(key.index);
+        let Some((_, conn)) = self.conns.get_by_index_quiet(key.index) else {
             return;
         };
         if !wc.is_success() || conn.is_closed() {
             self.dispatch_unusual(key, wc, kind);
             return;
         }
-        // A receive beyond what the peer was granted: it ignores its credits.
-        if let WrKind::Recv { slot } = kind
-            && !conn.count_receive()
+        let delivery = match kind {
+            WrKind::Recv { slot } => {
+                // A receive beyond what the peer was granted: it ignores
+                // its credits.
+                if !conn.count_receive() {
+                    self.overrun(key, slot);
+                    return;
+                }
+                let len = wc.byte_len();
+                if wc.opcode() == WcOpcode::RECV_RDMA_WITH_IMM {
+                    conn.queue_repost(slot);
+                    self.counters.messages += 1;
+                    Delivery::WriteImm {
+                        imm: wc.imm().unwrap_or(0),
+                        len,
+                    }
+                } else {
+                    match conn.recv_message(slot, len, wc.imm()) {
+                        Ok(Arrival::Message { count, data, imm }) => {
+                            self.counters.messages += 1;
+                            Delivery::Message {
+                                established: conn.peer_credit(count),
+                                slot,
+                                data,
+                                imm,
+                                from_srq: conn.uses_srq(),
+                            }
+                        }
+                        Ok(Arrival::Credit(count)) => {
+                            conn.queue_repost(slot);
+                            if !conn.peer_credit(count) {
+                                return;
+                            }
+                            Delivery::Established
+                        }
+                        Err(what) => {
+                            self.malformed(key, slot, what);
+                            return;
+                        }
+                    }
+                }
+            }
+            WrKind::Send { seq } => match conn.retire_count(seq) {
+                0 => return,
+                count => Delivery::Retired { count },
+            },
+            WrKind::SrqRecv | WrKind::Unknown => return,
+        };
+        if let Delivery::Established
+        | Delivery::Message {
+            established: true, ..
+        } = delivery
         {
-            self.overrun(key, slot);
-            return;
+            conn.answer_first_credit();
         }
         let (session, id) = (conn.session, conn.id);
         let Some(record) = self.sessions.get_mut(session.0) else {
@@ -254,37 +325,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         };
         let handler = &mut record.handler;
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
-        match kind {
-            WrKind::Recv { slot } => {
-                let Some(conn) = ctx.conns.get_mut(key) else {
-                    return;
-                };
-                let len = wc.byte_len();
-                if wc.opcode() == WcOpcode::RECV_RDMA_WITH_IMM {
-                    self.counters.messages += 1;
-                    conn.queue_repost(slot);
-                    handler.on_write_imm(&mut ctx, id, wc.imm().unwrap_or(0), len);
-                    return;
-                }
-                let (count, data, imm) = match conn.recv_message(slot, len, wc.imm()) {
-                    Ok(Arrival::Message { count, data, imm }) => (count, data, imm),
-                    Ok(Arrival::Credit(count)) => {
-                        conn.queue_repost(slot);
-                        if conn.peer_credit(count) {
-                            conn.answer_first_credit();
-                            handler.on_established(&mut ctx, id);
-                        }
-                        return;
-                    }
-                    Err(what) => {
-                        self.malformed(key, slot, what);
-                        return;
-                    }
-                };
-                let from_srq = conn.uses_srq();
-                self.counters.messages += 1;
-                if conn.peer_credit(count) {
-                    conn.answer_first_credit();
+        match delivery {
+            Delivery::WriteImm { imm, len } => handler.on_write_imm(&mut ctx, id, imm, len),
+            Delivery::Established => handler.on_established(&mut ctx, id),
+            Delivery::Message {
+                established,
+                slot,
+                data,
+                imm,
+                from_srq,
+            } => {
+                if established {
                     handler.on_established(&mut ctx, id);
                 }
                 ctx.offer(id, slot, data.1 as u32, from_srq);
@@ -303,8 +354,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     conn.queue_repost(slot);
                 }
             }
-            WrKind::Send { seq } => {
-                let count = ctx.conns.get(key).map_or(0, |c| c.retire_count(seq));
+            Delivery::Retired { count } => {
                 for _ in 0..count {
                     let Some(conn) = ctx.conns.get_mut(key) else {
                         return;
@@ -334,7 +384,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     }
                 }
             }
-            WrKind::SrqRecv | WrKind::Unknown => {}
         }
     }
 
