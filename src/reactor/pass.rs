@@ -254,12 +254,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 return;
             }
         };
-        // `owner_of` checked the generation: list it for the flush, and
-        // look it up once for everything the connection itself does.
+        // List it for the flush, and look it up once for everything the
+        // connection itself does. The key must still name the entry's
+        // current generation: `owner_of` checked that against the wr_id,
+        // but an SRQ receive's key comes from the pool's owner table.
         self.conns.touch(key.index);
-        let Some((_, conn)) = self.conns.get_by_index_quiet(key.index) else {
+        let Some((found, conn)) = self.conns.get_by_index_quiet(key.index) else {
             return;
         };
+        // (Same index and slab: the generation is all that can differ.)
+        if found.generation != key.generation {
+            return;
+        }
         if !wc.is_success() || conn.is_closed() {
             self.dispatch_unusual(key, wc, kind);
             return;
