@@ -595,8 +595,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         let repost = conn.reposts_due() || (tidy && conn.has_pending_reposts());
         let tail = signal_tails && conn.has_unsignaled_tail();
-        // Most connections walked have nothing to do: this stays a few
-        // loads per connection, the work is out of line.
+        // The walk visits only connections a pass touched or parked, so
+        // most have work: it is inline (a call's entry and exit were 5 %
+        // of the reactor's instructions per READ).
         if (repost || tail || !conn.is_quiet())
             && let Err(error) =
                 Self::flush_conn(conn, &mut self.srq, &mut self.counters, repost, tail)
@@ -655,7 +656,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// Rings the doorbell of open connection `conn` and reposts its
     /// receives (`repost`), signaling out an unsignaled tail first (`tail`).
-    #[inline(never)]
+    #[inline]
     fn flush_conn(
         conn: &mut Conn,
         srq: &mut Option<SrqPool>,
