@@ -304,6 +304,59 @@ impl Stream {
     }
 }
 
+/// A connection of the SRQ reactor, through a real handshake, whose other
+/// end is a raw QP (a `Flood`, which floods only when pumped), handled on
+/// the reactor by a `HostileSide`.
+struct RawPeer {
+    session: SessionId,
+    /// The reactor's QP of the connection, and the peer's address.
+    qpn: u32,
+    peer: std::net::SocketAddr,
+    seen: Arc<Seen>,
+    raw: Flood,
+}
+
+impl RawPeer {
+    fn connect(
+        pd: &ProtectionDomain,
+        srq: &mut Reactor<BoxedHandler>,
+        name: &str,
+        hold: bool,
+    ) -> Self {
+        let listener = ServerSession::bind(
+            "127.0.0.1:0",
+            pd,
+            ServerConfig {
+                max_peers: Some(1),
+                ..Default::default()
+            },
+        )
+        .expect("bind");
+        let spec = srq.qp_spec(name);
+        let ours =
+            ClientSession::connect(listener.local_addr(), pd, &ClientConfig::new(vec![spec]))
+                .expect("connect");
+        let theirs = listener.accept_timeout(DEADLINE).expect("accept");
+        let (qpn, peer) = (ours.qps()[0].qp().qpn(), ours.peer());
+        let seen = Arc::new(Seen::default());
+        let side = HostileSide {
+            seen: Arc::clone(&seen),
+            hold,
+            held: Vec::new(),
+        };
+        let session = srq
+            .add(ours, Box::new(side))
+            .expect("add the raw peer's connection");
+        Self {
+            session,
+            qpn,
+            peer,
+            seen,
+            raw: Flood::new(pd, theirs),
+        }
+    }
+}
+
 /// Turns both reactors (and pumps the flood, if any) until `done`, failing
 /// the test at [`RUN_DEADLINE`] with `what` and the state of things.
 #[track_caller]
@@ -371,29 +424,13 @@ fn credit_overrun(hold: bool) {
     // G again, and H. H's QP on the SRQ reactor is added like any peer's;
     // its other end is a raw QP.
     let mut with_h = Stream::start(&pd, &mut srq, &mut peer);
-    let listener = ServerSession::bind(
-        "127.0.0.1:0",
-        &pd,
-        ServerConfig {
-            max_peers: Some(1),
-            ..Default::default()
-        },
-    )
-    .expect("bind");
-    let spec = srq.qp_spec("hostile");
-    let ours = ClientSession::connect(listener.local_addr(), &pd, &ClientConfig::new(vec![spec]))
-        .expect("connect");
-    let theirs = listener.accept_timeout(DEADLINE).expect("accept");
-    let hostile_qpn = ours.qps()[0].qp().qpn();
-    let hostile_peer = ours.peer();
-    let seen = Arc::new(Seen::default());
-    let side = HostileSide {
-        seen: Arc::clone(&seen),
-        hold,
-        held: Vec::new(),
-    };
-    let hostile = srq.add(ours, Box::new(side)).expect("add H's connection");
-    let mut flood = Flood::new(&pd, theirs);
+    let RawPeer {
+        session: hostile,
+        qpn: hostile_qpn,
+        peer: hostile_peer,
+        seen,
+        raw: mut flood,
+    } = RawPeer::connect(&pd, &mut srq, "hostile", hold);
     // H strikes in the middle of G's stream.
     run_until(
         &mut srq,
@@ -550,29 +587,13 @@ fn malformed_on_an_srq() {
     ];
     for (imm, what) in cases {
         let mut stream = Stream::start(&pd, &mut srq, &mut peer);
-        let listener = ServerSession::bind(
-            "127.0.0.1:0",
-            &pd,
-            ServerConfig {
-                max_peers: Some(1),
-                ..Default::default()
-            },
-        )
-        .expect("bind");
-        let spec = srq.qp_spec("malformed");
-        let ours =
-            ClientSession::connect(listener.local_addr(), &pd, &ClientConfig::new(vec![spec]))
-                .expect("connect");
-        let theirs = listener.accept_timeout(DEADLINE).expect("accept");
-        let seen = Arc::new(Seen::default());
-        let side = HostileSide {
-            seen: Arc::clone(&seen),
-            hold: false,
-            held: Vec::new(),
-        };
-        let bad = srq.add(ours, Box::new(side)).expect("add the peer");
         // Its receives for the reactor's credit updates; no flooding.
-        let mut raw = Flood::new(&pd, theirs);
+        let RawPeer {
+            session: bad,
+            seen,
+            mut raw,
+            ..
+        } = RawPeer::connect(&pd, &mut srq, "malformed", false);
         run_until(
             &mut srq,
             &mut peer,

@@ -464,18 +464,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     #[inline(never)]
     fn overrun(&mut self, key: Key, slot: u32) {
-        let Some(conn) = self.conns.get_mut(key) else {
-            return;
-        };
-        // Named here already (fail would too) so the log line says who.
-        let peer = self
-            .sessions
-            .get(conn.session.0)
-            .and_then(|record| record.link.peer());
-        let error = conn.overrun_error().with_peer(peer);
-        log::warn!("cutting off a peer: {error}");
-        conn.queue_repost(slot);
-        self.fail(ConnId(key), error);
+        self.cut_off(key, slot, |conn, peer| conn.overrun_error().with_peer(peer));
     }
 
     /// Cuts off the peer of `key`, whose SEND into `slot` is none the
@@ -484,18 +473,31 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     #[inline(never)]
     fn malformed(&mut self, key: Key, slot: u32, what: &'static str) {
+        self.cut_off(key, slot, |conn, peer| Error::MalformedMessage {
+            qpn: conn.qpn,
+            peer,
+            what,
+        });
+    }
+
+    /// Fails connection `key` with the error `error` makes of it and its
+    /// peer's address, giving back the receive slot `slot` its peer's last
+    /// SEND took (undelivered).
+    fn cut_off(
+        &mut self,
+        key: Key,
+        slot: u32,
+        error: impl FnOnce(&Conn, Option<std::net::SocketAddr>) -> Error,
+    ) {
         let Some(conn) = self.conns.get_mut(key) else {
             return;
         };
+        // Named here already (fail would too) so the log line says who.
         let peer = self
             .sessions
             .get(conn.session.0)
             .and_then(|record| record.link.peer());
-        let error = Error::MalformedMessage {
-            qpn: conn.qpn,
-            peer,
-            what,
-        };
+        let error = error(conn, peer);
         log::warn!("cutting off a peer: {error}");
         conn.queue_repost(slot);
         self.fail(ConnId(key), error);
