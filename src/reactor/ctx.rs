@@ -247,29 +247,34 @@ impl Ctx<'_> {
         let Some(source) = origin.recv_slot_source(held.slot) else {
             return Err((SendError::Foreign, held));
         };
-        let from_srq = origin.uses_srq();
-        // A handle of the origin's ring registration only if the target does
-        // not keep that one already (the usual case costs no reference count).
-        let registration = match self.conns.get(to.key()) {
-            Some(target) if target.keeps(source.registration_id) => None,
-            Some(_) => Some(origin.recv_registration().clone()),
-            None => return Err((SendError::Closed, held)),
+        let origin_of = ForwardOrigin {
+            conn: held.conn,
+            slot: held.slot,
+            from_srq: origin.uses_srq(),
+        };
+        let len = held.len as usize;
+        let Some(target) = self.conns.get_mut(to.key()) else {
+            return Err((SendError::Closed, held));
+        };
+        // The usual case: the target keeps the origin's ring registration
+        // already, so the forward needs no handle of its own (no reference
+        // count, and no second lookup of either connection).
+        if target.keeps(source.registration_id) {
+            return target
+                .stage_forward(source, len, imm, origin_of, None)
+                .map_err(|error| (error, held));
+        }
+        let Some(registration) = self
+            .held_origin(&held)
+            .map(|origin| origin.recv_registration().clone())
+        else {
+            return Err((SendError::Foreign, held));
         };
         let Some(target) = self.conns.get_mut(to.key()) else {
             return Err((SendError::Closed, held));
         };
         target
-            .stage_forward(
-                source,
-                held.len as usize,
-                imm,
-                ForwardOrigin {
-                    conn: held.conn,
-                    slot: held.slot,
-                    from_srq,
-                },
-                registration,
-            )
+            .stage_forward(source, len, imm, origin_of, Some(registration))
             .map_err(|error| (error, held))
     }
 
