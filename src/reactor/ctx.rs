@@ -264,6 +264,7 @@ impl Ctx<'_> {
                 .stage_forward(source, len, imm, origin_of, None)
                 .map_err(|error| (error, held));
         }
+        // Found above, and nothing ran since that could remove it.
         let Some(registration) = self
             .held_origin(&held)
             .map(|origin| origin.recv_registration().clone())

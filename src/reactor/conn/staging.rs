@@ -212,6 +212,9 @@ impl Conn {
         origin: ForwardOrigin,
         registration: Option<Registration>,
     ) -> Result<u32, SendError> {
+        // Without a handle of its own the forward rides on the kept
+        // registration, which must then be the source ring's.
+        debug_assert!(registration.is_some() || self.keeps(source.registration_id));
         let wire_len = len + imm.map_or(0, |_| IMM_TRAILER_LEN);
         if len > self.max_payload() || wire_len > source.size {
             return Err(SendError::TooLarge {
