@@ -127,10 +127,10 @@ impl Context {
             .map_err(|_| Error::InvalidArgument("CQ size exceeds i32"))?;
         let cq = if self.inner.is_loopback() {
             if channel.is_some() {
-                return Err(Error::Unsupported {
-                    verb: "ibv_create_cq with a completion channel",
-                    device: Arc::clone(name),
-                });
+                return Err(loopback::unsupported(
+                    "ibv_create_cq with a completion channel",
+                    name,
+                ));
             }
             loopback::create_cq(self.inner.ctx, min_entries)
                 .map_err(|errno| crate::error::verbs_error("ibv_create_cq", errno, name, None))?
@@ -354,10 +354,10 @@ impl Context {
     /// polled only.
     pub fn create_comp_channel(&self) -> Result<CompletionChannel> {
         if self.inner.is_loopback() {
-            return Err(Error::Unsupported {
-                verb: "ibv_create_comp_channel",
-                device: Arc::clone(&self.inner.name),
-            });
+            return Err(loopback::unsupported(
+                "ibv_create_comp_channel",
+                &self.inner.name,
+            ));
         }
         // SAFETY: the context is open; the channel is destroyed in ChannelInner::drop.
         let raw = unsafe { sys::ibv_create_comp_channel(self.inner.ctx.as_ptr()) };

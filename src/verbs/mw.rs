@@ -34,7 +34,7 @@ use super::mr::{AccessFlags, Registration, RemoteRegion};
 use super::pd::{PdInner, ProtectionDomain};
 use super::qp::{QpState, QueuePair};
 use super::wr::SendFlags;
-use super::{check_ptr, check_rc};
+use super::{check_ptr, check_rc, loopback};
 
 /// The `wr_id` of every bind request: its completion (opcode
 /// [`WcOpcode::BIND_MW`](super::WcOpcode::BIND_MW) when signaled and
@@ -150,10 +150,7 @@ impl ProtectionDomain {
     /// [`Error::Verbs`] when it has no more.
     pub fn alloc_mw(&self) -> Result<MemoryWindow> {
         if self.inner.ctx.is_loopback() {
-            return Err(Error::Unsupported {
-                verb: "ibv_alloc_mw",
-                device: Arc::clone(&self.inner.ctx.name),
-            });
+            return Err(loopback::unsupported("ibv_alloc_mw", &self.inner.ctx.name));
         }
         // SAFETY: the PD is live (we hold it from here on); the window is
         // deallocated in WindowHandle::drop.

@@ -11,7 +11,7 @@ use crate::sys;
 
 use super::pd::{PdInner, ProtectionDomain};
 use super::wr::RecvBatch;
-use super::{check_ptr, check_rc};
+use super::{check_ptr, check_rc, loopback};
 
 type PostSrqRecvFn = unsafe extern "C" fn(
     *mut sys::ibv_srq,
@@ -109,10 +109,7 @@ impl ProtectionDomain {
     pub fn create_srq(&self, max_wr: u32) -> Result<SharedReceiveQueue> {
         let name = &self.inner.ctx.name;
         if self.inner.ctx.is_loopback() {
-            return Err(Error::Unsupported {
-                verb: "ibv_create_srq",
-                device: Arc::clone(name),
-            });
+            return Err(loopback::unsupported("ibv_create_srq", name));
         }
         let mut init = sys::ibv_srq_init_attr {
             attr: sys::ibv_srq_attr {

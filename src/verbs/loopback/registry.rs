@@ -1,0 +1,75 @@
+//! The process-wide registries: every loopback MR by key and every live QP
+//! by number, and the counters that hand out keys, QP numbers and handles.
+//! They are global, not per context, because the QPs of any loopback
+//! context in the process connect to one another and reach each other's
+//! memory.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{LazyLock, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
+
+#[cfg(test)]
+use super::lock;
+use super::qp::LbQp;
+
+/// A hasher for keys that are already unique small integers.
+#[derive(Default)]
+pub(super) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        // Spread into the high bits, which the table's control bytes use.
+        self.0 = u64::from(n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+pub(super) type KeyMap<V> = HashMap<u32, V, BuildHasherDefault<IdHasher>>;
+
+/// A registered range, by key (lkey and rkey are the same number).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct MrEntry {
+    pub(super) addr: u64,
+    pub(super) len: u64,
+    pub(super) access: u32,
+    pub(super) pd: u32,
+}
+
+/// Every loopback MR in the process. Copies hold the read lock for their
+/// whole duration; deregistration takes the write lock.
+pub(super) static MRS: LazyLock<RwLock<KeyMap<MrEntry>>> = LazyLock::new(Default::default);
+/// Every live loopback QP in the process, by QP number.
+pub(super) static QPS: LazyLock<Mutex<KeyMap<Weak<LbQp>>>> = LazyLock::new(Default::default);
+pub(super) static NEXT_KEY: AtomicU32 = AtomicU32::new(0x100);
+pub(super) static NEXT_QPN: AtomicU32 = AtomicU32::new(0x11);
+static NEXT_HANDLE: AtomicU32 = AtomicU32::new(1);
+
+pub(super) fn read_mrs() -> RwLockReadGuard<'static, KeyMap<MrEntry>> {
+    MRS.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+pub(super) fn next_handle() -> u32 {
+    NEXT_HANDLE.fetch_add(1, Ordering::Relaxed)
+}
+
+/// True while a QP numbered `qpn` is registered (tests of teardown).
+#[cfg(test)]
+pub(super) fn is_qp_registered(qpn: u32) -> bool {
+    lock(&QPS).contains_key(&qpn)
+}
+
+/// True while a memory region keyed `key` is registered (tests of teardown).
+#[cfg(test)]
+pub(super) fn is_mr_registered(key: u32) -> bool {
+    read_mrs().contains_key(&key)
+}
