@@ -153,6 +153,24 @@ fn run_until(reactor: &mut Reactor<Recorder, ()>, what: &str, mut done: impl FnM
     panic!("not within {MAX_PASSES} passes: {what}");
 }
 
+/// Stages a SEND of `data` on `conn`, running passes while the window is
+/// spent: credits come back with the receiver's updates.
+#[track_caller]
+fn send_when_credited(
+    reactor: &mut Reactor<Recorder, ()>,
+    conn: ConnId,
+    data: &[u8],
+    imm: Option<u32>,
+) {
+    let mut passes = 0;
+    while let Err(err) = reactor.with_ctx(|ctx| ctx.send(conn, data, imm)) {
+        assert!(matches!(err, SendError::WouldBlock), "{err}");
+        assert!(passes < MAX_PASSES, "no credit within {MAX_PASSES} passes");
+        passes += 1;
+        reactor.turn().unwrap();
+    }
+}
+
 fn bytes(mr: &MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
     let mut out = vec![0; len];
     mr.read(offset, &mut out).expect("read from region");
@@ -295,17 +313,7 @@ fn forwards_carry_any_payload_with_or_without_an_immediate() {
             for len in [0, 1, 3, 4, max - 1, max] {
                 for round in 0..4u8 {
                     let data: Vec<u8> = (0..len).map(|i| (i as u8) ^ round ^ 0x5a).collect();
-                    // Credits come back with the receiver's updates: wait
-                    // for one when the window is spent.
-                    let mut passes = 0;
-                    while let Err(err) =
-                        reactor.with_ctx(|ctx| ctx.send(source.conn, &data, imm_in))
-                    {
-                        assert!(matches!(err, SendError::WouldBlock), "{err}");
-                        assert!(passes < MAX_PASSES, "no credit within {MAX_PASSES} passes");
-                        passes += 1;
-                        reactor.turn().unwrap();
-                    }
+                    send_when_credited(&mut reactor, source.conn, &data, imm_in);
                     sent += 1;
                     relayed.push((data.clone(), imm_in));
                     expected.push((data, imm_out));
@@ -443,13 +451,7 @@ fn held_messages_forwarded_together_in_a_later_pass_arrive_in_order() {
             let len = [0, 1, max - 1, max][i % 4];
             let data = vec![round * 16 + i as u8; len];
             let imm = (i % 2 == 0).then_some(u32::from(round) << 8 | i as u32);
-            let mut passes = 0;
-            while let Err(err) = reactor.with_ctx(|ctx| ctx.send(source.conn, &data, imm)) {
-                assert!(matches!(err, SendError::WouldBlock), "{err}");
-                assert!(passes < MAX_PASSES, "no credit within {MAX_PASSES} passes");
-                passes += 1;
-                reactor.turn().unwrap();
-            }
+            send_when_credited(&mut reactor, source.conn, &data, imm);
             messages.push(data);
         }
         run_until(&mut reactor, "every message held", || {
