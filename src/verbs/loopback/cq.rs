@@ -5,16 +5,25 @@
 use std::collections::VecDeque;
 use std::os::raw::c_int;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
 use crate::sys;
 
+use super::qp::LbQp;
 use super::registry::next_handle;
 use super::{MAX_CQE, lock};
 
 /// A CQ's completions: a ring allocated at creation.
 pub(super) struct CqRing {
     state: Mutex<RingState>,
+    /// QPs moved to the error state whose outstanding sends this CQ has
+    /// yet to see flushed: a device flushes its send queue after
+    /// `ibv_modify_qp` returns, so a program that reuses their memory
+    /// before it polls their flushed completions is caught (see
+    /// `LbQp::stop`). Flushed at the start of the next poll.
+    deferred: Mutex<Vec<Weak<LbQp>>>,
+    has_deferred: AtomicBool,
 }
 
 struct RingState {
@@ -37,11 +46,32 @@ impl CqRing {
         true
     }
 
+    /// Flushes `qp`'s outstanding sends at this CQ's next poll.
+    pub(super) fn defer_flush(&self, qp: Weak<LbQp>) {
+        lock(&self.deferred).push(qp);
+        self.has_deferred.store(true, Ordering::Release);
+    }
+
+    /// Runs the flushes `defer_flush` queued (no lock of this CQ held:
+    /// each pushes its completions here).
+    #[cold]
+    fn run_deferred(&self) {
+        // Cleared first: a flush deferred while these run sets it again.
+        self.has_deferred.store(false, Ordering::Release);
+        let due = std::mem::take(&mut *lock(&self.deferred));
+        for qp in due.iter().filter_map(Weak::upgrade) {
+            qp.flush_stalled();
+        }
+    }
+
     /// Moves up to `max` completions to `out`.
     ///
     /// # Safety
     /// `out` is valid for writing `max` entries.
     unsafe fn poll(&self, max: usize, out: *mut sys::ibv_wc) -> c_int {
+        if self.has_deferred.load(Ordering::Acquire) {
+            self.run_deferred();
+        }
         let mut ring = lock(&self.state);
         let n = max.min(ring.wcs.len()).min(c_int::MAX as usize);
         for i in 0..n {
@@ -89,6 +119,8 @@ pub(crate) fn create_cq(
                 capacity,
                 overflowed: false,
             }),
+            deferred: Mutex::new(Vec::new()),
+            has_deferred: AtomicBool::new(false),
         }),
     });
     Ok(NonNull::from(Box::leak(obj)).cast())

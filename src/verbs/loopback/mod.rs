@@ -27,8 +27,16 @@
 //! - The error state (`ibv_modify_qp` to ERR, or destroying the QP, or a
 //!   failed request) flushes the posted receives and the stalled sends with
 //!   `IBV_WC_WR_FLUSH_ERR`, in order; requests posted later are flushed at
-//!   once. Unlike some hardware providers, destroying a QP leaves its
-//!   completions in the CQs (as Soft-RoCE does).
+//!   once (or after the stalled ones, in order). After `ibv_modify_qp` the
+//!   stalled sends are flushed when their send CQ is next polled, not
+//!   during the call, as a device does its flushing after the call
+//!   returns: until their flushed completions are polled they still use
+//!   their memory. Unlike some hardware providers, destroying a QP flushes
+//!   at once and leaves its completions in the CQs (as Soft-RoCE does).
+//! - A receive posted over memory that a stalled send of any QP still uses
+//!   (reads, or for a READ writes) is refused with `EBUSY`: on a NIC the
+//!   arriving message would overwrite bytes a request in flight has yet to
+//!   read, silently. The check runs only while some send is stalled.
 //! - A CQ is a bounded ring of `ibv_wc` allocated at creation. A completion
 //!   that does not fit is dropped, the QP it belonged to goes to the error
 //!   state, and once the entries queued before it are polled every poll of

@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::os::raw::c_int;
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::sys;
@@ -41,8 +41,35 @@ impl Outcome {
 }
 
 struct SendQueue {
-    /// Requests waiting behind a SEND the peer had no receive for.
+    /// Requests waiting behind a SEND the peer had no receive for (or, in
+    /// the error state, for their flush): the device still uses their
+    /// memory. Changed only through `stall`, `unstall` and `flush`, which
+    /// keep `STALLED` in step.
     stalled: VecDeque<SendOp>,
+}
+
+/// Send requests stalled on every QP of the process: while there are none,
+/// a receive needs no check against them (see `post_recvs`).
+static STALLED: AtomicUsize = AtomicUsize::new(0);
+
+impl SendQueue {
+    fn stall(&mut self, op: SendOp) {
+        STALLED.fetch_add(1, Ordering::Relaxed);
+        self.stalled.push_back(op);
+    }
+
+    fn unstall(&mut self) -> Option<SendOp> {
+        let op = self.stalled.pop_front()?;
+        STALLED.fetch_sub(1, Ordering::Relaxed);
+        Some(op)
+    }
+
+    /// Completes every stalled request with `IBV_WC_WR_FLUSH_ERR` on `cq`.
+    fn flush(&mut self, qpn: u32, cq: &CqRing) {
+        while let Some(op) = self.unstall() {
+            cq.push(op.wc(qpn, sys::IBV_WC_WR_FLUSH_ERR, 0));
+        }
+    }
 }
 
 struct RecvQueue {
@@ -225,7 +252,7 @@ pub(crate) unsafe fn modify_qp(
     }
     match attr.qp_state {
         sys::IBV_QPS_ERR => {
-            lb.enter_error();
+            lb.stop();
             0
         }
         sys::IBV_QPS_RTR => {
@@ -308,11 +335,36 @@ impl LbQp {
     /// sends, are flushed. True if the QP was not in ERR before.
     fn fail_sq(&self, sq: &mut SendQueue) -> bool {
         let newly = self.fail_locked(&mut lock(&self.rq));
-        for op in sq.stalled.drain(..) {
-            self.send_cq
-                .push(op.wc(self.qpn, sys::IBV_WC_WR_FLUSH_ERR, 0));
-        }
+        sq.flush(self.qpn, &self.send_cq);
         newly
+    }
+
+    /// `ibv_modify_qp(ERR)`: receives are flushed now, stalled sends when
+    /// the send CQ is next polled, as a device that flushes its send queue
+    /// after the call returns would. Until then they still use their
+    /// memory: a receive posted over it is refused (`post_recvs`).
+    fn stop(self: &Arc<Self>) {
+        let newly = {
+            let sq = lock(&self.sq);
+            let newly = self.fail_locked(&mut lock(&self.rq));
+            if !sq.stalled.is_empty() {
+                self.send_cq.defer_flush(Arc::downgrade(self));
+            }
+            newly
+        };
+        if newly && let Some(peer) = self.peer() {
+            peer.progress();
+        }
+    }
+
+    /// The deferred flush of `stop`.
+    pub(super) fn flush_stalled(&self) {
+        lock(&self.sq).flush(self.qpn, &self.send_cq);
+    }
+
+    /// True if a stalled send of this QP still uses memory of `list`.
+    fn stalled_use(&self, list: &SgList) -> bool {
+        lock(&self.sq).stalled.iter().any(|op| op.uses(list))
     }
 
     /// `ibv_modify_qp(ERR)` and destroy: flushes everything, then lets the
@@ -337,7 +389,7 @@ impl LbQp {
                 match self.execute(op, peer.as_deref()) {
                     Outcome::Stall => break,
                     outcome => {
-                        let Some(op) = sq.stalled.pop_front() else {
+                        let Some(op) = sq.unstall() else {
                             break;
                         };
                         kick |= self.complete(&mut sq, &op, outcome);
@@ -555,21 +607,23 @@ impl LbQp {
                         break 'post errno;
                     }
                 };
-                if self.state() == sys::IBV_QPS_ERR {
+                if self.state() == sys::IBV_QPS_ERR && sq.stalled.is_empty() {
                     self.send_cq
                         .push(op.wc(self.qpn, sys::IBV_WC_WR_FLUSH_ERR, 0));
                 } else if !sq.stalled.is_empty() {
+                    // Behind stalled requests (or their pending flush, in
+                    // ERR): the send queue completes in order.
                     if sq.stalled.len() >= self.max_send_wr {
                         // SAFETY: `bad` is writable.
                         unsafe { *bad = cur };
                         break 'post libc::ENOMEM;
                     }
                     // SAFETY: still inside the post call.
-                    sq.stalled.push_back(unsafe { op.detach() });
+                    sq.stall(unsafe { op.detach() });
                 } else {
                     match self.execute(&op, peer.as_deref()) {
                         // SAFETY: still inside the post call.
-                        Outcome::Stall => sq.stalled.push_back(unsafe { op.detach() }),
+                        Outcome::Stall => sq.stall(unsafe { op.detach() }),
                         outcome => kick |= self.complete(&mut sq, &op, outcome),
                     }
                 }
@@ -593,6 +647,14 @@ impl LbQp {
         head: *mut sys::ibv_recv_wr,
         bad: *mut *mut sys::ibv_recv_wr,
     ) -> c_int {
+        if STALLED.load(Ordering::Relaxed) > 0 {
+            // SAFETY: as the caller vouches for the list.
+            if let Some(over) = unsafe { receive_over_stalled_send(head) } {
+                // SAFETY: `bad` is writable (the caller).
+                unsafe { *bad = over };
+                return libc::EBUSY;
+            }
+        }
         let mut kick = false;
         let rc = 'post: {
             let mut rq = lock(&self.rq);
@@ -634,6 +696,34 @@ impl LbQp {
         }
         rc
     }
+}
+
+/// The first receive of the list at `head` whose memory a stalled send of
+/// any QP still uses (the arriving message would overwrite what that send
+/// has yet to read, or a READ has yet to write), if any. A NIC would not
+/// notice; this device refuses it, as it refuses an unregistered buffer.
+///
+/// # Safety
+/// `head` starts a NULL-terminated list of valid receive requests with
+/// valid SGE lists.
+#[cold]
+unsafe fn receive_over_stalled_send(head: *mut sys::ibv_recv_wr) -> Option<*mut sys::ibv_recv_wr> {
+    // Taken out of the registry first: a send-queue lock is never taken
+    // with the registry's held.
+    let qps: Vec<Arc<LbQp>> = lock(&QPS).values().filter_map(Weak::upgrade).collect();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: a valid request of the caller's list.
+        let wr = unsafe { &*cur };
+        // SAFETY: the caller vouches for its SGE list. (An invalid one is
+        // refused by the post itself.)
+        let sgl = unsafe { SgList::from_raw(wr.sg_list, wr.num_sge, MAX_SGE) };
+        if sgl.is_some_and(|sgl| qps.iter().any(|qp| qp.stalled_use(&sgl))) {
+            return Some(cur);
+        }
+        cur = wr.next;
+    }
+    None
 }
 
 fn flush_recv_wc(wr_id: u64, qpn: u32) -> sys::ibv_wc {

@@ -65,6 +65,19 @@ impl SgList {
         self.segs().iter().map(|s| u64::from(s.len)).sum()
     }
 
+    /// True if any byte of this list is also in `other`.
+    pub(super) fn overlaps(&self, other: &SgList) -> bool {
+        self.segs().iter().any(|a| {
+            other.segs().iter().any(|b| {
+                let (a_end, b_end) = (
+                    a.addr.saturating_add(u64::from(a.len)),
+                    b.addr.saturating_add(u64::from(b.len)),
+                );
+                a.len > 0 && b.len > 0 && a.addr < b_end && b.addr < a_end
+            })
+        })
+    }
+
     /// Resolves every entry against the MR table (in `pd`, with `need`).
     pub(super) fn resolve(&self, mrs: &KeyMap<MrEntry>, pd: u32, need: u32) -> Option<Spans> {
         let mut spans = Spans::new();
@@ -167,6 +180,13 @@ impl SendOp {
             self.payload = Payload::InlineOwned(data.into_boxed_slice());
         }
         self
+    }
+
+    /// True if the device still reads (a SEND's or WRITE's payload) or
+    /// writes (a READ's target) memory of `list` for this request: its
+    /// payload is registered memory, not inline data it copied.
+    pub(super) fn uses(&self, list: &SgList) -> bool {
+        matches!(self.payload, Payload::Registered) && self.sgl.overlaps(list)
     }
 
     /// The bytes this request sends or writes, resolved in `pd`.

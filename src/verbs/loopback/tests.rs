@@ -350,6 +350,41 @@ fn the_error_state_flushes_receives_and_stalled_sends_in_order() {
 }
 
 #[test]
+fn a_receive_over_memory_a_stalled_send_still_reads_is_refused_until_its_flush_is_polled() {
+    let (pd, mut cq, mut a, _b) = pair(16, AccessFlags::empty());
+    let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    // Stalls at b (no receive there), reading bytes 8..24 of `mr`.
+    a.post_send(WorkRequest::send(1, mr.slice(8, 16).unwrap()))
+        .unwrap();
+    let refused = a.post_recv(RecvRequest::new(60, mr.slice(16, 8).unwrap()).unwrap());
+    assert!(
+        matches!(&refused, Err(Error::Post { errno, posted: 0, .. }) if *errno == libc::EBUSY),
+        "{refused:?}"
+    );
+    // Next to it is fine.
+    a.post_recv(RecvRequest::new(61, mr.slice(24, 8).unwrap()).unwrap())
+        .unwrap();
+    // The error state flushes the send only when the CQ is next polled: the
+    // device may read its memory until then.
+    a.set_error().unwrap();
+    assert!(
+        a.post_recv(RecvRequest::new(62, mr.slice(8, 8).unwrap()).unwrap())
+            .is_err()
+    );
+    let summary: Vec<(u64, WcStatus)> = drain(&mut cq)
+        .iter()
+        .map(|wc| (wc.wr_id(), wc.status()))
+        .collect();
+    assert_eq!(
+        summary,
+        [(61, WcStatus::WR_FLUSH_ERR), (1, WcStatus::WR_FLUSH_ERR)]
+    );
+    a.post_recv(RecvRequest::new(63, mr.slice(8, 8).unwrap()).unwrap())
+        .unwrap();
+    assert_eq!(drain(&mut cq)[0].wr_id(), 63);
+}
+
+#[test]
 fn a_peer_going_to_error_fails_sends_stalled_on_it() {
     let (_pd, mut cq, mut a, b) = pair(16, AccessFlags::empty());
     a.post_send(WorkRequest::send_inline(1, b"a").signaled())
