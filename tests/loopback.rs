@@ -485,6 +485,83 @@ fn held_messages_forwarded_together_in_a_later_pass_arrive_in_order() {
 }
 
 #[test]
+fn a_forward_stalled_on_a_peer_that_is_cut_off_keeps_its_slot_until_the_flush_is_polled() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    // Every receive slot given back is reposted at the end of its pass.
+    let config = ReactorConfig {
+        slot_size: 256,
+        recv_depth: 16,
+        send_slots: 16,
+        sq_depth: 64,
+        repost_batch: 1,
+        ..ReactorConfig::default()
+    };
+    let mut reactor: Reactor<Recorder, ()> = Reactor::new(&pd, config).unwrap();
+    let (source, relay_in) = add_pair(&mut reactor, &pd);
+    // The relay forwards to `target`, whose peer is a raw QP that grants
+    // credits it does not have: the forward stalls on it (an RNR wait),
+    // reading relay_in's receive slot.
+    let (qp, mut raw) = connected_pair(&mut reactor, &pd, ACCESS).unwrap();
+    let inbox = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
+    raw.post_recv(RecvRequest::new(1, inbox.slice(0, 256).unwrap()).unwrap())
+        .unwrap();
+    let recorder = Recorder::default();
+    let target_seen = Rc::clone(&recorder.seen);
+    let session = reactor.add(vec![qp], recorder).unwrap();
+    let target = reactor.conns(session).next().unwrap();
+    let update = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
+    // A credit update (kind 1) claiming 8 receives posted.
+    raw.post_send(WorkRequest::send_with_imm(
+        2,
+        update.slice(0, 0).unwrap(),
+        1 << 30 | 8,
+    ))
+    .unwrap();
+    run_until(&mut reactor, "the target established", || {
+        !target_seen.borrow().established.is_empty()
+    });
+    relay_in.relay.set(Relay::Forward(target, None));
+    // Longer than the inline limit: the SEND reads the slot in place.
+    let message = [0x5a_u8; 200];
+    send_when_credited(&mut reactor, source.conn, &message, None);
+    run_until(&mut reactor, "the message at the relay", || {
+        relay_in.seen.borrow().messages.len() == 1
+    });
+    for _ in 0..10 {
+        reactor.turn().unwrap();
+    }
+    // The raw peer breaks the protocol (a SEND without the reactor's
+    // immediate): the target is cut off with the forward still stalled.
+    raw.post_send(WorkRequest::send(3, update.slice(0, 8).unwrap()))
+        .unwrap();
+    run_until(&mut reactor, "the target cut off", || {
+        !target_seen.borrow().errors.is_empty()
+    });
+    // The relay's slot went back only once the forward's flush was polled:
+    // a repost while the SEND could still read it is refused by the device
+    // (EBUSY), which would fail the relay. Its ring keeps working, every
+    // slot of it many times over.
+    relay_in.relay.set(Relay::Nothing);
+    for round in 0..64u32 {
+        send_when_credited(&mut reactor, source.conn, &round.to_le_bytes(), None);
+        run_until(&mut reactor, "the relay's next message", || {
+            let seen = relay_in.seen.borrow();
+            seen.messages.len() == round as usize + 2 || !seen.errors.is_empty()
+        });
+        assert!(
+            relay_in.seen.borrow().errors.is_empty() && source.seen.borrow().errors.is_empty(),
+            "{:?} {:?}",
+            relay_in.seen.borrow().error_texts,
+            source.seen.borrow().error_texts
+        );
+    }
+    let text = target_seen.borrow().error_texts.join("; ");
+    assert!(text.starts_with("MalformedMessage"), "{text}");
+}
+
+#[test]
 fn a_bad_rkey_fails_its_session_while_another_keeps_running() {
     // SAFETY: one thread serves every QP of this device and reads every byte.
     let ctx = unsafe { Context::loopback() };

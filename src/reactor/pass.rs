@@ -442,14 +442,33 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             conn.queue_repost(slot);
             self.unsettled = true;
         }
-        if conn.is_closed() {
-            return;
+        if !conn.is_closed() {
+            let error = wc
+                .ok()
+                .err()
+                .unwrap_or(Error::InvalidArgument("failed completion"));
+            self.fail(ConnId(key), error);
         }
-        let error = wc
-            .ok()
-            .err()
-            .unwrap_or(Error::InvalidArgument("failed completion"));
-        self.fail(ConnId(key), error);
+        if let WrKind::Send { seq } = kind {
+            self.retire_failed(key, seq);
+        }
+    }
+
+    /// A completion of `seq` on failed connection `key`: the requests it
+    /// proves done give their forwards' receive slots back (the device no
+    /// longer reads them) and their registrations go.
+    #[cold]
+    fn retire_failed(&mut self, key: Key, seq: u32) {
+        let mut released = Vec::new();
+        if let Some(conn) = self.conns.get_mut(key) {
+            conn.retire_failed(seq, |origin, slot, from_srq| {
+                released.push((origin, slot, from_srq));
+            });
+        }
+        if !released.is_empty() {
+            self.unsettled = true;
+            self.release_forwarded(released);
+        }
     }
 
     /// A peer consumed a receive beyond its grant (see
@@ -508,9 +527,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // The failed connection's forwards give other connections' receive
         // slots back: the next pass must repost them.
         self.unsettled = true;
-        // Forwards in flight on the failed connection carried other
+        // Forwards the failed connection had only staged carried other
         // connections' receive slots: give those back (a cold path, so the
-        // list may allocate).
+        // list may allocate). Posted ones give theirs back as their flushed
+        // completions come (`retire_failed`), or when the QP is destroyed.
         let mut released = Vec::new();
         let Some(conn) = self.conns.get_mut(id.key()) else {
             return;

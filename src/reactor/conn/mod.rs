@@ -18,8 +18,8 @@ use super::{ConnId, ReactorConfig, SendError, SessionId};
 
 pub(crate) use credit::Arrival;
 pub(crate) use ring::{Ring, SharedRing, recv_request};
-use staging::SqOp;
 pub(crate) use staging::{ForwardOrigin, OpKind};
+use staging::{Keep, SqOp};
 pub(crate) use wr_id::{MAX_CONNS, SRQ_SLOT_BITS, WrKind};
 pub(crate) use wr_id::{
     decode as decode_wr_id, same_generation, srq_recv as srq_recv_wr_id, srq_slot,
@@ -90,6 +90,9 @@ pub(crate) struct Conn {
     sq_depth: u32,
     sq_next: u32,
     sq_done: u32,
+    /// Ops before this one went to the QP with a doorbell; those from it to
+    /// `sq_next` are only staged (in `batch`), unseen by the device.
+    sq_posted: u32,
     since_signal: u32,
     signal_interval: u32,
     max_inline: u32,
@@ -116,9 +119,6 @@ pub(crate) struct Conn {
     pending_len: usize,
     reposts: RecvBatch<'static, MAX_REPOST>,
     repost_threshold: usize,
-    /// Registrations of requests that were in flight when the connection
-    /// failed: kept until the QP is destroyed with the connection.
-    retired: Vec<Registration>,
     /// The registration requests keep by count instead of by handle (see
     /// `staging::Keep`), and how many in flight use it.
     kept: Option<Registration>,
@@ -193,6 +193,7 @@ impl Conn {
             sq_depth,
             sq_next: 0,
             sq_done: 0,
+            sq_posted: 0,
             since_signal: 0,
             signal_interval,
             max_inline,
@@ -211,7 +212,6 @@ impl Conn {
             reposts: RecvBatch::new(),
             repost_threshold: (config.repost_batch as usize)
                 .clamp(1, MAX_REPOST.min(recv_depth as usize / 2).max(1)),
-            retired: Vec::new(),
             kept: None,
             kept_in_flight: 0,
         })
@@ -231,24 +231,30 @@ impl Conn {
         self.slot_size - IMM_TRAILER_LEN
     }
 
-    /// Marks everything staged and in flight as dead (after a failure).
-    /// Calls `release` for every forward among them, whose receive slot
-    /// belongs to another connection that must get it back.
+    /// Marks the connection failed. Requests only staged are dropped, and
+    /// `release` is called for every forward among them, whose receive
+    /// slot belongs to another connection that must get it back.
     ///
-    /// Requests already posted may still be in flight on the QP until it
-    /// is destroyed, so their registrations stay with the connection
-    /// (moved to `retired`) rather than being dropped here.
+    /// Requests already posted stay in the SQ ring with what they point at
+    /// (a forward's receive slot, a registration): the device may read or
+    /// write that memory until it reports them done. Their completions, now
+    /// flushed in error, retire them (`retire_failed`); whatever is left
+    /// goes when the QP is destroyed (`shut_down`).
     pub(crate) fn fail(&mut self, mut release: impl FnMut(ConnId, u32, bool)) {
         self.state = ConnState::Failed;
-        while self.sq_used() > 0 {
-            // The kept registration (`Keep::Cached`) stays with the
-            // connection as it is; an own handle is bounded by the SQ depth
-            // (this runs once per connection). Taken before `pop_oldest`,
-            // which would drop it.
-            if let Some(registration) = self.take_oldest_owned() {
-                self.retired.push(registration);
+        while self.sq_next != self.sq_posted {
+            let seq = self.sq_next.wrapping_sub(1);
+            let at = (seq & (self.sq_depth - 1)) as usize;
+            let op = self.ops[at];
+            self.sq_next = seq;
+            // Never posted: the device never saw the memory, so what the op
+            // holds goes now.
+            match (op.kind, op.keep) {
+                (OpKind::Send, _) => self.send_in_use -= 1,
+                (_, Keep::Cached) => self.kept_in_flight -= 1,
+                (_, Keep::Own) => drop(self.owned[at].take()),
+                (_, Keep::Nothing) => {}
             }
-            let (_, op) = self.pop_oldest();
             if let (OpKind::Forward, Some(origin)) = (op.kind, op.origin) {
                 release(origin, op.slot, op.from_srq);
             }
@@ -259,6 +265,25 @@ impl Conn {
         }
     }
 
+    /// Retires the posted requests of a failed connection that a completion
+    /// of `seq` proves done (RC completes in order, and flushes complete
+    /// even unsignaled requests), calling `release` for each forward's
+    /// receive slot. Returns how many it retired.
+    pub(crate) fn retire_failed(
+        &mut self,
+        seq: u32,
+        mut release: impl FnMut(ConnId, u32, bool),
+    ) -> u32 {
+        let count = self.retire_count(seq);
+        for _ in 0..count {
+            let (_, op) = self.pop_oldest();
+            if let (OpKind::Forward, Some(origin)) = (op.kind, op.origin) {
+                release(origin, op.slot, op.from_srq);
+            }
+        }
+        count
+    }
+
     /// True once failed or removed: nothing more is posted.
     #[inline]
     pub(crate) fn is_closed(&self) -> bool {
@@ -266,13 +291,25 @@ impl Conn {
     }
 
     /// Stops the QP (outstanding work is flushed) and fails the
-    /// connection; the caller then drops it, which destroys the QP before
-    /// its rings are deregistered.
-    pub(crate) fn shut_down(&mut self, release: impl FnMut(ConnId, u32, bool)) {
+    /// connection, calling `release` for the receive slot of every forward
+    /// still in the SQ ring. The caller then drops the connection, which
+    /// destroys its QP before its rings and the registrations its requests
+    /// hold, and only then gives the released slots back: until the QP is
+    /// destroyed, the device may still read them.
+    pub(crate) fn shut_down(&mut self, mut release: impl FnMut(ConnId, u32, bool)) {
         // Errors add nothing here: the QP is destroyed next either way.
         let _ = self.qp.set_error();
         if self.state != ConnState::Failed {
-            self.fail(release);
+            self.fail(&mut release);
+        }
+        // Posted requests whose completions never came: their registrations
+        // stay in `owned` and `kept` until the QP is gone (declared after it).
+        while self.sq_done != self.sq_next {
+            let op = self.ops[(self.sq_done & (self.sq_depth - 1)) as usize];
+            self.sq_done = self.sq_done.wrapping_add(1);
+            if let (OpKind::Forward, Some(origin)) = (op.kind, op.origin) {
+                release(origin, op.slot, op.from_srq);
+            }
         }
         self.state = ConnState::Removed;
     }

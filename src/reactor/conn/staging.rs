@@ -376,12 +376,6 @@ impl Conn {
         (seq, op)
     }
 
-    /// The registration handle the oldest op in flight holds, taken out
-    /// (a failed connection keeps it until its QP is destroyed).
-    pub(super) fn take_oldest_owned(&mut self) -> Option<Registration> {
-        self.owned[(self.sq_done & (self.sq_depth - 1)) as usize].take()
-    }
-
     /// True if the connection's kept registration is the one `id` names.
     #[inline]
     pub(crate) fn keeps(&self, id: usize) -> bool {
@@ -414,9 +408,21 @@ impl Conn {
         }
     }
 
-    /// Rings the doorbell for everything staged.
+    /// Rings the doorbell for everything staged, noting how far the device
+    /// has the SQ ring: after a failed post, only the requests the provider
+    /// said it took (all of them if it did not say).
     #[inline]
     pub(crate) fn post_staged(&mut self) -> crate::Result<()> {
-        self.qp.post_list(&mut self.batch)
+        let staged = self.batch.len() as u32;
+        let result = self.qp.post_list(&mut self.batch);
+        self.sq_posted = match &result {
+            Ok(()) => self.sq_next,
+            Err(Error::Post { posted, .. }) => self
+                .sq_next
+                .wrapping_sub(staged)
+                .wrapping_add((*posted as u32).min(staged)),
+            Err(_) => self.sq_next,
+        };
+        result
     }
 }
