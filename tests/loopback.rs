@@ -484,12 +484,51 @@ fn held_messages_forwarded_together_in_a_later_pass_arrive_in_order() {
     }
 }
 
-#[test]
-fn a_forward_stalled_on_a_peer_that_is_cut_off_keeps_its_slot_until_the_flush_is_polled() {
-    // SAFETY: one thread serves every QP of this device and reads every byte.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().unwrap();
-    // Every receive slot given back is reposted at the end of its pass.
+/// How many messages from `source` the `relay` end can hold at once: one
+/// per receive slot it has posted (less what the sender keeps back), so a
+/// slot that never came back makes it one less. Lets them all go after.
+fn holding_capacity(reactor: &mut Reactor<Recorder, ()>, source: &End, relay: &End) -> usize {
+    // Settled first: every receive reposted, and announced exactly (a
+    // credit update goes out only every few reposts; a SEND carries the
+    // count whatever it is).
+    for _ in 0..2_000 {
+        reactor.turn().unwrap();
+    }
+    send_when_credited(reactor, relay.conn, b"my count", None);
+    for _ in 0..2_000 {
+        reactor.turn().unwrap();
+    }
+    let before = relay.relay.replace(Relay::Hold);
+    // The window does not reopen while the relay holds: no reposts.
+    let mut refused = 0;
+    while refused < 1_000 {
+        match reactor.with_ctx(|ctx| ctx.send(source.conn, b"hold me", None)) {
+            Ok(_) => refused = 0,
+            Err(SendError::WouldBlock) => refused += 1,
+            Err(err) => panic!("{err}"),
+        }
+        reactor.turn().unwrap();
+    }
+    let held: Vec<HeldRecv> = relay.held.borrow_mut().drain(..).collect();
+    let count = held.len();
+    reactor.with_ctx(|ctx| {
+        for held in held {
+            if let Err((err, _)) = ctx.release(held) {
+                panic!("release: {err}");
+            }
+        }
+    });
+    relay.relay.set(before);
+    for _ in 0..2_000 {
+        reactor.turn().unwrap();
+    }
+    count
+}
+
+/// A reactor whose receive slots go back as soon as they are free (every
+/// one reposted at the end of its pass), so a slot that comes back too
+/// early is seen at once.
+fn eager_reactor(pd: &ProtectionDomain) -> Reactor<Recorder, ()> {
     let config = ReactorConfig {
         slot_size: 256,
         recv_depth: 16,
@@ -498,67 +537,136 @@ fn a_forward_stalled_on_a_peer_that_is_cut_off_keeps_its_slot_until_the_flush_is
         repost_batch: 1,
         ..ReactorConfig::default()
     };
-    let mut reactor: Reactor<Recorder, ()> = Reactor::new(&pd, config).unwrap();
+    Reactor::new(pd, config).unwrap()
+}
+
+/// A reactor connection whose peer is a raw QP of the test's: the raw end
+/// posts `receives` receives, then claims `claimed` in its credit update.
+struct RawTarget {
+    conn: ConnId,
+    seen: Rc<RefCell<Seen>>,
+    raw: QueuePair,
+    scratch: MemoryRegion,
+    _inbox: MemoryRegion,
+}
+
+impl RawTarget {
+    fn new(
+        reactor: &mut Reactor<Recorder, ()>,
+        pd: &ProtectionDomain,
+        receives: usize,
+        claimed: u32,
+    ) -> Self {
+        let (qp, mut raw) = connected_pair(reactor, pd, ACCESS).unwrap();
+        let inbox = pd
+            .alloc_mr(receives * 256, AccessFlags::LOCAL_WRITE)
+            .unwrap();
+        for i in 0..receives {
+            let slot = inbox.slice(i * 256, 256).unwrap();
+            raw.post_recv(RecvRequest::new(i as u64, slot).unwrap())
+                .unwrap();
+        }
+        let recorder = Recorder::default();
+        let seen = Rc::clone(&recorder.seen);
+        let session = reactor.add(vec![qp], recorder).unwrap();
+        let conn = reactor.conns(session).next().unwrap();
+        let scratch = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
+        // A credit update: kind 1, and the receive count.
+        let update =
+            WorkRequest::send_with_imm(100, scratch.slice(0, 0).unwrap(), 1 << 30 | claimed);
+        raw.post_send(update).unwrap();
+        run_until(reactor, "the target established", || {
+            !seen.borrow().established.is_empty()
+        });
+        Self {
+            conn,
+            seen,
+            raw,
+            scratch,
+            _inbox: inbox,
+        }
+    }
+
+    /// Breaks the protocol (a SEND without the reactor's immediate), so the
+    /// reactor cuts the target off.
+    fn misbehave(&mut self, reactor: &mut Reactor<Recorder, ()>) {
+        let wr = WorkRequest::send(101, self.scratch.slice(0, 8).unwrap());
+        self.raw.post_send(wr).unwrap();
+        run_until(reactor, "the target cut off", || {
+            !self.seen.borrow().errors.is_empty()
+        });
+        let text = self.seen.borrow().error_texts.join("; ");
+        assert!(text.starts_with("MalformedMessage"), "{text}");
+    }
+}
+
+#[test]
+fn a_forward_stalled_on_a_peer_that_is_cut_off_keeps_its_slot_until_the_flush_is_polled() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = eager_reactor(&pd);
     let (source, relay_in) = add_pair(&mut reactor, &pd);
-    // The relay forwards to `target`, whose peer is a raw QP that grants
-    // credits it does not have: the forward stalls on it (an RNR wait),
-    // reading relay_in's receive slot.
-    let (qp, mut raw) = connected_pair(&mut reactor, &pd, ACCESS).unwrap();
-    let inbox = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
-    raw.post_recv(RecvRequest::new(1, inbox.slice(0, 256).unwrap()).unwrap())
-        .unwrap();
-    let recorder = Recorder::default();
-    let target_seen = Rc::clone(&recorder.seen);
-    let session = reactor.add(vec![qp], recorder).unwrap();
-    let target = reactor.conns(session).next().unwrap();
-    let update = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
-    // A credit update (kind 1) claiming 8 receives posted.
-    raw.post_send(WorkRequest::send_with_imm(
-        2,
-        update.slice(0, 0).unwrap(),
-        1 << 30 | 8,
-    ))
-    .unwrap();
-    run_until(&mut reactor, "the target established", || {
-        !target_seen.borrow().established.is_empty()
-    });
-    relay_in.relay.set(Relay::Forward(target, None));
-    // Longer than the inline limit: the SEND reads the slot in place.
-    let message = [0x5a_u8; 200];
-    send_when_credited(&mut reactor, source.conn, &message, None);
+    let capacity = holding_capacity(&mut reactor, &source, &relay_in);
+    assert!(capacity >= 8, "{capacity}");
+    // The target's raw peer grants credits it does not have: a forward to
+    // it stalls (an RNR wait), reading relay_in's receive slot in place
+    // (longer than the inline limit).
+    let mut target = RawTarget::new(&mut reactor, &pd, 1, 8);
+    relay_in.relay.set(Relay::Forward(target.conn, None));
+    let seen = relay_in.seen.borrow().messages.len();
+    send_when_credited(&mut reactor, source.conn, &[0x5a; 200], None);
     run_until(&mut reactor, "the message at the relay", || {
-        relay_in.seen.borrow().messages.len() == 1
+        relay_in.seen.borrow().messages.len() == seen + 1
     });
+    relay_in.relay.set(Relay::Nothing);
     for _ in 0..10 {
         reactor.turn().unwrap();
     }
-    // The raw peer breaks the protocol (a SEND without the reactor's
-    // immediate): the target is cut off with the forward still stalled.
-    raw.post_send(WorkRequest::send(3, update.slice(0, 8).unwrap()))
-        .unwrap();
-    run_until(&mut reactor, "the target cut off", || {
-        !target_seen.borrow().errors.is_empty()
-    });
-    // The relay's slot went back only once the forward's flush was polled:
-    // a repost while the SEND could still read it is refused by the device
-    // (EBUSY), which would fail the relay. Its ring keeps working, every
-    // slot of it many times over.
-    relay_in.relay.set(Relay::Nothing);
-    for round in 0..64u32 {
-        send_when_credited(&mut reactor, source.conn, &round.to_le_bytes(), None);
-        run_until(&mut reactor, "the relay's next message", || {
-            let seen = relay_in.seen.borrow();
-            seen.messages.len() == round as usize + 2 || !seen.errors.is_empty()
-        });
-        assert!(
-            relay_in.seen.borrow().errors.is_empty() && source.seen.borrow().errors.is_empty(),
-            "{:?} {:?}",
-            relay_in.seen.borrow().error_texts,
-            source.seen.borrow().error_texts
-        );
+    // Cut off with the forward still stalled. The relay's slot goes back
+    // only once the forward's flush is polled: a repost while the SEND
+    // could still read it is refused by the device (EBUSY), which would
+    // fail the relay. And it does come back: the relay holds as many as
+    // before.
+    target.misbehave(&mut reactor);
+    assert_eq!(holding_capacity(&mut reactor, &source, &relay_in), capacity);
+    for end in [&source, &relay_in] {
+        let seen = end.seen.borrow();
+        assert!(seen.errors.is_empty(), "{:?}", seen.error_texts);
     }
-    let text = target_seen.borrow().error_texts.join("; ");
-    assert!(text.starts_with("MalformedMessage"), "{text}");
+}
+
+#[test]
+fn forwards_that_completed_unsignaled_give_their_slots_back_when_the_target_is_cut_off() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = eager_reactor(&pd);
+    let (source, relay_in) = add_pair(&mut reactor, &pd);
+    let capacity = holding_capacity(&mut reactor, &source, &relay_in);
+    // A target with receives for everything: its two credit updates and
+    // five forwards, which complete at once, unsignaled (one in 16 is).
+    let mut target = RawTarget::new(&mut reactor, &pd, 8, 8);
+    relay_in.relay.set(Relay::Forward(target.conn, None));
+    let seen = relay_in.seen.borrow().messages.len();
+    for i in 0..5u8 {
+        send_when_credited(&mut reactor, source.conn, &[i; 200], None);
+    }
+    run_until(&mut reactor, "the messages at the relay", || {
+        relay_in.seen.borrow().messages.len() == seen + 5
+    });
+    relay_in.relay.set(Relay::Nothing);
+    for _ in 0..10 {
+        reactor.turn().unwrap();
+    }
+    // Nothing will report those five: the cut-off drains the target's send
+    // queue, and the drain's completion retires them.
+    target.misbehave(&mut reactor);
+    assert_eq!(holding_capacity(&mut reactor, &source, &relay_in), capacity);
+    for end in [&source, &relay_in] {
+        let seen = end.seen.borrow();
+        assert!(seen.errors.is_empty(), "{:?}", seen.error_texts);
+    }
 }
 
 #[test]

@@ -153,3 +153,35 @@ verbs_test! {
         pd.create_qp(&own_cq, &own_cq, &config).unwrap();
     }
 }
+
+verbs_test! {
+    fn a_drain_posted_after_the_error_state_completes_behind_everything_before_it() {
+        // What the reactor relies on to retire the requests of a failed
+        // connection, unsignaled ones included: a signaled zero-length
+        // WRITE to no memory, posted on a QP in the error state, is flushed
+        // in order behind every request before it.
+        let mut p = Pair::with_remote_access();
+        let local = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+        let exported = p.pd.alloc_mr(64, AccessFlags::REMOTE_WRITE).unwrap();
+        // An unsignaled WRITE that completes silently, then a signaled one
+        // to know it did.
+        for (id, signaled) in [(1, false), (2, true)] {
+            let wr = WorkRequest::write(id, local.slice(0, 8).unwrap(), exported.remote().unwrap().slice(0, 8).unwrap()).unwrap();
+            p.a.post_send(if signaled { wr.signaled() } else { wr }).unwrap();
+        }
+        assert_eq!(wait_ok(&mut p.cq_a).wr_id(), 2);
+        // Two SENDs the peer has no receive for: RNR waits, one unsignaled.
+        p.a.post_send(WorkRequest::send_inline(3, b"x")).unwrap();
+        p.a.post_send(WorkRequest::send_inline(4, b"y").signaled()).unwrap();
+        p.a.set_error().unwrap();
+        let nowhere = RemoteRegion::new(0, 0, 0).slice(0, 0).unwrap();
+        let drain = WorkRequest::write(5, local.slice(0, 0).unwrap(), nowhere).unwrap();
+        p.a.post_send(drain.signaled()).expect("a QP in the error state takes requests to flush");
+        let wcs = wait_for(&mut p.cq_a, 3);
+        let ids: Vec<u64> = wcs.iter().map(|wc| wc.wr_id()).collect();
+        assert_eq!(ids, [3, 4, 5], "{wcs:?}");
+        // The one in its RNR wait may report that instead of a flush.
+        assert!(wcs.iter().all(|wc| wc.status() != WcStatus::SUCCESS), "{wcs:?}");
+        assert_eq!(wcs[2].status(), WcStatus::WR_FLUSH_ERR);
+    }
+}

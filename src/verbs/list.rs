@@ -78,6 +78,26 @@ impl SendDescriptor {
         }
     }
 
+    /// A zero-length WRITE to no memory, for draining a send queue: posted
+    /// on a QP in the error state it is flushed behind every request before
+    /// it (as the kernel's `ib_drain_sq` does), so its signaled completion
+    /// proves them all done, including unsignaled ones that had completed
+    /// without a word. (On a live QP it would move no data: a responder
+    /// checks no R_Key for a zero-length WRITE.)
+    #[inline]
+    pub(crate) fn drain() -> Self {
+        Self {
+            opcode: SendOpcode::Write,
+            local: Sge::default(),
+            remote: Some(RemoteSlice {
+                addr: 0,
+                len: 0,
+                rkey: 0,
+            }),
+            imm: None,
+        }
+    }
+
     /// A READ of `remote` into `local`.
     #[inline]
     pub(crate) fn read(local: Sge, remote: RemoteSlice) -> Self {

@@ -11,7 +11,8 @@ mod staging;
 mod wr_id;
 
 use crate::verbs::{
-    AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, Registration, SendList,
+    AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, Registration,
+    SendDescriptor, SendFlags, SendList,
 };
 
 use super::{ConnId, ReactorConfig, SendError, SessionId};
@@ -314,10 +315,30 @@ impl Conn {
         self.state = ConnState::Removed;
     }
 
-    /// Moves the QP to the error state, so the peer sees the failure too.
-    pub(crate) fn stop_qp(&self) {
-        // Errors add nothing: the connection is failed already.
-        let _ = self.qp.set_error();
+    /// Moves the QP of a failed connection to the error state, so the peer
+    /// sees the failure too, and drains its send queue: a signaled request
+    /// behind those in flight, whose flushed completion names the newest
+    /// of them and so retires them all (`retire_failed`). Without it, a
+    /// request that completed unsignaled before the failure would report
+    /// nothing, and what it holds (a forward's receive slot of another
+    /// connection or of the SRQ) would wait for the session's removal.
+    /// If either step fails, that is where it waits (`shut_down`).
+    pub(crate) fn stop_qp(&mut self) {
+        if self.qp.set_error().is_err() || self.sq_used() == 0 {
+            return;
+        }
+        let newest = self.sq_next.wrapping_sub(1);
+        self.batch.clear();
+        let drain = SendDescriptor::drain();
+        if self.batch.push(
+            wr_id::send(self.id.key(), newest),
+            SendFlags::SIGNALED,
+            &drain,
+        ) {
+            // Errors add nothing: the connection is failed already.
+            let _ = self.qp.post_list(&mut self.batch);
+        }
+        self.batch.clear();
     }
 
     /// Queue depths in use (for tests and diagnostics).

@@ -33,10 +33,11 @@
 //!   returns: until their flushed completions are polled they still use
 //!   their memory. Unlike some hardware providers, destroying a QP flushes
 //!   at once and leaves its completions in the CQs (as Soft-RoCE does).
-//! - A receive posted over memory that a stalled send of any QP still uses
-//!   (reads, or for a READ writes) is refused with `EBUSY`: on a NIC the
-//!   arriving message would overwrite bytes a request in flight has yet to
-//!   read, silently. The check runs only while some send is stalled.
+//! - A receive list with a receive over memory that a stalled send of any
+//!   QP still uses (reads, or for a READ writes) is refused whole with
+//!   `EBUSY`: on a NIC the arriving message would overwrite bytes a request
+//!   in flight has yet to read, silently. The check runs only while some
+//!   send is stalled (which a sender that keeps to its credits never is).
 //! - A CQ is a bounded ring of `ibv_wc` allocated at creation. A completion
 //!   that does not fit is dropped, the QP it belonged to goes to the error
 //!   state, and once the entries queued before it are polled every poll of
@@ -53,8 +54,12 @@
 //! lock for a SEND; the MR table's read lock and the CQ ring locks are
 //! taken last and held briefly. Send-queue locks are never taken while a
 //! receive-queue lock is held, and no thread holds two send-queue locks, so
-//! the order is acyclic. The locks are uncontended when one thread serves
-//! both ends: their cost (a few atomic operations per request) is part of
+//! the order is acyclic. A CQ's list of deferred flushes is locked under a
+//! send-queue lock (by `ibv_modify_qp`) and alone (by the poll that runs
+//! them, before it takes any send-queue lock); the QP registry is never
+//! held while a send-queue lock is taken. The locks are uncontended when
+//! one thread serves both ends: their cost (a few atomic operations per
+//! request) is part of
 //! what a benchmark over this device measures, where a NIC would charge a
 //! doorbell and DMA instead.
 

@@ -649,9 +649,10 @@ impl LbQp {
     ) -> c_int {
         if STALLED.load(Ordering::Relaxed) > 0 {
             // SAFETY: as the caller vouches for the list.
-            if let Some(over) = unsafe { receive_over_stalled_send(head) } {
+            if unsafe { receive_over_stalled_send(head) } {
+                // Nothing of the list is posted: the first request is bad.
                 // SAFETY: `bad` is writable (the caller).
-                unsafe { *bad = over };
+                unsafe { *bad = head };
                 return libc::EBUSY;
             }
         }
@@ -698,16 +699,16 @@ impl LbQp {
     }
 }
 
-/// The first receive of the list at `head` whose memory a stalled send of
+/// True if a receive of the list at `head` has memory a stalled send of
 /// any QP still uses (the arriving message would overwrite what that send
-/// has yet to read, or a READ has yet to write), if any. A NIC would not
-/// notice; this device refuses it, as it refuses an unregistered buffer.
+/// has yet to read, or a READ has yet to write). A NIC would not notice;
+/// this device refuses the list, as it refuses an unregistered buffer.
 ///
 /// # Safety
 /// `head` starts a NULL-terminated list of valid receive requests with
 /// valid SGE lists.
 #[cold]
-unsafe fn receive_over_stalled_send(head: *mut sys::ibv_recv_wr) -> Option<*mut sys::ibv_recv_wr> {
+unsafe fn receive_over_stalled_send(head: *mut sys::ibv_recv_wr) -> bool {
     // Taken out of the registry first: a send-queue lock is never taken
     // with the registry's held.
     let qps: Vec<Arc<LbQp>> = lock(&QPS).values().filter_map(Weak::upgrade).collect();
@@ -719,11 +720,11 @@ unsafe fn receive_over_stalled_send(head: *mut sys::ibv_recv_wr) -> Option<*mut 
         // refused by the post itself.)
         let sgl = unsafe { SgList::from_raw(wr.sg_list, wr.num_sge, MAX_SGE) };
         if sgl.is_some_and(|sgl| qps.iter().any(|qp| qp.stalled_use(&sgl))) {
-            return Some(cur);
+            return true;
         }
         cur = wr.next;
     }
-    None
+    false
 }
 
 fn flush_recv_wc(wr_id: u64, qpn: u32) -> sys::ibv_wc {

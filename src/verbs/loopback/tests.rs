@@ -5,7 +5,7 @@
 use crate::Error;
 use crate::verbs::{
     AccessFlags, CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpConfig, QpState,
-    QueuePair, RecvRequest, WcOpcode, WcStatus, WorkCompletion, WorkRequest,
+    QueuePair, RecvBatch, RecvRequest, WcOpcode, WcStatus, WorkCompletion, WorkRequest,
 };
 
 /// Two connected QPs on one CQ, granting `access` to each other.
@@ -361,6 +361,20 @@ fn a_receive_over_memory_a_stalled_send_still_reads_is_refused_until_its_flush_i
         matches!(&refused, Err(Error::Post { errno, posted: 0, .. }) if *errno == libc::EBUSY),
         "{refused:?}"
     );
+    // A list with one such receive is refused whole: nothing of it posted.
+    let mut batch: RecvBatch<'_, 2> = RecvBatch::new();
+    batch
+        .push(RecvRequest::new(58, mr.slice(0, 8).unwrap()).unwrap())
+        .unwrap();
+    batch
+        .push(RecvRequest::new(59, mr.slice(20, 8).unwrap()).unwrap())
+        .unwrap();
+    let refused = a.post_recv_batch(&mut batch);
+    assert!(
+        matches!(&refused, Err(Error::Post { errno, posted: 0, .. }) if *errno == libc::EBUSY),
+        "{refused:?}"
+    );
+    assert_eq!(batch.len(), 2);
     // Next to it is fine.
     a.post_recv(RecvRequest::new(61, mr.slice(24, 8).unwrap()).unwrap())
         .unwrap();
