@@ -701,10 +701,15 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         match srq {
             Some(pool) if conn.uses_srq() => {
+                // Every slot is offered even after a failed post: one the
+                // pool's batch takes stays there for a later post, where
+                // skipping it would lose it to the SRQ for good.
                 let mut result = Ok(());
                 conn.take_shared_reposts(|slot| {
-                    if result.is_ok() {
-                        result = pool.give_back(slot);
+                    if let Err(err) = pool.give_back(slot)
+                        && result.is_ok()
+                    {
+                        result = Err(err);
                     }
                 });
                 result
