@@ -69,6 +69,8 @@ mod config;
 mod conn;
 mod counters;
 mod ctx;
+mod failure;
+mod flush;
 mod handler;
 mod pass;
 mod pass_timer;

@@ -1,0 +1,195 @@
+//! The end of a pass: one doorbell per QP with staged work, receive
+//! reposts (batched, off the latency path), and the idle-time work of
+//! signaling out unsignaled tails. It visits only the connections a pass
+//! touched, and those parked with work for an idle pass.
+
+use crate::error::Result;
+
+use super::conn::Conn;
+use super::counters::Counters;
+use super::slab::{PARKED, TOUCHED};
+use super::srq_pool::SrqPool;
+use super::{ConnId, Handler, PeerLink, Reactor};
+
+/// What the connections a flush walked still have pending.
+#[derive(Default)]
+struct Left {
+    /// Work any pass must do (see [`Reactor::flush`]).
+    unsettled: bool,
+    /// Receives waiting for a fuller repost batch.
+    reposts: bool,
+    /// Unsignaled requests at the tail of a burst.
+    tails: bool,
+}
+
+impl<H: Handler, L: PeerLink> Reactor<H, L> {
+    /// End of pass: one doorbell per QP with staged work, then the receive
+    /// reposts that are due (all pending ones when `tidy`). Reposting after
+    /// the doorbell keeps it off the latency path; the receives it adds are
+    /// announced with the next SEND or credit update.
+    /// Notes what is left for later passes: in `unsettled`, work any pass
+    /// must do (reposts that are due, work or a credit update that could not
+    /// go out); in `reposts_left` and `tails_left`, what an idle pass does.
+    #[inline]
+    pub(super) fn flush(&mut self, tidy: bool, signal_tails: bool) {
+        // `fail` may set it again while we walk.
+        self.unsettled = false;
+        // The connections something may have changed since the last flush
+        // (the slab lists every mutable access): a pass on a reactor of a
+        // thousand connections flushes the few its completions and handlers
+        // touched, not all of them.
+        let touched = self.conns.take(TOUCHED);
+        let idle_work = tidy || signal_tails;
+        let mut left = Left::default();
+        for &index in &touched {
+            self.flush_index(index, tidy, signal_tails, &mut left);
+        }
+        self.conns.give_back(TOUCHED, touched);
+        if idle_work {
+            // The connections a flush left with receives below a batch or
+            // an unsignaled tail: parked by `flush_index`, so idle-time
+            // work visits them, not every connection.
+            let parked = self.conns.take(PARKED);
+            for &index in &parked {
+                self.flush_index(index, tidy, signal_tails, &mut left);
+            }
+            self.conns.give_back(PARKED, parked);
+        }
+        if let Some(pool) = &mut self.srq {
+            for slot in self.deferred.srq_returns.drain(..) {
+                if let Err(err) = pool.give_back(slot) {
+                    log::error!("reposting an SRQ receive: {err}");
+                }
+            }
+            if let Err(err) = pool.flush() {
+                log::error!("reposting SRQ receives: {err}");
+            }
+        }
+        self.unsettled |= left.unsettled;
+        if idle_work {
+            self.reposts_left = left.reposts;
+            self.tails_left = left.tails;
+        } else {
+            // Connections parked earlier keep what they had pending: only
+            // the idle-time flush, which visits them all, may clear these.
+            self.reposts_left |= left.reposts;
+            self.tails_left |= left.tails;
+        }
+    }
+
+    /// Flushes the connection at slab `index` if it has work, and notes
+    /// in `left` what it still has. One lookup on the common path: an open
+    /// connection is flushed and looked at through the same borrow.
+    #[inline]
+    fn flush_index(&mut self, index: u32, tidy: bool, signal_tails: bool, left: &mut Left) {
+        let Some((key, conn)) = self.conns.get_by_index_quiet(index) else {
+            return;
+        };
+        self.counters.flush_visits += 1;
+        if conn.is_closed() {
+            self.flush_closed(index, left);
+            return;
+        }
+        let repost = conn.reposts_due() || (tidy && conn.has_pending_reposts());
+        let tail = signal_tails && conn.has_unsignaled_tail();
+        // The walk visits only connections a pass touched or parked, so
+        // most have work: it is inline (a call's entry and exit were 5 %
+        // of the reactor's instructions per READ).
+        if (repost || tail || !conn.is_quiet())
+            && let Err(error) =
+                Self::flush_conn(conn, &mut self.srq, &mut self.counters, repost, tail)
+        {
+            self.fail(ConnId(key), error);
+            if let Some((_, conn)) = self.conns.get_by_index_quiet(index) {
+                let (unsettled, reposts, tail) = conn.leftovers();
+                self.note_left(index, left, unsettled, reposts, tail);
+            }
+            return;
+        }
+        let (unsettled, reposts, tail) = conn.leftovers();
+        self.note_left(index, left, unsettled, reposts, tail);
+    }
+
+    /// Notes what connection `index` still has: work that could not go out
+    /// this time is flushed again by the next pass; receives below a batch
+    /// and an unsignaled tail wait for the idle-time flush, which finds the
+    /// connection parked.
+    #[inline]
+    fn note_left(
+        &mut self,
+        index: u32,
+        left: &mut Left,
+        unsettled: bool,
+        reposts: bool,
+        tail: bool,
+    ) {
+        left.unsettled |= unsettled;
+        left.reposts |= reposts;
+        left.tails |= tail;
+        if unsettled {
+            self.conns.touch(index);
+        }
+        if reposts || tail {
+            self.conns.park(index);
+        }
+    }
+
+    /// A closed connection only owes the SRQ its consumed slots.
+    #[cold]
+    fn flush_closed(&mut self, index: u32, left: &mut Left) {
+        let Some((_, conn)) = self.conns.get_by_index_quiet(index) else {
+            return;
+        };
+        if let Some(pool) = &mut self.srq {
+            conn.take_shared_reposts(|slot| {
+                if let Err(err) = pool.give_back(slot) {
+                    log::error!("reposting SRQ receives of a closed connection: {err}");
+                }
+            });
+        }
+        let (unsettled, reposts, tail) = conn.leftovers();
+        self.note_left(index, left, unsettled, reposts, tail);
+    }
+
+    /// Rings the doorbell of open connection `conn` and reposts its
+    /// receives (`repost`), signaling out an unsignaled tail first (`tail`).
+    #[inline]
+    fn flush_conn(
+        conn: &mut Conn,
+        srq: &mut Option<SrqPool>,
+        counters: &mut Counters,
+        repost: bool,
+        tail: bool,
+    ) -> Result<()> {
+        conn.prepare_flush();
+        if tail && conn.batch.is_empty() {
+            conn.stage_tail_signal();
+        }
+        let staged = conn.batch.len() as u64;
+        if staged > 0 {
+            counters.doorbells += 1;
+            counters.requests += staged;
+        }
+        conn.post_staged()?;
+        if !repost {
+            return Ok(());
+        }
+        match srq {
+            Some(pool) if conn.uses_srq() => {
+                // Every slot is offered even after a failed post: one the
+                // pool's batch takes stays there for a later post, where
+                // skipping it would lose it to the SRQ for good.
+                let mut result = Ok(());
+                conn.take_shared_reposts(|slot| {
+                    if let Err(err) = pool.give_back(slot)
+                        && result.is_ok()
+                    {
+                        result = Err(err);
+                    }
+                });
+                result
+            }
+            _ => conn.flush_reposts(),
+        }
+    }
+}
