@@ -91,9 +91,9 @@ pub(crate) struct Conn {
     sq_depth: u32,
     sq_next: u32,
     sq_done: u32,
-    /// Ops before this one went to the QP with a doorbell; those from it to
-    /// `sq_next` are only staged (in `batch`), unseen by the device.
-    sq_posted: u32,
+    /// The newest ops a failed post left unposted, no longer in `batch`
+    /// (which holds the others the device has not seen).
+    unposted: u32,
     since_signal: u32,
     signal_interval: u32,
     max_inline: u32,
@@ -194,7 +194,7 @@ impl Conn {
             sq_depth,
             sq_next: 0,
             sq_done: 0,
-            sq_posted: 0,
+            unposted: 0,
             since_signal: 0,
             signal_interval,
             max_inline,
@@ -243,7 +243,9 @@ impl Conn {
     /// goes when the QP is destroyed (`shut_down`).
     pub(crate) fn fail(&mut self, mut release: impl FnMut(ConnId, u32, bool)) {
         self.state = ConnState::Failed;
-        while self.sq_next != self.sq_posted {
+        let unposted = self.batch.len() as u32 + self.unposted;
+        let posted_end = self.sq_next.wrapping_sub(unposted);
+        while self.sq_next != posted_end {
             let seq = self.sq_next.wrapping_sub(1);
             let at = (seq & (self.sq_depth - 1)) as usize;
             let op = self.ops[at];

@@ -408,21 +408,20 @@ impl Conn {
         }
     }
 
-    /// Rings the doorbell for everything staged, noting how far the device
-    /// has the SQ ring: after a failed post, only the requests the provider
-    /// said it took (all of them if it did not say).
+    /// Rings the doorbell for everything staged. After a failed post, notes
+    /// how many of them the device never got, which `fail` need not wait
+    /// for (none if the provider did not say: all are then held as posted).
     #[inline]
     pub(crate) fn post_staged(&mut self) -> crate::Result<()> {
         let staged = self.batch.len() as u32;
         let result = self.qp.post_list(&mut self.batch);
-        self.sq_posted = match &result {
-            Ok(()) => self.sq_next,
-            Err(Error::Post { posted, .. }) => self
-                .sq_next
-                .wrapping_sub(staged)
-                .wrapping_add((*posted as u32).min(staged)),
-            Err(_) => self.sq_next,
-        };
+        if let Err(error) = &result {
+            self.unposted = match error {
+                Error::Post { posted, .. } => staged - (*posted as u32).min(staged),
+                // Nothing says what went in: hold on to it all.
+                _ => 0,
+            };
+        }
         result
     }
 }
