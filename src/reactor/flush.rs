@@ -64,6 +64,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             if let Err(err) = pool.flush() {
                 log::error!("reposting SRQ receives: {err}");
             }
+            // Slots a failed post left behind: try again next pass.
+            self.unsettled |= pool.has_stranded();
         }
         self.unsettled |= left.unsettled;
         if idle_work {
@@ -176,9 +178,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         match srq {
             Some(pool) if conn.uses_srq() => {
-                // Every slot is offered even after a failed post: one the
-                // pool's batch takes stays there for a later post, where
-                // skipping it would lose it to the SRQ for good.
+                // Every slot is offered even after a failed post: the pool
+                // keeps each one (in its batch, or stranded until the next
+                // flush), where skipping it would lose it to the SRQ.
                 let mut result = Ok(());
                 conn.take_shared_reposts(|slot| {
                     if let Err(err) = pool.give_back(slot)

@@ -38,6 +38,10 @@ pub(super) struct SrqPool {
     owners: Vec<(u32, Key)>,
     /// Slots on their way back to the SRQ, posted at the end of the pass.
     returning: RecvBatch<'static, MAX_REPOST>,
+    /// Slots given back while `returning` was full and its post failed:
+    /// they wait here for the next flush rather than being lost to the SRQ.
+    /// Room for every slot, reserved at creation.
+    stranded: Vec<u32>,
     slot_size: usize,
     /// The `wr_id` each slot was last posted with (0: not posted).
     posted_ids: Vec<u64>,
@@ -81,6 +85,7 @@ impl SrqPool {
             promised: 0,
             owners: Vec::new(),
             returning: RecvBatch::new(),
+            stranded: Vec::with_capacity(slots as usize),
             slot_size,
             posted_ids: vec![0; slots as usize],
             tag_key: RandomState::new(),
@@ -170,16 +175,31 @@ impl SrqPool {
     }
 
     /// Queues SRQ slot `slot` (claimed or held, not posted) to be posted
-    /// again with a fresh tag; posts when a batch fills.
+    /// again with a fresh tag; posts when a batch fills. If a full batch
+    /// cannot be posted, the slot waits in `stranded` for the next flush
+    /// (and the error is returned): a slot is never dropped.
     #[inline]
     pub(super) fn give_back(&mut self, slot: u32) -> Result<()> {
         if slot as usize >= self.posted_ids.len() {
             return Ok(());
         }
-        if self.returning.is_full() {
+        if self.returning.is_full()
+            && let Err(err) = self.srq.post_recv_batch(&mut self.returning)
+        {
             // Only after a failed post: the batch keeps what did not go in.
+            self.strand(slot);
+            return Err(err);
+        }
+        self.queue(slot);
+        if self.returning.is_full() {
             self.srq.post_recv_batch(&mut self.returning)?;
         }
+        Ok(())
+    }
+
+    /// Puts `slot` in the batch with a fresh tag (the batch has room).
+    #[inline]
+    fn queue(&mut self, slot: u32) {
         self.posts = self.posts.wrapping_add(1);
         // Never 0, which marks a slot that is not posted.
         let tag = self.tag_key.hash_one((slot, self.posts)) | 1;
@@ -190,15 +210,44 @@ impl SrqPool {
             self.available += 1;
         }
         self.posted_ids[slot as usize] = wr_id;
-        if self.returning.is_full() {
-            self.srq.post_recv_batch(&mut self.returning)?;
+    }
+
+    #[cold]
+    fn strand(&mut self, slot: u32) {
+        // Each slot is given back once before it is posted again, so the
+        // room reserved for every slot suffices.
+        if self.stranded.len() < self.stranded.capacity() {
+            self.stranded.push(slot);
+        }
+    }
+
+    /// Posts the slots given back in this pass (and any a failed post
+    /// stranded before).
+    #[inline]
+    pub(super) fn flush(&mut self) -> Result<()> {
+        self.srq.post_recv_batch(&mut self.returning)?;
+        if !self.stranded.is_empty() {
+            self.unstrand()?;
         }
         Ok(())
     }
 
-    /// Posts the slots given back in this pass.
+    /// True while slots wait for a post that failed to be retried.
     #[inline]
-    pub(super) fn flush(&mut self) -> Result<()> {
+    pub(super) fn has_stranded(&self) -> bool {
+        !self.stranded.is_empty()
+    }
+
+    #[cold]
+    fn unstrand(&mut self) -> Result<()> {
+        while let Some(slot) = self.stranded.pop() {
+            if self.returning.is_full() {
+                self.stranded.push(slot);
+                self.srq.post_recv_batch(&mut self.returning)?;
+                continue;
+            }
+            self.queue(slot);
+        }
         self.srq.post_recv_batch(&mut self.returning)
     }
 }

@@ -243,7 +243,7 @@ impl Conn {
     /// goes when the QP is destroyed (`shut_down`).
     pub(crate) fn fail(&mut self, mut release: impl FnMut(ConnId, u32, bool)) {
         self.state = ConnState::Failed;
-        let unposted = self.batch.len() as u32 + self.unposted;
+        let unposted = self.batch.len() as u32 + std::mem::take(&mut self.unposted);
         let posted_end = self.sq_next.wrapping_sub(unposted);
         while self.sq_next != posted_end {
             let seq = self.sq_next.wrapping_sub(1);
@@ -330,7 +330,8 @@ impl Conn {
             return;
         }
         let newest = self.sq_next.wrapping_sub(1);
-        self.batch.clear();
+        // `fail` emptied it: nothing staged is dropped here.
+        debug_assert!(self.batch.is_empty());
         let drain = SendDescriptor::drain();
         if self.batch.push(
             wr_id::send(self.id.key(), newest),
