@@ -600,8 +600,13 @@ impl RawTarget {
     }
 }
 
-#[test]
-fn a_forward_stalled_on_a_peer_that_is_cut_off_keeps_its_slot_until_the_flush_is_polled() {
+/// A relay forwards `messages` messages (each longer than the inline
+/// limit, so the SEND reads the relay's receive slot in place) to a target
+/// whose raw peer posted `receives` receives and claims 8; then the peer
+/// breaks the protocol and is cut off. Every slot of the relay must come
+/// back, and none too early: a repost while a forward could still read its
+/// slot is refused by the device (EBUSY), which would fail the relay.
+fn relay_to_a_target_that_is_cut_off(receives: usize, messages: u8) {
     // SAFETY: one thread serves every QP of this device and reads every byte.
     let ctx = unsafe { Context::loopback() };
     let pd = ctx.alloc_pd().unwrap();
@@ -609,25 +614,19 @@ fn a_forward_stalled_on_a_peer_that_is_cut_off_keeps_its_slot_until_the_flush_is
     let (source, relay_in) = add_pair(&mut reactor, &pd);
     let capacity = holding_capacity(&mut reactor, &source, &relay_in);
     assert!(capacity >= 8, "{capacity}");
-    // The target's raw peer grants credits it does not have: a forward to
-    // it stalls (an RNR wait), reading relay_in's receive slot in place
-    // (longer than the inline limit).
-    let mut target = RawTarget::new(&mut reactor, &pd, 1, 8);
+    let mut target = RawTarget::new(&mut reactor, &pd, receives, 8);
     relay_in.relay.set(Relay::Forward(target.conn, None));
     let seen = relay_in.seen.borrow().messages.len();
-    send_when_credited(&mut reactor, source.conn, &[0x5a; 200], None);
-    run_until(&mut reactor, "the message at the relay", || {
-        relay_in.seen.borrow().messages.len() == seen + 1
+    for i in 0..messages {
+        send_when_credited(&mut reactor, source.conn, &[i; 200], None);
+    }
+    run_until(&mut reactor, "the messages at the relay", || {
+        relay_in.seen.borrow().messages.len() == seen + usize::from(messages)
     });
     relay_in.relay.set(Relay::Nothing);
     for _ in 0..10 {
         reactor.turn().unwrap();
     }
-    // Cut off with the forward still stalled. The relay's slot goes back
-    // only once the forward's flush is polled: a repost while the SEND
-    // could still read it is refused by the device (EBUSY), which would
-    // fail the relay. And it does come back: the relay holds as many as
-    // before.
     target.misbehave(&mut reactor);
     assert_eq!(holding_capacity(&mut reactor, &source, &relay_in), capacity);
     for end in [&source, &relay_in] {
@@ -637,36 +636,20 @@ fn a_forward_stalled_on_a_peer_that_is_cut_off_keeps_its_slot_until_the_flush_is
 }
 
 #[test]
+fn a_forward_stalled_on_a_peer_that_is_cut_off_keeps_its_slot_until_the_flush_is_polled() {
+    // The one receive takes the target's first credit update; the forward
+    // stalls (an RNR wait) until the cut-off flushes it, and its slot goes
+    // back only once that flush is polled.
+    relay_to_a_target_that_is_cut_off(1, 1);
+}
+
+#[test]
 fn forwards_that_completed_unsignaled_give_their_slots_back_when_the_target_is_cut_off() {
-    // SAFETY: one thread serves every QP of this device and reads every byte.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().unwrap();
-    let mut reactor = eager_reactor(&pd);
-    let (source, relay_in) = add_pair(&mut reactor, &pd);
-    let capacity = holding_capacity(&mut reactor, &source, &relay_in);
-    // A target with receives for everything: its two credit updates and
-    // five forwards, which complete at once, unsignaled (one in 16 is).
-    let mut target = RawTarget::new(&mut reactor, &pd, 8, 8);
-    relay_in.relay.set(Relay::Forward(target.conn, None));
-    let seen = relay_in.seen.borrow().messages.len();
-    for i in 0..5u8 {
-        send_when_credited(&mut reactor, source.conn, &[i; 200], None);
-    }
-    run_until(&mut reactor, "the messages at the relay", || {
-        relay_in.seen.borrow().messages.len() == seen + 5
-    });
-    relay_in.relay.set(Relay::Nothing);
-    for _ in 0..10 {
-        reactor.turn().unwrap();
-    }
-    // Nothing will report those five: the cut-off drains the target's send
-    // queue, and the drain's completion retires them.
-    target.misbehave(&mut reactor);
-    assert_eq!(holding_capacity(&mut reactor, &source, &relay_in), capacity);
-    for end in [&source, &relay_in] {
-        let seen = end.seen.borrow();
-        assert!(seen.errors.is_empty(), "{:?}", seen.error_texts);
-    }
+    // Receives for everything: the target's two credit updates and five
+    // forwards, which complete at once, unsignaled (one in 16 is). Nothing
+    // will report them: the cut-off drains the target's send queue, and
+    // the drain's completion retires them.
+    relay_to_a_target_that_is_cut_off(8, 5);
 }
 
 #[test]

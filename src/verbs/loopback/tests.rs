@@ -40,6 +40,14 @@ fn drain(cq: &mut CompletionQueue) -> Vec<WorkCompletion> {
     }
 }
 
+/// Every completion queued, as (wr_id, status).
+fn statuses(cq: &mut CompletionQueue) -> Vec<(u64, WcStatus)> {
+    drain(cq)
+        .iter()
+        .map(|wc| (wc.wr_id(), wc.status()))
+        .collect()
+}
+
 fn bytes(mr: &MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
     let mut out = vec![0; len];
     mr.read(offset, &mut out).unwrap();
@@ -299,10 +307,7 @@ fn a_send_longer_than_the_receive_fails_both_sides() {
         .unwrap();
     a.post_send(WorkRequest::send_inline(1, b"too long"))
         .unwrap();
-    let summary: Vec<(u64, WcStatus)> = drain(&mut cq)
-        .iter()
-        .map(|wc| (wc.wr_id(), wc.status()))
-        .collect();
+    let summary = statuses(&mut cq);
     assert_eq!(
         summary,
         [
@@ -385,10 +390,7 @@ fn a_receive_over_memory_a_stalled_send_still_reads_is_refused_until_its_flush_i
         a.post_recv(RecvRequest::new(62, mr.slice(8, 8).unwrap()).unwrap())
             .is_err()
     );
-    let summary: Vec<(u64, WcStatus)> = drain(&mut cq)
-        .iter()
-        .map(|wc| (wc.wr_id(), wc.status()))
-        .collect();
+    let summary = statuses(&mut cq);
     assert_eq!(
         summary,
         [(61, WcStatus::WR_FLUSH_ERR), (1, WcStatus::WR_FLUSH_ERR)]
@@ -406,10 +408,7 @@ fn a_peer_going_to_error_fails_sends_stalled_on_it() {
     a.post_send(WorkRequest::send_inline(2, b"b").signaled())
         .unwrap();
     drop(b);
-    let summary: Vec<(u64, WcStatus)> = drain(&mut cq)
-        .iter()
-        .map(|wc| (wc.wr_id(), wc.status()))
-        .collect();
+    let summary = statuses(&mut cq);
     assert_eq!(
         summary,
         [(1, WcStatus::RETRY_EXC_ERR), (2, WcStatus::WR_FLUSH_ERR)]
