@@ -104,11 +104,17 @@ struct End {
 }
 
 fn new_reactor(pd: &ProtectionDomain) -> Reactor<Recorder, ()> {
+    reactor_reposting_by(pd, ReactorConfig::default().repost_batch)
+}
+
+/// A reactor of small rings that reposts receives `repost_batch` at a time.
+fn reactor_reposting_by(pd: &ProtectionDomain, repost_batch: u32) -> Reactor<Recorder, ()> {
     let config = ReactorConfig {
         slot_size: 256,
         recv_depth: 16,
         send_slots: 16,
         sq_depth: 64,
+        repost_batch,
         ..ReactorConfig::default()
     };
     Reactor::new(pd, config).expect("a reactor on the loopback device")
@@ -529,15 +535,7 @@ fn holding_capacity(reactor: &mut Reactor<Recorder, ()>, source: &End, relay: &E
 /// one reposted at the end of its pass), so a slot that comes back too
 /// early is seen at once.
 fn eager_reactor(pd: &ProtectionDomain) -> Reactor<Recorder, ()> {
-    let config = ReactorConfig {
-        slot_size: 256,
-        recv_depth: 16,
-        send_slots: 16,
-        sq_depth: 64,
-        repost_batch: 1,
-        ..ReactorConfig::default()
-    };
-    Reactor::new(pd, config).unwrap()
+    reactor_reposting_by(pd, 1)
 }
 
 /// A reactor connection whose peer is a raw QP of the test's: the raw end
