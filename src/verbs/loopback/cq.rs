@@ -21,7 +21,7 @@ pub(super) struct CqRing {
     /// yet to see flushed: a device flushes its send queue after
     /// `ibv_modify_qp` returns, so a program that reuses their memory
     /// before it polls their flushed completions is caught (see
-    /// `LbQp::stop`). Flushed at the start of the next poll.
+    /// `LbQp::enter_error`). Flushed at the start of the next poll.
     deferred: Mutex<Vec<Weak<LbQp>>>,
     has_deferred: AtomicBool,
 }

@@ -40,6 +40,18 @@ impl Outcome {
     }
 }
 
+/// When the error state flushes a QP's stalled sends.
+#[derive(Clone, Copy)]
+enum SendFlush {
+    /// During the call (destroying the QP: nothing may use it afterwards).
+    Now,
+    /// When the send CQ is next polled, as a device that flushes its send
+    /// queue after `ibv_modify_qp` returns would: until then the sends
+    /// still use their memory, and a receive posted over it is refused
+    /// (`post_recvs`).
+    AtNextPoll,
+}
+
 struct SendQueue {
     /// Requests waiting behind a SEND the peer had no receive for (or, in
     /// the error state, for their flush): the device still uses their
@@ -210,7 +222,7 @@ pub(crate) unsafe fn create_qp(
 pub(crate) unsafe fn destroy_qp(qp: NonNull<sys::ibv_qp>) {
     // SAFETY: a Box<QpObj> from create_qp, released once.
     let obj = unsafe { Box::from_raw(qp.as_ptr().cast::<QpObj>()) };
-    obj.lb.enter_error();
+    obj.lb.enter_error(SendFlush::Now);
     let mut qps = lock(&QPS);
     if qps
         .get(&obj.lb.qpn)
@@ -252,7 +264,7 @@ pub(crate) unsafe fn modify_qp(
     }
     match attr.qp_state {
         sys::IBV_QPS_ERR => {
-            lb.stop();
+            lb.enter_error(SendFlush::AtNextPoll);
             0
         }
         sys::IBV_QPS_RTR => {
@@ -339,25 +351,7 @@ impl LbQp {
         newly
     }
 
-    /// `ibv_modify_qp(ERR)`: receives are flushed now, stalled sends when
-    /// the send CQ is next polled, as a device that flushes its send queue
-    /// after the call returns would. Until then they still use their
-    /// memory: a receive posted over it is refused (`post_recvs`).
-    fn stop(self: &Arc<Self>) {
-        let newly = {
-            let sq = lock(&self.sq);
-            let newly = self.fail_locked(&mut lock(&self.rq));
-            if !sq.stalled.is_empty() {
-                self.send_cq.defer_flush(Arc::downgrade(self));
-            }
-            newly
-        };
-        if newly && let Some(peer) = self.peer() {
-            peer.progress();
-        }
-    }
-
-    /// The deferred flush of `stop`.
+    /// The deferred flush of `enter_error(SendFlush::AtNextPoll)`.
     pub(super) fn flush_stalled(&self) {
         lock(&self.sq).flush(self.qpn, &self.send_cq);
     }
@@ -367,10 +361,23 @@ impl LbQp {
         lock(&self.sq).stalled.iter().any(|op| op.uses(list))
     }
 
-    /// `ibv_modify_qp(ERR)` and destroy: flushes everything, then lets the
-    /// peer find out (its stalled sends to us fail).
-    fn enter_error(&self) {
-        let newly = self.fail_sq(&mut lock(&self.sq));
+    /// `ibv_modify_qp(ERR)` and destroy: the receives are flushed now, the
+    /// stalled sends as `sends` says, then the peer finds out (its stalled
+    /// sends to us fail).
+    fn enter_error(self: &Arc<Self>, sends: SendFlush) {
+        let newly = {
+            let mut sq = lock(&self.sq);
+            match sends {
+                SendFlush::Now => self.fail_sq(&mut sq),
+                SendFlush::AtNextPoll => {
+                    let newly = self.fail_locked(&mut lock(&self.rq));
+                    if !sq.stalled.is_empty() {
+                        self.send_cq.defer_flush(Arc::downgrade(self));
+                    }
+                    newly
+                }
+            }
+        };
         if newly && let Some(peer) = self.peer() {
             peer.progress();
         }
