@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::session::PeerStatus;
 use crate::verbs::{WcOpcode, WorkCompletion};
 
+use super::admin::return_forwarded;
 use super::conn::{Arrival, OpKind, WrKind, decode_wr_id, same_generation};
 use super::slab::Key;
 use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, Session, SessionId, Waiter};
@@ -358,17 +359,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                         OpKind::Read => handler.on_read_complete(&mut ctx, id, seq),
                         OpKind::Forward => {
                             if let Some(origin) = op.origin {
-                                match ctx.conns.get_mut(origin.key()) {
-                                    Some(origin) => origin.queue_repost(op.slot),
-                                    None if op.from_srq => {
-                                        if let Some(pool) = &mut self.srq
-                                            && let Err(err) = pool.give_back(op.slot)
-                                        {
-                                            log::error!("reposting an SRQ receive: {err}");
-                                        }
-                                    }
-                                    None => {}
-                                }
+                                return_forwarded(
+                                    ctx.conns,
+                                    &mut self.srq,
+                                    origin,
+                                    op.slot,
+                                    op.from_srq,
+                                );
                             }
                             handler.on_send_complete(&mut ctx, id, seq);
                         }
