@@ -63,9 +63,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             if let Err(err) = pool.flush() {
                 log::error!("reposting SRQ receives: {err}");
+                // Slots a failed post left behind (in the batch or
+                // stranded; an `Ok` leaves none): try again next pass.
+                self.unsettled = true;
             }
-            // Slots a failed post left behind: try again next pass.
-            self.unsettled |= pool.has_stranded();
         }
         self.unsettled |= left.unsettled;
         if idle_work {

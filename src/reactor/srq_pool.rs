@@ -232,12 +232,6 @@ impl SrqPool {
         Ok(())
     }
 
-    /// True while slots wait for a post that failed to be retried.
-    #[inline]
-    pub(super) fn has_stranded(&self) -> bool {
-        !self.stranded.is_empty()
-    }
-
     #[cold]
     fn unstrand(&mut self) -> Result<()> {
         while let Some(slot) = self.stranded.pop() {
