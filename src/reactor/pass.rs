@@ -358,7 +358,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                         OpKind::Write => handler.on_write_complete(&mut ctx, id, seq),
                         OpKind::Read => handler.on_read_complete(&mut ctx, id, seq),
                         OpKind::Forward => {
-                            if let Some(origin) = op.origin {
+                            if let Some(origin) = op.origin(id) {
                                 return_forwarded(
                                     ctx.conns,
                                     &mut self.srq,

@@ -258,7 +258,7 @@ impl Conn {
                 (_, Keep::Own) => drop(self.owned[at].take()),
                 (_, Keep::Nothing) => {}
             }
-            if let (OpKind::Forward, Some(origin)) = (op.kind, op.origin) {
+            if let Some(origin) = op.origin(self.id) {
                 release(origin, op.slot, op.from_srq);
             }
         }
@@ -280,7 +280,7 @@ impl Conn {
         let count = self.retire_count(seq);
         for _ in 0..count {
             let (_, op) = self.pop_oldest();
-            if let (OpKind::Forward, Some(origin)) = (op.kind, op.origin) {
+            if let Some(origin) = op.origin(self.id) {
                 release(origin, op.slot, op.from_srq);
             }
         }
@@ -310,7 +310,7 @@ impl Conn {
         while self.sq_done != self.sq_next {
             let op = self.ops[(self.sq_done & (self.sq_depth - 1)) as usize];
             self.sq_done = self.sq_done.wrapping_add(1);
-            if let (OpKind::Forward, Some(origin)) = (op.kind, op.origin) {
+            if let Some(origin) = op.origin(self.id) {
                 release(origin, op.slot, op.from_srq);
             }
         }

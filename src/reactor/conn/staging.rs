@@ -10,24 +10,29 @@ use crate::verbs::{
 use super::credit::send_imm;
 use super::ring::SlotSource;
 use super::{Conn, ConnId, ConnState, IMM_TRAILER_LEN, SendError, wr_id};
+use crate::reactor::slab::Key;
 
 /// An operation on the send queue, remembered until a signaled completion
-/// at or after it proves it done. Plain data: staging and retiring one
-/// copies a few words and runs no drop glue (the registration a request
-/// holds by handle, the rare case, waits in `Conn::owned` beside it).
+/// at or after it proves it done. Plain data of 16 bytes: staging and
+/// retiring one copies two words and runs no drop glue (the registration a
+/// request holds by handle, the rare case, waits in `Conn::owned` beside it).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct SqOp {
     pub(crate) kind: OpKind,
-    /// For a forward, the receive slot of connection `origin` to repost.
-    pub(crate) slot: u32,
-    /// For a forward: the connection whose receive slot this SEND carried.
-    pub(crate) origin: Option<ConnId>,
     /// For a forward: the slot is one of the reactor's SRQ.
     pub(crate) from_srq: bool,
     /// For a WRITE, READ or forward: how the registration of the local
     /// memory it points at is held until the request is known complete, so
     /// the memory stays registered and mapped while the device may use it.
     pub(crate) keep: Keep,
+    /// For a forward, the receive slot of its origin to repost.
+    pub(crate) slot: u32,
+    /// For a forward: the slab index and generation of the connection
+    /// whose receive slot this SEND carried. It is of the same reactor
+    /// (`Ctx::forward` refuses another's), so its owner is this
+    /// connection's: storing the whole id would double the op.
+    origin_index: u32,
+    origin_generation: u32,
 }
 
 /// Where a forwarded message came from: its connection and receive slot,
@@ -60,6 +65,32 @@ impl SqOp {
             kind,
             ..Self::default()
         }
+    }
+
+    /// A forward of `origin`'s receive slot.
+    fn forward(origin: ForwardOrigin, keep: Keep) -> Self {
+        let key = origin.conn.key();
+        Self {
+            kind: OpKind::Forward,
+            from_srq: origin.from_srq,
+            keep,
+            slot: origin.slot,
+            origin_index: key.index,
+            origin_generation: key.generation,
+        }
+    }
+
+    /// For a forward staged on connection `on`: the connection its
+    /// receive slot came from.
+    #[inline]
+    pub(crate) fn origin(&self, on: ConnId) -> Option<ConnId> {
+        (self.kind == OpKind::Forward).then(|| {
+            ConnId(Key {
+                index: self.origin_index,
+                generation: self.origin_generation,
+                owner: on.key().owner,
+            })
+        })
     }
 }
 
@@ -106,7 +137,7 @@ impl Conn {
     /// Records `op` in the SQ ring (with the registration handle an op of
     /// `Keep::Own` holds, `owned`), decides its signaling (always if
     /// `force_signal`), and stages it.
-    #[inline]
+    #[inline(always)]
     pub(super) fn stage_signaled(
         &mut self,
         request: SendDescriptor,
@@ -244,13 +275,7 @@ impl Conn {
             lkey: source.lkey,
         };
         let (keep, owned) = self.keep(source.registration_id, || registration);
-        let op = SqOp {
-            kind: OpKind::Forward,
-            slot: origin.slot,
-            origin: Some(origin.conn),
-            from_srq: origin.from_srq,
-            keep,
-        };
+        let op = SqOp::forward(origin, keep);
         Ok(self.stage_credited_send(sge, imm.is_some(), op, owned))
     }
 
