@@ -102,7 +102,7 @@ use wait::Waiter;
 pub(crate) use config::slab_key_for_tests;
 pub use config::{ConnId, EventMode, ReactorConfig, SendError, SessionId, ThreadMode};
 pub use counters::{Counters, MemoryUse};
-pub use ctx::{Ctx, HeldRecv};
+pub use ctx::{Ctx, HeldRecv, Staging};
 pub use handler::Handler;
 pub use pass_timer::{CLOCK_READ_INTERVAL, PassTimer};
 pub use placement::{CorePreference, Placement, pin_current_thread, usable_cores};

@@ -3,7 +3,7 @@
 
 use rdma_comm_core::error::Error;
 use rdma_comm_core::reactor::{ConnId, Ctx, Handler, SendError};
-use rdma_comm_core::verbs::MemoryRegion;
+use rdma_comm_core::verbs::{MemoryRegion, RemoteSlice};
 
 use crate::run_end::RunEnd;
 use crate::{Clock, DONE_MARKER, PerfBuffers, PerfOp, PerfSpec};
@@ -13,6 +13,9 @@ use crate::{Clock, DONE_MARKER, PerfBuffers, PerfOp, PerfSpec};
 pub struct LatencyClient {
     spec: PerfSpec,
     buffers: PerfBuffers,
+    /// The peer's bytes every iteration targets, sliced once (`None` if
+    /// they do not fit its buffer: `issue` then reports why).
+    remote: Option<RemoteSlice>,
     conn: Option<ConnId>,
     seq: u64,
     started_at: u64,
@@ -29,6 +32,7 @@ impl LatencyClient {
     pub fn new(spec: PerfSpec, buffers: PerfBuffers) -> Self {
         Self {
             spec,
+            remote: buffers.peer.slice(0, spec.size as u64).ok(),
             buffers,
             conn: None,
             seq: 0,
@@ -75,6 +79,10 @@ impl LatencyClient {
         let marker = Self::marker(seq);
         self.started_at = now;
         let buffer = &mut self.buffers.buffer;
+        let remote = match self.remote {
+            Some(remote) => Ok(remote),
+            None => self.buffers.peer.slice(0, size as u64),
+        };
         let result = match self.spec.op {
             PerfOp::Send => ctx.send_with(conn, size, None, |buf| {
                 if let Some(last) = buf.last_mut() {
@@ -85,19 +93,12 @@ impl LatencyClient {
                 let imm = (self.spec.op == PerfOp::WriteImm).then_some(seq as u32);
                 let wrote = buffer.write(2 * size - 1, &[marker]);
                 let buffer = &*buffer;
-                match (
-                    wrote,
-                    buffer.slice(size, size),
-                    self.buffers.peer.slice(0, size as u64),
-                ) {
+                match (wrote, buffer.slice(size, size), remote) {
                     (Ok(()), Ok(local), Ok(remote)) => ctx.write(conn, &local, remote, imm),
                     (Err(e), ..) | (_, Err(e), _) | (.., Err(e)) => Err(SendError::Invalid(e)),
                 }
             }
-            PerfOp::Read => match (
-                buffer.slice(0, size),
-                self.buffers.peer.slice(0, size as u64),
-            ) {
+            PerfOp::Read => match (buffer.slice(0, size), remote) {
                 (Ok(local), Ok(remote)) => ctx.read(conn, &local, remote),
                 (Err(e), _) | (_, Err(e)) => Err(SendError::Invalid(e)),
             },

@@ -89,42 +89,63 @@ impl RateSender {
             0 => u64::MAX,
             depth => depth,
         };
-        while self.posted < self.spec.iters
-            && ctx.staged(conn) < self.spec.batch
-            && self.posted - self.completed < tx_depth
-        {
-            let result = match self.spec.op {
-                // The payload's content does not matter for a rate test.
-                PerfOp::Send => ctx.send_with(conn, size, None, |_| {}),
-                PerfOp::Write | PerfOp::WriteImm | PerfOp::Read => {
-                    match (
-                        self.buffers.buffer.slice(size, size),
-                        self.buffers.peer.slice(0, size as u64),
-                    ) {
-                        (Ok(local), Ok(remote)) => match self.spec.op {
-                            PerfOp::Read => ctx.read(conn, &local, remote),
-                            PerfOp::WriteImm => ctx.write(conn, &local, remote, Some(0)),
-                            _ => ctx.write(conn, &local, remote, None),
-                        },
-                        (Err(e), _) | (_, Err(e)) => Err(SendError::Invalid(e)),
+        let has_room = |sender: &Self, staged: usize| {
+            sender.posted < sender.spec.iters
+                && staged < sender.spec.batch
+                && sender.posted - sender.completed < tx_depth
+        };
+        // One lookup of the connection for the whole batch.
+        let Ok(mut staging) = ctx.staging(conn) else {
+            return;
+        };
+        if !has_room(self, staging.staged()) {
+            return;
+        }
+        // Every request moves the same bytes: slice them once per batch.
+        let rdma = match self.spec.op {
+            PerfOp::Send => Ok(None),
+            PerfOp::Write | PerfOp::WriteImm | PerfOp::Read => match (
+                self.buffers.buffer.slice(size, size),
+                self.buffers.peer.slice(0, size as u64),
+            ) {
+                (Ok(local), Ok(remote)) => Ok(Some((local, remote))),
+                (Err(e), _) | (_, Err(e)) => Err(SendError::Invalid(e)),
+            },
+        };
+        let mut failed = None;
+        match rdma {
+            Err(err) => failed = Some(err),
+            Ok(rdma) => {
+                while has_room(self, staging.staged()) {
+                    let result = match (&rdma, self.spec.op) {
+                        // The payload's content does not matter for a rate test.
+                        (None, _) => staging.send_with(size, None, |_| {}),
+                        (Some((local, remote)), PerfOp::Read) => staging.read(local, *remote),
+                        (Some((local, remote)), PerfOp::WriteImm) => {
+                            staging.write(local, *remote, Some(0))
+                        }
+                        (Some((local, remote)), _) => staging.write(local, *remote, None),
+                    };
+                    match result {
+                        Ok(_) => {
+                            if self.posted == 0 {
+                                self.started_at = self.clock.now();
+                                self.marks.push((0, self.started_at));
+                            }
+                            self.posted += 1;
+                        }
+                        Err(SendError::WouldBlock) => break,
+                        Err(err) => {
+                            failed = Some(err);
+                            break;
+                        }
                     }
-                }
-            };
-            match result {
-                Ok(_) => {
-                    if self.posted == 0 {
-                        self.started_at = self.clock.now();
-                        self.marks.push((0, self.started_at));
-                    }
-                    self.posted += 1;
-                }
-                Err(SendError::WouldBlock) => break,
-                Err(err) => {
-                    self.failed = Some(err.to_string());
-                    ctx.stop();
-                    break;
                 }
             }
+        }
+        if let Some(err) = failed {
+            self.failed = Some(err.to_string());
+            ctx.stop();
         }
     }
 
