@@ -74,42 +74,51 @@ impl LatencyClient {
     /// Stages iteration `self.seq`, timed from `now` (a clock reading).
     fn issue(&mut self, ctx: &mut Ctx<'_>, now: u64) {
         let Some(conn) = self.conn else { return };
-        let size = self.spec.size;
-        let seq = self.seq;
-        let marker = Self::marker(seq);
         self.started_at = now;
-        let buffer = &mut self.buffers.buffer;
-        let remote = match self.remote {
-            Some(remote) => Ok(remote),
-            None => self.buffers.peer.slice(0, size as u64),
-        };
-        let result = match self.spec.op {
-            PerfOp::Send => ctx.send_with(conn, size, None, |buf| {
-                if let Some(last) = buf.last_mut() {
-                    *last = marker;
-                }
-            }),
-            PerfOp::Write | PerfOp::WriteImm => {
-                let imm = (self.spec.op == PerfOp::WriteImm).then_some(seq as u32);
-                let wrote = buffer.write(2 * size - 1, &[marker]);
-                let buffer = &*buffer;
-                match (wrote, buffer.slice(size, size), remote) {
-                    (Ok(()), Ok(local), Ok(remote)) => ctx.write(conn, &local, remote, imm),
-                    (Err(e), ..) | (_, Err(e), _) | (.., Err(e)) => Err(SendError::Invalid(e)),
-                }
-            }
-            PerfOp::Read => match (buffer.slice(0, size), remote) {
-                (Ok(local), Ok(remote)) => ctx.read(conn, &local, remote),
-                (Err(e), _) | (_, Err(e)) => Err(SendError::Invalid(e)),
-            },
-        };
-        match result {
+        match self.stage(ctx, conn) {
             Ok(_) => self.in_flight = true,
             Err(SendError::WouldBlock) => self.in_flight = false,
             Err(err) => {
                 self.failed = Some(err.to_string());
                 ctx.stop();
             }
+        }
+    }
+
+    /// Stages the request of iteration `self.seq` on `conn`.
+    #[inline]
+    fn stage(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) -> Result<u32, SendError> {
+        let size = self.spec.size;
+        let marker = Self::marker(self.seq);
+        if self.spec.op == PerfOp::Send {
+            return ctx.send_with(conn, size, None, |buf| {
+                if let Some(last) = buf.last_mut() {
+                    *last = marker;
+                }
+            });
+        }
+        let Some(remote) = self.remote else {
+            return Err(SendError::Invalid(self.remote_misfit()));
+        };
+        let buffer = &mut self.buffers.buffer;
+        if self.spec.op == PerfOp::Read {
+            let local = buffer.slice(0, size).map_err(SendError::Invalid)?;
+            return ctx.read(conn, &local, remote);
+        }
+        let imm = (self.spec.op == PerfOp::WriteImm).then_some(self.seq as u32);
+        buffer
+            .write(2 * size - 1, &[marker])
+            .map_err(SendError::Invalid)?;
+        let local = buffer.slice(size, size).map_err(SendError::Invalid)?;
+        ctx.write(conn, &local, remote, imm)
+    }
+
+    /// Why the peer's buffer has no room for a message of the spec's size.
+    #[cold]
+    fn remote_misfit(&self) -> Error {
+        match self.buffers.peer.slice(0, self.spec.size as u64) {
+            Err(err) => err,
+            Ok(_) => Error::InvalidArgument("the peer's buffer was not sliced"),
         }
     }
 
