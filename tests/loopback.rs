@@ -826,3 +826,61 @@ fn a_write_keeps_its_source_registered_after_the_region_is_dropped() {
     let expected = [b"first...", b"second..", b"third..."].map(|text| text.repeat(LEN / 8));
     assert_eq!(bytes(&exported, 0, 3 * LEN), expected.concat());
 }
+
+#[test]
+fn staging_on_one_connection_batches_every_kind_of_request_behind_one_lookup() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().unwrap();
+    let mut reactor = new_reactor(&pd);
+    let (client, server) = add_pair(&mut reactor, &pd);
+    let (gone, _gone_peer) = add_pair(&mut reactor, &pd);
+    let mut local = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut exported = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE | ACCESS).unwrap();
+    let remote = exported.remote().unwrap();
+    local.write(0, b"batched WRITE").unwrap();
+    exported.write(128, b"batched READ").unwrap();
+
+    reactor.with_ctx(|ctx| {
+        let mut staging = ctx.staging(client.conn).expect("an open connection");
+        assert_eq!(staging.staged(), 0);
+        staging.send(b"batched SEND", Some(3)).unwrap();
+        let write = local.slice(0, 13).unwrap();
+        staging
+            .write(&write, remote.slice(0, 13).unwrap(), None)
+            .unwrap();
+        let read = local.slice(128, 12).unwrap();
+        staging.read(&read, remote.slice(128, 12).unwrap()).unwrap();
+        staging
+            .send_from(8, None, |slot| {
+                slot[..4].copy_from_slice(b"from");
+                Some(4)
+            })
+            .unwrap();
+        assert_eq!(staging.staged(), 4);
+        // The same count through the context: one batch, one doorbell.
+        assert_eq!(ctx.staged(client.conn), 4);
+    });
+    run_until(&mut reactor, "the batch", || {
+        let seen = client.seen.borrow();
+        seen.writes_done.len() == 1
+            && seen.reads_done.len() == 1
+            && server.seen.borrow().messages.len() == 2
+    });
+    assert_eq!(
+        server.seen.borrow().messages,
+        [
+            (b"batched SEND".to_vec(), Some(3)),
+            (b"from".to_vec(), None)
+        ]
+    );
+    assert_eq!(bytes(&exported, 0, 13), b"batched WRITE");
+    assert_eq!(bytes(&local, 128, 12), b"batched READ");
+
+    // A connection that is gone has no staging (its slot may hold another).
+    reactor.remove(gone.session).expect("a known session");
+    reactor.with_ctx(|ctx| {
+        assert!(matches!(ctx.staging(gone.conn), Err(SendError::Closed)));
+    });
+    assert!(client.seen.borrow().errors.is_empty());
+}

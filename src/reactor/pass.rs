@@ -10,7 +10,7 @@ use crate::session::PeerStatus;
 use crate::verbs::{WcOpcode, WorkCompletion};
 
 use super::admin::return_forwarded;
-use super::conn::{Arrival, OpKind, WrKind, decode_wr_id, same_generation};
+use super::conn::{Arrival, Conn, OpKind, WrKind, decode_wr_id, same_generation};
 use super::slab::Key;
 use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, Session, SessionId, Waiter};
 
@@ -42,12 +42,12 @@ enum Delivery {
     Retired { count: u32 },
 }
 
-/// Whose a completion is.
-enum Owner {
-    /// A connection's, with what it reports.
-    Conn(Key, WrKind),
-    /// An SRQ receive a QP the reactor does not serve consumed; its slot
-    /// went back to the SRQ.
+/// Whose an SRQ receive's completion is.
+enum SrqOwner {
+    /// This connection's, in this slot.
+    Conn(Key, u32),
+    /// A QP the reactor does not serve consumed the slot, which went
+    /// straight back to the SRQ.
     Reclaimed,
     /// Nothing this reactor posted.
     Foreign,
@@ -193,66 +193,65 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         Ok(())
     }
 
-    /// The connection a completion belongs to, if one of ours posted it:
-    /// the `wr_id` names the connection (index and generation) and the
-    /// completion's QP number must be that connection's; or it is exactly
-    /// the tagged `wr_id` an SRQ slot is posted with, and the QP number says
-    /// which connection consumed it (none: a QP the reactor does not serve,
-    /// whose slot goes straight back to the SRQ).
+    /// Whose an SRQ receive's completion is (it comes with exactly the
+    /// tagged `wr_id` the slot was posted with): the QP number says which
+    /// connection consumed the slot.
     #[inline]
-    fn owner_of(&mut self, wc: &WorkCompletion) -> Owner {
-        let (index, generation, kind) = decode_wr_id(wc.wr_id());
-        if kind == WrKind::SrqRecv {
-            let Some(pool) = self.srq.as_mut() else {
-                return Owner::Foreign;
-            };
-            let Some(slot) = pool.claim(wc.wr_id()) else {
-                return Owner::Foreign;
-            };
-            return match pool.owner(wc.qp_num()) {
-                Some(owner) => Owner::Conn(owner, WrKind::Recv { slot }),
-                None => {
-                    pool.reclaim(slot);
-                    self.unsettled = true;
-                    Owner::Reclaimed
-                }
-            };
-        }
-        // Quietly: a stranger's completion naming an index must not list
-        // it for the flush; `dispatch` lists the connection it changes.
-        let Some((key, conn)) = self.conns.get_by_index_quiet(index) else {
-            return Owner::Foreign;
+    fn srq_owner(&mut self, wc: &WorkCompletion) -> SrqOwner {
+        let Some(pool) = self.srq.as_mut() else {
+            return SrqOwner::Foreign;
         };
-        let ours = same_generation(key, generation) && conn.qpn == wc.qp_num();
-        // A receive of a connection on the SRQ always comes tagged.
-        match ours && !(conn.uses_srq() && matches!(kind, WrKind::Recv { .. })) {
-            true => Owner::Conn(key, kind),
-            false => Owner::Foreign,
+        let Some(slot) = pool.claim(wc.wr_id()) else {
+            return SrqOwner::Foreign;
+        };
+        match pool.owner(wc.qp_num()) {
+            Some(owner) => SrqOwner::Conn(owner, slot),
+            None => {
+                pool.reclaim(slot);
+                self.unsettled = true;
+                SrqOwner::Reclaimed
+            }
         }
     }
 
     #[inline]
     fn dispatch(&mut self, wc: &WorkCompletion) {
-        let (key, kind) = match self.owner_of(wc) {
-            Owner::Conn(key, kind) => (key, kind),
-            Owner::Reclaimed => return,
-            Owner::Foreign => {
-                self.foreign(wc);
+        // Whose it is: the `wr_id` names the connection (index and
+        // generation), and the completion's QP number must be that
+        // connection's; or it is an SRQ receive. The connection is looked
+        // up once, and listed for the flush only once it is known to be
+        // the completion's (a stranger's completion naming an index must
+        // not list it).
+        let (index, generation, kind) = decode_wr_id(wc.wr_id());
+        let (key, kind, conn) = if kind == WrKind::SrqRecv {
+            let (key, slot) = match self.srq_owner(wc) {
+                SrqOwner::Conn(key, slot) => (key, slot),
+                SrqOwner::Reclaimed => return,
+                SrqOwner::Foreign => {
+                    self.foreign(wc);
+                    return;
+                }
+            };
+            let Some(conn) = self.conns.get_mut(key) else {
                 return;
+            };
+            (key, WrKind::Recv { slot }, conn)
+        } else {
+            let qpn = wc.qp_num();
+            // A receive of a connection on the SRQ always comes tagged.
+            let ours = |key: Key, conn: &Conn| {
+                same_generation(key, generation)
+                    && conn.qpn == qpn
+                    && !(conn.uses_srq() && matches!(kind, WrKind::Recv { .. }))
+            };
+            match self.conns.get_by_index_if(index, ours) {
+                Some((key, conn)) => (key, kind, conn),
+                None => {
+                    self.foreign(wc);
+                    return;
+                }
             }
         };
-        // List it for the flush, and look it up once for everything the
-        // connection itself does. The key must still name the entry's
-        // current generation: `owner_of` checked that against the wr_id,
-        // but an SRQ receive's key comes from the pool's owner table.
-        self.conns.touch(key.index);
-        let Some((found, conn)) = self.conns.get_by_index_quiet(key.index) else {
-            return;
-        };
-        // (Same index and slab: the generation is all that can differ.)
-        if found.generation != key.generation {
-            return;
-        }
         if !wc.is_success() || conn.is_closed() {
             self.dispatch_unusual(key, wc, kind);
             return;

@@ -261,6 +261,33 @@ impl<T> Slab<T> {
         entry.value.as_mut()
     }
 
+    /// The record at `index` with its key, if `accept` takes it; listed as
+    /// touched only then. One lookup for a caller that must vet a record
+    /// (a completion's claim to be its) before it counts as changed.
+    #[inline]
+    pub(crate) fn get_by_index_if(
+        &mut self,
+        index: u32,
+        accept: impl FnOnce(Key, &T) -> bool,
+    ) -> Option<(Key, &mut T)> {
+        let entry = self.entries.get_mut(index as usize)?;
+        let key = Key {
+            index,
+            generation: entry.generation,
+            owner: self.owner,
+        };
+        let value = entry.value.as_mut()?;
+        if !accept(key, value) {
+            return None;
+        }
+        if self.tracking && !entry.listed[TOUCHED] {
+            entry.listed[TOUCHED] = true;
+            debug_assert!(self.lists[TOUCHED].len() < self.lists[TOUCHED].capacity());
+            self.lists[TOUCHED].push(index);
+        }
+        Some((key, value))
+    }
+
     /// The record at `index`, whatever its generation, with its key.
     #[inline]
     pub(crate) fn get_by_index_mut(&mut self, index: u32) -> Option<(Key, &mut T)> {
