@@ -381,7 +381,7 @@ impl Conn {
     /// Retires the oldest op, releasing its send slot (and the
     /// registration it kept: the request is complete, so the device no
     /// longer uses the memory).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn pop_oldest(&mut self) -> (u32, SqOp) {
         // Entries outside [sq_done, sq_next) are stale: never retire one.
         debug_assert!(self.sq_used() > 0);
