@@ -38,22 +38,30 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // (the slab lists every mutable access): a pass on a reactor of a
         // thousand connections flushes the few its completions and handlers
         // touched, not all of them.
-        let touched = self.conns.take(TOUCHED);
+        // Walked in place: what the walk lists again (work left for the
+        // next pass) goes to the end and stays listed.
+        let touched = self.conns.listed_len(TOUCHED);
         let idle_work = tidy || signal_tails;
         let mut left = Left::default();
-        for &index in &touched {
+        for at in 0..touched {
+            let Some(index) = self.conns.unlist_at(TOUCHED, at) else {
+                break;
+            };
             self.flush_index(index, tidy, signal_tails, &mut left);
         }
-        self.conns.give_back(TOUCHED, touched);
+        self.conns.drop_walked(TOUCHED, touched);
         if idle_work {
             // The connections a flush left with receives below a batch or
             // an unsignaled tail: parked by `flush_index`, so idle-time
             // work visits them, not every connection.
-            let parked = self.conns.take(PARKED);
-            for &index in &parked {
+            let parked = self.conns.listed_len(PARKED);
+            for at in 0..parked {
+                let Some(index) = self.conns.unlist_at(PARKED, at) else {
+                    break;
+                };
                 self.flush_index(index, tidy, signal_tails, &mut left);
             }
-            self.conns.give_back(PARKED, parked);
+            self.conns.drop_walked(PARKED, parked);
         }
         if let Some(pool) = &mut self.srq {
             for slot in self.deferred.srq_returns.drain(..) {

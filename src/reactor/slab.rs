@@ -32,13 +32,10 @@ pub(crate) struct Slab<T> {
     owner: u64,
     /// Whether mutable access lists the entry as touched.
     tracking: bool,
-    /// By list ([`TOUCHED`], [`PARKED`]): the entries listed since the list
-    /// was last taken, each once. Capacities follow the entries (reserved
-    /// when an entry is added), so listing never allocates.
+    /// By list ([`TOUCHED`], [`PARKED`]): the entries listed and not yet
+    /// walked, each once. Capacities follow the entries (reserved when an
+    /// entry is added), so listing never allocates.
     lists: [Vec<u32>; LISTS],
-    /// Where each list handed out by `take` comes back, keeping its
-    /// capacity for the next swap.
-    spares: [Vec<u32>; LISTS],
 }
 
 const LISTS: usize = 2;
@@ -61,12 +58,12 @@ impl<T> Slab<T> {
             owner,
             tracking: false,
             lists: [Vec::new(), Vec::new()],
-            spares: [Vec::new(), Vec::new()],
         }
     }
 
-    /// Every mutable access lists its entry until the next
-    /// [`take`](Self::take)`(TOUCHED)`: the reactor then flushes only
+    /// Every mutable access lists its entry until a walk of the
+    /// [`TOUCHED`] list passes it ([`unlist_at`](Self::unlist_at)): the
+    /// reactor then flushes only
     /// the connections something may have changed, instead of walking all
     /// of them on every busy pass. Listing is by construction: a record can
     /// only change through `&mut`, and every `&mut` path of the slab lists,
@@ -86,8 +83,8 @@ impl<T> Slab<T> {
     }
 
     /// Lists entry `index` in the parked list (once): work its owner left
-    /// for later, found again with [`take`](Self::take)`(PARKED)` instead
-    /// of a walk over every entry. The mark stays with the index: a
+    /// for later, found again by a walk of the [`PARKED`] list instead of
+    /// a walk over every entry. The mark stays with the index: a
     /// newcomer in a parked entry is visited once for nothing.
     #[inline]
     pub(crate) fn park(&mut self, index: u32) {
@@ -102,42 +99,50 @@ impl<T> Slab<T> {
             && !entry.listed[list]
         {
             entry.listed[list] = true;
-            // Never beyond capacity: each entry is listed at most once, and
-            // `insert` reserved room for every entry.
+            // Never beyond capacity: each entry is listed at most once
+            // beyond the positions a walk has passed, and `insert` reserved
+            // room for every entry twice.
             debug_assert!(self.lists[list].len() < self.lists[list].capacity());
             self.lists[list].push(index);
         }
     }
 
-    /// True if some entry was touched since the last `take(TOUCHED)`.
+    /// True if some entry was touched and not yet walked.
     #[inline]
     pub(crate) fn has_touched(&self) -> bool {
         !self.lists[TOUCHED].is_empty()
     }
 
-    /// The entries in `list` so far, each once, in the order first listed;
-    /// they count as unlisted from here on. Hand the list back with
-    /// [`give_back`](Self::give_back) (no allocation either way).
+    /// How many entries `list` holds, each once, in the order first
+    /// listed. A walk over them ([`unlist_at`](Self::unlist_at) for each
+    /// position below this, then [`drop_walked`](Self::drop_walked)) moves
+    /// nothing and allocates nothing.
     #[inline]
-    pub(crate) fn take(&mut self, list: usize) -> Vec<u32> {
-        let mut next = std::mem::take(&mut self.spares[list]);
-        // Only if a list was not handed back (a bug): stay correct anyway.
-        next.reserve(self.entries.len());
-        let taken = std::mem::replace(&mut self.lists[list], next);
-        for &index in &taken {
-            if let Some(entry) = self.entries.get_mut(index as usize) {
-                entry.listed[list] = false;
-            }
-        }
-        taken
+    pub(crate) fn listed_len(&self, list: usize) -> usize {
+        self.lists[list].len()
     }
 
-    /// Takes back what [`take`](Self::take)`(list)` handed out.
+    /// The entry at position `at` of `list`, unlisted: it can be listed
+    /// again while the walk goes on, at the end, past the walk. `None`
+    /// past the end.
     #[inline]
-    pub(crate) fn give_back(&mut self, list: usize, mut taken: Vec<u32>) {
-        taken.clear();
-        if taken.capacity() > self.spares[list].capacity() {
-            self.spares[list] = taken;
+    pub(crate) fn unlist_at(&mut self, list: usize, at: usize) -> Option<u32> {
+        let index = *self.lists[list].get(at)?;
+        if let Some(entry) = self.entries.get_mut(index as usize) {
+            entry.listed[list] = false;
+        }
+        Some(index)
+    }
+
+    /// Drops the first `walked` positions of `list`, unlisted by
+    /// [`unlist_at`](Self::unlist_at), and keeps what was listed since.
+    #[inline]
+    pub(crate) fn drop_walked(&mut self, list: usize, walked: usize) {
+        let listed = &mut self.lists[list];
+        if walked >= listed.len() {
+            listed.clear();
+        } else {
+            listed.drain(..walked);
         }
     }
 
@@ -205,10 +210,12 @@ impl<T> Slab<T> {
             Some(_) => self.entries[key.index as usize].value = Some(value),
             None => {
                 if self.tracking {
-                    // Room to list every entry, in every list and its
-                    // spare: the data path never grows them.
-                    let wanted = self.entries.len() + 1;
-                    for list in self.lists.iter_mut().chain(self.spares.iter_mut()) {
+                    // Room to list every entry twice in every list, so
+                    // the data path never grows them: during a walk, the
+                    // positions walked stay until its end, and each entry
+                    // may be listed once more behind them.
+                    let wanted = 2 * (self.entries.len() + 1);
+                    for list in self.lists.iter_mut() {
                         list.reserve(wanted - list.len());
                     }
                 }
@@ -351,6 +358,14 @@ impl<T> Slab<T> {
 mod tests {
     use super::*;
 
+    /// Walks `list` whole: its entries, unlisted.
+    fn walk(slab: &mut Slab<i32>, list: usize) -> Vec<u32> {
+        let len = slab.listed_len(list);
+        let walked = (0..len).filter_map(|at| slab.unlist_at(list, at)).collect();
+        slab.drop_walked(list, len);
+        walked
+    }
+
     #[test]
     fn removed_entries_are_reused_and_stale_keys_miss() {
         let mut slab = Slab::new(2, 1);
@@ -403,34 +418,30 @@ mod tests {
         let keys: Vec<Key> = (0..4).map(|v| slab.insert(v).unwrap()).collect();
         let capacity = slab.lists[TOUCHED].capacity();
         assert!(capacity >= 4, "room for every entry was reserved at insert");
-        let list = slab.take(TOUCHED);
+        let list = walk(&mut slab, TOUCHED);
         assert_eq!(list, vec![0, 1, 2, 3], "newcomers are listed");
-        slab.give_back(TOUCHED, list);
         let _ = slab.get(keys[0]);
         assert!(!slab.has_touched(), "reading is not touching");
         *slab.get_mut(keys[2]).unwrap() += 10;
         *slab.get_mut(keys[2]).unwrap() += 10;
         slab.get_by_index_mut(1);
         slab.get_by_index_quiet(3);
-        let list = slab.take(TOUCHED);
+        let list = walk(&mut slab, TOUCHED);
         assert_eq!(
             list,
             vec![2, 1],
             "each once, in the order first touched; quiet access unlisted"
         );
         assert!(!slab.has_touched());
-        slab.give_back(TOUCHED, list);
         slab.get_mut(keys[2]);
-        let list = slab.take(TOUCHED);
+        let list = walk(&mut slab, TOUCHED);
         assert_eq!(list, vec![2], "listed again after being taken");
-        slab.give_back(TOUCHED, list);
         for _ in 0..10 {
             for index in 0..4 {
                 slab.touch(index);
             }
-            let list = slab.take(TOUCHED);
+            let list = walk(&mut slab, TOUCHED);
             assert_eq!(list.len(), 4);
-            slab.give_back(TOUCHED, list);
         }
         assert_eq!(
             slab.lists[TOUCHED].capacity(),
@@ -449,21 +460,48 @@ mod tests {
     }
 
     #[test]
+    fn what_a_walk_lists_again_waits_for_the_next_walk() {
+        let mut slab = Slab::new(8, 1).tracking();
+        for v in 0..3 {
+            slab.insert(v).unwrap();
+        }
+        let len = slab.listed_len(TOUCHED);
+        assert_eq!(len, 3);
+        let mut walked = Vec::new();
+        for at in 0..len {
+            let index = slab.unlist_at(TOUCHED, at).unwrap();
+            walked.push(index);
+            // The walked entry comes back, and one further on is touched
+            // before the walk gets there (already listed: no second entry).
+            slab.touch(index);
+            slab.touch(2);
+        }
+        assert_eq!(slab.listed_len(TOUCHED), 6, "3 walked, 3 listed again");
+        assert_eq!(slab.unlist_at(TOUCHED, 6), None, "past the end");
+        slab.drop_walked(TOUCHED, len);
+        assert_eq!(walked, vec![0, 1, 2]);
+        assert_eq!(
+            walk(&mut slab, TOUCHED),
+            vec![0, 1, 2],
+            "each once, for later"
+        );
+        assert!(!slab.has_touched());
+    }
+
+    #[test]
     fn parked_entries_come_back_once_each() {
         let mut slab = Slab::new(8, 1).tracking();
         for v in 0..3 {
             slab.insert(v).unwrap();
         }
-        let touched = slab.take(TOUCHED);
-        slab.give_back(TOUCHED, touched);
+        let touched = walk(&mut slab, TOUCHED);
         slab.park(2);
         slab.park(0);
         slab.park(2);
         assert!(!slab.has_touched(), "parking is not touching");
-        let parked = slab.take(PARKED);
+        let parked = walk(&mut slab, PARKED);
         assert_eq!(parked, vec![2, 0]);
-        slab.give_back(PARKED, parked);
-        assert!(slab.take(PARKED).is_empty(), "taken means unlisted");
+        assert!(walk(&mut slab, PARKED).is_empty(), "taken means unlisted");
     }
 
     #[test]
