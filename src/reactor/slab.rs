@@ -494,7 +494,7 @@ mod tests {
         for v in 0..3 {
             slab.insert(v).unwrap();
         }
-        let touched = walk(&mut slab, TOUCHED);
+        walk(&mut slab, TOUCHED);
         slab.park(2);
         slab.park(0);
         slab.park(2);
