@@ -40,7 +40,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // touched, not all of them.
         // Walked in place: what the walk lists again (work left for the
         // next pass) goes to the end and stays listed.
-        let touched = self.conns.listed_len(TOUCHED);
+        let touched = self.conns.begin_walk(TOUCHED);
         let idle_work = tidy || signal_tails;
         let mut left = Left::default();
         for at in 0..touched {
@@ -49,19 +49,19 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             };
             self.flush_index(index, tidy, signal_tails, &mut left);
         }
-        self.conns.drop_walked(TOUCHED, touched);
+        self.conns.end_walk(TOUCHED);
         if idle_work {
             // The connections a flush left with receives below a batch or
             // an unsignaled tail: parked by `flush_index`, so idle-time
             // work visits them, not every connection.
-            let parked = self.conns.listed_len(PARKED);
+            let parked = self.conns.begin_walk(PARKED);
             for at in 0..parked {
                 let Some(index) = self.conns.unlist_at(PARKED, at) else {
                     break;
                 };
                 self.flush_index(index, tidy, signal_tails, &mut left);
             }
-            self.conns.drop_walked(PARKED, parked);
+            self.conns.end_walk(PARKED);
         }
         if let Some(pool) = &mut self.srq {
             for slot in self.deferred.srq_returns.drain(..) {
@@ -117,7 +117,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             return;
         }
-        let (unsettled, reposts, tail) = conn.leftovers();
+        // Still open: a successful flush closes nothing.
+        let (unsettled, reposts, tail) = conn.open_leftovers();
         self.note_left(index, left, unsettled, reposts, tail);
     }
 

@@ -233,6 +233,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 }
             };
             let Some(conn) = self.conns.get_mut(key) else {
+                // The owner table names no live connection (never: a
+                // connection leaves it as it goes): the slot goes back.
+                if let Some(pool) = self.srq.as_mut() {
+                    if let Err(err) = pool.give_back(slot) {
+                        log::error!("reposting an SRQ receive: {err}");
+                    }
+                    self.unsettled = true;
+                }
                 return;
             };
             (key, WrKind::Recv { slot }, conn)

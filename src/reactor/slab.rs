@@ -36,6 +36,11 @@ pub(crate) struct Slab<T> {
     /// walked, each once. Capacities follow the entries (reserved when an
     /// entry is added), so listing never allocates.
     lists: [Vec<u32>; LISTS],
+    /// By list: positions the current walk has passed (unlisted), which
+    /// `end_walk` drops. Kept here, not by the walker, so a walk cut short
+    /// (a handler's panic caught around `poll_once`) is finished by the
+    /// next `begin_walk` rather than leaving stale positions behind.
+    walked: [usize; LISTS],
 }
 
 const LISTS: usize = 2;
@@ -58,6 +63,7 @@ impl<T> Slab<T> {
             owner,
             tracking: false,
             lists: [Vec::new(), Vec::new()],
+            walked: [0; LISTS],
         }
     }
 
@@ -113,12 +119,16 @@ impl<T> Slab<T> {
         !self.lists[TOUCHED].is_empty()
     }
 
-    /// How many entries `list` holds, each once, in the order first
-    /// listed. A walk over them ([`unlist_at`](Self::unlist_at) for each
-    /// position below this, then [`drop_walked`](Self::drop_walked)) moves
-    /// nothing and allocates nothing.
+    /// Starts a walk over `list`: returns how many entries it holds, each
+    /// once, in the order first listed. Call [`unlist_at`](Self::unlist_at)
+    /// for each position below that, then [`end_walk`](Self::end_walk): the
+    /// walk moves nothing and allocates nothing. (Finishes first a walk
+    /// that was cut short.)
     #[inline]
-    pub(crate) fn listed_len(&self, list: usize) -> usize {
+    pub(crate) fn begin_walk(&mut self, list: usize) -> usize {
+        if self.walked[list] != 0 {
+            self.end_walk(list);
+        }
         self.lists[list].len()
     }
 
@@ -128,16 +138,18 @@ impl<T> Slab<T> {
     #[inline]
     pub(crate) fn unlist_at(&mut self, list: usize, at: usize) -> Option<u32> {
         let index = *self.lists[list].get(at)?;
+        self.walked[list] = at + 1;
         if let Some(entry) = self.entries.get_mut(index as usize) {
             entry.listed[list] = false;
         }
         Some(index)
     }
 
-    /// Drops the first `walked` positions of `list`, unlisted by
-    /// [`unlist_at`](Self::unlist_at), and keeps what was listed since.
+    /// Ends a walk of `list`: drops the positions it passed and keeps what
+    /// was listed since.
     #[inline]
-    pub(crate) fn drop_walked(&mut self, list: usize, walked: usize) {
+    pub(crate) fn end_walk(&mut self, list: usize) {
+        let walked = std::mem::take(&mut self.walked[list]);
         let listed = &mut self.lists[list];
         if walked >= listed.len() {
             listed.clear();
@@ -216,7 +228,7 @@ impl<T> Slab<T> {
                     // may be listed once more behind them.
                     let wanted = 2 * (self.entries.len() + 1);
                     for list in self.lists.iter_mut() {
-                        list.reserve(wanted - list.len());
+                        list.reserve(wanted.saturating_sub(list.len()));
                     }
                 }
                 self.entries.push(Entry {
@@ -360,9 +372,9 @@ mod tests {
 
     /// Walks `list` whole: its entries, unlisted.
     fn walk(slab: &mut Slab<i32>, list: usize) -> Vec<u32> {
-        let len = slab.listed_len(list);
+        let len = slab.begin_walk(list);
         let walked = (0..len).filter_map(|at| slab.unlist_at(list, at)).collect();
-        slab.drop_walked(list, len);
+        slab.end_walk(list);
         walked
     }
 
@@ -465,7 +477,7 @@ mod tests {
         for v in 0..3 {
             slab.insert(v).unwrap();
         }
-        let len = slab.listed_len(TOUCHED);
+        let len = slab.begin_walk(TOUCHED);
         assert_eq!(len, 3);
         let mut walked = Vec::new();
         for at in 0..len {
@@ -476,9 +488,9 @@ mod tests {
             slab.touch(index);
             slab.touch(2);
         }
-        assert_eq!(slab.listed_len(TOUCHED), 6, "3 walked, 3 listed again");
+        assert_eq!(slab.lists[TOUCHED].len(), 6, "3 walked, 3 listed again");
         assert_eq!(slab.unlist_at(TOUCHED, 6), None, "past the end");
-        slab.drop_walked(TOUCHED, len);
+        slab.end_walk(TOUCHED);
         assert_eq!(walked, vec![0, 1, 2]);
         assert_eq!(
             walk(&mut slab, TOUCHED),
@@ -486,6 +498,29 @@ mod tests {
             "each once, for later"
         );
         assert!(!slab.has_touched());
+    }
+
+    #[test]
+    fn a_walk_cut_short_is_finished_by_the_next() {
+        let mut slab = Slab::new(8, 1).tracking();
+        for v in 0..4 {
+            slab.insert(v).unwrap();
+        }
+        let capacity = slab.lists[TOUCHED].capacity();
+        // Again and again: two positions walked, then the walk stops
+        // without `end_walk` (a panic in the middle), and everything is
+        // touched again.
+        for _ in 0..10 {
+            let len = slab.begin_walk(TOUCHED);
+            assert_eq!(len, 4, "each entry once, the cut walk's positions gone");
+            slab.unlist_at(TOUCHED, 0);
+            slab.unlist_at(TOUCHED, 1);
+            for index in 0..4 {
+                slab.touch(index);
+            }
+        }
+        assert_eq!(walk(&mut slab, TOUCHED).len(), 4);
+        assert_eq!(slab.lists[TOUCHED].capacity(), capacity, "never grew");
     }
 
     #[test]

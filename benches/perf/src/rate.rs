@@ -95,8 +95,13 @@ impl RateSender {
                 && sender.posted - sender.completed < tx_depth
         };
         // One lookup of the connection for the whole batch.
-        let Ok(mut staging) = ctx.staging(conn) else {
-            return;
+        let mut staging = match ctx.staging(conn) {
+            Ok(staging) => staging,
+            Err(err) => {
+                self.failed = Some(err.to_string());
+                ctx.stop();
+                return;
+            }
         };
         if !has_room(self, staging.staged()) {
             return;

@@ -191,8 +191,19 @@ impl Conn {
         if self.is_closed() {
             self.owes_shared_slots()
         } else {
-            self.reposts_due() || !self.is_quiet()
+            self.open_leftovers().0
         }
+    }
+
+    /// As [`leftovers`](Self::leftovers), for a connection the caller knows
+    /// is open (the flush, right after its doorbell).
+    #[inline]
+    pub(crate) fn open_leftovers(&self) -> (bool, bool, bool) {
+        (
+            self.reposts_due() || !self.is_quiet(),
+            self.has_pending_reposts(),
+            self.has_unsignaled_tail(),
+        )
     }
 
     /// Before the doorbell: notes that the staged SENDs announce our receive

@@ -59,6 +59,9 @@ pub(crate) enum Keep {
     Own,
 }
 
+// Two words: the size the send-queue ring was shrunk to.
+const _: () = assert!(std::mem::size_of::<SqOp>() == 16);
+
 impl SqOp {
     pub(super) fn of(kind: OpKind) -> Self {
         Self {
