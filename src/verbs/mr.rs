@@ -404,6 +404,7 @@ impl Registration {
     }
 
     /// A bounds-checked local descriptor for `len` bytes at `offset`.
+    #[inline]
     pub fn slice(&self, offset: usize, len: usize) -> Result<LocalSlice<'_>> {
         check_range(
             "local slice",
@@ -473,6 +474,7 @@ impl MemoryRegion {
     }
 
     /// A bounds-checked local descriptor for `len` bytes at `offset`.
+    #[inline]
     pub fn slice(&self, offset: usize, len: usize) -> Result<LocalSlice<'_>> {
         self.registration.slice(offset, len)
     }
@@ -567,6 +569,7 @@ impl MemoryRegion {
     }
 }
 
+#[inline]
 fn check_range(what: &'static str, offset: u64, len: u64, size: u64) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
@@ -650,6 +653,7 @@ impl RemoteRegion {
     }
 
     /// A bounds-checked target of `len` bytes at `offset`.
+    #[inline]
     pub fn slice(&self, offset: u64, len: u64) -> Result<RemoteSlice> {
         check_range("remote slice", offset, len, self.len)?;
         let len = u32::try_from(len)
