@@ -38,30 +38,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // (the slab lists every mutable access): a pass on a reactor of a
         // thousand connections flushes the few its completions and handlers
         // touched, not all of them.
-        // Walked in place: what the walk lists again (work left for the
-        // next pass) goes to the end and stays listed.
-        let touched = self.conns.begin_walk(TOUCHED);
         let idle_work = tidy || signal_tails;
         let mut left = Left::default();
-        for at in 0..touched {
-            let Some(index) = self.conns.unlist_at(TOUCHED, at) else {
-                break;
-            };
-            self.flush_index(index, tidy, signal_tails, &mut left);
-        }
-        self.conns.end_walk(TOUCHED);
+        self.flush_list(TOUCHED, tidy, signal_tails, &mut left);
         if idle_work {
             // The connections a flush left with receives below a batch or
             // an unsignaled tail: parked by `flush_index`, so idle-time
             // work visits them, not every connection.
-            let parked = self.conns.begin_walk(PARKED);
-            for at in 0..parked {
-                let Some(index) = self.conns.unlist_at(PARKED, at) else {
-                    break;
-                };
-                self.flush_index(index, tidy, signal_tails, &mut left);
-            }
-            self.conns.end_walk(PARKED);
+            self.flush_list(PARKED, tidy, signal_tails, &mut left);
         }
         if let Some(pool) = &mut self.srq {
             for slot in self.deferred.srq_returns.drain(..) {
@@ -86,6 +70,21 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.reposts_left |= left.reposts;
             self.tails_left |= left.tails;
         }
+    }
+
+    /// Flushes every connection on slab list `list`, walked in place: what
+    /// the walk lists again (work left for the next pass) goes to the end
+    /// and stays listed.
+    #[inline(always)]
+    fn flush_list(&mut self, list: usize, tidy: bool, signal_tails: bool, left: &mut Left) {
+        let listed = self.conns.begin_walk(list);
+        for at in 0..listed {
+            let Some(index) = self.conns.unlist_at(list, at) else {
+                break;
+            };
+            self.flush_index(index, tidy, signal_tails, left);
+        }
+        self.conns.end_walk(list);
     }
 
     /// Flushes the connection at slab `index` if it has work, and notes

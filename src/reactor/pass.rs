@@ -246,11 +246,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             };
             let Some(conn) = self.conns.get_mut(key) else {
                 // The owner table names no live connection (never: a
-                // connection leaves it as it goes): the slot goes back.
+                // connection leaves it as it goes): the slot goes back as
+                // for a QP the reactor does not serve.
                 if let Some(pool) = self.srq.as_mut() {
-                    if let Err(err) = pool.give_back(slot) {
-                        log::error!("reposting an SRQ receive: {err}");
-                    }
+                    pool.reclaim(slot);
                     self.unsettled = true;
                 }
                 return;

@@ -101,15 +101,8 @@ impl<T> Slab<T> {
 
     #[inline]
     fn mark(&mut self, list: usize, index: u32) {
-        if let Some(entry) = self.entries.get_mut(index as usize)
-            && !entry.listed[list]
-        {
-            entry.listed[list] = true;
-            // Never beyond capacity: each entry is listed at most once
-            // beyond the positions a walk has passed, and `insert` reserved
-            // room for every entry twice.
-            debug_assert!(self.lists[list].len() < self.lists[list].capacity());
-            self.lists[list].push(index);
+        if let Some(entry) = self.entries.get_mut(index as usize) {
+            list_entry(&mut self.lists[list], &mut entry.listed[list], index);
         }
     }
 
@@ -272,10 +265,12 @@ impl<T> Slab<T> {
         if key.owner != owner || entry.generation != key.generation {
             return None;
         }
-        if self.tracking && !entry.listed[TOUCHED] {
-            entry.listed[TOUCHED] = true;
-            debug_assert!(self.lists[TOUCHED].len() < self.lists[TOUCHED].capacity());
-            self.lists[TOUCHED].push(key.index);
+        if self.tracking {
+            list_entry(
+                &mut self.lists[TOUCHED],
+                &mut entry.listed[TOUCHED],
+                key.index,
+            );
         }
         entry.value.as_mut()
     }
@@ -299,10 +294,8 @@ impl<T> Slab<T> {
         if !accept(key, value) {
             return None;
         }
-        if self.tracking && !entry.listed[TOUCHED] {
-            entry.listed[TOUCHED] = true;
-            debug_assert!(self.lists[TOUCHED].len() < self.lists[TOUCHED].capacity());
-            self.lists[TOUCHED].push(index);
+        if self.tracking {
+            list_entry(&mut self.lists[TOUCHED], &mut entry.listed[TOUCHED], index);
         }
         Some((key, value))
     }
@@ -363,6 +356,21 @@ impl<T> Slab<T> {
                 };
                 entry.value.as_mut().map(|value| (key, value))
             })
+    }
+}
+
+/// Lists entry `index` in `list` unless its mark says it is there already.
+/// On the fields, not the slab, so a caller holding the entry lists it
+/// without looking it up again.
+#[inline(always)]
+fn list_entry(list: &mut Vec<u32>, listed: &mut bool, index: u32) {
+    if !*listed {
+        *listed = true;
+        // Never beyond capacity: each entry is listed at most once beyond
+        // the positions a walk has passed, and `insert` reserved room for
+        // every entry twice.
+        debug_assert!(list.len() < list.capacity());
+        list.push(index);
     }
 }
 
