@@ -165,9 +165,7 @@ fn both_ends_on_two_threads_deliver_everything() {
     let mut cqb = ctx.create_cq(1024, None).unwrap();
     let mut a = pd.create_qp(&cqa, &cqa, &QpConfig::default()).unwrap();
     let mut b = pd.create_qp(&cqb, &cqb, &QpConfig::default()).unwrap();
-    let (ea, eb) = (a.endpoint(), b.endpoint());
-    a.connect(&eb).unwrap();
-    b.connect(&ea).unwrap();
+    link(&mut a, &mut b);
     let ring = pd.alloc_mr(64 * 8, AccessFlags::LOCAL_WRITE).unwrap();
     let receiver = std::thread::spawn(move || {
         let post = |b: &mut QueuePair, slot: u64| {

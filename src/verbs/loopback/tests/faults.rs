@@ -119,10 +119,7 @@ fn a_send_longer_than_the_receive_fails_both_sides() {
 fn the_error_state_flushes_receives_and_stalled_sends_in_order() {
     let (pd, mut cq, mut a, mut b) = pair(16, AccessFlags::empty());
     let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    for id in 60..63 {
-        a.post_recv(RecvRequest::new(id, mr.slice(0, 8).unwrap()).unwrap())
-            .unwrap();
-    }
+    post_recvs(&mut a, &mr, 60..63);
     // Two sends stall at b (no receive there).
     a.post_send(WorkRequest::send_inline(1, b"a")).unwrap();
     a.post_send(WorkRequest::send_inline(2, b"b")).unwrap();
@@ -215,10 +212,7 @@ fn a_peer_going_to_error_fails_sends_stalled_on_it() {
 fn a_full_cq_fails_the_qp_and_then_reports_the_overflow() {
     let (pd, mut cq, mut a, mut b) = pair(2, AccessFlags::empty());
     let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    for id in 70..72 {
-        b.post_recv(RecvRequest::new(id, mr.slice(0, 8).unwrap()).unwrap())
-            .unwrap();
-    }
+    post_recvs(&mut b, &mr, 70..72);
     // Receive + send completion fill the CQ; the next receive completion
     // does not fit.
     a.post_send(WorkRequest::send_inline(1, b"a").signaled())
@@ -252,10 +246,7 @@ fn queues_refuse_more_than_their_depth() {
     };
     let mut qp = pd.create_qp(&cq, &cq, &config).unwrap();
     let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    for id in 0..2 {
-        qp.post_recv(RecvRequest::new(id, mr.slice(0, 8).unwrap()).unwrap())
-            .unwrap();
-    }
+    post_recvs(&mut qp, &mr, 0..2);
     let err = qp
         .post_recv(RecvRequest::new(2, mr.slice(0, 8).unwrap()).unwrap())
         .unwrap_err();

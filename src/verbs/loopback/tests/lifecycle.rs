@@ -43,9 +43,7 @@ fn qps_of_different_loopback_contexts_connect() {
     let mut cq2 = ctx2.create_cq(8, None).unwrap();
     let mut a = pd1.create_qp(&cq1, &cq1, &QpConfig::default()).unwrap();
     let mut b = pd2.create_qp(&cq2, &cq2, &QpConfig::default()).unwrap();
-    let (ea, eb) = (a.endpoint(), b.endpoint());
-    a.connect(&eb).unwrap();
-    b.connect(&ea).unwrap();
+    link(&mut a, &mut b);
     let mr2 = pd2.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     b.post_recv(RecvRequest::new(1, mr2.slice(0, 8).unwrap()).unwrap())
         .unwrap();

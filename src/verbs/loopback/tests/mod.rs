@@ -72,8 +72,21 @@ fn connected(
     };
     let mut a = pd.create_qp(cq, cq, &config).unwrap();
     let mut b = pd.create_qp(cq, cq, &config).unwrap();
+    link(&mut a, &mut b);
+    (a, b)
+}
+
+/// Connects `a` and `b` to each other.
+fn link(a: &mut QueuePair, b: &mut QueuePair) {
     let (ea, eb) = (a.endpoint(), b.endpoint());
     a.connect(&eb).unwrap();
     b.connect(&ea).unwrap();
-    (a, b)
+}
+
+/// Posts on `qp` a receive into the first 8 bytes of `mr` for each of `ids`.
+fn post_recvs(qp: &mut QueuePair, mr: &MemoryRegion, ids: std::ops::Range<u64>) {
+    for id in ids {
+        qp.post_recv(RecvRequest::new(id, mr.slice(0, 8).unwrap()).unwrap())
+            .unwrap();
+    }
 }
