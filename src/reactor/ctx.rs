@@ -103,6 +103,11 @@ impl HeldRecv {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// The receive slot it holds (tests of who gets a slot back when).
+    #[cfg(test)]
+    pub(crate) fn slot(&self) -> u32 {
+        self.slot
+    }
 }
 
 impl fmt::Debug for Ctx<'_> {

@@ -78,6 +78,8 @@ pub mod placement;
 mod slab;
 mod source;
 mod srq_pool;
+#[cfg(test)]
+mod tests;
 mod wait;
 
 use std::fmt;

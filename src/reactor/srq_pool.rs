@@ -200,6 +200,12 @@ impl SrqPool {
     /// Puts `slot` in the batch with a fresh tag (the batch has room).
     #[inline]
     fn queue(&mut self, slot: u32) {
+        // A slot still posted, queued again, would be posted twice: two
+        // receives landing in one buffer.
+        debug_assert_eq!(
+            self.posted_ids[slot as usize], 0,
+            "SRQ slot {slot} given back while posted"
+        );
         self.posts = self.posts.wrapping_add(1);
         // Never 0, which marks a slot that is not posted.
         let tag = self.tag_key.hash_one((slot, self.posts)) | 1;

@@ -32,6 +32,8 @@ pub use device::{
     Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState, devices,
 };
 pub(crate) use list::{SendDescriptor, SendList, SendOpcode, Sge};
+#[cfg(test)]
+pub(crate) use loopback::refuse_sends_after;
 pub use mr::{AccessFlags, LocalSlice, MemoryRegion, Registration, RemoteRegion, RemoteSlice};
 pub use mw::{BIND_WR_ID, BoundWindow, MemoryWindow};
 pub use pd::ProtectionDomain;

@@ -350,6 +350,19 @@ impl Conn {
     }
 }
 
+#[cfg(test)]
+impl Conn {
+    /// Receive slots consumed and queued for reposting.
+    pub(crate) fn pending_slots(&self) -> &[u32] {
+        &self.pending_reposts[..self.pending_len]
+    }
+
+    /// Receives posted on the QP and not yet consumed.
+    pub(crate) fn receives_outstanding(&self) -> u32 {
+        self.posted.wrapping_sub(self.received)
+    }
+}
+
 /// The fewest send-queue entries a connection works with.
 pub(crate) const MIN_SQ_DEPTH: u32 = 4;
 

@@ -83,6 +83,8 @@ pub(crate) use pd_mr::{alloc_pd, dealloc_pd, dereg_mr, reg_mr};
 pub(crate) use qp::{create_qp, destroy_qp, modify_qp, query_qp_state};
 use qp::{post_recv, post_send};
 #[cfg(test)]
+pub(crate) use registry::refuse_sends_after;
+#[cfg(test)]
 use registry::{is_mr_registered, is_qp_registered};
 
 /// The device name every loopback context reports.

@@ -73,3 +73,23 @@ pub(super) fn is_qp_registered(qpn: u32) -> bool {
 pub(super) fn is_mr_registered(key: u32) -> bool {
     read_mrs().contains_key(&key)
 }
+
+/// Test-only fault: by QP number, how many requests the next
+/// `ibv_post_send` on that QP accepts before it refuses the rest of its
+/// list with `ENOMEM`, as a provider whose queue filled up mid-list does.
+#[cfg(test)]
+static SEND_POST_LIMITS: LazyLock<Mutex<KeyMap<usize>>> = LazyLock::new(Default::default);
+
+/// Makes the next post of a send list on QP `qpn` accept only its first
+/// `accepted` requests (tests of a partial post).
+#[cfg(test)]
+pub(crate) fn refuse_sends_after(qpn: u32, accepted: usize) {
+    lock(&SEND_POST_LIMITS).insert(qpn, accepted);
+}
+
+/// The limit `refuse_sends_after` set for this post on `qpn`, if any
+/// (taken: it holds for one post).
+#[cfg(test)]
+pub(super) fn take_send_limit(qpn: u32) -> Option<usize> {
+    lock(&SEND_POST_LIMITS).remove(&qpn)
+}
