@@ -682,19 +682,8 @@ impl LbQp {
                 unsafe { *bad = head };
                 break 'post libc::EINVAL;
             }
-            #[cfg(test)]
-            let (limit, mut accepted) = (super::registry::take_send_limit(self.qpn), 0);
             let mut cur = head;
             while !cur.is_null() {
-                #[cfg(test)]
-                {
-                    if limit.is_some_and(|limit| accepted >= limit) {
-                        // SAFETY: `bad` is writable.
-                        unsafe { *bad = cur };
-                        break 'post libc::ENOMEM;
-                    }
-                    accepted += 1;
-                }
                 // SAFETY: a valid request of the caller's list.
                 let wr = unsafe { &*cur };
                 // SAFETY: the caller vouches for its SGE list.
