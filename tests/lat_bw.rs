@@ -76,6 +76,18 @@ fn run_on(
     size: usize,
     iters: usize,
 ) -> Vec<f64> {
+    run_for_output(listen, extra, op, test, size, iters).0
+}
+
+/// As [`run_on`], also returning the client's whole output.
+fn run_for_output(
+    listen: &str,
+    extra: &[&str],
+    op: &str,
+    test: &str,
+    size: usize,
+    iters: usize,
+) -> (Vec<f64>, String) {
     let started = Instant::now();
     let (size, iters) = (size.to_string(), iters.to_string());
     let mut common = vec!["--op", op, "--test", test, "-s", &size, "-n", &iters];
@@ -102,7 +114,7 @@ fn run_on(
     let row = data_row(&stdout);
     assert_eq!(row[0] as usize, size.parse::<usize>().unwrap(), "{stdout}");
     assert_eq!(row[1] as usize, iters.parse::<usize>().unwrap(), "{stdout}");
-    row
+    (row, stdout.into_owned())
 }
 
 fn latency(op: &str) {
@@ -119,6 +131,27 @@ fn bandwidth(op: &str) {
     assert_eq!(row.len(), 5, "{row:?}");
     let (peak, average, rate) = (row[2], row[3], row[4]);
     assert!(peak > 0.0 && average > 0.0 && rate > 0.0, "{row:?}");
+}
+
+verbs_test! {
+    /// From 1 MiB a bandwidth client sleeps between completions (it has
+    /// nothing else to do, and does not spin on a core a software device's
+    /// work needs): every kind of request still moves every message.
+    fn a_bandwidth_client_of_large_messages_sleeps_and_moves_them_all() {
+        for op in ["read", "write", "send"] {
+            let listen = format!("127.0.0.1:{}", free_port());
+            let (row, stdout) = run_for_output(&listen, &[], op, "bw", 1 << 20, 24);
+            assert!(stdout.contains("Event mode: Blocking"), "{op}: {stdout}");
+            let (average, rate) = (row[3], row[4]);
+            assert!(average > 0.0 && rate > 0.0, "{op}: {row:?}");
+        }
+        // Below that size, or when asked, it polls.
+        for (extra, size) in [(&[][..], 512 << 10), (&["--event-mode", "busy"][..], 1 << 20)] {
+            let listen = format!("127.0.0.1:{}", free_port());
+            let (_, stdout) = run_for_output(&listen, extra, "read", "bw", size, 8);
+            assert!(stdout.contains("Event mode: Busy"), "{size} B {extra:?}: {stdout}");
+        }
+    }
 }
 
 verbs_test! {
