@@ -1,6 +1,7 @@
-//! `examples/lat_bw` end to end, server and client as separate processes:
-//! every operation in latency and bandwidth mode finishes on both sides and
-//! prints a perftest-format data row with sane figures.
+//! `examples/lat_bw` (and `examples/verbs_perf`, the same tests on the verbs
+//! layer alone) end to end, server and client as separate processes: every
+//! operation in latency and bandwidth mode finishes on both sides and prints
+//! a perftest-format data row with sane figures.
 //! Gated as described in `tests/util/mod.rs`: runs in the Soft-RoCE guest.
 
 mod util;
@@ -14,13 +15,17 @@ use util::*;
 /// Debug builds of both sides share two emulated cores.
 const DEADLINE: Duration = Duration::from_secs(120);
 
-fn lat_bw(args: &[&str]) -> Child {
-    Command::new(example_binary("lat_bw"))
+fn spawn(example: &str, args: &[&str]) -> Child {
+    Command::new(example_binary(example))
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawn lat_bw")
+        .unwrap_or_else(|err| panic!("spawn {example}: {err}"))
+}
+
+fn lat_bw(args: &[&str]) -> Child {
+    spawn("lat_bw", args)
 }
 
 /// Waits for `child` until the deadline (then kills it and fails).
@@ -55,15 +60,28 @@ fn data_row(stdout: &str) -> Vec<f64> {
         .collect()
 }
 
-/// Runs one server/client pair; returns the client's data row.
-fn run(op: &str, test: &str, size: usize, iters: usize) -> Vec<f64> {
+/// Runs one server/client pair of `example`; returns the client's data row.
+fn run(example: &str, op: &str, test: &str, size: usize, iters: usize) -> Vec<f64> {
     let listen = format!("127.0.0.1:{}", free_port());
-    run_on(&listen, &[], op, test, size, iters).0
+    run_example(example, &listen, &[], op, test, size, iters).0
 }
 
-/// Runs one server/client pair on `listen` with `extra` flags on both;
-/// returns the client's data row and its whole output.
+/// Runs one lat_bw server/client pair on `listen` with `extra` flags on
+/// both; returns the client's data row and its whole output.
 fn run_on(
+    listen: &str,
+    extra: &[&str],
+    op: &str,
+    test: &str,
+    size: usize,
+    iters: usize,
+) -> (Vec<f64>, String) {
+    run_example("lat_bw", listen, extra, op, test, size, iters)
+}
+
+/// As [`run_on`], for `example`.
+fn run_example(
+    example: &str,
     listen: &str,
     extra: &[&str],
     op: &str,
@@ -77,10 +95,10 @@ fn run_on(
     common.extend(extra);
     let mut server_args = vec!["--server", "--listen", listen];
     server_args.extend(&common);
-    let server = lat_bw(&server_args);
+    let server = spawn(example, &server_args);
     let mut client_args = vec!["--connect", listen];
     client_args.extend(&common);
-    let client = lat_bw(&client_args);
+    let client = spawn(example, &client_args);
     let client = finish(client, "the client", started);
     let server = finish(server, "the server", started);
     let stdout = String::from_utf8_lossy(&client.stdout);
@@ -100,17 +118,17 @@ fn run_on(
     (row, stdout.into_owned())
 }
 
-fn latency(op: &str) {
+fn latency(example: &str, op: &str) {
     // #bytes #iterations t_min t_max t_typical t_avg t_stdev p99 p99.9
-    let row = run(op, "lat", 8, 300);
+    let row = run(example, op, "lat", 8, 300);
     assert_eq!(row.len(), 9, "{row:?}");
     let (min, max, typical) = (row[2], row[3], row[4]);
     assert!(min > 0.0 && min <= typical && typical <= max, "{row:?}");
 }
 
-fn bandwidth(op: &str) {
+fn bandwidth(example: &str, op: &str) {
     // #bytes #iterations BW_peak BW_average MsgRate
-    let row = run(op, "bw", 64, 3000);
+    let row = run(example, op, "bw", 64, 3000);
     assert_eq!(row.len(), 5, "{row:?}");
     let (peak, average, rate) = (row[2], row[3], row[4]);
     assert!(peak > 0.0 && average > 0.0 && rate > 0.0, "{row:?}");
@@ -139,29 +157,29 @@ verbs_test! {
 
 verbs_test! {
     fn send_latency_and_bandwidth() {
-        latency("send");
-        bandwidth("send");
+        latency("lat_bw", "send");
+        bandwidth("lat_bw", "send");
     }
 }
 
 verbs_test! {
     fn write_latency_and_bandwidth() {
-        latency("write");
-        bandwidth("write");
+        latency("lat_bw", "write");
+        bandwidth("lat_bw", "write");
     }
 }
 
 verbs_test! {
     fn write_with_imm_latency_and_bandwidth() {
-        latency("write-imm");
-        bandwidth("write-imm");
+        latency("lat_bw", "write-imm");
+        bandwidth("lat_bw", "write-imm");
     }
 }
 
 verbs_test! {
     fn read_latency_and_bandwidth() {
-        latency("read");
-        bandwidth("read");
+        latency("lat_bw", "read");
+        bandwidth("lat_bw", "read");
     }
 }
 
@@ -204,6 +222,43 @@ verbs_test! {
             let (row, _) = run_on(&listen, &["--cm"], op, "bw", 64, 2000);
             assert!(row[3] > 0.0, "{op}: {row:?}");
             println!("{op} over rdma_cm: bandwidth row {row:?}");
+        }
+    }
+}
+
+verbs_test! {
+    /// The same tests on the verbs layer alone: every one finishes on both
+    /// sides with a sane row (READ has a latency test only).
+    fn verbs_perf_runs_every_test() {
+        for op in ["send", "write", "read"] {
+            latency("verbs_perf", op);
+        }
+        for op in ["send", "write"] {
+            bandwidth("verbs_perf", op);
+        }
+        // Messages larger than the inline limit, and a doorbell per message.
+        let listen = format!("127.0.0.1:{}", free_port());
+        let extra = ["--batch", "1", "--signal", "1"];
+        let (row, _) = run_example("verbs_perf", &listen, &extra, "send", "bw", 4096, 500);
+        assert!(row[3] > 0.0, "{row:?}");
+    }
+}
+
+verbs_test! {
+    /// Two sides asked for different tests refuse each other before any
+    /// traffic, and say why.
+    fn verbs_perf_sides_running_different_tests_refuse_each_other() {
+        let started = Instant::now();
+        let listen = format!("127.0.0.1:{}", free_port());
+        let server = spawn("verbs_perf", &["--server", "--listen", &listen, "--op", "read", "-s", "8"]);
+        let client = spawn("verbs_perf", &["--connect", &listen, "--op", "write", "-s", "8"]);
+        for (side, output) in [
+            ("client", finish(client, "the client", started)),
+            ("server", finish(server, "the server", started)),
+        ] {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(!output.status.success(), "{side} accepted another test: {stderr}");
+            assert!(stderr.contains("the peer runs another test"), "{side}: {stderr}");
         }
     }
 }
