@@ -39,6 +39,8 @@ pub use mw::{BIND_WR_ID, BoundWindow, MemoryWindow};
 pub use pd::ProtectionDomain;
 pub use qp::{QpEndpoint, QpState, QueuePair};
 pub use qp_config::QpConfig;
+#[cfg(test)]
+pub(crate) use srq::refuse_srq_recvs_after;
 pub use srq::{SharedReceiveQueue, SrqAttachment};
 pub use wr::{Batch, RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
 

@@ -36,12 +36,30 @@ unsafe impl Sync for SrqInner {}
 
 impl Drop for SrqInner {
     fn drop(&mut self) {
-        // SAFETY: created by ibv_create_srq and destroyed once, after the QPs
-        // attached to it (they hold this Arc) and before the PD (held below).
-        let rc = unsafe { sys::ibv_destroy_srq(self.srq.as_ptr()) };
+        // SAFETY: created by ibv_create_srq (or loopback::create_srq, on a
+        // loopback context) and destroyed once, after the QPs attached to it
+        // (they hold this Arc) and before the PD (held below).
+        let rc = unsafe { destroy_srq(&self.pd, self.srq) };
         if let Err(err) = check_rc(rc, "ibv_destroy_srq", &self.pd.ctx.name, None) {
             log::error!("{err}");
         }
+    }
+}
+
+/// Destroys an SRQ with the verb of its context's provider.
+///
+/// # Safety
+/// `srq` is a live SRQ created in `pd` and is destroyed once; nothing uses
+/// it afterwards.
+unsafe fn destroy_srq(pd: &PdInner, srq: NonNull<sys::ibv_srq>) -> c_int {
+    if pd.ctx.is_loopback() {
+        // SAFETY: from loopback::create_srq (the PD's context is a loopback
+        // one), destroyed once (the caller).
+        unsafe { loopback::destroy_srq(srq) };
+        0
+    } else {
+        // SAFETY: from ibv_create_srq, destroyed once (the caller).
+        unsafe { sys::ibv_destroy_srq(srq.as_ptr()) }
     }
 }
 
@@ -108,9 +126,6 @@ impl ProtectionDomain {
     /// scatter/gather entry each).
     pub fn create_srq(&self, max_wr: u32) -> Result<SharedReceiveQueue> {
         let name = &self.inner.ctx.name;
-        if self.inner.ctx.is_loopback() {
-            return Err(loopback::unsupported("ibv_create_srq", name));
-        }
         let mut init = sys::ibv_srq_init_attr {
             attr: sys::ibv_srq_attr {
                 max_wr,
@@ -119,15 +134,22 @@ impl ProtectionDomain {
             },
             ..Default::default()
         };
-        // SAFETY: the PD is live (held through self); init is fully initialised
-        // and the provider writes back the granted sizes.
-        let raw = unsafe { sys::ibv_create_srq(self.inner.pd.as_ptr(), &mut init) };
-        let srq = check_ptr(raw, "ibv_create_srq", name)?;
+        let srq = if self.inner.ctx.is_loopback() {
+            // SAFETY: a loopback PD, live (held through self); init is fully
+            // initialised and the device writes back the granted sizes.
+            unsafe { loopback::create_srq(self.inner.pd, &mut init) }
+                .map_err(|errno| crate::error::verbs_error("ibv_create_srq", errno, name, None))?
+        } else {
+            // SAFETY: the PD is live (held through self); init is fully
+            // initialised and the provider writes back the granted sizes.
+            let raw = unsafe { sys::ibv_create_srq(self.inner.pd.as_ptr(), &mut init) };
+            check_ptr(raw, "ibv_create_srq", name)?
+        };
         // SAFETY: the SRQ is live; its context's ops table never changes.
         let post = unsafe { (*(*srq.as_ptr()).context).ops.post_srq_recv };
         let Some(post_recv_fn) = post else {
             // SAFETY: live and not yet owned by an SrqInner.
-            unsafe { sys::ibv_destroy_srq(srq.as_ptr()) };
+            unsafe { destroy_srq(&self.inner, srq) };
             return Err(Error::Unsupported {
                 verb: "ibv_post_srq_recv",
                 device: Arc::clone(name),
@@ -182,4 +204,15 @@ impl SharedReceiveQueue {
     pub fn is_attached_by(&self, attachment: &SrqAttachment) -> bool {
         Arc::ptr_eq(&self.inner, &attachment.inner)
     }
+}
+
+/// Makes the next `post_recv_batch` on `srq` (of a loopback context)
+/// accept only its first `accepted` receives and refuse the rest with
+/// `ENOMEM` (tests of a partial post).
+#[cfg(test)]
+pub(crate) fn refuse_srq_recvs_after(srq: &SharedReceiveQueue, accepted: usize) {
+    // SAFETY: the SRQ is live while `srq` holds it, and its handle is
+    // written only at creation.
+    let handle = unsafe { (*srq.inner.srq.as_ptr()).handle };
+    loopback::refuse_srq_recvs_after(handle, accepted);
 }

@@ -7,13 +7,14 @@
 //!
 //! # Model
 //! - A send-queue request executes synchronously inside `ibv_post_send`:
-//!   SEND takes the peer's oldest posted receive, WRITE and READ copy
-//!   between registered memory, and completions land on both sides' CQs
-//!   before the call returns. A SEND (or WRITE_WITH_IMM) that finds no
-//!   receive posted stalls the send queue, as RNR retries with
-//!   `rnr_retry` 7 (forever) would: it and everything posted after it wait
-//!   on the sender, and the peer's next `ibv_post_recv` runs them (on the
-//!   peer's thread). `rnr_retry` below 7 is treated as 7.
+//!   SEND takes the peer's oldest posted receive (of its shared receive
+//!   queue, for a QP created on one), WRITE and READ copy between
+//!   registered memory, and completions land on both sides' CQs before the
+//!   call returns. A SEND (or WRITE_WITH_IMM) that finds no receive posted
+//!   stalls the send queue, as RNR retries with `rnr_retry` 7 (forever)
+//!   would: it and everything posted after it wait on the sender, and the
+//!   peer's next `ibv_post_recv` (or `ibv_post_srq_recv` on its SRQ) runs
+//!   them (on the peer's thread). `rnr_retry` below 7 is treated as 7.
 //! - Copies reach only memory registered here ([`reg_mr`]): a process-wide
 //!   table of keys checked for range, protection domain and access rights,
 //!   read-locked for the whole copy; deregistration write-locks it, so no
@@ -27,7 +28,9 @@
 //! - The error state (`ibv_modify_qp` to ERR, or destroying the QP, or a
 //!   failed request) flushes the posted receives and the stalled sends with
 //!   `IBV_WC_WR_FLUSH_ERR`, in order; requests posted later are flushed at
-//!   once (or after the stalled ones, in order). After `ibv_modify_qp` the
+//!   once (or after the stalled ones, in order). A QP on an SRQ flushes
+//!   none of the SRQ's receives: they stay posted for its other QPs, as on
+//!   a NIC. After `ibv_modify_qp` the
 //!   stalled sends are flushed when their send CQ is next polled, not
 //!   during the call, as a device does its flushing after the call
 //!   returns: until their flushed completions are polled they still use
@@ -44,24 +47,26 @@
 //!   that CQ fails with `EOVERFLOW` (the CQ is dead, as after a hardware CQ
 //!   overrun).
 //! - Not supported (the verbs return `Error::Unsupported`): completion
-//!   channels and `req_notify` (busy polling only), shared receive queues,
-//!   memory windows, atomics, and QP types other than RC.
+//!   channels and `req_notify` (busy polling only), memory windows,
+//!   atomics, and QP types other than RC. An SRQ has no limit event.
 //!
 //! # Locking
 //! Each QP has a send-queue mutex (its stalled requests) and a receive-queue
-//! mutex (its posted receives; its state changes to ERR under it). A
-//! poster holds its own send-queue lock and takes the peer's receive-queue
-//! lock for a SEND; the MR table's read lock and the CQ ring locks are
-//! taken last and held briefly. Send-queue locks are never taken while a
-//! receive-queue lock is held, and no thread holds two send-queue locks, so
-//! the order is acyclic. A CQ's list of deferred flushes is locked under a
-//! send-queue lock (by `ibv_modify_qp`) and alone (by the poll that runs
-//! them, before it takes any send-queue lock); the QP registry is never
-//! held while a send-queue lock is taken. The locks are uncontended when
-//! one thread serves both ends: their cost (a few atomic operations per
-//! request) is part of
-//! what a benchmark over this device measures, where a NIC would charge a
-//! doorbell and DMA instead.
+//! mutex (its posted receives; its state changes to ERR under it); an SRQ
+//! has one mutex for its receives. A poster holds its own send-queue lock
+//! and takes the peer's receive-queue lock for a SEND, and inside it the
+//! peer's SRQ lock if it has an SRQ; the MR table's read lock and the CQ
+//! ring locks are taken last and held briefly. A post on an SRQ holds its
+//! lock alone, and runs the send queues stalled on it after releasing it.
+//! Send-queue locks are never taken while a receive-queue or SRQ lock is
+//! held, and no thread holds two send-queue locks, so the order is
+//! acyclic. A CQ's list of deferred flushes is locked under a send-queue
+//! lock (by `ibv_modify_qp`) and alone (by the poll that runs them, before
+//! it takes any send-queue lock); the QP registry is never held while a
+//! send-queue lock is taken. The locks are uncontended when one thread
+//! serves both ends: their cost (a few atomic operations per request) is
+//! part of what a benchmark over this device measures, where a NIC would
+//! charge a doorbell and DMA instead.
 
 mod cq;
 mod dma;
@@ -69,6 +74,7 @@ mod pd_mr;
 mod qp;
 mod registry;
 mod request;
+mod srq;
 
 use std::os::raw::c_int;
 use std::ptr::NonNull;
@@ -83,9 +89,11 @@ pub(crate) use pd_mr::{alloc_pd, dealloc_pd, dereg_mr, reg_mr};
 pub(crate) use qp::{create_qp, destroy_qp, modify_qp, query_qp_state};
 use qp::{post_recv, post_send};
 #[cfg(test)]
-pub(crate) use registry::refuse_sends_after;
-#[cfg(test)]
 use registry::{is_mr_registered, is_qp_registered};
+#[cfg(test)]
+pub(crate) use registry::{refuse_sends_after, refuse_srq_recvs_after};
+use srq::post_srq_recv;
+pub(crate) use srq::{create_srq, destroy_srq};
 
 /// The device name every loopback context reports.
 pub(crate) const DEVICE_NAME: &str = "loopback";
@@ -97,6 +105,8 @@ const MAX_SGE: usize = 4;
 const MAX_INLINE: u32 = 1024;
 /// Deepest send or receive queue.
 const MAX_QP_WR: u32 = 1 << 15;
+/// Deepest shared receive queue.
+const MAX_SRQ_WR: u32 = 1 << 15;
 /// Largest CQ.
 const MAX_CQE: u32 = 1 << 22;
 /// READ depths reported (nothing limits them here).
@@ -117,6 +127,7 @@ pub(crate) fn open_context() -> NonNull<sys::ibv_context> {
     let mut ctx = Box::<sys::ibv_context>::default();
     ctx.ops.post_send = Some(post_send);
     ctx.ops.post_recv = Some(post_recv);
+    ctx.ops.post_srq_recv = Some(post_srq_recv);
     ctx.ops.poll_cq = Some(poll_cq);
     ctx.ops.req_notify_cq = Some(req_notify_cq);
     ctx.cmd_fd = -1;
@@ -147,6 +158,9 @@ pub(crate) fn device_attr() -> sys::ibv_device_attr {
         max_qp_rd_atom: c_int::from(MAX_RD_ATOM),
         max_qp_init_rd_atom: c_int::from(MAX_RD_ATOM),
         max_mw: 0,
+        max_srq: c_int::MAX,
+        max_srq_wr: MAX_SRQ_WR as c_int,
+        max_srq_sge: MAX_SGE as c_int,
         device_cap_flags: 0,
         ..Default::default()
     }

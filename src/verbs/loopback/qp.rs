@@ -15,6 +15,7 @@ use super::cq::{CqRing, ring_of};
 use super::dma::{Spans, copy_spans, resolve};
 use super::registry::{KeyMap, MrEntry, NEXT_QPN, QPS, next_handle, read_mrs};
 use super::request::{PostedRecv, SendOp, SgList};
+use super::srq::{LbSrq, srq_of};
 use super::{MAX_INLINE, MAX_QP_WR, MAX_SGE, lock};
 
 /// What executing one send request came to.
@@ -103,6 +104,8 @@ pub(super) struct LbQp {
     pub(super) max_send_sge: usize,
     max_recv_sge: usize,
     pub(super) max_inline: u32,
+    /// The SRQ its receives come from (its own receive queue stays empty).
+    srq: Option<Arc<LbSrq>>,
     /// `IBV_QPS_*`; changes to ERR only under the receive-queue lock.
     state: AtomicU32,
     /// `IBV_ACCESS_REMOTE_*` rights peers have on this QP.
@@ -130,17 +133,19 @@ unsafe fn qp_of<'a>(qp: *mut sys::ibv_qp) -> &'a Arc<LbQp> {
     unsafe { &(*qp.cast::<QpObj>()).lb }
 }
 
-/// Creates an RC QP in `pd` on the CQs of `init` and writes the granted
-/// capabilities back. Destroy it with [`destroy_qp`].
+/// Creates an RC QP in `pd` on the CQs of `init` (taking its receives
+/// from `init.srq` if set) and writes the granted capabilities back.
+/// Destroy it with [`destroy_qp`].
 ///
 /// # Safety
 /// `pd` is a live PD from [`alloc_pd`](super::alloc_pd); `init.send_cq`
-/// and `init.recv_cq` are live CQs from [`create_cq`](super::create_cq).
+/// and `init.recv_cq` are live CQs from [`create_cq`](super::create_cq);
+/// `init.srq` is NULL or a live SRQ from [`create_srq`](super::create_srq).
 pub(crate) unsafe fn create_qp(
     pd: NonNull<sys::ibv_pd>,
     init: &mut sys::ibv_qp_init_attr,
 ) -> Result<NonNull<sys::ibv_qp>, c_int> {
-    if init.qp_type != sys::IBV_QPT_RC || !init.srq.is_null() {
+    if init.qp_type != sys::IBV_QPT_RC {
         return Err(libc::EOPNOTSUPP);
     }
     let cap = &mut init.cap;
@@ -156,13 +161,14 @@ pub(crate) unsafe fn create_qp(
     }
     cap.max_send_wr = cap.max_send_wr.max(1);
     cap.max_recv_wr = cap.max_recv_wr.max(1);
-    // SAFETY: the caller vouches for the PD and both CQs.
-    let (context, pd_handle, send_cq, recv_cq) = unsafe {
+    // SAFETY: the caller vouches for the PD, both CQs and the SRQ (if any).
+    let (context, pd_handle, send_cq, recv_cq, srq) = unsafe {
         (
             (*pd.as_ptr()).context,
             (*pd.as_ptr()).handle,
             Arc::clone(ring_of(init.send_cq)),
             Arc::clone(ring_of(init.recv_cq)),
+            (!init.srq.is_null()).then(|| Arc::clone(srq_of(init.srq))),
         )
     };
     let mut qps = lock(&QPS);
@@ -184,6 +190,7 @@ pub(crate) unsafe fn create_qp(
         max_send_sge: cap.max_send_sge as usize,
         max_recv_sge: cap.max_recv_sge as usize,
         max_inline: cap.max_inline_data,
+        srq,
         state: AtomicU32::new(sys::IBV_QPS_RESET),
         remote_access: AtomicU32::new(0),
         peer: OnceLock::new(),
@@ -329,8 +336,9 @@ impl LbQp {
             .is_some_and(|peer| std::ptr::eq(peer.as_ptr(), other))
     }
 
-    /// Moves to ERR with the receive queue locked, flushing its receives.
-    /// True if the QP was not in ERR before.
+    /// Moves to ERR with the receive queue locked, flushing its receives
+    /// (an SRQ's stay posted, for its other QPs, as on a NIC). True if the
+    /// QP was not in ERR before.
     fn fail_locked(&self, rq: &mut RecvQueue) -> bool {
         if self.state() == sys::IBV_QPS_ERR {
             return false;
@@ -354,6 +362,14 @@ impl LbQp {
     /// The deferred flush of `enter_error(SendFlush::AtNextPoll)`.
     pub(super) fn flush_stalled(&self) {
         lock(&self.sq).flush(self.qpn, &self.send_cq);
+    }
+
+    /// A receive was posted on the SRQ this QP is on: its peer's send
+    /// queue, if it stalled on the SRQ, runs.
+    pub(super) fn receive_posted(&self) {
+        if let Some(peer) = self.peer() {
+            peer.progress();
+        }
     }
 
     /// True if a stalled send of this QP still uses memory of `list`.
@@ -513,14 +529,24 @@ impl LbQp {
     }
 
     /// SEND, SEND_WITH_IMM and WRITE_WITH_IMM: consumes the peer's oldest
-    /// receive (or stalls without one).
+    /// receive, of its SRQ if it has one (or stalls without one).
     fn deliver(&self, op: &SendOp, peer: &LbQp) -> Outcome {
         let mut rq = lock(&peer.rq);
         if !peer.accepts() {
             return Outcome::fail(sys::IBV_WC_RETRY_EXC_ERR);
         }
-        let Some(recv) = rq.posted.front().copied() else {
-            rq.peer_waiting = true;
+        // The SRQ's lock is taken inside the receive-queue lock, which
+        // orders the delivery with the peer's move to ERR.
+        let mut srq = peer.srq.as_deref().map(|srq| (srq.pd, srq.queue()));
+        let (posted, recv_pd) = match &mut srq {
+            Some((pd, queue)) => (&mut queue.posted, *pd),
+            None => (&mut rq.posted, peer.pd),
+        };
+        let Some(recv) = posted.front().copied() else {
+            match &mut srq {
+                Some((_, queue)) => queue.wait(peer.qpn),
+                None => rq.peer_waiting = true,
+            }
             return Outcome::Stall;
         };
         let mrs = read_mrs();
@@ -549,7 +575,7 @@ impl LbQp {
             unsafe { copy_spans(&src, &dst) };
             wc.opcode = sys::IBV_WC_RECV_RDMA_WITH_IMM;
         } else {
-            let dst = recv.sgl.resolve(&mrs, peer.pd, sys::IBV_ACCESS_LOCAL_WRITE);
+            let dst = recv.sgl.resolve(&mrs, recv_pd, sys::IBV_ACCESS_LOCAL_WRITE);
             let failure = match dst {
                 None => Some((sys::IBV_WC_LOC_PROT_ERR, sys::IBV_WC_REM_OP_ERR)),
                 Some(dst) if dst.total() < len => {
@@ -563,7 +589,7 @@ impl LbQp {
             };
             if let Some((theirs, ours)) = failure {
                 drop(mrs);
-                rq.posted.pop_front();
+                posted.pop_front();
                 wc.status = theirs;
                 peer.recv_cq.push(wc);
                 let peer_failed = peer.fail_locked(&mut rq);
@@ -574,7 +600,7 @@ impl LbQp {
             }
         }
         drop(mrs);
-        rq.posted.pop_front();
+        posted.pop_front();
         let peer_failed = !peer.recv_cq.push(wc) && peer.fail_locked(&mut rq);
         Outcome::Done {
             len: len as u32,
@@ -665,14 +691,18 @@ impl LbQp {
         head: *mut sys::ibv_recv_wr,
         bad: *mut *mut sys::ibv_recv_wr,
     ) -> c_int {
-        if STALLED.load(Ordering::Relaxed) > 0 {
-            // SAFETY: as the caller vouches for the list.
-            if unsafe { receive_over_stalled_send(head) } {
-                // Nothing of the list is posted: the first request is bad.
-                // SAFETY: `bad` is writable (the caller).
-                unsafe { *bad = head };
-                return libc::EBUSY;
-            }
+        if self.srq.is_some() {
+            // A QP on an SRQ takes no receives of its own (EINVAL, as rxe).
+            // SAFETY: `bad` is writable (the caller).
+            unsafe { *bad = head };
+            return libc::EINVAL;
+        }
+        // SAFETY: as the caller vouches for the list.
+        if unsafe { receive_over_stalled_send(head) } {
+            // Nothing of the list is posted: the first request is bad.
+            // SAFETY: `bad` is writable (the caller).
+            unsafe { *bad = head };
+            return libc::EBUSY;
         }
         let mut kick = false;
         let rc = 'post: {
@@ -721,12 +751,23 @@ impl LbQp {
 /// any QP still uses (the arriving message would overwrite what that send
 /// has yet to read, or a READ has yet to write). A NIC would not notice;
 /// this device refuses the list, as it refuses an unregistered buffer.
+/// Checked only while some send is stalled.
 ///
 /// # Safety
 /// `head` starts a NULL-terminated list of valid receive requests with
 /// valid SGE lists.
+#[inline]
+pub(super) unsafe fn receive_over_stalled_send(head: *mut sys::ibv_recv_wr) -> bool {
+    // SAFETY: as the caller vouches.
+    STALLED.load(Ordering::Relaxed) > 0 && unsafe { check_stalled_uses(head) }
+}
+
+/// [`receive_over_stalled_send`] while some send is stalled.
+///
+/// # Safety
+/// As for [`receive_over_stalled_send`].
 #[cold]
-unsafe fn receive_over_stalled_send(head: *mut sys::ibv_recv_wr) -> bool {
+unsafe fn check_stalled_uses(head: *mut sys::ibv_recv_wr) -> bool {
     // Taken out of the registry first: a send-queue lock is never taken
     // with the registry's held.
     let qps: Vec<Arc<LbQp>> = lock(&QPS).values().filter_map(Weak::upgrade).collect();

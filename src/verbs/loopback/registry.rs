@@ -93,3 +93,24 @@ pub(crate) fn refuse_sends_after(qpn: u32, accepted: usize) {
 pub(super) fn take_send_limit(qpn: u32) -> Option<usize> {
     lock(&SEND_POST_LIMITS).remove(&qpn)
 }
+
+/// Test-only fault: by SRQ handle, how many receives the next
+/// `ibv_post_srq_recv` on that SRQ accepts before it refuses the rest of
+/// its list with `ENOMEM`, as a provider whose SRQ filled up mid-list does.
+#[cfg(test)]
+static SRQ_POST_LIMITS: LazyLock<Mutex<KeyMap<usize>>> = LazyLock::new(Default::default);
+
+/// Makes the next post of a receive list on the SRQ whose handle is
+/// `handle` accept only its first `accepted` receives (tests of a partial
+/// post).
+#[cfg(test)]
+pub(crate) fn refuse_srq_recvs_after(handle: u32, accepted: usize) {
+    lock(&SRQ_POST_LIMITS).insert(handle, accepted);
+}
+
+/// The limit `refuse_srq_recvs_after` set for this post on SRQ `handle`,
+/// if any (taken: it holds for one post).
+#[cfg(test)]
+pub(super) fn take_srq_recv_limit(handle: u32) -> Option<usize> {
+    lock(&SRQ_POST_LIMITS).remove(&handle)
+}

@@ -13,6 +13,7 @@ use crate::verbs::{
 mod data_path;
 mod faults;
 mod lifecycle;
+mod srq;
 
 /// Two connected QPs on one CQ, granting `access` to each other.
 fn pair(
