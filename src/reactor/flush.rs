@@ -188,17 +188,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         match srq {
             Some(pool) if conn.uses_srq() => {
                 // Every slot is offered even after a failed post: the pool
-                // keeps each one (in its batch, or stranded until the next
-                // flush), where skipping it would lose it to the SRQ.
-                let mut result = Ok(());
+                // keeps each one (in its batch, or stranded), and the end
+                // of the pass posts them or leaves them for the next
+                // (`flush`), where skipping it would lose it to the SRQ. A
+                // post the shared queue refused is none of this
+                // connection's doing, so it does not fail the connection.
                 conn.take_shared_reposts(|slot| {
-                    if let Err(err) = pool.give_back(slot)
-                        && result.is_ok()
-                    {
-                        result = Err(err);
+                    if let Err(err) = pool.give_back(slot) {
+                        log::error!("reposting SRQ receives: {err}");
                     }
                 });
-                result
+                Ok(())
             }
             _ => conn.flush_reposts(),
         }
