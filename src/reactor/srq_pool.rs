@@ -253,3 +253,41 @@ impl SrqPool {
         self.srq.post_recv_batch(&mut self.returning)
     }
 }
+
+#[cfg(test)]
+impl SrqPool {
+    /// The SRQ, for tests that make the device refuse its posts.
+    pub(crate) fn srq(&self) -> &SharedReceiveQueue {
+        &self.srq
+    }
+
+    /// The slots posted on the SRQ now, as the device holds them, oldest
+    /// first; each must be posted with the `wr_id` the pool gave it.
+    #[track_caller]
+    pub(crate) fn on_device(&self) -> Vec<u32> {
+        crate::verbs::srq_posted_wr_ids(&self.srq)
+            .into_iter()
+            .map(|wr_id| {
+                let slot = srq_slot(wr_id);
+                assert_eq!(
+                    self.posted_ids.get(slot as usize),
+                    Some(&wr_id),
+                    "the device holds slot {slot} under an id the pool did not post it with"
+                );
+                slot
+            })
+            .collect()
+    }
+
+    /// The slots queued in the pool's batch (to be posted with this pass)
+    /// and those stranded by a failed post (to be posted by a later one).
+    pub(crate) fn unposted(&self) -> (Vec<u32>, Vec<u32>) {
+        let queued = self
+            .returning
+            .requests
+            .iter()
+            .map(|request| srq_slot(request.wr_id()))
+            .collect();
+        (queued, self.stranded.clone())
+    }
+}

@@ -1,14 +1,18 @@
 //! The reactor's failure paths over the loopback device, where a test can
 //! make a provider refuse part of a posted list (which a NIC does when its
-//! queue fills mid-list) and look at what each connection holds.
+//! queue fills mid-list) and look at what each connection holds, and, on a
+//! shared receive queue, where every one of its slots is.
 
 use std::cell::RefCell;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 
 use crate::error::Error;
 use crate::session::CqChoice;
-use crate::verbs::{AccessFlags, Context, ProtectionDomain, QueuePair, refuse_sends_after};
+use crate::verbs::{
+    AccessFlags, Context, ProtectionDomain, QpConfig, QueuePair, WorkRequest, refuse_sends_after,
+    refuse_srq_recvs_after,
+};
 
 use super::{ConnId, Ctx, Handler, HeldRecv, Reactor, ReactorConfig, SessionId};
 
@@ -16,6 +20,12 @@ use super::{ConnId, Ctx, Handler, HeldRecv, Reactor, ReactorConfig, SessionId};
 const MAX_PASSES: usize = 100_000;
 /// Receive slots per connection.
 const RECV_DEPTH: u32 = 16;
+/// Each connection's share of the SRQ, in the SRQ tests: room to hold more
+/// messages on two connections than one SRQ post takes (`MAX_REPOST`).
+const SRQ_SHARE: u32 = 48;
+/// Receives of the SRQ, in the SRQ tests: four connections' shares and
+/// headroom.
+const SRQ_DEPTH: u32 = 4 * SRQ_SHARE + 64;
 
 /// What one session's handler saw.
 #[derive(Debug, Default)]
@@ -51,6 +61,7 @@ impl Handler for Probe {
 }
 
 struct End {
+    session: SessionId,
     conn: ConnId,
     seen: Rc<RefCell<Seen>>,
 }
@@ -66,6 +77,20 @@ fn reactor(pd: &ProtectionDomain) -> Reactor<Probe, ()> {
     Reactor::new(pd, config).expect("a reactor on the loopback device")
 }
 
+/// A reactor whose connections take their receives from one SRQ of
+/// `SRQ_DEPTH`, `SRQ_SHARE` each.
+fn srq_reactor(pd: &ProtectionDomain) -> Reactor<Probe, ()> {
+    let config = ReactorConfig {
+        slot_size: 64,
+        recv_depth: SRQ_SHARE,
+        srq_depth: SRQ_DEPTH,
+        send_slots: 16,
+        sq_depth: 64,
+        ..ReactorConfig::default()
+    };
+    Reactor::new(pd, config).expect("an SRQ reactor on the loopback device")
+}
+
 /// Two sessions of one connection each, connected to each other and
 /// established.
 fn add_pair(reactor: &mut Reactor<Probe, ()>, pd: &ProtectionDomain) -> (End, End) {
@@ -75,7 +100,11 @@ fn add_pair(reactor: &mut Reactor<Probe, ()>, pd: &ProtectionDomain) -> (End, En
         let CqChoice::Shared(cq) = spec.cq else {
             panic!("qp_spec did not share the reactor's CQ");
         };
-        pd.create_qp(&cq, &cq, &spec.qp).expect("a loopback QP")
+        match &spec.srq {
+            Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
+            None => pd.create_qp(&cq, &cq, &spec.qp),
+        }
+        .expect("a loopback QP")
     };
     let (mut a, mut b) = (qp("a"), qp("b"));
     let (to_a, to_b) = (a.endpoint(), b.endpoint());
@@ -85,7 +114,11 @@ fn add_pair(reactor: &mut Reactor<Probe, ()>, pd: &ProtectionDomain) -> (End, En
         let seen = Rc::new(RefCell::new(Seen::default()));
         let session: SessionId = reactor.add(vec![qp], Probe(Rc::clone(&seen))).expect("add");
         let conn = reactor.conns(session).next().expect("one connection");
-        End { conn, seen }
+        End {
+            session,
+            conn,
+            seen,
+        }
     };
     let (a, b) = (add(a), add(b));
     run_until(reactor, "both ends established", |_| {
@@ -250,4 +283,433 @@ fn a_partial_post_frees_at_once_only_what_the_device_never_got() {
         assert_eq!(message, &(i as u32).to_le_bytes(), "message {i}");
     }
     assert!(seen.errors.is_empty() && source.seen.borrow().errors.is_empty());
+}
+
+/// Where each slot of the reactor's SRQ is that the pool or a connection
+/// knows of (held messages and forwards in flight are none of these), and
+/// how many the device consumed whose completions are not yet polled.
+#[derive(Debug)]
+struct SrqSlots {
+    /// Posted on the device.
+    posted: BTreeSet<u32>,
+    /// In the pool's batch, to be posted with this pass.
+    queued: BTreeSet<u32>,
+    /// In the pool after a failed post, for a later pass.
+    stranded: BTreeSet<u32>,
+    /// Queued for reposting by a connection, or released by a handler
+    /// after its connection went.
+    returning: BTreeSet<u32>,
+    /// Consumed on the device, their completions not yet polled (the pool
+    /// still counts them available).
+    unpolled: usize,
+}
+
+impl SrqSlots {
+    fn count(&self) -> usize {
+        self.posted.len() + self.queued.len() + self.stranded.len() + self.returning.len()
+    }
+
+    fn has(&self, slot: u32) -> bool {
+        [&self.posted, &self.queued, &self.stranded, &self.returning]
+            .iter()
+            .any(|set| set.contains(&slot))
+    }
+}
+
+/// Where the SRQ's slots are, asserting that each is in one place once
+/// (the device holds it once, under the `wr_id` the pool posted it with)
+/// and that the pool's `available` counts at least those posted or queued
+/// (the rest are consumed, their completions not yet polled).
+#[track_caller]
+fn srq_account(reactor: &Reactor<Probe, ()>) -> SrqSlots {
+    let pool = reactor.srq.as_ref().expect("an SRQ reactor");
+    let (queued, stranded) = pool.unposted();
+    let mut places: Vec<(u32, &str)> = Vec::new();
+    places.extend(pool.on_device().into_iter().map(|slot| (slot, "posted")));
+    places.extend(queued.into_iter().map(|slot| (slot, "queued")));
+    places.extend(stranded.into_iter().map(|slot| (slot, "stranded")));
+    for (_, conn) in reactor.conns.iter().filter(|(_, conn)| conn.uses_srq()) {
+        places.extend(conn.pending_slots().iter().map(|&slot| (slot, "returning")));
+    }
+    let released = &reactor.deferred.srq_returns;
+    places.extend(released.iter().map(|&slot| (slot, "returning")));
+    let mut seen: BTreeMap<u32, &str> = BTreeMap::new();
+    for (slot, place) in places {
+        assert!(slot < SRQ_DEPTH, "slot {slot} outside the SRQ");
+        if let Some(before) = seen.insert(slot, place) {
+            panic!("SRQ slot {slot} is {before} and {place}");
+        }
+    }
+    let of = |wanted: &str| -> BTreeSet<u32> {
+        seen.iter()
+            .filter(|&(_, &place)| place == wanted)
+            .map(|(&slot, _)| slot)
+            .collect()
+    };
+    let (posted, queued) = (of("posted"), of("queued"));
+    let unpolled = (pool.available as usize)
+        .checked_sub(posted.len() + queued.len())
+        .unwrap_or_else(|| {
+            panic!(
+                "available ({}) short of the slots posted or queued: {posted:?} {queued:?}",
+                pool.available
+            )
+        });
+    SrqSlots {
+        posted,
+        queued,
+        stranded: of("stranded"),
+        returning: of("returning"),
+        unpolled,
+    }
+}
+
+/// Runs passes until every slot of the SRQ is posted again, each once.
+#[track_caller]
+fn run_until_srq_whole(reactor: &mut Reactor<Probe, ()>, what: &str) {
+    run_until(reactor, what, |reactor| {
+        srq_account(reactor).posted.len() == SRQ_DEPTH as usize
+    });
+    assert_eq!(reactor.srq_posted(), Some(SRQ_DEPTH));
+}
+
+/// The messages `end` received, as the `u32`s they carry.
+fn numbers(end: &End) -> Vec<u32> {
+    let seen = end.seen.borrow();
+    seen.messages
+        .iter()
+        .map(|m| u32::from_le_bytes(m[..4].try_into().expect("4 bytes")))
+        .collect()
+}
+
+/// Every end's errors, with its name, for an assertion that there are none.
+fn errors_of(ends: &[(&str, &End)]) -> Vec<(String, Vec<(Option<i32>, String)>)> {
+    ends.iter()
+        .filter(|(_, end)| !end.seen.borrow().errors.is_empty())
+        .map(|(name, end)| (name.to_string(), end.seen.borrow().errors.clone()))
+        .collect()
+}
+
+/// Traffic both ways over two pairs of connections on the SRQ, three
+/// shares' worth on each: every message arrives in order, and once the
+/// reactor is idle every slot is posted on the SRQ again, once.
+#[test]
+fn srq_messages_arrive_and_every_slot_comes_back_once() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let start = srq_account(&reactor);
+    assert_eq!(
+        start.posted.len(),
+        SRQ_DEPTH as usize,
+        "all posted at first"
+    );
+    let (a, b) = add_pair(&mut reactor, &pd);
+    let (c, d) = add_pair(&mut reactor, &pd);
+    let rounds = 3 * SRQ_SHARE;
+    let ends = [(&a, &b), (&b, &a), (&c, &d), (&d, &c)];
+    for i in 0..rounds {
+        for (from, _) in ends {
+            send(&mut reactor, from.conn, &i.to_le_bytes());
+        }
+    }
+    run_until(&mut reactor, "every message delivered", |_| {
+        ends.iter()
+            .all(|(_, to)| to.seen.borrow().messages.len() == rounds as usize)
+    });
+    let expected: Vec<u32> = (0..rounds).collect();
+    for (_, to) in ends {
+        assert_eq!(numbers(to), expected);
+    }
+    run_until_srq_whole(&mut reactor, "every SRQ slot posted again");
+    let named = [("a", &a), ("b", &b), ("c", &c), ("d", &d)];
+    assert!(errors_of(&named).is_empty(), "{:?}", errors_of(&named));
+}
+
+/// Messages held on two connections of the SRQ, released at once: the
+/// next pass gives back more slots than one post of the pool takes, and
+/// the device refuses its posts for a while (as a provider whose SRQ
+/// filled up would). Slots given back while the pool's batch is full and
+/// its post refused wait in the pool (stranded) for a later pass, which
+/// posts them; none is lost or posted twice, no connection is failed for
+/// the shared queue's refusal, and the SRQ serves traffic after.
+#[test]
+fn srq_slots_a_refused_repost_strands_go_back_with_a_later_pass() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let (first, first_source) = add_pair(&mut reactor, &pd);
+    let (second, second_source) = add_pair(&mut reactor, &pd);
+    const HELD: u32 = 40;
+    first.seen.borrow_mut().hold = true;
+    second.seen.borrow_mut().hold = true;
+    for i in 0..HELD {
+        send(&mut reactor, first_source.conn, &i.to_le_bytes());
+        send(&mut reactor, second_source.conn, &i.to_le_bytes());
+    }
+    run_until(&mut reactor, "both hold their messages", |_| {
+        [&first, &second]
+            .iter()
+            .all(|end| end.seen.borrow().held.len() == HELD as usize)
+    });
+    let mut held = std::mem::take(&mut first.seen.borrow_mut().held);
+    held.append(&mut second.seen.borrow_mut().held);
+    first.seen.borrow_mut().hold = false;
+    second.seen.borrow_mut().hold = false;
+    let account = srq_account(&reactor);
+    for held in &held {
+        assert!(
+            !account.has(held.slot()),
+            "held slot {} elsewhere",
+            held.slot()
+        );
+    }
+    assert_eq!(
+        account.count() + held.len(),
+        SRQ_DEPTH as usize,
+        "before: every slot posted, queued, returning or held once"
+    );
+
+    // Released together: the next pass gives back 80 slots, more than the
+    // pool's batch (64), while the device refuses every post for a while.
+    let pool = reactor.srq.as_ref().expect("an SRQ reactor");
+    for _ in 0..24 {
+        refuse_srq_recvs_after(pool.srq(), 0);
+    }
+    reactor.with_ctx(|ctx| {
+        for held in held {
+            if let Err((err, _)) = ctx.release(held) {
+                panic!("releasing: {err}");
+            }
+        }
+    });
+    reactor.turn().expect("the pass that gives the slots back");
+    let account = srq_account(&reactor);
+    assert!(
+        !account.stranded.is_empty(),
+        "a full batch the device refused strands what comes after: {account:?}"
+    );
+    assert_eq!(
+        account.count(),
+        SRQ_DEPTH as usize,
+        "after the refusals: every slot posted, queued, stranded or returning once"
+    );
+
+    run_until_srq_whole(&mut reactor, "the stranded slots posted by later passes");
+    let ends = [
+        ("first", &first),
+        ("first's source", &first_source),
+        ("second", &second),
+        ("second's source", &second_source),
+    ];
+    assert!(errors_of(&ends).is_empty(), "{:?}", errors_of(&ends));
+
+    // The SRQ is whole: the first connection takes three shares' worth.
+    for i in HELD..HELD + 3 * SRQ_SHARE {
+        send(&mut reactor, first_source.conn, &i.to_le_bytes());
+    }
+    run_until(&mut reactor, "three shares' worth more", |_| {
+        first.seen.borrow().messages.len() == (HELD + 3 * SRQ_SHARE) as usize
+    });
+    let expected: Vec<u32> = (0..HELD + 3 * SRQ_SHARE).collect();
+    assert_eq!(numbers(&first), expected);
+    run_until_srq_whole(&mut reactor, "every SRQ slot posted again");
+    assert!(errors_of(&ends).is_empty(), "{:?}", errors_of(&ends));
+}
+
+/// Six messages held on `origin` (on the SRQ); two of them forwarded on
+/// `relay` with the next pass, whose completions (unsignaled) are not yet
+/// polled when this returns: the held four and the forwarded two.
+fn hold_six_forward_two(
+    reactor: &mut Reactor<Probe, ()>,
+    origin: &End,
+    source: &End,
+    relay: &End,
+) -> (Vec<HeldRecv>, Vec<u32>) {
+    origin.seen.borrow_mut().hold = true;
+    for i in 1..=6u8 {
+        send(reactor, source.conn, &[i; 8]);
+    }
+    run_until(reactor, "six messages held", |_| {
+        origin.seen.borrow().held.len() == 6
+    });
+    origin.seen.borrow_mut().hold = false;
+    let mut held = std::mem::take(&mut origin.seen.borrow_mut().held);
+    let forwarded: Vec<HeldRecv> = held.drain(..2).collect();
+    let forwarded_slots = forwarded.iter().map(HeldRecv::slot).collect();
+    reactor.with_ctx(|ctx| {
+        for message in forwarded {
+            if let Err((err, _)) = ctx.forward(relay.conn, message, None) {
+                panic!("forwarding: {err}");
+            }
+        }
+    });
+    reactor.turn().expect("the pass that posts the forwards");
+    let (sq_used, _, _) = reactor.conn_stats(relay.conn).expect("relay");
+    assert!(sq_used >= 2, "the forwards are in flight ({sq_used})");
+    (held, forwarded_slots)
+}
+
+/// A connection on the SRQ removed while it holds four messages and two
+/// of them are being forwarded, and while two receives it consumed wait
+/// in the CQ: the held slots go back when released, the forwarded ones
+/// when the relay's completion is polled, and the two unpolled ones are
+/// reclaimed (their QP is gone); each exactly once.
+#[test]
+fn a_removed_srq_connection_gives_back_its_held_and_forwarded_slots_once() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    let (relay, sink) = add_pair(&mut reactor, &pd);
+    let (held, forwarded) = hold_six_forward_two(&mut reactor, &origin, &source, &relay);
+
+    // Two more messages, posted with a pass whose completions stay queued.
+    send(&mut reactor, source.conn, &[7; 8]);
+    send(&mut reactor, source.conn, &[8; 8]);
+    reactor.turn().expect("the pass that posts them");
+    let messages = origin.seen.borrow().messages.len();
+    assert_eq!(messages, 6, "the two are not polled yet");
+    let (reclaimed_before, foreign_before) = (
+        reactor.ignored_completions().1,
+        reactor.ignored_completions().0,
+    );
+    reactor.remove(origin.session).expect("origin's session");
+
+    let account = srq_account(&reactor);
+    for slot in held.iter().map(HeldRecv::slot).chain(forwarded.clone()) {
+        assert!(
+            !account.has(slot),
+            "slot {slot} back while held or in flight"
+        );
+    }
+    reactor.with_ctx(|ctx| {
+        for message in held {
+            if let Err((err, _)) = ctx.release(message) {
+                panic!("releasing: {err}");
+            }
+        }
+    });
+    run_until_srq_whole(&mut reactor, "every slot back");
+    let (foreign, reclaimed) = reactor.ignored_completions();
+    assert_eq!(reclaimed - reclaimed_before, 2, "the two unpolled receives");
+    assert_eq!(foreign, foreign_before, "none taken for a stranger's");
+    assert_eq!(sink.seen.borrow().messages, [vec![1; 8], vec![2; 8]]);
+    let ends = [("relay", &relay), ("sink", &sink)];
+    assert!(errors_of(&ends).is_empty(), "{:?}", errors_of(&ends));
+}
+
+/// A connection on the SRQ that fails (its peer is gone, so its next SEND
+/// does) while it holds four messages and two of them are being
+/// forwarded: it stays until removed, and the slots come back to the SRQ
+/// through it, exactly once: the held ones when released, the forwarded
+/// ones when the relay's completion is polled.
+#[test]
+fn a_failed_srq_connection_gives_back_its_held_and_forwarded_slots_once() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    let (relay, sink) = add_pair(&mut reactor, &pd);
+    let (held, forwarded) = hold_six_forward_two(&mut reactor, &origin, &source, &relay);
+
+    reactor.remove(source.session).expect("source's session");
+    send(&mut reactor, origin.conn, b"anyone?");
+    run_until(&mut reactor, "the origin failed", |_| {
+        !origin.seen.borrow().errors.is_empty()
+    });
+    assert_eq!(origin.seen.borrow().errors.len(), 1, "told once");
+    assert!(
+        reactor.conns.get(origin.conn.key()).is_some(),
+        "not removed"
+    );
+    let account = srq_account(&reactor);
+    for slot in held.iter().map(HeldRecv::slot).chain(forwarded.clone()) {
+        assert!(
+            !account.has(slot),
+            "slot {slot} back while held or in flight"
+        );
+    }
+
+    reactor.with_ctx(|ctx| {
+        for message in held {
+            if let Err((err, _)) = ctx.release(message) {
+                panic!("releasing: {err}");
+            }
+        }
+    });
+    run_until_srq_whole(&mut reactor, "every slot back");
+    assert_eq!(sink.seen.borrow().messages, [vec![1; 8], vec![2; 8]]);
+    assert_eq!(origin.seen.borrow().errors.len(), 1, "still told once");
+    let ends = [("relay", &relay), ("sink", &sink)];
+    assert!(errors_of(&ends).is_empty(), "{:?}", errors_of(&ends));
+}
+
+/// A QP on the reactor's SRQ that the reactor does not serve (never
+/// added) consumes a slot: its completion reaches the reactor's CQ
+/// naming a QP it does not know, and the slot goes straight back to the
+/// SRQ (counted as reclaimed), once; the served connections keep going.
+#[test]
+fn an_srq_slot_consumed_by_a_qp_the_reactor_does_not_serve_comes_back() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let (a, b) = add_pair(&mut reactor, &pd);
+    run_until_srq_whole(&mut reactor, "settled");
+
+    let spec = reactor.qp_spec("stranger");
+    let CqChoice::Shared(cq) = spec.cq else {
+        panic!("qp_spec did not share the reactor's CQ");
+    };
+    let srq = spec.srq.expect("an SRQ reactor's spec names its SRQ");
+    let mut stranger = pd
+        .create_qp_with_srq(&cq, &cq, &srq, &spec.qp)
+        .expect("a QP on the reactor's SRQ");
+    let other_cq = ctx.create_cq(16, None).expect("a CQ of its own");
+    let mut peer = pd
+        .create_qp(&other_cq, &other_cq, &QpConfig::default())
+        .expect("the stranger's peer");
+    let (to_stranger, to_peer) = (stranger.endpoint(), peer.endpoint());
+    stranger.connect(&to_peer).expect("connect");
+    peer.connect(&to_stranger).expect("connect");
+
+    let oldest = srq_account(&reactor).posted.len();
+    assert_eq!(oldest, SRQ_DEPTH as usize);
+    let first = reactor.srq.as_ref().expect("an SRQ").on_device()[0];
+    peer.post_send(WorkRequest::send_inline(1, b"not the reactor's"))
+        .expect("a SEND into the SRQ");
+    let account = srq_account(&reactor);
+    assert!(!account.has(first), "slot {first} consumed");
+    assert_eq!(account.count(), SRQ_DEPTH as usize - 1);
+    assert_eq!(account.unpolled, 1, "its completion not yet polled");
+
+    run_until(&mut reactor, "the slot reclaimed", |reactor| {
+        reactor.ignored_completions().1 == 1
+    });
+    assert_eq!(
+        reactor.ignored_completions(),
+        (0, 1),
+        "reclaimed, not foreign"
+    );
+    run_until_srq_whole(&mut reactor, "the slot posted again");
+    assert_eq!(
+        reactor.srq.as_ref().expect("an SRQ").on_device().last(),
+        Some(&first),
+        "the slot went back to the SRQ's tail"
+    );
+
+    for i in 0..2 * SRQ_SHARE {
+        send(&mut reactor, a.conn, &i.to_le_bytes());
+    }
+    run_until(&mut reactor, "the served pair keeps going", |_| {
+        b.seen.borrow().messages.len() == 2 * SRQ_SHARE as usize
+    });
+    assert_eq!(numbers(&b), (0..2 * SRQ_SHARE).collect::<Vec<_>>());
+    assert_eq!(reactor.ignored_completions(), (0, 1));
+    drop(stranger);
 }

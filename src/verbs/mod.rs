@@ -39,9 +39,9 @@ pub use mw::{BIND_WR_ID, BoundWindow, MemoryWindow};
 pub use pd::ProtectionDomain;
 pub use qp::{QpEndpoint, QpState, QueuePair};
 pub use qp_config::QpConfig;
-#[cfg(test)]
-pub(crate) use srq::refuse_srq_recvs_after;
 pub use srq::{SharedReceiveQueue, SrqAttachment};
+#[cfg(test)]
+pub(crate) use srq::{refuse_srq_recvs_after, srq_posted_wr_ids};
 pub use wr::{Batch, RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
 
 use std::os::raw::c_int;

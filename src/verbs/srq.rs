@@ -206,13 +206,27 @@ impl SharedReceiveQueue {
     }
 }
 
-/// Makes the next `post_recv_batch` on `srq` (of a loopback context)
-/// accept only its first `accepted` receives and refuse the rest with
-/// `ENOMEM` (tests of a partial post).
+/// Makes a `post_recv_batch` on `srq` (of a loopback context) accept only
+/// its first `accepted` receives and refuse the rest with `ENOMEM` (tests
+/// of a partial post): the next one not limited already, so that calls in
+/// a row limit posts in a row.
 #[cfg(test)]
 pub(crate) fn refuse_srq_recvs_after(srq: &SharedReceiveQueue, accepted: usize) {
     // SAFETY: the SRQ is live while `srq` holds it, and its handle is
     // written only at creation.
     let handle = unsafe { (*srq.inner.srq.as_ptr()).handle };
     loopback::refuse_srq_recvs_after(handle, accepted);
+}
+
+/// The `wr_id`s of the receives posted on `srq` (of a loopback context)
+/// now, oldest first: what the device holds, for tests of who posts what.
+/// Empty for an SRQ of another device.
+#[cfg(test)]
+pub(crate) fn srq_posted_wr_ids(srq: &SharedReceiveQueue) -> Vec<u64> {
+    if !srq.inner.pd.ctx.is_loopback() {
+        return Vec::new();
+    }
+    // SAFETY: a loopback SRQ (its context is a loopback one), live while
+    // `srq` holds it.
+    unsafe { loopback::srq_posted_wr_ids(srq.inner.srq) }
 }

@@ -93,6 +93,8 @@ use registry::{is_mr_registered, is_qp_registered};
 #[cfg(test)]
 pub(crate) use registry::{refuse_sends_after, refuse_srq_recvs_after};
 use srq::post_srq_recv;
+#[cfg(test)]
+pub(crate) use srq::posted_wr_ids as srq_posted_wr_ids;
 pub(crate) use srq::{create_srq, destroy_srq};
 
 /// The device name every loopback context reports.

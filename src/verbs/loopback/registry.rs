@@ -5,6 +5,8 @@
 //! memory.
 
 use std::collections::HashMap;
+#[cfg(test)]
+use std::collections::VecDeque;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{LazyLock, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
@@ -94,23 +96,33 @@ pub(super) fn take_send_limit(qpn: u32) -> Option<usize> {
     lock(&SEND_POST_LIMITS).remove(&qpn)
 }
 
-/// Test-only fault: by SRQ handle, how many receives the next
-/// `ibv_post_srq_recv` on that SRQ accepts before it refuses the rest of
+/// Test-only fault: by SRQ handle, how many receives each of the next
+/// `ibv_post_srq_recv`s on that SRQ accepts before it refuses the rest of
 /// its list with `ENOMEM`, as a provider whose SRQ filled up mid-list does.
 #[cfg(test)]
-static SRQ_POST_LIMITS: LazyLock<Mutex<KeyMap<usize>>> = LazyLock::new(Default::default);
+static SRQ_POST_LIMITS: LazyLock<Mutex<KeyMap<VecDeque<usize>>>> = LazyLock::new(Default::default);
 
-/// Makes the next post of a receive list on the SRQ whose handle is
-/// `handle` accept only its first `accepted` receives (tests of a partial
-/// post).
+/// Makes a post of a receive list on the SRQ whose handle is `handle`
+/// accept only its first `accepted` receives (tests of a partial post):
+/// the next post not limited already, so that calls in a row limit posts
+/// in a row.
 #[cfg(test)]
 pub(crate) fn refuse_srq_recvs_after(handle: u32, accepted: usize) {
-    lock(&SRQ_POST_LIMITS).insert(handle, accepted);
+    lock(&SRQ_POST_LIMITS)
+        .entry(handle)
+        .or_default()
+        .push_back(accepted);
 }
 
 /// The limit `refuse_srq_recvs_after` set for this post on SRQ `handle`,
-/// if any (taken: it holds for one post).
+/// if any (taken: each holds for one post).
 #[cfg(test)]
 pub(super) fn take_srq_recv_limit(handle: u32) -> Option<usize> {
-    lock(&SRQ_POST_LIMITS).remove(&handle)
+    let mut limits = lock(&SRQ_POST_LIMITS);
+    let queued = limits.get_mut(&handle)?;
+    let limit = queued.pop_front();
+    if queued.is_empty() {
+        limits.remove(&handle);
+    }
+    limit
 }

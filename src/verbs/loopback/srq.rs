@@ -121,6 +121,18 @@ pub(crate) unsafe fn destroy_srq(srq: NonNull<sys::ibv_srq>) {
     drop(unsafe { Box::from_raw(srq.as_ptr().cast::<SrqObj>()) });
 }
 
+/// The `wr_id`s of the receives posted on a loopback SRQ now, oldest
+/// first (tests of who posts what).
+///
+/// # Safety
+/// `srq` is a live SRQ from [`create_srq`].
+#[cfg(test)]
+pub(crate) unsafe fn posted_wr_ids(srq: NonNull<sys::ibv_srq>) -> Vec<u64> {
+    // SAFETY: the caller vouches for the SRQ.
+    let srq = unsafe { srq_of(srq.as_ptr()) };
+    srq.queue().posted.iter().map(|recv| recv.wr_id).collect()
+}
+
 impl LbSrq {
     pub(super) fn queue(&self) -> MutexGuard<'_, SrqQueue> {
         lock(&self.queue)

@@ -107,7 +107,7 @@ fn a_full_srq_refuses_more_and_a_qp_on_it_takes_no_receives_of_its_own() {
 }
 
 #[test]
-fn the_refusal_knob_takes_the_head_of_one_srq_post_only() {
+fn the_refusal_knob_takes_the_head_of_one_srq_post_per_call() {
     let ctx = single_threaded_context();
     let pd = ctx.alloc_pd().unwrap();
     let mut cq = ctx.create_cq(32, None).unwrap();
@@ -119,14 +119,22 @@ fn the_refusal_knob_takes_the_head_of_one_srq_post_only() {
         let slice = mr.slice(8 * id as usize, 8).unwrap();
         batch.push(RecvRequest::new(id, slice).unwrap()).unwrap();
     }
+    // Two limits in a row: one for each of the next two posts.
     refuse_srq_recvs_after(&srq, 2);
+    refuse_srq_recvs_after(&srq, 0);
     let err = srq.post_recv_batch(&mut batch).unwrap_err();
     assert!(
         matches!(err, Error::Post { errno, posted: 2, .. } if errno == libc::ENOMEM),
         "{err}"
     );
     assert_eq!(batch.len(), 3);
-    // For one post: the next takes the rest.
+    let err = srq.post_recv_batch(&mut batch).unwrap_err();
+    assert!(
+        matches!(err, Error::Post { errno, posted: 0, .. } if errno == libc::ENOMEM),
+        "{err}"
+    );
+    assert_eq!(batch.len(), 3);
+    // Each for one post: the next takes the rest.
     srq.post_recv_batch(&mut batch).unwrap();
     assert!(batch.is_empty());
     for id in 0..5 {
