@@ -16,12 +16,12 @@ use super::srq_pool::SrqPool;
 use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, Session, SessionId, Waiter};
 
 /// Empty busy-poll passes after which unsignaled tails are signaled out.
-const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
+pub(super) const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
 /// Empty busy-poll passes after which receives consumed since the last
 /// batch are reposted anyway. Not on the first empty pass: in a ping-pong
 /// the next message usually lands then, and a pass that is busy posting
 /// receives finds it later.
-const REPOST_IDLE_PASSES: u32 = 8;
+pub(super) const REPOST_IDLE_PASSES: u32 = 8;
 
 /// What a completion brings the handler, once the connection has done
 /// its part (credits, reposts, the overrun check).
