@@ -241,7 +241,8 @@ impl ProtectionDomain {
         let limits = ctx.query_device()?;
         let qp = if self.inner.ctx.is_loopback() {
             // SAFETY: a loopback PD and, on its context (checked above),
-            // loopback CQs, all live; init_attr is fully initialised.
+            // loopback CQs and SRQ (if any), all live; init_attr is fully
+            // initialised.
             unsafe { loopback::create_qp(self.inner.pd, &mut init_attr) }
                 .map_err(|errno| crate::error::verbs_error("ibv_create_qp", errno, name, None))?
         } else {

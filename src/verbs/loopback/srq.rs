@@ -221,6 +221,12 @@ fn wake(qpns: &[u32]) {
     }
 }
 
+/// The ops table's `post_srq_recv`.
+///
+/// # Safety
+/// `srq` is a live SRQ from [`create_srq`], `wr` starts a NULL-terminated
+/// list of valid receive requests with valid SGE lists, and `bad` is
+/// writable (libibverbs' contract for the verb).
 pub(super) unsafe extern "C" fn post_srq_recv(
     srq: *mut sys::ibv_srq,
     wr: *mut sys::ibv_recv_wr,
