@@ -16,24 +16,36 @@
 //! receive rings, vetted completions and handlers. A service with one
 //! connection per core that needs none of them can be written this way.
 //!
-//! Both sides take the same `--op/--test/-s` (checked when they meet); the QP
-//! and buffer descriptions go over TCP, as perftest's do. Latency: READ is
+//! Set-up is the session layer's, as for lat_bw: an authenticated
+//! handshake (`--auth-key-file`) connects the QP, and each side exports its
+//! buffer to the other through a memory window of its own. Nothing about the
+//! QP or the buffer reaches a client that cannot prove the key. The session
+//! is then split ([`Endpoint::into_parts`]): the loop owns the QP and polls
+//! its own CQ, and the link stays open to say goodbye and to notice a peer
+//! that is gone.
+//!
+//! Both sides take the same `--op/--test/-s`, checked when they meet (each
+//! exports its buffer under a name that says the test). Latency: READ is
 //! timed per READ; SEND is echoed by a SEND; WRITE is answered by a WRITE the
 //! peer notices by polling the last byte of its buffer. SEND and WRITE report
 //! half the round trip. Bandwidth streams WRITEs or SENDs with `--batch`
 //! requests per doorbell, one in `--signal` signaled, at most `--tx-depth`
 //! outstanding.
 
-use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod common;
 
 use clap::{Parser, ValueEnum};
+use rdma_comm_core::session::{
+    ClientConfig, ClientSession, CqChoice, Endpoint, Export, PeerStatus, QpSpec, ServerConfig,
+    ServerSession, SessionLink,
+};
 use rdma_comm_core::verbs::{
-    AccessFlags, CompletionQueue, Context, Gid, MemoryRegion, Mtu, QpConfig, QpEndpoint, QueuePair,
+    AccessFlags, CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpConfig, QueuePair,
     RecvRequest, RemoteRegion, SendBatch, SendFlags, WcOpcode, WorkCompletion, WorkRequest,
 };
 use rdma_comm_core::{Error, Result};
@@ -50,9 +62,12 @@ const STALL: Duration = Duration::from_secs(20);
 /// Spins between looks at the clock while waiting (the clock is not read on
 /// every spin: a wait that succeeds at once never reads it).
 const SPINS_PER_CLOCK_CHECK: u32 = 1 << 16;
-/// The description each side sends: a tag, the test, the QP, the buffer.
-const HELLO_LEN: usize = 4 + 2 + 8 + 4 + 4 + 16 + 2 + 1 + 8 + 8 + 4;
-const HELLO_TAG: &[u8; 4] = b"VPF1";
+/// The goodbye's code when the two sides were asked for different tests.
+const OTHER_TEST: u16 = 1;
+/// How often a server with nothing to do looks for the client's goodbye.
+const GOODBYE_CHECK: Duration = Duration::from_millis(1);
+/// What a peer may do with the buffer it is given.
+const REMOTE_ACCESS: AccessFlags = AccessFlags::REMOTE_WRITE.union(AccessFlags::REMOTE_READ);
 
 /// Latency and bandwidth over the verbs layer alone, perftest's way.
 #[derive(Parser, Debug)]
@@ -93,6 +108,8 @@ struct Args {
     tx_depth: u64,
     #[command(flatten)]
     dev: common::DeviceArgs,
+    #[command(flatten)]
+    auth: common::AuthArgs,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,27 +149,39 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<()> {
-    let mut link = Link::open(args)?;
-    let (mut control, peer_addr) = meet(args)?;
-    let peer = link.exchange(args, &mut control, peer_addr)?;
-    link.peer = peer;
-    // Both QPs are ready (and the receives posted) before anyone sends.
-    sync(&mut control)?;
+    let ctx = Context::open_default(args.dev.device.as_deref())?;
+    let pd = ctx.alloc_pd()?;
+    let sq_depth = args.tx_depth.max(args.signal).max(u64::from(args.batch)) as u32;
+    let cq = ctx.create_cq(sq_depth + RECV_DEPTH, None)?;
+    // Exported through a window per peer: no REMOTE_* rights of its own.
+    let buffer = pd.alloc_mr(
+        2 * args.size as usize,
+        AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+    )?;
+    let mut qp_config = QpConfig::default();
+    args.dev.apply(&mut qp_config);
+    qp_config.max_send_wr = sq_depth;
+    qp_config.max_recv_wr = RECV_DEPTH;
+    qp_config.remote_access = REMOTE_ACCESS;
+    let endpoint = meet(args, &pd, &cq, &buffer, qp_config)?;
+    let (qp, peer, mut link) = take_apart(args, endpoint)?;
+    let mut run = Link::new(args, qp, cq, buffer, peer, sq_depth);
+    if args.op == Op::Send {
+        for _ in 0..RECV_DEPTH {
+            run.post_receive()?;
+        }
+    }
     let size = args.size as usize;
     if args.server {
         match (args.test, args.op) {
-            (Test::Lat, Op::Send) => link.echo(args.warmup + args.iters)?,
-            (Test::Lat, Op::Write) => link.reflect(args.warmup + args.iters)?,
-            (Test::Bw, Op::Send) => link.sink(args.iters)?,
+            (Test::Lat, Op::Send) => run.echo(args.warmup + args.iters)?,
+            (Test::Lat, Op::Write) => run.reflect(args.warmup + args.iters)?,
+            (Test::Bw, Op::Send) => run.sink(args.iters)?,
             // READ and WRITE bandwidth: the peer's work reaches our memory only.
             _ => {}
         }
-        // The client's word that it is done: our QP must outlive its work.
-        let mut done = [0u8; 1];
-        control
-            .read_exact(&mut done)
-            .map_err(os("waiting for the client's end"))?;
-        return Ok(());
+        // The QP must outlive the client's work: wait for its goodbye.
+        return wait_for_goodbye(&mut link);
     }
     let clock = Clock::new();
     match args.test {
@@ -160,9 +189,9 @@ fn run(args: &Args) -> Result<()> {
             let total = args.warmup + args.iters;
             let mut samples = Vec::with_capacity(total as usize);
             match args.op {
-                Op::Read => link.read_lat(&clock, total, &mut samples)?,
-                Op::Send => link.send_lat(&clock, total, &mut samples)?,
-                Op::Write => link.write_lat(&clock, total, &mut samples)?,
+                Op::Read => run.read_lat(&clock, total, &mut samples)?,
+                Op::Send => run.send_lat(&clock, total, &mut samples)?,
+                Op::Write => run.write_lat(&clock, total, &mut samples)?,
             }
             let halve = u64::from(args.op != Op::Read);
             let ns: Vec<u64> = samples[args.warmup as usize..]
@@ -176,7 +205,7 @@ fn run(args: &Args) -> Result<()> {
         }
         Test::Bw => {
             let start = clock.now();
-            link.stream(args)?;
+            run.stream(args)?;
             let secs = clock.nanos(start, clock.now()).max(1) as f64 / 1e9;
             let bytes = (args.iters * size as u64) as f64;
             let stats = BandwidthStats {
@@ -191,57 +220,106 @@ fn run(args: &Args) -> Result<()> {
             println!("{}", stats.row(false));
         }
     }
-    control
-        .write_all(&[1])
-        .map_err(os("telling the server the run is over"))?;
+    link.close();
     Ok(())
 }
 
-/// Names what an operating-system call was for.
-fn os(what: &'static str) -> impl FnOnce(io::Error) -> Error {
-    move |source| Error::Os { what, source }
+/// The name each side exports its buffer under: it says the test, so two
+/// sides asked for different tests find no buffer of the name they expect.
+fn export_name(args: &Args) -> String {
+    format!("verbs_perf {:?} {:?} {}", args.op, args.test, args.size)
 }
 
-/// The control connection: the server accepts one client, the client
-/// retries while the server comes up.
-fn meet(args: &Args) -> Result<(TcpStream, SocketAddr)> {
+/// The session handshake: the server accepts one client, the client
+/// connects (retrying while the server comes up). The QP reports to `cq`,
+/// which the loop polls itself.
+fn meet(
+    args: &Args,
+    pd: &ProtectionDomain,
+    cq: &CompletionQueue,
+    buffer: &MemoryRegion,
+    qp: QpConfig,
+) -> Result<Endpoint> {
+    let name = export_name(args);
     if args.server {
-        let listener = TcpListener::bind(&args.listen).map_err(os("listening"))?;
-        let (stream, peer) = listener.accept().map_err(os("accepting the client"))?;
-        stream
-            .set_nodelay(true)
-            .map_err(os("setting TCP_NODELAY"))?;
-        return Ok((stream, peer));
+        let mut config = ServerConfig::default();
+        config.qp = qp;
+        config.cq = CqChoice::Shared(cq.shared());
+        config.max_peers = Some(1);
+        config.max_qps = 1;
+        config.auth_key = args.auth.key()?;
+        let export = buffer.registration().clone();
+        config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
+            Ok(vec![Export::new(
+                1,
+                name.clone(),
+                export.clone(),
+                REMOTE_ACCESS,
+            )])
+        }));
+        let server = ServerSession::bind(&args.listen, pd, config)?;
+        let endpoint = server
+            .accept()
+            .ok_or(Error::InvalidArgument("the listener stopped"))?;
+        for failure in server.take_failures() {
+            eprintln!("verbs_perf: rejected {}: {}", failure.peer, failure.error);
+        }
+        return Ok(endpoint);
     }
     let addr = args.connect.as_deref().unwrap_or_default();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match TcpStream::connect(addr) {
-            Ok(stream) => {
-                stream
-                    .set_nodelay(true)
-                    .map_err(os("setting TCP_NODELAY"))?;
-                let peer = stream
-                    .peer_addr()
-                    .map_err(os("reading the server's address"))?;
-                return Ok((stream, peer));
-            }
-            Err(err) if Instant::now() >= deadline => return Err(os("connecting")(err)),
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
+    let mut spec = QpSpec::new("perf");
+    spec.cq = CqChoice::Shared(cq.shared());
+    spec.qp = qp;
+    let mut config = ClientConfig::new(vec![spec]).with_exports(vec![Export::new(
+        1,
+        name,
+        buffer,
+        REMOTE_ACCESS,
+    )]);
+    config.connect_deadline = Duration::from_secs(60);
+    config.auth_key = args.auth.key()?;
+    ClientSession::connect(addr, pd, &config)
+}
+
+/// The endpoint's one QP, the buffer the peer exported for this test, and
+/// the link; a peer asked for another test is told so and refused.
+fn take_apart(
+    args: &Args,
+    mut endpoint: Endpoint,
+) -> Result<(QueuePair, RemoteRegion, SessionLink)> {
+    let Some(peer) = endpoint.remote_region(&export_name(args)) else {
+        endpoint.send_disconnect(OTHER_TEST);
+        return Err(Error::Protocol {
+            peer: endpoint.peer(),
+            what: "the peer runs another test (--op, --test or -s differ)".into(),
+        });
+    };
+    let peer_addr = endpoint.peer();
+    let (mut qps, link) = endpoint.into_parts();
+    match (qps.pop(), qps.is_empty()) {
+        (Some(qp), true) => Ok((qp, peer, link)),
+        _ => Err(Error::Protocol {
+            peer: peer_addr,
+            what: "the session has more or fewer than one QP".into(),
+        }),
     }
 }
 
-/// One byte each way.
-fn sync(control: &mut TcpStream) -> Result<()> {
-    control
-        .write_all(&[0])
-        .map_err(os("syncing with the peer"))?;
-    let mut byte = [0u8; 1];
-    control
-        .read_exact(&mut byte)
-        .map_err(os("syncing with the peer"))?;
-    Ok(())
+/// Waits until the peer says goodbye (or is gone).
+fn wait_for_goodbye(link: &mut SessionLink) -> Result<()> {
+    loop {
+        match link.check_peer() {
+            PeerStatus::Alive => std::thread::sleep(GOODBYE_CHECK),
+            PeerStatus::Disconnected { code: 0 } => return Ok(()),
+            PeerStatus::Disconnected { code } => {
+                return Err(Error::Protocol {
+                    peer: link.peer(),
+                    what: format!("the client gave up (code {code})"),
+                });
+            }
+            PeerStatus::Lost(err) => return Err(err),
+        }
+    }
 }
 
 /// Fails a wait that has seen no progress for [`STALL`]; looks at the clock
@@ -269,7 +347,10 @@ impl Patience {
         let since = *self.since.get_or_insert_with(Instant::now);
         if since.elapsed() >= STALL {
             let stalled = io::Error::new(io::ErrorKind::TimedOut, format!("nothing for {STALL:?}"));
-            return Err(os(what)(stalled));
+            return Err(Error::Os {
+                what,
+                source: stalled,
+            });
         }
         Ok(())
     }
@@ -316,25 +397,19 @@ impl Signals {
 }
 
 impl Link {
-    fn open(args: &Args) -> Result<Self> {
-        let ctx = Context::open_default(args.dev.device.as_deref())?;
-        let pd = ctx.alloc_pd()?;
-        let sq_depth = args.tx_depth.max(args.signal).max(u64::from(args.batch)) as u32;
-        let cq = ctx.create_cq(sq_depth + RECV_DEPTH, None)?;
-        let access =
-            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
-        let buffer = pd.alloc_mr(2 * args.size as usize, access)?;
-        let mut config = QpConfig::default();
-        args.dev.apply(&mut config);
-        config.max_send_wr = sq_depth;
-        config.max_recv_wr = RECV_DEPTH;
-        config.remote_access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
-        let qp = pd.create_qp(&cq, &cq, &config)?;
-        Ok(Self {
+    fn new(
+        args: &Args,
+        qp: QueuePair,
+        cq: CompletionQueue,
+        buffer: MemoryRegion,
+        peer: RemoteRegion,
+        sq_depth: u32,
+    ) -> Self {
+        Self {
             qp,
             cq,
             buffer,
-            peer: RemoteRegion::new(0, 0, 0),
+            peer,
             wcs: [WorkCompletion::default(); POLL_BATCH],
             size: args.size,
             signals: Signals {
@@ -343,90 +418,7 @@ impl Link {
             },
             sq_used: 0,
             sq_depth: u64::from(sq_depth),
-        })
-    }
-
-    /// Sends our description, reads the peer's, checks both run the same
-    /// test, and connects the QP (posting the receives first).
-    fn exchange(
-        &mut self,
-        args: &Args,
-        control: &mut TcpStream,
-        peer_addr: SocketAddr,
-    ) -> Result<RemoteRegion> {
-        let ours = self.hello(args)?;
-        control
-            .write_all(&ours)
-            .map_err(os("sending our QP and buffer"))?;
-        let mut theirs = [0u8; HELLO_LEN];
-        control
-            .read_exact(&mut theirs)
-            .map_err(os("reading the peer's QP and buffer"))?;
-        let mismatch = |what: &str| Error::Protocol {
-            peer: peer_addr,
-            what: what.to_string(),
-        };
-        if theirs[..4] != HELLO_TAG[..] {
-            return Err(mismatch("not a verbs_perf peer"));
         }
-        // The test: --op, --test and -s.
-        if theirs[4..14] != ours[4..14] {
-            return Err(mismatch(
-                "the peer runs another test (--op, --test or -s differ)",
-            ));
-        }
-        let mut rest = &theirs[14..];
-        let mut take = |len: usize| {
-            let (head, tail) = rest.split_at(len);
-            rest = tail;
-            head
-        };
-        let qpn = u32::from_be_bytes(take(4).try_into().unwrap_or_default());
-        let psn = u32::from_be_bytes(take(4).try_into().unwrap_or_default());
-        let gid = Gid(take(16).try_into().unwrap_or_default());
-        let lid = u16::from_be_bytes(take(2).try_into().unwrap_or_default());
-        let mtu = Mtu::from_raw(u32::from(take(1)[0]));
-        let addr = u64::from_be_bytes(take(8).try_into().unwrap_or_default());
-        let len = u64::from_be_bytes(take(8).try_into().unwrap_or_default());
-        let rkey = u32::from_be_bytes(take(4).try_into().unwrap_or_default());
-        let endpoint = QpEndpoint {
-            qpn,
-            psn,
-            gid,
-            lid,
-            mtu,
-        };
-        let region = RemoteRegion::new(addr, len, rkey);
-        if args.op == Op::Send {
-            for _ in 0..RECV_DEPTH {
-                self.post_receive()?;
-            }
-        }
-        self.qp.connect(&endpoint)?;
-        Ok(region)
-    }
-
-    fn hello(&self, args: &Args) -> Result<[u8; HELLO_LEN]> {
-        let endpoint = self.qp.endpoint();
-        let region = self.buffer.remote()?;
-        let mut out = [0u8; HELLO_LEN];
-        let mut at = 0;
-        let mut put = |bytes: &[u8]| {
-            out[at..at + bytes.len()].copy_from_slice(bytes);
-            at += bytes.len();
-        };
-        put(HELLO_TAG);
-        put(&[args.op as u8, args.test as u8]);
-        put(&u64::from(args.size).to_be_bytes());
-        put(&endpoint.qpn.to_be_bytes());
-        put(&endpoint.psn.to_be_bytes());
-        put(&endpoint.gid.0);
-        put(&endpoint.lid.to_be_bytes());
-        put(&[endpoint.mtu as u8]);
-        put(&region.addr().to_be_bytes());
-        put(&region.len().to_be_bytes());
-        put(&region.rkey().to_be_bytes());
-        Ok(out)
     }
 
     /// Polls the CQ once: send-queue completions free their slots, and the
