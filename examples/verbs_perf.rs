@@ -242,21 +242,23 @@ fn meet(
 ) -> Result<Endpoint> {
     let name = export_name(args);
     if args.server {
-        let mut config = ServerConfig::default();
-        config.qp = qp;
-        config.cq = CqChoice::Shared(cq.shared());
-        config.max_peers = Some(1);
-        config.max_qps = 1;
-        config.auth_key = args.auth.key()?;
         let export = buffer.registration().clone();
-        config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
-            Ok(vec![Export::new(
-                1,
-                name.clone(),
-                export.clone(),
-                REMOTE_ACCESS,
-            )])
-        }));
+        let config = ServerConfig {
+            qp,
+            cq: CqChoice::Shared(cq.shared()),
+            max_peers: Some(1),
+            max_qps: 1,
+            auth_key: args.auth.key()?,
+            exports: Some(Arc::new(move |_, _: &ProtectionDomain| {
+                Ok(vec![Export::new(
+                    1,
+                    name.clone(),
+                    export.clone(),
+                    REMOTE_ACCESS,
+                )])
+            })),
+            ..ServerConfig::default()
+        };
         let server = ServerSession::bind(&args.listen, pd, config)?;
         let endpoint = server
             .accept()
