@@ -193,11 +193,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 // (`flush`), where skipping it would lose it to the SRQ. A
                 // post the shared queue refused is none of this
                 // connection's doing, so it does not fail the connection.
+                // Logged once per connection and pass: a refusal comes
+                // again for every slot after the batch filled.
+                let mut refused = None;
                 conn.take_shared_reposts(|slot| {
                     if let Err(err) = pool.give_back(slot) {
-                        log::error!("reposting SRQ receives: {err}");
+                        refused.get_or_insert(err);
                     }
                 });
+                if let Some(err) = refused {
+                    log::error!("reposting SRQ receives: {err}");
+                }
                 Ok(())
             }
             _ => conn.flush_reposts(),

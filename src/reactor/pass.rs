@@ -15,6 +15,9 @@ use super::slab::Key;
 use super::srq_pool::SrqPool;
 use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, Session, SessionId, Waiter};
 
+/// Longest sleep while SRQ receives wait to be posted again after a
+/// refused post.
+pub(super) const SRQ_RETRY: Duration = Duration::from_millis(1);
 /// Empty busy-poll passes after which unsignaled tails are signaled out.
 pub(super) const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
 /// Empty busy-poll passes after which receives consumed since the last
@@ -81,10 +84,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return Ok(());
         }
         self.counters.sleeps += 1;
-        let mut timeout = self.config.idle_timeout;
-        if let Some(at) = self.recheck_at {
-            timeout = timeout.min(at.saturating_duration_since(Instant::now()));
-        }
+        let timeout = self.sleep_limit();
         self.waiter.wait(timeout, &mut self.fired)?;
         self.drain_channel_events()?;
         if !self.fired.is_empty() {
@@ -94,6 +94,22 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.check_peers();
         }
         Ok(())
+    }
+
+    /// How long [`wait`](Self::wait) may sleep: the idle timeout, or less
+    /// when a peer's partial control frame must be looked at again, or SRQ
+    /// receives a refused post left behind must be tried again (nothing
+    /// else wakes the reactor for them, and the peers' SENDs may be
+    /// waiting for exactly those receives).
+    pub(super) fn sleep_limit(&self) -> Duration {
+        let mut timeout = self.config.idle_timeout;
+        if let Some(at) = self.recheck_at {
+            timeout = timeout.min(at.saturating_duration_since(Instant::now()));
+        }
+        if self.srq.as_ref().is_some_and(SrqPool::has_unposted) {
+            timeout = timeout.min(SRQ_RETRY);
+        }
+        timeout
     }
 
     /// Polls every CQ once (in batches), dispatches, then flushes: reposts

@@ -229,6 +229,13 @@ impl SrqPool {
         }
     }
 
+    /// True while slots given back wait to be posted (a failed post left
+    /// them in the batch or stranded): the next pass must come soon.
+    #[inline]
+    pub(super) fn has_unposted(&self) -> bool {
+        !self.returning.is_empty() || !self.stranded.is_empty()
+    }
+
     /// Posts the slots given back in this pass (and any a failed post
     /// stranded before).
     #[inline]

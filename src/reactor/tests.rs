@@ -6,6 +6,7 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
+use std::time::Duration;
 
 use crate::error::Error;
 use crate::session::CqChoice;
@@ -14,6 +15,7 @@ use crate::verbs::{
     refuse_srq_recvs_after,
 };
 
+use super::pass::SRQ_RETRY;
 use super::{ConnId, Ctx, Handler, HeldRecv, Reactor, ReactorConfig, SessionId};
 
 /// Passes a test waits for something before failing.
@@ -510,6 +512,11 @@ fn srq_slots_a_refused_repost_strands_go_back_with_a_later_pass() {
         SRQ_DEPTH as usize,
         "after the refusals: every slot posted, queued, stranded or returning once"
     );
+    // Nothing but a pass posts them: a reactor that sleeps (in an event
+    // mode) wakes for the next one within SRQ_RETRY, however long its idle
+    // timeout.
+    reactor.config.idle_timeout = Duration::MAX;
+    assert_eq!(reactor.sleep_limit(), SRQ_RETRY);
 
     // Each pass after a failed post tries again (and meets one refusal
     // while they last): once they are used up, the next pass posts.
@@ -520,6 +527,11 @@ fn srq_slots_a_refused_repost_strands_go_back_with_a_later_pass() {
         |reactor| srq_account(reactor).posted.len() == SRQ_DEPTH as usize,
     );
     assert_eq!(reactor.srq_posted(), Some(SRQ_DEPTH));
+    assert_eq!(
+        reactor.sleep_limit(),
+        Duration::MAX,
+        "all posted: no early wake"
+    );
     let ends = [
         ("first", &first),
         ("first's source", &first_source),
