@@ -18,14 +18,18 @@
 //!
 //! Set-up is the session layer's, as for lat_bw: an authenticated
 //! handshake (`--auth-key-file`) connects the QP, and each side exports its
-//! buffer to the other through a memory window of its own. Nothing about the
-//! QP or the buffer reaches a client that cannot prove the key. The session
+//! buffer to the other through a memory window of its own. With a key,
+//! nothing about the QP or the buffer reaches a client that cannot prove
+//! it; without one (as perftest, and lat_bw without a key), the first
+//! client to connect gets both, and the server says so. The session
 //! is then split ([`Endpoint::into_parts`]): the loop owns the QP and polls
 //! its own CQ, and the link stays open to say goodbye and to notice a peer
 //! that is gone.
 //!
-//! Both sides take the same `--op/--test/-s`, checked when they meet (each
-//! exports its buffer under a name that says the test). Latency: READ is
+//! Both sides take the same `--op/--test/-s/-n/--warmup`, checked when they
+//! meet (each exports its buffer under a name that says the test). A
+//! server gives up on a client that has neither finished nor left within
+//! `--deadline` seconds; every other wait fails after 20 s without progress. Latency: READ is
 //! timed per READ; SEND is echoed by a SEND; WRITE is answered by a WRITE the
 //! peer notices by polling the last byte of its buffer. SEND and WRITE report
 //! half the round trip. Bandwidth streams WRITEs or SENDs with `--batch`
@@ -51,6 +55,9 @@ use rdma_comm_core::verbs::{
 use rdma_comm_core::{Error, Result};
 use rdma_perf::{BandwidthStats, Clock, LATENCY_HEADER, LatencyStats, bandwidth_header};
 
+/// Most iterations or messages of a run (a latency run keeps a sample of
+/// 8 bytes per iteration).
+const MAX_ITERS: u64 = 100_000_000;
 /// Receives kept posted (SEND tests).
 const RECV_DEPTH: u32 = 128;
 /// Most requests per doorbell.
@@ -92,11 +99,15 @@ struct Args {
     #[arg(short = 's', long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     size: u32,
     /// Measured iterations (latency) or messages (bandwidth).
-    #[arg(short = 'n', long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(short = 'n', long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=MAX_ITERS))]
     iters: u64,
     /// Unmeasured iterations first (latency).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(0..=MAX_ITERS))]
     warmup: u64,
+    /// Seconds the whole run may take, from the handshake on: a server
+    /// whose client neither finishes nor leaves gives up then.
+    #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=86_400 * 30))]
+    deadline: u64,
     /// Bandwidth: requests per doorbell (at most 32).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH as i64))]
     batch: u32,
@@ -164,6 +175,7 @@ fn run(args: &Args) -> Result<()> {
     qp_config.max_recv_wr = RECV_DEPTH;
     qp_config.remote_access = REMOTE_ACCESS;
     let endpoint = meet(args, &pd, &cq, &buffer, qp_config)?;
+    let deadline = Instant::now() + Duration::from_secs(args.deadline);
     let (qp, peer, mut link) = take_apart(args, endpoint)?;
     let mut run = Link::new(args, qp, cq, buffer, peer, sq_depth);
     if args.op == Op::Send {
@@ -181,7 +193,7 @@ fn run(args: &Args) -> Result<()> {
             _ => {}
         }
         // The QP must outlive the client's work: wait for its goodbye.
-        return wait_for_goodbye(&mut link);
+        return wait_for_goodbye(&mut link, deadline);
     }
     let clock = Clock::new();
     match args.test {
@@ -227,7 +239,10 @@ fn run(args: &Args) -> Result<()> {
 /// The name each side exports its buffer under: it says the test, so two
 /// sides asked for different tests find no buffer of the name they expect.
 fn export_name(args: &Args) -> String {
-    format!("verbs_perf {:?} {:?} {}", args.op, args.test, args.size)
+    format!(
+        "verbs_perf {:?} {:?} -s {} -n {} --warmup {}",
+        args.op, args.test, args.size, args.iters, args.warmup
+    )
 }
 
 /// The session handshake: the server accepts one client, the client
@@ -242,13 +257,20 @@ fn meet(
 ) -> Result<Endpoint> {
     let name = export_name(args);
     if args.server {
+        let auth_key = args.auth.key()?;
+        if auth_key.is_none() {
+            eprintln!(
+                "verbs_perf: no --auth-key-file (or RDMA_COMM_AUTH_KEY): the first client to \
+                 connect gets the QP and the buffer"
+            );
+        }
         let export = buffer.registration().clone();
         let config = ServerConfig {
             qp,
             cq: CqChoice::Shared(cq.shared()),
             max_peers: Some(1),
             max_qps: 1,
-            auth_key: args.auth.key()?,
+            auth_key,
             exports: Some(Arc::new(move |_, _: &ProtectionDomain| {
                 Ok(vec![Export::new(
                     1,
@@ -307,10 +329,17 @@ fn take_apart(
     }
 }
 
-/// Waits until the peer says goodbye (or is gone).
-fn wait_for_goodbye(link: &mut SessionLink) -> Result<()> {
+/// Waits until the peer says goodbye (or is gone, or the run's deadline
+/// passes).
+fn wait_for_goodbye(link: &mut SessionLink, deadline: Instant) -> Result<()> {
     loop {
         match link.check_peer() {
+            PeerStatus::Alive if Instant::now() >= deadline => {
+                return Err(Error::Protocol {
+                    peer: link.peer(),
+                    what: "the client neither finished nor left within --deadline".into(),
+                });
+            }
             PeerStatus::Alive => std::thread::sleep(GOODBYE_CHECK),
             PeerStatus::Disconnected { code: 0 } => return Ok(()),
             PeerStatus::Disconnected { code } => {
@@ -484,7 +513,12 @@ impl Link {
         let mut got = 0;
         let mut patience = Patience::new();
         while got < want {
-            got += self.poll()?;
+            let received = self.poll()?;
+            got += received;
+            if received > 0 {
+                // Waiting on a stream of them: the stall is a gap in it.
+                patience = Patience::new();
+            }
             patience.spin("waiting for a message")?;
         }
         Ok(())
