@@ -66,20 +66,8 @@ fn run(example: &str, op: &str, test: &str, size: usize, iters: usize) -> Vec<f6
     run_example(example, &listen, &[], op, test, size, iters).0
 }
 
-/// Runs one lat_bw server/client pair on `listen` with `extra` flags on
-/// both; returns the client's data row and its whole output.
-fn run_on(
-    listen: &str,
-    extra: &[&str],
-    op: &str,
-    test: &str,
-    size: usize,
-    iters: usize,
-) -> (Vec<f64>, String) {
-    run_example("lat_bw", listen, extra, op, test, size, iters)
-}
-
-/// As [`run_on`], for `example`.
+/// Runs one server/client pair of `example` on `listen` with `extra` flags
+/// on both; returns the client's data row and its whole output.
 fn run_example(
     example: &str,
     listen: &str,
@@ -141,7 +129,7 @@ verbs_test! {
     fn a_bandwidth_client_of_large_messages_sleeps_and_moves_them_all() {
         for op in ["read", "write", "send"] {
             let listen = format!("127.0.0.1:{}", free_port());
-            let (row, stdout) = run_on(&listen, &[], op, "bw", 1 << 20, 24);
+            let (row, stdout) = run_example("lat_bw", &listen, &[], op, "bw", 1 << 20, 24);
             assert!(stdout.contains("Event mode: Blocking"), "{op}: {stdout}");
             let (average, rate) = (row[3], row[4]);
             assert!(average > 0.0 && rate > 0.0, "{op}: {row:?}");
@@ -149,7 +137,7 @@ verbs_test! {
         // Below that size, or when asked, it polls.
         for (extra, size) in [(&[][..], 512 << 10), (&["--event-mode", "busy"][..], 1 << 20)] {
             let listen = format!("127.0.0.1:{}", free_port());
-            let (_, stdout) = run_on(&listen, extra, "read", "bw", size, 8);
+            let (_, stdout) = run_example("lat_bw", &listen, extra, "read", "bw", size, 8);
             assert!(stdout.contains("Event mode: Busy"), "{size} B {extra:?}: {stdout}");
         }
     }
@@ -217,9 +205,9 @@ verbs_test! {
         // rxe0's address: the connection manager resolves it to the device.
         for (port, op) in [(7700, "send"), (7701, "write"), (7702, "write-imm"), (7703, "read")] {
             let listen = format!("10.77.0.1:{port}");
-            let (row, _) = run_on(&listen, &["--cm"], op, "lat", 8, 200);
+            let (row, _) = run_example("lat_bw", &listen, &["--cm"], op, "lat", 8, 200);
             assert_eq!(row.len(), 9, "{op}: {row:?}");
-            let (row, _) = run_on(&listen, &["--cm"], op, "bw", 64, 2000);
+            let (row, _) = run_example("lat_bw", &listen, &["--cm"], op, "bw", 64, 2000);
             assert!(row[3] > 0.0, "{op}: {row:?}");
             println!("{op} over rdma_cm: bandwidth row {row:?}");
         }

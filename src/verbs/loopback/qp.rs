@@ -628,17 +628,14 @@ impl LbQp {
                 break 'post libc::EINVAL;
             }
             #[cfg(test)]
-            let (limit, mut accepted) = (super::registry::take_send_limit(self.qpn), 0);
+            let mut limit = super::registry::take_send_limit(self.qpn);
             let mut cur = head;
             while !cur.is_null() {
                 #[cfg(test)]
-                {
-                    if limit.is_some_and(|limit| accepted >= limit) {
-                        // SAFETY: `bad` is writable.
-                        unsafe { *bad = cur };
-                        break 'post libc::ENOMEM;
-                    }
-                    accepted += 1;
+                if limit.refuses_next() {
+                    // SAFETY: `bad` is writable.
+                    unsafe { *bad = cur };
+                    break 'post libc::ENOMEM;
                 }
                 // SAFETY: a valid request of the caller's list.
                 let wr = unsafe { &*cur };

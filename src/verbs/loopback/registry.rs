@@ -76,53 +76,79 @@ pub(super) fn is_mr_registered(key: u32) -> bool {
     read_mrs().contains_key(&key)
 }
 
-/// Test-only fault: by QP number, how many requests the next
-/// `ibv_post_send` on that QP accepts before it refuses the rest of its
-/// list with `ENOMEM`, as a provider whose queue filled up mid-list does.
+/// Test-only faults: by QP number (send lists) and by SRQ handle (receive
+/// lists of an SRQ), how many requests each of the next posts accepts
+/// before it refuses the rest of its list with `ENOMEM`, as a provider
+/// whose queue filled up mid-list does. Queued: calls in a row limit posts
+/// in a row.
 #[cfg(test)]
-static SEND_POST_LIMITS: LazyLock<Mutex<KeyMap<usize>>> = LazyLock::new(Default::default);
-
-/// Makes the next post of a send list on QP `qpn` accept only its first
-/// `accepted` requests (tests of a partial post).
-#[cfg(test)]
-pub(crate) fn refuse_sends_after(qpn: u32, accepted: usize) {
-    lock(&SEND_POST_LIMITS).insert(qpn, accepted);
-}
-
-/// The limit `refuse_sends_after` set for this post on `qpn`, if any
-/// (taken: it holds for one post).
-#[cfg(test)]
-pub(super) fn take_send_limit(qpn: u32) -> Option<usize> {
-    lock(&SEND_POST_LIMITS).remove(&qpn)
-}
-
-/// Test-only fault: by SRQ handle, how many receives each of the next
-/// `ibv_post_srq_recv`s on that SRQ accepts before it refuses the rest of
-/// its list with `ENOMEM`, as a provider whose SRQ filled up mid-list does.
+static SEND_POST_LIMITS: LazyLock<Mutex<KeyMap<VecDeque<usize>>>> = LazyLock::new(Default::default);
 #[cfg(test)]
 static SRQ_POST_LIMITS: LazyLock<Mutex<KeyMap<VecDeque<usize>>>> = LazyLock::new(Default::default);
 
-/// Makes a post of a receive list on the SRQ whose handle is `handle`
-/// accept only its first `accepted` receives (tests of a partial post):
-/// the next post not limited already, so that calls in a row limit posts
-/// in a row.
+#[cfg(test)]
+fn queue_limit(limits: &Mutex<KeyMap<VecDeque<usize>>>, key: u32, accepted: usize) {
+    lock(limits).entry(key).or_default().push_back(accepted);
+}
+
+#[cfg(test)]
+fn take_limit(limits: &Mutex<KeyMap<VecDeque<usize>>>, key: u32) -> PostLimit {
+    let mut limits = lock(limits);
+    let Some(queued) = limits.get_mut(&key) else {
+        return PostLimit::default();
+    };
+    let limit = queued.pop_front();
+    if queued.is_empty() {
+        limits.remove(&key);
+    }
+    PostLimit { limit, accepted: 0 }
+}
+
+/// Makes the next post of a send list on QP `qpn` (not limited already)
+/// accept only its first `accepted` requests (tests of a partial post).
+#[cfg(test)]
+pub(crate) fn refuse_sends_after(qpn: u32, accepted: usize) {
+    queue_limit(&SEND_POST_LIMITS, qpn, accepted);
+}
+
+/// The limit `refuse_sends_after` set for this post on `qpn`, if any.
+#[cfg(test)]
+pub(super) fn take_send_limit(qpn: u32) -> PostLimit {
+    take_limit(&SEND_POST_LIMITS, qpn)
+}
+
+/// Makes the next post of a receive list on the SRQ whose handle is
+/// `handle` (not limited already) accept only its first `accepted`
+/// receives (tests of a partial post).
 #[cfg(test)]
 pub(crate) fn refuse_srq_recvs_after(handle: u32, accepted: usize) {
-    lock(&SRQ_POST_LIMITS)
-        .entry(handle)
-        .or_default()
-        .push_back(accepted);
+    queue_limit(&SRQ_POST_LIMITS, handle, accepted);
 }
 
 /// The limit `refuse_srq_recvs_after` set for this post on SRQ `handle`,
-/// if any (taken: each holds for one post).
+/// if any.
 #[cfg(test)]
-pub(super) fn take_srq_recv_limit(handle: u32) -> Option<usize> {
-    let mut limits = lock(&SRQ_POST_LIMITS);
-    let queued = limits.get_mut(&handle)?;
-    let limit = queued.pop_front();
-    if queued.is_empty() {
-        limits.remove(&handle);
+pub(super) fn take_srq_recv_limit(handle: u32) -> PostLimit {
+    take_limit(&SRQ_POST_LIMITS, handle)
+}
+
+/// One post's test-only limit (none: it takes its whole list).
+#[cfg(test)]
+#[derive(Default)]
+pub(super) struct PostLimit {
+    limit: Option<usize>,
+    accepted: usize,
+}
+
+#[cfg(test)]
+impl PostLimit {
+    /// Whether the post refuses its next request; if not, it is counted
+    /// as taken.
+    pub(super) fn refuses_next(&mut self) -> bool {
+        if self.limit.is_some_and(|limit| self.accepted >= limit) {
+            return true;
+        }
+        self.accepted += 1;
+        false
     }
-    limit
 }

@@ -160,17 +160,14 @@ impl LbSrq {
         let rc = 'post: {
             let mut queue = self.queue();
             #[cfg(test)]
-            let (limit, mut accepted) = (super::registry::take_srq_recv_limit(self.handle), 0);
+            let mut limit = super::registry::take_srq_recv_limit(self.handle);
             let mut cur = head;
             while !cur.is_null() {
                 #[cfg(test)]
-                {
-                    if limit.is_some_and(|limit| accepted >= limit) {
-                        // SAFETY: `bad` is writable.
-                        unsafe { *bad = cur };
-                        break 'post libc::ENOMEM;
-                    }
-                    accepted += 1;
+                if limit.refuses_next() {
+                    // SAFETY: `bad` is writable.
+                    unsafe { *bad = cur };
+                    break 'post libc::ENOMEM;
                 }
                 // SAFETY: a valid request of the caller's list.
                 let wr = unsafe { &*cur };
