@@ -498,8 +498,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// The descriptor to wait on in another event loop (Epoll: the epoll set;
     /// Blocking: the completion channel). Call [`prepare_wait`](Self::prepare_wait)
-    /// before sleeping on it and [`drain_channel_events`](Self::drain_channel_events)
-    /// plus [`poll_once`](Self::poll_once) when it fires.
+    /// before sleeping on it, for no longer than
+    /// [`sleep_limit`](Self::sleep_limit), and
+    /// [`drain_channel_events`](Self::drain_channel_events) plus
+    /// [`poll_once`](Self::poll_once) when it fires or the limit passes.
     pub fn event_fd(&self) -> Option<RawFd> {
         self.waiter.fd()
     }

@@ -100,8 +100,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// when a peer's partial control frame must be looked at again, or SRQ
     /// receives a refused post left behind must be tried again (nothing
     /// else wakes the reactor for them, and the peers' SENDs may be
-    /// waiting for exactly those receives).
-    pub(super) fn sleep_limit(&self) -> Duration {
+    /// waiting for exactly those receives). A loop of its own that sleeps
+    /// on [`event_fd`](Self::event_fd) after
+    /// [`prepare_wait`](Self::prepare_wait) sleeps no longer than this
+    /// either, then calls [`poll_once`](Self::poll_once).
+    pub fn sleep_limit(&self) -> Duration {
         let mut timeout = self.config.idle_timeout;
         if let Some(at) = self.recheck_at {
             timeout = timeout.min(at.saturating_duration_since(Instant::now()));
@@ -168,13 +171,24 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         // Here rather than in `turn`, so a loop of the user's own that calls
         // `poll_once` gets them too.
+        let mut late = false;
         if let Some(timer) = &mut self.peer_timer
             && timer.expired_after(done)
         {
             self.check_peers();
+            late = true;
         }
         if !self.deferred.removals.is_empty() {
             self.apply_removals();
+            late = true;
+        }
+        // Peer checks and removals come after this pass's flush, and may
+        // hand a connection receives to repost (a relay removed with
+        // forwards in flight gives its origin their slots back): they go
+        // out now, not with a pass that a reactor about to sleep may not
+        // make for a long time.
+        if late && (self.unsettled || self.conns.has_touched()) {
+            self.flush(true, false);
         }
         Ok(done)
     }
