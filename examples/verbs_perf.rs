@@ -27,9 +27,9 @@
 //! that is gone.
 //!
 //! Both sides take the same `--op/--test/-s/-n/--warmup`, checked when they
-//! meet (each exports its buffer under a name that says the test). A
-//! server gives up on a client that has neither finished nor left within
-//! `--deadline` seconds; every other wait fails after 20 s without progress. Latency: READ is
+//! meet (each exports its buffer under a name that says the test). A run
+//! not over within `--deadline` seconds of the handshake fails, on either
+//! side, and any wait fails after 20 s without progress. Latency: READ is
 //! timed per READ; SEND is echoed by a SEND; WRITE is answered by a WRITE the
 //! peer notices by polling the last byte of its buffer. SEND and WRITE report
 //! half the round trip. Bandwidth streams WRITEs or SENDs with `--batch`
@@ -104,8 +104,8 @@ struct Args {
     /// Unmeasured iterations first (latency).
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(0..=MAX_ITERS))]
     warmup: u64,
-    /// Seconds the whole run may take, from the handshake on: a server
-    /// whose client neither finishes nor leaves gives up then.
+    /// Seconds the whole run may take, from the handshake on (either side
+    /// gives up then: a peer that keeps up a trickle holds it no longer).
     #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=86_400 * 30))]
     deadline: u64,
     /// Bandwidth: requests per doorbell (at most 32).
@@ -177,7 +177,7 @@ fn run(args: &Args) -> Result<()> {
     let endpoint = meet(args, &pd, &cq, &buffer, qp_config)?;
     let deadline = Instant::now() + Duration::from_secs(args.deadline);
     let (qp, peer, mut link) = take_apart(args, endpoint)?;
-    let mut run = Link::new(args, qp, cq, buffer, peer, sq_depth);
+    let mut run = Link::new(args, qp, cq, buffer, peer, sq_depth, deadline);
     if args.op == Op::Send {
         for _ in 0..RECV_DEPTH {
             run.post_receive()?;
@@ -315,7 +315,7 @@ fn take_apart(
         endpoint.send_disconnect(OTHER_TEST);
         return Err(Error::Protocol {
             peer: endpoint.peer(),
-            what: "the peer runs another test (--op, --test or -s differ)".into(),
+            what: "the peer runs another test (--op, --test, -s, -n or --warmup differ)".into(),
         });
     };
     let peer_addr = endpoint.peer();
@@ -353,18 +353,21 @@ fn wait_for_goodbye(link: &mut SessionLink, deadline: Instant) -> Result<()> {
     }
 }
 
-/// Fails a wait that has seen no progress for [`STALL`]; looks at the clock
-/// only every [`SPINS_PER_CLOCK_CHECK`] calls.
+/// Fails a wait that has seen no progress for [`STALL`], or that goes on
+/// past the run's deadline; looks at the clock only every
+/// [`SPINS_PER_CLOCK_CHECK`] calls.
 struct Patience {
     spins: u32,
     since: Option<Instant>,
+    deadline: Instant,
 }
 
 impl Patience {
-    fn new() -> Self {
+    fn new(deadline: Instant) -> Self {
         Self {
             spins: 0,
             since: None,
+            deadline,
         }
     }
 
@@ -375,9 +378,16 @@ impl Patience {
             return Ok(());
         }
         self.spins = 0;
-        let since = *self.since.get_or_insert_with(Instant::now);
-        if since.elapsed() >= STALL {
-            let stalled = io::Error::new(io::ErrorKind::TimedOut, format!("nothing for {STALL:?}"));
+        let now = Instant::now();
+        let since = *self.since.get_or_insert(now);
+        let late = now >= self.deadline;
+        if late || now.duration_since(since) >= STALL {
+            let why = if late {
+                "the run passed --deadline".to_string()
+            } else {
+                format!("nothing for {STALL:?}")
+            };
+            let stalled = io::Error::new(io::ErrorKind::TimedOut, why);
             return Err(Error::Os {
                 what,
                 source: stalled,
@@ -402,6 +412,8 @@ struct Link {
     /// Send-queue slots in use: requests posted and not known complete.
     sq_used: u64,
     sq_depth: u64,
+    /// When the run must be over (every wait gives up then).
+    deadline: Instant,
 }
 
 /// Selective signaling: one request in `every` is signaled, and carries in
@@ -435,6 +447,7 @@ impl Link {
         buffer: MemoryRegion,
         peer: RemoteRegion,
         sq_depth: u32,
+        deadline: Instant,
     ) -> Self {
         Self {
             qp,
@@ -449,6 +462,7 @@ impl Link {
             },
             sq_used: 0,
             sq_depth: u64::from(sq_depth),
+            deadline,
         }
     }
 
@@ -481,7 +495,7 @@ impl Link {
     /// Polls until a send-queue slot is free.
     #[inline]
     fn wait_for_room(&mut self) -> Result<()> {
-        let mut patience = Patience::new();
+        let mut patience = Patience::new(self.deadline);
         while self.sq_used >= self.sq_depth {
             self.poll()?;
             patience.spin("waiting for send completions")?;
@@ -511,13 +525,13 @@ impl Link {
     #[inline]
     fn wait_for_receives(&mut self, want: u64) -> Result<()> {
         let mut got = 0;
-        let mut patience = Patience::new();
+        let mut patience = Patience::new(self.deadline);
         while got < want {
             let received = self.poll()?;
             got += received;
             if received > 0 {
                 // Waiting on a stream of them: the stall is a gap in it.
-                patience = Patience::new();
+                patience = Patience::new(self.deadline);
             }
             patience.spin("waiting for a message")?;
         }
@@ -528,7 +542,7 @@ impl Link {
     #[inline]
     fn wait_for_marker(&mut self, marker: u8) -> Result<()> {
         let at = self.size as usize - 1;
-        let mut patience = Patience::new();
+        let mut patience = Patience::new(self.deadline);
         while self.buffer.load_byte(at) != Some(marker) {
             patience.spin("waiting for the peer's WRITE")?;
         }
@@ -549,7 +563,7 @@ impl Link {
             let local = self.buffer.slice(0, size)?;
             self.qp
                 .post_send(WorkRequest::read(1, local, remote)?.signaled())?;
-            let mut patience = Patience::new();
+            let mut patience = Patience::new(self.deadline);
             while self.sq_used > 0 {
                 self.poll()?;
                 patience.spin("waiting for a READ")?;
@@ -628,7 +642,7 @@ impl Link {
             SendFlags::empty()
         };
         let mut posted = 0;
-        let mut patience = Patience::new();
+        let mut patience = Patience::new(self.deadline);
         while posted < args.iters || self.sq_used > 0 {
             let take = u64::from(args.batch).min(args.iters - posted);
             if take > 0 && self.sq_used + take <= depth {
@@ -646,7 +660,7 @@ impl Link {
                 self.qp.post_send_batch(&mut batch)?;
                 posted += take;
                 self.sq_used += take;
-                patience = Patience::new();
+                patience = Patience::new(self.deadline);
                 continue;
             }
             self.poll()?;
