@@ -783,3 +783,36 @@ fn an_srq_slot_consumed_by_a_qp_the_reactor_does_not_serve_comes_back() {
     assert_eq!(reactor.ignored_completions(), (0, 1));
     drop(stranger);
 }
+
+/// A session removed at its handler's request (the removal comes after
+/// the pass's flush) hands the SRQ receives it consumed back: that same
+/// pass posts them, so a reactor about to sleep owes the SRQ nothing.
+#[test]
+fn receives_a_removal_hands_back_go_out_in_the_same_pass() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    run_until_srq_whole(&mut reactor, "the SRQ posted");
+    send(&mut reactor, source.conn, &[1; 8]);
+    send(&mut reactor, source.conn, &[2; 8]);
+    run_until(&mut reactor, "two messages", |_| {
+        origin.seen.borrow().messages.len() == 2
+    });
+    let account = srq_account(&reactor);
+    assert!(
+        account.posted.len() < SRQ_DEPTH as usize,
+        "the two wait for a fuller repost batch: {account:?}"
+    );
+
+    reactor.with_ctx(|ctx| ctx.remove_session(origin.session));
+    reactor.poll_once().expect("the pass that removes it");
+    assert!(reactor.sessions.get(origin.session.0).is_none(), "removed");
+    let account = srq_account(&reactor);
+    assert_eq!(
+        account.posted.len(),
+        SRQ_DEPTH as usize,
+        "every slot posted by the pass of the removal: {account:?}"
+    );
+}
