@@ -27,6 +27,26 @@ fn two_pairs_on(
     [a, b, c, d]
 }
 
+/// A CQ, an SRQ of `depth` receives, a region of `len` bytes for them, and
+/// two connected pairs on the CQ whose receiving ends (`b`, `d`) take their
+/// receives from the SRQ (the objects hold their context and PD).
+struct OnSrq {
+    cq: CompletionQueue,
+    srq: SharedReceiveQueue,
+    mr: MemoryRegion,
+    qps: [QueuePair; 4],
+}
+
+fn on_srq(depth: u32, len: usize) -> OnSrq {
+    let ctx = single_threaded_context();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(32, None).unwrap();
+    let srq = pd.create_srq(depth).unwrap();
+    let mr = pd.alloc_mr(len, AccessFlags::LOCAL_WRITE).unwrap();
+    let qps = two_pairs_on(&pd, &cq, &srq);
+    OnSrq { cq, srq, mr, qps }
+}
+
 /// Posts on `srq` a receive of 8 bytes at `8 * id` in `mr` for each of `ids`.
 fn post_srq(srq: &mut SharedReceiveQueue, mr: &MemoryRegion, ids: std::ops::Range<u64>) {
     let mut batch: RecvBatch<'_, 16> = RecvBatch::new();
@@ -47,12 +67,12 @@ fn receives(wcs: &[WorkCompletion]) -> Vec<(u64, u32, WcStatus)> {
 
 #[test]
 fn qps_on_one_srq_take_its_receives_in_order_under_their_own_number() {
-    let ctx = single_threaded_context();
-    let pd = ctx.alloc_pd().unwrap();
-    let mut cq = ctx.create_cq(32, None).unwrap();
-    let mut srq = pd.create_srq(8).unwrap();
-    let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    let [mut a, b, mut c, d] = two_pairs_on(&pd, &cq, &srq);
+    let OnSrq {
+        mut cq,
+        mut srq,
+        mr,
+        qps: [mut a, b, mut c, d],
+    } = on_srq(8, 64);
     post_srq(&mut srq, &mr, 0..3);
 
     a.post_send(WorkRequest::send_inline(100, b"from a"))
@@ -108,12 +128,12 @@ fn a_full_srq_refuses_more_and_a_qp_on_it_takes_no_receives_of_its_own() {
 
 #[test]
 fn the_refusal_knob_takes_the_head_of_one_srq_post_per_call() {
-    let ctx = single_threaded_context();
-    let pd = ctx.alloc_pd().unwrap();
-    let mut cq = ctx.create_cq(32, None).unwrap();
-    let mut srq = pd.create_srq(16).unwrap();
-    let mr = pd.alloc_mr(128, AccessFlags::LOCAL_WRITE).unwrap();
-    let [mut a, _b, _c, _d] = two_pairs_on(&pd, &cq, &srq);
+    let OnSrq {
+        mut cq,
+        mut srq,
+        mr,
+        qps: [mut a, _b, _c, _d],
+    } = on_srq(16, 128);
     let mut batch: RecvBatch<'_, 8> = RecvBatch::new();
     for id in 0..5 {
         let slice = mr.slice(8 * id as usize, 8).unwrap();
@@ -147,12 +167,12 @@ fn the_refusal_knob_takes_the_head_of_one_srq_post_per_call() {
 
 #[test]
 fn a_send_that_finds_the_srq_empty_waits_for_its_next_post() {
-    let ctx = single_threaded_context();
-    let pd = ctx.alloc_pd().unwrap();
-    let mut cq = ctx.create_cq(32, None).unwrap();
-    let mut srq = pd.create_srq(8).unwrap();
-    let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    let [mut a, b, mut c, d] = two_pairs_on(&pd, &cq, &srq);
+    let OnSrq {
+        mut cq,
+        mut srq,
+        mr,
+        qps: [mut a, b, mut c, d],
+    } = on_srq(8, 64);
     a.post_send(WorkRequest::send_inline(100, b"a").signaled())
         .unwrap();
     c.post_send(WorkRequest::send_inline(101, b"c").signaled())
@@ -176,12 +196,12 @@ fn a_send_that_finds_the_srq_empty_waits_for_its_next_post() {
 
 #[test]
 fn a_qp_on_an_srq_going_to_error_flushes_none_of_its_receives() {
-    let ctx = single_threaded_context();
-    let pd = ctx.alloc_pd().unwrap();
-    let mut cq = ctx.create_cq(32, None).unwrap();
-    let mut srq = pd.create_srq(8).unwrap();
-    let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    let [mut a, b, mut c, d] = two_pairs_on(&pd, &cq, &srq);
+    let OnSrq {
+        mut cq,
+        mut srq,
+        mr,
+        qps: [mut a, b, mut c, d],
+    } = on_srq(8, 64);
     post_srq(&mut srq, &mr, 0..3);
     b.set_error().unwrap();
     assert!(
