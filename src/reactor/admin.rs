@@ -221,11 +221,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         conn.shut_down(|origin, slot, from_srq| released.push((origin, slot, from_srq)));
         if let Some(pool) = &mut self.srq {
             pool.remove_owner(conn.qpn, conn.recv_depth);
-            conn.take_shared_reposts(|slot| {
-                if let Err(err) = pool.give_back(slot) {
-                    log::error!("reposting SRQ receives of a removed connection: {err}");
-                }
-            });
+            conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
         }
         // Dropping the connection destroys its QP before its rings.
         drop(conn);

@@ -49,9 +49,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         if let Some(pool) = &mut self.srq {
             for slot in self.deferred.srq_returns.drain(..) {
-                if let Err(err) = pool.give_back(slot) {
-                    log::error!("reposting an SRQ receive: {err}");
-                }
+                pool.give_back_noting(slot);
             }
             if let Err(err) = pool.flush() {
                 log::error!("reposting SRQ receives: {err}");
@@ -152,11 +150,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return;
         };
         if let Some(pool) = &mut self.srq {
-            conn.take_shared_reposts(|slot| {
-                if let Err(err) = pool.give_back(slot) {
-                    log::error!("reposting SRQ receives of a closed connection: {err}");
-                }
-            });
+            conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
         }
         let (unsettled, reposts, tail) = conn.leftovers();
         self.note_left(index, left, unsettled, reposts, tail);
@@ -192,18 +186,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 // of the pass posts them or leaves them for the next
                 // (`flush`), where skipping it would lose it to the SRQ. A
                 // post the shared queue refused is none of this
-                // connection's doing, so it does not fail the connection.
-                // Logged once per connection and pass: a refusal comes
-                // again for every slot after the batch filled.
-                let mut refused = None;
-                conn.take_shared_reposts(|slot| {
-                    if let Err(err) = pool.give_back(slot) {
-                        refused.get_or_insert(err);
-                    }
-                });
-                if let Some(err) = refused {
-                    log::error!("reposting SRQ receives: {err}");
-                }
+                // connection's doing, so it does not fail the connection
+                // (the pass's end logs it).
+                conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
                 Ok(())
             }
             _ => conn.flush_reposts(),

@@ -53,6 +53,10 @@ pub(super) struct SrqPool {
     /// Receives consumed by QPs the reactor does not serve (not yet added,
     /// or removed), given back to the SRQ.
     pub(super) reclaimed: u64,
+    /// The first refused post since the last log line, and how many
+    /// followed it: a refusal repeats for every slot given back after the
+    /// batch filled, so it is logged once per pass, not once per slot.
+    refusals: Option<(Error, u32)>,
 }
 
 // SAFETY: the ring pointer and the batch point into `region`, which the
@@ -92,6 +96,7 @@ impl SrqPool {
             posts: 0,
             available: 0,
             reclaimed: 0,
+            refusals: None,
         };
         for slot in 0..slots {
             pool.give_back(slot)?;
@@ -197,6 +202,19 @@ impl SrqPool {
         Ok(())
     }
 
+    /// As [`give_back`](Self::give_back), for the many slots a connection
+    /// returns at once: a refused post is noted, and logged by the
+    /// pass's [`flush`](Self::flush) (the slot is kept either way).
+    #[inline]
+    pub(super) fn give_back_noting(&mut self, slot: u32) {
+        if let Err(err) = self.give_back(slot) {
+            match &mut self.refusals {
+                Some((_, more)) => *more += 1,
+                None => self.refusals = Some((err, 0)),
+            }
+        }
+    }
+
     /// Puts `slot` in the batch with a fresh tag (the batch has room).
     #[inline]
     fn queue(&mut self, slot: u32) {
@@ -240,6 +258,9 @@ impl SrqPool {
     /// stranded before).
     #[inline]
     pub(super) fn flush(&mut self) -> Result<()> {
+        if let Some((err, more)) = self.refusals.take() {
+            log::error!("reposting SRQ receives: {err} (and {more} more refusals this pass)");
+        }
         self.srq.post_recv_batch(&mut self.returning)?;
         if !self.stranded.is_empty() {
             self.unstrand()?;
