@@ -227,7 +227,7 @@ verbs_test! {
                 // No longer than the reactor allows (it may owe a pass).
                 let timeout = reactor.sleep_limit().min(std::time::Duration::from_millis(100));
                 // SAFETY: `ready` has room for one event.
-                let n = unsafe { libc::epoll_wait(outer, ready.as_mut_ptr(), 1, timeout.as_millis() as i32) };
+                let n = unsafe { libc::epoll_wait(outer, ready.as_mut_ptr(), 1, timeout.as_nanos().div_ceil(1_000_000) as i32) };
                 if n == 1 {
                     assert_eq!({ ready[0].u64 }, 42);
                     sleeps += 1;

@@ -175,8 +175,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if let Some(timer) = &mut self.peer_timer
             && timer.expired_after(done)
         {
-            self.check_peers();
-            late = true;
+            late = self.check_peers();
         }
         if !self.deferred.removals.is_empty() {
             self.apply_removals();
@@ -431,7 +430,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// peer's last completions may still be queued (a polite peer hangs up
     /// right after its last message), so the handler decides when to let go.
     #[cold]
-    fn check_peers(&mut self) {
+    /// Returns whether a handler was told (and so may have changed
+    /// connections).
+    fn check_peers(&mut self) -> bool {
         let mut gone: Vec<(SessionId, PeerStatus)> = Vec::new();
         // Every link is looked at: those still holding part of a frame set
         // the next recheck again.
@@ -441,7 +442,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 gone.push((SessionId(key), status));
             }
         }
-        self.tell_gone(gone);
+        self.tell_gone(gone)
     }
 
     /// Looks at the peers whose control connection woke the last wait.
@@ -494,9 +495,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// CQs: what the peer sent before its goodbye (acknowledged, so in our
     /// CQ before the goodbye left) reaches the handler first, whatever the
     /// order in which this pass saw the two.
-    fn tell_gone(&mut self, gone: Vec<(SessionId, PeerStatus)>) {
+    /// Returns whether any was told.
+    fn tell_gone(&mut self, gone: Vec<(SessionId, PeerStatus)>) -> bool {
         if gone.is_empty() {
-            return;
+            return false;
         }
         if let Err(err) = self.poll_once() {
             log::warn!("polling before telling of peers gone: {err}");
@@ -508,6 +510,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             self.unsettled = true;
         }
+        true
     }
 
     /// Removes the sessions callbacks asked to remove.
