@@ -353,9 +353,10 @@ fn wait_for_goodbye(link: &mut SessionLink, deadline: Instant) -> Result<()> {
     }
 }
 
-/// Fails a wait that has seen no progress for [`STALL`], or that goes on
-/// past the run's deadline; looks at the clock only every
-/// [`SPINS_PER_CLOCK_CHECK`] calls.
+/// Fails a wait that has seen no progress for [`STALL`], or any wait past
+/// the run's deadline; looks at the clock only every
+/// [`SPINS_PER_CLOCK_CHECK`] calls, counted over all the run's waits (so
+/// a peer that keeps each wait short still meets the deadline).
 struct Patience {
     spins: u32,
     since: Option<Instant>,
@@ -369,6 +370,13 @@ impl Patience {
             since: None,
             deadline,
         }
+    }
+
+    /// A wait starts, or the one under way got something: the stall clock
+    /// starts again (the deadline stays).
+    #[inline]
+    fn progressed(&mut self) {
+        self.since = None;
     }
 
     #[inline]
@@ -412,8 +420,8 @@ struct Link {
     /// Send-queue slots in use: requests posted and not known complete.
     sq_used: u64,
     sq_depth: u64,
-    /// When the run must be over (every wait gives up then).
-    deadline: Instant,
+    /// Every wait's bound: no progress for STALL, or past the deadline.
+    patience: Patience,
 }
 
 /// Selective signaling: one request in `every` is signaled, and carries in
@@ -462,7 +470,7 @@ impl Link {
             },
             sq_used: 0,
             sq_depth: u64::from(sq_depth),
-            deadline,
+            patience: Patience::new(deadline),
         }
     }
 
@@ -495,10 +503,10 @@ impl Link {
     /// Polls until a send-queue slot is free.
     #[inline]
     fn wait_for_room(&mut self) -> Result<()> {
-        let mut patience = Patience::new(self.deadline);
+        self.patience.progressed();
         while self.sq_used >= self.sq_depth {
             self.poll()?;
-            patience.spin("waiting for send completions")?;
+            self.patience.spin("waiting for send completions")?;
         }
         Ok(())
     }
@@ -525,15 +533,15 @@ impl Link {
     #[inline]
     fn wait_for_receives(&mut self, want: u64) -> Result<()> {
         let mut got = 0;
-        let mut patience = Patience::new(self.deadline);
+        self.patience.progressed();
         while got < want {
             let received = self.poll()?;
             got += received;
             if received > 0 {
                 // Waiting on a stream of them: the stall is a gap in it.
-                patience = Patience::new(self.deadline);
+                self.patience.progressed();
             }
-            patience.spin("waiting for a message")?;
+            self.patience.spin("waiting for a message")?;
         }
         Ok(())
     }
@@ -542,9 +550,9 @@ impl Link {
     #[inline]
     fn wait_for_marker(&mut self, marker: u8) -> Result<()> {
         let at = self.size as usize - 1;
-        let mut patience = Patience::new(self.deadline);
+        self.patience.progressed();
         while self.buffer.load_byte(at) != Some(marker) {
-            patience.spin("waiting for the peer's WRITE")?;
+            self.patience.spin("waiting for the peer's WRITE")?;
         }
         Ok(())
     }
@@ -563,10 +571,10 @@ impl Link {
             let local = self.buffer.slice(0, size)?;
             self.qp
                 .post_send(WorkRequest::read(1, local, remote)?.signaled())?;
-            let mut patience = Patience::new(self.deadline);
+            self.patience.progressed();
             while self.sq_used > 0 {
                 self.poll()?;
-                patience.spin("waiting for a READ")?;
+                self.patience.spin("waiting for a READ")?;
             }
             samples.push(clock.now().saturating_sub(start));
         }
@@ -642,7 +650,7 @@ impl Link {
             SendFlags::empty()
         };
         let mut posted = 0;
-        let mut patience = Patience::new(self.deadline);
+        self.patience.progressed();
         while posted < args.iters || self.sq_used > 0 {
             let take = u64::from(args.batch).min(args.iters - posted);
             if take > 0 && self.sq_used + take <= depth {
@@ -660,11 +668,11 @@ impl Link {
                 self.qp.post_send_batch(&mut batch)?;
                 posted += take;
                 self.sq_used += take;
-                patience = Patience::new(self.deadline);
+                self.patience.progressed();
                 continue;
             }
             self.poll()?;
-            patience.spin("waiting for send completions")?;
+            self.patience.spin("waiting for send completions")?;
         }
         Ok(())
     }
