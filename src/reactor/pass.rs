@@ -429,9 +429,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// whose peer is gone is told once. Its connections keep running: the
     /// peer's last completions may still be queued (a polite peer hangs up
     /// right after its last message), so the handler decides when to let go.
-    #[cold]
     /// Returns whether a handler was told (and so may have changed
     /// connections).
+    #[cold]
     fn check_peers(&mut self) -> bool {
         let mut gone: Vec<(SessionId, PeerStatus)> = Vec::new();
         // Every link is looked at: those still holding part of a frame set
