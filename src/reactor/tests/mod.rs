@@ -1,0 +1,171 @@
+//! The reactor's failure paths over the loopback device, where a test can
+//! make a provider refuse part of a posted list (which a NIC does when its
+//! queue fills mid-list) and look at what each connection holds, and, on a
+//! shared receive queue, where every one of its slots is.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use crate::error::Error;
+use crate::session::CqChoice;
+use crate::verbs::{
+    AccessFlags, Context, ProtectionDomain, QpConfig, QueuePair, WorkRequest, refuse_sends_after,
+    refuse_srq_recvs_after,
+};
+
+use super::{ConnId, Ctx, Handler, HeldRecv, Reactor, ReactorConfig, SessionId};
+
+/// Passes a test waits for something before failing.
+const MAX_PASSES: usize = 100_000;
+/// Receive slots per connection.
+const RECV_DEPTH: u32 = 16;
+/// Each connection's share of the SRQ, in the SRQ tests: room to hold more
+/// messages on two connections than one SRQ post takes (`MAX_REPOST`).
+const SRQ_SHARE: u32 = 48;
+/// Receives of the SRQ, in the SRQ tests: four connections' shares and
+/// headroom.
+const SRQ_DEPTH: u32 = 4 * SRQ_SHARE + 64;
+
+/// What one session's handler saw.
+#[derive(Debug, Default)]
+struct Seen {
+    established: bool,
+    messages: Vec<Vec<u8>>,
+    /// Messages kept while `hold` is set.
+    held: Vec<HeldRecv>,
+    hold: bool,
+    /// Every error's errno (if it has one) and text.
+    errors: Vec<(Option<i32>, String)>,
+}
+
+#[derive(Debug, Default)]
+struct Probe(Rc<RefCell<Seen>>);
+
+impl Handler for Probe {
+    fn on_established(&mut self, _: &mut Ctx<'_>, _: ConnId) {
+        self.0.borrow_mut().established = true;
+    }
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, _: ConnId, data: &[u8], _: Option<u32>) {
+        let mut seen = self.0.borrow_mut();
+        seen.messages.push(data.to_vec());
+        if seen.hold {
+            let held = ctx.hold().expect("in on_message");
+            seen.held.push(held);
+        }
+    }
+    fn on_error(&mut self, _: &mut Ctx<'_>, _: ConnId, error: &Error) {
+        let errors = &mut self.0.borrow_mut().errors;
+        errors.push((error.errno(), error.to_string()));
+    }
+}
+
+struct End {
+    session: SessionId,
+    conn: ConnId,
+    seen: Rc<RefCell<Seen>>,
+}
+
+fn reactor(pd: &ProtectionDomain) -> Reactor<Probe, ()> {
+    let config = ReactorConfig {
+        slot_size: 64,
+        recv_depth: RECV_DEPTH,
+        send_slots: 16,
+        sq_depth: 64,
+        ..ReactorConfig::default()
+    };
+    Reactor::new(pd, config).expect("a reactor on the loopback device")
+}
+
+/// A reactor whose connections take their receives from one SRQ of
+/// `SRQ_DEPTH`, `SRQ_SHARE` each.
+fn srq_reactor(pd: &ProtectionDomain) -> Reactor<Probe, ()> {
+    let config = ReactorConfig {
+        slot_size: 64,
+        recv_depth: SRQ_SHARE,
+        srq_depth: SRQ_DEPTH,
+        send_slots: 16,
+        sq_depth: 64,
+        ..ReactorConfig::default()
+    };
+    Reactor::new(pd, config).expect("an SRQ reactor on the loopback device")
+}
+
+/// Two sessions of one connection each, connected to each other and
+/// established.
+fn add_pair(reactor: &mut Reactor<Probe, ()>, pd: &ProtectionDomain) -> (End, End) {
+    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    let mut qp = |name: &str| {
+        let spec = reactor.qp_spec_with_access(name, access);
+        let CqChoice::Shared(cq) = spec.cq else {
+            panic!("qp_spec did not share the reactor's CQ");
+        };
+        match &spec.srq {
+            Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
+            None => pd.create_qp(&cq, &cq, &spec.qp),
+        }
+        .expect("a loopback QP")
+    };
+    let (mut a, mut b) = (qp("a"), qp("b"));
+    let (to_a, to_b) = (a.endpoint(), b.endpoint());
+    a.connect(&to_b).expect("connect");
+    b.connect(&to_a).expect("connect");
+    let mut add = |qp: QueuePair| {
+        let seen = Rc::new(RefCell::new(Seen::default()));
+        let session: SessionId = reactor.add(vec![qp], Probe(Rc::clone(&seen))).expect("add");
+        let conn = reactor.conns(session).next().expect("one connection");
+        End {
+            session,
+            conn,
+            seen,
+        }
+    };
+    let (a, b) = (add(a), add(b));
+    run_until(reactor, "both ends established", |_| {
+        a.seen.borrow().established && b.seen.borrow().established
+    });
+    (a, b)
+}
+
+#[track_caller]
+fn run_until(
+    reactor: &mut Reactor<Probe, ()>,
+    what: &str,
+    done: impl FnMut(&Reactor<Probe, ()>) -> bool,
+) {
+    run_within(reactor, MAX_PASSES, what, done);
+}
+
+/// Runs passes until `done`, failing after `passes` of them.
+#[track_caller]
+fn run_within(
+    reactor: &mut Reactor<Probe, ()>,
+    passes: usize,
+    what: &str,
+    mut done: impl FnMut(&Reactor<Probe, ()>) -> bool,
+) {
+    for _ in 0..passes {
+        if done(reactor) {
+            return;
+        }
+        reactor.turn().expect("a reactor pass");
+    }
+    panic!("not within {passes} passes: {what}");
+}
+
+/// Sends `data` on `conn`, running passes while its credits are spent.
+#[track_caller]
+fn send(reactor: &mut Reactor<Probe, ()>, conn: ConnId, data: &[u8]) {
+    for _ in 0..MAX_PASSES {
+        match reactor.with_ctx(|ctx| ctx.send(conn, data, None)) {
+            Ok(_) => return,
+            Err(super::SendError::WouldBlock) => {
+                reactor.turn().expect("a reactor pass");
+            }
+            Err(err) => panic!("sending: {err}"),
+        }
+    }
+    panic!("no credit within {MAX_PASSES} passes");
+}
+
+mod ring;
+mod srq;

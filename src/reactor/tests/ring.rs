@@ -1,0 +1,134 @@
+//! A connection's own receive ring when the provider takes only part of a
+//! posted list.
+
+use std::collections::BTreeSet;
+
+use super::*;
+
+/// How many receives of `conn`'s own ring are posted, and the slots
+/// queued for reposting, each of which must be queued once.
+#[track_caller]
+fn ring_account(reactor: &Reactor<Probe, ()>, conn: ConnId) -> (u32, BTreeSet<u32>) {
+    let conn = reactor.conns.get(conn.key()).expect("a live connection");
+    let mut queued = BTreeSet::new();
+    for &slot in conn.pending_slots() {
+        assert!(queued.insert(slot), "slot {slot} queued twice");
+    }
+    (conn.receives_outstanding(), queued)
+}
+
+/// A batch the provider takes only in part: the requests it never got
+/// give back what they hold in the same pass (a forward's receive slot
+/// goes back to the connection it came from, a SEND's slot is freed), and
+/// those it got keep theirs until the flushed completion behind them is
+/// polled, since the device may still read that memory. Every slot comes
+/// back exactly once, and the other sessions keep running.
+#[test]
+fn a_partial_post_frees_at_once_only_what_the_device_never_got() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    let (relay, sink) = add_pair(&mut reactor, &pd);
+
+    // Four messages held on `origin`, to forward on `relay`.
+    origin.seen.borrow_mut().hold = true;
+    for i in 1..=4u8 {
+        send(&mut reactor, source.conn, &[i; 8]);
+    }
+    run_until(&mut reactor, "four messages held", |_| {
+        origin.seen.borrow().held.len() == 4
+    });
+    origin.seen.borrow_mut().hold = false;
+    let held = std::mem::take(&mut origin.seen.borrow_mut().held);
+    let slots: Vec<u32> = held.iter().map(HeldRecv::slot).collect();
+    let (outstanding, queued) = ring_account(&reactor, origin.conn);
+    assert_eq!(
+        outstanding as usize + queued.len() + held.len(),
+        RECV_DEPTH as usize,
+        "before: every slot is posted, queued or held once"
+    );
+
+    // Its credit update, unsignaled, is still on the send queue.
+    let (sq_in_flight, _, _) = reactor.conn_stats(relay.conn).expect("relay");
+    // One doorbell's worth on `relay`: forward, forward, SEND, forward,
+    // forward. The provider takes the first two.
+    reactor.with_ctx(|ctx| {
+        for (i, held) in held.into_iter().enumerate() {
+            if i == 2 {
+                ctx.send(relay.conn, b"plain", None).expect("a SEND staged");
+            }
+            if let Err((err, _)) = ctx.forward(relay.conn, held, None) {
+                panic!("forwarding: {err}");
+            }
+        }
+    });
+    let relay_qpn = reactor.conns.get(relay.conn.key()).expect("relay").qpn;
+    refuse_sends_after(relay_qpn, 2);
+    reactor.turn().expect("the pass that posts");
+
+    {
+        let seen = relay.seen.borrow();
+        assert_eq!(seen.errors.len(), 1, "the relay is told once");
+        let (errno, text) = &seen.errors[0];
+        assert_eq!(*errno, Some(libc::ENOMEM), "{text}");
+        assert!(
+            text.contains(&format!("{relay_qpn:#x}")) || text.contains(&relay_qpn.to_string()),
+            "names the QP: {text}"
+        );
+    }
+    // The two forwards the device never got gave their slots back; the
+    // two it got still hold theirs (posted: only their flush tells).
+    let (sq_used, sends_in_use, _) = reactor.conn_stats(relay.conn).expect("relay");
+    assert_eq!(
+        sq_used,
+        sq_in_flight + 2,
+        "the posted forwards wait for their flush"
+    );
+    assert_eq!(sends_in_use, 0, "the unposted SEND's slot is free");
+    let (outstanding, queued) = ring_account(&reactor, origin.conn);
+    for slot in &slots[..2] {
+        assert!(!queued.contains(slot), "slot {slot} back while posted");
+    }
+    assert_eq!(
+        outstanding as usize + queued.len(),
+        RECV_DEPTH as usize - 2,
+        "after the failed post: all but the two posted forwards' slots"
+    );
+
+    // The flushed completion behind the posted ones gives theirs back.
+    run_until(&mut reactor, "the relay's flush polled", |reactor| {
+        reactor.conn_stats(relay.conn).expect("relay").0 == 0
+    });
+    let (outstanding, queued) = ring_account(&reactor, origin.conn);
+    assert_eq!(
+        outstanding as usize + queued.len(),
+        RECV_DEPTH as usize,
+        "every slot back exactly once"
+    );
+    assert_eq!(
+        relay.seen.borrow().errors.len(),
+        1,
+        "the flush is no second error"
+    );
+    // What the device got arrived.
+    run_until(&mut reactor, "the posted forwards delivered", |_| {
+        sink.seen.borrow().messages.len() == 2
+    });
+    assert_eq!(sink.seen.borrow().messages, [vec![1; 8], vec![2; 8]]);
+
+    // The origin's ring is whole: it takes more messages than it has slots.
+    let before = origin.seen.borrow().messages.len();
+    for i in 0..3 * RECV_DEPTH {
+        send(&mut reactor, source.conn, &i.to_le_bytes());
+    }
+    run_until(&mut reactor, "the origin takes three rings' worth", |_| {
+        origin.seen.borrow().messages.len() == before + 3 * RECV_DEPTH as usize
+    });
+    let seen = origin.seen.borrow();
+    for (i, message) in seen.messages[before..].iter().enumerate() {
+        assert_eq!(message, &(i as u32).to_le_bytes(), "message {i}");
+    }
+    assert!(seen.errors.is_empty() && source.seen.borrow().errors.is_empty());
+}
