@@ -709,39 +709,59 @@ impl LbQp {
                 unsafe { *bad = head };
                 break 'post libc::EINVAL;
             }
-            let mut cur = head;
-            while !cur.is_null() {
-                // SAFETY: a valid request of the caller's list.
-                let wr = unsafe { &*cur };
-                // SAFETY: the caller vouches for its SGE list.
-                let sgl = unsafe { SgList::from_raw(wr.sg_list, wr.num_sge, self.max_recv_sge) };
-                let Some(sgl) = sgl else {
-                    // SAFETY: `bad` is writable.
-                    unsafe { *bad = cur };
-                    break 'post libc::EINVAL;
-                };
-                if self.state() == sys::IBV_QPS_ERR {
-                    self.recv_cq.push(flush_recv_wc(wr.wr_id, self.qpn));
-                } else if rq.posted.len() >= self.max_recv_wr {
-                    // SAFETY: `bad` is writable.
-                    unsafe { *bad = cur };
-                    break 'post libc::ENOMEM;
-                } else {
-                    rq.posted.push_back(PostedRecv {
-                        wr_id: wr.wr_id,
-                        sgl,
-                    });
-                    kick |= std::mem::take(&mut rq.peer_waiting);
-                }
-                cur = wr.next;
+            // SAFETY: as the caller vouches for the list and `bad`.
+            unsafe {
+                take_recv_list(head, bad, self.max_recv_sge, |wr_id, sgl| {
+                    if self.state() == sys::IBV_QPS_ERR {
+                        self.recv_cq.push(flush_recv_wc(wr_id, self.qpn));
+                    } else if rq.posted.len() >= self.max_recv_wr {
+                        return Err(libc::ENOMEM);
+                    } else {
+                        rq.posted.push_back(PostedRecv { wr_id, sgl });
+                        kick |= std::mem::take(&mut rq.peer_waiting);
+                    }
+                    Ok(())
+                })
             }
-            0
         };
         if kick && let Some(peer) = self.peer() {
             peer.progress();
         }
         rc
     }
+}
+
+/// Walks the receive list at `head`, handing each request's `wr_id` and
+/// checked SGE list (at most `max_sge` entries) to `take`. Stops at the
+/// first request whose SGE list is invalid (`EINVAL`) or that `take`
+/// refuses (its errno), pointing `bad` at it; 0 when all were taken.
+///
+/// # Safety
+/// `head` starts a NULL-terminated list of valid receive requests with
+/// valid SGE lists; `bad` is writable.
+pub(super) unsafe fn take_recv_list(
+    head: *mut sys::ibv_recv_wr,
+    bad: *mut *mut sys::ibv_recv_wr,
+    max_sge: usize,
+    mut take: impl FnMut(u64, SgList) -> Result<(), c_int>,
+) -> c_int {
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: a valid request of the caller's list.
+        let wr = unsafe { &*cur };
+        // SAFETY: the caller vouches for its SGE list.
+        let refused = match unsafe { SgList::from_raw(wr.sg_list, wr.num_sge, max_sge) } {
+            Some(sgl) => take(wr.wr_id, sgl).err(),
+            None => Some(libc::EINVAL),
+        };
+        if let Some(errno) = refused {
+            // SAFETY: `bad` is writable (the caller).
+            unsafe { *bad = cur };
+            return errno;
+        }
+        cur = wr.next;
+    }
+    0
 }
 
 /// True if a receive of the list at `head` has memory a stalled send of

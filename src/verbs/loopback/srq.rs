@@ -13,9 +13,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::sys;
 
-use super::qp::{LbQp, receive_over_stalled_send};
+use super::qp::{LbQp, receive_over_stalled_send, take_recv_list};
 use super::registry::{QPS, next_handle};
-use super::request::{PostedRecv, SgList};
+use super::request::PostedRecv;
 use super::{MAX_SGE, MAX_SRQ_WR, lock};
 
 /// A loopback SRQ's shared state, held by the QPs created on it.
@@ -157,42 +157,27 @@ impl LbSrq {
             return libc::EBUSY;
         }
         let mut waiting = Vec::new();
-        let rc = 'post: {
+        let rc = {
             let mut queue = self.queue();
             #[cfg(test)]
             let mut limit = super::registry::take_srq_recv_limit(self.handle);
-            let mut cur = head;
-            while !cur.is_null() {
-                #[cfg(test)]
-                if limit.refuses_next() {
-                    // SAFETY: `bad` is writable.
-                    unsafe { *bad = cur };
-                    break 'post libc::ENOMEM;
-                }
-                // SAFETY: a valid request of the caller's list.
-                let wr = unsafe { &*cur };
-                // SAFETY: the caller vouches for its SGE list.
-                let sgl = unsafe { SgList::from_raw(wr.sg_list, wr.num_sge, self.max_sge) };
-                let Some(sgl) = sgl else {
-                    // SAFETY: `bad` is writable.
-                    unsafe { *bad = cur };
-                    break 'post libc::EINVAL;
-                };
-                if queue.posted.len() >= self.max_wr {
-                    // SAFETY: `bad` is writable.
-                    unsafe { *bad = cur };
-                    break 'post libc::ENOMEM;
-                }
-                queue.posted.push_back(PostedRecv {
-                    wr_id: wr.wr_id,
-                    sgl,
-                });
-                if !queue.waiting.is_empty() {
-                    waiting = std::mem::take(&mut queue.waiting);
-                }
-                cur = wr.next;
+            // SAFETY: as the caller vouches for the list and `bad`.
+            unsafe {
+                take_recv_list(head, bad, self.max_sge, |wr_id, sgl| {
+                    #[cfg(test)]
+                    if limit.refuses_next() {
+                        return Err(libc::ENOMEM);
+                    }
+                    if queue.posted.len() >= self.max_wr {
+                        return Err(libc::ENOMEM);
+                    }
+                    queue.posted.push_back(PostedRecv { wr_id, sgl });
+                    if !queue.waiting.is_empty() {
+                        waiting = std::mem::take(&mut queue.waiting);
+                    }
+                    Ok(())
+                })
             }
-            0
         };
         if !waiting.is_empty() {
             wake(&waiting);
