@@ -254,10 +254,7 @@ pub(super) fn return_forwarded(
 ) {
     if let Some(origin) = conns.get_mut(origin.key()) {
         origin.queue_repost(slot);
-    } else if from_srq
-        && let Some(pool) = srq
-        && let Err(err) = pool.give_back(slot)
-    {
-        log::error!("reposting an SRQ receive: {err}");
+    } else if from_srq && let Some(pool) = srq {
+        pool.give_back_noting(slot);
     }
 }

@@ -100,11 +100,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// when a peer's partial control frame must be looked at again, or SRQ
     /// receives a refused post left behind must be tried again (nothing
     /// else wakes the reactor for them, and the peers' SENDs may be
-    /// waiting for exactly those receives). A loop of its own that sleeps
+    /// waiting for exactly those receives). Not at all while a removal
+    /// waits: one asked for after a pass's last removals (by a handler
+    /// told of a connection that pass's late flush failed) is the next
+    /// pass's, and the receives it hands back must not wait for the idle
+    /// timeout. A loop of its own that sleeps
     /// on [`event_fd`](Self::event_fd) after
     /// [`prepare_wait`](Self::prepare_wait) sleeps no longer than this
     /// either, then calls [`poll_once`](Self::poll_once).
     pub fn sleep_limit(&self) -> Duration {
+        if !self.deferred.removals.is_empty() {
+            return Duration::ZERO;
+        }
         let mut timeout = self.config.idle_timeout;
         if let Some(at) = self.recheck_at {
             timeout = timeout.min(at.saturating_duration_since(Instant::now()));

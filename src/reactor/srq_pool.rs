@@ -170,13 +170,13 @@ impl SrqPool {
         Some(slot)
     }
 
-    /// A slot consumed by a QP the reactor does not serve: straight back.
+    /// A slot consumed by a QP the reactor does not serve: straight back
+    /// (a refused post is noted for the pass's flush to log, as a storm of
+    /// such completions against a refusing SRQ must not log per slot).
     #[cold]
     pub(super) fn reclaim(&mut self, slot: u32) {
         self.reclaimed += 1;
-        if let Err(err) = self.give_back(slot) {
-            log::error!("reposting an SRQ receive of an unknown QP: {err}");
-        }
+        self.give_back_noting(slot);
     }
 
     /// Queues SRQ slot `slot` (claimed or held, not posted) to be posted
@@ -202,9 +202,10 @@ impl SrqPool {
         Ok(())
     }
 
-    /// As [`give_back`](Self::give_back), for the many slots a connection
-    /// returns at once: a refused post is noted, and logged by the
-    /// pass's [`flush`](Self::flush) (the slot is kept either way).
+    /// As [`give_back`](Self::give_back), where slots may come back by the
+    /// thousand (a connection returning its share, completions of QPs gone):
+    /// a refused post is noted, and logged once with a count by the pass's
+    /// [`flush`](Self::flush) (the slot is kept either way).
     #[inline]
     pub(super) fn give_back_noting(&mut self, slot: u32) {
         if let Err(err) = self.give_back(slot) {

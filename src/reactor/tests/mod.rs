@@ -36,6 +36,9 @@ struct Seen {
     hold: bool,
     /// Every error's errno (if it has one) and text.
     errors: Vec<(Option<i32>, String)>,
+    /// The session the handler asks to remove when told of an error (its
+    /// own, as a server retiring a failed peer does).
+    remove_on_error: Option<SessionId>,
 }
 
 #[derive(Debug, Default)]
@@ -53,9 +56,12 @@ impl Handler for Probe {
             seen.held.push(held);
         }
     }
-    fn on_error(&mut self, _: &mut Ctx<'_>, _: ConnId, error: &Error) {
-        let errors = &mut self.0.borrow_mut().errors;
-        errors.push((error.errno(), error.to_string()));
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _: ConnId, error: &Error) {
+        let mut seen = self.0.borrow_mut();
+        seen.errors.push((error.errno(), error.to_string()));
+        if let Some(session) = seen.remove_on_error {
+            ctx.remove_session(session);
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! posted list.
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use super::*;
 
@@ -131,4 +132,81 @@ fn a_partial_post_frees_at_once_only_what_the_device_never_got() {
         assert_eq!(message, &(i as u32).to_le_bytes(), "message {i}");
     }
     assert!(seen.errors.is_empty() && source.seen.borrow().errors.is_empty());
+}
+
+/// A relay removed with forwards in flight hands their slots back to the
+/// origin; the pass's late flush reposts them and owes the origin's peer a
+/// credit update, whose post the device refuses. The origin fails, and its
+/// handler asks for its session's removal after that pass's removals ran:
+/// the reactor does not sleep on it (`sleep_limit` is zero) and the next
+/// pass removes it. The other sessions keep running.
+#[test]
+fn a_removal_asked_for_by_a_connection_the_late_flush_fails_does_not_wait_for_a_sleep() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    let (relay, _sink) = add_pair(&mut reactor, &pd);
+    origin.seen.borrow_mut().remove_on_error = Some(origin.session);
+
+    // Half a ring held on `origin` (the peer has credit for them):
+    // reposting them is more than a credit update's worth (a quarter).
+    origin.seen.borrow_mut().hold = true;
+    let held_count = RECV_DEPTH as usize / 2;
+    for i in 0..held_count {
+        send(&mut reactor, source.conn, &[i as u8; 8]);
+    }
+    run_until(&mut reactor, "the messages held", |_| {
+        origin.seen.borrow().held.len() == held_count
+    });
+    origin.seen.borrow_mut().hold = false;
+    let held = std::mem::take(&mut origin.seen.borrow_mut().held);
+
+    // Forwarded on `relay`, whose session goes in the same pass: its QP is
+    // destroyed with the forwards posted and their completions unpolled.
+    reactor.with_ctx(|ctx| {
+        for held in held {
+            if let Err((err, _)) = ctx.forward(relay.conn, held, None) {
+                panic!("forwarding: {err}");
+            }
+        }
+        ctx.remove_session(relay.session);
+    });
+    let origin_qpn = reactor.conns.get(origin.conn.key()).expect("origin").qpn;
+    refuse_sends_after(origin_qpn, 0);
+    reactor.poll_once().expect("the pass of the removal");
+    assert!(
+        reactor.sessions.get(relay.session.0).is_none(),
+        "relay removed"
+    );
+    {
+        let seen = origin.seen.borrow();
+        assert_eq!(
+            seen.errors.len(),
+            1,
+            "the origin's credit update refused: {:?}",
+            seen.errors
+        );
+        assert_eq!(seen.errors[0].0, Some(libc::ENOMEM), "{:?}", seen.errors);
+    }
+    assert!(
+        reactor.sessions.get(origin.session.0).is_some(),
+        "asked for after the pass's removals: the next pass's"
+    );
+    assert_eq!(reactor.sleep_limit(), Duration::ZERO, "a removal waits");
+
+    reactor.turn().expect("the next pass");
+    assert!(
+        reactor.sessions.get(origin.session.0).is_none(),
+        "origin removed"
+    );
+    assert!(reactor.sleep_limit() > Duration::ZERO, "nothing waits");
+
+    // The reactor keeps serving: a new pair talks.
+    let (one, other) = add_pair(&mut reactor, &pd);
+    send(&mut reactor, one.conn, b"still running");
+    run_until(&mut reactor, "a new pair talks", |_| {
+        other.seen.borrow().messages == [b"still running".to_vec()]
+    });
 }
