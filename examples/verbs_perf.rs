@@ -9,8 +9,10 @@
 //! ```
 //!
 //! It answers one question: what does a message cost through this crate's
-//! verbs layer alone ([`QueuePair::post_send`], [`CompletionQueue::poll`],
-//! bounds-checked slices)? `tools/instr-count` counts it beside lat_bw (the
+//! verbs layer alone ([`QueuePair::post_send_kept`] and
+//! [`QueuePair::post_send_batch_kept`] of requests bounds-checked once and
+//! posted again, as perftest posts its prebuilt requests;
+//! [`CompletionQueue::poll`])? `tools/instr-count` counts it beside lat_bw (the
 //! reactor) and perftest. The difference between it and lat_bw is what the
 //! reactor's services cost: many connections on shared CQs, credits,
 //! receive rings, vetted completions and handlers. A service with one
@@ -50,7 +52,8 @@ use rdma_comm_core::session::{
 };
 use rdma_comm_core::verbs::{
     AccessFlags, CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpConfig, QueuePair,
-    RecvRequest, RemoteRegion, SendBatch, SendFlags, WcOpcode, WorkCompletion, WorkRequest,
+    RecvRequest, Registration, RemoteRegion, SendBatch, SendFlags, WcOpcode, WorkCompletion,
+    WorkRequest,
 };
 use rdma_comm_core::{Error, Result};
 use rdma_perf::{BandwidthStats, Clock, LATENCY_HEADER, LatencyStats, bandwidth_header};
@@ -177,7 +180,11 @@ fn run(args: &Args) -> Result<()> {
     let endpoint = meet(args, &pd, &cq, &buffer, qp_config)?;
     let deadline = Instant::now() + Duration::from_secs(args.deadline);
     let (qp, peer, mut link) = take_apart(args, endpoint)?;
-    let mut run = Link::new(args, qp, cq, buffer, peer, sq_depth, deadline);
+    // What the loop's requests point at, kept apart from the buffer so
+    // requests built once can borrow it while the loop writes the buffer.
+    let registration = buffer.registration().clone();
+    let requests = Requests::new(args, &qp, &registration, peer)?;
+    let mut run = Link::new(args, qp, cq, buffer, requests, sq_depth, deadline);
     if args.op == Op::Send {
         for _ in 0..RECV_DEPTH {
             run.post_receive()?;
@@ -405,15 +412,60 @@ impl Patience {
     }
 }
 
+/// The requests a run posts, each built once (bounds-checked against the
+/// buffer and the peer's export then) and posted again and again with only
+/// its id and flags changed, the way perftest reuses its requests.
+struct Requests<'r> {
+    /// A receive into our first half (SEND tests).
+    landing: RecvRequest<'r>,
+    /// The test's request: a SEND or WRITE of our second half into the
+    /// peer's first half (inline when it fits), or a READ of the peer's
+    /// first half into ours.
+    op: WorkRequest<'r>,
+    /// `INLINE` when the payload fits the QP's inline data.
+    inline: SendFlags,
+}
+
+impl<'r> Requests<'r> {
+    fn new(
+        args: &Args,
+        qp: &QueuePair,
+        registration: &'r Registration,
+        peer: RemoteRegion,
+    ) -> Result<Self> {
+        let size = args.size as usize;
+        let remote = peer.slice(0, u64::from(args.size))?;
+        let (first, second) = (
+            registration.slice(0, size)?,
+            registration.slice(size, size)?,
+        );
+        let inline = if args.size <= qp.max_inline_data() && args.op != Op::Read {
+            SendFlags::INLINE
+        } else {
+            SendFlags::empty()
+        };
+        let op = match args.op {
+            Op::Send => WorkRequest::send(0, second),
+            Op::Write => WorkRequest::write(0, second, remote)?,
+            Op::Read => WorkRequest::read(1, first, remote)?.signaled(),
+        };
+        Ok(Self {
+            landing: RecvRequest::new(0, first)?,
+            op: op.with_flags(inline),
+            inline,
+        })
+    }
+}
+
 /// One connected QP with its CQ and buffer. The buffer holds `2 × size`
 /// bytes: the first half is where the peer's WRITEs and SENDs land and what
 /// its READs fetch, the second half is what ours send, so polling the first
 /// half never sees our own marker.
-struct Link {
+struct Link<'r> {
     qp: QueuePair,
     cq: CompletionQueue,
     buffer: MemoryRegion,
-    peer: RemoteRegion,
+    requests: Requests<'r>,
     wcs: [WorkCompletion; POLL_BATCH],
     size: u32,
     signals: Signals,
@@ -447,13 +499,13 @@ impl Signals {
     }
 }
 
-impl Link {
+impl<'r> Link<'r> {
     fn new(
         args: &Args,
         qp: QueuePair,
         cq: CompletionQueue,
         buffer: MemoryRegion,
-        peer: RemoteRegion,
+        requests: Requests<'r>,
         sq_depth: u32,
         deadline: Instant,
     ) -> Self {
@@ -461,7 +513,7 @@ impl Link {
             qp,
             cq,
             buffer,
-            peer,
+            requests,
             wcs: [WorkCompletion::default(); POLL_BATCH],
             size: args.size,
             signals: Signals {
@@ -496,8 +548,7 @@ impl Link {
 
     #[inline]
     fn post_receive(&mut self) -> Result<()> {
-        let landing = self.buffer.slice(0, self.size as usize)?;
-        self.qp.post_recv(RecvRequest::new(0, landing)?)
+        self.qp.post_recv_kept(&mut self.requests.landing)
     }
 
     /// Polls until a send-queue slot is free.
@@ -511,22 +562,16 @@ impl Link {
         Ok(())
     }
 
-    /// Posts one SEND or WRITE of our second half (inline when it fits).
+    /// Posts the test's SEND or WRITE of our second half.
     #[inline]
-    fn post_own_half(&mut self, op: Op) -> Result<()> {
+    fn post_own_half(&mut self) -> Result<()> {
         self.wait_for_room()?;
-        let (wr_id, mut flags) = self.signals.next(false);
+        let (wr_id, flags) = self.signals.next(false);
         self.sq_used += 1;
-        let size = self.size as usize;
-        if self.size <= self.qp.max_inline_data() {
-            flags |= SendFlags::INLINE;
-        }
-        let local = self.buffer.slice(size, size)?;
-        let request = match op {
-            Op::Send => WorkRequest::send(wr_id, local),
-            _ => WorkRequest::write(wr_id, local, self.peer.slice(0, u64::from(self.size))?)?,
-        };
-        self.qp.post_send(request.with_flags(flags))
+        let request = &mut self.requests.op;
+        request.set_wr_id(wr_id);
+        request.set_flags(flags | self.requests.inline);
+        self.qp.post_send_kept(request)
     }
 
     /// Polls until `want` receives have come.
@@ -563,14 +608,11 @@ impl Link {
     }
 
     fn read_lat(&mut self, clock: &Clock, total: u64, samples: &mut Vec<u64>) -> Result<()> {
-        let size = self.size as usize;
-        let remote = self.peer.slice(0, u64::from(self.size))?;
         for _ in 0..total {
             let start = clock.now();
             self.sq_used += 1;
-            let local = self.buffer.slice(0, size)?;
-            self.qp
-                .post_send(WorkRequest::read(1, local, remote)?.signaled())?;
+            // Signaled, retiring itself (`wr_id` 1).
+            self.qp.post_send_kept(&mut self.requests.op)?;
             self.patience.progressed();
             while self.sq_used > 0 {
                 self.poll()?;
@@ -584,7 +626,7 @@ impl Link {
     fn send_lat(&mut self, clock: &Clock, total: u64, samples: &mut Vec<u64>) -> Result<()> {
         for _ in 0..total {
             let start = clock.now();
-            self.post_own_half(Op::Send)?;
+            self.post_own_half()?;
             self.wait_for_receives(1)?;
             samples.push(clock.now().saturating_sub(start));
         }
@@ -597,7 +639,7 @@ impl Link {
             let start = clock.now();
             let marker = Self::marker(i);
             self.buffer.write(last, &[marker])?;
-            self.post_own_half(Op::Write)?;
+            self.post_own_half()?;
             self.wait_for_marker(marker)?;
             samples.push(clock.now().saturating_sub(start));
             if self.signals.unsignaled == 0 {
@@ -612,7 +654,7 @@ impl Link {
     fn echo(&mut self, total: u64) -> Result<()> {
         for _ in 0..total {
             self.wait_for_receives(1)?;
-            self.post_own_half(Op::Send)?;
+            self.post_own_half()?;
         }
         Ok(())
     }
@@ -625,7 +667,7 @@ impl Link {
             let marker = Self::marker(i);
             self.wait_for_marker(marker)?;
             self.buffer.write(last, &[marker])?;
-            self.post_own_half(Op::Write)?;
+            self.post_own_half()?;
             if self.signals.unsignaled == 0 {
                 self.poll()?;
             }
@@ -639,33 +681,43 @@ impl Link {
     }
 
     /// Client of bandwidth: `iters` requests, `batch` per doorbell, at most
-    /// `tx_depth` outstanding, then waits for the last completion.
+    /// `tx_depth` outstanding, then waits for the last completion. The
+    /// batch is built once and posted again; when `--signal` divides
+    /// `--batch` every batch signals the same requests, so nothing in it
+    /// changes between posts (perftest's post list with `--cq-mod`).
     fn stream(&mut self, args: &Args) -> Result<()> {
-        let size = self.size as usize;
-        let remote = self.peer.slice(0, u64::from(self.size))?;
         let depth = args.tx_depth.min(self.sq_depth);
-        let inline = if self.size <= self.qp.max_inline_data() {
-            SendFlags::INLINE
-        } else {
-            SendFlags::empty()
-        };
+        let batch_len = u64::from(args.batch);
+        let fixed = batch_len.is_multiple_of(args.signal);
+        let mut batch: SendBatch<'r, MAX_BATCH> = SendBatch::new();
+        for _ in 0..batch_len {
+            let (wr_id, flags) = self.signals.next(false);
+            // Never full: `--batch` is at most MAX_BATCH.
+            let _ = batch.push(self.request_with(wr_id, flags));
+        }
+        self.signals.unsignaled = 0;
         let mut posted = 0;
         self.patience.progressed();
         while posted < args.iters || self.sq_used > 0 {
-            let take = u64::from(args.batch).min(args.iters - posted);
+            let take = batch_len.min(args.iters - posted);
             if take > 0 && self.sq_used + take <= depth {
-                let mut batch: SendBatch<'_, MAX_BATCH> = SendBatch::new();
-                for k in 0..take {
-                    let (wr_id, flags) = self.signals.next(posted + k + 1 == args.iters);
-                    let local = self.buffer.slice(size, size)?;
-                    let request = match args.op {
-                        Op::Send => WorkRequest::send(wr_id, local),
-                        _ => WorkRequest::write(wr_id, local, remote)?,
-                    };
-                    // Never full: `take` is at most MAX_BATCH.
-                    let _ = batch.push(request.with_flags(flags | inline));
+                if take < batch_len {
+                    // The tail of a run that is not a whole number of batches.
+                    batch.clear();
+                    for k in 0..take {
+                        let (wr_id, flags) = self.signals.next(k + 1 == take);
+                        let _ = batch.push(self.request_with(wr_id, flags));
+                    }
+                } else if !fixed {
+                    for k in 0..take {
+                        let (wr_id, flags) = self.signals.next(posted + k + 1 == args.iters);
+                        if let Some(request) = batch.get_mut(k as usize) {
+                            request.set_wr_id(wr_id);
+                            request.set_flags(flags | self.requests.inline);
+                        }
+                    }
                 }
-                self.qp.post_send_batch(&mut batch)?;
+                self.qp.post_send_batch_kept(&mut batch)?;
                 posted += take;
                 self.sq_used += take;
                 self.patience.progressed();
@@ -675,5 +727,13 @@ impl Link {
             self.patience.spin("waiting for send completions")?;
         }
         Ok(())
+    }
+
+    /// The test's request with `wr_id` and `flags` (and `INLINE` when it fits).
+    fn request_with(&self, wr_id: u64, flags: SendFlags) -> WorkRequest<'r> {
+        let mut request = self.requests.op;
+        request.set_wr_id(wr_id);
+        request.set_flags(flags | self.requests.inline);
+        request
     }
 }

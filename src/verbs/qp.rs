@@ -587,6 +587,51 @@ impl QueuePair {
         unsafe { self.post_send_raw(&raw mut request.wr, 1) }
     }
 
+    /// Posts `request` and leaves it with the caller, to post again: a
+    /// request built once outside the loop is posted with no building or
+    /// copying per post (perftest's way; [`post_send`](Self::post_send)
+    /// builds and copies one each time). Change its id or flags in place
+    /// ([`WorkRequest::set_wr_id`], [`WorkRequest::set_flags`]) between
+    /// posts. A request it keeps borrows its memory's [`Registration`]
+    /// (sliced with [`Registration::slice`], it leaves the
+    /// [`MemoryRegion`](super::MemoryRegion) free to be written through
+    /// `&mut`).
+    ///
+    /// [`Registration`]: super::Registration
+    /// [`Registration::slice`]: super::Registration::slice
+    #[inline]
+    pub fn post_send_kept(&mut self, request: &mut WorkRequest<'_>) -> Result<()> {
+        self.check_inline(request)?;
+        let head = super::wr::Linkable::link_to(request, ptr::null_mut());
+        // SAFETY: one request, NULL-terminated, pointing at its own SGE,
+        // borrowed for the call.
+        unsafe { self.post_send_raw(head, 1) }
+    }
+
+    /// Posts every request of `batch` as one linked list (one doorbell) and
+    /// keeps them, to post the same list again (perftest's post list, `-l`):
+    /// nothing is built or copied per post. Change a request in place between
+    /// posts through [`Batch::get_mut`](super::Batch::get_mut). On
+    /// [`Error::Post`] the batch is left as it was; the error says how many
+    /// of its requests the provider took.
+    #[inline]
+    pub fn post_send_batch_kept<const N: usize>(
+        &mut self,
+        batch: &mut SendBatch<'_, N>,
+    ) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        for request in &batch.requests {
+            self.check_inline(request)?;
+        }
+        let len = batch.len();
+        let head = super::wr::link(batch);
+        // SAFETY: `link` made a NULL-terminated list of `len` requests inside
+        // `batch`, which stays untouched until the call returns.
+        unsafe { self.post_send_raw(head, len) }
+    }
+
     /// Posts every request of `batch` as one linked list (one doorbell), then
     /// clears the batch. On error [`Error::Post`] says how many went out;
     /// those leave the batch and the rest stay, to retry.
@@ -711,6 +756,16 @@ impl QueuePair {
         request.wr.sg_list = &raw mut request.sge;
         // SAFETY: one request, NULL-terminated, alive in this frame.
         unsafe { self.post_recv_raw(&raw mut request.wr, 1) }
+    }
+
+    /// Posts `request` and leaves it with the caller, to post again (see
+    /// [`post_send_kept`](Self::post_send_kept)).
+    #[inline]
+    pub fn post_recv_kept(&mut self, request: &mut RecvRequest<'_>) -> Result<()> {
+        let head = super::wr::Linkable::link_to(request, ptr::null_mut());
+        // SAFETY: one request, NULL-terminated, pointing at its own SGE,
+        // borrowed for the call.
+        unsafe { self.post_recv_raw(head, 1) }
     }
 
     /// Posts every request of `batch` with one `ibv_post_recv`, then clears it.

@@ -151,6 +151,20 @@ impl<'a> WorkRequest<'a> {
         self
     }
 
+    /// Sets the flags to exactly `flags`, in place: for a request kept and
+    /// posted again ([`QueuePair::post_send_kept`]), say to signal one post
+    /// in many. (`INLINE` is checked against the QP at each post.)
+    ///
+    /// [`QueuePair::post_send_kept`]: super::QueuePair::post_send_kept
+    pub fn set_flags(&mut self, flags: SendFlags) {
+        self.wr.send_flags = flags.bits();
+    }
+
+    /// Sets the caller's id, in place (see [`set_flags`](Self::set_flags)).
+    pub fn set_wr_id(&mut self, wr_id: u64) {
+        self.wr.wr_id = wr_id;
+    }
+
     /// The caller's id for this request.
     pub fn wr_id(&self) -> u64 {
         self.wr.wr_id
@@ -245,6 +259,14 @@ impl<R, const N: usize> Batch<R, N> {
     /// Drops all staged requests.
     pub fn clear(&mut self) {
         self.requests.clear();
+    }
+
+    /// Request `index`, to change in place before the batch is posted
+    /// (again: [`QueuePair::post_send_batch_kept`]).
+    ///
+    /// [`QueuePair::post_send_batch_kept`]: super::QueuePair::post_send_batch_kept
+    pub fn get_mut(&mut self, index: usize) -> Option<&mut R> {
+        self.requests.get_mut(index)
     }
 }
 

@@ -3,6 +3,7 @@
 //! ends on two threads.
 
 use super::*;
+use crate::verbs::{SendBatch, SendFlags};
 
 #[test]
 fn a_send_lands_in_the_oldest_receive_with_its_immediate() {
@@ -217,4 +218,73 @@ fn both_ends_on_two_threads_deliver_everything() {
             .unwrap();
     }
     let _b = receiver.join().unwrap();
+}
+
+/// Requests built once and posted again (`post_send_kept`,
+/// `post_recv_kept`, `post_send_batch_kept`): each post sends what the
+/// buffer holds then, under the id and flags set in place, and a kept
+/// request borrows only the registration, so the region is written between
+/// posts. A batch refused in part is left whole, with the count taken.
+#[test]
+fn kept_requests_post_again_with_what_the_buffer_holds_then() {
+    let access = AccessFlags::REMOTE_WRITE;
+    let (pd, mut cq, mut a, mut b) = pair(16, access);
+    let mut mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let exported = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | access).unwrap();
+    let remote = exported.remote().unwrap();
+    let registration = mr.registration().clone();
+
+    let mut landing = RecvRequest::new(40, registration.slice(32, 8).unwrap()).unwrap();
+    let mut send = WorkRequest::send(0, registration.slice(0, 8).unwrap());
+    for (i, text) in [b"first!!!", b"second!!"].iter().enumerate() {
+        b.post_recv_kept(&mut landing).unwrap();
+        mr.write(0, &text[..]).unwrap();
+        send.set_wr_id(i as u64 + 1);
+        send.set_flags(SendFlags::SIGNALED);
+        a.post_send_kept(&mut send).unwrap();
+        let wcs = drain(&mut cq);
+        let ids: Vec<u64> = wcs.iter().map(WorkCompletion::wr_id).collect();
+        assert_eq!(ids, [40, i as u64 + 1], "{wcs:?}");
+        assert_eq!(bytes(&mr, 32, 8), &text[..]);
+    }
+    // Unsignaled now: it completes silently.
+    send.set_flags(SendFlags::empty());
+    b.post_recv_kept(&mut landing).unwrap();
+    a.post_send_kept(&mut send).unwrap();
+    let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
+    assert_eq!(ids, [40]);
+
+    // A batch of three WRITEs, posted twice: six writes, each of the bytes
+    // written before its post.
+    let mut batch: SendBatch<'_, 4> = SendBatch::new();
+    for k in 0..3u64 {
+        let local = registration.slice(8 * k as usize, 8).unwrap();
+        let target = remote.slice(8 * k, 8).unwrap();
+        let write = WorkRequest::write(100 + k, local, target).unwrap();
+        batch.push(write.signaled()).unwrap();
+    }
+    for round in 0..2u8 {
+        mr.write(0, &[round + 1; 24]).unwrap();
+        a.post_send_batch_kept(&mut batch).unwrap();
+        let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
+        assert_eq!(ids, [100, 101, 102]);
+        assert_eq!(bytes(&exported, 0, 24), vec![round + 1; 24]);
+        assert_eq!(batch.len(), 3, "kept for the next post");
+    }
+    // Changed in place: the second request now carries id 7.
+    batch.get_mut(1).unwrap().set_wr_id(7);
+    a.post_send_batch_kept(&mut batch).unwrap();
+    let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
+    assert_eq!(ids, [100, 7, 102]);
+
+    // The provider takes one of the three: the error says so and the batch
+    // stays whole.
+    crate::verbs::refuse_sends_after(a.qpn(), 1);
+    match a.post_send_batch_kept(&mut batch) {
+        Err(Error::Post { posted, .. }) => assert_eq!(posted, 1),
+        other => panic!("a partial post: {other:?}"),
+    }
+    assert_eq!(batch.len(), 3);
+    let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
+    assert_eq!(ids, [100]);
 }
