@@ -145,12 +145,29 @@ fn main() -> ExitCode {
         eprintln!("verbs_perf: --op read has a latency test only");
         return ExitCode::from(2);
     }
-    // A completion comes every --signal requests and frees --batch slots'
-    // worth only then: either beyond --tx-depth would wait forever.
-    if args.test == Test::Bw
-        && (u64::from(args.batch) > args.tx_depth || args.signal > args.tx_depth)
-    {
-        eprintln!("verbs_perf: --batch and --signal must not exceed --tx-depth");
+    // A completion comes every --signal requests. Up to --signal - 1
+    // unsignaled ones can be outstanding with no completion to come, and
+    // the next batch must still fit beside them, or the loop waits forever;
+    // when --signal divides --batch every batch ends signaled and needs
+    // only to fit itself.
+    let batch = u64::from(args.batch);
+    let fits = if batch.is_multiple_of(args.signal) {
+        batch <= args.tx_depth
+    } else {
+        batch + args.signal - 1 <= args.tx_depth
+    };
+    if args.test == Test::Bw && !fits {
+        eprintln!(
+            "verbs_perf: --batch {} with --signal {} needs --tx-depth of at least {} \
+             (--batch, plus --signal - 1 unless --signal divides --batch)",
+            args.batch,
+            args.signal,
+            if batch.is_multiple_of(args.signal) {
+                batch
+            } else {
+                batch + args.signal - 1
+            }
+        );
         return ExitCode::from(2);
     }
     match run(&args) {
@@ -711,10 +728,9 @@ impl<'r> Link<'r> {
                 } else if !fixed {
                     for k in 0..take {
                         let (wr_id, flags) = self.signals.next(posted + k + 1 == args.iters);
-                        if let Some(request) = batch.get_mut(k as usize) {
-                            request.set_wr_id(wr_id);
-                            request.set_flags(flags | self.requests.inline);
-                        }
+                        let request = batch.get_mut(k as usize).expect("a full batch");
+                        request.set_wr_id(wr_id);
+                        request.set_flags(flags | self.requests.inline);
                     }
                 }
                 self.qp.post_send_batch_kept(&mut batch)?;

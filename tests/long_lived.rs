@@ -62,10 +62,13 @@ const DROP_EVERY: u64 = 97;
 const KILLED: u64 = 3;
 /// Most growth allowed of the server's RSS floor: the lowest of the first
 /// [`FLOOR_READINGS`] readings from the warm-up's end against the lowest of
-/// the last ones, the end's included. Leaves room for allocator slack; a
-/// leak of the reactor's ~15 KiB per-connection record over the ~14,000
-/// cycles between those windows is ~200 MiB, and 150 bytes per cycle would
-/// exceed it.
+/// the last ones, the end's included. Leaves room for allocator slack. In
+/// the default run the windows end at cycle 3,250 and start at 17,250, and
+/// under a steady leak the floors are about the readings at cycles 500 and
+/// 17,500: the reactor's ~15 KiB per-connection record leaked each cycle
+/// is ~250 MiB, and anything above about 125 bytes per cycle exceeds it. A
+/// shorter run (`RDMA_LONG_LIVED_CYCLES`) has closer windows and catches
+/// only larger leaks (at 3,000 cycles, about 1 KiB per cycle).
 const MAX_RSS_GROWTH_KIB: u64 = 2 * 1024;
 /// Readings the floor at each end is the lowest of. The server's RSS swings
 /// by 2-4 MiB between single readings (freed memory the allocator has not

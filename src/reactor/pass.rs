@@ -83,8 +83,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if self.config.event_mode == EventMode::BusyPoll {
             return Ok(());
         }
-        self.counters.sleeps += 1;
         let timeout = self.sleep_limit();
+        if !timeout.is_zero() {
+            self.counters.sleeps += 1;
+        }
         self.waiter.wait(timeout, &mut self.fired)?;
         self.drain_channel_events()?;
         if !self.fired.is_empty() {

@@ -260,7 +260,9 @@ impl SrqPool {
     #[inline]
     pub(super) fn flush(&mut self) -> Result<()> {
         if let Some((err, more)) = self.refusals.take() {
-            log::error!("reposting SRQ receives: {err} (and {more} more refusals this pass)");
+            log::error!(
+                "reposting SRQ receives: {err} (and {more} more refusals since the last flush)"
+            );
         }
         self.srq.post_recv_batch(&mut self.returning)?;
         if !self.stranded.is_empty() {

@@ -612,8 +612,10 @@ impl QueuePair {
     /// keeps them, to post the same list again (perftest's post list, `-l`):
     /// nothing is built or copied per post. Change a request in place between
     /// posts through [`Batch::get_mut`](super::Batch::get_mut). On
-    /// [`Error::Post`] the batch is left as it was; the error says how many
-    /// of its requests the provider took.
+    /// [`Error::Post`] the batch is left as it was and the error says how
+    /// many of its first requests the provider took: those are posted, so
+    /// posting the batch again would post them twice (unlike
+    /// [`post_send_batch`](Self::post_send_batch), which drops them).
     #[inline]
     pub fn post_send_batch_kept<const N: usize>(
         &mut self,

@@ -44,6 +44,11 @@ bitflags::bitflags! {
 pub struct WorkRequest<'a> {
     pub(crate) wr: sys::ibv_send_wr,
     pub(crate) sge: sys::ibv_sge,
+    /// Made by [`send_inline`](Self::send_inline): its SGE points at
+    /// unregistered memory, so it must stay `INLINE` whatever flags are
+    /// set later (without it the device would be asked to read memory no
+    /// key covers).
+    inline_only: bool,
     _buffers: PhantomData<&'a [u8]>,
 }
 
@@ -70,6 +75,7 @@ impl<'a> WorkRequest<'a> {
         Self {
             wr,
             sge,
+            inline_only: false,
             _buffers: PhantomData,
         }
     }
@@ -104,7 +110,8 @@ impl<'a> WorkRequest<'a> {
             lkey: 0,
         };
         let mut wr = Self::new(wr_id, sys::IBV_WR_SEND, sge);
-        wr.wr.send_flags |= sys::IBV_SEND_INLINE;
+        wr.inline_only = true;
+        wr.set_flags(SendFlags::empty());
         wr
     }
 
@@ -145,19 +152,29 @@ impl<'a> WorkRequest<'a> {
         self.with_flags(SendFlags::SIGNALED)
     }
 
-    /// Adds send flags.
+    /// Adds send flags (`INLINE` is ignored on a READ, which has no payload
+    /// to carry).
     pub fn with_flags(mut self, flags: SendFlags) -> Self {
-        self.wr.send_flags |= flags.bits();
+        self.set_flags(self.flags() | flags);
         self
     }
 
-    /// Sets the flags to exactly `flags`, in place: for a request kept and
-    /// posted again ([`QueuePair::post_send_kept`]), say to signal one post
-    /// in many. (`INLINE` is checked against the QP at each post.)
+    /// Sets the flags to `flags`, in place: for a request kept and posted
+    /// again ([`QueuePair::post_send_kept`]), say to signal one post in
+    /// many. A [`send_inline`](Self::send_inline) request stays `INLINE`
+    /// (its bytes are in no registered memory) and a READ never is; the
+    /// inline length is checked against the QP at each post.
     ///
     /// [`QueuePair::post_send_kept`]: super::QueuePair::post_send_kept
     pub fn set_flags(&mut self, flags: SendFlags) {
-        self.wr.send_flags = flags.bits();
+        let mut bits = flags.bits();
+        if self.inline_only {
+            bits |= sys::IBV_SEND_INLINE;
+        }
+        if self.wr.opcode == sys::IBV_WR_RDMA_READ {
+            bits &= !sys::IBV_SEND_INLINE;
+        }
+        self.wr.send_flags = bits;
     }
 
     /// Sets the caller's id, in place (see [`set_flags`](Self::set_flags)).
@@ -398,6 +415,27 @@ mod tests {
             cur = wr.next;
         }
         assert_eq!(ids, [0, 1, 2, 3]);
+    }
+
+    /// A request over unregistered bytes stays inline whatever flags are
+    /// set on it; a READ never is.
+    #[test]
+    fn flags_keep_an_inline_send_inline_and_a_read_not() {
+        let data = [7u8; 4];
+        let mut inline = WorkRequest::send_inline(1, &data);
+        inline.set_flags(SendFlags::SIGNALED);
+        assert_eq!(inline.flags(), SendFlags::SIGNALED | SendFlags::INLINE);
+        inline.set_flags(SendFlags::empty());
+        assert_eq!(inline.flags(), SendFlags::INLINE);
+
+        let target = sys::ibv_sge {
+            addr: 0x1000,
+            length: 4,
+            lkey: 9,
+        };
+        let read = WorkRequest::new(2, sys::IBV_WR_RDMA_READ, target)
+            .with_flags(SendFlags::INLINE | SendFlags::SIGNALED);
+        assert_eq!(read.flags(), SendFlags::SIGNALED);
     }
 
     #[test]
