@@ -426,14 +426,14 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
                 .ok_or(rdma_comm_core::Error::InvalidArgument(
                     "the session vanished from its reactor",
                 ))?;
-        rows.push(row_of(&handler, size, peer_addr)?);
+        rows.push(row_of(handler, size, peer_addr)?);
     }
     Ok(rows)
 }
 
 /// What a finished handler measured (or why it failed).
 fn row_of(
-    handler: &PerfHandler,
+    handler: PerfHandler,
     size: usize,
     peer: std::net::SocketAddr,
 ) -> rdma_comm_core::Result<Row> {
@@ -444,10 +444,12 @@ fn row_of(
         });
     }
     Ok(match handler {
-        PerfHandler::Latency(client) => match LatencyStats::from_ns(size, &client.latencies_ns()) {
-            Some(stats) => Row::Latency(stats),
-            None => Row::Served,
-        },
+        PerfHandler::Latency(client) => {
+            match LatencyStats::from_ns(size, &client.into_latencies_ns()) {
+                Some(stats) => Row::Latency(stats),
+                None => Row::Served,
+            }
+        }
         PerfHandler::Rate(sender) => Row::Bandwidth(sender.stats()),
         _ => Row::Served,
     })
@@ -518,7 +520,7 @@ impl HandlerFactory for Streams {
         let peer = std::net::SocketAddr::from(([0, 0, 0, 0], 0));
         let _ = self
             .done
-            .send((reactor, row_of(&handler, self.spec.size, peer)));
+            .send((reactor, row_of(handler, self.spec.size, peer)));
     }
 }
 

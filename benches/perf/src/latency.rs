@@ -56,6 +56,16 @@ impl LatencyClient {
             .collect()
     }
 
+    /// As [`latencies_ns`](Self::latencies_ns), converting the samples in
+    /// place (a report at the end of a run: no second array).
+    pub fn into_latencies_ns(mut self) -> Vec<u64> {
+        let halve = u32::from(self.spec.op != PerfOp::Read);
+        for sample in &mut self.samples {
+            *sample = self.clock.nanos(0, *sample) >> halve;
+        }
+        self.samples
+    }
+
     /// The error that ended the run early, if any.
     pub fn failure(&self) -> Option<&str> {
         self.failed.as_deref()
