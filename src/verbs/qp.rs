@@ -639,17 +639,8 @@ impl QueuePair {
     /// those leave the batch and the rest stay, to retry.
     #[inline]
     pub fn post_send_batch<const N: usize>(&mut self, batch: &mut SendBatch<'_, N>) -> Result<()> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        for request in &batch.requests {
-            self.check_inline(request)?;
-        }
         let len = batch.len();
-        let head = super::wr::link(batch);
-        // SAFETY: `link` made a NULL-terminated list of `len` requests inside
-        // `batch`, which stays untouched until the call returns.
-        match unsafe { self.post_send_raw(head, len) } {
+        match self.post_send_batch_kept(batch) {
             Ok(()) => {
                 batch.clear();
                 Ok(())
