@@ -1,6 +1,8 @@
 //! The reactor's data path allocates nothing: after warm-up, 1,000,000
 //! ping-pong round trips (SEND/RECV and WRITE_WITH_IMM, alternating) make zero
-//! heap allocations on the reactor thread; so do 100,000 through an SRQ. Gated as in `tests/util/mod.rs`.
+//! heap allocations on the reactor thread; so do 100,000 through an SRQ, and
+//! a loop of the verbs layer's kept requests (SEND, a batch of WRITEs, READ)
+//! with its polls. Gated as in `tests/util/mod.rs`.
 
 mod util;
 
@@ -9,6 +11,9 @@ use std::cell::Cell;
 use std::sync::atomic::Ordering;
 
 use rdma_comm_core::reactor::*;
+use rdma_comm_core::verbs::{
+    AccessFlags, CompletionQueue, RecvRequest, SendBatch, WorkCompletion, WorkRequest,
+};
 use util::reactor::*;
 use util::*;
 
@@ -57,6 +62,19 @@ unsafe impl GlobalAlloc for CountingAllocator {
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
 
+/// The counter proves it works before a test trusts its zero: this
+/// allocation must be seen.
+fn assert_the_counter_counts() {
+    COUNTING.with(|c| c.set(true));
+    drop(std::hint::black_box(Box::new(1u8)));
+    COUNTING.with(|c| c.set(false));
+    assert_eq!(
+        ALLOCATIONS.with(|n| n.replace(0)),
+        1,
+        "the counting allocator counts"
+    );
+}
+
 const WARM_UP: u64 = 10_000;
 const MEASURED: u64 = 1_000_000;
 
@@ -90,15 +108,7 @@ fn round_trips_allocate_nothing(measured: u64, srq_depth: u32) {
         "warm-up completed"
     );
 
-    // The counter itself proves it works: this allocation must be seen.
-    COUNTING.with(|c| c.set(true));
-    drop(std::hint::black_box(Box::new(1u8)));
-    COUNTING.with(|c| c.set(false));
-    assert_eq!(
-        ALLOCATIONS.with(|n| n.replace(0)),
-        1,
-        "the counting allocator counts"
-    );
+    assert_the_counter_counts();
 
     ping.limit.store(WARM_UP + measured, Ordering::Relaxed);
     COUNTING.with(|c| c.set(true));
@@ -121,4 +131,82 @@ fn round_trips_allocate_nothing(measured: u64, srq_depth: u32) {
         0
     );
     assert_eq!(allocations, 0, "the data path allocated");
+}
+
+/// Rounds of the verbs-layer loop counted (after as many unmeasured).
+const KEPT_ROUNDS: u64 = 10_000;
+/// WRITEs per doorbell in the verbs-layer loop.
+const KEPT_BATCH: usize = 16;
+
+/// Polls `cq` until `count` completions came, each a success, without
+/// allocating (the message of a failed assertion would, but then the test
+/// fails anyway).
+fn reap(cq: &mut CompletionQueue, wcs: &mut [WorkCompletion], count: usize) {
+    let start = std::time::Instant::now();
+    let mut got = 0;
+    while got < count {
+        for wc in cq.poll(wcs).expect("poll") {
+            assert!(wc.is_success(), "a failed completion");
+            got += 1;
+        }
+        assert!(start.elapsed() < DEADLINE, "completions late");
+    }
+}
+
+verbs_test! {
+    fn the_verbs_layers_kept_requests_allocate_nothing() {
+        let Pair { mut a, mut b, mut cq_a, mut cq_b, pd, ctx: _ctx } = Pair::with_remote_access();
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        let mut mr = pd.alloc_mr(8192, access).unwrap();
+        let remote = mr.remote().unwrap();
+        let registration = mr.registration().clone();
+        // A SEND of bytes [0, 64) into a receive at [4096, 4160); 16 WRITEs
+        // of [64k, 64k + 64) to [5120 + 64k, ...); a READ of [4096, 4160)
+        // into [7168, 7232).
+        let mut landing = RecvRequest::new(1, registration.slice(4096, 64).unwrap()).unwrap();
+        let mut send = WorkRequest::send(2, registration.slice(0, 64).unwrap()).signaled();
+        let mut writes: SendBatch<'_, KEPT_BATCH> = SendBatch::new();
+        for k in 0..KEPT_BATCH {
+            let local = registration.slice(64 * k, 64).unwrap();
+            let target = remote.slice(5120 + 64 * k as u64, 64).unwrap();
+            let write = WorkRequest::write(100 + k as u64, local, target).unwrap();
+            let write = if k + 1 == KEPT_BATCH { write.signaled() } else { write };
+            writes.push(write).unwrap();
+        }
+        let mut read = WorkRequest::read(3, registration.slice(7168, 64).unwrap(), remote.slice(4096, 64).unwrap())
+            .unwrap()
+            .signaled();
+        let mut wcs = [WorkCompletion::default(); 32];
+        let mut round = |mr: &mut rdma_comm_core::verbs::MemoryRegion, i: u64| {
+            mr.write(0, &[i as u8; 64 * KEPT_BATCH]).unwrap();
+            b.post_recv_kept(&mut landing).unwrap();
+            a.post_send_kept(&mut send).unwrap();
+            reap(&mut cq_a, &mut wcs, 1);
+            reap(&mut cq_b, &mut wcs, 1);
+            a.post_send_batch_kept(&mut writes).unwrap();
+            reap(&mut cq_a, &mut wcs, 1);
+            a.post_send_kept(&mut read).unwrap();
+            reap(&mut cq_a, &mut wcs, 1);
+        };
+        for i in 0..KEPT_ROUNDS {
+            round(&mut mr, i);
+        }
+        assert_the_counter_counts();
+        COUNTING.with(|c| c.set(true));
+        for i in KEPT_ROUNDS..2 * KEPT_ROUNDS {
+            round(&mut mr, i);
+        }
+        COUNTING.with(|c| c.set(false));
+        let allocations = ALLOCATIONS.with(|n| n.replace(0));
+        println!("{KEPT_ROUNDS} rounds of kept requests (a SEND, 16 WRITEs, a READ): {allocations} heap allocations");
+
+        // The last round's bytes went where each request points.
+        let last = (2 * KEPT_ROUNDS - 1) as u8;
+        assert_eq!(read_back(&mr, 4096, 64), vec![last; 64], "the SEND landed");
+        for k in 0..KEPT_BATCH {
+            assert_eq!(read_back(&mr, 5120 + 64 * k, 64), vec![last; 64], "WRITE {k}");
+        }
+        assert_eq!(read_back(&mr, 7168, 64), vec![last; 64], "the READ fetched");
+        assert_eq!(allocations, 0, "the kept posts and polls allocated");
+    }
 }
