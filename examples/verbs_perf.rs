@@ -641,6 +641,9 @@ impl<'r> Link<'r> {
             loop {
                 if let Some(wc) = self.cq.poll(&mut self.wcs[..1])?.first() {
                     wc.ok()?;
+                    // The window binds set-up posted are unsignaled: nothing
+                    // else completes here.
+                    debug_assert_eq!(wc.wr_id(), 1, "a completion not the READ's");
                     break;
                 }
                 self.patience.spin("waiting for a READ")?;

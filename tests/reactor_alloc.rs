@@ -2,7 +2,8 @@
 //! ping-pong round trips (SEND/RECV and WRITE_WITH_IMM, alternating) make zero
 //! heap allocations on the reactor thread; so do 100,000 through an SRQ, and
 //! a loop of the verbs layer's kept requests (SEND, a batch of WRITEs, READ)
-//! with its polls. Gated as in `tests/util/mod.rs`.
+//! with its polls. (Rust's allocator is what is counted: a `malloc` inside
+//! libibverbs or the provider is not seen.) Gated as in `tests/util/mod.rs`.
 
 mod util;
 

@@ -287,4 +287,20 @@ fn kept_requests_post_again_with_what_the_buffer_holds_then() {
     assert_eq!(batch.len(), 3);
     let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
     assert_eq!(ids, [100]);
+
+    // `post_send_batch`, refused likewise, drops what went in and keeps the
+    // rest to retry; a full post empties it.
+    crate::verbs::refuse_sends_after(a.qpn(), 1);
+    match a.post_send_batch(&mut batch) {
+        Err(Error::Post { posted, .. }) => assert_eq!(posted, 1),
+        other => panic!("a partial post: {other:?}"),
+    }
+    let left: Vec<u64> = (0..batch.len())
+        .map(|i| batch.get_mut(i).unwrap().wr_id())
+        .collect();
+    assert_eq!(left, [7, 102], "the first went in");
+    a.post_send_batch(&mut batch).unwrap();
+    assert!(batch.is_empty());
+    let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
+    assert_eq!(ids, [100, 7, 102]);
 }
