@@ -205,9 +205,17 @@ fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
         signal_interval: args.reactor.signal_interval,
         ..ReactorConfig::default()
     };
-    config
+    let config = config
         .absorbing(1)
-        .watching_peers(Duration::from_millis(200))
+        .watching_peers(Duration::from_millis(200));
+    // Nor does it wake on a timer: its peer's completions and control
+    // connection wake it. (Woken every 10 ms, it put its wake-ups into the
+    // client's READ latencies: the guest's vCPUs also run Soft-RoCE.)
+    if passive {
+        config.sleeping_until_woken()
+    } else {
+        config
+    }
 }
 
 /// One size's result on one stream.

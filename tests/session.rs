@@ -342,3 +342,32 @@ verbs_test! {
         }
     }
 }
+
+verbs_test! {
+    fn waiting_for_a_peer_sleeps_until_it_says_goodbye() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let srv = server(&pd, ServerConfig::default());
+        let mut client = ClientSession::connect(srv.local_addr(), &pd, &client_config(&["a"])).unwrap();
+        let mut served = srv.accept_timeout(DEADLINE).unwrap();
+
+        // A live, quiet peer: the wait takes its whole timeout.
+        let start = std::time::Instant::now();
+        let status = served.link_mut().wait_for_peer(Duration::from_millis(200));
+        assert!(matches!(status, PeerStatus::Alive), "{status:?}");
+        assert!(start.elapsed() >= Duration::from_millis(200), "{:?}", start.elapsed());
+
+        // A goodbye sent meanwhile ends a long wait at once.
+        let goodbye = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(100));
+            assert!(client.send_disconnect(0x8004));
+            client
+        });
+        let start = std::time::Instant::now();
+        let status = served.link_mut().wait_for_peer(Duration::from_secs(20));
+        let took = start.elapsed();
+        assert!(matches!(status, PeerStatus::Disconnected { code: 0x8004 }), "{status:?}");
+        assert!(took < Duration::from_secs(10), "woken by the goodbye, not the timeout: {took:?}");
+        drop(goodbye.join().unwrap());
+    }
+}

@@ -387,6 +387,30 @@ impl SessionLink {
         }
     }
 
+    /// As [`check_peer`](Self::check_peer), after sleeping until the
+    /// control connection has something (the peer's goodbye, its leaving)
+    /// or `timeout` passes, for a side with nothing else to do while its
+    /// peer works: it does not wake every few milliseconds to look (on a
+    /// shared core, such wake-ups land in the peer's measurements). While
+    /// part of a frame is held it sleeps no longer than that frame's
+    /// deadline.
+    pub fn wait_for_peer(&mut self, timeout: Duration) -> PeerStatus {
+        let status = self.check_peer();
+        if !matches!(status, PeerStatus::Alive) {
+            return status;
+        }
+        let timeout = self
+            .recheck_within()
+            .map_or(timeout, |left| left.min(timeout));
+        if let Err(source) = super::net::wait_readable(self, timeout) {
+            return PeerStatus::Lost(Error::Os {
+                what: "waiting on a peer's control connection",
+                source,
+            });
+        }
+        self.check_peer()
+    }
+
     /// While part of a control frame is held: the time left until its
     /// deadline (just past it), after which [`check_peer`](Self::check_peer)
     /// must run again to lose the peer even if no more bytes come.

@@ -70,6 +70,28 @@ impl WakeReceiver {
     }
 }
 
+/// Blocks until `fd` is readable (or hung up) or `timeout` passes, whichever
+/// comes first (a signal ends it early, as a timeout would).
+pub(super) fn wait_readable(fd: &impl AsFd, timeout: Duration) -> io::Result<()> {
+    let mut entry = libc::pollfd {
+        fd: fd.as_fd().as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // Rounded up: a wait of less than a millisecond must not spin.
+    let ms = timeout.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as libc::c_int;
+    // SAFETY: one initialised pollfd that outlives the call; the descriptor
+    // is open (borrowed above).
+    let rc = unsafe { libc::poll(&mut entry, 1, ms) };
+    if rc < 0 {
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
 /// Probes an idle control connection after `idle`, then every `interval`,
 /// and gives up after `probes` unanswered probes; unacknowledged data also
 /// fails the connection after `idle + probes * interval`.
