@@ -338,6 +338,11 @@ impl Endpoint {
     }
 }
 
+/// Longest [`SessionLink::wait_for_peer`] sleeps at a time over the
+/// connection manager, whose goodbye it cannot sleep on: how late it may
+/// see one.
+pub const CM_GOODBYE_SLICE: Duration = Duration::from_millis(50);
+
 impl SessionLink {
     /// The peer's control address.
     pub fn peer(&self) -> SocketAddr {
@@ -391,14 +396,22 @@ impl SessionLink {
     /// control connection has something (the peer's goodbye, its leaving)
     /// or `timeout` passes, for a side with nothing else to do while its
     /// peer works: it does not wake every few milliseconds to look (on a
-    /// shared core, such wake-ups land in the peer's measurements). While
-    /// part of a frame is held it sleeps no longer than that frame's
-    /// deadline.
+    /// shared core, such wake-ups land in the peer's measurements). It may
+    /// return [`PeerStatus::Alive`] before `timeout`, so call it in a loop:
+    /// a signal ends the sleep; while part of a frame is held it sleeps no
+    /// longer than that frame's deadline; and over the connection manager,
+    /// where the goodbye arrives on a CQ it cannot sleep on (only the
+    /// peer's leaving reaches the event channel), it sleeps at most
+    /// [`CM_GOODBYE_SLICE`] at a time.
     pub fn wait_for_peer(&mut self, timeout: Duration) -> PeerStatus {
         let status = self.check_peer();
         if !matches!(status, PeerStatus::Alive) {
             return status;
         }
+        let timeout = match &self.control {
+            ControlLink::Tcp(_) => timeout,
+            ControlLink::Cm(_) => timeout.min(CM_GOODBYE_SLICE),
+        };
         let timeout = self
             .recheck_within()
             .map_or(timeout, |left| left.min(timeout));

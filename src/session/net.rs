@@ -71,7 +71,8 @@ impl WakeReceiver {
 }
 
 /// Blocks until `fd` is readable (or hung up) or `timeout` passes, whichever
-/// comes first (a signal ends it early, as a timeout would).
+/// comes first ([`Duration::MAX`]: no timeout; a signal ends it early, as a
+/// timeout would).
 pub(super) fn wait_readable(fd: &impl AsFd, timeout: Duration) -> io::Result<()> {
     let mut entry = libc::pollfd {
         fd: fd.as_fd().as_raw_fd(),
@@ -79,7 +80,10 @@ pub(super) fn wait_readable(fd: &impl AsFd, timeout: Duration) -> io::Result<()>
         revents: 0,
     };
     // Rounded up: a wait of less than a millisecond must not spin.
-    let ms = timeout.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as libc::c_int;
+    let ms = match timeout.as_nanos().div_ceil(1_000_000) {
+        ms if ms >= i32::MAX as u128 => -1,
+        ms => ms as libc::c_int,
+    };
     // SAFETY: one initialised pollfd that outlives the call; the descriptor
     // is open (borrowed above).
     let rc = unsafe { libc::poll(&mut entry, 1, ms) };
