@@ -27,6 +27,13 @@ pub struct LatencyClient {
     end: RunEnd,
 }
 
+/// A sample's ticks as the latency it reports: a whole READ, or half a
+/// SEND or WRITE round trip.
+fn latency_ns(clock: &Clock, whole: bool, ticks: u64) -> u64 {
+    let ns = clock.nanos(0, ticks);
+    if whole { ns } else { ns / 2 }
+}
+
 impl LatencyClient {
     /// A client for `spec` with preallocated sample storage.
     pub fn new(spec: PerfSpec, buffers: PerfBuffers) -> Self {
@@ -48,20 +55,19 @@ impl LatencyClient {
     /// Per-iteration latencies in nanoseconds (half round trips for SEND and
     /// WRITE, full READs), once finished.
     pub fn latencies_ns(&self) -> Vec<u64> {
-        let halve = self.spec.op != PerfOp::Read;
+        let whole = self.spec.op == PerfOp::Read;
         self.samples
             .iter()
-            .map(|&ticks| self.clock.nanos(0, ticks))
-            .map(|ns| if halve { ns / 2 } else { ns })
+            .map(|&ticks| latency_ns(&self.clock, whole, ticks))
             .collect()
     }
 
     /// As [`latencies_ns`](Self::latencies_ns), converting the samples in
     /// place (a report at the end of a run: no second array).
     pub fn into_latencies_ns(mut self) -> Vec<u64> {
-        let halve = u32::from(self.spec.op != PerfOp::Read);
+        let whole = self.spec.op == PerfOp::Read;
         for sample in &mut self.samples {
-            *sample = self.clock.nanos(0, *sample) >> halve;
+            *sample = latency_ns(&self.clock, whole, *sample);
         }
         self.samples
     }
