@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Result, os_result};
+use crate::session::net::poll_timeout_ms;
 use crate::verbs::CompletionChannel;
 
 use super::EventMode;
@@ -188,12 +189,7 @@ impl Waiter {
     /// watched fds that fired go to `fired` (at most [`MAX_EVENTS`]).
     pub(crate) fn wait(&mut self, timeout: Duration, fired: &mut Vec<u64>) -> Result<()> {
         fired.clear();
-        // Rounded up: a deadline less than a millisecond away must not
-        // become a zero timeout that returns at once until it passes.
-        let ms = match timeout.as_nanos().div_ceil(1_000_000) {
-            ms if ms >= i32::MAX as u128 => -1,
-            ms => ms as i32,
-        };
+        let ms = poll_timeout_ms(timeout);
         let rc = match (self.mode, &self.epoll) {
             (EventMode::Epoll, Some(epoll)) => {
                 let mut events = [libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];

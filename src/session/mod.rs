@@ -29,7 +29,7 @@ mod client;
 mod cm;
 mod endpoint;
 mod handshake;
-mod net;
+pub(crate) mod net;
 mod server;
 pub mod wire;
 

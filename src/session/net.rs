@@ -70,6 +70,17 @@ impl WakeReceiver {
     }
 }
 
+/// `timeout` as `poll(2)`'s and `epoll_wait(2)`'s milliseconds: rounded
+/// up, so a deadline less than a millisecond away does not become a zero
+/// timeout that returns at once until it passes; -1 (no timeout) from
+/// [`i32::MAX`] ms on, which [`Duration::MAX`] is.
+pub(crate) fn poll_timeout_ms(timeout: Duration) -> libc::c_int {
+    match timeout.as_nanos().div_ceil(1_000_000) {
+        ms if ms >= i32::MAX as u128 => -1,
+        ms => ms as libc::c_int,
+    }
+}
+
 /// Blocks until `fd` is readable (or hung up) or `timeout` passes, whichever
 /// comes first ([`Duration::MAX`]: no timeout; a signal ends it early, as a
 /// timeout would).
@@ -79,11 +90,7 @@ pub(super) fn wait_readable(fd: &impl AsFd, timeout: Duration) -> io::Result<()>
         events: libc::POLLIN,
         revents: 0,
     };
-    // Rounded up: a wait of less than a millisecond must not spin.
-    let ms = match timeout.as_nanos().div_ceil(1_000_000) {
-        ms if ms >= i32::MAX as u128 => -1,
-        ms => ms as libc::c_int,
-    };
+    let ms = poll_timeout_ms(timeout);
     // SAFETY: one initialised pollfd that outlives the call; the descriptor
     // is open (borrowed above).
     let rc = unsafe { libc::poll(&mut entry, 1, ms) };
