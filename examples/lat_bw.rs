@@ -203,6 +203,9 @@ fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
         send_slots: depth.min(128).max(2 * args.reactor.signal_interval),
         sq_depth: 512,
         signal_interval: args.reactor.signal_interval,
+        repost_batch: args
+            .reactor
+            .repost_batch_or(ReactorConfig::default().repost_batch),
         ..ReactorConfig::default()
     };
     let config = config

@@ -136,11 +136,13 @@ fn reactor_config(
     peers: u32,
 ) -> ReactorConfig {
     let default_mode = common::EventArg::Busy;
+    let base = ReactorConfig::for_traffic(payload, depth, peers);
     ReactorConfig {
         event_mode: args.reactor.event_mode_or(default_mode).into(),
         send_slots,
         signal_interval: args.reactor.signal_interval,
-        ..ReactorConfig::for_traffic(payload, depth, peers)
+        repost_batch: args.reactor.repost_batch_or(base.repost_batch),
+        ..base
     }
     .watching_peers(PEER_CHECK_INTERVAL)
 }

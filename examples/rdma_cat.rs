@@ -438,7 +438,7 @@ fn reactor_config(opts: &Opts) -> ReactorConfig {
             .into(),
         slot_size: opts.block_size.max(1) + SLOT_RESERVE,
         recv_depth: depth,
-        repost_batch: (depth / 4).max(1),
+        repost_batch: opts.reactor.repost_batch_or((depth / 4).max(1)),
         send_slots: depth,
         sq_depth: (2 * depth).max(64),
         signal_interval: opts.reactor.signal_interval,

@@ -106,6 +106,10 @@ pub struct ReactorArgs {
     /// Most requests per doorbell (default: per tool; ping_pong: pings in flight).
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Repost consumed receives in batches of N (default: the reactor's,
+    /// 16; 1 reposts each at the end of the pass that consumed it).
+    #[arg(long, value_name = "N")]
+    pub repost_batch: Option<u32>,
 }
 
 impl ReactorArgs {
@@ -113,6 +117,12 @@ impl ReactorArgs {
     #[allow(dead_code)]
     pub fn event_mode_or(&self, default: EventArg) -> EventArg {
         self.event_mode.unwrap_or(default)
+    }
+
+    /// The chosen repost batch, or the reactor's default.
+    #[allow(dead_code)]
+    pub fn repost_batch_or(&self, default: u32) -> u32 {
+        self.repost_batch.unwrap_or(default)
     }
 
     /// The chosen batch size (at least 1), or the tool's default.

@@ -134,12 +134,14 @@ fn reactor_config(args: &Args, world: &World) -> ReactorConfig {
     };
     let peers = world.size - 1;
     let per_reactor = world.size.div_ceil(usize::from(args.reactors)).min(peers);
+    let base = ReactorConfig::for_traffic(0, args.depth, per_reactor.max(1) as u32);
     ReactorConfig {
         event_mode: args.reactor.event_mode_or(common::EventArg::Busy).into(),
         slot_size: (payload.max(world.size * CELL_BYTES).max(64) + SLOT_RESERVE)
             .next_multiple_of(64),
         signal_interval: args.reactor.signal_interval,
-        ..ReactorConfig::for_traffic(0, args.depth, per_reactor.max(1) as u32)
+        repost_batch: args.reactor.repost_batch_or(base.repost_batch),
+        ..base
     }
     .watching_peers(PEER_CHECK_INTERVAL)
 }
