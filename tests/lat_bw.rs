@@ -215,6 +215,30 @@ verbs_test! {
 }
 
 verbs_test! {
+    /// `--repost-batch 1` on both sides (every consumed receive reposted by
+    /// the pass that consumed it): SEND latency and bandwidth still move
+    /// every message. A batch outside 1..=64 is refused before anything is
+    /// opened, naming the flag.
+    fn lat_bw_reposts_receives_one_at_a_time_when_asked() {
+        let extra = ["--repost-batch", "1"];
+        let listen = format!("127.0.0.1:{}", free_port());
+        let (row, _) = run_example("lat_bw", &listen, &extra, "send", "lat", 8, 300);
+        assert!(row[2] > 0.0 && row[2] <= row[4], "{row:?}");
+        let listen = format!("127.0.0.1:{}", free_port());
+        let (row, _) = run_example("lat_bw", &listen, &extra, "send", "bw", 64, 3000);
+        assert!(row[3] > 0.0 && row[4] > 0.0, "{row:?}");
+        for bad in ["0", "65"] {
+            let out = lat_bw(&["--connect", "127.0.0.1:9", "--repost-batch", bad])
+                .wait_with_output()
+                .expect("collect lat_bw");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "--repost-batch {bad}: {stderr}");
+            assert!(stderr.contains("--repost-batch"), "{stderr}");
+        }
+    }
+}
+
+verbs_test! {
     /// The same tests on the verbs layer alone: every one finishes on both
     /// sides with a sane row (READ has a latency test only).
     fn verbs_perf_runs_every_test() {

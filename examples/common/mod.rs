@@ -106,9 +106,10 @@ pub struct ReactorArgs {
     /// Most requests per doorbell (default: per tool; ping_pong: pings in flight).
     #[arg(long)]
     pub batch: Option<usize>,
-    /// Repost consumed receives in batches of N (default: the reactor's,
-    /// 16; 1 reposts each at the end of the pass that consumed it).
-    #[arg(long, value_name = "N")]
+    /// Repost consumed receives in batches of N, 1 to 64 (default: per
+    /// tool). 1 reposts each at the end of the pass that consumed it. The
+    /// reactor lowers it to half a connection's receive depth.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub repost_batch: Option<u32>,
 }
 
