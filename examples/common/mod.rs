@@ -120,7 +120,7 @@ impl ReactorArgs {
         self.event_mode.unwrap_or(default)
     }
 
-    /// The chosen repost batch, or the reactor's default.
+    /// The chosen repost batch, or the tool's default.
     #[allow(dead_code)]
     pub fn repost_batch_or(&self, default: u32) -> u32 {
         self.repost_batch.unwrap_or(default)
