@@ -192,6 +192,7 @@ fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
     let passive = args.server
         && ((args.test == TestArg::Lat && args.op == OpArg::Read)
             || (args.test == TestArg::Bw && args.op != OpArg::Send));
+    let base = ReactorConfig::default();
     let config = ReactorConfig {
         event_mode: if passive {
             EventMode::Blocking
@@ -203,10 +204,8 @@ fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
         send_slots: depth.min(128).max(2 * args.reactor.signal_interval),
         sq_depth: 512,
         signal_interval: args.reactor.signal_interval,
-        repost_batch: args
-            .reactor
-            .repost_batch_or(ReactorConfig::default().repost_batch),
-        ..ReactorConfig::default()
+        repost_batch: args.reactor.repost_batch_or(base.repost_batch),
+        ..base
     };
     let config = config
         .absorbing(1)
