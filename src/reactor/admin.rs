@@ -31,8 +31,36 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// [`ReactorConfig::absorbing`](super::ReactorConfig::absorbing)) or
     /// than the SRQ can give their shares.
     pub fn add<S: QpSource<Link = L>>(&mut self, source: S, handler: H) -> Result<SessionId> {
+        self.add_as(source, handler, false)
+    }
+
+    /// Takes over a connected QP source as direct connections (see
+    /// [`Ctx::direct`](super::Ctx::direct)): the handler posts on each QP
+    /// itself, its receives included, and gets every completion in
+    /// [`Handler::on_direct_completion`]; the reactor polls, routes and
+    /// fails them, and posts nothing of its own. The connections are
+    /// established at once, with nothing posted: post the first receives
+    /// through [`with_ctx`](Self::with_ctx) before the peer may send (the
+    /// peer must be direct too, since nothing of the reactor's protocol
+    /// is spoken). Each takes its QP's whole send and receive depth from
+    /// the CQs' room. Refused on a reactor with an SRQ, and as
+    /// [`add`](Self::add) refuses.
+    pub fn add_direct<S: QpSource<Link = L>>(
+        &mut self,
+        source: S,
+        handler: H,
+    ) -> Result<SessionId> {
+        self.add_as(source, handler, true)
+    }
+
+    fn add_as<S: QpSource<Link = L>>(
+        &mut self,
+        source: S,
+        handler: H,
+        direct: bool,
+    ) -> Result<SessionId> {
         let (qps, link) = source.into_parts();
-        let cq_charges = self.check_qps(&qps)?;
+        let cq_charges = self.check_qps(&qps, direct)?;
         let Some(session) = self.sessions.vacant_key().map(SessionId) else {
             return Err(Error::InvalidArgument(
                 "the reactor serves its maximum of sessions",
@@ -44,6 +72,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             ));
         }
         let share = self.config.recv_depth.max(2);
+        // (A direct connection is refused on a reactor with an SRQ.)
         if let Some(pool) = &mut self.srq {
             pool.promise(share * qps.len() as u32)?;
         }
@@ -51,7 +80,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let mut conns = Vec::with_capacity(qps.len());
         let mut failure = None;
         for (index, qp) in qps.into_iter().enumerate() {
-            match self.build_conn(session, index, qp) {
+            match self.build_conn(session, index, qp, direct) {
                 Ok(conn) => conns.push(conn),
                 Err(err) => {
                     failure = Some(err);
@@ -96,8 +125,15 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// Checks `qps` against the reactor's CQs and SRQ; returns the CQ
     /// entries they would take, by CQ index.
-    fn check_qps(&self, qps: &[QueuePair]) -> Result<Vec<(usize, u32)>> {
+    fn check_qps(&self, qps: &[QueuePair], direct: bool) -> Result<Vec<(usize, u32)>> {
         let mut charges: Vec<(usize, u32)> = Vec::new();
+        if direct
+            && (self.srq.is_some() || qps.iter().any(|qp| qp.shared_receive_queue().is_some()))
+        {
+            return Err(Error::InvalidArgument(
+                "a direct connection posts its own receives: add it to a reactor without an SRQ",
+            ));
+        }
         for qp in qps {
             // By identity, not by CqId: ids repeat across device contexts.
             let (Some(send), Some(recv)) = (
@@ -136,14 +172,20 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     "the QP's window binds leave the reactor too little of its send queue (create it with max_send_wr = sq_depth + binds)",
                 ));
             }
-            let sq = sq_room(&self.config, qp).max(MIN_SQ_DEPTH) + qp.bound_windows();
+            let mut sq = sq_room(&self.config, qp).max(MIN_SQ_DEPTH) + qp.bound_windows();
             // With an SRQ, receive completions are bounded by the SRQ, whose
             // whole depth every CQ keeps room for (a peer that ignores its
             // credits can consume all of it), not by the connection's share.
-            let rq = match self.srq {
+            let mut rq = match self.srq {
                 Some(_) => 0,
                 None => self.config.recv_depth.max(2),
             };
+            if direct {
+                // Its handler may fill the QP's queues: every request of
+                // them may complete.
+                sq = qp.max_send_wr();
+                rq = qp.max_recv_wr();
+            }
             for (cq, entries) in [(send, sq), (recv, rq)] {
                 match charges.iter_mut().find(|(c, _)| *c == cq) {
                     Some((_, total)) => *total += entries,
@@ -162,13 +204,24 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// Builds and stores the connection for QP `index` of `session`.
-    fn build_conn(&mut self, session: SessionId, index: usize, qp: QueuePair) -> Result<ConnId> {
+    fn build_conn(
+        &mut self,
+        session: SessionId,
+        index: usize,
+        qp: QueuePair,
+        direct: bool,
+    ) -> Result<ConnId> {
         let Some(key) = self.conns.vacant_key() else {
             return Err(Error::InvalidArgument(
                 "the reactor serves its maximum of connections",
             ));
         };
         let id = ConnId(key);
+        if direct {
+            let conn = Conn::new_direct(id, session, index, &self.pd, qp, &self.config)?;
+            self.conns.insert(conn);
+            return Ok(id);
+        }
         let shared = self.srq.as_ref().map(|pool| pool.shared());
         let mut conn = Conn::new(id, session, index, &self.pd, qp, &self.config, shared)?;
         conn.post_initial_receives()?;

@@ -11,6 +11,22 @@ use super::slab::Key;
 use super::{ConnId, Ctx, Handler, PeerLink, Reactor};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
+    /// A failed completion of a direct connection fails it (the first
+    /// one: those its failure flushes after it are ignored, as are any
+    /// of a connection already closed). Its handler's requests hold
+    /// nothing of the reactor's, so nothing is given back.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn direct_unusual(&mut self, key: Key, wc: &WorkCompletion) {
+        if self.conns.get(key).is_some_and(|c| !c.is_closed()) {
+            let error = wc
+                .ok()
+                .err()
+                .unwrap_or(Error::InvalidArgument("failed completion"));
+            self.fail(ConnId(key), error);
+        }
+    }
+
     /// A completion no connection of ours posted: a window bind of a QP
     /// we serve (posted before we took it), which fails its connection if
     /// the bind failed; anything else is ignored and counted.

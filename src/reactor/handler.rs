@@ -2,6 +2,7 @@
 
 use crate::error::Error;
 use crate::session::PeerStatus;
+use crate::verbs::WorkCompletion;
 
 use super::{ConnId, Ctx, SessionId};
 
@@ -35,6 +36,20 @@ pub trait Handler {
     /// peer's last messages may still be queued: a server removes the
     /// session with [`Ctx::remove_session`] when it is done with it.
     fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {}
+    /// A completion of a direct connection ([`Reactor::add_direct`]): a
+    /// request its handler posted through [`Ctx::direct`] is done, `id`
+    /// being the low 32 bits of the request's `wr_id`. Failed completions
+    /// do not come here: they fail the connection ([`on_error`](Self::on_error)).
+    ///
+    /// [`Reactor::add_direct`]: super::Reactor::add_direct
+    fn on_direct_completion(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        conn: ConnId,
+        id: u32,
+        completion: &WorkCompletion,
+    ) {
+    }
     /// A pass found no completions (busy poll) or a wait timed out.
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {}
 }
@@ -60,6 +75,15 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
     }
     fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
         (**self).on_error(ctx, conn, error)
+    }
+    fn on_direct_completion(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        conn: ConnId,
+        id: u32,
+        completion: &WorkCompletion,
+    ) {
+        (**self).on_direct_completion(ctx, conn, id, completion)
     }
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         (**self).on_idle(ctx)
@@ -93,6 +117,16 @@ impl<H: Handler> Handler for std::rc::Rc<std::cell::RefCell<H>> {
     }
     fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
         self.borrow_mut().on_error(ctx, conn, error)
+    }
+    fn on_direct_completion(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        conn: ConnId,
+        id: u32,
+        completion: &WorkCompletion,
+    ) {
+        self.borrow_mut()
+            .on_direct_completion(ctx, conn, id, completion)
     }
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         self.borrow_mut().on_idle(ctx)

@@ -296,10 +296,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         } else {
             let qpn = wc.qp_num();
             // A receive of a connection on the SRQ always comes tagged.
+            // A direct connection's completions leave nothing for the flush.
             let ours = |key: Key, conn: &Conn| {
-                same_generation(key, generation)
+                (same_generation(key, generation)
                     && conn.qpn == qpn
-                    && !(conn.uses_srq() && matches!(kind, WrKind::Recv { .. }))
+                    && !(conn.uses_srq() && matches!(kind, WrKind::Recv { .. })))
+                .then_some(!conn.direct)
             };
             match self.conns.get_by_index_if(index, ours) {
                 Some((key, conn)) => (key, kind, conn),
@@ -310,6 +312,24 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 }
             }
         };
+        if conn.direct {
+            if !wc.is_success() || conn.is_closed() {
+                let wc = self.wcs[at];
+                self.direct_unusual(key, &wc);
+                return;
+            }
+            let (session, id) = (conn.session, conn.id);
+            let Some(record) = self.sessions.get_mut(session.0) else {
+                return;
+            };
+            let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+            // The low half of the id is the handler's (see `direct`).
+            let handlers_id = wc.wr_id() as u32;
+            record
+                .handler
+                .on_direct_completion(&mut ctx, id, handlers_id, wc);
+            return;
+        }
         if !wc.is_success() || conn.is_closed() {
             let wc = self.wcs[at];
             self.dispatch_unusual(key, &wc, kind);

@@ -257,6 +257,17 @@ impl<T> Slab<T> {
         self.entry(key)?.value.as_ref()
     }
 
+    /// As [`get_mut`](Self::get_mut), without listing the record as
+    /// touched: for a record the flush has nothing to do with.
+    #[inline]
+    pub(crate) fn get_mut_quiet(&mut self, key: Key) -> Option<&mut T> {
+        let entry = self.entries.get_mut(key.index as usize)?;
+        if key.owner != self.owner || entry.generation != key.generation {
+            return None;
+        }
+        entry.value.as_mut()
+    }
+
     #[inline]
     pub(crate) fn get_mut(&mut self, key: Key) -> Option<&mut T> {
         // One lookup: the entry and the list are separate fields.
@@ -275,14 +286,15 @@ impl<T> Slab<T> {
         entry.value.as_mut()
     }
 
-    /// The record at `index` with its key, if `accept` takes it; listed as
-    /// touched only then. One lookup for a caller that must vet a record
+    /// The record at `index` with its key, if `accept` takes it
+    /// (`Some`); listed as touched only then, and only if `accept` says
+    /// so (`Some(true)`). One lookup for a caller that must vet a record
     /// (a completion's claim to be its) before it counts as changed.
     #[inline]
     pub(crate) fn get_by_index_if(
         &mut self,
         index: u32,
-        accept: impl FnOnce(Key, &T) -> bool,
+        accept: impl FnOnce(Key, &T) -> Option<bool>,
     ) -> Option<(Key, &mut T)> {
         let entry = self.entries.get_mut(index as usize)?;
         let key = Key {
@@ -291,10 +303,8 @@ impl<T> Slab<T> {
             owner: self.owner,
         };
         let value = entry.value.as_mut()?;
-        if !accept(key, value) {
-            return None;
-        }
-        if self.tracking {
+        let list = accept(key, value)?;
+        if self.tracking && list {
             list_entry(&mut self.lists[TOUCHED], &mut entry.listed[TOUCHED], index);
         }
         Some((key, value))

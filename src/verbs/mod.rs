@@ -14,6 +14,7 @@
 pub mod cm;
 mod cq;
 mod device;
+mod kept;
 mod list;
 mod loopback;
 mod mr;
@@ -31,6 +32,7 @@ pub use cq::{
 pub use device::{
     Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState, devices,
 };
+pub use kept::{KeptBatch, KeptRecv, KeptRequest};
 pub(crate) use list::{SendDescriptor, SendList, SendOpcode, Sge};
 #[cfg(test)]
 pub(crate) use loopback::refuse_sends_after;

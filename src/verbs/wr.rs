@@ -201,6 +201,28 @@ impl<'a> WorkRequest<'a> {
     pub fn flags(&self) -> SendFlags {
         SendFlags::from_bits_retain(self.wr.send_flags)
     }
+
+    /// The local bytes it reads or writes: address, length and key.
+    pub(crate) fn local_sge(&self) -> (u64, u32, u32) {
+        (self.sge.addr, self.sge.length, self.sge.lkey)
+    }
+
+    /// The same request with no borrow, for a [`KeptRequest`] that keeps
+    /// the registration its bytes are in instead (`None` for an inline
+    /// send, whose bytes are in no registration).
+    ///
+    /// [`KeptRequest`]: super::KeptRequest
+    pub(crate) fn detached(self) -> Option<WorkRequest<'static>> {
+        if self.inline_only {
+            return None;
+        }
+        Some(WorkRequest {
+            wr: self.wr,
+            sge: self.sge,
+            inline_only: false,
+            _buffers: PhantomData,
+        })
+    }
 }
 
 fn sge(local: &LocalSlice<'_>) -> sys::ibv_sge {
@@ -377,6 +399,25 @@ impl<'a> RecvRequest<'a> {
     /// The caller's id for this request.
     pub fn wr_id(&self) -> u64 {
         self.wr.wr_id
+    }
+
+    /// Sets the caller's id, in place (for a request kept and posted again).
+    pub fn set_wr_id(&mut self, wr_id: u64) {
+        self.wr.wr_id = wr_id;
+    }
+
+    /// The local bytes it lands in: address, length and key.
+    pub(crate) fn local_sge(&self) -> (u64, u32, u32) {
+        (self.sge.addr, self.sge.length, self.sge.lkey)
+    }
+
+    /// The same request with no borrow (see `WorkRequest::detached`).
+    pub(crate) fn detached(self) -> RecvRequest<'static> {
+        RecvRequest {
+            wr: self.wr,
+            sge: self.sge,
+            _buffer: PhantomData,
+        }
     }
 }
 

@@ -23,7 +23,8 @@ pub(crate) use staging::{ForwardOrigin, OpKind};
 use staging::{Keep, SqOp};
 pub(crate) use wr_id::{MAX_CONNS, SRQ_SLOT_BITS, WrKind};
 pub(crate) use wr_id::{
-    decode as decode_wr_id, same_generation, srq_recv as srq_recv_wr_id, srq_slot,
+    decode as decode_wr_id, direct_recv_tag, direct_send_tag, same_generation,
+    srq_recv as srq_recv_wr_id, srq_slot,
 };
 
 /// Bytes of every slot kept back for the trailer of a SEND that carries a
@@ -57,6 +58,10 @@ pub(crate) struct Conn {
     /// completions (failures, or signaled ones) carry `BIND_WR_ID`.
     pub(crate) binds: u32,
     pub(crate) state: ConnState,
+    /// A direct connection: its handler posts on the QP itself and gets
+    /// every completion as it comes ([`Ctx::direct`](super::Ctx::direct));
+    /// the reactor stages, signals, credits and reposts nothing on it.
+    pub(crate) direct: bool,
     // Declared before the rings' registrations: the QP is destroyed first.
     // Only this connection posts on it (the reactor took it whole).
     qp: QueuePair,
@@ -175,6 +180,7 @@ impl Conn {
             qpn: qp.qpn(),
             binds: qp.bound_windows(),
             state: ConnState::Connecting,
+            direct: false,
             qp,
             recv_ring,
             send_ring: Ring::of(&send_region),
@@ -216,6 +222,36 @@ impl Conn {
             kept: None,
             kept_in_flight: 0,
         })
+    }
+
+    /// A direct connection (see `direct`): established at once, with rings
+    /// of two 4-byte slots that nothing ever posts (the rest of the
+    /// connection's machinery is idle, and stays correct, around them).
+    pub(crate) fn new_direct(
+        id: ConnId,
+        session: SessionId,
+        qp_index: usize,
+        pd: &ProtectionDomain,
+        qp: QueuePair,
+        config: &ReactorConfig,
+    ) -> crate::Result<Self> {
+        let token = ReactorConfig {
+            slot_size: IMM_TRAILER_LEN,
+            recv_depth: 2,
+            send_slots: 2,
+            signal_interval: 1,
+            ..config.clone()
+        };
+        let mut conn = Self::new(id, session, qp_index, pd, qp, &token, None)?;
+        conn.direct = true;
+        conn.state = ConnState::Established;
+        Ok(conn)
+    }
+
+    /// The QP of a direct connection, to post on.
+    #[inline]
+    pub(crate) fn direct_qp(&mut self) -> Option<&mut QueuePair> {
+        (self.direct && self.state == ConnState::Established).then_some(&mut self.qp)
     }
 
     /// Bytes registered for this connection alone: its own receive ring

@@ -85,6 +85,19 @@ pub(crate) fn send(conn: Key, seq: u32) -> u64 {
     encode(conn.index, conn.generation, KIND_SEND, seq)
 }
 
+/// The top 32 bits of every send-queue request of direct connection
+/// `conn`: the low 32 are its handler's.
+#[inline]
+pub(crate) fn direct_send_tag(conn: Key) -> u64 {
+    encode(conn.index, conn.generation, KIND_SEND, 0)
+}
+
+/// The top 32 bits of every receive of direct connection `conn`.
+#[inline]
+pub(crate) fn direct_recv_tag(conn: Key) -> u64 {
+    encode(conn.index, conn.generation, KIND_RECV, 0)
+}
+
 /// The connection index, the generation bits and the kind of a `wr_id`.
 #[inline]
 pub(crate) fn decode(wr_id: u64) -> (u32, u32, WrKind) {

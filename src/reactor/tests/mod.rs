@@ -173,5 +173,6 @@ fn send(reactor: &mut Reactor<Probe, ()>, conn: ConnId, data: &[u8]) {
     panic!("no credit within {MAX_PASSES} passes");
 }
 
+mod direct;
 mod ring;
 mod srq;

@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::sys;
 
 use super::super::BIND_WR_ID;
+use super::super::kept::{KeptBatch, KeptRecv, KeptRequest};
 use super::super::list::{self, SendList};
 use super::super::mw::WindowSlot;
 use super::super::wr::{self, RecvBatch, RecvRequest, SendBatch, WorkRequest};
@@ -42,6 +43,27 @@ impl QueuePair {
         // SAFETY: one request, NULL-terminated, pointing at its own SGE,
         // borrowed for the call.
         unsafe { self.post_send_raw(head, 1) }
+    }
+
+    /// Posts a [`KeptRequest`], which keeps the registration its bytes are
+    /// in: as [`post_send_kept`](Self::post_send_kept), for a request kept
+    /// in a struct beside its memory.
+    #[inline]
+    pub fn post_kept(&mut self, request: &mut KeptRequest) -> Result<()> {
+        self.post_send_kept(request.request_mut())
+    }
+
+    /// Posts a [`KeptBatch`] as one list (one doorbell), as
+    /// [`post_send_batch_kept`](Self::post_send_batch_kept).
+    #[inline]
+    pub fn post_kept_batch<const N: usize>(&mut self, batch: &mut KeptBatch<N>) -> Result<()> {
+        self.post_send_batch_kept(batch.batch_mut())
+    }
+
+    /// Posts a [`KeptRecv`], as [`post_recv_kept`](Self::post_recv_kept).
+    #[inline]
+    pub fn post_kept_recv(&mut self, request: &mut KeptRecv) -> Result<()> {
+        self.post_recv_kept(request.request_mut())
     }
 
     /// Posts every request of `batch` as one linked list (one doorbell) and

@@ -1,0 +1,120 @@
+//! Direct connections: a handler that wants perftest's loop and none of the
+//! reactor's services posts on its connection's QP itself, with requests it
+//! built once ([`KeptRequest`], [`KeptBatch`], [`KeptRecv`]), and gets each
+//! completion as it comes ([`Handler::on_direct_completion`]). The reactor
+//! still owns the QP, polls the shared CQs, routes every completion by the
+//! connection it names (index, generation and QP number, as for its own),
+//! fails the connection on a failed completion, and removes it with its
+//! session; it stages, signals, credits and reposts nothing. The handler
+//! keeps its receives posted, its send queue within depth and its peer
+//! within its receives, as on a bare QP (the peer must run direct too).
+//!
+//! A request's `wr_id` carries the connection in its top 32 bits, which
+//! the reactor writes at each post; the low 32 bits are the handler's own
+//! and come back with the completion.
+//!
+//! [`Handler::on_direct_completion`]: super::Handler::on_direct_completion
+
+use std::fmt;
+
+use crate::error::Result;
+use crate::verbs::{KeptBatch, KeptRecv, KeptRequest, QueuePair, RecvRequest, WorkRequest};
+
+use super::conn::{direct_recv_tag, direct_send_tag};
+use super::slab::Key;
+use super::{ConnId, Ctx, SendError};
+
+/// Posting on a direct connection's QP, from [`Ctx::direct`]. It borrows
+/// the `Ctx`, so it lives within one callback. Each post rings its own
+/// doorbell (a [`KeptBatch`] rings one for the batch).
+pub struct DirectQp<'c> {
+    qp: &'c mut QueuePair,
+    key: Key,
+}
+
+impl fmt::Debug for DirectQp<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DirectQp")
+            .field("qpn", &self.qp.qpn())
+            .finish()
+    }
+}
+
+/// `wr_id` with its top half replaced by `tag`.
+#[inline(always)]
+fn tagged(tag: u64, wr_id: u64) -> u64 {
+    tag | (wr_id & u64::from(u32::MAX))
+}
+
+impl DirectQp<'_> {
+    /// Posts `request` (its id's low 32 bits are the handler's) and leaves
+    /// it with the caller, to post again.
+    #[inline]
+    pub fn post_send(&mut self, request: &mut WorkRequest<'_>) -> Result<()> {
+        request.set_wr_id(tagged(direct_send_tag(self.key), request.wr_id()));
+        self.qp.post_send_kept(request)
+    }
+
+    /// Posts a [`KeptRequest`].
+    #[inline]
+    pub fn post_kept(&mut self, request: &mut KeptRequest) -> Result<()> {
+        request.set_wr_id(tagged(direct_send_tag(self.key), request.wr_id()));
+        self.qp.post_kept(request)
+    }
+
+    /// Posts a [`KeptBatch`] as one list: one doorbell.
+    #[inline]
+    pub fn post_kept_batch<const N: usize>(&mut self, batch: &mut KeptBatch<N>) -> Result<()> {
+        let tag = direct_send_tag(self.key);
+        for index in 0..batch.len() {
+            if let Some(id) = batch.wr_id(index) {
+                batch.set_wr_id(index, tagged(tag, id));
+            }
+        }
+        self.qp.post_kept_batch(batch)
+    }
+
+    /// Posts a receive (its id's low 32 bits are the handler's).
+    #[inline]
+    pub fn post_recv(&mut self, request: &mut RecvRequest<'_>) -> Result<()> {
+        request.set_wr_id(tagged(direct_recv_tag(self.key), request.wr_id()));
+        self.qp.post_recv_kept(request)
+    }
+
+    /// Posts a [`KeptRecv`].
+    #[inline]
+    pub fn post_kept_recv(&mut self, request: &mut KeptRecv) -> Result<()> {
+        request.set_wr_id(tagged(direct_recv_tag(self.key), request.wr_id()));
+        self.qp.post_kept_recv(request)
+    }
+
+    /// The QP's number.
+    pub fn qpn(&self) -> u32 {
+        self.qp.qpn()
+    }
+
+    /// The most bytes a request may carry inline.
+    pub fn max_inline_data(&self) -> u32 {
+        self.qp.max_inline_data()
+    }
+}
+
+impl Ctx<'_> {
+    /// Posting on `conn`'s QP, if it is a direct connection of this
+    /// reactor ([`Reactor::add_direct`](super::Reactor::add_direct)) that has
+    /// not failed: [`SendError::Closed`] otherwise, and
+    /// [`SendError::Invalid`] for a connection of the reactor's own
+    /// protocol, whose QP only the reactor posts on.
+    #[inline]
+    pub fn direct(&mut self, conn: ConnId) -> Result<DirectQp<'_>, SendError> {
+        let key = conn.key();
+        let record = self.conns.get_mut_quiet(key).ok_or(SendError::Closed)?;
+        if !record.direct {
+            return Err(SendError::Invalid(crate::Error::InvalidArgument(
+                "not a direct connection: the reactor alone posts on its QP",
+            )));
+        }
+        let qp = record.direct_qp().ok_or(SendError::Closed)?;
+        Ok(DirectQp { qp, key })
+    }
+}
