@@ -85,6 +85,12 @@ struct Args {
     reactor: common::ReactorArgs,
     /// Pin the reactor to this CPU (default: a core near the NIC; the server
     /// takes the first, the client the second).
+    /// Direct connections (both sides): the handler posts requests built
+    /// once on its QP itself and counts its completions, as perftest does;
+    /// the reactor only polls and routes (no staging, credits or reposts).
+    /// send, write and read; one stream.
+    #[arg(long)]
+    direct: bool,
     #[arg(long, conflicts_with_all = ["no_pin", "cores"])]
     core: Option<usize>,
     /// Leave the reactor thread unpinned.
@@ -207,8 +213,10 @@ fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
         repost_batch: args.reactor.repost_batch_or(base.repost_batch),
         ..base
     };
+    // A direct connection takes its QP's whole queues from the CQ's room,
+    // and a provider may round the QP's depths up.
     let config = config
-        .absorbing(1)
+        .absorbing(if args.direct { 2 } else { 1 })
         .watching_peers(Duration::from_millis(200));
     // Nor does it wake on a timer: its peer's completions and control
     // connection wake it. (Woken every 10 ms, it put its wake-ups into the
@@ -232,6 +240,11 @@ fn run(args: &'static Args) -> rdma_comm_core::Result<()> {
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
     let streams = usize::from(args.runtime.reactors);
+    if args.direct && (streams > 1 || args.op == OpArg::WriteImm) {
+        return Err(rdma_comm_core::Error::InvalidArgument(
+            "--direct measures send, write and read on one stream",
+        ));
+    }
     let rows: Vec<Vec<Row>> = if streams == 1 {
         pin_one(args, &ctx)?;
         if !args.server {
@@ -426,7 +439,11 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
         let buffers = PerfBuffers { buffer, peer };
         let handler = handler_for(args, spec, buffers);
         let peer_addr = endpoint.peer();
-        let session = reactor.add(endpoint, handler)?;
+        let session = if args.direct {
+            reactor.add_direct(endpoint, handler)?
+        } else {
+            reactor.add(endpoint, handler)?
+        };
         // The reactor watches the peer's control connection, so a vanished
         // peer ends the run with an error (the handler's) instead of a hang.
         reactor.run()?;
@@ -461,12 +478,29 @@ fn row_of(
             }
         }
         PerfHandler::Rate(sender) => Row::Bandwidth(sender.stats()),
+        PerfHandler::DirectClient(client) if client.is_bandwidth() => {
+            Row::Bandwidth(client.stats())
+        }
+        PerfHandler::DirectClient(client) => {
+            match LatencyStats::from_ns(size, &client.into_latencies_ns()) {
+                Some(stats) => Row::Latency(stats),
+                None => Row::Served,
+            }
+        }
         _ => Row::Served,
     })
 }
 
 /// The role a handler plays, from the flags.
 fn handler_for(args: &Args, spec: PerfSpec, buffers: PerfBuffers) -> PerfHandler {
+    let bandwidth = args.test == TestArg::Bw;
+    if args.direct {
+        return match args.server {
+            true => PerfHandler::DirectServer(DirectServer::new(spec, buffers, bandwidth)),
+            false if bandwidth => PerfHandler::DirectClient(DirectClient::bandwidth(spec, buffers)),
+            false => PerfHandler::DirectClient(DirectClient::latency(spec, buffers)),
+        };
+    }
     match (args.server, args.test) {
         (true, TestArg::Lat) => PerfHandler::Reflect(Reflector::new(spec, buffers)),
         (true, TestArg::Bw) => PerfHandler::Sink(RateSink::default()),

@@ -9,7 +9,7 @@ use crate::verbs::QueuePair;
 use super::conn::{Conn, MAX_CONNS, MIN_SQ_DEPTH, sq_room};
 use super::slab::Slab;
 use super::srq_pool::SrqPool;
-use super::{ConnId, Handler, PeerLink, QpSource, Reactor, Session, SessionId};
+use super::{ConnId, Ctx, Handler, PeerLink, QpSource, Reactor, Session, SessionId};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Takes over a connected QP source (an [`Endpoint`](crate::session::Endpoint)
@@ -39,10 +39,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// itself, its receives included, and gets every completion in
     /// [`Handler::on_direct_completion`]; the reactor polls, routes and
     /// fails them, and posts nothing of its own. The connections are
-    /// established at once, with nothing posted: post the first receives
-    /// through [`with_ctx`](Self::with_ctx) before the peer may send (the
-    /// peer must be direct too, since nothing of the reactor's protocol
-    /// is spoken). Each takes its QP's whole send and receive depth from
+    /// established at once, with nothing posted; the handler hears of each
+    /// ([`Handler::on_established`]) before this returns, and posts its
+    /// first receives there. A SEND that comes before them waits
+    /// in the peer's RNR retries (the peer must be direct too, since
+    /// nothing of the reactor's protocol is spoken). Each takes its QP's whole send and receive depth from
     /// the CQs' room. Refused on a reactor with an SRQ, and as
     /// [`add`](Self::add) refuses.
     pub fn add_direct<S: QpSource<Link = L>>(
@@ -120,7 +121,25 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         // The initial credit updates wait for the next flush.
         self.unsettled = true;
+        if direct {
+            self.hand_over(session);
+        }
         Ok(session)
+    }
+
+    /// Tells the handler of new direct session `session` that each of its
+    /// connections is its own to post on (`on_established`, in QP order).
+    fn hand_over(&mut self, session: SessionId) {
+        let Some(record) = self.sessions.get_mut(session.0) else {
+            return;
+        };
+        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+        for &conn in &record.conns {
+            record.handler.on_established(&mut ctx, conn);
+        }
+        if ctx.touched {
+            self.unsettled = true;
+        }
     }
 
     /// Checks `qps` against the reactor's CQs and SRQ; returns the CQ

@@ -123,14 +123,7 @@ impl Ctx<'_> {
     #[inline]
     fn conn(&mut self, conn: ConnId) -> Result<&mut Conn, SendError> {
         self.touched = true;
-        match self.conns.get_mut(conn.key()) {
-            Some(record) if !record.direct => Ok(record),
-            // Its handler posts on its QP itself (`Ctx::direct`).
-            Some(_) => Err(SendError::Invalid(crate::Error::InvalidArgument(
-                "a direct connection is posted on through Ctx::direct",
-            ))),
-            None => Err(SendError::Closed),
-        }
+        self.conns.get_mut(conn.key()).ok_or(SendError::Closed)
     }
 
     /// A received message of `len` payload bytes whose slot the handler may

@@ -93,6 +93,17 @@ impl DirectQp<'_> {
         self.qp.qpn()
     }
 
+    /// The QP's send-queue depth: requests posted and not known complete
+    /// (a signaled completion retires those before it) must stay within.
+    pub fn max_send_wr(&self) -> u32 {
+        self.qp.max_send_wr()
+    }
+
+    /// The QP's receive-queue depth.
+    pub fn max_recv_wr(&self) -> u32 {
+        self.qp.max_recv_wr()
+    }
+
     /// The most bytes a request may carry inline.
     pub fn max_inline_data(&self) -> u32 {
         self.qp.max_inline_data()

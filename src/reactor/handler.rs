@@ -13,6 +13,8 @@ use super::{ConnId, Ctx, SessionId};
 #[allow(unused_variables)]
 pub trait Handler {
     /// The peer's first credit update arrived: the connection can send.
+    /// For a direct connection ([`Reactor::add_direct`](super::Reactor::add_direct)),
+    /// called from `add_direct`: its QP is the handler's to post on.
     fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {}
     /// A SEND arrived. `data` is valid only during the call.
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>);

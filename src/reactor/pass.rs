@@ -10,7 +10,7 @@ use crate::session::PeerStatus;
 use crate::verbs::WcOpcode;
 
 use super::admin::return_forwarded;
-use super::conn::{Arrival, Conn, OpKind, WrKind, decode_wr_id, same_generation};
+use super::conn::{Arrival, Conn, OpKind, WrKind, decode_wr_id, is_direct, same_generation};
 use super::slab::Key;
 use super::srq_pool::SrqPool;
 use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, Session, SessionId, Waiter};
@@ -152,7 +152,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.conns.release_quarantine(settled);
         }
         self.counters.completions += done as u64;
-        let mut touched = done > 0;
+        // What the dispatch changed is on the touched list (a connection of
+        // the reactor's protocol lists itself with its completion), in
+        // `unsettled` or in the SRQ returns; a direct connection's
+        // completions leave the flush nothing to do.
+        let mut touched = !self.deferred.srq_returns.is_empty();
         if done == 0 {
             self.counters.empty_passes += 1;
             let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
@@ -270,6 +274,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // the completion's (a stranger's completion naming an index must
         // not list it).
         let (index, generation, kind) = decode_wr_id(wc.wr_id());
+        if is_direct(wc.wr_id(), kind) {
+            self.dispatch_direct(at, index, generation);
+            return;
+        }
         let (key, kind, conn) = if kind == WrKind::SrqRecv {
             let owner =
                 Self::srq_owner(&mut self.srq, &mut self.unsettled, wc.wr_id(), wc.qp_num());
@@ -296,12 +304,15 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         } else {
             let qpn = wc.qp_num();
             // A receive of a connection on the SRQ always comes tagged.
-            // A direct connection's completions leave nothing for the flush.
+            // (A direct connection's QP never completes without the direct
+            // bit: only its handler posts there, through `DirectQp`, which
+            // sets it; the reactor posts nothing on it.)
             let ours = |key: Key, conn: &Conn| {
+                debug_assert!(!conn.direct || conn.qpn != qpn);
                 (same_generation(key, generation)
                     && conn.qpn == qpn
                     && !(conn.uses_srq() && matches!(kind, WrKind::Recv { .. })))
-                .then_some(!conn.direct)
+                .then_some(true)
             };
             match self.conns.get_by_index_if(index, ours) {
                 Some((key, conn)) => (key, kind, conn),
@@ -312,24 +323,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 }
             }
         };
-        if conn.direct {
-            if !wc.is_success() || conn.is_closed() {
-                let wc = self.wcs[at];
-                self.direct_unusual(key, &wc);
-                return;
-            }
-            let (session, id) = (conn.session, conn.id);
-            let Some(record) = self.sessions.get_mut(session.0) else {
-                return;
-            };
-            let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
-            // The low half of the id is the handler's (see `direct`).
-            let handlers_id = wc.wr_id() as u32;
-            record
-                .handler
-                .on_direct_completion(&mut ctx, id, handlers_id, wc);
-            return;
-        }
         if !wc.is_success() || conn.is_closed() {
             let wc = self.wcs[at];
             self.dispatch_unusual(key, &wc, kind);
@@ -452,6 +445,40 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 }
             }
         }
+    }
+
+    /// Routes completion `at` of a direct connection, named by slab
+    /// `index` and `generation` (and its QP number, checked as for the
+    /// reactor's own), to its handler with the handler's own id.
+    #[inline(never)]
+    fn dispatch_direct(&mut self, at: usize, index: u32, generation: u32) {
+        let wc = &self.wcs[at];
+        let qpn = wc.qp_num();
+        // A direct connection's completions leave the flush nothing to do:
+        // it is not listed.
+        let ours = |key: Key, conn: &Conn| {
+            (same_generation(key, generation) && conn.qpn == qpn && conn.direct).then_some(false)
+        };
+        let Some((key, conn)) = self.conns.get_by_index_if(index, ours) else {
+            let wc = self.wcs[at];
+            self.foreign(&wc);
+            return;
+        };
+        if !wc.is_success() || conn.is_closed() {
+            let wc = self.wcs[at];
+            self.direct_unusual(key, &wc);
+            return;
+        }
+        let (session, id) = (conn.session, conn.id);
+        let Some(record) = self.sessions.get_mut(session.0) else {
+            return;
+        };
+        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+        // The low half of the id is the handler's (see `direct`).
+        let handlers_id = wc.wr_id() as u32;
+        record
+            .handler
+            .on_direct_completion(&mut ctx, id, handlers_id, wc);
     }
 
     /// Asks every session's link whether its peer is still there; a session

@@ -6,7 +6,9 @@ use rdma_comm_core::error::Error;
 use rdma_comm_core::reactor::{ConnId, Ctx, Handler, SessionId};
 use rdma_comm_core::session::PeerStatus;
 
-use crate::{LatencyClient, RateSender, RateSink, Reflector};
+use rdma_comm_core::verbs::WorkCompletion;
+
+use crate::{DirectClient, DirectServer, LatencyClient, RateSender, RateSink, Reflector};
 
 /// Any of the measurement roles, so one reactor type serves them all.
 #[allow(missing_docs, clippy::large_enum_variant)]
@@ -15,6 +17,8 @@ pub enum PerfHandler {
     Reflect(Reflector),
     Rate(RateSender),
     Sink(RateSink),
+    DirectClient(DirectClient),
+    DirectServer(DirectServer),
 }
 
 impl fmt::Debug for PerfHandler {
@@ -24,6 +28,8 @@ impl fmt::Debug for PerfHandler {
             PerfHandler::Reflect(_) => "PerfHandler::Reflect",
             PerfHandler::Rate(_) => "PerfHandler::Rate",
             PerfHandler::Sink(_) => "PerfHandler::Sink",
+            PerfHandler::DirectClient(_) => "PerfHandler::DirectClient",
+            PerfHandler::DirectServer(_) => "PerfHandler::DirectServer",
         })
     }
 }
@@ -37,6 +43,8 @@ macro_rules! each_role {
             PerfHandler::Reflect($h) => $call,
             PerfHandler::Rate($h) => $call,
             PerfHandler::Sink($h) => $call,
+            PerfHandler::DirectClient($h) => $call,
+            PerfHandler::DirectServer($h) => $call,
         }
     };
 }
@@ -69,6 +77,15 @@ impl Handler for PerfHandler {
     }
     fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
         each_role!(self, h => h.on_error(ctx, conn, error))
+    }
+    fn on_direct_completion(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        conn: ConnId,
+        id: u32,
+        completion: &WorkCompletion,
+    ) {
+        each_role!(self, h => h.on_direct_completion(ctx, conn, id, completion))
     }
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         each_role!(self, h => h.on_idle(ctx))

@@ -225,7 +225,7 @@ impl Handler for LatencyClient {
 /// x86 cores), and under QEMU's TCG each one leaves the translated code for
 /// the CPU loop.
 #[inline]
-fn poll_byte(region: &MemoryRegion, offset: usize, done: impl Fn(u8) -> bool) -> bool {
+pub(crate) fn poll_byte(region: &MemoryRegion, offset: usize, done: impl Fn(u8) -> bool) -> bool {
     (0..256).any(|_| region.load_byte(offset).is_some_and(&done))
 }
 

@@ -15,6 +15,7 @@
 #![deny(missing_docs, missing_debug_implementations)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod direct;
 mod handler;
 mod latency;
 pub mod loopback;
@@ -23,6 +24,7 @@ mod run_end;
 mod spec;
 mod stats;
 
+pub use direct::{DirectClient, DirectServer, MAX_BATCH, SIGNAL_EVERY};
 pub use handler::PerfHandler;
 pub use latency::{LatencyClient, Reflector};
 pub use rate::{RateSender, RateSink};

@@ -57,6 +57,26 @@ pub fn perf_pair(
     client: impl FnOnce(PerfBuffers) -> PerfHandler,
     server: impl FnOnce(PerfBuffers) -> PerfHandler,
 ) -> Result<PerfPair> {
+    pair_on_loopback(signal_interval, size, client, server, false)
+}
+
+/// As [`perf_pair`], with both sessions added as direct connections
+/// ([`Reactor::add_direct`]) for the direct roles.
+pub fn direct_perf_pair(
+    size: usize,
+    client: impl FnOnce(PerfBuffers) -> PerfHandler,
+    server: impl FnOnce(PerfBuffers) -> PerfHandler,
+) -> Result<PerfPair> {
+    pair_on_loopback(1, size, client, server, true)
+}
+
+fn pair_on_loopback(
+    signal_interval: u32,
+    size: usize,
+    client: impl FnOnce(PerfBuffers) -> PerfHandler,
+    server: impl FnOnce(PerfBuffers) -> PerfHandler,
+    direct: bool,
+) -> Result<PerfPair> {
     // SAFETY: the reactor built here serves both QPs of this device on the
     // one thread that runs it, and nothing else touches their bytes.
     let ctx = unsafe { Context::loopback() };
@@ -76,20 +96,21 @@ pub fn perf_pair(
         client_buf.registration().clone(),
         server_buf.registration().clone(),
     ];
-    reactor.add(
-        vec![server_qp],
-        server(PerfBuffers {
-            buffer: server_buf,
-            peer: to_client,
-        }),
-    )?;
-    let client = reactor.add(
-        vec![client_qp],
-        client(PerfBuffers {
-            buffer: client_buf,
-            peer: to_server,
-        }),
-    )?;
+    let server = server(PerfBuffers {
+        buffer: server_buf,
+        peer: to_client,
+    });
+    let client = client(PerfBuffers {
+        buffer: client_buf,
+        peer: to_server,
+    });
+    let client = if direct {
+        reactor.add_direct(vec![server_qp], server)?;
+        reactor.add_direct(vec![client_qp], client)?
+    } else {
+        reactor.add(vec![server_qp], server)?;
+        reactor.add(vec![client_qp], client)?
+    };
     Ok(PerfPair {
         reactor,
         client,

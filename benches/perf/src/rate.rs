@@ -16,13 +16,68 @@ pub struct RateSender {
     conn: Option<ConnId>,
     posted: u64,
     completed: u64,
-    clock: Clock,
-    started_at: u64,
-    /// (completions so far, timestamp), every `mark_stride` completions.
-    marks: Vec<(u64, u64)>,
-    mark_stride: u64,
+    marks: RateMarks,
     pub(crate) failed: Option<String>,
     end: RunEnd,
+}
+
+/// When a bandwidth run's messages completed: the run's clock and
+/// (completions so far, clock reading) every so many completions,
+/// preallocated, from which the average and peak rates come.
+#[derive(Debug)]
+pub(crate) struct RateMarks {
+    clock: Clock,
+    /// (completions so far, timestamp), every `stride` completions.
+    marks: Vec<(u64, u64)>,
+    stride: u64,
+    iters: u64,
+}
+
+impl RateMarks {
+    pub(crate) fn new(iters: u64) -> Self {
+        Self {
+            clock: Clock::new(),
+            marks: Vec::with_capacity(iters.min(MAX_MARKS) as usize + 2),
+            stride: iters.div_ceil(MAX_MARKS).max(1),
+            iters,
+        }
+    }
+
+    /// The first message goes out now.
+    #[inline]
+    pub(crate) fn start(&mut self) {
+        if self.marks.is_empty() {
+            self.marks.push((0, self.clock.now()));
+        }
+    }
+
+    /// `completed` messages of the run are done (called as they grow).
+    #[inline]
+    pub(crate) fn completed(&mut self, completed: u64) {
+        if completed.is_multiple_of(self.stride) || completed == self.iters {
+            self.marks.push((completed, self.clock.now()));
+        }
+    }
+
+    /// Bandwidth figures for messages of `size` bytes, once done.
+    pub(crate) fn stats(&self, size: usize) -> BandwidthStats {
+        let elapsed_ns = |from: u64, to: u64| self.clock.nanos(from, to).max(1) as f64;
+        let (first, last) = (self.marks.first().copied(), self.marks.last().copied());
+        let avg_secs = match (first, last) {
+            (Some((_, start)), Some((_, end))) => elapsed_ns(start, end) / 1e9,
+            _ => f64::INFINITY,
+        };
+        let bytes = size as f64;
+        let peak = peak_rate(&self.marks, bytes, |from, to| self.clock.nanos(from, to));
+        let avg = self.iters as f64 * bytes / avg_secs;
+        BandwidthStats {
+            bytes: size,
+            iters: self.iters,
+            peak_bytes_per_sec: peak.max(avg),
+            avg_bytes_per_sec: avg,
+            msg_rate_mpps: self.iters as f64 / avg_secs / 1e6,
+        }
+    }
 }
 
 /// Timestamps kept per run, at most (preallocated).
@@ -43,10 +98,7 @@ impl RateSender {
             conn: None,
             posted: 0,
             completed: 0,
-            clock: Clock::new(),
-            started_at: 0,
-            marks: Vec::with_capacity(spec.iters.min(MAX_MARKS) as usize + 2),
-            mark_stride: spec.iters.div_ceil(MAX_MARKS).max(1),
+            marks: RateMarks::new(spec.iters),
             failed: None,
             end: RunEnd::default(),
         }
@@ -64,22 +116,7 @@ impl RateSender {
 
     /// Bandwidth figures, once done.
     pub fn stats(&self) -> BandwidthStats {
-        let elapsed_ns = |from: u64, to: u64| self.clock.nanos(from, to).max(1) as f64;
-        let (first, last) = (self.marks.first().copied(), self.marks.last().copied());
-        let avg_secs = match (first, last) {
-            (Some((_, start)), Some((_, end))) => elapsed_ns(start, end) / 1e9,
-            _ => f64::INFINITY,
-        };
-        let bytes = self.spec.size as f64;
-        let peak = peak_rate(&self.marks, bytes, |from, to| self.clock.nanos(from, to));
-        let avg = self.spec.iters as f64 * bytes / avg_secs;
-        BandwidthStats {
-            bytes: self.spec.size,
-            iters: self.spec.iters,
-            peak_bytes_per_sec: peak.max(avg),
-            avg_bytes_per_sec: avg,
-            msg_rate_mpps: self.spec.iters as f64 / avg_secs / 1e6,
-        }
+        self.marks.stats(self.spec.size)
     }
 
     fn pump(&mut self, ctx: &mut Ctx<'_>) {
@@ -134,8 +171,7 @@ impl RateSender {
                     match result {
                         Ok(_) => {
                             if self.posted == 0 {
-                                self.started_at = self.clock.now();
-                                self.marks.push((0, self.started_at));
+                                self.marks.start();
                             }
                             self.posted += 1;
                         }
@@ -156,9 +192,7 @@ impl RateSender {
 
     fn completed_one(&mut self, ctx: &mut Ctx<'_>) {
         self.completed += 1;
-        if self.completed.is_multiple_of(self.mark_stride) || self.completed == self.spec.iters {
-            self.marks.push((self.completed, self.clock.now()));
-        }
+        self.marks.completed(self.completed);
         if self.completed == self.spec.iters {
             self.end.begin(ctx, self.conn);
         } else {

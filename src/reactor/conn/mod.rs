@@ -23,7 +23,7 @@ pub(crate) use staging::{ForwardOrigin, OpKind};
 use staging::{Keep, SqOp};
 pub(crate) use wr_id::{MAX_CONNS, SRQ_SLOT_BITS, WrKind};
 pub(crate) use wr_id::{
-    decode as decode_wr_id, direct_recv_tag, direct_send_tag, same_generation,
+    decode as decode_wr_id, direct_recv_tag, direct_send_tag, is_direct, same_generation,
     srq_recv as srq_recv_wr_id, srq_slot,
 };
 
@@ -42,6 +42,9 @@ pub(crate) enum ConnState {
     /// Waiting for the peer's first credit update.
     Connecting,
     Established,
+    /// A direct connection, open: its handler posts on the QP, and the
+    /// reactor's staging refuses it.
+    Direct,
     /// A completion failed or posting failed; the handler was told.
     Failed,
     /// The session was removed: nothing is owned any more.
@@ -244,14 +247,14 @@ impl Conn {
         };
         let mut conn = Self::new(id, session, qp_index, pd, qp, &token, None)?;
         conn.direct = true;
-        conn.state = ConnState::Established;
+        conn.state = ConnState::Direct;
         Ok(conn)
     }
 
     /// The QP of a direct connection, to post on.
     #[inline]
     pub(crate) fn direct_qp(&mut self) -> Option<&mut QueuePair> {
-        (self.direct && self.state == ConnState::Established).then_some(&mut self.qp)
+        (self.state == ConnState::Direct).then_some(&mut self.qp)
     }
 
     /// Bytes registered for this connection alone: its own receive ring

@@ -122,6 +122,7 @@ impl Conn {
             ConnState::Established => {}
             ConnState::Connecting => return Err(SendError::WouldBlock),
             ConnState::Failed | ConnState::Removed => return Err(SendError::Closed),
+            ConnState::Direct => return Err(direct_refused()),
         }
         // One SQ entry and one credit stay reserved for credit updates, so a
         // busy sender can always tell its peer that it may send again.
@@ -452,4 +453,13 @@ impl Conn {
         }
         result
     }
+}
+
+/// What staging on a direct connection gets: its handler posts there
+/// itself ([`Ctx::direct`](crate::reactor::Ctx::direct)).
+#[cold]
+fn direct_refused() -> SendError {
+    SendError::Invalid(crate::Error::InvalidArgument(
+        "a direct connection is posted on through Ctx::direct",
+    ))
 }

@@ -3,8 +3,10 @@
 //! it is a receive or a send-queue request, and the receive slot or
 //! send-queue sequence number.
 //!
-//! Layout, from the top bit: connection index (20 bits), connection
-//! generation (low 10 bits), kind (2 bits), slot or sequence (32 bits).
+//! Layout, from the top bit: connection index (20 bits), whether the
+//! connection is direct (1 bit), connection generation (low 9 bits), kind
+//! (2 bits), slot or sequence (32 bits; a direct connection's handler's
+//! own id).
 //! A completion is also checked against the QP number of the connection it
 //! names, so a request no connection of this reactor posted is never taken
 //! for one of its own.
@@ -20,8 +22,11 @@ use super::super::slab::Key;
 /// Bits of the connection index: a reactor serves at most 2^20 - 1
 /// connections at once (the all-ones index means "the SRQ").
 const INDEX_BITS: u32 = 20;
-const GENERATION_BITS: u32 = 10;
+const GENERATION_BITS: u32 = 9;
 const KIND_BITS: u32 = 2;
+/// Set in every request of a direct connection (never in an SRQ
+/// receive's, whose tag bits it would be: those are told by their kind).
+const DIRECT_BIT: u64 = 1 << (32 + KIND_BITS + GENERATION_BITS);
 
 /// Most connections a reactor holds at once.
 pub(crate) const MAX_CONNS: usize = (1 << INDEX_BITS) - 1;
@@ -89,13 +94,19 @@ pub(crate) fn send(conn: Key, seq: u32) -> u64 {
 /// `conn`: the low 32 are its handler's.
 #[inline]
 pub(crate) fn direct_send_tag(conn: Key) -> u64 {
-    encode(conn.index, conn.generation, KIND_SEND, 0)
+    encode(conn.index, conn.generation, KIND_SEND, 0) | DIRECT_BIT
 }
 
 /// The top 32 bits of every receive of direct connection `conn`.
 #[inline]
 pub(crate) fn direct_recv_tag(conn: Key) -> u64 {
-    encode(conn.index, conn.generation, KIND_RECV, 0)
+    encode(conn.index, conn.generation, KIND_RECV, 0) | DIRECT_BIT
+}
+
+/// True if `wr_id`, of kind `kind` (as decoded), is a direct connection's.
+#[inline]
+pub(crate) fn is_direct(wr_id: u64, kind: WrKind) -> bool {
+    wr_id & DIRECT_BIT != 0 && kind != WrKind::SrqRecv
 }
 
 /// The connection index, the generation bits and the kind of a `wr_id`.
@@ -146,6 +157,29 @@ mod tests {
         assert_ne!(srq_recv(5, 1), srq_recv(5, 2), "the tag is in the id");
         assert_eq!(srq_slot(srq_recv((1 << 20) - 1, 0)), (1 << 20) - 1);
         assert_eq!(decode(0).2, WrKind::Unknown);
+    }
+
+    #[test]
+    fn direct_ids_carry_their_connection_and_the_handlers_id_apart() {
+        let conn = Key {
+            index: 77,
+            generation: 513,
+            owner: 1,
+        };
+        for (tag, want) in [
+            (direct_send_tag(conn), WrKind::Send { seq: 0xfeed }),
+            (direct_recv_tag(conn), WrKind::Recv { slot: 0xfeed }),
+        ] {
+            let wr_id = tag | 0xfeed;
+            let (index, generation, kind) = decode(wr_id);
+            assert_eq!((index, kind), (77, want));
+            assert!(same_generation(conn, generation));
+            assert!(is_direct(wr_id, kind));
+            assert!(!is_direct(send(conn, 0xfeed), decode(send(conn, 0xfeed)).2));
+        }
+        // An SRQ receive's tag may set the bit: its kind tells it apart.
+        let srq = srq_recv(3, u64::MAX);
+        assert!(!is_direct(srq, decode(srq).2));
     }
 
     #[test]

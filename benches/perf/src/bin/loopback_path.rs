@@ -7,6 +7,7 @@
 //! ```text
 //! loopback_path CASE MESSAGES
 //! CASE: send-lat | read-lat | send-b1 | send-b16 | write-b1 | write-b16
+//!       direct-CASE (the same on direct connections) | direct-write-lat
 //! ```
 //!
 //! Latency cases: 8 B, one message (a SEND ping or a READ) at a time.
@@ -17,8 +18,11 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use rdma_perf::loopback::{PerfPair, perf_pair};
-use rdma_perf::{LatencyClient, PerfHandler, PerfOp, PerfSpec, RateSender, RateSink, Reflector};
+use rdma_perf::loopback::{PerfPair, direct_perf_pair, perf_pair};
+use rdma_perf::{
+    DirectClient, DirectServer, LatencyClient, PerfHandler, PerfOp, PerfSpec, RateSender, RateSink,
+    Reflector,
+};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
@@ -30,19 +34,25 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     };
-    let (op, latency, batch) = match case.as_str() {
+    // `direct-` cases: the same on direct connections (`Reactor::add_direct`).
+    let (direct, base) = match case.strip_prefix("direct-") {
+        Some(base) => (true, base),
+        None => (false, case.as_str()),
+    };
+    let (op, latency, batch) = match base {
         "send-lat" => (PerfOp::Send, true, 1),
         "read-lat" => (PerfOp::Read, true, 1),
         "send-b1" => (PerfOp::Send, false, 1),
         "send-b16" => (PerfOp::Send, false, 16),
         "write-b1" => (PerfOp::Write, false, 1),
         "write-b16" => (PerfOp::Write, false, 16),
+        "write-lat" if direct => (PerfOp::Write, true, 1),
         other => {
             eprintln!("loopback_path: no case {other:?}");
             return ExitCode::from(2);
         }
     };
-    match run(op, latency, batch, messages.max(1)) {
+    match run(op, latency, batch, messages.max(1), direct) {
         Ok(ns) => {
             println!("{case} {messages} messages {ns:.1} ns/message");
             ExitCode::SUCCESS
@@ -55,7 +65,13 @@ fn main() -> ExitCode {
 }
 
 /// Runs one case; returns wall nanoseconds per message.
-fn run(op: PerfOp, latency: bool, batch: usize, messages: u64) -> Result<f64, String> {
+fn run(
+    op: PerfOp,
+    latency: bool,
+    batch: usize,
+    messages: u64,
+    direct: bool,
+) -> Result<f64, String> {
     let size = if latency { 8 } else { 64 };
     let spec = PerfSpec {
         op,
@@ -66,7 +82,16 @@ fn run(op: PerfOp, latency: bool, batch: usize, messages: u64) -> Result<f64, St
         tx_depth: 0,
     };
     let signal_interval = if latency { 1 } else { 16 };
-    let pair = if latency {
+    let pair = if direct {
+        direct_perf_pair(
+            size,
+            |buffers| match latency {
+                true => PerfHandler::DirectClient(DirectClient::latency(spec, buffers)),
+                false => PerfHandler::DirectClient(DirectClient::bandwidth(spec, buffers)),
+            },
+            |buffers| PerfHandler::DirectServer(DirectServer::new(spec, buffers, !latency)),
+        )
+    } else if latency {
         perf_pair(
             signal_interval,
             size,
@@ -92,6 +117,7 @@ fn run(op: PerfOp, latency: bool, batch: usize, messages: u64) -> Result<f64, St
     let failure = match reactor.handler(client) {
         Some(PerfHandler::Latency(client)) => client.failure().map(str::to_owned),
         Some(PerfHandler::Rate(sender)) => sender.failure().map(str::to_owned),
+        Some(PerfHandler::DirectClient(client)) => client.failure().map(str::to_owned),
         _ => Some("the client session is gone".into()),
     };
     if let Some(failure) = failure {

@@ -1,0 +1,586 @@
+//! The roles on direct connections ([`Reactor::add_direct`]): perftest's
+//! loop inside a reactor. Each side builds its requests once
+//! ([`KeptRequest`], [`KeptBatch`], [`KeptRecv`]) when its connection is
+//! handed over, posts them on the QP itself through [`Ctx::direct`] (one
+//! doorbell per post, or per batch), and counts its completions, as
+//! perftest does: the reactor polls and routes, and stages, credits and
+//! reposts nothing. Both sides must run direct.
+//!
+//! A completion's id (the low half of its `wr_id`) says what it was: a
+//! receive, the done marker, or send-queue requests, in which case the id
+//! is how many requests it retires (selective signaling: one in
+//! [`SIGNAL_EVERY`] at latency, the last of each batch at bandwidth).
+//!
+//! [`Reactor::add_direct`]: rdma_comm_core::reactor::Reactor::add_direct
+
+use rdma_comm_core::error::Error;
+use rdma_comm_core::reactor::{ConnId, Ctx, DirectQp, Handler};
+use rdma_comm_core::verbs::{
+    KeptBatch, KeptRecv, KeptRequest, RecvRequest, SendFlags, WcOpcode, WorkCompletion, WorkRequest,
+};
+
+use crate::latency::poll_byte;
+use crate::rate::RateMarks;
+use crate::{BandwidthStats, Clock, DONE_MARKER, PerfBuffers, PerfOp, PerfSpec};
+
+/// Latency requests signaled: one in this many (the others retire with it).
+pub const SIGNAL_EVERY: u32 = 16;
+/// Most receives a side keeps posted (fewer if the QP holds fewer).
+const RECEIVES: u32 = 512;
+/// Most requests per doorbell at bandwidth.
+pub const MAX_BATCH: usize = 64;
+/// The id of every receive.
+const RECV_ID: u32 = u32::MAX;
+/// The id of the done marker.
+const DONE_ID: u32 = u32::MAX - 1;
+
+/// The requests one side posts, built once.
+#[derive(Debug)]
+struct Requests {
+    /// The test's request (latency, and the reflector's answer).
+    op: KeptRequest,
+    /// The test's request `batch` times, the last signaled (bandwidth).
+    batch: KeptBatch<MAX_BATCH>,
+    /// A receive into the first half of the buffer.
+    landing: KeptRecv,
+    /// The zero-byte SEND that ends a run, with [`DONE_MARKER`].
+    done: KeptRequest,
+    /// `INLINE` when the payload fits the QP's inline data.
+    inline: SendFlags,
+    /// Every post of `op` is signaled (a READ, whose completion is its
+    /// answer).
+    always_signaled: bool,
+}
+
+impl Requests {
+    /// The requests for `spec` on `qp`: a SEND or WRITE of our second half
+    /// (inline when it fits) into the peer's first half, or a READ of the
+    /// peer's first half into ours; `answer` makes the reflector's (a
+    /// WRITE back from the first half, where the client's marker landed).
+    fn new(
+        spec: &PerfSpec,
+        buffers: &PerfBuffers,
+        qp: &DirectQp<'_>,
+        answer: bool,
+    ) -> Result<Self, Error> {
+        let size = spec.size;
+        let memory = buffers.buffer.registration();
+        let remote = buffers.peer.slice(0, size as u64)?;
+        let (first, second) = (memory.slice(0, size)?, memory.slice(size, size)?);
+        let source = if answer { first } else { second };
+        let inline = if size <= qp.max_inline_data() as usize && spec.op != PerfOp::Read {
+            SendFlags::INLINE
+        } else {
+            SendFlags::empty()
+        };
+        let op = match spec.op {
+            PerfOp::Send => WorkRequest::send(u64::from(SIGNAL_EVERY), source),
+            PerfOp::Write => WorkRequest::write(u64::from(SIGNAL_EVERY), source, remote)?,
+            PerfOp::Read => WorkRequest::read(1, first, remote)?.signaled(),
+            PerfOp::WriteImm => {
+                return Err(Error::InvalidArgument(
+                    "direct connections measure send, write and read",
+                ));
+            }
+        }
+        .with_flags(inline);
+        let mut batch = KeptBatch::new();
+        let batch_len = spec.batch.clamp(1, MAX_BATCH);
+        for k in 0..batch_len {
+            let mut request = op;
+            let last = k + 1 == batch_len;
+            request.set_wr_id(if last { batch_len as u64 } else { 0 });
+            request.set_flags(if last {
+                SendFlags::SIGNALED | inline
+            } else {
+                inline
+            });
+            batch.push(request, memory)?;
+        }
+        let done = WorkRequest::send_with_imm(u64::from(DONE_ID), memory.slice(0, 0)?, DONE_MARKER)
+            .signaled();
+        Ok(Self {
+            op: KeptRequest::new(op, memory)?,
+            batch,
+            landing: KeptRecv::new(RecvRequest::new(u64::from(RECV_ID), first)?, memory)?,
+            done: KeptRequest::new(done, memory)?,
+            inline,
+            always_signaled: spec.op == PerfOp::Read,
+        })
+    }
+
+    /// Posts as many receives as the QP holds, up to [`RECEIVES`].
+    fn post_receives(&mut self, qp: &mut DirectQp<'_>) -> Result<(), Error> {
+        for _ in 0..RECEIVES.min(qp.max_recv_wr()) {
+            qp.post_kept_recv(&mut self.landing)?;
+        }
+        Ok(())
+    }
+
+    /// Posts the test's request, signaled if it is the `SIGNAL_EVERY`th
+    /// since the last signaled one (`unsignaled` counts them).
+    #[inline]
+    fn post_op(&mut self, qp: &mut DirectQp<'_>, unsignaled: &mut u32) -> Result<(), Error> {
+        if !self.always_signaled {
+            *unsignaled += 1;
+            let flags = if *unsignaled == SIGNAL_EVERY {
+                *unsignaled = 0;
+                self.inline | SendFlags::SIGNALED
+            } else {
+                self.inline
+            };
+            self.op.set_flags(flags);
+        }
+        qp.post_kept(&mut self.op)
+    }
+}
+
+/// Builds a side's requests on `conn` once it is handed over, posting
+/// receives first if `receives`; also returns the QP's send-queue depth.
+fn start(
+    ctx: &mut Ctx<'_>,
+    conn: ConnId,
+    spec: &PerfSpec,
+    buffers: &PerfBuffers,
+    answer: bool,
+    receives: bool,
+) -> Result<(Requests, u32), String> {
+    let mut qp = ctx.direct(conn).map_err(|e| e.to_string())?;
+    let mut requests = Requests::new(spec, buffers, &qp, answer).map_err(|e| e.to_string())?;
+    if receives {
+        requests.post_receives(&mut qp).map_err(|e| e.to_string())?;
+    }
+    Ok((requests, qp.max_send_wr()))
+}
+
+/// What a side's run is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Waiting for its connection.
+    Waiting,
+    Running,
+    /// The done marker is out.
+    Ending,
+    Over,
+}
+
+/// The client on a direct connection: latency (ping-pongs or READs, one
+/// sample each) or bandwidth (`iters` messages, `batch` per doorbell, at
+/// most `tx_depth` outstanding).
+#[derive(Debug)]
+pub struct DirectClient {
+    spec: PerfSpec,
+    buffers: PerfBuffers,
+    bandwidth: bool,
+    conn: Option<ConnId>,
+    requests: Option<Requests>,
+    stage: Stage,
+    /// Latency: iterations begun, the start of the one in flight, and
+    /// whether it is.
+    seq: u64,
+    started_at: u64,
+    in_flight: bool,
+    unsignaled: u32,
+    clock: Clock,
+    samples: Vec<u64>,
+    /// Bandwidth: requests posted, retired, and the marks of the run.
+    posted: u64,
+    retired: u64,
+    marks: RateMarks,
+    /// Send-queue entries the run may use.
+    depth: u64,
+    pub(crate) failed: Option<String>,
+}
+
+impl DirectClient {
+    /// A latency client for `spec`.
+    pub fn latency(spec: PerfSpec, buffers: PerfBuffers) -> Self {
+        Self::new(spec, buffers, false)
+    }
+
+    /// A bandwidth client for `spec`.
+    pub fn bandwidth(spec: PerfSpec, buffers: PerfBuffers) -> Self {
+        Self::new(spec, buffers, true)
+    }
+
+    fn new(spec: PerfSpec, buffers: PerfBuffers, bandwidth: bool) -> Self {
+        let samples = if bandwidth { 0 } else { spec.iters as usize };
+        Self {
+            spec,
+            buffers,
+            bandwidth,
+            conn: None,
+            requests: None,
+            stage: Stage::Waiting,
+            seq: 0,
+            started_at: 0,
+            in_flight: false,
+            unsignaled: 0,
+            clock: Clock::new(),
+            samples: Vec::with_capacity(samples),
+            posted: 0,
+            retired: 0,
+            marks: RateMarks::new(if bandwidth { spec.iters } else { 0 }),
+            depth: 0,
+            failed: None,
+        }
+    }
+
+    /// True for a bandwidth client.
+    pub fn is_bandwidth(&self) -> bool {
+        self.bandwidth
+    }
+
+    /// The error that ended the run early, if any.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    /// True once every iteration (or message) was done.
+    pub fn is_done(&self) -> bool {
+        matches!(self.stage, Stage::Ending | Stage::Over)
+    }
+
+    /// Latencies in nanoseconds (half round trips for SEND and WRITE),
+    /// converted in place.
+    pub fn into_latencies_ns(mut self) -> Vec<u64> {
+        let halve = u32::from(self.spec.op != PerfOp::Read);
+        for sample in &mut self.samples {
+            *sample = self.clock.nanos(0, *sample) >> halve;
+        }
+        self.samples
+    }
+
+    /// Bandwidth figures, once done.
+    pub fn stats(&self) -> BandwidthStats {
+        self.marks.stats(self.spec.size)
+    }
+
+    #[cold]
+    fn fail(&mut self, ctx: &mut Ctx<'_>, why: String) {
+        self.failed.get_or_insert(why);
+        self.stage = Stage::Over;
+        ctx.stop();
+    }
+
+    /// Posts iteration `self.seq`, timed from `now`.
+    #[inline]
+    fn issue(&mut self, ctx: &mut Ctx<'_>, now: u64) {
+        let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut()) else {
+            return;
+        };
+        self.started_at = now;
+        let posted = match ctx.direct(conn) {
+            Ok(mut qp) => {
+                if self.spec.op == PerfOp::Write {
+                    let marker = marker(self.seq);
+                    if let Err(err) = self.buffers.buffer.write(2 * self.spec.size - 1, &[marker]) {
+                        return self.fail(ctx, err.to_string());
+                    }
+                }
+                requests
+                    .post_op(&mut qp, &mut self.unsignaled)
+                    .map_err(|e| e.to_string())
+            }
+            Err(err) => Err(err.to_string()),
+        };
+        match posted {
+            Ok(()) => self.in_flight = true,
+            Err(why) => self.fail(ctx, why),
+        }
+    }
+
+    /// The answer of the iteration in flight came.
+    #[inline]
+    fn answered(&mut self, ctx: &mut Ctx<'_>) {
+        // One reading ends this round trip and starts the next, as
+        // perftest times from post to post.
+        let now = self.clock.now();
+        self.in_flight = false;
+        if self.seq >= self.spec.warmup {
+            self.samples.push(now.saturating_sub(self.started_at));
+        }
+        self.seq += 1;
+        if self.seq == self.spec.warmup + self.spec.iters {
+            self.end(ctx);
+        } else {
+            self.issue(ctx, now);
+        }
+    }
+
+    /// Posts batches while the run has messages left and the send queue
+    /// room for a whole batch.
+    fn pump(&mut self, ctx: &mut Ctx<'_>) {
+        let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut()) else {
+            return;
+        };
+        let mut qp = match ctx.direct(conn) {
+            Ok(qp) => qp,
+            Err(err) => return self.fail(ctx, err.to_string()),
+        };
+        let batch_len = requests.batch.len() as u64;
+        let mut failed = None;
+        while self.posted < self.spec.iters && self.posted - self.retired + batch_len <= self.depth
+        {
+            let left = self.spec.iters - self.posted;
+            if left < batch_len {
+                // The run's tail, less than a batch: one request at a
+                // time, the last signaled to retire them all.
+                requests.op.set_wr_id(left);
+                for k in 0..left {
+                    let signal = if k + 1 == left {
+                        SendFlags::SIGNALED
+                    } else {
+                        SendFlags::empty()
+                    };
+                    requests.op.set_flags(requests.inline | signal);
+                    if let Err(err) = qp.post_kept(&mut requests.op) {
+                        failed = Some(err);
+                        break;
+                    }
+                }
+                self.posted += left;
+                break;
+            }
+            if let Err(err) = qp.post_kept_batch(&mut requests.batch) {
+                failed = Some(err);
+                break;
+            }
+            if self.posted == 0 {
+                self.marks.start();
+            }
+            self.posted += batch_len;
+        }
+        if let Some(err) = failed {
+            self.fail(ctx, err.to_string());
+        }
+    }
+
+    /// Posts the done marker.
+    fn end(&mut self, ctx: &mut Ctx<'_>) {
+        self.stage = Stage::Ending;
+        let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut()) else {
+            return;
+        };
+        let posted = match ctx.direct(conn) {
+            Ok(mut qp) => qp.post_kept(&mut requests.done).map_err(|e| e.to_string()),
+            Err(err) => Err(err.to_string()),
+        };
+        if let Err(why) = posted {
+            self.fail(ctx, why);
+        }
+    }
+}
+
+/// Iteration `seq`'s marker: never 0, so a fresh buffer differs.
+fn marker(seq: u64) -> u8 {
+    (seq % 255) as u8 + 1
+}
+
+impl Handler for DirectClient {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.conn = Some(conn);
+        let receives = self.spec.op == PerfOp::Send && !self.bandwidth;
+        match start(ctx, conn, &self.spec, &self.buffers, false, receives) {
+            Ok((requests, sq_depth)) => {
+                self.requests = Some(requests);
+                self.depth = match self.spec.tx_depth {
+                    0 => u64::from(sq_depth),
+                    depth => depth.min(u64::from(sq_depth)),
+                };
+            }
+            Err(why) => return self.fail(ctx, why),
+        }
+        self.stage = Stage::Running;
+        if self.bandwidth {
+            self.pump(ctx);
+        } else {
+            self.issue(ctx, self.clock.now());
+        }
+    }
+
+    fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
+
+    #[inline]
+    fn on_direct_completion(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        conn: ConnId,
+        id: u32,
+        wc: &WorkCompletion,
+    ) {
+        match id {
+            RECV_ID => {
+                // The answer of a SEND ping-pong: its receive goes back first.
+                if let Some(requests) = self.requests.as_mut()
+                    && let Ok(mut qp) = ctx.direct(conn)
+                    && let Err(err) = qp.post_kept_recv(&mut requests.landing)
+                {
+                    return self.fail(ctx, err.to_string());
+                }
+                if self.in_flight {
+                    self.answered(ctx);
+                }
+            }
+            DONE_ID => {
+                self.stage = Stage::Over;
+                ctx.stop();
+            }
+            retired if self.bandwidth => {
+                self.retired += u64::from(retired);
+                self.marks.completed(self.retired);
+                if self.retired == self.spec.iters {
+                    self.end(ctx);
+                } else {
+                    self.pump(ctx);
+                }
+            }
+            _ if wc.opcode() == WcOpcode::RDMA_READ && self.in_flight => self.answered(ctx),
+            // Signaled SENDs and WRITEs retire the unsignaled ones before them.
+            _ => {}
+        }
+    }
+
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _: ConnId, error: &Error) {
+        self.fail(ctx, error.to_string());
+    }
+
+    #[inline]
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        // A WRITE's answer shows in memory, not in the CQ.
+        if self.in_flight
+            && self.spec.op == PerfOp::Write
+            && !self.bandwidth
+            && poll_byte(&self.buffers.buffer, self.spec.size - 1, |b| {
+                b == marker(self.seq)
+            })
+        {
+            self.answered(ctx);
+        }
+    }
+}
+
+/// The server on a direct connection: answers a latency client (SEND by
+/// SEND, WRITE by WRITE once it sees the new marker), absorbs a bandwidth
+/// client's SENDs, and stops on the done marker.
+#[derive(Debug)]
+pub struct DirectServer {
+    spec: PerfSpec,
+    buffers: PerfBuffers,
+    bandwidth: bool,
+    conn: Option<ConnId>,
+    requests: Option<Requests>,
+    last_marker: u8,
+    unsignaled: u32,
+    told_done: bool,
+    pub(crate) failed: Option<String>,
+}
+
+impl DirectServer {
+    /// The server of a latency (`bandwidth` false) or bandwidth run.
+    pub fn new(spec: PerfSpec, buffers: PerfBuffers, bandwidth: bool) -> Self {
+        Self {
+            spec,
+            buffers,
+            bandwidth,
+            conn: None,
+            requests: None,
+            last_marker: 0,
+            unsignaled: 0,
+            told_done: false,
+            failed: None,
+        }
+    }
+
+    /// The error that ended the run early, if any.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    /// True once the client said its run is over.
+    pub fn is_done(&self) -> bool {
+        self.told_done
+    }
+
+    #[cold]
+    fn fail(&mut self, ctx: &mut Ctx<'_>, why: String) {
+        self.failed.get_or_insert(why);
+        ctx.stop();
+    }
+
+    /// Posts the answer (a SEND, or a WRITE of what landed).
+    #[inline]
+    fn answer(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        let Some(requests) = self.requests.as_mut() else {
+            return;
+        };
+        let posted = match ctx.direct(conn) {
+            Ok(mut qp) => requests
+                .post_op(&mut qp, &mut self.unsignaled)
+                .map_err(|e| e.to_string()),
+            Err(err) => Err(err.to_string()),
+        };
+        if let Err(why) = posted {
+            self.fail(ctx, why);
+        }
+    }
+}
+
+impl Handler for DirectServer {
+    fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.conn = Some(conn);
+        // Receives for the client's SENDs, or for its done marker.
+        let answer = self.spec.op == PerfOp::Write;
+        match start(ctx, conn, &self.spec, &self.buffers, answer, true) {
+            Ok((requests, _)) => self.requests = Some(requests),
+            Err(why) => self.fail(ctx, why),
+        }
+    }
+
+    fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
+
+    #[inline]
+    fn on_direct_completion(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        conn: ConnId,
+        id: u32,
+        wc: &WorkCompletion,
+    ) {
+        if id != RECV_ID {
+            return;
+        }
+        if wc.imm() == Some(DONE_MARKER) {
+            self.told_done = true;
+            return ctx.stop();
+        }
+        if let Some(requests) = self.requests.as_mut()
+            && let Ok(mut qp) = ctx.direct(conn)
+            && let Err(err) = qp.post_kept_recv(&mut requests.landing)
+        {
+            return self.fail(ctx, err.to_string());
+        }
+        if self.spec.op == PerfOp::Send && !self.bandwidth {
+            self.answer(ctx, conn);
+        }
+    }
+
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _: ConnId, error: &Error) {
+        self.fail(ctx, error.to_string());
+    }
+
+    #[inline]
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        // WRITE ping-pong: the client's WRITE changed the last byte of our
+        // landing half; write that half straight back.
+        if self.spec.op != PerfOp::Write || self.bandwidth {
+            return;
+        }
+        let Some(conn) = self.conn else { return };
+        let (last, at) = (self.last_marker, self.spec.size - 1);
+        if poll_byte(&self.buffers.buffer, at, |b| b != 0 && b != last) {
+            self.last_marker = self.buffers.buffer.load_byte(at).unwrap_or(last);
+            self.answer(ctx, conn);
+        }
+    }
+}
