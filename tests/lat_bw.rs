@@ -239,6 +239,37 @@ verbs_test! {
 }
 
 verbs_test! {
+    /// On direct connections (`--direct`, both sides): every latency test
+    /// finishes with a sane row, rates move every message (a batch of 16,
+    /// and a run that is not a whole number of batches), larger messages
+    /// than the inline limit go too, and what direct connections do not
+    /// measure is refused with a reason.
+    fn lat_bw_direct_runs_every_test() {
+        let direct = ["--direct"];
+        for op in ["send", "write", "read"] {
+            let listen = format!("127.0.0.1:{}", free_port());
+            let (row, _) = run_example("lat_bw", &listen, &direct, op, "lat", 8, 300);
+            assert_eq!(row.len(), 9, "{op}: {row:?}");
+            let (min, max, typical) = (row[2], row[3], row[4]);
+            assert!(min > 0.0 && min <= typical && typical <= max, "{op}: {row:?}");
+        }
+        for (op, size, iters) in [("send", 64, 3000), ("write", 64, 3000), ("write", 4096, 1001), ("send", 4096, 333)] {
+            let listen = format!("127.0.0.1:{}", free_port());
+            let (row, _) = run_example("lat_bw", &listen, &direct, op, "bw", size, iters);
+            assert!(row[2] > 0.0 && row[3] > 0.0 && row[4] > 0.0, "{op} {size}: {row:?}");
+        }
+        let listen = format!("127.0.0.1:{}", free_port());
+        let (row, _) = run_example("lat_bw", &listen, &direct, "send", "lat", 4096, 100);
+        assert!(row[2] > 0.0, "{row:?}");
+        let out = lat_bw(&["--connect", "127.0.0.1:9", "--direct", "--op", "write-imm"])
+            .wait_with_output()
+            .expect("collect lat_bw");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains("--direct"), "{stderr}");
+    }
+}
+
+verbs_test! {
     /// The same tests on the verbs layer alone: every one finishes on both
     /// sides with a sane row (READ has a latency test only).
     fn verbs_perf_runs_every_test() {
