@@ -2,7 +2,8 @@
 //! ping-pong round trips (SEND/RECV and WRITE_WITH_IMM, alternating) make zero
 //! heap allocations on the reactor thread; so do 100,000 through an SRQ, and
 //! a loop of the verbs layer's kept requests (SEND, a batch of WRITEs, READ)
-//! with its polls. (Rust's allocator is what is counted: a `malloc` inside
+//! with its polls, and runs on direct connections (rdma-perf's direct roles:
+//! SEND, WRITE and READ latency, WRITE and SEND at batch 16). (Rust's allocator is what is counted: a `malloc` inside
 //! libibverbs or the provider is not seen.) Gated as in `tests/util/mod.rs`.
 
 mod util;
@@ -209,5 +210,57 @@ verbs_test! {
         }
         assert_eq!(read_back(&mr, 7168, 64), vec![last; 64], "the READ fetched");
         assert_eq!(allocations, 0, "the kept posts and polls allocated");
+    }
+}
+
+/// Iterations of each run on direct connections.
+const DIRECT_ITERS: u64 = 20_000;
+
+verbs_test! {
+    /// Whole runs on direct connections, both ends on one reactor, from
+    /// the first pass to the done marker: the requests were built when
+    /// `add_direct` handed the connections over, and the run allocates
+    /// nothing (the samples and rate marks are preallocated).
+    fn runs_on_direct_connections_allocate_nothing() {
+        use rdma_perf::loopback::{PerfPair, perf_pair_on};
+        use rdma_perf::{DirectClient, DirectServer, PerfHandler, PerfOp, PerfSpec};
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        for (op, latency) in [
+            (PerfOp::Send, true),
+            (PerfOp::Write, true),
+            (PerfOp::Read, true),
+            (PerfOp::Write, false),
+            (PerfOp::Send, false),
+        ] {
+            let size = if latency { 8 } else { 64 };
+            let spec = PerfSpec { op, size, iters: DIRECT_ITERS, warmup: 0, batch: 16, tx_depth: 128 };
+            let PerfPair { mut reactor, client, exports: _exports } = perf_pair_on(
+                &pd,
+                1,
+                size,
+                |buffers| match latency {
+                    true => PerfHandler::DirectClient(DirectClient::latency(spec, buffers)),
+                    false => PerfHandler::DirectClient(DirectClient::bandwidth(spec, buffers)),
+                },
+                |buffers| PerfHandler::DirectServer(DirectServer::new(spec, buffers, !latency)),
+                true,
+            )
+            .unwrap();
+            assert_the_counter_counts();
+            COUNTING.with(|c| c.set(true));
+            let result = reactor.run();
+            COUNTING.with(|c| c.set(false));
+            result.unwrap();
+            let allocations = ALLOCATIONS.with(|n| n.replace(0));
+            let what = format!("{op:?} {}", if latency { "latency" } else { "batch 16" });
+            println!("{DIRECT_ITERS} iterations of {what} on direct connections: {allocations} heap allocations");
+            let Some(PerfHandler::DirectClient(done)) = reactor.handler(client) else {
+                panic!("{what}: the client is gone");
+            };
+            assert_eq!(done.failure(), None, "{what}");
+            assert!(done.is_done(), "{what}: the run ended early");
+            assert_eq!(allocations, 0, "{what}: the data path allocated");
+        }
     }
 }

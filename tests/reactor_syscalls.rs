@@ -81,3 +81,36 @@ verbs_test! {
         );
     }
 }
+
+verbs_test! {
+    /// A run on direct connections (a SEND ping-pong, both ends on one
+    /// reactor, busy polling) makes no syscalls besides doorbells either.
+    fn direct_connections_make_no_syscalls_of_their_own() {
+        use rdma_perf::loopback::{PerfPair, perf_pair_on};
+        use rdma_perf::{DirectClient, DirectServer, PerfHandler, PerfOp, PerfSpec};
+        let counter = SyscallCounter::open()
+            .unwrap_or_else(|err| panic!("cannot count syscalls in this guest: {err}"));
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let spec = PerfSpec { op: PerfOp::Send, size: 8, iters: 50_000, warmup: 0, batch: 1, tx_depth: 0 };
+        let PerfPair { mut reactor, client, exports: _exports } = perf_pair_on(
+            &pd,
+            1,
+            8,
+            |buffers| PerfHandler::DirectClient(DirectClient::latency(spec, buffers)),
+            |buffers| PerfHandler::DirectServer(DirectServer::new(spec, buffers, false)),
+            true,
+        )
+        .unwrap();
+        let mut result = Ok(());
+        let busy = counter.count(|| result = reactor.run()).unwrap();
+        result.unwrap();
+        let Some(PerfHandler::DirectClient(done)) = reactor.handler(client) else {
+            panic!("the client is gone");
+        };
+        assert_eq!(done.failure(), None);
+        assert!(done.is_done(), "the run ended early");
+        println!("50000 SEND round trips on direct connections: {busy} syscalls besides doorbells");
+        assert_eq!(busy, 0, "the direct path entered the kernel");
+    }
+}

@@ -81,14 +81,27 @@ fn pair_on_loopback(
     // one thread that runs it, and nothing else touches their bytes.
     let ctx = unsafe { Context::loopback() };
     let pd = ctx.alloc_pd()?;
+    perf_pair_on(&pd, signal_interval, size, client, server, direct)
+}
+
+/// As [`perf_pair`] (or [`direct_perf_pair`] if `direct`) on `pd`'s
+/// device, any device: both ends on one reactor, connected to each other.
+pub fn perf_pair_on(
+    pd: &ProtectionDomain,
+    signal_interval: u32,
+    size: usize,
+    client: impl FnOnce(PerfBuffers) -> PerfHandler,
+    server: impl FnOnce(PerfBuffers) -> PerfHandler,
+    direct: bool,
+) -> Result<PerfPair> {
     let config = ReactorConfig {
         signal_interval,
         slot_size: 256,
         ..ReactorConfig::default()
     };
-    let mut reactor: Reactor<PerfHandler, ()> = Reactor::new(&pd, config)?;
+    let mut reactor: Reactor<PerfHandler, ()> = Reactor::new(pd, config)?;
     let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
-    let (client_qp, server_qp) = connected_pair(&mut reactor, &pd, access)?;
+    let (client_qp, server_qp) = connected_pair(&mut reactor, pd, access)?;
     let buffer = || pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | access);
     let (client_buf, server_buf) = (buffer()?, buffer()?);
     let (to_server, to_client) = (server_buf.remote()?, client_buf.remote()?);
