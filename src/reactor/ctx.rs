@@ -353,11 +353,12 @@ impl Ctx<'_> {
         self.conns.get(conn.key()).map_or(0, Conn::max_payload)
     }
 
-    /// True once the connection can send.
+    /// True once the connection can send (a direct connection: from
+    /// `add_direct` until it fails).
     pub fn is_established(&self, conn: ConnId) -> bool {
         self.conns
             .get(conn.key())
-            .is_some_and(|c| c.state == ConnState::Established)
+            .is_some_and(|c| matches!(c.state, ConnState::Established | ConnState::Direct))
     }
 
     /// The position of `conn`'s QP among its session's QPs.

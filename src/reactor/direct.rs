@@ -112,10 +112,17 @@ impl DirectQp<'_> {
 
 impl Ctx<'_> {
     /// Posting on `conn`'s QP, if it is a direct connection of this
-    /// reactor ([`Reactor::add_direct`](super::Reactor::add_direct)) that has
-    /// not failed: [`SendError::Closed`] otherwise, and
+    /// reactor ([`Reactor::add_direct`](super::Reactor::add_direct)) that
+    /// has not failed: [`SendError::Closed`] otherwise, and
     /// [`SendError::Invalid`] for a connection of the reactor's own
     /// protocol, whose QP only the reactor posts on.
+    ///
+    /// As with `Ctx`'s other methods, any handler of the reactor may post
+    /// on any of its connections (a relay's two sides share one reactor):
+    /// a handler that posts on another session's direct connection shares
+    /// that connection's queue accounting with its handler. A request whose
+    /// memory is of another protection domain than the QP's fails the
+    /// connection with a protection error.
     #[inline]
     pub fn direct(&mut self, conn: ConnId) -> Result<DirectQp<'_>, SendError> {
         let key = conn.key();

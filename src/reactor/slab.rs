@@ -74,7 +74,10 @@ impl<T> Slab<T> {
     /// of them on every busy pass. Listing is by construction: a record can
     /// only change through `&mut`, and every `&mut` path of the slab lists,
     /// except [`get_by_index_quiet`](Self::get_by_index_quiet), whose
-    /// caller lists what it leaves unfinished.
+    /// caller lists what it leaves unfinished, and
+    /// [`get_mut_quiet`](Self::get_mut_quiet) and
+    /// [`get_by_index_if`](Self::get_by_index_if) told not to, for records
+    /// whose changes leave the flush nothing to do (direct connections).
     pub(crate) fn tracking(mut self) -> Self {
         self.tracking = true;
         self

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use crate::error::{Error, Result};
 use crate::reactor::{ConnId, Ctx, Handler, SessionId};
 use crate::session::{Endpoint, PeerHello, PeerStatus};
+use crate::verbs::WorkCompletion;
 
 use super::port::Seat;
 
@@ -113,6 +114,16 @@ impl<H: Handler> Handler for Seated<H> {
     }
     fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
         self.handler.on_peer_gone(ctx, session, status)
+    }
+    #[inline]
+    fn on_direct_completion(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        conn: ConnId,
+        id: u32,
+        completion: &WorkCompletion,
+    ) {
+        self.handler.on_direct_completion(ctx, conn, id, completion)
     }
     #[inline]
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {

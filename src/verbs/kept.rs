@@ -81,6 +81,12 @@ impl KeptRequest {
     }
 }
 
+// SAFETY: the request's raw pointers (`next`, `sg_list`) are written at
+// each post, from the request's own place, and never read otherwise; the
+// bytes it points at are the registration's, which is `Send + Sync` and
+// held here, so moving it to another thread moves nothing it relies on.
+unsafe impl Send for KeptRequest {}
+
 /// A receive request together with the registration it lands in (see
 /// [`KeptRequest`]).
 #[derive(Debug)]
@@ -118,6 +124,9 @@ impl KeptRecv {
     }
 }
 
+// SAFETY: as for `KeptRequest`.
+unsafe impl Send for KeptRecv {}
+
 /// Up to `N` kept send-queue requests posted as one list, one doorbell
 /// ([`QueuePair::post_kept_batch`](super::QueuePair::post_kept_batch)):
 /// perftest's post list (`-l`), kept with the registrations it points into.
@@ -127,6 +136,10 @@ pub struct KeptBatch<const N: usize> {
     /// One handle per distinct registration (most batches have one).
     memory: ArrayVec<Registration, N>,
 }
+
+// SAFETY: as for `KeptRequest`: the list's pointers are written at each
+// post, and every request's memory is a registration held here.
+unsafe impl<const N: usize> Send for KeptBatch<N> {}
 
 impl<const N: usize> KeptBatch<N> {
     /// An empty batch.

@@ -243,6 +243,7 @@ impl Conn {
             recv_depth: 2,
             send_slots: 2,
             signal_interval: 1,
+            sq_depth: MIN_SQ_DEPTH,
             ..config.clone()
         };
         let mut conn = Self::new(id, session, qp_index, pd, qp, &token, None)?;

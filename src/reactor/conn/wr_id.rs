@@ -103,10 +103,13 @@ pub(crate) fn direct_recv_tag(conn: Key) -> u64 {
     encode(conn.index, conn.generation, KIND_RECV, 0) | DIRECT_BIT
 }
 
-/// True if `wr_id`, of kind `kind` (as decoded), is a direct connection's.
+/// True if `wr_id`, of kind `kind` (as decoded), is a direct connection's:
+/// a send-queue request or a receive with the direct bit (an SRQ
+/// receive's tag may set that bit, and so does `BIND_WR_ID`, whose kind
+/// is neither).
 #[inline]
 pub(crate) fn is_direct(wr_id: u64, kind: WrKind) -> bool {
-    wr_id & DIRECT_BIT != 0 && kind != WrKind::SrqRecv
+    wr_id & DIRECT_BIT != 0 && matches!(kind, WrKind::Send { .. } | WrKind::Recv { .. })
 }
 
 /// The connection index, the generation bits and the kind of a `wr_id`.
@@ -184,6 +187,11 @@ mod tests {
 
     #[test]
     fn window_binds_are_never_taken_for_our_requests() {
-        assert_eq!(decode(crate::verbs::BIND_WR_ID).2, WrKind::Unknown);
+        let bind = crate::verbs::BIND_WR_ID;
+        assert_eq!(decode(bind).2, WrKind::Unknown);
+        assert!(
+            !is_direct(bind, decode(bind).2),
+            "nor for a direct connection's"
+        );
     }
 }
