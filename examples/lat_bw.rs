@@ -9,6 +9,10 @@
 //! Both sides take the same `--op/--test/--size/--all/--iters` flags, as with
 //! perftest. The client prints the table (and `--json FILE` writes it).
 //!
+//! `--direct` (on both sides) runs on a direct connection
+//! (`Reactor::add_direct`): the handler posts requests built once on its QP,
+//! perftest's way, and the reactor only polls and routes.
+//!
 //! `--reactors N` (on both sides) runs N streams at once on a runtime of N
 //! reactors, each pinned to a core of its own (`--cores LIST`, or the NIC's
 //! NUMA node first): the client connects stream i as `stream-i` and adopts it
