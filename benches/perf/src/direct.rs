@@ -205,6 +205,7 @@ impl DirectClient {
 
     fn new(spec: PerfSpec, buffers: PerfBuffers, bandwidth: bool) -> Self {
         let samples = if bandwidth { 0 } else { spec.iters as usize };
+        let clock = Clock::new();
         Self {
             spec,
             buffers,
@@ -216,11 +217,11 @@ impl DirectClient {
             started_at: 0,
             in_flight: false,
             unsignaled: 0,
-            clock: Clock::new(),
+            clock: clock.clone(),
             samples: Vec::with_capacity(samples),
             posted: 0,
             retired: 0,
-            marks: RateMarks::new(if bandwidth { spec.iters } else { 0 }),
+            marks: RateMarks::new(if bandwidth { spec.iters } else { 0 }, clock),
             depth: 0,
             failed: None,
         }

@@ -34,9 +34,11 @@ pub(crate) struct RateMarks {
 }
 
 impl RateMarks {
-    pub(crate) fn new(iters: u64) -> Self {
+    /// Marks for a run of `iters` messages, read on `clock` (calibrated
+    /// once: a clock's calibration spins for a while).
+    pub(crate) fn new(iters: u64, clock: Clock) -> Self {
         Self {
-            clock: Clock::new(),
+            clock,
             marks: Vec::with_capacity(iters.min(MAX_MARKS) as usize + 2),
             stride: iters.div_ceil(MAX_MARKS).max(1),
             iters,
@@ -98,7 +100,7 @@ impl RateSender {
             conn: None,
             posted: 0,
             completed: 0,
-            marks: RateMarks::new(spec.iters),
+            marks: RateMarks::new(spec.iters, Clock::new()),
             failed: None,
             end: RunEnd::default(),
         }
