@@ -413,16 +413,13 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
             config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
                 Ok(vec![Export::new(1, "perf", export.clone(), access)])
             }));
+            common::report_refusals("lat_bw", &mut config);
             let server = ServerSession::bind(addr, pd, config)?;
-            let endpoint = server
+            server
                 .accept()
                 .ok_or(rdma_comm_core::Error::InvalidArgument(
                     "the listener stopped",
-                ))?;
-            for failure in server.take_failures() {
-                eprintln!("lat_bw: rejected {}: {}", failure.peer, failure.error);
-            }
-            endpoint
+                ))?
         } else {
             let mut spec = reactor.qp_spec_with_access("perf", access);
             args.dev.apply(&mut spec.qp);

@@ -465,13 +465,10 @@ fn accept_one<H: Handler>(
     opts.dev.apply(&mut config.qp);
     config.max_peers = Some(1);
     config.auth_key = opts.auth.key().map_err(|err| err.to_string())?;
+    common::report_refusals("rdma_cat", &mut config);
     let server = ServerSession::bind(listen_addr(listen).as_str(), pd, config)
         .map_err(|err| format!("listening on {listen}: {err}"))?;
-    let endpoint = server.accept().ok_or("the listener stopped")?;
-    for failure in server.take_failures() {
-        eprintln!("rdma_cat: rejected {}: {}", failure.peer, failure.error);
-    }
-    Ok(endpoint)
+    Ok(server.accept().ok_or("the listener stopped")?)
 }
 
 fn connect<H: Handler>(

@@ -28,20 +28,47 @@ fn lat_bw(args: &[&str]) -> Child {
     spawn("lat_bw", args)
 }
 
-/// Waits for `child` until the deadline (then kills it and fails).
-fn finish(mut child: Child, what: &str, started: Instant) -> Output {
-    while child.try_wait().expect("wait for lat_bw").is_none() {
+/// Waits for a client and its server until the deadline. If either is still
+/// running then, kills both and fails with what each printed and how each
+/// ended: a hung server is most often explained by its client's error.
+fn finish_pair(mut client: Child, mut server: Child, started: Instant) -> (Output, Output) {
+    loop {
+        let client_done = client.try_wait().expect("wait for the client").is_some();
+        let server_done = server.try_wait().expect("wait for the server").is_some();
+        if client_done && server_done {
+            break;
+        }
         if started.elapsed() > DEADLINE {
-            let _ = child.kill();
-            let output = child.wait_with_output().expect("collect lat_bw");
+            let hung = if client_done {
+                "the server"
+            } else {
+                "the client"
+            };
+            let stuck = if client_done {
+                process::where_stuck(server.id())
+            } else {
+                process::where_stuck(client.id())
+            };
+            let _ = client.kill();
+            let _ = server.kill();
+            let client = client.wait_with_output().expect("collect the client");
+            let server = server.wait_with_output().expect("collect the server");
             panic!(
-                "{what} hung; stderr: {}",
-                String::from_utf8_lossy(&output.stderr)
+                "{hung} hung after {:?}, here:\n{stuck}\nclient ({}): stderr: {}\nstdout: {}\nserver ({}): stderr: {}",
+                started.elapsed(),
+                client.status,
+                String::from_utf8_lossy(&client.stderr),
+                String::from_utf8_lossy(&client.stdout),
+                server.status,
+                String::from_utf8_lossy(&server.stderr),
             );
         }
         thread::sleep(Duration::from_millis(50));
     }
-    child.wait_with_output().expect("collect lat_bw")
+    (
+        client.wait_with_output().expect("collect the client"),
+        server.wait_with_output().expect("collect the server"),
+    )
 }
 
 /// The numbers of the data row after perftest's `#bytes` header.
@@ -87,8 +114,7 @@ fn run_example(
     let mut client_args = vec!["--connect", listen];
     client_args.extend(&common);
     let client = spawn(example, &client_args);
-    let client = finish(client, "the client", started);
-    let server = finish(server, "the server", started);
+    let (client, server) = finish_pair(client, server, started);
     let stdout = String::from_utf8_lossy(&client.stdout);
     assert!(
         client.status.success(),
@@ -181,8 +207,7 @@ verbs_test! {
         let server = lat_bw(&server_args);
         let mut client_args = vec!["--connect", &listen];
         client_args.extend(common);
-        let client = finish(lat_bw(&client_args), "the client", started);
-        let server = finish(server, "the server", started);
+        let (client, server) = finish_pair(lat_bw(&client_args), server, started);
         let (stdout, stderr) = (String::from_utf8_lossy(&client.stdout), String::from_utf8_lossy(&client.stderr));
         assert!(client.status.success() && server.status.success(), "{stdout}\n{stderr}");
         assert!(stderr.contains("lat_bw: 2 streams, 2 reactors on cores "), "{stderr}");
@@ -295,10 +320,8 @@ verbs_test! {
         let listen = format!("127.0.0.1:{}", free_port());
         let server = spawn("verbs_perf", &["--server", "--listen", &listen, "--op", "read", "-s", "8"]);
         let client = spawn("verbs_perf", &["--connect", &listen, "--op", "write", "-s", "8"]);
-        for (side, output) in [
-            ("client", finish(client, "the client", started)),
-            ("server", finish(server, "the server", started)),
-        ] {
+        let (client, server) = finish_pair(client, server, started);
+        for (side, output) in [("client", client), ("server", server)] {
             let stderr = String::from_utf8_lossy(&output.stderr);
             assert!(!output.status.success(), "{side} accepted another test: {stderr}");
             assert!(stderr.contains("the peer runs another test"), "{side}: {stderr}");

@@ -285,7 +285,7 @@ fn meet(
             );
         }
         let export = buffer.registration().clone();
-        let config = ServerConfig {
+        let mut config = ServerConfig {
             qp,
             cq: CqChoice::Shared(cq.shared()),
             max_peers: Some(1),
@@ -301,14 +301,11 @@ fn meet(
             })),
             ..ServerConfig::default()
         };
+        common::report_refusals("verbs_perf", &mut config);
         let server = ServerSession::bind(&args.listen, pd, config)?;
-        let endpoint = server
+        return server
             .accept()
-            .ok_or(Error::InvalidArgument("the listener stopped"))?;
-        for failure in server.take_failures() {
-            eprintln!("verbs_perf: rejected {}: {}", failure.peer, failure.error);
-        }
-        return Ok(endpoint);
+            .ok_or(Error::InvalidArgument("the listener stopped"));
     }
     let addr = args.connect.as_deref().unwrap_or_default();
     let mut spec = QpSpec::new("perf");

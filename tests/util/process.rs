@@ -132,3 +132,33 @@ impl Drop for Proc {
         let _ = self.child.wait();
     }
 }
+
+/// Where each thread of process `pid` is right now, read from /proc (the
+/// guest runs tests as root, so kernel stacks are readable): its name, state,
+/// wait channel, system call (number and arguments, or "running") and kernel
+/// stack. For a test that found a process hung, so
+/// a rare hang in CI says where it was, not only that it happened.
+pub fn where_stuck(pid: u32) -> String {
+    let read = |path: String| std::fs::read_to_string(path).unwrap_or_default();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return format!("process {pid}: gone\n");
+    };
+    let mut report = String::new();
+    for task in tasks.flatten() {
+        let dir = task.path().display().to_string();
+        let state = read(format!("{dir}/status"))
+            .lines()
+            .find(|line| line.starts_with("State:"))
+            .unwrap_or_default()
+            .to_string();
+        report += &format!(
+            "thread {} ({}) {state}, waiting in {:?}, syscall {}\n{}",
+            task.file_name().to_string_lossy(),
+            read(format!("{dir}/comm")).trim(),
+            read(format!("{dir}/wchan")),
+            read(format!("{dir}/syscall")).trim(),
+            read(format!("{dir}/stack")),
+        );
+    }
+    report
+}
