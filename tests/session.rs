@@ -124,6 +124,78 @@ verbs_test! {
     }
 }
 
+/// Listens in front of `server`: cuts the first `cut` connections at once
+/// (as a server whose hello deadline ran out does), then relays every later
+/// one to `server` both ways, or with `then_stop`, stops listening.
+fn cutting_relay(server: SocketAddr, cut: usize, then_stop: bool) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    thread::spawn(move || {
+        for (n, client) in listener.incoming().enumerate() {
+            let Ok(client) = client else { return };
+            if n < cut {
+                drop(client);
+                if n + 1 == cut && then_stop {
+                    return;
+                }
+                continue;
+            }
+            let Ok(upstream) = TcpStream::connect(server) else {
+                return;
+            };
+            for (mut from, mut to) in [
+                (client.try_clone().unwrap(), upstream.try_clone().unwrap()),
+                (upstream, client),
+            ] {
+                thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        }
+    });
+    addr
+}
+
+verbs_test! {
+    /// A server that cuts a handshake without a word (its hello deadline ran
+    /// out while the client was slow) is tried again within the connect
+    /// deadline; one that keeps cutting leaves the client with the cut once
+    /// the deadline has passed, and one that cuts and stops listening (its
+    /// peer limit reached) at once.
+    fn a_handshake_the_server_cut_is_tried_again() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let srv = server(&pd, ServerConfig::default());
+        let relay = cutting_relay(srv.local_addr(), 2, false);
+        let mut endpoint = ClientSession::connect(relay, &pd, &client_config(&["a"])).expect("connected on the third try");
+        let mut served = srv.accept_timeout(DEADLINE).expect("the server's side");
+        exchange(&pd, &mut endpoint, &mut served, b"after two cuts");
+        assert!(srv.take_failures().is_empty(), "the server itself refused nothing");
+        assert!(srv.try_accept().is_none(), "one session for one connect");
+        assert_eq!(srv.pending_handshakes(), 0);
+
+        let is_cut = |err: &Error| {
+            matches!(err, Error::Handshake { source: WireError::Io(io), .. }
+                if matches!(io.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset))
+        };
+        let always = cutting_relay(srv.local_addr(), usize::MAX, false);
+        let mut config = client_config(&["a"]);
+        config.connect_deadline = Duration::from_millis(600);
+        let started = std::time::Instant::now();
+        let err = ClientSession::connect(always, &pd, &config).unwrap_err();
+        assert!(is_cut(&err), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5), "gave up within the deadline: {:?}", started.elapsed());
+
+        let gone = cutting_relay(srv.local_addr(), 1, true);
+        config.connect_deadline = Duration::from_secs(30);
+        let started = std::time::Instant::now();
+        let err = ClientSession::connect(gone, &pd, &config).unwrap_err();
+        assert!(is_cut(&err), "the cut, not the refused reconnect: {err}");
+        assert!(started.elapsed() < Duration::from_secs(5), "not the whole deadline: {:?}", started.elapsed());
+    }
+}
+
 verbs_test! {
     fn client_reports_a_server_that_never_answers() {
         let ctx = open_device();

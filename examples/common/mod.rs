@@ -184,12 +184,14 @@ impl TransportArgs {
     }
 }
 
-/// Makes a tool's server print each handshake it refuses as it fails
-/// (`tool: rejected PEER: WHY`): a client that gave up is explained on the
-/// server's side at once, not only once (and if) the right peer arrives.
+/// Makes a tool's server print each handshake it refuses or loses as it
+/// fails (`tool: rejected PEER: "WHY"`, escaped: a peer's words may be in
+/// it): a client that gave up is explained on the server's side at once,
+/// not only once (and if) the right peer arrives. A client whose handshake
+/// was cut tries again, so a line here need not mean a failed run.
 #[allow(dead_code)]
 pub fn report_refusals(tool: &'static str, config: &mut rdma_comm_core::session::ServerConfig) {
     config.on_failure = Some(std::sync::Arc::new(move |failure| {
-        eprintln!("{tool}: rejected {}: {}", failure.peer, failure.error)
+        eprintln!("{tool}: rejected {}: {:?}", failure.peer, failure.error.to_string())
     }));
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::endpoint::ControlLink;
 use super::handshake::{self, FrameIo, Resources};
-use super::wire::Handshake;
+use super::wire::{Handshake, WireError};
 use super::{
     AuthKey, Control, DEFAULT_HANDSHAKE_TIMEOUT, Endpoint, Export, ExportWindows, QpSpec,
     SessionQp, Transport, build_qps, check_exports, check_qp_names, connect_qps, local_handshake,
@@ -90,6 +90,16 @@ pub struct ClientSession;
 impl ClientSession {
     /// Connects to `addr`, retrying refused or unreachable attempts with
     /// exponential backoff until the deadline, then runs the handshake.
+    /// A handshake is tried again, within the same deadline, when the server
+    /// answers busy, or (over TCP) cuts it without a word before our
+    /// `Ready`: its hello or handshake deadline ran out while this process,
+    /// or the server, was slow. The attempt after a cut connects once: a
+    /// server that no longer listens (its peer limit reached, or shut down)
+    /// ends the retries with the cut. A refusal that says why (a wrong key,
+    /// an unauthorized peer, a bad request), a server that keeps silent
+    /// until our handshake timeout, and a cut after our `Ready` (the server
+    /// may have kept the session) are not retried. The handshake's own
+    /// timeout ends at the connect deadline at the latest.
     ///
     /// Either every QP is connected and ready, or an error is returned and
     /// every resource created on the way is destroyed: never half-connected.
@@ -109,42 +119,52 @@ impl ClientSession {
             ));
         }
         let start = Instant::now();
-        let mut backoff = config.initial_backoff;
+        // A zero backoff would reconnect in a tight loop.
+        let mut backoff = config.initial_backoff.max(Duration::from_millis(1));
+        let mut cut: Option<Error> = None;
         loop {
-            match Self::attempt(&addr, pd, config, start) {
-                // A busy server asks us to come back: do, within the deadline.
-                Err(Error::Rejected { code, .. })
-                    if code == reject_code::BUSY
+            let after_cut = cut.is_some();
+            match (
+                Self::attempt(&addr, pd, config, start, after_cut),
+                cut.take(),
+            ) {
+                // The server cut us and stopped listening: the cut says why.
+                (Err(Error::ConnectTimeout { .. }), Some(cut)) => return Err(cut),
+                (Err(err), _)
+                    if worth_another_try(&err)
                         && start.elapsed() + backoff < config.connect_deadline =>
                 {
+                    // The server's text, escaped, as the server escapes ours.
+                    log::debug!("{:?}; trying again in {backoff:?}", err.to_string());
+                    if !matches!(err, Error::Rejected { .. }) {
+                        cut = Some(err);
+                    }
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(config.max_backoff);
                 }
-                other => return other,
+                (other, _) => return other,
             }
         }
     }
 
+    /// One connection and handshake, within what is left of the connect
+    /// deadline; after a cut, the TCP connection is tried once.
     fn attempt(
         addr: &impl ToSocketAddrs,
         pd: &ProtectionDomain,
         config: &ClientConfig,
         start: Instant,
+        after_cut: bool,
     ) -> Result<Endpoint> {
+        let remaining = config
+            .connect_deadline
+            .saturating_sub(start.elapsed())
+            .max(Duration::from_millis(1));
+        let handshake_timeout = config.handshake_timeout.min(remaining);
         match config.transport {
             Transport::Tcp => {
-                let remaining = config.connect_deadline.saturating_sub(start.elapsed());
-                let retry = ClientConfig {
-                    connect_deadline: remaining.max(Duration::from_millis(1)),
-                    ..config.clone()
-                };
-                let (stream, peer) = connect_with_retry(addr, &retry)?;
-                let control = Control::new(
-                    stream,
-                    peer,
-                    config.handshake_timeout,
-                    config.handshake_timeout,
-                );
+                let (stream, peer) = connect_with_retry(addr, config, remaining, !after_cut)?;
+                let control = Control::new(stream, peer, handshake_timeout, handshake_timeout);
                 Self::handshake(pd, config, control, |control| {
                     Ok(ControlLink::tcp(control.into_stream()?))
                 })
@@ -155,8 +175,7 @@ impl ClientSession {
                     .checked_add(config.connect_deadline)
                     .unwrap_or(start + Duration::from_secs(365 * 86_400));
                 let backoff = (config.initial_backoff, config.max_backoff);
-                let control =
-                    super::cm::connect(addr, config.handshake_timeout, deadline, backoff)?;
+                let control = super::cm::connect(addr, handshake_timeout, deadline, backoff)?;
                 Self::handshake(pd, config, control, |control| {
                     Ok(ControlLink::Cm(Box::new(control.into_link())))
                 })
@@ -200,6 +219,22 @@ impl ClientSession {
     }
 }
 
+/// Whether a failed handshake may go through if tried again: the server
+/// asked us to come back (busy), or cut the handshake without saying why
+/// before our `Ready` (after it, the handshake reports the cut as
+/// [`io::ErrorKind::Other`]). Every resource of the failed attempt is gone
+/// by then; the server drops what it made for it when it cuts.
+fn worth_another_try(err: &Error) -> bool {
+    match err {
+        Error::Rejected { code, .. } => *code == reject_code::BUSY,
+        Error::Handshake {
+            source: WireError::Io(io),
+            ..
+        } => handshake::is_cut(io),
+        _ => false,
+    }
+}
+
 /// The client's resources, created once the server is trusted.
 struct ClientSide<'a> {
     pd: &'a ProtectionDomain,
@@ -229,9 +264,13 @@ impl Resources for ClientSide<'_> {
     }
 }
 
+/// Connects to `addr` within `deadline`, retrying with backoff when `retry`
+/// (else once).
 fn connect_with_retry(
     addr: &impl ToSocketAddrs,
     config: &ClientConfig,
+    deadline: Duration,
+    retry: bool,
 ) -> Result<(TcpStream, SocketAddr)> {
     let start = Instant::now();
     let describe = || {
@@ -240,16 +279,16 @@ fn connect_with_retry(
             .and_then(|mut a| a.next())
             .map_or_else(|| "the server".to_string(), |a| a.to_string())
     };
-    let mut backoff = config.initial_backoff;
+    let mut backoff = config.initial_backoff.max(Duration::from_millis(1));
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let left = config.connect_deadline.saturating_sub(start.elapsed());
+        let left = deadline.saturating_sub(start.elapsed());
         let last = match resolve_and_connect(addr, left.max(Duration::from_millis(1))) {
             Ok(conn) => return Ok(conn),
             Err(err) => err,
         };
-        if start.elapsed() + backoff >= config.connect_deadline {
+        if !retry || start.elapsed() + backoff >= deadline {
             return Err(Error::ConnectTimeout {
                 addr: describe(),
                 attempts,

@@ -22,6 +22,7 @@
 //!    transcript.
 
 use std::collections::HashSet;
+use std::io;
 use std::net::SocketAddr;
 
 use super::auth::{self, AuthKey, Transcript, label};
@@ -430,8 +431,38 @@ pub(crate) fn connect(
         return Err(err);
     }
     x.send_ready(key, label::CLIENT_READY)?;
-    x.recv_ready(key, label::SERVER_READY)?;
+    x.recv_ready(key, label::SERVER_READY)
+        .map_err(cut_after_our_ready)?;
     Ok(accept)
+}
+
+/// Whether `io` says the peer cut the connection (closed or reset it)
+/// rather than kept silent.
+pub(crate) fn is_cut(io: &io::Error) -> bool {
+    matches!(
+        io.kind(),
+        io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+    )
+}
+
+/// A connection cut after our `Ready` is no longer a cut handshake that a
+/// client may simply try again: the server may have sent its own `Ready`
+/// and kept the session. Reported as [`io::ErrorKind::Other`], with what
+/// happened.
+fn cut_after_our_ready(err: Error) -> Error {
+    match err {
+        Error::Handshake {
+            peer,
+            source: WireError::Io(io),
+        } if is_cut(&io) => Error::Handshake {
+            peer,
+            source: WireError::Io(io::Error::other(format!("after our Ready: {io}"))),
+        },
+        other => other,
+    }
 }
 
 #[cfg(test)]
