@@ -23,9 +23,12 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+#[path = "../common/mod.rs"]
 mod common;
-#[path = "common/plot.rs"]
+#[path = "../common/plot.rs"]
 mod plot;
+mod report;
+mod streams;
 
 use clap::{Parser, ValueEnum};
 use rdma_comm_core::reactor::*;
@@ -252,17 +255,17 @@ fn run(args: &'static Args) -> rdma_comm_core::Result<()> {
     let rows: Vec<Vec<Row>> = if streams == 1 {
         pin_one(args, &ctx)?;
         if !args.server {
-            print_banner(args, &ctx)?;
+            report::print_banner(args, &ctx)?;
         }
         vec![measure(args, &pd, endpoint_addr(args))?]
     } else {
         let choice = args.runtime.core_choice(args.no_pin)?;
         if !args.server {
-            print_banner(args, &ctx)?;
+            report::print_banner(args, &ctx)?;
         }
         let mut per_size = Vec::new();
         for (i, size) in sizes(args).into_iter().enumerate() {
-            per_size.push(measure_on_runtime(
+            per_size.push(streams::measure_on_runtime(
                 args,
                 &pd,
                 streams,
@@ -329,9 +332,11 @@ fn run(args: &'static Args) -> rdma_comm_core::Result<()> {
     }
     println!("{}", "-".repeat(87));
     if let Some(path) = &args.plot {
-        plot(path, args, ctx.name(), &results).map_err(|what| rdma_comm_core::Error::Os {
-            what: "drawing the plot",
-            source: std::io::Error::other(what),
+        report::plot(path, args, ctx.name(), &results).map_err(|what| {
+            rdma_comm_core::Error::Os {
+                what: "drawing the plot",
+                source: std::io::Error::other(what),
+            }
         })?;
     }
     if let Some(path) = &args.json {
@@ -507,275 +512,5 @@ fn handler_for(args: &Args, spec: PerfSpec, buffers: PerfBuffers) -> PerfHandler
         (true, TestArg::Bw) => PerfHandler::Sink(RateSink::default()),
         (false, TestArg::Lat) => PerfHandler::Latency(LatencyClient::new(spec, buffers)),
         (false, TestArg::Bw) => PerfHandler::Rate(RateSender::new(spec, buffers)),
-    }
-}
-
-/// Server: each peer's stream, by its address (for its export).
-type Offered = std::sync::Mutex<std::collections::HashMap<std::net::SocketAddr, usize>>;
-
-/// Builds each stream's handler on the runtime reactor that serves it,
-/// with that stream's buffer, and reports what it measured once its
-/// handler stops its reactor.
-struct Streams {
-    args: &'static Args,
-    spec: PerfSpec,
-    /// Each stream's buffer until its handler takes it.
-    buffers: Arc<std::sync::Mutex<Vec<Option<MemoryRegion>>>>,
-    /// (reactor, what its stream measured).
-    done: std::sync::mpsc::Sender<(usize, rdma_comm_core::Result<Row>)>,
-}
-
-impl HandlerFactory for Streams {
-    type Handler = PerfHandler;
-
-    fn build(&self, session: &NewSession<'_>) -> rdma_comm_core::Result<PerfHandler> {
-        let endpoint = session.endpoint;
-        let peer_addr = endpoint.peer();
-        let protocol = |what: &str| rdma_comm_core::Error::Protocol {
-            peer: peer_addr,
-            what: what.into(),
-        };
-        // Stream i is served by reactor i on both sides.
-        let index = session.reactor;
-        let buffer = self
-            .buffers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_mut(index)
-            .and_then(Option::take)
-            .ok_or_else(|| protocol("its stream's buffer is taken"))?;
-        let peer = endpoint
-            .remote_region("perf")
-            .ok_or_else(|| protocol("peer exported no \"perf\" region"))?;
-        Ok(handler_for(
-            self.args,
-            self.spec,
-            PerfBuffers { buffer, peer },
-        ))
-    }
-
-    fn refused(&self, reactor: usize, peer: std::net::SocketAddr, error: &rdma_comm_core::Error) {
-        let what = format!("stream on reactor {reactor} refused: {error}");
-        let _ = self
-            .done
-            .send((reactor, Err(rdma_comm_core::Error::Protocol { peer, what })));
-    }
-
-    fn stopped(&self, reactor: usize, handler: PerfHandler) {
-        let peer = std::net::SocketAddr::from(([0, 0, 0, 0], 0));
-        let _ = self
-            .done
-            .send((reactor, row_of(handler, self.spec.size, peer)));
-    }
-}
-
-/// One size on `streams` streams at once, stream i on reactor i of a
-/// runtime of pinned reactors (the server listens once; the client
-/// connects each stream as `stream-i`, which the server places on reactor
-/// i). Each handler stops its reactor when its stream is over; the runtime
-/// then ends.
-fn measure_on_runtime(
-    args: &'static Args,
-    pd: &ProtectionDomain,
-    streams: usize,
-    choice: &CoreChoice,
-    size: usize,
-    first: bool,
-) -> rdma_comm_core::Result<Vec<Row>> {
-    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
-    // Exported through a window per peer: no REMOTE_* rights of their own.
-    let buffers = (0..streams)
-        .map(|_| pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND))
-        .collect::<rdma_comm_core::Result<Vec<_>>>()?;
-    let registrations: Vec<_> = buffers.iter().map(|b| b.registration().clone()).collect();
-    let (done, results) = std::sync::mpsc::channel();
-    let slots = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let offered = Arc::new(Offered::default());
-    let factory = Streams {
-        args,
-        spec: spec(args, size),
-        buffers: Arc::clone(&slots),
-        done,
-    };
-    // Handlers take their buffers once these are filled in (below, before
-    // any session can reach a reactor).
-    let fill_slots = |buffers: Vec<MemoryRegion>| {
-        *slots.lock().unwrap_or_else(|p| p.into_inner()) = buffers.into_iter().map(Some).collect();
-    };
-    // Stream i goes to reactor i, and the server remembers the peer's
-    // stream for its export (placement runs first), so a stream that fails
-    // halfway through its handshake shifts no other stream's buffer.
-    let placed = Arc::clone(&offered);
-    let by_stream: Arc<ChooseFn> = Arc::new(move |hello: &PeerHello, loads: &[ReactorLoad]| {
-        let stream = hello
-            .identity
-            .strip_prefix("stream-")?
-            .parse::<usize>()
-            .ok()
-            .filter(|&stream| stream < loads.len())?;
-        placed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(hello.peer, stream);
-        Some(stream)
-    });
-    let config = RuntimeConfig {
-        reactors: streams,
-        cores: choice.clone(),
-        reactor: reactor_config(args, size),
-        policy: PlacementPolicy::Custom(by_stream),
-        thread_name: "lat_bw".into(),
-        ..RuntimeConfig::default()
-    };
-    let mut runtime = Runtime::start(pd, config, factory)?;
-    if first {
-        eprintln!("lat_bw: {streams} streams, {}", runtime.plan());
-    }
-    let handle = runtime.handle();
-    if args.server {
-        fill_slots(buffers);
-        let mut config = runtime.server_config(access);
-        args.dev.apply(&mut config.qp);
-        config.max_peers = Some(streams);
-        config.auth_key = args.auth.key()?;
-        config.transport = args.transport.transport();
-        config.exports = Some(Arc::new(move |peer, _: &ProtectionDomain| {
-            let stream = offered
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&peer)
-                .copied();
-            let export = stream.and_then(|stream| registrations.get(stream)).ok_or(
-                rdma_comm_core::Error::InvalidArgument("a peer that is no stream"),
-            )?;
-            Ok(vec![Export::new(1, "perf", export.clone(), access)])
-        }));
-        runtime.serve(args.listen.as_str(), config)?;
-    } else {
-        let addr = endpoint_addr(args);
-        let mut endpoints = Vec::new();
-        for (stream, buffer) in buffers.iter().enumerate() {
-            let mut spec = handle.qp_spec(stream, "perf", access)?;
-            args.dev.apply(&mut spec.qp);
-            let mut config = ClientConfig::new(vec![spec])
-                .with_exports(vec![Export::new(1, "perf", buffer, access)])
-                .with_identity(format!("stream-{stream}"));
-            config.connect_deadline = Duration::from_secs(60);
-            config.auth_key = args.auth.key()?;
-            config.transport = args.transport.transport();
-            endpoints.push(ClientSession::connect(addr, pd, &config)?);
-        }
-        fill_slots(buffers);
-        for (stream, endpoint) in endpoints.into_iter().enumerate() {
-            handle.adopt(stream, endpoint)?;
-        }
-    }
-    let mut rows: Vec<Option<rdma_comm_core::Result<Row>>> = (0..streams).map(|_| None).collect();
-    for _ in 0..streams {
-        let Ok((reactor, row)) = results.recv() else {
-            break;
-        };
-        if let Some(slot) = rows.get_mut(reactor) {
-            *slot = Some(row);
-        }
-    }
-    // A stream refused or failed did not stop its reactor: stop them all.
-    runtime.stop();
-    runtime.join()?;
-    rows.into_iter()
-        .enumerate()
-        .map(|(stream, row)| {
-            row.unwrap_or_else(|| {
-                Err(rdma_comm_core::Error::Runtime(format!(
-                    "stream {stream} ended without a result"
-                )))
-            })
-        })
-        .collect()
-}
-
-fn print_banner(args: &Args, ctx: &Context) -> rdma_comm_core::Result<()> {
-    let port = args
-        .dev
-        .ib_port
-        .map_or_else(|| ctx.first_active_port(), Ok)?;
-    let attr = ctx.query_port(port)?;
-    let gid = ctx.select_gid(port, args.dev.gid_index)?;
-    let title = match (args.op, args.test) {
-        (OpArg::Send, TestArg::Lat) => "Send Latency Test",
-        (OpArg::Write, TestArg::Lat) => "RDMA_Write Latency Test",
-        (OpArg::WriteImm, TestArg::Lat) => "RDMA_Write_Imm Latency Test",
-        (OpArg::Read, TestArg::Lat) => "RDMA_Read Latency Test",
-        (OpArg::Send, TestArg::Bw) => "Send BW Test",
-        (OpArg::Write, TestArg::Bw) => "RDMA_Write BW Test",
-        (OpArg::WriteImm, TestArg::Bw) => "RDMA_Write_Imm BW Test",
-        (OpArg::Read, TestArg::Bw) => "RDMA_Read BW Test",
-    };
-    println!("{}", "-".repeat(87));
-    println!("                    {title} (rdma-comm-core reactor)");
-    println!(
-        " Device: {}  Port: {port}  GID index: {}  MTU: {}  Event mode: {}  Signal: every {}  Batch: {}",
-        ctx.name(),
-        gid.index,
-        attr.active_mtu.bytes(),
-        event_mode_label(args),
-        args.reactor.signal_interval,
-        args.reactor.batch_or(16)
-    );
-    println!("{}", "-".repeat(87));
-    match args.test {
-        TestArg::Lat => println!("{LATENCY_HEADER}"),
-        TestArg::Bw => println!("{}", bandwidth_header(args.report_gbits)),
-    }
-    Ok(())
-}
-
-/// Draws the measured curve (latency: typical and 99th percentile;
-/// bandwidth: average) against message size.
-fn plot(
-    path: &str,
-    args: &Args,
-    device: &str,
-    results: &[serde_json::Value],
-) -> Result<(), String> {
-    use plotters::style::{BLUE, RED};
-
-    let wanted = match args.test {
-        TestArg::Lat => vec![
-            ("t_typical_us", "typical", BLUE),
-            ("p99_us", "99th percentile", RED),
-        ],
-        TestArg::Bw => vec![("bw_avg_mib_s", "average", BLUE)],
-    };
-    let series: Vec<plot::Series> = wanted
-        .into_iter()
-        .map(|(key, label, color)| plot::Series {
-            label: label.into(),
-            color,
-            points: results
-                .iter()
-                .filter_map(|r| Some((r["bytes"].as_f64()?, r[key].as_f64()?)))
-                .collect(),
-        })
-        .collect();
-    let (title, y_desc) = match args.test {
-        TestArg::Lat => ("latency", "usec"),
-        TestArg::Bw => ("bandwidth", "MiB/sec"),
-    };
-    let chart = plot::Chart {
-        path,
-        caption: format!("{:?} {title} on {device} (rdma-comm-core)", args.op),
-        x_desc: "message size [bytes]",
-        y_desc,
-        x_label: &|bytes| human_bytes(*bytes),
-    };
-    plot::draw(&chart, &series)
-}
-
-fn human_bytes(bytes: f64) -> String {
-    match bytes.round() {
-        b if b >= f64::from(1 << 20) => format!("{}M", (b / f64::from(1 << 20)).round()),
-        b if b >= 1024.0 => format!("{}K", (b / 1024.0).round()),
-        b => format!("{b}"),
     }
 }
