@@ -84,16 +84,20 @@ verbs_test! {
             .iter()
             .filter(|l| l.starts_with("rejected ") && !l.contains("too many handshakes in progress"))
             .collect();
-        assert_eq!(failures.len(), 4, "one logged error per stray client: {failures:#?}");
         for expected in ["bad magic", "truncated", "exceeds the maximum"] {
-            assert!(failures.iter().any(|l| l.contains(expected)), "no failure mentions {expected:?}: {failures:#?}");
+            let count = failures.iter().filter(|l| l.contains(expected)).count();
+            assert_eq!(count, 1, "one failure mentions {expected:?}: {failures:#?}");
         }
         // The silent one times out, or is cut when the eighth peer makes
-        // the server stop listening, whichever comes first.
-        assert!(
-            failures.iter().any(|l| l.contains("timed out") || l.contains("the connection closed")),
-            "the silent client: {failures:#?}"
-        );
+        // the server stop listening, whichever comes first. So may a real
+        // client whose hello the loaded guest delayed past the server's
+        // hello deadline: it connects on its next try (all eight did, above).
+        let quiet = failures
+            .iter()
+            .filter(|l| l.contains("timed out") || l.contains("the connection closed"))
+            .count();
+        assert!(quiet >= 1, "the silent client: {failures:#?}");
+        assert_eq!(failures.len(), 3 + quiet, "nothing else failed: {failures:#?}");
     }
 }
 
