@@ -90,14 +90,14 @@ struct Args {
     transport: common::TransportArgs,
     #[command(flatten)]
     reactor: common::ReactorArgs,
-    /// Pin the reactor to this CPU (default: a core near the NIC; the server
-    /// takes the first, the client the second).
     /// Direct connections (both sides): the handler posts requests built
     /// once on its QP itself and counts its completions, as perftest does;
     /// the reactor only polls and routes (no staging, credits or reposts).
     /// send, write and read; one stream.
     #[arg(long)]
     direct: bool,
+    /// Pin the reactor to this CPU (default: a core near the NIC; the server
+    /// takes the first, the client the second).
     #[arg(long, conflicts_with_all = ["no_pin", "cores"])]
     core: Option<usize>,
     /// Leave the reactor thread unpinned.
