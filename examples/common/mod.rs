@@ -192,6 +192,10 @@ impl TransportArgs {
 #[allow(dead_code)]
 pub fn report_refusals(tool: &'static str, config: &mut rdma_comm_core::session::ServerConfig) {
     config.on_failure = Some(std::sync::Arc::new(move |failure| {
-        eprintln!("{tool}: rejected {}: {:?}", failure.peer, failure.error.to_string())
+        eprintln!(
+            "{tool}: rejected {}: {:?}",
+            failure.peer,
+            failure.error.to_string()
+        )
     }));
 }
