@@ -39,16 +39,11 @@ fn finish_pair(mut client: Child, mut server: Child, started: Instant) -> (Outpu
             break;
         }
         if started.elapsed() > DEADLINE {
-            let hung = if client_done {
-                "the server"
-            } else {
-                "the client"
+            let (hung, pid) = match client_done {
+                true => ("the server", server.id()),
+                false => ("the client", client.id()),
             };
-            let stuck = if client_done {
-                process::where_stuck(server.id())
-            } else {
-                process::where_stuck(client.id())
-            };
+            let stuck = process::where_stuck(pid);
             let _ = client.kill();
             let _ = server.kill();
             let client = client.wait_with_output().expect("collect the client");
