@@ -251,6 +251,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             pool.add_owner(conn.qpn, key);
         }
         self.conns.insert(conn);
+        self.protocol_conns += 1;
         Ok(id)
     }
 
@@ -289,6 +290,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let Some(mut conn) = self.conns.remove(id.key()) else {
             return;
         };
+        if !conn.direct {
+            self.protocol_conns -= 1;
+        }
         let mut released = Vec::new();
         conn.shut_down(|origin, slot, from_srq| released.push((origin, slot, from_srq)));
         if let Some(pool) = &mut self.srq {

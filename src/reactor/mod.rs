@@ -171,6 +171,9 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     pd: ProtectionDomain,
     wcs: [WorkCompletion; POLL_BATCH],
     next_cq: usize,
+    /// Connections of the reactor's own protocol (not direct): while there
+    /// are none, a pass takes the lean path.
+    protocol_conns: usize,
     idle_passes: u32,
     /// The last flush left work behind that any pass must do (or sessions
     /// changed since).
@@ -256,6 +259,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             pd: pd.clone(),
             wcs: [WorkCompletion::default(); POLL_BATCH],
             next_cq: 0,
+            protocol_conns: 0,
             idle_passes: 0,
             unsettled: true,
             reposts_left: false,

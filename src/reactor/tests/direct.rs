@@ -13,7 +13,7 @@ use crate::verbs::{
     RecvRequest, WcOpcode, WorkCompletion, WorkRequest,
 };
 
-use super::super::{ConnId, Ctx, Handler, Reactor, ReactorConfig, SendError};
+use super::super::{ConnId, Ctx, Handler, Reactor, ReactorConfig, SendError, SessionId};
 use super::MAX_PASSES;
 
 /// What a direct handler saw: (id, opcode, bytes) of each completion, and
@@ -335,4 +335,90 @@ fn an_srq_reactor_refuses_direct_connections() {
     let qp = pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp).unwrap();
     let log = Rc::new(RefCell::new(Log::default()));
     assert!(reactor.add_direct(vec![qp], Direct(log)).is_err());
+}
+
+/// A pair of connections of the reactor's own protocol, with `Direct`
+/// handlers (which count `on_established`), run until both are
+/// established; returns their sessions.
+fn protocol_pair(
+    reactor: &mut Reactor<Direct, ()>,
+    pd: &ProtectionDomain,
+) -> [(SessionId, Rc<RefCell<Log>>); 2] {
+    let mut qp = |name: &str| {
+        let spec = reactor.qp_spec(name);
+        let CqChoice::Shared(cq) = spec.cq else {
+            panic!("qp_spec did not share the reactor's CQ");
+        };
+        pd.create_qp(&cq, &cq, &spec.qp).expect("a loopback QP")
+    };
+    let (mut a, mut b) = (qp("p"), qp("q"));
+    let (to_a, to_b) = (a.endpoint(), b.endpoint());
+    a.connect(&to_b).expect("connect");
+    b.connect(&to_a).expect("connect");
+    let ends = [a, b].map(|qp| {
+        let log = Rc::new(RefCell::new(Log::default()));
+        let session = reactor.add(vec![qp], Direct(Rc::clone(&log))).expect("add");
+        (session, log)
+    });
+    run_until(reactor, "the protocol pair established", || {
+        ends.iter().all(|(_, log)| log.borrow().established == 1)
+    });
+    ends
+}
+
+/// One SEND from `a` to `b` over their direct connections, run until both
+/// completions are in.
+fn direct_send(reactor: &mut Reactor<Direct, ()>, a: &End, b: &End) {
+    let (sent, received) = (
+        a.log.borrow().completions.len(),
+        b.log.borrow().completions.len(),
+    );
+    reactor.with_ctx(|ctx| {
+        let mut recv = RecvRequest::new(9, b.region.slice(0, 8).unwrap()).unwrap();
+        ctx.direct(b.conn).unwrap().post_recv(&mut recv).unwrap();
+        let mut send = WorkRequest::send(8, a.region.slice(0, 8).unwrap()).signaled();
+        ctx.direct(a.conn).unwrap().post_send(&mut send).unwrap();
+    });
+    run_until(reactor, "the direct SEND's completions", || {
+        a.log.borrow().completions.len() == sent + 1
+            && b.log.borrow().completions.len() == received + 1
+    });
+}
+
+/// A reactor that also serves connections of its own protocol takes the
+/// full pass, one that serves only direct connections the lean one (see
+/// `Reactor::poll_once`): a direct pair works under both, beside a
+/// protocol pair, after its removal and beside a new one, and the count
+/// that picks the pass follows the connections.
+#[test]
+fn direct_connections_work_beside_the_reactors_own_and_after_them() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, b) = direct_pair(&mut reactor, &pd);
+    direct_send(&mut reactor, &a, &b);
+    assert_eq!(reactor.protocol_conns, 0, "direct connections only: lean");
+
+    let first = protocol_pair(&mut reactor, &pd);
+    assert_eq!(reactor.protocol_conns, 2);
+    direct_send(&mut reactor, &a, &b);
+
+    for (session, _) in &first {
+        assert!(reactor.remove(*session).is_some());
+    }
+    assert_eq!(
+        reactor.protocol_conns, 0,
+        "the last protocol connection gone"
+    );
+    direct_send(&mut reactor, &a, &b);
+
+    let second = protocol_pair(&mut reactor, &pd);
+    assert_eq!(reactor.protocol_conns, 2);
+    direct_send(&mut reactor, &a, &b);
+    for (_, log) in &second {
+        assert!(log.borrow().errors.is_empty());
+    }
+    assert!(a.log.borrow().errors.is_empty() && b.log.borrow().errors.is_empty());
+    assert_eq!(b.log.borrow().completions, [(9, WcOpcode::RECV, 8); 4]);
 }
