@@ -10,7 +10,9 @@ use crate::session::PeerStatus;
 use crate::verbs::WcOpcode;
 
 use super::admin::return_forwarded;
-use super::conn::{Arrival, Conn, OpKind, WrKind, decode_wr_id, is_direct, same_generation};
+use super::conn::{
+    Arrival, Conn, OpKind, WrKind, decode_direct, decode_wr_id, is_direct, same_generation,
+};
 use super::slab::Key;
 use super::srq_pool::SrqPool;
 use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, Session, SessionId, Waiter};
@@ -354,11 +356,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[inline(always)]
     fn route<const LEAN: bool>(&mut self, at: usize) {
         let wr_id = self.wcs[at].wr_id();
+        if LEAN {
+            if let Some((index, generation)) = decode_direct(wr_id) {
+                self.dispatch_direct(at, index, generation);
+            } else {
+                let (index, generation, kind) = decode_wr_id(wr_id);
+                self.dispatch_apart(at, index, generation, kind);
+            }
+            return;
+        }
         let (index, generation, kind) = decode_wr_id(wr_id);
         if is_direct(wr_id, kind) {
             self.dispatch_direct(at, index, generation);
-        } else if LEAN {
-            self.dispatch_apart(at, index, generation, kind);
         } else {
             self.dispatch(at, index, generation, kind);
         }

@@ -23,8 +23,8 @@ pub(crate) use staging::{ForwardOrigin, OpKind};
 use staging::{Keep, SqOp};
 pub(crate) use wr_id::{MAX_CONNS, SRQ_SLOT_BITS, WrKind};
 pub(crate) use wr_id::{
-    decode as decode_wr_id, direct_recv_tag, direct_send_tag, is_direct, same_generation,
-    srq_recv as srq_recv_wr_id, srq_slot,
+    decode as decode_wr_id, decode_direct, direct_recv_tag, direct_send_tag, is_direct,
+    same_generation, srq_recv as srq_recv_wr_id, srq_slot,
 };
 
 /// Bytes of every slot kept back for the trailer of a SEND that carries a
