@@ -696,8 +696,11 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
             AccessFlags::REMOTE_WRITE,
         )])
     }));
+    // On stdout, one line each, as tests and scripts read them; escaped,
+    // as `common::report_refusals` does, since the reason may quote what a
+    // stranger sent.
     config.on_failure = Some(Arc::new(|failure: &HandshakeFailure| {
-        println!("rejected {}: {}", failure.peer, failure.error);
+        println!("rejected {}: {:?}", failure.peer, failure.error.to_string());
     }));
     let addr = runtime.serve(args.listen.as_str(), config)?;
     println!("listening on {addr}");
