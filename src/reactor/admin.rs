@@ -291,7 +291,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return;
         };
         if !conn.direct {
-            self.protocol_conns -= 1;
+            // (Counted at insertion; saturating, as a drift would only cost
+            // speed: either pass handles any completion.)
+            self.protocol_conns = self.protocol_conns.saturating_sub(1);
         }
         let mut released = Vec::new();
         conn.shut_down(|origin, slot, from_srq| released.push((origin, slot, from_srq)));
