@@ -17,12 +17,12 @@
 //! ```
 
 use std::hint::black_box;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::verbs::*;
-use rdma_perf::loopback::perf_pair;
+use rdma_perf::loopback::{direct_perf_pair, perf_pair};
 use rdma_perf::*;
 
 /// One reactor holding both ends of a loopback connection; returns it with
@@ -77,6 +77,49 @@ fn round_trips(c: &mut Criterion) {
     group.finish();
 }
 
+/// Round trips on direct connections (`Reactor::add_direct`: the handler
+/// posts requests built once, the reactor polls and routes, in its lean
+/// pass): 8 B SEND ping-pong, WRITE ping-pong (the answer noticed in
+/// memory) and READ. Per iteration: one round trip, timed over the whole
+/// run.
+fn direct_round_trips(c: &mut Criterion) {
+    const SIZE: usize = 8;
+    let mut group = c.benchmark_group("loopback_direct_round_trip_8B");
+    group.sample_size(10);
+    for op in [PerfOp::Send, PerfOp::Write, PerfOp::Read] {
+        group.bench_function(BenchmarkId::from_parameter(op), |b| {
+            b.iter_custom(|iters| {
+                let spec = PerfSpec {
+                    op,
+                    size: SIZE,
+                    iters: iters.max(1),
+                    warmup: 0,
+                    batch: 1,
+                    tx_depth: 0,
+                };
+                let mut pair = direct_perf_pair(
+                    SIZE,
+                    |buffers| PerfHandler::DirectClient(DirectClient::latency(spec, buffers)),
+                    |buffers| PerfHandler::DirectServer(DirectServer::new(spec, buffers, false)),
+                )
+                .expect("a reactor with both direct ends on the loopback device");
+                let started = Instant::now();
+                pair.reactor.run().expect("reactor run");
+                let elapsed = started.elapsed();
+                let Some(PerfHandler::DirectClient(client)) = pair.reactor.handler(pair.client)
+                else {
+                    unreachable!("the client session holds the direct client")
+                };
+                if let Some(failure) = client.failure() {
+                    panic!("direct {op} round trips failed: {failure}");
+                }
+                elapsed
+            });
+        });
+    }
+    group.finish();
+}
+
 /// Streaming: 64 B SEND and WRITE at 1 and 16 requests per doorbell. Per
 /// iteration: one message.
 fn streaming(c: &mut Criterion) {
@@ -118,5 +161,5 @@ fn streaming(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, round_trips, streaming);
+criterion_group!(benches, round_trips, direct_round_trips, streaming);
 criterion_main!(benches);
