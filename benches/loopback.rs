@@ -39,6 +39,19 @@ fn pair(
     (pair.reactor, pair.client, pair.exports)
 }
 
+/// One message at a time: `iters` (at least 1) round trips of `size`
+/// bytes after `warmup` untimed ones.
+fn round_trip_spec(op: PerfOp, size: usize, iters: u64, warmup: u64) -> PerfSpec {
+    PerfSpec {
+        op,
+        size,
+        iters: iters.max(1),
+        warmup,
+        batch: 1,
+        tx_depth: 0,
+    }
+}
+
 /// Round trips: 8 B SEND ping-pong, 8 B READ. Per iteration: one round trip.
 fn round_trips(c: &mut Criterion) {
     const SIZE: usize = 8;
@@ -47,14 +60,7 @@ fn round_trips(c: &mut Criterion) {
     for op in [PerfOp::Send, PerfOp::Read] {
         group.bench_function(BenchmarkId::from_parameter(op), |b| {
             b.iter_custom(|iters| {
-                let spec = PerfSpec {
-                    op,
-                    size: SIZE,
-                    iters: iters.max(1),
-                    warmup: 50,
-                    batch: 1,
-                    tx_depth: 0,
-                };
+                let spec = round_trip_spec(op, SIZE, iters, 50);
                 let (mut reactor, session, _exports) = pair(
                     1,
                     SIZE,
@@ -89,14 +95,7 @@ fn direct_round_trips(c: &mut Criterion) {
     for op in [PerfOp::Send, PerfOp::Write, PerfOp::Read] {
         group.bench_function(BenchmarkId::from_parameter(op), |b| {
             b.iter_custom(|iters| {
-                let spec = PerfSpec {
-                    op,
-                    size: SIZE,
-                    iters: iters.max(1),
-                    warmup: 0,
-                    batch: 1,
-                    tx_depth: 0,
-                };
+                let spec = round_trip_spec(op, SIZE, iters, 0);
                 let mut pair = direct_perf_pair(
                     SIZE,
                     |buffers| PerfHandler::DirectClient(DirectClient::latency(spec, buffers)),

@@ -73,10 +73,13 @@ fn reactor(pd: &ProtectionDomain) -> Reactor<Direct, ()> {
     Reactor::new(pd, config).expect("a reactor on the loopback device")
 }
 
-/// Two direct connections of one reactor, connected to each other, each
-/// with a 4 KiB region the other may WRITE and READ.
-fn direct_pair(reactor: &mut Reactor<Direct, ()>, pd: &ProtectionDomain) -> (End, End) {
-    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+/// Two loopback QPs on the reactor's CQ, with `access`, connected to each
+/// other.
+fn connected_qps<H: Handler>(
+    reactor: &mut Reactor<H, ()>,
+    pd: &ProtectionDomain,
+    access: AccessFlags,
+) -> [QueuePair; 2] {
     let mut qp = |name: &str| {
         let spec = reactor.qp_spec_with_access(name, access);
         let CqChoice::Shared(cq) = spec.cq else {
@@ -88,6 +91,14 @@ fn direct_pair(reactor: &mut Reactor<Direct, ()>, pd: &ProtectionDomain) -> (End
     let (to_a, to_b) = (a.endpoint(), b.endpoint());
     a.connect(&to_b).expect("connect");
     b.connect(&to_a).expect("connect");
+    [a, b]
+}
+
+/// Two direct connections of one reactor, connected to each other, each
+/// with a 4 KiB region the other may WRITE and READ.
+fn direct_pair(reactor: &mut Reactor<Direct, ()>, pd: &ProtectionDomain) -> (End, End) {
+    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    let [a, b] = connected_qps(reactor, pd, access);
     let mut add = |qp: QueuePair| {
         let log = Rc::new(RefCell::new(Log::default()));
         let session = reactor
@@ -357,18 +368,7 @@ fn protocol_pair(
     reactor: &mut Reactor<Direct, ()>,
     pd: &ProtectionDomain,
 ) -> [(SessionId, Rc<RefCell<Log>>); 2] {
-    let mut qp = |name: &str| {
-        let spec = reactor.qp_spec(name);
-        let CqChoice::Shared(cq) = spec.cq else {
-            panic!("qp_spec did not share the reactor's CQ");
-        };
-        pd.create_qp(&cq, &cq, &spec.qp).expect("a loopback QP")
-    };
-    let (mut a, mut b) = (qp("p"), qp("q"));
-    let (to_a, to_b) = (a.endpoint(), b.endpoint());
-    a.connect(&to_b).expect("connect");
-    b.connect(&to_a).expect("connect");
-    let ends = [a, b].map(|qp| {
+    let ends = connected_qps(reactor, pd, AccessFlags::empty()).map(|qp| {
         let log = Rc::new(RefCell::new(Log::default()));
         let session = reactor.add(vec![qp], Direct(Rc::clone(&log))).expect("add");
         (session, log)
