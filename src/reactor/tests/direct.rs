@@ -14,7 +14,7 @@ use crate::verbs::{
 };
 
 use super::super::{ConnId, Ctx, Handler, Reactor, ReactorConfig, SendError, SessionId};
-use super::MAX_PASSES;
+use super::{MAX_PASSES, connected_qps};
 
 /// What a direct handler saw: (id, opcode, bytes) of each completion, and
 /// each error's text.
@@ -71,27 +71,6 @@ fn reactor(pd: &ProtectionDomain) -> Reactor<Direct, ()> {
         ..ReactorConfig::default()
     };
     Reactor::new(pd, config).expect("a reactor on the loopback device")
-}
-
-/// Two loopback QPs on the reactor's CQ, with `access`, connected to each
-/// other.
-fn connected_qps<H: Handler>(
-    reactor: &mut Reactor<H, ()>,
-    pd: &ProtectionDomain,
-    access: AccessFlags,
-) -> [QueuePair; 2] {
-    let mut qp = |name: &str| {
-        let spec = reactor.qp_spec_with_access(name, access);
-        let CqChoice::Shared(cq) = spec.cq else {
-            panic!("qp_spec did not share the reactor's CQ");
-        };
-        pd.create_qp(&cq, &cq, &spec.qp).expect("a loopback QP")
-    };
-    let (mut a, mut b) = (qp("a"), qp("b"));
-    let (to_a, to_b) = (a.endpoint(), b.endpoint());
-    a.connect(&to_b).expect("connect");
-    b.connect(&to_a).expect("connect");
-    [a, b]
 }
 
 /// Two direct connections of one reactor, connected to each other, each

@@ -96,10 +96,13 @@ fn srq_reactor(pd: &ProtectionDomain) -> Reactor<Probe, ()> {
     Reactor::new(pd, config).expect("an SRQ reactor on the loopback device")
 }
 
-/// Two sessions of one connection each, connected to each other and
-/// established.
-fn add_pair(reactor: &mut Reactor<Probe, ()>, pd: &ProtectionDomain) -> (End, End) {
-    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+/// Two loopback QPs on the reactor's CQ (and its SRQ, if it has one), with
+/// `access`, connected to each other.
+fn connected_qps<H: Handler>(
+    reactor: &mut Reactor<H, ()>,
+    pd: &ProtectionDomain,
+    access: AccessFlags,
+) -> [QueuePair; 2] {
     let mut qp = |name: &str| {
         let spec = reactor.qp_spec_with_access(name, access);
         let CqChoice::Shared(cq) = spec.cq else {
@@ -115,6 +118,14 @@ fn add_pair(reactor: &mut Reactor<Probe, ()>, pd: &ProtectionDomain) -> (End, En
     let (to_a, to_b) = (a.endpoint(), b.endpoint());
     a.connect(&to_b).expect("connect");
     b.connect(&to_a).expect("connect");
+    [a, b]
+}
+
+/// Two sessions of one connection each, connected to each other and
+/// established.
+fn add_pair(reactor: &mut Reactor<Probe, ()>, pd: &ProtectionDomain) -> (End, End) {
+    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    let [a, b] = connected_qps(reactor, pd, access);
     let mut add = |qp: QueuePair| {
         let seen = Rc::new(RefCell::new(Seen::default()));
         let session: SessionId = reactor.add(vec![qp], Probe(Rc::clone(&seen))).expect("add");
