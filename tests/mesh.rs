@@ -135,49 +135,110 @@ verbs_test! {
     fn a_rank_killed_mid_stream_is_reported_by_the_others() {
         let base_port = free_port().saturating_sub(8).max(1024).to_string();
         let spawn = |rank: usize| {
-            Command::new(workspace_binary("mesh"))
+            let mut child = Command::new(workspace_binary("mesh"))
                 .args(["--rank", &rank.to_string(), "--size", "3", "--hosts", "127.0.0.1"])
                 .args(["--base-port", &base_port, "--no-pin", "--event-mode", "blocking"])
                 .args(["--lat-iters", "50", "--duration", "120"])
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
                 .spawn()
-                .expect("spawn mesh")
+                .expect("spawn mesh");
+            let stderr = Stderr::collect(&mut child);
+            (child, stderr)
         };
         let mut ranks: Vec<_> = (0..3).map(spawn).collect();
-        thread::sleep(Duration::from_secs(8));
-        for (rank, child) in ranks.iter_mut().enumerate() {
-            assert!(child.try_wait().unwrap().is_none(), "rank {rank} ended before the kill");
-        }
-        ranks[2].kill().expect("kill -9 rank 2");
-        let _ = ranks[2].wait();
+        // Killed once every rank is past its handshakes (a fixed sleep is
+        // not enough where tests run side by side on the guest's 2 vCPUs: a
+        // rank killed before it connected is missed only after the
+        // connect timeout).
         let started = Instant::now();
-        for (rank, child) in ranks.iter_mut().enumerate().take(2) {
-            while child.try_wait().unwrap().is_none() {
-                assert!(started.elapsed() < Duration::from_secs(60), "rank {rank} hangs after losing a peer");
+        for (rank, (child, stderr)) in ranks.iter_mut().enumerate() {
+            let connected = format!("mesh: rank {rank}: connected to its 2 peers in ");
+            while !stderr.text().contains(&connected) {
+                if child.try_wait().unwrap().is_some() || started.elapsed() > Duration::from_secs(90) {
+                    kill_all(&mut ranks);
+                    panic!("rank {rank} did not connect: {}", stderr_of(&ranks));
+                }
                 thread::sleep(Duration::from_millis(50));
             }
-            let output = child.wait_with_output_ref();
-            assert!(!output.0.success(), "rank {rank} exited 0 after losing rank 2");
-            assert!(output.1.contains("rank 2"), "rank {rank} did not name the lost rank: {}", output.1);
+        }
+        ranks[2].0.kill().expect("kill -9 rank 2");
+        let _ = ranks[2].0.wait();
+        let killed = Instant::now();
+        for rank in 0..2 {
+            while ranks[rank].0.try_wait().unwrap().is_none() {
+                if killed.elapsed() > Duration::from_secs(60) {
+                    kill_all(&mut ranks);
+                    panic!("rank {rank} hangs after losing a peer: {}", stderr_of(&ranks));
+                }
+                thread::sleep(Duration::from_millis(50));
+            }
+            let status = ranks[rank].0.wait().expect("wait");
+            let stderr = ranks[rank].1.finish();
+            eprintln!("{stderr}");
+            assert!(!status.success(), "rank {rank} exited 0 after losing rank 2");
+            assert!(
+                stderr.contains("rank 2"),
+                "rank {rank} did not name the lost rank: {stderr}"
+            );
         }
     }
 }
 
-/// `wait_with_output` for a child we only borrow: status and stderr.
-trait WaitRef {
-    fn wait_with_output_ref(&mut self) -> (std::process::ExitStatus, String);
+/// A child's stderr, read as it comes by a thread of its own (a pipe
+/// nobody reads would stall the child once full).
+struct Stderr {
+    text: std::sync::Arc<std::sync::Mutex<String>>,
+    reader: Option<thread::JoinHandle<()>>,
 }
 
-impl WaitRef for std::process::Child {
-    fn wait_with_output_ref(&mut self) -> (std::process::ExitStatus, String) {
+impl Stderr {
+    fn collect(child: &mut std::process::Child) -> Self {
         use std::io::Read;
-        let mut stderr = String::new();
-        if let Some(mut pipe) = self.stderr.take() {
-            let _ = pipe.read_to_string(&mut stderr);
+        let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let mut pipe = child.stderr.take().expect("stderr piped");
+        let sink = std::sync::Arc::clone(&text);
+        let reader = thread::spawn(move || {
+            let mut chunk = [0u8; 4096];
+            while let Ok(n @ 1..) = pipe.read(&mut chunk) {
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&chunk[..n]));
+            }
+        });
+        Stderr {
+            text,
+            reader: Some(reader),
         }
-        let status = self.wait().expect("wait");
-        eprintln!("{stderr}");
-        (status, stderr)
     }
+
+    /// What arrived so far.
+    fn text(&self) -> String {
+        self.text.lock().unwrap().clone()
+    }
+
+    /// Everything, once the child has ended.
+    fn finish(&mut self) -> String {
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        self.text()
+    }
+}
+
+/// Kills every rank still running (a failed test leaves none behind).
+fn kill_all(ranks: &mut [(std::process::Child, Stderr)]) {
+    for (child, _) in ranks.iter_mut() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// Every rank's stderr, for a failure message.
+fn stderr_of(ranks: &[(std::process::Child, Stderr)]) -> String {
+    let mut all = String::new();
+    for (rank, (_, stderr)) in ranks.iter().enumerate() {
+        all.push_str(&format!("\n-- rank {rank}:\n{}", stderr.text()));
+    }
+    all
 }

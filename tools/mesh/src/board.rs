@@ -81,6 +81,14 @@ impl State {
         self.cells[rank].is_some() && (me != 0 || self.rows[rank].is_some())
     }
 
+    /// Whether every rank but `me` has a handler.
+    fn claimed_all(&self, me: usize) -> bool {
+        self.claimed
+            .iter()
+            .enumerate()
+            .all(|(rank, claimed)| *claimed || rank == me)
+    }
+
     /// Whether rank `me` is done: rank 0 once it is done with every
     /// peer, the others once their row reached rank 0.
     fn finished(&self, me: usize) -> bool {
@@ -279,30 +287,49 @@ impl Board {
     /// higher ranks that have not connected within `connect_timeout`, or
     /// what `healthy` reports) this rank gives up: its handlers stop
     /// streaming and tell their peers, and this returns the failure in
-    /// words once they did (or after [`LAST_WORDS`]).
+    /// words once they did (or after [`LAST_WORDS`]). `connected` is
+    /// called once, when every peer has a session, with the time that
+    /// took.
     pub fn supervise(
         &self,
         connect_timeout: Duration,
         healthy: impl Fn() -> Result<(), String>,
+        connected: impl FnOnce(Duration),
     ) -> Result<(), String> {
-        let connect_by = Instant::now() + connect_timeout;
-        let higher = self.size - 1 - self.me;
+        let started = Instant::now();
+        let connect_by = started + connect_timeout;
+        let mut connected = Some(connected);
         let mut state = self.lock();
         let failure = loop {
+            if let Some(connected) = connected.take_if(|_| state.claimed_all(self.me)) {
+                connected(started.elapsed());
+            }
             if state.failure.is_none() && state.finished(self.me) {
                 return Ok(());
             }
-            let connected = state.claimed[self.me + 1..].iter().filter(|c| **c).count();
-            let late = (connected < higher && Instant::now() > connect_by).then(|| {
+            let missing: Vec<usize> = (self.me + 1..self.size)
+                .filter(|&rank| !state.claimed[rank])
+                .collect();
+            let late = (!missing.is_empty() && Instant::now() > connect_by).then(|| {
                 let rejected = match state.rejected.is_empty() {
                     true => String::new(),
                     false => format!(" (rejected: {})", state.rejected.join("; ")),
                 };
+                let names: Vec<String> = missing.iter().map(usize::to_string).collect();
+                let higher = self.size - 1 - self.me;
+                let rank_or_ranks = if missing.len() == 1 { "rank" } else { "ranks" };
                 let what = format!(
-                    "only {connected} of {higher} higher ranks connected within {}s{rejected}",
-                    connect_timeout.as_secs()
+                    "only {} of {higher} higher ranks connected within {}s, not {rank_or_ranks} {}{rejected}",
+                    higher - missing.len(),
+                    connect_timeout.as_secs(),
+                    names.join(", ")
                 );
-                (None, what)
+                // One rank missing is the one to blame; of several, none.
+                let culprit = match missing[..] {
+                    [rank] => Some(rank),
+                    _ => None,
+                };
+                (culprit, what)
             });
             let failure = state
                 .failure
@@ -374,7 +401,10 @@ mod tests {
         let row: Vec<Cell> = out.chunks_exact(CELL_BYTES).map(Cell::decode).collect();
         assert_eq!(row, vec![cell(10), Cell::default(), cell(12)]);
         board.row_delivered();
-        assert_eq!(board.supervise(Duration::from_secs(1), || Ok(())), Ok(()));
+        assert_eq!(
+            board.supervise(Duration::from_secs(1), || Ok(()), |_| {}),
+            Ok(())
+        );
         assert_eq!(board.abort_requested(), None);
     }
 
@@ -385,7 +415,10 @@ mod tests {
         board.post_cell(1, cell(1));
         assert!(!board.lock().finished(0));
         board.post_row(1, vec![cell(2)]);
-        assert_eq!(board.supervise(Duration::from_secs(1), || Ok(())), Ok(()));
+        assert_eq!(
+            board.supervise(Duration::from_secs(1), || Ok(()), |_| {}),
+            Ok(())
+        );
         assert_eq!(
             board.matrix(),
             vec![
@@ -418,7 +451,9 @@ mod tests {
             })
         };
         let started = Instant::now();
-        let outcome = board.supervise(Duration::from_secs(5), || Ok(()));
+        let mut connected = 0;
+        let outcome = board.supervise(Duration::from_secs(5), || Ok(()), |_| connected += 1);
+        assert_eq!(connected, 1, "told once that every peer connected");
         assert_eq!(outcome, Err("rank 0: rank 2 was lost: reset".to_string()));
         assert!(started.elapsed() >= LAST_WORDS);
         assert_eq!(teller.join().unwrap(), Some(Some(2)));
@@ -428,23 +463,43 @@ mod tests {
     fn the_first_failure_counts_and_missing_ranks_are_counted() {
         let board = Board::new(0, 2);
         board.reject("10.0.0.9:5: bad key".into());
-        let outcome = board.supervise(Duration::ZERO, || Ok(()));
+        let outcome = board.supervise(Duration::ZERO, || Ok(()), |_| {});
         assert_eq!(
             outcome,
-            Err("rank 0: only 0 of 1 higher ranks connected within 0s (rejected: 10.0.0.9:5: bad key)".into())
+            Err("rank 0: only 0 of 1 higher ranks connected within 0s, not rank 1 (rejected: 10.0.0.9:5: bad key)".into())
         );
-        assert_eq!(board.abort_requested(), Some(None));
+        assert_eq!(
+            board.abort_requested(),
+            Some(Some(1)),
+            "the one rank missing is blamed"
+        );
+        let board = Board::new(0, 4);
+        board.claim(2).unwrap();
+        let outcome = board.supervise(Duration::ZERO, || Ok(()), |_| panic!("not all connected"));
+        assert_eq!(
+            outcome,
+            Err("rank 0: only 1 of 3 higher ranks connected within 0s, not ranks 1, 3".into())
+        );
+        assert_eq!(
+            board.abort_requested(),
+            Some(None),
+            "of several missing, none is blamed"
+        );
         let board = Board::new(1, 2);
         board.fail(Some(0), "first".into());
         board.fail(None, "second".into());
         assert!(board.failed());
         assert_eq!(
-            board.supervise(Duration::from_secs(1), || Ok(())),
+            board.supervise(Duration::from_secs(1), || Ok(()), |_| {}),
             Err("rank 1: first".into())
         );
         assert_eq!(board.abort_requested(), Some(Some(0)));
         let board = Board::new(1, 2);
-        let outcome = board.supervise(Duration::from_secs(1), || Err("reactor 0 stopped".into()));
+        let outcome = board.supervise(
+            Duration::from_secs(1),
+            || Err("reactor 0 stopped".into()),
+            |_| {},
+        );
         assert_eq!(outcome, Err("rank 1: reactor 0 stopped".into()));
     }
 }

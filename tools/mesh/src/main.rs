@@ -108,12 +108,22 @@ fn run(args: &Args) -> Result<bool, String> {
     }
     setup::connect_lower(args, &world, &pd, &runtime, &board);
     let handle = runtime.handle();
-    let outcome = board.supervise(Duration::from_secs(args.connect_timeout), || {
-        match handle.stats().iter().find(|reactor| !reactor.running) {
-            Some(stopped) => Err(format!("reactor {} stopped", stopped.reactor)),
-            None => Ok(()),
-        }
-    });
+    let healthy = || match handle.stats().iter().find(|reactor| !reactor.running) {
+        Some(stopped) => Err(format!("reactor {} stopped", stopped.reactor)),
+        None => Ok(()),
+    };
+    // One line per rank: where a launch is slow to come up, it says which
+    // ranks are past their handshakes.
+    let connected = |took: Duration| {
+        say(&format!(
+            "mesh: rank {}: connected to its {} peers in {:.2} s",
+            world.rank,
+            world.size - 1,
+            took.as_secs_f64()
+        ))
+    };
+    let connect_timeout = Duration::from_secs(args.connect_timeout);
+    let outcome = board.supervise(connect_timeout, healthy, connected);
     runtime.stop();
     let stats = runtime.join();
     board.stop_waking();
