@@ -81,12 +81,31 @@ fn ping_pong(event_mode: EventMode, thread_mode: ThreadMode, size: usize, srq: b
             let cancel = watchdog(vec![server_stop.clone(), client_stop], RUN_DEADLINE);
             let server = spawn(server, 0);
             let client = spawn(client, 1);
-            client.join().expect("client reactor thread");
+            let client = client.join().expect("client reactor thread");
             server_stop.stop();
-            server.join().expect("server reactor thread");
+            let server = server.join().expect("server reactor thread");
             cancel.disarm();
             check("pinger", &ping, PING_ITERS);
             check("echoer", &echo, PING_ITERS);
+            if event_mode != EventMode::BusyPoll {
+                // Each side sleeps between round trips, and what it posts on
+                // waking is signaled: a round trip posts a ping and its
+                // answer, not also a credit update per side to signal out
+                // the tail before each sleep (twice the requests).
+                for (side, reactor) in [("server", &server), ("client", &client)] {
+                    let counters = reactor.counters();
+                    println!(
+                        "{event_mode:?} {side}: {} requests, {} completions, {} sleeps for {PING_ITERS} round trips",
+                        counters.requests, counters.completions, counters.sleeps
+                    );
+                    assert!(
+                        counters.requests <= PING_ITERS * 5 / 4 + 16,
+                        "{side}: {} requests for {PING_ITERS} round trips ({} sleeps)",
+                        counters.requests,
+                        counters.sleeps
+                    );
+                }
+            }
         }
     }
 }

@@ -104,8 +104,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // most have work: it is inline (a call's entry and exit were 5 %
         // of the reactor's instructions per READ).
         if (repost || tail || !conn.is_quiet())
-            && let Err(error) =
-                Self::flush_conn(conn, &mut self.srq, &mut self.counters, repost, tail)
+            && let Err(error) = Self::flush_conn(
+                conn,
+                &mut self.srq,
+                &mut self.counters,
+                repost,
+                tail,
+                self.after_quiet,
+            )
         {
             self.fail(ConnId(key), error);
             if let Some((_, conn)) = self.conns.get_by_index_quiet(index) {
@@ -143,6 +149,21 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
+    /// Signals the last request staged on `conn`, if it is not; with
+    /// nothing staged and `tail` (an unsignaled tail to signal out), stages
+    /// a signaled credit update. Off the busy path.
+    #[cold]
+    fn leave_no_tail(conn: &mut Conn, tail: bool) {
+        if !conn.has_unsignaled_tail() {
+            return;
+        }
+        if !conn.batch.is_empty() {
+            conn.signal_last_staged();
+        } else if tail {
+            conn.stage_tail_signal();
+        }
+    }
+
     /// A closed connection only owes the SRQ its consumed slots.
     #[cold]
     fn flush_closed(&mut self, index: u32, left: &mut Left) {
@@ -157,7 +178,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// Rings the doorbell of open connection `conn` and reposts its
-    /// receives (`repost`), signaling out an unsignaled tail first (`tail`).
+    /// receives (`repost`). With `tail` (its unsignaled tail is to be
+    /// signaled out) or `quiet` (traffic is sparse), the last request it
+    /// posts is signaled; with `tail` and nothing to post, a signaled
+    /// credit update goes out.
     #[inline]
     fn flush_conn(
         conn: &mut Conn,
@@ -165,10 +189,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         counters: &mut Counters,
         repost: bool,
         tail: bool,
+        quiet: bool,
     ) -> Result<()> {
         conn.prepare_flush();
-        if tail && conn.batch.is_empty() {
-            conn.stage_tail_signal();
+        if tail | quiet {
+            Self::leave_no_tail(conn, tail);
         }
         let staged = conn.batch.len() as u64;
         if staged > 0 {

@@ -187,6 +187,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let touched = if done == 0 {
             self.idle()
         } else {
+            self.after_quiet = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
             self.idle_passes = 0;
             false
         };
@@ -226,6 +227,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     fn idle(&mut self) -> bool {
         self.counters.empty_passes += 1;
         self.idle_passes = self.idle_passes.saturating_add(1);
+        if self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES {
+            self.after_quiet = true;
+        }
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         for (_, session) in self.sessions.iter_mut() {
             session.handler.on_idle(&mut ctx);
@@ -307,6 +311,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // unreported: signal it out first. Its completion (or, without a
         // credit, the peer's next credit update) then wakes us.
         self.flush(true, true);
+        // A reactor about to sleep is quiet: what it posts on its next
+        // completion is signaled (`after_quiet`), not left as a tail for
+        // the next arming to signal out with a credit update.
+        self.idle_passes = self.idle_passes.max(TAIL_SIGNAL_IDLE_PASSES);
+        self.after_quiet = true;
         for cq in &mut self.cqs {
             cq.req_notify(false)?;
         }

@@ -39,6 +39,8 @@ struct Seen {
     /// The session the handler asks to remove when told of an error (its
     /// own, as a server retiring a failed peer does).
     remove_on_error: Option<SessionId>,
+    /// Every message is answered with a copy, from `on_message`.
+    echo: bool,
 }
 
 #[derive(Debug, Default)]
@@ -48,9 +50,12 @@ impl Handler for Probe {
     fn on_established(&mut self, _: &mut Ctx<'_>, _: ConnId) {
         self.0.borrow_mut().established = true;
     }
-    fn on_message(&mut self, ctx: &mut Ctx<'_>, _: ConnId, data: &[u8], _: Option<u32>) {
+    fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], _: Option<u32>) {
         let mut seen = self.0.borrow_mut();
         seen.messages.push(data.to_vec());
+        if seen.echo {
+            ctx.send(conn, data, None).expect("room for the answer");
+        }
         if seen.hold {
             let held = ctx.hold().expect("in on_message");
             seen.held.push(held);
@@ -186,4 +191,5 @@ fn send(reactor: &mut Reactor<Probe, ()>, conn: ConnId, data: &[u8]) {
 
 mod direct;
 mod ring;
+mod sparse;
 mod srq;

@@ -1,0 +1,104 @@
+//! Tail signaling under sparse traffic: what goes out after a quiet
+//! spell is signaled as it is posted, so no credit update has to follow
+//! it to signal out a tail.
+
+use super::*;
+use crate::reactor::pass::TAIL_SIGNAL_IDLE_PASSES;
+
+/// Round trips in each test.
+const ROUND_TRIPS: usize = 20;
+
+/// Empty passes between requests: past the point where an idle reactor
+/// signals out unsignaled tails.
+const QUIET_PASSES: u32 = 2 * TAIL_SIGNAL_IDLE_PASSES;
+
+/// Sparse request/response, the requester sending from outside a pass
+/// (as a timer would) and the responder answering from `on_message`:
+/// each round trip posts its request and its answer and nothing else.
+/// Before, each side's last request stayed unsignaled until the idle
+/// reactor signaled it out with a credit update, which doubled what went
+/// on the wire and made the peer take a receive for nothing.
+#[test]
+fn sparse_round_trips_post_no_credit_updates_to_signal_their_tails() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (client, server) = add_pair(&mut reactor, &pd);
+    server.seen.borrow_mut().echo = true;
+    quiet(&mut reactor);
+    let before = reactor.counters();
+    for round in 0..ROUND_TRIPS {
+        send(&mut reactor, client.conn, &[round as u8; 8]);
+        run_until(&mut reactor, "the answer", |_| {
+            client.seen.borrow().messages.len() == round + 1
+        });
+        quiet(&mut reactor);
+    }
+    let after = reactor.counters();
+    let requests = after.requests - before.requests;
+    assert_eq!(
+        requests,
+        2 * ROUND_TRIPS as u64,
+        "a request and an answer per round trip, no tail signals"
+    );
+    let completions = after.completions - before.completions;
+    // Each message's receive, and the signaled send completion of each:
+    // every send completes, so no slot or SQ entry is held by a tail.
+    assert_eq!(completions, 4 * ROUND_TRIPS as u64);
+    for end in [&client, &server] {
+        let (sq_in_flight, _, _) = reactor.conn_stats(end.conn).expect("a live connection");
+        assert_eq!(
+            sq_in_flight, 0,
+            "a quiet connection holds no send-queue entry"
+        );
+    }
+}
+
+/// Busy traffic keeps selective signaling: a burst of messages answered
+/// back to back signals about one request in the signal interval, not
+/// each.
+#[test]
+fn a_burst_is_still_signaled_selectively() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (client, server) = add_pair(&mut reactor, &pd);
+    server.seen.borrow_mut().echo = true;
+    // Not quiet: the burst starts right after the handshake's passes.
+    let before = reactor.counters();
+    let burst = 64;
+    for i in 0..burst {
+        send(&mut reactor, client.conn, &[i as u8; 8]);
+        reactor.turn().expect("a reactor pass");
+    }
+    run_until(&mut reactor, "every answer", |_| {
+        client.seen.borrow().messages.len() == burst
+    });
+    let after = reactor.counters();
+    let completions = after.completions - before.completions;
+    // 2 * burst receives; a signaled send per signal interval (16) or so
+    // on each side, and the credit updates among them: far fewer than a
+    // completion per send.
+    assert!(
+        completions < 2 * burst as u64 + burst as u64 / 2,
+        "{completions} completions for {burst} round trips: sends were signaled one by one"
+    );
+}
+
+/// Runs empty passes until the reactor has been idle past the tail
+/// signaling point, failing if anything still completes then.
+#[track_caller]
+fn quiet(reactor: &mut Reactor<Probe, ()>) {
+    for _ in 0..QUIET_PASSES {
+        reactor.turn().expect("a reactor pass");
+    }
+    let before = reactor.counters();
+    reactor.turn().expect("a reactor pass");
+    assert_eq!(
+        reactor.counters().completions,
+        before.completions,
+        "still busy after {QUIET_PASSES} passes"
+    );
+}
