@@ -23,9 +23,7 @@ fn sparse_round_trips_post_no_credit_updates_to_signal_their_tails() {
     // SAFETY: every QP of the device is served from this thread.
     let ctx = unsafe { Context::loopback() };
     let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (client, server) = add_pair(&mut reactor, &pd);
-    server.seen.borrow_mut().echo = true;
+    let (mut reactor, client, server) = echoing_pair(&pd);
     quiet(&mut reactor);
     let before = reactor.counters();
     for round in 0..ROUND_TRIPS {
@@ -63,9 +61,7 @@ fn a_burst_is_still_signaled_selectively() {
     // SAFETY: every QP of the device is served from this thread.
     let ctx = unsafe { Context::loopback() };
     let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (client, server) = add_pair(&mut reactor, &pd);
-    server.seen.borrow_mut().echo = true;
+    let (mut reactor, client, _server) = echoing_pair(&pd);
     // Not quiet: the burst starts right after the handshake's passes.
     let before = reactor.counters();
     let burst = 64;
@@ -85,6 +81,15 @@ fn a_burst_is_still_signaled_selectively() {
         completions < 2 * burst as u64 + burst as u64 / 2,
         "{completions} completions for {burst} round trips: sends were signaled one by one"
     );
+}
+
+/// A reactor holding a connected pair: a client end, and a server end
+/// that answers each message with a copy.
+fn echoing_pair(pd: &ProtectionDomain) -> (Reactor<Probe, ()>, End, End) {
+    let mut reactor = reactor(pd);
+    let (client, server) = add_pair(&mut reactor, pd);
+    server.seen.borrow_mut().echo = true;
+    (reactor, client, server)
 }
 
 /// Runs empty passes until the reactor has been idle past the tail
