@@ -146,35 +146,38 @@ verbs_test! {
             let stderr = Stderr::collect(&mut child);
             (child, stderr)
         };
-        let mut ranks: Vec<_> = (0..3).map(spawn).collect();
+        let mut ranks = Ranks((0..3).map(spawn).collect());
         // Killed once every rank is past its handshakes (a fixed sleep is
         // not enough where tests run side by side on the guest's 2 vCPUs: a
         // rank killed before it connected is missed only after the
         // connect timeout).
         let started = Instant::now();
-        for (rank, (child, stderr)) in ranks.iter_mut().enumerate() {
-            let connected = format!("mesh: rank {rank}: connected to its 2 peers in ");
-            while !stderr.text().contains(&connected) {
-                if child.try_wait().unwrap().is_some() || started.elapsed() > Duration::from_secs(90) {
-                    kill_all(&mut ranks);
-                    panic!("rank {rank} did not connect: {}", stderr_of(&ranks));
+        for rank in 0..3 {
+            let connected = format!("mesh: rank {rank}: connected to its 2 peers ");
+            while !ranks.0[rank].1.text().contains(&connected) {
+                if started.elapsed() > Duration::from_secs(90) {
+                    panic!("rank {rank} did not connect: {}", ranks.end_all());
                 }
                 thread::sleep(Duration::from_millis(50));
             }
         }
-        ranks[2].0.kill().expect("kill -9 rank 2");
-        let _ = ranks[2].0.wait();
+        for rank in 0..3 {
+            if ranks.0[rank].0.try_wait().unwrap().is_some() {
+                panic!("rank {rank} ended before the kill: {}", ranks.end_all());
+            }
+        }
+        ranks.0[2].0.kill().expect("kill -9 rank 2");
+        let _ = ranks.0[2].0.wait();
         let killed = Instant::now();
         for rank in 0..2 {
-            while ranks[rank].0.try_wait().unwrap().is_none() {
+            while ranks.0[rank].0.try_wait().unwrap().is_none() {
                 if killed.elapsed() > Duration::from_secs(60) {
-                    kill_all(&mut ranks);
-                    panic!("rank {rank} hangs after losing a peer: {}", stderr_of(&ranks));
+                    panic!("rank {rank} hangs after losing a peer: {}", ranks.end_all());
                 }
                 thread::sleep(Duration::from_millis(50));
             }
-            let status = ranks[rank].0.wait().expect("wait");
-            let stderr = ranks[rank].1.finish();
+            let status = ranks.0[rank].0.wait().expect("wait");
+            let stderr = ranks.0[rank].1.finish();
             eprintln!("{stderr}");
             assert!(!status.success(), "rank {rank} exited 0 after losing rank 2");
             assert!(
@@ -226,19 +229,24 @@ impl Stderr {
     }
 }
 
-/// Kills every rank still running (a failed test leaves none behind).
-fn kill_all(ranks: &mut [(std::process::Child, Stderr)]) {
-    for (child, _) in ranks.iter_mut() {
-        let _ = child.kill();
-        let _ = child.wait();
+/// The ranks of a test, killed when it ends, however it ends.
+struct Ranks(Vec<(std::process::Child, Stderr)>);
+
+impl Ranks {
+    /// Kills every rank still running and returns what each printed.
+    fn end_all(&mut self) -> String {
+        let mut all = String::new();
+        for (rank, (child, stderr)) in self.0.iter_mut().enumerate() {
+            let _ = child.kill();
+            let _ = child.wait();
+            all.push_str(&format!("\n-- rank {rank}:\n{}", stderr.finish()));
+        }
+        all
     }
 }
 
-/// Every rank's stderr, for a failure message.
-fn stderr_of(ranks: &[(std::process::Child, Stderr)]) -> String {
-    let mut all = String::new();
-    for (rank, (_, stderr)) in ranks.iter().enumerate() {
-        all.push_str(&format!("\n-- rank {rank}:\n{}", stderr.text()));
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        self.end_all();
     }
-    all
 }

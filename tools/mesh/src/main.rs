@@ -38,7 +38,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 // The device and reactor flags every example shares, from the same file.
 #[path = "../../../examples/common/mod.rs"]
@@ -80,6 +80,7 @@ fn say(line: &str) {
 /// Runs this rank: true when every message arrived intact (on rank 0: on
 /// every rank).
 fn run(args: &Args) -> Result<bool, String> {
+    let launched = Instant::now();
     let world = setup::world(args)?;
     let reactors = usize::from(args.reactors);
     let device =
@@ -114,12 +115,12 @@ fn run(args: &Args) -> Result<bool, String> {
     };
     // One line per rank: where a launch is slow to come up, it says which
     // ranks are past their handshakes.
-    let connected = |took: Duration| {
+    let connected = || {
         say(&format!(
-            "mesh: rank {}: connected to its {} peers in {:.2} s",
+            "mesh: rank {}: connected to its {} peers {:.2} s after its start",
             world.rank,
             world.size - 1,
-            took.as_secs_f64()
+            launched.elapsed().as_secs_f64()
         ))
     };
     let connect_timeout = Duration::from_secs(args.connect_timeout);
