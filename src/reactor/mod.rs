@@ -174,16 +174,17 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     /// Connections of the reactor's own protocol (not direct): while there
     /// are none, a pass takes the lean path.
     protocol_conns: usize,
-    /// Empty passes since the last completion (arming the CQs to sleep
+    /// Empty passes since the last completion. Arming the CQs to sleep
     /// counts as [`TAIL_SIGNAL_IDLE_PASSES`](pass::TAIL_SIGNAL_IDLE_PASSES)
-    /// of them).
+    /// of them (so an empty pass after a wake without a completion does
+    /// the idle-time work at once; the arming's own flush left little).
     idle_passes: u32,
     /// The last pass with completions came after a quiet spell, or the
-    /// reactor is in one now: traffic is sparse, so each flush signals its
-    /// connections' last request
-    /// (a local completion) rather than leave a tail that the idle-time
-    /// flush would signal out with a credit update (a SEND the peer must
-    /// receive and answer with a receive of its own).
+    /// reactor is in one now: traffic is sparse, so each flush signals
+    /// its connections' last request (a local completion) rather than
+    /// leave a tail that the idle-time flush would signal out with a
+    /// credit update (a SEND the peer must receive, on a receive of its
+    /// own).
     after_quiet: bool,
     /// The last flush left work behind that any pass must do (or sessions
     /// changed since).
