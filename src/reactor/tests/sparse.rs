@@ -15,14 +15,15 @@ const QUIET_PASSES: u32 = 2 * TAIL_SIGNAL_IDLE_PASSES;
 /// Sparse request/response, the requester sending from outside a pass
 /// (as a timer would) and the responder answering from `on_message`:
 /// each round trip posts its request and its answer and nothing else.
-/// (Exact on the loopback device, which completes a request in the pass
-/// that posts it: the answer goes out in the pass that ends the quiet
-/// spell. On a NIC a send completion may land in a pass of its own,
-/// and an answer posted then is left as a tail; `tests/reactor.rs`
-/// bounds that case.)
 /// Before, each side's last request stayed unsignaled until the idle
 /// reactor signaled it out with a credit update, which doubled what went
 /// on the wire and made the peer take a receive for nothing.
+///
+/// The count is exact on the loopback device, which completes a request
+/// in the pass that posts it: the answer goes out in the pass that ends
+/// the quiet spell. On a NIC a send completion may land in a pass of its
+/// own, and an answer posted then is left as a tail; `tests/reactor.rs`
+/// bounds that case.
 #[test]
 fn sparse_round_trips_post_no_credit_updates_to_signal_their_tails() {
     // SAFETY: every QP of the device is served from this thread.
