@@ -8,9 +8,9 @@ mod util;
 
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
-use std::thread;
 use std::time::{Duration, Instant};
 
+use util::process::Proc;
 use util::*;
 
 fn mesh_tool() -> PathBuf {
@@ -135,118 +135,41 @@ verbs_test! {
     fn a_rank_killed_mid_stream_is_reported_by_the_others() {
         let base_port = free_port().saturating_sub(8).max(1024).to_string();
         let spawn = |rank: usize| {
-            let mut child = Command::new(workspace_binary("mesh"))
+            let mut command = Command::new(workspace_binary("mesh"));
+            command
                 .args(["--rank", &rank.to_string(), "--size", "3", "--hosts", "127.0.0.1"])
                 .args(["--base-port", &base_port, "--no-pin", "--event-mode", "blocking"])
-                .args(["--lat-iters", "50", "--duration", "120"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn mesh");
-            let stderr = Stderr::collect(&mut child);
-            (child, stderr)
+                .args(["--lat-iters", "50", "--duration", "120"]);
+            Proc::spawn_reading_stderr(command)
         };
-        let mut ranks = Ranks((0..3).map(spawn).collect());
-        // Killed once every rank is past its handshakes (a fixed sleep is
-        // not enough where tests run side by side on the guest's 2 vCPUs: a
-        // rank killed before it connected is missed only after the
-        // connect timeout).
+        // Killed (with the others, when the test ends however it ends) once
+        // every rank is past its handshakes: a fixed sleep is not enough
+        // where tests run side by side on the guest's 2 vCPUs, and a rank
+        // killed before it connected is missed only at the connect timeout.
+        let mut ranks: Vec<Proc> = (0..3).map(spawn).collect();
         let started = Instant::now();
-        for rank in 0..3 {
-            let connected = format!("mesh: rank {rank}: connected to its 2 peers ");
-            while !ranks.0[rank].1.text().contains(&connected) {
-                if started.elapsed() > Duration::from_secs(90) {
-                    panic!("rank {rank} did not connect: {}", ranks.end_all());
-                }
-                thread::sleep(Duration::from_millis(50));
-            }
+        for (rank, proc) in ranks.iter_mut().enumerate() {
+            // All three within 90 s.
+            proc.deadline = Duration::from_secs(90).saturating_sub(started.elapsed());
+            proc.expect_line(&format!("mesh: rank {rank}: connected to its 2 peers "));
         }
-        for rank in 0..3 {
-            if ranks.0[rank].0.try_wait().unwrap().is_some() {
-                panic!("rank {rank} ended before the kill: {}", ranks.end_all());
-            }
+        for (rank, proc) in ranks.iter_mut().enumerate() {
+            assert!(proc.child.try_wait().unwrap().is_none(), "rank {rank} ended before the kill");
         }
-        ranks.0[2].0.kill().expect("kill -9 rank 2");
-        let _ = ranks.0[2].0.wait();
+        let mut doomed = ranks.pop().expect("rank 2");
+        doomed.child.kill().expect("kill -9 rank 2");
+        let _ = doomed.child.wait();
         let killed = Instant::now();
-        for rank in 0..2 {
-            while ranks.0[rank].0.try_wait().unwrap().is_none() {
-                if killed.elapsed() > Duration::from_secs(60) {
-                    panic!("rank {rank} hangs after losing a peer: {}", ranks.end_all());
-                }
-                thread::sleep(Duration::from_millis(50));
-            }
-            let status = ranks.0[rank].0.wait().expect("wait");
-            let stderr = ranks.0[rank].1.finish();
-            eprintln!("{stderr}");
-            assert!(!status.success(), "rank {rank} exited 0 after losing rank 2");
+        for (rank, mut proc) in ranks.into_iter().enumerate() {
+            // Both within 60 s of the kill.
+            proc.deadline = Duration::from_secs(60).saturating_sub(killed.elapsed());
+            let (success, lines) = proc.finish();
+            eprintln!("{}", lines.join("\n"));
+            assert!(!success, "rank {rank} exited 0 after losing rank 2");
             assert!(
-                stderr.contains("rank 2"),
-                "rank {rank} did not name the lost rank: {stderr}"
+                lines.iter().any(|line| line.contains("rank 2")),
+                "rank {rank} did not name the lost rank: {lines:#?}"
             );
         }
-    }
-}
-
-/// A child's stderr, read as it comes by a thread of its own (a pipe
-/// nobody reads would stall the child once full).
-struct Stderr {
-    text: std::sync::Arc<std::sync::Mutex<String>>,
-    reader: Option<thread::JoinHandle<()>>,
-}
-
-impl Stderr {
-    fn collect(child: &mut std::process::Child) -> Self {
-        use std::io::Read;
-        let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-        let mut pipe = child.stderr.take().expect("stderr piped");
-        let sink = std::sync::Arc::clone(&text);
-        let reader = thread::spawn(move || {
-            let mut chunk = [0u8; 4096];
-            while let Ok(n @ 1..) = pipe.read(&mut chunk) {
-                sink.lock()
-                    .unwrap()
-                    .push_str(&String::from_utf8_lossy(&chunk[..n]));
-            }
-        });
-        Stderr {
-            text,
-            reader: Some(reader),
-        }
-    }
-
-    /// What arrived so far.
-    fn text(&self) -> String {
-        self.text.lock().unwrap().clone()
-    }
-
-    /// Everything, once the child has ended.
-    fn finish(&mut self) -> String {
-        if let Some(reader) = self.reader.take() {
-            let _ = reader.join();
-        }
-        self.text()
-    }
-}
-
-/// The ranks of a test, killed when it ends, however it ends.
-struct Ranks(Vec<(std::process::Child, Stderr)>);
-
-impl Ranks {
-    /// Kills every rank still running and returns what each printed.
-    fn end_all(&mut self) -> String {
-        let mut all = String::new();
-        for (rank, (child, stderr)) in self.0.iter_mut().enumerate() {
-            let _ = child.kill();
-            let _ = child.wait();
-            all.push_str(&format!("\n-- rank {rank}:\n{}", stderr.finish()));
-        }
-        all
-    }
-}
-
-impl Drop for Ranks {
-    fn drop(&mut self) {
-        self.end_all();
     }
 }

@@ -1,8 +1,8 @@
-//! An example program run as a child process, its stdout read line by line,
-//! for tests that drive servers and clients as separate processes.
+//! A program run as a child process, its stdout (or stderr) read line by
+//! line, for tests that drive servers and clients as separate processes.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::thread;
@@ -14,7 +14,8 @@ use super::example_binary;
 /// Generous: several processes share two emulated cores in the guest.
 pub const PROCESS_DEADLINE: Duration = Duration::from_secs(240);
 
-/// A child process whose stdout lines arrive on a channel. Killed on drop.
+/// A child process whose stdout (or stderr) lines arrive on a channel.
+/// Killed on drop.
 pub struct Proc {
     pub child: Child,
     lines: Receiver<String>,
@@ -35,9 +36,28 @@ impl Proc {
             .spawn()
             .unwrap_or_else(|err| panic!("spawn {example}: {err}"));
         let stdout = child.stdout.take().unwrap();
+        Self::reading(child, stdout)
+    }
+
+    /// Starts `command` for a program that reports on stderr: its stderr
+    /// lines are the ones read; stdout is discarded.
+    #[track_caller]
+    pub fn spawn_reading_stderr(mut command: Command) -> Self {
+        let mut child = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|err| panic!("spawn {command:?}: {err}"));
+        let stderr = child.stderr.take().unwrap();
+        Self::reading(child, stderr)
+    }
+
+    /// `child`, with the lines of `pipe` sent to the channel by a thread
+    /// of their own (a pipe nobody reads would stall the child once full).
+    fn reading(child: Child, pipe: impl Read + Send + 'static) -> Self {
         let (tx, lines) = mpsc::channel();
         thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
                 if tx.send(line).is_err() {
                     break;
                 }
@@ -104,7 +124,9 @@ impl Proc {
         }
     }
 
-    /// Waits for exit; returns success and all stdout.
+    /// Waits for exit; returns success and every line read. A process
+    /// that does not exit in time is killed, and the failure says where
+    /// its threads were.
     #[track_caller]
     pub fn finish(mut self) -> (bool, Vec<String>) {
         let start = Instant::now();
@@ -113,9 +135,11 @@ impl Proc {
                 break status;
             }
             if start.elapsed() > self.deadline {
+                let stuck = where_stuck(self.pid());
                 let _ = self.child.kill();
+                self.seen.extend(self.lines.try_iter());
                 panic!(
-                    "process did not exit within {:?}; saw {:#?}",
+                    "process did not exit within {:?}, here:\n{stuck}saw {:#?}",
                     self.deadline, self.seen
                 );
             }
