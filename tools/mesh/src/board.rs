@@ -309,27 +309,10 @@ impl Board {
             if state.failure.is_none() && state.finished(self.me) {
                 return Ok(());
             }
-            let missing: Vec<usize> = (self.me + 1..self.size)
-                .filter(|&rank| !state.claimed[rank])
-                .collect();
-            let late = (!missing.is_empty() && Instant::now() > connect_by).then(|| {
-                let rejected = match state.rejected.is_empty() {
-                    true => String::new(),
-                    false => format!(" (rejected: {})", state.rejected.join("; ")),
-                };
-                let names: Vec<String> = missing.iter().map(usize::to_string).collect();
-                let higher = self.size - 1 - self.me;
-                let rank_or_ranks = if missing.len() == 1 { "rank" } else { "ranks" };
-                let what = format!(
-                    "only {} of {higher} higher ranks connected within {}s, not {rank_or_ranks} {}{rejected}",
-                    higher - missing.len(),
-                    connect_timeout.as_secs(),
-                    names.join(", ")
-                );
-                // No rank is blamed: a rank may be missing because it is
-                // stuck connecting to another one.
-                (None, what)
-            });
+            let late = match Instant::now() > connect_by {
+                true => self.missing_higher(&state, connect_timeout),
+                false => None,
+            };
             let failure = state
                 .failure
                 .clone()
@@ -347,6 +330,33 @@ impl Board {
         drop(state);
         self.give_up(failure.0);
         Err(format!("rank {}: {}", self.me, failure.1))
+    }
+
+    /// The failure when higher ranks have not connected within
+    /// `connect_timeout`, naming them; `None` if every one has. No rank
+    /// is blamed: a rank may be missing because it is stuck connecting
+    /// to another one.
+    fn missing_higher(&self, state: &State, connect_timeout: Duration) -> Option<Failure> {
+        let missing: Vec<String> = (self.me + 1..self.size)
+            .filter(|&rank| !state.claimed[rank])
+            .map(|rank| rank.to_string())
+            .collect();
+        if missing.is_empty() {
+            return None;
+        }
+        let rejected = match state.rejected.is_empty() {
+            true => String::new(),
+            false => format!(" (rejected: {})", state.rejected.join("; ")),
+        };
+        let higher = self.size - 1 - self.me;
+        let rank_or_ranks = if missing.len() == 1 { "rank" } else { "ranks" };
+        let what = format!(
+            "only {} of {higher} higher ranks connected within {}s, not {rank_or_ranks} {}{rejected}",
+            higher - missing.len(),
+            connect_timeout.as_secs(),
+            missing.join(", ")
+        );
+        Some((None, what))
     }
 
     /// Has every handler tell its peer that this rank gives up over
