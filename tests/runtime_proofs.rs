@@ -404,7 +404,12 @@ fn idle_runtime(mode: EventMode) {
     let pd = ctx.alloc_pd().unwrap();
 
     // Before: a plain Blocking reactor with the default idle timeout and
-    // a peer watch, as the tools ran one, wakes on its timers.
+    // a peer watch, as the tools ran one, wakes on its timers. It is
+    // stopped only once its counter is closed: a thread that exits while
+    // its perf event is being disabled or closed is a kernel path this
+    // test has no business racing (CI once saw both vCPUs stuck in the
+    // guest kernel here, when a timer stopped it 1.5 s after its start).
+    let (stopper_tx, stopper_rx) = mpsc::channel();
     let plain = {
         let pd = pd.clone();
         std::thread::Builder::new()
@@ -416,18 +421,16 @@ fn idle_runtime(mode: EventMode) {
                 }
                 .watching_peers(Duration::from_millis(100));
                 let mut reactor: Reactor<Echo> = Reactor::new(&pd, config).unwrap();
-                let stopper = reactor.stopper();
-                std::thread::spawn(move || {
-                    std::thread::sleep(Duration::from_millis(1500));
-                    stopper.stop();
-                });
+                stopper_tx.send(reactor.stopper()).unwrap();
                 reactor.run().unwrap();
             })
             .unwrap()
     };
+    let stopper = stopper_rx.recv().unwrap();
     std::thread::sleep(Duration::from_millis(200));
     let plain_thread: Vec<_> = runtime_threads().into_iter().take(1).collect();
     let old = syscalls_of(&plain_thread, || std::thread::sleep(Duration::from_secs(1)));
+    stopper.stop();
     plain.join().unwrap();
     println!(
         "before: a plain Blocking reactor with the default idle timeout, idle for 1 s: {old:?} syscalls"
