@@ -11,15 +11,13 @@
 
 mod util;
 
-use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus};
 use std::sync::atomic::{AtomicU16, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use util::example_binary;
+use util::process::Proc;
 
 /// rxe0's address in the guest (tools/rxe-vm).
 const ADDR: &str = "10.77.0.1";
@@ -55,143 +53,22 @@ fn ours() -> PathBuf {
     example_binary("rping")
 }
 
-/// A child whose stdout and stderr lines are collected; killed on drop.
-struct Run {
-    name: String,
-    child: Child,
-    out: Arc<Mutex<Vec<String>>>,
-    err: Arc<Mutex<Vec<String>>>,
-    readers: Vec<thread::JoinHandle<()>>,
-}
-
-impl Run {
-    #[track_caller]
-    fn spawn(name: &str, program: PathBuf, args: &[String]) -> Self {
-        let mut child = Command::new(&program)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|err| panic!("spawn {}: {err}", program.display()));
-        let out = Arc::new(Mutex::new(Vec::new()));
-        let err = Arc::new(Mutex::new(Vec::new()));
-        let readers = vec![
-            collect(child.stdout.take().unwrap(), Arc::clone(&out)),
-            collect(child.stderr.take().unwrap(), Arc::clone(&err)),
-        ];
-        Run {
-            name: format!("{name} ({} {})", program.display(), args.join(" ")),
-            child,
-            out,
-            err,
-            readers,
-        }
-    }
-
-    fn count(&self, needle: &str) -> usize {
-        self.out
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|l| l.contains(needle))
-            .count()
-    }
-
-    /// Waits until `count` stdout lines contain `needle`.
-    #[track_caller]
-    fn wait_for_lines(&mut self, needle: &str, count: usize) {
-        let what = format!("printing {count} lines with {needle:?}");
-        self.wait_until(&what, |run| run.count(needle) >= count);
-    }
-
-    /// Polls `ready` until it holds, failing if the child exits first or
-    /// at the deadline.
-    #[track_caller]
-    fn wait_until(&mut self, what: &str, mut ready: impl FnMut(&Run) -> bool) {
-        let start = Instant::now();
-        while !ready(self) {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "{} exited ({status}) before {what}: {}",
-                    self.name,
-                    self.dump()
-                );
-            }
-            assert!(
-                start.elapsed() < DEADLINE,
-                "{}: not {what} within {DEADLINE:?}: {}",
-                self.name,
-                self.dump()
-            );
-            thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Waits for the exit; returns the status, stdout and stderr.
-    #[track_caller]
-    fn finish(mut self) -> (ExitStatus, Vec<String>, Vec<String>) {
-        let start = Instant::now();
-        let status = loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                break status;
-            }
-            if start.elapsed() > DEADLINE {
-                let _ = self.child.kill();
-                panic!(
-                    "{} did not exit within {DEADLINE:?} (a hang): {}",
-                    self.name,
-                    self.dump()
-                );
-            }
-            thread::sleep(Duration::from_millis(20));
-        };
-        for reader in self.readers.drain(..) {
-            reader.join().unwrap();
-        }
-        let out = std::mem::take(&mut *self.out.lock().unwrap());
-        let err = std::mem::take(&mut *self.err.lock().unwrap());
-        (status, out, err)
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-    }
-
-    fn dump(&self) -> String {
-        let out = self.out.lock().unwrap();
-        let tail = &out[out.len().saturating_sub(5)..];
-        format!(
-            "stdout tail {tail:#?}, stderr {:#?}",
-            self.err.lock().unwrap()
-        )
-    }
-}
-
-impl Drop for Run {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn collect(
-    pipe: impl Read + Send + 'static,
-    into: Arc<Mutex<Vec<String>>>,
-) -> thread::JoinHandle<()> {
-    thread::spawn(move || {
-        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-            into.lock().unwrap().push(line);
-        }
-    })
+/// `program` with `args`, its stdout lines waited for and its stderr kept.
+#[track_caller]
+fn spawn(program: PathBuf, args: &[String]) -> Proc {
+    let mut command = Command::new(program);
+    command.args(args);
+    let mut proc = Proc::spawn_reading_both(command);
+    proc.deadline = DEADLINE;
+    proc
 }
 
 /// Waits until an rdma_cm id listens on `port` (`rdma res show cm_id`):
 /// neither rping server says when it is ready.
 #[track_caller]
-fn wait_listening(server: &mut Run, port: u16) {
+fn wait_listening(server: &mut Proc, port: u16) {
     let wanted = format!("{ADDR}:{port}");
-    server.wait_until(&format!("listening on {wanted}"), |_| {
+    server.wait_until(&format!("listening on {wanted}"), || {
         let out = Command::new("rdma")
             .args(["-j", "res", "show", "cm_id"])
             .output()
@@ -262,15 +139,15 @@ fn assert_pings(who: &str, lines: &[String], prefix: &str, size: u32) {
 /// server must answer it (both rping and ours do).
 fn ping_pong(server_bin: PathBuf, client_bin: PathBuf, size: u32) {
     let port = port();
-    let mut server = Run::spawn("server", server_bin, &server_args(port, size));
+    let mut server = spawn(server_bin, &server_args(port, size));
     wait_listening(&mut server, port);
     let ours = client_bin == self::ours();
     let mut args = client_args(port, size, COUNT);
     if ours {
         args.push("-d".into());
     }
-    let client = Run::spawn("client", client_bin, &args);
-    let (status, out, err) = client.finish();
+    let client = spawn(client_bin, &args);
+    let (status, out, err) = client.finish_with_stderr();
     assert!(
         status.success(),
         "client failed at {size} B ({status}): {err:#?}"
@@ -284,7 +161,7 @@ fn ping_pong(server_bin: PathBuf, client_bin: PathBuf, size: u32) {
             &err[err.len().saturating_sub(5)..]
         );
     }
-    let (status, out, err) = server.finish();
+    let (status, out, err) = server.finish_with_stderr();
     assert!(
         status.success(),
         "server failed at {size} B ({status}): {err:#?}"
@@ -325,18 +202,18 @@ fn kill_mid_run(
     kill_server: bool,
 ) -> (ExitStatus, Vec<String>, String) {
     let port = port();
-    let mut server = Run::spawn("server", server_bin, &server_args(port, 4096));
+    let mut server = spawn(server_bin, &server_args(port, 4096));
     wait_listening(&mut server, port);
-    let client = Run::spawn("client", client_bin, &client_args(port, 4096, 0));
+    let client = spawn(client_bin, &client_args(port, 4096, 0));
     let (mut killed, survivor) = if kill_server {
         (server, client)
     } else {
         (client, server)
     };
     let mut survivor = survivor;
-    survivor.wait_for_lines("ping data: ", 20);
+    survivor.expect_lines("ping data: ", 20);
     killed.kill();
-    let (status, out, err) = survivor.finish();
+    let (status, out, err) = survivor.finish_with_stderr();
     let err = err.join("\n");
     assert!(out.len() >= 20, "only {} pings before the kill", out.len());
     assert!(
@@ -375,8 +252,8 @@ verbs_test! {
     /// No listener at the port: a typed reject naming the peer, at once.
     fn our_client_without_server_is_rejected() {
         let port = port();
-        let client = Run::spawn("our client", ours(), &client_args(port, 64, 1));
-        let (status, _, err) = client.finish();
+        let client = spawn(ours(), &client_args(port, 64, 1));
+        let (status, _, err) = client.finish_with_stderr();
         assert!(!status.success());
         let err = err.join("\n");
         assert!(

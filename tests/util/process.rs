@@ -1,11 +1,13 @@
 //! A program run as a child process, its stdout (or stderr) read line by
-//! line, for tests that drive servers and clients as separate processes.
+//! line (and, if asked, its stderr kept beside it), for tests that drive
+//! servers and clients as separate processes.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver};
-use std::thread;
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use super::example_binary;
@@ -21,8 +23,17 @@ pub struct Proc {
     lines: Receiver<String>,
     /// Every line read so far, in order.
     pub seen: Vec<String>,
+    /// The stderr lines of a process whose stdout is the one read
+    /// ([`spawn_reading_both`](Self::spawn_reading_both)), and their reader.
+    stderr: Option<Collected>,
     /// How long each wait may take before the test fails.
     pub deadline: Duration,
+}
+
+/// Lines a thread of their own collects from a pipe.
+struct Collected {
+    lines: Arc<Mutex<Vec<String>>>,
+    reader: JoinHandle<()>,
 }
 
 impl Proc {
@@ -52,6 +63,31 @@ impl Proc {
         Self::reading(child, stderr)
     }
 
+    /// Starts `command` (stdin closed) reading both pipes: its stdout lines
+    /// are the ones waited for, its stderr lines are kept for
+    /// [`finish_with_stderr`](Self::finish_with_stderr) and failure reports.
+    #[track_caller]
+    pub fn spawn_reading_both(mut command: Command) -> Self {
+        let mut child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|err| panic!("spawn {command:?}: {err}"));
+        let stdout = child.stdout.take().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let mut proc = Self::reading(child, stdout);
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let into = Arc::clone(&lines);
+        let reader = thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                into.lock().unwrap().push(line);
+            }
+        });
+        proc.stderr = Some(Collected { lines, reader });
+        proc
+    }
+
     /// `child`, with the lines of `pipe` sent to the channel by a thread
     /// of their own (a pipe nobody reads would stall the child once full).
     fn reading(child: Child, pipe: impl Read + Send + 'static) -> Self {
@@ -67,6 +103,7 @@ impl Proc {
             child,
             lines,
             seen: Vec::new(),
+            stderr: None,
             deadline: PROCESS_DEADLINE,
         }
     }
@@ -107,21 +144,51 @@ impl Proc {
         self.seen.iter().filter(|l| l.contains(needle)).count()
     }
 
-    /// Reads one more line into `seen`, failing the test at the deadline.
+    /// Polls `ready` until it holds, failing the test if the process exits
+    /// first or at the deadline. For a readiness the process does not print
+    /// (a listener that only the kernel's tables show, say).
+    #[track_caller]
+    pub fn wait_until(&mut self, what: &str, mut ready: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !ready() {
+            self.seen.extend(self.lines.try_iter());
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("exited ({status}) before {what}; {}", self.report());
+            }
+            assert!(
+                start.elapsed() < self.deadline,
+                "not {what} within {:?}; {}",
+                self.deadline,
+                self.report()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Reads one more line into `seen`, failing the test at the deadline
+    /// (or at once, if the process has closed its end).
     #[track_caller]
     fn next_line(&mut self, start: Instant, waiting_for: impl FnOnce() -> String) {
         let left = self.deadline.saturating_sub(start.elapsed());
         match self.lines.recv_timeout(left) {
             Ok(line) => self.seen.push(line),
-            Err(_) => {
-                let tail = &self.seen[self.seen.len().saturating_sub(40)..];
-                panic!(
-                    "{} within {:?}; the last lines: {tail:#?}",
-                    waiting_for(),
-                    self.deadline
-                )
-            }
+            Err(_) => panic!(
+                "{} within {:?}; {}",
+                waiting_for(),
+                self.deadline,
+                self.report()
+            ),
         }
+    }
+
+    /// The last lines read, and the stderr lines when they are kept.
+    fn report(&self) -> String {
+        let tail = &self.seen[self.seen.len().saturating_sub(40)..];
+        let mut report = format!("the last lines: {tail:#?}");
+        if let Some(stderr) = &self.stderr {
+            report += &format!(", stderr: {:#?}", stderr.lines.lock().unwrap());
+        }
+        report
     }
 
     /// Waits for exit; returns success and every line read. A process
@@ -129,6 +196,35 @@ impl Proc {
     /// its threads were.
     #[track_caller]
     pub fn finish(mut self) -> (bool, Vec<String>) {
+        let status = self.wait_for_exit();
+        (status.success(), std::mem::take(&mut self.seen))
+    }
+
+    /// [`finish`](Self::finish) for a process spawned with
+    /// [`spawn_reading_both`](Self::spawn_reading_both): its exit status,
+    /// every stdout line and every stderr line.
+    #[track_caller]
+    pub fn finish_with_stderr(mut self) -> (ExitStatus, Vec<String>, Vec<String>) {
+        let status = self.wait_for_exit();
+        let stderr = match self.stderr.take() {
+            Some(Collected { lines, reader }) => {
+                reader.join().unwrap();
+                std::mem::take(&mut *lines.lock().unwrap())
+            }
+            None => Vec::new(),
+        };
+        (status, std::mem::take(&mut self.seen), stderr)
+    }
+
+    /// Kills the process (a peer lost mid-run, say); the value stays to be
+    /// finished or dropped.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+    }
+
+    /// Waits for the exit and reads the rest of the lines into `seen`.
+    #[track_caller]
+    fn wait_for_exit(&mut self) -> ExitStatus {
         let start = Instant::now();
         let status = loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -139,14 +235,15 @@ impl Proc {
                 let _ = self.child.kill();
                 self.seen.extend(self.lines.try_iter());
                 panic!(
-                    "process did not exit within {:?}, here:\n{stuck}saw {:#?}",
-                    self.deadline, self.seen
+                    "process did not exit within {:?}, here:\n{stuck}{}",
+                    self.deadline,
+                    self.report()
                 );
             }
             thread::sleep(Duration::from_millis(20));
         };
         self.seen.extend(self.lines.iter());
-        (status.success(), std::mem::take(&mut self.seen))
+        status
     }
 }
 
