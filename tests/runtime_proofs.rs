@@ -366,6 +366,15 @@ fn syscalls_of(threads: &[(i32, String)], idle: impl FnOnce()) -> Vec<(String, u
 
 const IDLE: Duration = Duration::from_secs(2);
 
+/// Stops a reactor when dropped.
+struct StopOnDrop(Stopper);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
 /// Waits until the threads `measure` counts have finished what start-up or a
 /// handshake left them doing: until one short window passes without a
 /// syscall (at most 10 s, then the measurement that follows fails). Under TCG
@@ -426,11 +435,17 @@ fn idle_runtime(mode: EventMode) {
             })
             .unwrap()
     };
-    let stopper = stopper_rx.recv().unwrap();
+    let Ok(stopper) = stopper_rx.recv() else {
+        // It failed before it had a reactor: its panic says why.
+        std::panic::resume_unwind(plain.join().unwrap_err());
+    };
+    // Stopped however this part ends: a plain reactor left running after a
+    // failed measurement would be counted as the runtime's by the next test.
+    let stopper = StopOnDrop(stopper);
     std::thread::sleep(Duration::from_millis(200));
     let plain_thread: Vec<_> = runtime_threads().into_iter().take(1).collect();
     let old = syscalls_of(&plain_thread, || std::thread::sleep(Duration::from_secs(1)));
-    stopper.stop();
+    drop(stopper);
     plain.join().unwrap();
     println!(
         "before: a plain Blocking reactor with the default idle timeout, idle for 1 s: {old:?} syscalls"

@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc::{self, Receiver};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -28,6 +28,8 @@ pub struct Proc {
     stderr: Option<Collected>,
     /// How long each wait may take before the test fails.
     pub deadline: Duration,
+    /// The program and its arguments, for failure reports.
+    what: String,
 }
 
 /// Lines a thread of their own collects from a pipe.
@@ -47,7 +49,7 @@ impl Proc {
             .spawn()
             .unwrap_or_else(|err| panic!("spawn {example}: {err}"));
         let stdout = child.stdout.take().unwrap();
-        Self::reading(child, stdout)
+        Self::reading(child, stdout, format!("{example} {}", args.join(" ")))
     }
 
     /// Starts `command` for a program that reports on stderr: its stderr
@@ -60,7 +62,7 @@ impl Proc {
             .spawn()
             .unwrap_or_else(|err| panic!("spawn {command:?}: {err}"));
         let stderr = child.stderr.take().unwrap();
-        Self::reading(child, stderr)
+        Self::reading(child, stderr, format!("{command:?}"))
     }
 
     /// Starts `command` (stdin closed) reading both pipes: its stdout lines
@@ -76,7 +78,7 @@ impl Proc {
             .unwrap_or_else(|err| panic!("spawn {command:?}: {err}"));
         let stdout = child.stdout.take().unwrap();
         let stderr = child.stderr.take().unwrap();
-        let mut proc = Self::reading(child, stdout);
+        let mut proc = Self::reading(child, stdout, format!("{command:?}"));
         let lines = Arc::new(Mutex::new(Vec::new()));
         let into = Arc::clone(&lines);
         let reader = thread::spawn(move || {
@@ -90,7 +92,7 @@ impl Proc {
 
     /// `child`, with the lines of `pipe` sent to the channel by a thread
     /// of their own (a pipe nobody reads would stall the child once full).
-    fn reading(child: Child, pipe: impl Read + Send + 'static) -> Self {
+    fn reading(child: Child, pipe: impl Read + Send + 'static, what: String) -> Self {
         let (tx, lines) = mpsc::channel();
         thread::spawn(move || {
             for line in BufReader::new(pipe).lines().map_while(Result::ok) {
@@ -105,6 +107,7 @@ impl Proc {
             seen: Vec::new(),
             stderr: None,
             deadline: PROCESS_DEADLINE,
+            what,
         }
     }
 
@@ -165,26 +168,44 @@ impl Proc {
         }
     }
 
-    /// Reads one more line into `seen`, failing the test at the deadline
-    /// (or at once, if the process has closed its end).
+    /// Reads one more line into `seen`, failing the test at the deadline,
+    /// or once the process has closed its end and exited.
     #[track_caller]
     fn next_line(&mut self, start: Instant, waiting_for: impl FnOnce() -> String) {
         let left = self.deadline.saturating_sub(start.elapsed());
         match self.lines.recv_timeout(left) {
             Ok(line) => self.seen.push(line),
-            Err(_) => panic!(
+            Err(RecvTimeoutError::Timeout) => panic!(
                 "{} within {:?}; {}",
                 waiting_for(),
                 self.deadline,
                 self.report()
             ),
+            Err(RecvTimeoutError::Disconnected) => {
+                // It closed its output: it is exiting, or has.
+                let status = (0..250)
+                    .find_map(|_| {
+                        let status = self.child.try_wait().ok().flatten();
+                        if status.is_none() {
+                            thread::sleep(Duration::from_millis(20));
+                        }
+                        status
+                    })
+                    .map_or("not yet".to_string(), |status| status.to_string());
+                panic!(
+                    "{}: it closed its output (exit status: {status}); {}",
+                    waiting_for(),
+                    self.report()
+                )
+            }
         }
     }
 
-    /// The last lines read, and the stderr lines when they are kept.
+    /// What the process is, the last lines read, and the stderr lines when
+    /// they are kept.
     fn report(&self) -> String {
         let tail = &self.seen[self.seen.len().saturating_sub(40)..];
-        let mut report = format!("the last lines: {tail:#?}");
+        let mut report = format!("{}: the last lines: {tail:#?}", self.what);
         if let Some(stderr) = &self.stderr {
             report += &format!(", stderr: {:#?}", stderr.lines.lock().unwrap());
         }
