@@ -229,8 +229,21 @@ impl Proc {
         let status = self.wait_for_exit();
         let stderr = match self.stderr.take() {
             Some(Collected { lines, reader }) => {
-                reader.join().unwrap();
-                std::mem::take(&mut *lines.lock().unwrap())
+                // Bounded like the stdout drain in `wait_for_exit`: a child
+                // of its own may hold the pipe open after it exits.
+                let start = Instant::now();
+                while !reader.is_finished() && start.elapsed() < self.deadline {
+                    thread::sleep(Duration::from_millis(20));
+                }
+                let taken = std::mem::take(&mut *lines.lock().unwrap());
+                assert!(
+                    reader.is_finished(),
+                    "{}: its stderr stayed open for {:?} after it exited \
+                     (a process it started holds it); stderr so far: {taken:#?}",
+                    self.what,
+                    self.deadline
+                );
+                taken
             }
             None => Vec::new(),
         };
@@ -263,7 +276,23 @@ impl Proc {
             }
             thread::sleep(Duration::from_millis(20));
         };
-        self.seen.extend(self.lines.iter());
+        // The rest of its output, bounded: a process it started may hold
+        // the pipe open after it exits, and a drain without a deadline
+        // would hang the whole test run instead of failing this test.
+        let start = Instant::now();
+        loop {
+            let left = self.deadline.saturating_sub(start.elapsed());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.seen.push(line),
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => panic!(
+                    "its output stayed open for {:?} after it exited ({status}), \
+                     held by a process it started; {}",
+                    self.deadline,
+                    self.report()
+                ),
+            }
+        }
         status
     }
 }
