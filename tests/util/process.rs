@@ -21,6 +21,8 @@ pub const PROCESS_DEADLINE: Duration = Duration::from_secs(240);
 pub struct Proc {
     pub child: Child,
     lines: Receiver<String>,
+    /// The thread that reads them: finished once the pipe is closed.
+    reader: JoinHandle<()>,
     /// Every line read so far, in order.
     pub seen: Vec<String>,
     /// The stderr lines of a process whose stdout is the one read
@@ -94,7 +96,7 @@ impl Proc {
     /// of their own (a pipe nobody reads would stall the child once full).
     fn reading(child: Child, pipe: impl Read + Send + 'static, what: String) -> Self {
         let (tx, lines) = mpsc::channel();
-        thread::spawn(move || {
+        let reader = thread::spawn(move || {
             for line in BufReader::new(pipe).lines().map_while(Result::ok) {
                 if tx.send(line).is_err() {
                     break;
@@ -104,6 +106,7 @@ impl Proc {
         Proc {
             child,
             lines,
+            reader,
             seen: Vec::new(),
             stderr: None,
             deadline: PROCESS_DEADLINE,
@@ -227,24 +230,8 @@ impl Proc {
     #[track_caller]
     pub fn finish_with_stderr(mut self) -> (ExitStatus, Vec<String>, Vec<String>) {
         let status = self.wait_for_exit();
-        let stderr = match self.stderr.take() {
-            Some(Collected { lines, reader }) => {
-                // Bounded like the stdout drain in `wait_for_exit`: a child
-                // of its own may hold the pipe open after it exits.
-                let start = Instant::now();
-                while !reader.is_finished() && start.elapsed() < self.deadline {
-                    thread::sleep(Duration::from_millis(20));
-                }
-                let taken = std::mem::take(&mut *lines.lock().unwrap());
-                assert!(
-                    reader.is_finished(),
-                    "{}: its stderr stayed open for {:?} after it exited \
-                     (a process it started holds it); stderr so far: {taken:#?}",
-                    self.what,
-                    self.deadline
-                );
-                taken
-            }
+        let stderr = match &self.stderr {
+            Some(stderr) => std::mem::take(&mut *stderr.lines.lock().unwrap()),
             None => Vec::new(),
         };
         (status, std::mem::take(&mut self.seen), stderr)
@@ -276,24 +263,32 @@ impl Proc {
             }
             thread::sleep(Duration::from_millis(20));
         };
-        // The rest of its output, bounded: a process it started may hold
-        // the pipe open after it exits, and a drain without a deadline
-        // would hang the whole test run instead of failing this test.
+        // The rest of its output, once its pipes are closed, bounded: a
+        // process it started may hold them open after it exits, and a wait
+        // without a deadline would hang the whole test run instead of
+        // failing this test.
         let start = Instant::now();
-        loop {
-            let left = self.deadline.saturating_sub(start.elapsed());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => self.seen.push(line),
-                Err(RecvTimeoutError::Disconnected) => break,
-                Err(RecvTimeoutError::Timeout) => panic!(
-                    "its output stayed open for {:?} after it exited ({status}), \
-                     held by a process it started; {}",
-                    self.deadline,
-                    self.report()
-                ),
-            }
+        while !self.pipes_closed() && start.elapsed() < self.deadline {
+            thread::sleep(Duration::from_millis(20));
         }
+        self.seen.extend(self.lines.try_iter());
+        assert!(
+            self.pipes_closed(),
+            "its output stayed open for {:?} after it exited ({status}), \
+             held by a process it started; {}",
+            self.deadline,
+            self.report()
+        );
         status
+    }
+
+    /// Whether the readers of its pipes have seen them closed.
+    fn pipes_closed(&self) -> bool {
+        self.reader.is_finished()
+            && self
+                .stderr
+                .as_ref()
+                .is_none_or(|stderr| stderr.reader.is_finished())
     }
 }
 
