@@ -21,6 +21,19 @@
  * perftest's and quanta's RDTSC cannot be adjusted; only their latency
  * figures see the pauses, not their instruction counts.)
  *
+ * While messages flow, the program's clock also runs slower than the real
+ * one, by INSTR_COUNT_TIME_SCALE (default 1000; 1 for the real rate). Under
+ * callgrind in a TCG guest a message's work, pauses aside, takes about a
+ * millisecond; on a NIC a round trip takes about a microsecond. Work paced
+ * by the clock, such as a timer read about every 2 ms, would otherwise come
+ * about once per message, a thousand times as often as on the hardware the
+ * count stands for. The slowing covers the spells between one pause and the
+ * next, each for at most its first 10 ms of real time: before the first
+ * post (set-up) and after a spell's first 10 ms (a teardown that waits for
+ * 50 ms of quiet, say) the clock runs at the real rate, so such waits do not
+ * grow a thousandfold. Only the program's view of time changes: its sleeps
+ * and the pauses run in real time.
+ *
  * INSTR_COUNT_PAUSE_US sets the pause (default 5000 microseconds).
  */
 #define _GNU_SOURCE
@@ -37,8 +50,16 @@ typedef int (*wr_complete_fn)(struct ibv_qp_ex *);
 static post_send_fn original_post_send;
 static wr_complete_fn original_wr_complete;
 
-/* Nanoseconds paused so far (the programs counted post from one thread). */
+/* The clock as the program sees it, in nanoseconds taken away from the
+ * real one. All of them change only around a pause, on the thread that
+ * posts; other threads read them through their clock. */
+/* Every pause so far. */
 static long long paused_total_ns;
+/* What the slowing took from the finished spells between pauses. */
+static long long slowed_total_ns;
+/* The real CLOCK_MONOTONIC time the last pause ended, 0 before the first one
+ * and during a pause: the start of the spell the program is in. */
+static long long spell_start_ns;
 
 static int clock_gettime_real(clockid_t clock, struct timespec *ts)
 {
@@ -48,18 +69,71 @@ static int clock_gettime_real(clockid_t clock, struct timespec *ts)
 	return real(clock, ts);
 }
 
-/* The program's clock, less the pauses. */
+static long long real_monotonic_ns(void)
+{
+	struct timespec ts;
+	clock_gettime_real(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* INSTR_COUNT_TIME_SCALE, read once (1: the real rate). */
+static long long time_scale(void)
+{
+	static long long scale = -1;
+	if (scale < 0) {
+		const char *text = getenv("INSTR_COUNT_TIME_SCALE");
+		long long value = text ? atoll(text) : 1000;
+		scale = value > 0 ? value : 1;
+	}
+	return scale;
+}
+
+/* The longest real time of a spell that is slowed: a message's work under
+ * callgrind in the guest takes well under it, and a wait that outlasts it
+ * (a teardown's 50 ms drain, say) runs at the real rate from then on. */
+#define SLOWED_SPELL_NS 10000000LL
+
+/* What slowing takes from a spell of `spell_ns` real nanoseconds. */
+static long long slowed_ns(long long spell_ns)
+{
+	long long scale = time_scale();
+	if (spell_ns <= 0 || scale == 1)
+		return 0;
+	long long slowed = spell_ns < SLOWED_SPELL_NS ? spell_ns : SLOWED_SPELL_NS;
+	return slowed - slowed / scale;
+}
+
+/* The latest time each clock gave the program (ids up to CLOCK_BOOTTIME). */
+static long long last_read_ns[CLOCK_BOOTTIME + 1];
+
+/* The program's clock: less the pauses, and slowed while messages flow. */
 int clock_gettime(clockid_t clock, struct timespec *ts)
 {
 	int rc = clock_gettime_real(clock, ts);
 	/* Wall and monotonic clocks only: a CPU-time clock never saw the pauses. */
 	int paused = clock == CLOCK_MONOTONIC || clock == CLOCK_MONOTONIC_RAW || clock == CLOCK_MONOTONIC_COARSE ||
 		     clock == CLOCK_BOOTTIME || clock == CLOCK_REALTIME || clock == CLOCK_REALTIME_COARSE;
-	if (rc == 0 && paused && paused_total_ns > 0) {
-		long long ns = ts->tv_sec * 1000000000LL + ts->tv_nsec - paused_total_ns;
-		ts->tv_sec = ns / 1000000000LL;
-		ts->tv_nsec = ns % 1000000000LL;
-	}
+	if (rc != 0 || !paused)
+		return rc;
+	long long real = ts->tv_sec * 1000000000LL + ts->tv_nsec;
+	long long taken = __atomic_load_n(&paused_total_ns, __ATOMIC_RELAXED) +
+			  __atomic_load_n(&slowed_total_ns, __ATOMIC_RELAXED);
+	long long spell_start = __atomic_load_n(&spell_start_ns, __ATOMIC_RELAXED);
+	if (spell_start > 0)
+		taken += slowed_ns((clock == CLOCK_MONOTONIC ? real : real_monotonic_ns()) - spell_start);
+	if (taken == 0)
+		return rc;
+	long long ns = real - taken;
+	/* Never earlier than this clock last read: the pieces above are read
+	 * apart, and a slowed nanosecond is a thousand real ones. */
+	long long *last = &last_read_ns[clock];
+	long long seen = __atomic_load_n(last, __ATOMIC_RELAXED);
+	while (ns > seen && !__atomic_compare_exchange_n(last, &seen, ns, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+		;
+	if (ns < seen)
+		ns = seen;
+	ts->tv_sec = ns / 1000000000LL;
+	ts->tv_nsec = ns % 1000000000LL;
 	return rc;
 }
 
@@ -73,13 +147,18 @@ static void instr_count_pause(void)
 		long us = text ? atol(text) : 5000;
 		pause_ns = (us > 0 ? us : 5000) * 1000L;
 	}
-	struct timespec before, after;
-	clock_gettime_real(CLOCK_MONOTONIC, &before);
+	long long before = real_monotonic_ns();
+	/* The spell since the last pause ends here: what slowing took from it
+	 * stays taken. */
+	long long spell_start = __atomic_exchange_n(&spell_start_ns, 0, __ATOMIC_RELAXED);
+	if (spell_start > 0)
+		__atomic_fetch_add(&slowed_total_ns, slowed_ns(before - spell_start), __ATOMIC_RELAXED);
 	struct timespec left = { pause_ns / 1000000000L, pause_ns % 1000000000L };
 	while (nanosleep(&left, &left) != 0)
 		;
-	clock_gettime_real(CLOCK_MONOTONIC, &after);
-	paused_total_ns += (after.tv_sec - before.tv_sec) * 1000000000LL + (after.tv_nsec - before.tv_nsec);
+	long long after = real_monotonic_ns();
+	__atomic_fetch_add(&paused_total_ns, after - before, __ATOMIC_RELAXED);
+	__atomic_store_n(&spell_start_ns, after, __ATOMIC_RELAXED);
 	CALLGRIND_TOGGLE_COLLECT;
 }
 
