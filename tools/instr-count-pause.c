@@ -50,16 +50,55 @@ typedef int (*wr_complete_fn)(struct ibv_qp_ex *);
 static post_send_fn original_post_send;
 static wr_complete_fn original_wr_complete;
 
-/* The clock as the program sees it, in nanoseconds taken away from the
- * real one. All of them change only around a pause, on the thread that
- * posts; other threads read them through their clock. */
-/* Every pause so far. */
-static long long paused_total_ns;
-/* What the slowing took from the finished spells between pauses. */
-static long long slowed_total_ns;
-/* The real CLOCK_MONOTONIC time the last pause ended, 0 before the first one
- * and during a pause: the start of the spell the program is in. */
-static long long spell_start_ns;
+/* The clock as the program sees it: what is taken away from the real one.
+ * Only the thread that posts changes it (around a pause); other threads read
+ * it through their clock, so it is published under a sequence lock: odd
+ * while a change is under way, and a reader retries until it reads the
+ * same even number before and after. */
+struct clock_view {
+	/* Every finished pause. */
+	long long paused_total_ns;
+	/* What the slowing took from the finished spells between pauses. */
+	long long slowed_total_ns;
+	/* The real CLOCK_MONOTONIC time the last pause ended: the start of the
+	 * spell the program is in; 0 before the first pause and during one. */
+	long long spell_start_ns;
+	/* The real CLOCK_MONOTONIC time the pause under way began; 0 outside
+	 * one. A thread that reads its clock during a pause sees it stand
+	 * still, as the posting thread would. */
+	long long pause_start_ns;
+};
+static struct clock_view view;
+static unsigned long view_seq;
+
+static struct clock_view read_view(void)
+{
+	struct clock_view copy;
+	unsigned long before, after;
+	do {
+		before = __atomic_load_n(&view_seq, __ATOMIC_ACQUIRE);
+		copy.paused_total_ns = __atomic_load_n(&view.paused_total_ns, __ATOMIC_RELAXED);
+		copy.slowed_total_ns = __atomic_load_n(&view.slowed_total_ns, __ATOMIC_RELAXED);
+		copy.spell_start_ns = __atomic_load_n(&view.spell_start_ns, __ATOMIC_RELAXED);
+		copy.pause_start_ns = __atomic_load_n(&view.pause_start_ns, __ATOMIC_RELAXED);
+		__atomic_thread_fence(__ATOMIC_ACQUIRE);
+		after = __atomic_load_n(&view_seq, __ATOMIC_RELAXED);
+	} while ((before & 1) || before != after);
+	return copy;
+}
+
+/* The one writer: `change` is the view as it is to be. */
+static void publish_view(const struct clock_view *change)
+{
+	unsigned long seq = __atomic_load_n(&view_seq, __ATOMIC_RELAXED);
+	__atomic_store_n(&view_seq, seq + 1, __ATOMIC_RELAXED);
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+	__atomic_store_n(&view.paused_total_ns, change->paused_total_ns, __ATOMIC_RELAXED);
+	__atomic_store_n(&view.slowed_total_ns, change->slowed_total_ns, __ATOMIC_RELAXED);
+	__atomic_store_n(&view.spell_start_ns, change->spell_start_ns, __ATOMIC_RELAXED);
+	__atomic_store_n(&view.pause_start_ns, change->pause_start_ns, __ATOMIC_RELAXED);
+	__atomic_store_n(&view_seq, seq + 2, __ATOMIC_RELEASE);
+}
 
 static int clock_gettime_real(clockid_t clock, struct timespec *ts)
 {
@@ -76,16 +115,19 @@ static long long real_monotonic_ns(void)
 	return ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* INSTR_COUNT_TIME_SCALE, read once (1: the real rate). */
+/* INSTR_COUNT_TIME_SCALE, read once (1: the real rate). Threads that race
+ * to read it first compute the same value. */
 static long long time_scale(void)
 {
 	static long long scale = -1;
-	if (scale < 0) {
+	long long known = __atomic_load_n(&scale, __ATOMIC_RELAXED);
+	if (known < 0) {
 		const char *text = getenv("INSTR_COUNT_TIME_SCALE");
 		long long value = text ? atoll(text) : 1000;
-		scale = value > 0 ? value : 1;
+		known = value > 0 ? value : 1;
+		__atomic_store_n(&scale, known, __ATOMIC_RELAXED);
 	}
-	return scale;
+	return known;
 }
 
 /* The longest real time of a spell that is slowed: a message's work under
@@ -116,16 +158,23 @@ int clock_gettime(clockid_t clock, struct timespec *ts)
 	if (rc != 0 || !paused)
 		return rc;
 	long long real = ts->tv_sec * 1000000000LL + ts->tv_nsec;
-	long long taken = __atomic_load_n(&paused_total_ns, __ATOMIC_RELAXED) +
-			  __atomic_load_n(&slowed_total_ns, __ATOMIC_RELAXED);
-	long long spell_start = __atomic_load_n(&spell_start_ns, __ATOMIC_RELAXED);
-	if (spell_start > 0)
-		taken += slowed_ns((clock == CLOCK_MONOTONIC ? real : real_monotonic_ns()) - spell_start);
+	struct clock_view now = read_view();
+	long long taken = now.paused_total_ns + now.slowed_total_ns;
+	if (now.pause_start_ns > 0 || now.spell_start_ns > 0) {
+		long long monotonic = clock == CLOCK_MONOTONIC ? real : real_monotonic_ns();
+		if (now.pause_start_ns > 0) {
+			/* Still at the pause's start, for as long as it lasts. */
+			long long into_pause = monotonic - now.pause_start_ns;
+			taken += into_pause > 0 ? into_pause : 0;
+		} else {
+			taken += slowed_ns(monotonic - now.spell_start_ns);
+		}
+	}
 	if (taken == 0)
 		return rc;
 	long long ns = real - taken;
-	/* Never earlier than this clock last read: the pieces above are read
-	 * apart, and a slowed nanosecond is a thousand real ones. */
+	/* Never earlier than this clock last read: the real clocks are read
+	 * apart from the view, and a slowed nanosecond is a thousand real ones. */
 	long long *last = &last_read_ns[clock];
 	long long seen = __atomic_load_n(last, __ATOMIC_RELAXED);
 	while (ns > seen && !__atomic_compare_exchange_n(last, &seen, ns, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
@@ -147,18 +196,24 @@ static void instr_count_pause(void)
 		long us = text ? atol(text) : 5000;
 		pause_ns = (us > 0 ? us : 5000) * 1000L;
 	}
+	/* Only this thread changes the view: its plain copy is current. */
+	struct clock_view change = view;
 	long long before = real_monotonic_ns();
 	/* The spell since the last pause ends here: what slowing took from it
-	 * stays taken. */
-	long long spell_start = __atomic_exchange_n(&spell_start_ns, 0, __ATOMIC_RELAXED);
-	if (spell_start > 0)
-		__atomic_fetch_add(&slowed_total_ns, slowed_ns(before - spell_start), __ATOMIC_RELAXED);
+	 * stays taken, and the clock stands still until the pause ends. */
+	if (change.spell_start_ns > 0)
+		change.slowed_total_ns += slowed_ns(before - change.spell_start_ns);
+	change.spell_start_ns = 0;
+	change.pause_start_ns = before;
+	publish_view(&change);
 	struct timespec left = { pause_ns / 1000000000L, pause_ns % 1000000000L };
 	while (nanosleep(&left, &left) != 0)
 		;
 	long long after = real_monotonic_ns();
-	__atomic_fetch_add(&paused_total_ns, after - before, __ATOMIC_RELAXED);
-	__atomic_store_n(&spell_start_ns, after, __ATOMIC_RELAXED);
+	change.paused_total_ns += after - before;
+	change.pause_start_ns = 0;
+	change.spell_start_ns = after;
+	publish_view(&change);
 	CALLGRIND_TOGGLE_COLLECT;
 }
 
