@@ -307,11 +307,12 @@ fn peak_rate(marks: &[(u64, u64)], bytes: f64, nanos: impl Fn(u64, u64) -> u64) 
     // For each start, the first mark at least `min_stretch_ns` later (two
     // pointers: both only move forward).
     let mut stop = 0;
-    for (begin, &(done_at_begin, t_begin)) in marks.iter().enumerate() {
+    'starts: for (begin, &(done_at_begin, t_begin)) in marks.iter().enumerate() {
         stop = stop.max(begin + 1);
         let (done_at_stop, stretch_ns) = loop {
             let Some(&(done_at_stop, t_stop)) = marks.get(stop) else {
-                return best_done as f64 * bytes / (best_ns as f64 / 1e9);
+                // No later start has a long enough stretch either.
+                break 'starts;
             };
             let stretch_ns = nanos(t_begin, t_stop);
             if stretch_ns >= min_stretch_ns {
