@@ -311,7 +311,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     pub(super) fn release_forwarded(&mut self, released: Vec<(ConnId, u32, bool)>) {
         for (origin, slot, from_srq) in released {
-            return_forwarded(&mut self.conns, &mut self.srq, origin, slot, from_srq);
+            self.unsettled |=
+                return_forwarded(&mut self.conns, &mut self.srq, origin, slot, from_srq);
         }
     }
 }
@@ -322,17 +323,25 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 /// so a pass can call it while a handler's `Ctx` borrows the connections.
 /// Always inlined: on a forward's completion it is the data path, and a
 /// plain `#[inline]` left it out there (+17 Ir per SEND round trip).
+/// Returns true if the slot went to the SRQ pool's batch, which the next
+/// flush posts: the caller makes sure one comes. (A slot given back to its
+/// connection lists the connection for the flush.)
 #[inline(always)]
+#[must_use]
 pub(super) fn return_forwarded(
     conns: &mut Slab<Conn>,
     srq: &mut Option<SrqPool>,
     origin: ConnId,
     slot: u32,
     from_srq: bool,
-) {
+) -> bool {
     if let Some(origin) = conns.get_mut(origin.key()) {
         origin.queue_repost(slot);
+        false
     } else if from_srq && let Some(pool) = srq {
         pool.give_back_noting(slot);
+        true
+    } else {
+        false
     }
 }

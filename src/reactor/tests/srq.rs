@@ -526,3 +526,43 @@ fn receives_a_removal_hands_back_go_out_in_the_same_pass() {
         "every slot posted by the pass of the removal: {account:?}"
     );
 }
+
+/// The forwards of a removed origin's SRQ messages complete after it is
+/// gone: their slots go back to the SRQ posted by the very pass that
+/// retires them, never left in the pool's batch at the end of a pass.
+/// (Here the sink's receives, polled in the same pass, list the sink for
+/// that pass's flush anyway; the retire asks for the flush itself too, for
+/// a relay whose peer is elsewhere: see `dispatch`.)
+#[test]
+fn forwarded_slots_of_a_removed_origin_are_posted_by_the_pass_that_retires_them() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    let (relay, sink) = add_pair(&mut reactor, &pd);
+    let (held, forwarded) = hold_six_forward_two(&mut reactor, &origin, &source, &relay);
+    reactor.remove(origin.session).expect("origin's session");
+    reactor.with_ctx(|ctx| {
+        for message in held {
+            if let Err((err, _)) = ctx.release(message) {
+                panic!("releasing: {err}");
+            }
+        }
+    });
+    for _ in 0..MAX_PASSES {
+        reactor.turn().expect("a reactor pass");
+        let account = srq_account(&reactor);
+        for slot in &forwarded {
+            assert!(
+                !account.queued.contains(slot),
+                "forwarded slot {slot} left in the pool's batch by the pass that retired it: {account:?}"
+            );
+        }
+        if forwarded.iter().all(|slot| account.posted.contains(slot)) {
+            assert_eq!(sink.seen.borrow().messages, [vec![1; 8], vec![2; 8]]);
+            return;
+        }
+    }
+    panic!("the forwarded slots never came back");
+}
