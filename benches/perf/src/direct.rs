@@ -221,7 +221,7 @@ impl DirectClient {
             samples: Vec::with_capacity(samples),
             posted: 0,
             retired: 0,
-            marks: RateMarks::new(if bandwidth { spec.iters } else { 0 }, clock),
+            marks: RateMarks::new(if bandwidth { spec.iters } else { 0 }, 1, clock),
             depth: 0,
             failed: None,
         }
