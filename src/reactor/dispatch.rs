@@ -10,6 +10,8 @@ use super::conn::{
     Arrival, Conn, OpKind, WrKind, decode_direct, decode_wr_id, is_direct, same_generation,
 };
 use super::slab::Key;
+#[cfg(debug_assertions)]
+use super::slab::TOUCHED;
 use super::srq_pool::SrqPool;
 use super::{Ctx, Handler, PeerLink, Reactor};
 
@@ -287,6 +289,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                         }
                         OpKind::Credit => {}
                     }
+                }
+                // Not listed for the flush by the retire (see `ours`
+                // above): then the flush has nothing to do for it.
+                #[cfg(debug_assertions)]
+                if let Some(conn) = ctx.conns.get(key) {
+                    debug_assert!(
+                        ctx.conns.is_listed(TOUCHED, key.index)
+                            || conn.is_closed()
+                            || (conn.is_quiet() && !conn.reposts_due()),
+                        "a retire left connection {} work for a flush it does not ask for",
+                        conn.qpn
+                    );
                 }
             }
         }

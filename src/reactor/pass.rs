@@ -215,9 +215,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.conns.release_quarantine(settled);
         }
         // What the dispatch changed is on the touched list (a connection of
-        // the reactor's protocol lists itself with its completion), in
-        // `unsettled` or in the SRQ returns; a direct connection's
-        // completions leave the flush nothing to do.
+        // the reactor's protocol lists itself with a receive's completion,
+        // and with what its handler stages), in `unsettled` or in the SRQ
+        // returns; a retired send and a direct connection's completions
+        // leave the flush nothing to do.
         let touched = touched || !self.deferred.srq_returns.is_empty();
         // Unsignaled requests left at the tail of a burst would never report
         // completion; after a while with nothing to do, signal them out.

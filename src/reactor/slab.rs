@@ -76,11 +76,23 @@ impl<T> Slab<T> {
     /// except [`get_by_index_quiet`](Self::get_by_index_quiet), whose
     /// caller lists what it leaves unfinished, and
     /// [`get_mut_quiet`](Self::get_mut_quiet) and
-    /// [`get_by_index_if`](Self::get_by_index_if) told not to, for records
-    /// whose changes leave the flush nothing to do (direct connections).
+    /// [`get_by_index_if`](Self::get_by_index_if) told not to, for changes
+    /// that leave the flush nothing to do: a direct connection's, and a
+    /// retired send's (the dispatch checks this in debug builds).
     pub(crate) fn tracking(mut self) -> Self {
         self.tracking = true;
         self
+    }
+
+    /// Whether entry `index` is on list `list` (always, when the slab does
+    /// not track): for the checks of debug builds.
+    #[cfg(debug_assertions)]
+    pub(crate) fn is_listed(&self, list: usize, index: u32) -> bool {
+        !self.tracking
+            || self
+                .entries
+                .get(index as usize)
+                .is_some_and(|entry| entry.listed[list])
     }
 
     /// Lists entry `index` as touched (once).

@@ -527,42 +527,106 @@ fn receives_a_removal_hands_back_go_out_in_the_same_pass() {
     );
 }
 
-/// The forwards of a removed origin's SRQ messages complete after it is
-/// gone: their slots go back to the SRQ posted by the very pass that
-/// retires them, never left in the pool's batch at the end of a pass.
-/// (Here the sink's receives, polled in the same pass, list the sink for
-/// that pass's flush anyway; the retire asks for the flush itself too, for
-/// a relay whose peer is elsewhere: see `dispatch`.)
+/// A pair of sessions of one connection each, one on each of two reactors,
+/// connected to each other and established.
+fn add_pair_across(
+    reactor: &mut Reactor<Probe, ()>,
+    other: &mut Reactor<Probe, ()>,
+    pd: &ProtectionDomain,
+) -> (End, End) {
+    let qp = |reactor: &mut Reactor<Probe, ()>, name: &str| {
+        let spec = reactor.qp_spec(name);
+        let CqChoice::Shared(cq) = spec.cq else {
+            panic!("qp_spec did not share the reactor's CQ");
+        };
+        match &spec.srq {
+            Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
+            None => pd.create_qp(&cq, &cq, &spec.qp),
+        }
+        .expect("a loopback QP")
+    };
+    let (mut here, mut there) = (qp(reactor, "here"), qp(other, "there"));
+    let (to_here, to_there) = (here.endpoint(), there.endpoint());
+    here.connect(&to_there).expect("connect");
+    there.connect(&to_here).expect("connect");
+    let add = |reactor: &mut Reactor<Probe, ()>, qp: QueuePair| {
+        let seen = Rc::new(RefCell::new(Seen::default()));
+        let session: SessionId = reactor.add(vec![qp], Probe(Rc::clone(&seen))).expect("add");
+        let conn = reactor.conns(session).next().expect("one connection");
+        End {
+            session,
+            conn,
+            seen,
+        }
+    };
+    let (here, there) = (add(reactor, here), add(other, there));
+    for _ in 0..MAX_PASSES {
+        if here.seen.borrow().established && there.seen.borrow().established {
+            return (here, there);
+        }
+        reactor.turn().expect("a reactor pass");
+        other.turn().expect("a pass of the other reactor");
+    }
+    panic!("the pair across two reactors never established");
+}
+
+/// Forwards of an SRQ connection's messages complete after the connection
+/// is gone: the pass that retires them gives their slots back to the SRQ
+/// and posts them itself. A retire lists no connection for the flush, and
+/// here nothing else asks for one: the sink is on another reactor, the
+/// removals have settled, and the forwards are signaled, so their one
+/// completion is all that pass polls.
 #[test]
 fn forwarded_slots_of_a_removed_origin_are_posted_by_the_pass_that_retires_them() {
     // SAFETY: every QP of the device is served from this thread.
     let ctx = unsafe { Context::loopback() };
     let pd = ctx.alloc_pd().expect("a PD");
     let mut reactor = srq_reactor(&pd);
+    let mut other = super::reactor(&pd);
     let (origin, source) = add_pair(&mut reactor, &pd);
-    let (relay, sink) = add_pair(&mut reactor, &pd);
-    let (held, forwarded) = hold_six_forward_two(&mut reactor, &origin, &source, &relay);
-    reactor.remove(origin.session).expect("origin's session");
+    let (relay, sink) = add_pair_across(&mut reactor, &mut other, &pd);
+    run_until_srq_whole(&mut reactor, "settled");
+
+    origin.seen.borrow_mut().hold = true;
+    send(&mut reactor, source.conn, &[1; 8]);
+    send(&mut reactor, source.conn, &[2; 8]);
+    run_until(&mut reactor, "two messages held", |_| {
+        origin.seen.borrow().held.len() == 2
+    });
+    let held = std::mem::take(&mut origin.seen.borrow_mut().held);
+    let forwarded: Vec<u32> = held.iter().map(HeldRecv::slot).collect();
     reactor.with_ctx(|ctx| {
         for message in held {
-            if let Err((err, _)) = ctx.release(message) {
-                panic!("releasing: {err}");
+            if let Err((err, _)) = ctx.forward(relay.conn, message, None) {
+                panic!("forwarding: {err}");
             }
         }
+        ctx.signal_staged(relay.conn);
     });
-    for _ in 0..MAX_PASSES {
-        reactor.turn().expect("a reactor pass");
-        let account = srq_account(&reactor);
-        for slot in &forwarded {
-            assert!(
-                !account.queued.contains(slot),
-                "forwarded slot {slot} left in the pool's batch by the pass that retired it: {account:?}"
-            );
-        }
-        if forwarded.iter().all(|slot| account.posted.contains(slot)) {
-            assert_eq!(sink.seen.borrow().messages, [vec![1; 8], vec![2; 8]]);
-            return;
-        }
+    // Staged, not yet posted: the next pass's flush posts them, after the
+    // removals below have asked for that flush.
+    reactor.remove(origin.session).expect("origin's session");
+    reactor.remove(source.session).expect("source's session");
+    reactor.turn().expect("the pass that posts the forwards");
+    let account = srq_account(&reactor);
+    for slot in &forwarded {
+        assert!(!account.has(*slot), "slot {slot} back while in flight");
     }
-    panic!("the forwarded slots never came back");
+    let (sq_used, _, _) = reactor.conn_stats(relay.conn).expect("relay");
+    assert!(sq_used >= 2, "the forwards are in flight ({sq_used})");
+
+    reactor.turn().expect("the pass that retires the forwards");
+    let (sq_used, _, _) = reactor.conn_stats(relay.conn).expect("relay");
+    assert_eq!(sq_used, 0, "this pass retired the forwards");
+    let account = srq_account(&reactor);
+    for slot in &forwarded {
+        assert!(
+            account.posted.contains(slot),
+            "forwarded slot {slot} not posted by the pass that retired it: {account:?}"
+        );
+    }
+    run_until(&mut other, "the sink has both", |_| {
+        sink.seen.borrow().messages.len() == 2
+    });
+    assert_eq!(sink.seen.borrow().messages, [vec![1; 8], vec![2; 8]]);
 }
