@@ -311,8 +311,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     pub(super) fn release_forwarded(&mut self, released: Vec<(ConnId, u32, bool)>) {
         for (origin, slot, from_srq) in released {
-            self.unsettled |=
-                return_forwarded(&mut self.conns, &mut self.srq, origin, slot, from_srq);
+            self.unsettled |= return_forwarded(
+                &mut self.conns,
+                &mut self.srq,
+                &mut self.reposts_left,
+                origin,
+                slot,
+                from_srq,
+            );
         }
     }
 }
@@ -323,20 +329,33 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 /// so a pass can call it while a handler's `Ctx` borrows the connections.
 /// Always inlined: on a forward's completion it is the data path, and a
 /// plain `#[inline]` left it out there (+17 Ir per SEND round trip).
+///
+/// The connection is listed for the flush only if the slot completes a
+/// repost batch (or the connection is closed: the flush hands its SRQ
+/// slots back); fewer wait for the idle-time flush, parked, and
+/// `reposts_left` says so. That is what a flush's visit would have done
+/// with them, without the visit.
 /// Returns true if the slot went to the SRQ pool's batch, which the next
-/// flush posts: the caller makes sure one comes. (A slot given back to its
-/// connection lists the connection for the flush.)
+/// flush posts: the caller makes sure one comes.
 #[inline(always)]
 #[must_use]
 pub(super) fn return_forwarded(
     conns: &mut Slab<Conn>,
     srq: &mut Option<SrqPool>,
+    reposts_left: &mut bool,
     origin: ConnId,
     slot: u32,
     from_srq: bool,
 ) -> bool {
-    if let Some(origin) = conns.get_mut(origin.key()) {
+    let key = origin.key();
+    if let Some(origin) = conns.get_mut_quiet(key) {
         origin.queue_repost(slot);
+        if origin.reposts_due() || origin.is_closed() {
+            conns.touch(key.index);
+        } else if origin.has_pending_reposts() {
+            conns.park(key.index);
+            *reposts_left = true;
+        }
         false
     } else if from_srq && let Some(pool) = srq {
         pool.give_back_noting(slot);

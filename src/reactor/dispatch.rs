@@ -280,6 +280,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                                 self.unsettled |= return_forwarded(
                                     ctx.conns,
                                     &mut self.srq,
+                                    &mut self.reposts_left,
                                     origin,
                                     op.slot,
                                     op.from_srq,

@@ -126,6 +126,49 @@ fn connected_qps<H: Handler>(
     [a, b]
 }
 
+/// A pair of sessions of one connection each, one on each of two reactors,
+/// connected to each other and established.
+fn add_pair_across(
+    reactor: &mut Reactor<Probe, ()>,
+    other: &mut Reactor<Probe, ()>,
+    pd: &ProtectionDomain,
+) -> (End, End) {
+    let qp = |reactor: &mut Reactor<Probe, ()>, name: &str| {
+        let spec = reactor.qp_spec(name);
+        let CqChoice::Shared(cq) = spec.cq else {
+            panic!("qp_spec did not share the reactor's CQ");
+        };
+        match &spec.srq {
+            Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
+            None => pd.create_qp(&cq, &cq, &spec.qp),
+        }
+        .expect("a loopback QP")
+    };
+    let (mut here, mut there) = (qp(reactor, "here"), qp(other, "there"));
+    let (to_here, to_there) = (here.endpoint(), there.endpoint());
+    here.connect(&to_there).expect("connect");
+    there.connect(&to_here).expect("connect");
+    let add = |reactor: &mut Reactor<Probe, ()>, qp: QueuePair| {
+        let seen = Rc::new(RefCell::new(Seen::default()));
+        let session: SessionId = reactor.add(vec![qp], Probe(Rc::clone(&seen))).expect("add");
+        let conn = reactor.conns(session).next().expect("one connection");
+        End {
+            session,
+            conn,
+            seen,
+        }
+    };
+    let (here, there) = (add(reactor, here), add(other, there));
+    for _ in 0..MAX_PASSES {
+        if here.seen.borrow().established && there.seen.borrow().established {
+            return (here, there);
+        }
+        reactor.turn().expect("a reactor pass");
+        other.turn().expect("a pass of the other reactor");
+    }
+    panic!("the pair across two reactors never established");
+}
+
 /// Two sessions of one connection each, connected to each other and
 /// established.
 fn add_pair(reactor: &mut Reactor<Probe, ()>, pd: &ProtectionDomain) -> (End, End) {

@@ -5,6 +5,8 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use super::*;
+use crate::reactor::pass::TAIL_SIGNAL_IDLE_PASSES;
+use crate::reactor::slab::{PARKED, TOUCHED};
 
 /// How many receives of `conn`'s own ring are posted, and the slots
 /// queued for reposting, each of which must be queued once.
@@ -209,4 +211,64 @@ fn a_removal_asked_for_by_a_connection_the_late_flush_fails_does_not_wait_for_a_
     run_until(&mut reactor, "a new pair talks", |_| {
         other.seen.borrow().messages == [b"still running".to_vec()]
     });
+}
+
+/// Messages forwarded from a connection's own ring give their slots back
+/// as the forwards complete: fewer than a repost batch wait, the
+/// connection parked, for the idle-time flush, which reposts them. Once
+/// the reactor is idle the ring is whole again, each slot posted once.
+#[test]
+fn forwarded_slots_come_back_to_a_live_origins_ring_when_the_reactor_idles() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = super::reactor(&pd);
+    let mut other = super::reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    // The sink on a reactor of its own: its receives leave this one's
+    // idle-time flush nothing to do.
+    let (relay, sink) = add_pair_across(&mut reactor, &mut other, &pd);
+    let whole = |reactor: &Reactor<Probe, ()>| {
+        let (posted, queued) = ring_account(reactor, origin.conn);
+        posted == RECV_DEPTH && queued.is_empty()
+    };
+    run_until(&mut reactor, "the origin's ring whole", whole);
+
+    origin.seen.borrow_mut().hold = true;
+    send(&mut reactor, source.conn, &[1; 8]);
+    send(&mut reactor, source.conn, &[2; 8]);
+    run_until(&mut reactor, "two messages held", |_| {
+        origin.seen.borrow().held.len() == 2
+    });
+    origin.seen.borrow_mut().hold = false;
+    // Idle long enough for every tail to be signaled out: then nothing
+    // leaves the origin listed or parked but its slots coming back.
+    for _ in 0..3 * TAIL_SIGNAL_IDLE_PASSES {
+        reactor.turn().expect("an idle pass");
+    }
+    let index = origin.conn.key().index;
+    assert!(
+        !reactor.conns.is_listed(TOUCHED, index) && !reactor.conns.is_listed(PARKED, index),
+        "the origin has nothing left for a flush"
+    );
+    let held = std::mem::take(&mut origin.seen.borrow_mut().held);
+    reactor.with_ctx(|ctx| {
+        for message in held {
+            if let Err((err, _)) = ctx.forward(relay.conn, message, None) {
+                panic!("forwarding: {err}");
+            }
+        }
+        ctx.signal_staged(relay.conn);
+    });
+    // Both reactors turn until the forwards arrived and the origin's ring
+    // is whole again.
+    let done = (0..MAX_PASSES).any(|_| {
+        reactor.turn().expect("a reactor pass");
+        other.turn().expect("a pass of the other reactor");
+        sink.seen.borrow().messages.len() == 2 && whole(&reactor)
+    });
+    assert!(done, "the forwarded slots were never posted again");
+    assert_eq!(sink.seen.borrow().messages, [vec![1; 8], vec![2; 8]]);
+    let (sq_used, _, _) = reactor.conn_stats(relay.conn).expect("relay");
+    assert_eq!(sq_used, 0, "the forwards retired");
 }
