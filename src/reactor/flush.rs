@@ -39,6 +39,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // thousand connections flushes the few its completions and handlers
         // touched, not all of them.
         let idle_work = tidy || signal_tails;
+        if idle_work {
+            // This flush visits every parked connection and says anew what
+            // is left. Cleared before the walk, not overwritten after it:
+            // a connection parked during the walk (a forward's slot given
+            // back by a connection the walk failed) keeps its flag.
+            self.reposts_left = false;
+            self.tails_left = false;
+        }
         let mut left = Left::default();
         self.flush_list(TOUCHED, tidy, signal_tails, &mut left);
         if idle_work {
@@ -59,15 +67,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
         }
         self.unsettled |= left.unsettled;
-        if idle_work {
-            self.reposts_left = left.reposts;
-            self.tails_left = left.tails;
-        } else {
-            // Connections parked earlier keep what they had pending: only
-            // the idle-time flush, which visits them all, may clear these.
-            self.reposts_left |= left.reposts;
-            self.tails_left |= left.tails;
-        }
+        // Connections parked earlier keep what they had pending: only the
+        // idle-time flush, which visits them all, clears these (above).
+        self.reposts_left |= left.reposts;
+        self.tails_left |= left.tails;
     }
 
     /// Flushes every connection on slab list `list`, walked in place: what

@@ -41,6 +41,9 @@ struct Seen {
     remove_on_error: Option<SessionId>,
     /// Every message is answered with a copy, from `on_message`.
     echo: bool,
+    /// Held messages forwarded on a connection when the handler is told of
+    /// an error (once).
+    forward_on_error: Option<(ConnId, Vec<HeldRecv>)>,
 }
 
 #[derive(Debug, Default)]
@@ -66,6 +69,13 @@ impl Handler for Probe {
         seen.errors.push((error.errno(), error.to_string()));
         if let Some(session) = seen.remove_on_error {
             ctx.remove_session(session);
+        }
+        if let Some((to, held)) = seen.forward_on_error.take() {
+            for message in held {
+                if let Err((err, _)) = ctx.forward(to, message, None) {
+                    panic!("forwarding when told of an error: {err}");
+                }
+            }
         }
     }
 }

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use super::*;
-use crate::reactor::pass::TAIL_SIGNAL_IDLE_PASSES;
+use crate::reactor::pass::{REPOST_IDLE_PASSES, TAIL_SIGNAL_IDLE_PASSES};
 use crate::reactor::slab::{PARKED, TOUCHED};
 
 /// How many receives of `conn`'s own ring are posted, and the slots
@@ -271,4 +271,76 @@ fn forwarded_slots_come_back_to_a_live_origins_ring_when_the_reactor_idles() {
     assert_eq!(sink.seen.borrow().messages, [vec![1; 8], vec![2; 8]]);
     let (sq_used, _, _) = reactor.conn_stats(relay.conn).expect("relay");
     assert_eq!(sq_used, 0, "the forwards retired");
+}
+
+/// A forward's slot given back during the walk of parked connections of
+/// an idle-time flush (the relay's post fails there, and the forward it
+/// was to carry, staged by another connection's error callback in the
+/// same flush, gives its slot back): the origin is parked past the walk,
+/// and the flush's end keeps what that said, so the next idle-time flush
+/// reposts the slot. (It once overwrote the flag with what its walk had
+/// seen, and the slot waited for the origin's next message.)
+#[test]
+fn a_slot_given_back_during_the_parked_walk_is_reposted_by_the_next_idle_flush() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = super::reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    let (relay, relay_peer) = add_pair(&mut reactor, &pd);
+    let (failing, _) = add_pair(&mut reactor, &pd);
+    origin.seen.borrow_mut().hold = true;
+    send(&mut reactor, source.conn, &[1; 8]);
+    run_until(&mut reactor, "one message held", |_| {
+        origin.seen.borrow().held.len() == 1
+    });
+    origin.seen.borrow_mut().hold = false;
+    let held = std::mem::take(&mut origin.seen.borrow_mut().held);
+    for _ in 0..3 * TAIL_SIGNAL_IDLE_PASSES {
+        reactor.turn().expect("an idle pass");
+    }
+    // The relay gets a receive to repost below a batch: it is parked.
+    reactor.with_ctx(|ctx| {
+        ctx.send(relay_peer.conn, b"to the relay", None)
+            .expect("room for it");
+        ctx.signal_staged(relay_peer.conn);
+    });
+    run_until(&mut reactor, "the relay got it", |_| {
+        relay.seen.borrow().messages.len() == 1
+    });
+    run_until(
+        &mut reactor,
+        "one pass short of the idle flush",
+        |reactor| reactor.idle_passes >= REPOST_IDLE_PASSES - 1,
+    );
+    assert!(
+        reactor.conns.is_listed(PARKED, relay.conn.key().index),
+        "the relay is parked"
+    );
+    // In the idle flush: the failing connection's post is refused in the
+    // walk of touched ones, its handler stages the forward on the relay,
+    // and the relay's post is refused in the walk of parked ones.
+    failing.seen.borrow_mut().forward_on_error = Some((relay.conn, held));
+    reactor.with_ctx(|ctx| {
+        ctx.send(failing.conn, b"refused", None)
+            .expect("room for it")
+    });
+    let qpn = |conn: ConnId| reactor.conns.get(conn.key()).expect("live").qpn;
+    refuse_sends_after(qpn(failing.conn), 0);
+    refuse_sends_after(qpn(relay.conn), 0);
+    reactor.turn().expect("the idle flush's pass");
+    assert!(
+        !relay.seen.borrow().errors.is_empty(),
+        "the relay failed in the walk of parked connections"
+    );
+    let whole = |reactor: &Reactor<Probe, ()>| {
+        let (posted, queued) = ring_account(reactor, origin.conn);
+        posted == RECV_DEPTH && queued.is_empty()
+    };
+    run_within(
+        &mut reactor,
+        2 * REPOST_IDLE_PASSES as usize,
+        "the slot reposted by the next idle flush",
+        whole,
+    );
 }
