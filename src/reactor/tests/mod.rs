@@ -71,11 +71,7 @@ impl Handler for Probe {
             ctx.remove_session(session);
         }
         if let Some((to, held)) = seen.forward_on_error.take() {
-            for message in held {
-                if let Err((err, _)) = ctx.forward(to, message, None) {
-                    panic!("forwarding when told of an error: {err}");
-                }
-            }
+            forward_all(ctx, to, held);
         }
     }
 }
@@ -111,6 +107,25 @@ fn srq_reactor(pd: &ProtectionDomain) -> Reactor<Probe, ()> {
     Reactor::new(pd, config).expect("an SRQ reactor on the loopback device")
 }
 
+/// A loopback QP on the reactor's CQ (and its SRQ, if it has one), with
+/// `access`.
+fn loopback_qp<H: Handler>(
+    reactor: &mut Reactor<H, ()>,
+    pd: &ProtectionDomain,
+    name: &str,
+    access: AccessFlags,
+) -> QueuePair {
+    let spec = reactor.qp_spec_with_access(name, access);
+    let CqChoice::Shared(cq) = spec.cq else {
+        panic!("qp_spec did not share the reactor's CQ");
+    };
+    match &spec.srq {
+        Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
+        None => pd.create_qp(&cq, &cq, &spec.qp),
+    }
+    .expect("a loopback QP")
+}
+
 /// Two loopback QPs on the reactor's CQ (and its SRQ, if it has one), with
 /// `access`, connected to each other.
 fn connected_qps<H: Handler>(
@@ -118,22 +133,24 @@ fn connected_qps<H: Handler>(
     pd: &ProtectionDomain,
     access: AccessFlags,
 ) -> [QueuePair; 2] {
-    let mut qp = |name: &str| {
-        let spec = reactor.qp_spec_with_access(name, access);
-        let CqChoice::Shared(cq) = spec.cq else {
-            panic!("qp_spec did not share the reactor's CQ");
-        };
-        match &spec.srq {
-            Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
-            None => pd.create_qp(&cq, &cq, &spec.qp),
-        }
-        .expect("a loopback QP")
-    };
-    let (mut a, mut b) = (qp("a"), qp("b"));
+    let mut a = loopback_qp(reactor, pd, "a", access);
+    let mut b = loopback_qp(reactor, pd, "b", access);
     let (to_a, to_b) = (a.endpoint(), b.endpoint());
     a.connect(&to_b).expect("connect");
     b.connect(&to_a).expect("connect");
     [a, b]
+}
+
+/// A session of one connection, on `qp`, with a probe of its own.
+fn add_end(reactor: &mut Reactor<Probe, ()>, qp: QueuePair) -> End {
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let session: SessionId = reactor.add(vec![qp], Probe(Rc::clone(&seen))).expect("add");
+    let conn = reactor.conns(session).next().expect("one connection");
+    End {
+        session,
+        conn,
+        seen,
+    }
 }
 
 /// A pair of sessions of one connection each, one on each of two reactors,
@@ -143,32 +160,13 @@ fn add_pair_across(
     other: &mut Reactor<Probe, ()>,
     pd: &ProtectionDomain,
 ) -> (End, End) {
-    let qp = |reactor: &mut Reactor<Probe, ()>, name: &str| {
-        let spec = reactor.qp_spec(name);
-        let CqChoice::Shared(cq) = spec.cq else {
-            panic!("qp_spec did not share the reactor's CQ");
-        };
-        match &spec.srq {
-            Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
-            None => pd.create_qp(&cq, &cq, &spec.qp),
-        }
-        .expect("a loopback QP")
-    };
-    let (mut here, mut there) = (qp(reactor, "here"), qp(other, "there"));
+    let access = AccessFlags::empty();
+    let mut here = loopback_qp(reactor, pd, "here", access);
+    let mut there = loopback_qp(other, pd, "there", access);
     let (to_here, to_there) = (here.endpoint(), there.endpoint());
     here.connect(&to_there).expect("connect");
     there.connect(&to_here).expect("connect");
-    let add = |reactor: &mut Reactor<Probe, ()>, qp: QueuePair| {
-        let seen = Rc::new(RefCell::new(Seen::default()));
-        let session: SessionId = reactor.add(vec![qp], Probe(Rc::clone(&seen))).expect("add");
-        let conn = reactor.conns(session).next().expect("one connection");
-        End {
-            session,
-            conn,
-            seen,
-        }
-    };
-    let (here, there) = (add(reactor, here), add(other, there));
+    let (here, there) = (add_end(reactor, here), add_end(other, there));
     for _ in 0..MAX_PASSES {
         if here.seen.borrow().established && there.seen.borrow().established {
             return (here, there);
@@ -179,22 +177,21 @@ fn add_pair_across(
     panic!("the pair across two reactors never established");
 }
 
+/// Forwards every held message on `to`, from a callback's `ctx`.
+fn forward_all(ctx: &mut Ctx<'_>, to: ConnId, held: Vec<HeldRecv>) {
+    for message in held {
+        if let Err((err, _)) = ctx.forward(to, message, None) {
+            panic!("forwarding: {err}");
+        }
+    }
+}
+
 /// Two sessions of one connection each, connected to each other and
 /// established.
 fn add_pair(reactor: &mut Reactor<Probe, ()>, pd: &ProtectionDomain) -> (End, End) {
     let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
     let [a, b] = connected_qps(reactor, pd, access);
-    let mut add = |qp: QueuePair| {
-        let seen = Rc::new(RefCell::new(Seen::default()));
-        let session: SessionId = reactor.add(vec![qp], Probe(Rc::clone(&seen))).expect("add");
-        let conn = reactor.conns(session).next().expect("one connection");
-        End {
-            session,
-            conn,
-            seen,
-        }
-    };
-    let (a, b) = (add(a), add(b));
+    let (a, b) = (add_end(reactor, a), add_end(reactor, b));
     run_until(reactor, "both ends established", |_| {
         a.seen.borrow().established && b.seen.borrow().established
     });

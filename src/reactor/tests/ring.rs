@@ -168,11 +168,7 @@ fn a_removal_asked_for_by_a_connection_the_late_flush_fails_does_not_wait_for_a_
     // Forwarded on `relay`, whose session goes in the same pass: its QP is
     // destroyed with the forwards posted and their completions unpolled.
     reactor.with_ctx(|ctx| {
-        for held in held {
-            if let Err((err, _)) = ctx.forward(relay.conn, held, None) {
-                panic!("forwarding: {err}");
-            }
-        }
+        forward_all(ctx, relay.conn, held);
         ctx.remove_session(relay.session);
     });
     let origin_qpn = reactor.conns.get(origin.conn.key()).expect("origin").qpn;
@@ -253,11 +249,7 @@ fn forwarded_slots_come_back_to_a_live_origins_ring_when_the_reactor_idles() {
     );
     let held = std::mem::take(&mut origin.seen.borrow_mut().held);
     reactor.with_ctx(|ctx| {
-        for message in held {
-            if let Err((err, _)) = ctx.forward(relay.conn, message, None) {
-                panic!("forwarding: {err}");
-            }
-        }
+        forward_all(ctx, relay.conn, held);
         ctx.signal_staged(relay.conn);
     });
     // Both reactors turn until the forwards arrived and the origin's ring

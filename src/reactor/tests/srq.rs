@@ -323,11 +323,7 @@ fn hold_six_forward_two(
     let forwarded: Vec<HeldRecv> = held.drain(..2).collect();
     let forwarded_slots = forwarded.iter().map(HeldRecv::slot).collect();
     reactor.with_ctx(|ctx| {
-        for message in forwarded {
-            if let Err((err, _)) = ctx.forward(relay.conn, message, None) {
-                panic!("forwarding: {err}");
-            }
-        }
+        forward_all(ctx, relay.conn, forwarded);
     });
     reactor.turn().expect("the pass that posts the forwards");
     let (sq_used, _, _) = reactor.conn_stats(relay.conn).expect("relay");
@@ -553,11 +549,7 @@ fn forwarded_slots_of_a_removed_origin_are_posted_by_the_pass_that_retires_them(
     let held = std::mem::take(&mut origin.seen.borrow_mut().held);
     let forwarded: Vec<u32> = held.iter().map(HeldRecv::slot).collect();
     reactor.with_ctx(|ctx| {
-        for message in held {
-            if let Err((err, _)) = ctx.forward(relay.conn, message, None) {
-                panic!("forwarding: {err}");
-            }
-        }
+        forward_all(ctx, relay.conn, held);
         ctx.signal_staged(relay.conn);
     });
     // Staged, not yet posted: the next pass's flush posts them, after the
