@@ -78,7 +78,9 @@ impl<T> Slab<T> {
     /// [`get_mut_quiet`](Self::get_mut_quiet) and
     /// [`get_by_index_if`](Self::get_by_index_if) told not to, for changes
     /// that leave the flush nothing to do: a direct connection's, and a
-    /// retired send's (the dispatch checks this in debug builds).
+    /// retired send's (the dispatch checks this in debug builds); and a
+    /// forward's slot given back to its origin, whose caller lists or
+    /// parks the origin as the flush's visit would.
     pub(crate) fn tracking(mut self) -> Self {
         self.tracking = true;
         self
