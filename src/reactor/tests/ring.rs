@@ -20,6 +20,20 @@ fn ring_account(reactor: &Reactor<Probe, ()>, conn: ConnId) -> (u32, BTreeSet<u3
     (conn.receives_outstanding(), queued)
 }
 
+/// Whether every receive of `conn`'s own ring is posted, none queued.
+fn ring_whole(reactor: &Reactor<Probe, ()>, conn: ConnId) -> bool {
+    let (posted, queued) = ring_account(reactor, conn);
+    posted == RECV_DEPTH && queued.is_empty()
+}
+
+/// Idle passes enough for every unsignaled tail to be signaled out and
+/// the idle-time flushes to leave nothing parked but what waits.
+fn idle_until_tails_signaled(reactor: &mut Reactor<Probe, ()>) {
+    for _ in 0..3 * TAIL_SIGNAL_IDLE_PASSES {
+        reactor.turn().expect("an idle pass");
+    }
+}
+
 /// A batch the provider takes only in part: the requests it never got
 /// give back what they hold in the same pass (a forward's receive slot
 /// goes back to the connection it came from, a SEND's slot is freed), and
@@ -224,10 +238,7 @@ fn forwarded_slots_come_back_to_a_live_origins_ring_when_the_reactor_idles() {
     // The sink on a reactor of its own: its receives leave this one's
     // idle-time flush nothing to do.
     let (relay, sink) = add_pair_across(&mut reactor, &mut other, &pd);
-    let whole = |reactor: &Reactor<Probe, ()>| {
-        let (posted, queued) = ring_account(reactor, origin.conn);
-        posted == RECV_DEPTH && queued.is_empty()
-    };
+    let whole = |reactor: &Reactor<Probe, ()>| ring_whole(reactor, origin.conn);
     run_until(&mut reactor, "the origin's ring whole", whole);
 
     origin.seen.borrow_mut().hold = true;
@@ -239,9 +250,7 @@ fn forwarded_slots_come_back_to_a_live_origins_ring_when_the_reactor_idles() {
     origin.seen.borrow_mut().hold = false;
     // Idle long enough for every tail to be signaled out: then nothing
     // leaves the origin listed or parked but its slots coming back.
-    for _ in 0..3 * TAIL_SIGNAL_IDLE_PASSES {
-        reactor.turn().expect("an idle pass");
-    }
+    idle_until_tails_signaled(&mut reactor);
     let index = origin.conn.key().index;
     assert!(
         !reactor.conns.is_listed(TOUCHED, index) && !reactor.conns.is_listed(PARKED, index),
@@ -288,9 +297,7 @@ fn a_slot_given_back_during_the_parked_walk_is_reposted_by_the_next_idle_flush()
     });
     origin.seen.borrow_mut().hold = false;
     let held = std::mem::take(&mut origin.seen.borrow_mut().held);
-    for _ in 0..3 * TAIL_SIGNAL_IDLE_PASSES {
-        reactor.turn().expect("an idle pass");
-    }
+    idle_until_tails_signaled(&mut reactor);
     // The relay gets a receive to repost below a batch: it is parked.
     reactor.with_ctx(|ctx| {
         ctx.send(relay_peer.conn, b"to the relay", None)
@@ -325,10 +332,7 @@ fn a_slot_given_back_during_the_parked_walk_is_reposted_by_the_next_idle_flush()
         !relay.seen.borrow().errors.is_empty(),
         "the relay failed in the walk of parked connections"
     );
-    let whole = |reactor: &Reactor<Probe, ()>| {
-        let (posted, queued) = ring_account(reactor, origin.conn);
-        posted == RECV_DEPTH && queued.is_empty()
-    };
+    let whole = |reactor: &Reactor<Probe, ()>| ring_whole(reactor, origin.conn);
     run_within(
         &mut reactor,
         2 * REPOST_IDLE_PASSES as usize,
