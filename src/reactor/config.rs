@@ -80,6 +80,17 @@ pub struct ReactorConfig {
     /// check is non-blocking, and in busy-poll mode the clock is read only
     /// every so many passes, but each check is a syscall per session.
     pub peer_check_interval: Option<Duration>,
+    /// Connections the reactor makes room for when it is built: its
+    /// records of up to this many live at once, with their bookkeeping, are
+    /// allocated then. Adding one within it allocates nothing of the
+    /// reactor's own (its QP, rings and registrations are made as it is
+    /// added) and moves no record; a server's heap then does not step up
+    /// the first time it serves more peers at once than ever before. More
+    /// are still accepted, up to the reactor's limit; its tables grow on
+    /// that add. Each costs a few KiB of address space, touched only when
+    /// used. [`absorbing`](Self::absorbing) raises it to the connections it
+    /// sizes the CQs for.
+    pub reserve_connections: u32,
 }
 
 impl Default for ReactorConfig {
@@ -98,6 +109,7 @@ impl Default for ReactorConfig {
             max_inline: 64,
             idle_timeout: Duration::from_millis(10),
             peer_check_interval: None,
+            reserve_connections: 0,
         }
     }
 }
@@ -140,6 +152,7 @@ impl ReactorConfig {
         self.cq_count = self.cq_count.max(needed.div_ceil(per_cq_room));
         let per_cq = needed.div_ceil(self.cq_count) + self.srq_depth;
         self.cq_size = self.cq_size.max(per_cq).max(256);
+        self.reserve_connections = self.reserve_connections.max(connections);
         self
     }
 

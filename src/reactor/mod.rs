@@ -256,13 +256,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 _ => PassTimer::reading_every_pass(every),
             });
         let id = ReactorId::next();
+        let reserve = config.reserve_connections as usize;
         Ok(Self {
             config,
             // Quarantined: completions of a removed connection's QP may
             // still be queued, naming its index; a pass that drained every
             // CQ after the removal releases it (`poll_once`).
-            conns: Slab::new(MAX_CONNS, id.0).quarantining().tracking(),
-            sessions: Slab::new(MAX_SESSIONS, id.0),
+            conns: Slab::new(MAX_CONNS, id.0)
+                .quarantining()
+                .tracking()
+                .reserving(reserve),
+            // A session has a connection at least.
+            sessions: Slab::new(MAX_SESSIONS, id.0).reserving(reserve),
             srq,
             // Room for the whole SRQ in every CQ (see `add`).
             cq_load: vec![srq_slots as u32; cqs.len()],

@@ -177,6 +177,27 @@ impl<T> Slab<T> {
         self
     }
 
+    /// Room for `count` live entries (at most the limit) and their
+    /// bookkeeping, so adding up to that many never grows a vector: no
+    /// record moves and nothing is allocated. Called after
+    /// [`quarantining`](Self::quarantining) and [`tracking`](Self::tracking),
+    /// whose lists it sizes too.
+    pub(crate) fn reserving(mut self, count: usize) -> Self {
+        let count = count.min(self.limit);
+        self.entries.reserve_exact(count);
+        self.free.reserve_exact(count);
+        if self.quarantining {
+            self.quarantine.reserve_exact(count);
+        }
+        if self.tracking {
+            // As `insert` reserves: every entry twice in every list.
+            for list in self.lists.iter_mut() {
+                list.reserve_exact(2 * count);
+            }
+        }
+        self
+    }
+
     /// Entries in quarantine now.
     #[inline]
     pub(crate) fn quarantined(&self) -> usize {
@@ -429,6 +450,42 @@ mod tests {
         assert_eq!(slab.get(b), Some(&"b"));
         assert_eq!(slab.len(), 2);
         assert_eq!(slab.capacity_used(), 2, "no growth from reuse");
+    }
+
+    #[test]
+    fn a_reserving_slab_grows_nothing_up_to_its_reservation() {
+        let mut slab = Slab::new(16, 1).quarantining().tracking().reserving(8);
+        let room = |slab: &Slab<i32>| {
+            (
+                slab.entries.as_ptr(),
+                slab.entries.capacity(),
+                slab.free.capacity(),
+                slab.quarantine.capacity(),
+                slab.lists.each_ref().map(Vec::capacity),
+            )
+        };
+        let before = room(&slab);
+        assert!(
+            before.1 >= 8 && before.4.iter().all(|&c| c >= 16),
+            "{before:?}"
+        );
+        // Churn at eight live, listed, quarantined and released as a pass
+        // would, twice over.
+        for _ in 0..2 {
+            let keys: Vec<Key> = (0..8).map(|i| slab.insert(i).unwrap()).collect();
+            keys.iter().for_each(|key| slab.park(key.index));
+            walk(&mut slab, TOUCHED);
+            walk(&mut slab, PARKED);
+            for &key in &keys {
+                slab.remove(key);
+            }
+            slab.release_quarantine(slab.quarantined());
+        }
+        assert_eq!(room(&slab), before, "nothing grew or moved");
+        // Past the reservation it still takes more, growing.
+        let keys: Vec<Key> = (0..9).map(|i| slab.insert(i).unwrap()).collect();
+        assert_eq!(keys.len(), 9);
+        assert!(slab.entries.capacity() > before.1);
     }
 
     #[test]
