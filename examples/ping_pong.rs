@@ -2,7 +2,7 @@
 //! both sides on the reactor.
 //!
 //! ```text
-//! ping_pong --server [--listen 0.0.0.0:7471] [--max-peers N] [--reactors N] [--cores LIST] [--event-mode blocking]
+//! ping_pong --server [--listen 0.0.0.0:7471] [--max-peers N] [--reactors N] [--cores LIST] [--event-mode blocking] [--heap-report-ms MS]
 //! ping_pong --connect HOST:7471 [--iters 1000] [--size 64] [--op send|write-imm|both] [--batch 1]
 //! ```
 //!
@@ -53,6 +53,11 @@ struct Args {
     /// Largest message a peer may send, and each peer's inbox size (server).
     #[arg(long, default_value_t = 1 << 16)]
     max_size: usize,
+    /// Print the heap in use (`heap: N B in use`) about this often
+    /// (server; glibc only): the long-lived test reads it, since unlike the
+    /// RSS it does not keep the allocator's high-water marks.
+    #[arg(long, value_name = "MS")]
+    heap_report_ms: Option<u64>,
     /// Server to connect to (client).
     #[arg(long, value_name = "HOST:PORT", required_unless_present = "server")]
     connect: Option<String>,
@@ -660,6 +665,23 @@ impl HandlerFactory for Echoers {
     }
 }
 
+/// Bytes the C allocator has handed out and not had back, over all its
+/// arenas, its own mmapped blocks included: the Rust heap and the verbs
+/// provider's allocations alike. What the RSS also holds, free pages the
+/// allocator keeps below a high-water mark, is not in it.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn heap_in_use() -> Option<usize> {
+    // SAFETY: mallinfo2 takes nothing and returns a plain struct by value;
+    // it only reads the allocator's counters, under the allocator's locks.
+    let info = unsafe { libc::mallinfo2() };
+    Some(info.uordblks + info.hblkhd)
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn heap_in_use() -> Option<usize> {
+    None
+}
+
 fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
@@ -708,11 +730,28 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     // reactor); the reactors report them. Waiting here costs nothing.
     drop(finished);
     let mut served = 0;
+    let report_every = args.heap_report_ms.map(Duration::from_millis);
+    let mut next_report = Instant::now();
     while args.max_peers.is_none_or(|max| served < max) {
-        if outcomes.recv().is_err() {
-            break;
+        let Some(every) = report_every else {
+            if outcomes.recv().is_err() {
+                break;
+            }
+            served += 1;
+            continue;
+        };
+        if Instant::now() >= next_report {
+            match heap_in_use() {
+                Some(bytes) => println!("heap: {bytes} B in use"),
+                None => println!("heap: unknown (not glibc)"),
+            }
+            next_report = Instant::now() + every;
         }
-        served += 1;
+        match outcomes.recv_timeout(next_report.saturating_duration_since(Instant::now())) {
+            Ok(_) => served += 1,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
     }
     // Let handshakes still in progress end on their own (each by its
     // timeout), so their failures are reported rather than cut short.

@@ -145,6 +145,15 @@ impl Proc {
         }
     }
 
+    /// The newest line read so far that contains `needle`.
+    pub fn last_line(&self, needle: &str) -> Option<&str> {
+        self.seen
+            .iter()
+            .rev()
+            .find(|l| l.contains(needle))
+            .map(String::as_str)
+    }
+
     /// How many lines read so far contain `needle`.
     pub fn count(&self, needle: &str) -> usize {
         self.seen.iter().filter(|l| l.contains(needle)).count()
