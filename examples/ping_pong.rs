@@ -56,7 +56,7 @@ struct Args {
     /// Print the heap in use (`heap: N B in use`) about this often
     /// (server; glibc only): the long-lived test reads it, since unlike the
     /// RSS it does not keep the allocator's high-water marks.
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     heap_report_ms: Option<u64>,
     /// Server to connect to (client).
     #[arg(long, value_name = "HOST:PORT", required_unless_present = "server")]
@@ -665,15 +665,29 @@ impl HandlerFactory for Echoers {
     }
 }
 
-/// Bytes the C allocator has handed out and not had back, over all its
-/// arenas, its own mmapped blocks included: the Rust heap and the verbs
-/// provider's allocations alike. What the RSS also holds, free pages the
-/// allocator keeps below a high-water mark, is not in it.
+/// Bytes the C allocator counts in use over all its arenas, its own
+/// mmapped blocks included: the Rust heap and the verbs provider's
+/// allocations alike. Chunks a thread freed into its cache (glibc's
+/// tcache) count as in use until they are reused. What the RSS also holds,
+/// free pages the allocator keeps below a high-water mark, is not in it.
+/// `None` without glibc's `mallinfo2` (glibc before 2.33): it is looked up
+/// when asked for, so the program still links and runs there.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn heap_in_use() -> Option<usize> {
-    // SAFETY: mallinfo2 takes nothing and returns a plain struct by value;
-    // it only reads the allocator's counters, under the allocator's locks.
-    let info = unsafe { libc::mallinfo2() };
+    type Mallinfo2 = unsafe extern "C" fn() -> libc::mallinfo2;
+    // SAFETY: a C string naming a symbol; RTLD_DEFAULT searches the
+    // libraries already loaded, and a missing symbol is a null pointer.
+    let symbol = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"mallinfo2".as_ptr()) };
+    if symbol.is_null() {
+        return None;
+    }
+    // SAFETY: glibc's `mallinfo2` has this signature (malloc.h): no
+    // arguments, a struct of `size_t`s returned by value.
+    let mallinfo2: Mallinfo2 = unsafe { std::mem::transmute(symbol) };
+    // SAFETY: it reads the allocator's counters under each arena's lock;
+    // its MT-Unsafe notes (initialisation, `mallopt`) do not apply once
+    // the program has allocated, and nothing here calls `mallopt`.
+    let info = unsafe { mallinfo2() };
     Some(info.uordblks + info.hblkhd)
 }
 

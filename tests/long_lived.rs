@@ -21,7 +21,7 @@ use rdma_comm_core::Error;
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
-use util::ping_pong::{client, start_server};
+use util::ping_pong::{client, start_server_with_env};
 use util::process::Proc;
 
 /// The cycles issue #10 asks for.
@@ -69,13 +69,19 @@ const KILLED: u64 = 3;
 /// still grow is capacity sized by the most peers ever connected at once.
 /// The server's reactor reserves its records for the peers it sizes its
 /// CQs for (`ReactorConfig::reserve_connections`). Before it did, one run's
-/// heap stepped up 115 KiB at cycle 3,700, the first time 33 peers were
-/// connected at once (its records' vector doubled: 32 more records of 3.5
-/// KiB), and would have failed here. Read after every 250 cycles, that
-/// run's heap then crept up about 5 KB over 8,000 cycles, and from cycle
-/// 12,000 to the end it stayed within 1.5 KB. Over the default run's
+/// heap stepped up 112 KiB at cycle 3,700, the first time 33 connection
+/// records were in use at once (its records' vector doubled: 32 more
+/// records of 3,592 bytes), and would have failed here. Read after every
+/// 250 cycles, that run's heap then crept up about 5 KB over 8,000 cycles,
+/// and from cycle 12,000 to the end it stayed within 1.5 KB. The server
+/// keeps its last 256 refused handshakes (`ServerSession::take_failures`),
+/// a bounded creep while it has refused fewer. Over the default run's
 /// 19,500 measured cycles a leak of 4 bytes per cycle exceeds the limit.
 const MAX_HEAP_GROWTH: u64 = 64 * 1024;
+/// The server's environment: without glibc's per-thread caches a freed
+/// chunk is free at once, so the count is the bytes in use, not also what
+/// each thread's last frees left cached (up to hundreds of KiB a thread).
+const SERVER_ENV: &[(&str, &str)] = &[("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")];
 /// Heap readings [`settled_heap`] takes the lowest of: a reading taken
 /// while a reactor thread holds a short-lived allocation is higher, never
 /// lower.
@@ -89,8 +95,9 @@ const HEAP_READINGS: usize = 10;
 /// before, pages the allocator then kept) and stayed there. In the default
 /// run the windows end at cycle 3,250 and start at 17,250, and under a
 /// steady leak the floors are about the readings at cycles 500 and 17,500:
-/// the reactor's ~15 KiB per-connection record leaked each cycle is ~250
-/// MiB, and anything above about 370 bytes per cycle exceeds it. A shorter
+/// the ~15 KiB a connection holds (its record, rings and registrations)
+/// leaked each cycle is ~250 MiB, and anything above about 370 bytes per
+/// cycle exceeds it. A shorter
 /// run (`RDMA_LONG_LIVED_CYCLES`) has closer windows and catches only
 /// larger leaks (at 3,000 cycles, about 3 KiB per cycle).
 const MAX_RSS_GROWTH_KIB: u64 = 6 * 1024;
@@ -570,7 +577,8 @@ verbs_test! {
         let cycles = cycles();
         let warm_up = WARM_UP.min(cycles / 2);
         let measured = cycles - warm_up;
-        let (mut server, addr) = start_server(SERVER_ARGS);
+        let (mut server, addr) = start_server_with_env(SERVER_ARGS, SERVER_ENV);
+        server.hide_in_report("heap: ");
         let pid = server.pid();
         let mut clients = Clients::new(addr);
         report!("long_lived: {cycles} cycles ({warm_up} warm-up), {WORKERS} client threads with {IN_FLIGHT} sessions in flight each, {PINGS} pings of {SIZE} B each");
@@ -590,6 +598,10 @@ verbs_test! {
         let mut done = 0;
         let mut rss_readings = vec![before.rss_kib];
         let mut heap_readings = vec![heap_before];
+        // Handshakes the server refused or lost (it prints each), by each
+        // settled reading: it keeps the last 256 for `take_failures`.
+        let refused = |server: &Proc| server.count("rejected ");
+        let mut refusals = vec![refused(&server)];
         for part in 0..=KILLED {
             let part_end = measured * (part + 1) / (KILLED + 1);
             while done < part_end {
@@ -607,10 +619,12 @@ verbs_test! {
                 }
             }
             if part < KILLED {
-                // Settled between parts too: a leak grows the heap part by
-                // part, capacity for a burst of peers steps up once.
+                // Settled between parts too, for the report: a leak grows
+                // the heap part by part, capacity for a burst of peers
+                // steps up once. (Only the end is checked against the start.)
                 settle(&mut server, clients.finished(), killed);
                 heap_readings.push(settled_heap(&mut server));
+                refusals.push(refused(&server));
                 kill_a_client_mid_transfer(&mut server, addr, clients.finished() + killed);
                 killed += 1;
             }
@@ -619,6 +633,7 @@ verbs_test! {
         settle(&mut server, clients.finished(), killed);
         let heap_after = settled_heap(&mut server);
         heap_readings.push(heap_after);
+        refusals.push(refused(&server));
         let after = usage(pid);
         rss_readings.push(after.rss_kib);
         let floors = rss_floors(&rss_readings);
@@ -630,7 +645,7 @@ verbs_test! {
         );
         report!(
             "measured: {measured} cycles in {measured_secs:.1} s, {:.1} cycles/s; total {:.1} s; \
-             heap in use {heap_before} -> {heap_after} B ({:+} B; settled after each part {heap_readings:?}); \
+             heap in use {heap_before} -> {heap_after} B ({:+} B; settled after each part {heap_readings:?}, handshakes refused by then {refusals:?}); \
              RSS {} -> {} KiB, its floor {} -> {} KiB ({:+} KiB; {} readings, each floor the lowest of {}), \
              fds {} -> {}, threads {} -> {}",
             measured as f64 / measured_secs,

@@ -81,14 +81,19 @@ pub struct ReactorConfig {
     /// every so many passes, but each check is a syscall per session.
     pub peer_check_interval: Option<Duration>,
     /// Connections the reactor makes room for when it is built: its
-    /// records of up to this many live at once, with their bookkeeping, are
-    /// allocated then. Adding one within it allocates nothing of the
-    /// reactor's own (its QP, rings and registrations are made as it is
-    /// added) and moves no record; a server's heap then does not step up
-    /// the first time it serves more peers at once than ever before. More
-    /// are still accepted, up to the reactor's limit; its tables grow on
-    /// that add. Each costs a few KiB of address space, touched only when
-    /// used. [`absorbing`](Self::absorbing) raises it to the connections it
+    /// connection and session records for this many (about 4 KiB of
+    /// address space each, whose pages are touched only when used) and
+    /// their bookkeeping (slab lists, SRQ owners) are allocated then, or
+    /// [`Reactor::new`](super::Reactor::new) fails with `ENOMEM`. While no
+    /// more records are in use at once (live ones, and those removed since
+    /// the last pass), adding a connection grows none of these tables and
+    /// moves no record: a long-running server's heap does not step up the
+    /// first time it holds more peers at once than before, and no add
+    /// copies every record. The connection's own QP, rings, registrations
+    /// and session entry are still made as it is added. Past it, more are
+    /// accepted up to the reactor's limit, and the tables grow then.
+    /// [`absorbing`](Self::absorbing) (so also
+    /// [`for_traffic`](Self::for_traffic)) raises it to the connections it
     /// sizes the CQs for.
     pub reserve_connections: u32,
 }
@@ -123,7 +128,8 @@ impl ReactorConfig {
     /// `depth` receives and send slots per connection (a window of `depth`
     /// messages in flight each way), twice that in send-queue entries, and
     /// CQs that absorb `connections` such connections (spread over several
-    /// CQs when one would be too large). Reposts go out in quarter windows.
+    /// CQs when one would be too large), whose records are reserved up
+    /// front. Reposts go out in quarter windows.
     ///
     /// ```
     /// # use rdma_comm_core::reactor::*;
@@ -146,6 +152,8 @@ impl ReactorConfig {
     /// Sizes the CQs so that `connections` connections at the configured
     /// depths fit: each CQ must absorb every request its QPs can have
     /// outstanding ([`Reactor::add`](super::Reactor::add) refuses one more).
+    /// Also reserves the records of that many connections up front
+    /// ([`reserve_connections`](Self::reserve_connections)).
     pub fn absorbing(mut self, connections: u32) -> Self {
         let needed = connections.max(1).saturating_mul(self.entries_per_conn());
         let per_cq_room = MAX_CQ_ENTRIES.saturating_sub(self.srq_depth).max(1);

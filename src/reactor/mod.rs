@@ -223,6 +223,16 @@ impl<H: Handler, L: PeerLink> fmt::Debug for Reactor<H, L> {
     }
 }
 
+/// What a refused reservation of `ReactorConfig::reserve_connections`
+/// records becomes: the reactor is not built (an allocation failure would
+/// otherwise abort the process).
+pub(super) fn reservation_refused(_: std::collections::TryReserveError) -> crate::Error {
+    crate::Error::Os {
+        what: "reserving the reactor's records (ReactorConfig::reserve_connections)",
+        source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+    }
+}
+
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Creates the reactor's CQs (and completion channels in the event modes).
     pub fn new(pd: &ProtectionDomain, config: ReactorConfig) -> Result<Self> {
@@ -257,17 +267,22 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             });
         let id = ReactorId::next();
         let reserve = config.reserve_connections as usize;
+        // Quarantined: completions of a removed connection's QP may still
+        // be queued, naming its index; a pass that drained every CQ after
+        // the removal releases it (`poll_once`).
+        let conns = Slab::new(MAX_CONNS, id.0)
+            .quarantining()
+            .tracking()
+            .reserving(reserve)
+            .map_err(reservation_refused)?;
+        // A session has a connection at least.
+        let sessions = Slab::new(MAX_SESSIONS, id.0)
+            .reserving(reserve)
+            .map_err(reservation_refused)?;
         Ok(Self {
             config,
-            // Quarantined: completions of a removed connection's QP may
-            // still be queued, naming its index; a pass that drained every
-            // CQ after the removal releases it (`poll_once`).
-            conns: Slab::new(MAX_CONNS, id.0)
-                .quarantining()
-                .tracking()
-                .reserving(reserve),
-            // A session has a connection at least.
-            sessions: Slab::new(MAX_SESSIONS, id.0).reserving(reserve),
+            conns,
+            sessions,
             srq,
             // Room for the whole SRQ in every CQ (see `add`).
             cq_load: vec![srq_slots as u32; cqs.len()],

@@ -4,6 +4,8 @@
 //! key also names the slab's owner (its reactor), so a key of another
 //! reactor's slab never reaches a record here either.
 
+use std::collections::TryReserveError;
+
 /// Where a record lives and which tenant of that entry it is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct Key {
@@ -177,25 +179,23 @@ impl<T> Slab<T> {
         self
     }
 
-    /// Room for `count` live entries (at most the limit) and their
-    /// bookkeeping, so adding up to that many never grows a vector: no
-    /// record moves and nothing is allocated. Called after
-    /// [`quarantining`](Self::quarantining) and [`tracking`](Self::tracking),
-    /// whose lists it sizes too.
-    pub(crate) fn reserving(mut self, count: usize) -> Self {
+    /// Room for `count` entries (at most the limit; live ones and those
+    /// removed but still quarantined count alike) and their bookkeeping, so
+    /// that adding up to that many grows no vector: no record moves and
+    /// nothing is allocated. The quarantine and the lists are sized whether
+    /// or not the slab uses them (a few bytes an entry), so the order of
+    /// the builder calls does not matter. An allocation refused is an error,
+    /// not an abort.
+    pub(crate) fn reserving(mut self, count: usize) -> Result<Self, TryReserveError> {
         let count = count.min(self.limit);
-        self.entries.reserve_exact(count);
-        self.free.reserve_exact(count);
-        if self.quarantining {
-            self.quarantine.reserve_exact(count);
+        self.entries.try_reserve_exact(count)?;
+        self.free.try_reserve_exact(count)?;
+        self.quarantine.try_reserve_exact(count)?;
+        // As `insert` reserves: every entry twice in every list.
+        for list in self.lists.iter_mut() {
+            list.try_reserve_exact(count.saturating_mul(2))?;
         }
-        if self.tracking {
-            // As `insert` reserves: every entry twice in every list.
-            for list in self.lists.iter_mut() {
-                list.reserve_exact(2 * count);
-            }
-        }
-        self
+        Ok(self)
     }
 
     /// Entries in quarantine now.
@@ -454,7 +454,11 @@ mod tests {
 
     #[test]
     fn a_reserving_slab_grows_nothing_up_to_its_reservation() {
-        let mut slab = Slab::new(16, 1).quarantining().tracking().reserving(8);
+        let mut slab = Slab::new(16, 1)
+            .quarantining()
+            .tracking()
+            .reserving(8)
+            .unwrap();
         let room = |slab: &Slab<i32>| {
             (
                 slab.entries.as_ptr(),
@@ -486,6 +490,12 @@ mod tests {
         let keys: Vec<Key> = (0..9).map(|i| slab.insert(i).unwrap()).collect();
         assert_eq!(keys.len(), 9);
         assert!(slab.entries.capacity() > before.1);
+    }
+
+    #[test]
+    fn a_reservation_too_large_is_an_error_not_an_abort() {
+        let slab = Slab::<[u8; 4096]>::new(usize::MAX, 1);
+        assert!(slab.reserving(usize::MAX / 2).is_err());
     }
 
     #[test]

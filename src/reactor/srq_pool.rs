@@ -20,8 +20,8 @@ use crate::verbs::{
 
 use super::ReactorConfig;
 use super::conn::{
-    IMM_TRAILER_LEN, MAX_REPOST, Ring, SRQ_SLOT_BITS, SharedRing, recv_request, srq_recv_wr_id,
-    srq_slot,
+    IMM_TRAILER_LEN, MAX_CONNS, MAX_REPOST, Ring, SRQ_SLOT_BITS, SharedRing, recv_request,
+    srq_recv_wr_id, srq_slot,
 };
 use super::slab::Key;
 
@@ -78,6 +78,12 @@ impl SrqPool {
         let srq = pd.create_srq(slots)?;
         let region = pd.alloc_mr(slot_size * slots as usize, AccessFlags::LOCAL_WRITE)?;
         let ring = Ring::of(&region);
+        // Owners of the connections the reactor reserves its records for:
+        // adding one within them grows nothing here either.
+        let mut owners = Vec::new();
+        owners
+            .try_reserve_exact((config.reserve_connections as usize).min(MAX_CONNS))
+            .map_err(super::reservation_refused)?;
         let mut pool = Self {
             srq,
             shared: SharedRing {
@@ -87,7 +93,7 @@ impl SrqPool {
             },
             region,
             promised: 0,
-            owners: Vec::new(),
+            owners,
             returning: RecvBatch::new(),
             stranded: Vec::with_capacity(slots as usize),
             slot_size,

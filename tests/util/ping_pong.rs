@@ -9,8 +9,14 @@ use super::process::Proc;
 /// (`--max-peers`, `--max-size`, ...); returns it and the address it printed.
 #[track_caller]
 pub fn start_server(extra: &[&str]) -> (Proc, SocketAddr) {
+    start_server_with_env(extra, &[])
+}
+
+/// [`start_server`] with `env` added to the server's environment.
+#[track_caller]
+pub fn start_server_with_env(extra: &[&str], env: &[(&str, &str)]) -> (Proc, SocketAddr) {
     let args = [&["--server", "--listen", "127.0.0.1:0"], extra].concat();
-    let mut server = Proc::spawn("ping_pong", &args);
+    let mut server = Proc::spawn_with_env("ping_pong", &args, env);
     let line = server.expect_line("listening on ");
     let addr = line
         .trim_start_matches("listening on ")

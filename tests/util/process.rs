@@ -32,6 +32,8 @@ pub struct Proc {
     pub deadline: Duration,
     /// The program and its arguments, for failure reports.
     what: String,
+    /// Lines failure reports leave out ([`hide_in_report`](Self::hide_in_report)).
+    hidden: Vec<String>,
 }
 
 /// Lines a thread of their own collects from a pipe.
@@ -44,8 +46,15 @@ impl Proc {
     /// Starts `examples/<example>` with `args`; stderr goes to the test's.
     #[track_caller]
     pub fn spawn(example: &str, args: &[&str]) -> Self {
+        Self::spawn_with_env(example, args, &[])
+    }
+
+    /// [`spawn`](Self::spawn) with `env` added to the environment.
+    #[track_caller]
+    pub fn spawn_with_env(example: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(example_binary(example))
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -111,6 +120,7 @@ impl Proc {
             stderr: None,
             deadline: PROCESS_DEADLINE,
             what,
+            hidden: Vec::new(),
         }
     }
 
@@ -143,6 +153,13 @@ impl Proc {
             });
             found += usize::from(self.seen.last().is_some_and(|l| l.contains(needle)));
         }
+    }
+
+    /// Leaves lines containing `needle` out of failure reports: for a
+    /// process that prints a reading every so often, whose lines would
+    /// crowd out what it last said.
+    pub fn hide_in_report(&mut self, needle: &str) {
+        self.hidden.push(needle.to_string());
     }
 
     /// The newest line read so far that contains `needle`.
@@ -216,7 +233,17 @@ impl Proc {
     /// What the process is, the last lines read, and the stderr lines when
     /// they are kept.
     fn report(&self) -> String {
-        let tail = &self.seen[self.seen.len().saturating_sub(40)..];
+        let shown: Vec<&String> = self
+            .seen
+            .iter()
+            .filter(|line| {
+                !self
+                    .hidden
+                    .iter()
+                    .any(|needle| line.contains(needle.as_str()))
+            })
+            .collect();
+        let tail = &shown[shown.len().saturating_sub(40)..];
         let mut report = format!("{}: the last lines: {tail:#?}", self.what);
         if let Some(stderr) = &self.stderr {
             report += &format!(", stderr: {:#?}", stderr.lines.lock().unwrap());
