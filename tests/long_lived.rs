@@ -71,12 +71,15 @@ const KILLED: u64 = 3;
 /// CQs for (`ReactorConfig::reserve_connections`). Before it did, one run's
 /// heap stepped up 112 KiB at cycle 3,700, the first time 33 connection
 /// records were in use at once (its records' vector doubled: 32 more
-/// records of 3,592 bytes), and would have failed here. Read after every
-/// 250 cycles, that run's heap then crept up about 5 KB over 8,000 cycles,
-/// and from cycle 12,000 to the end it stayed within 1.5 KB. The server
-/// keeps its last 256 refused handshakes (`ServerSession::take_failures`),
-/// a bounded creep while it has refused fewer. Over the default run's
-/// 19,500 measured cycles a leak of 4 bytes per cycle exceeds the limit.
+/// records of 3,592 bytes), and would have failed here. With glibc's
+/// thread caches on, the heap then crept up about 13 KB a run (what the
+/// threads' last frees left cached); with them off ([`SERVER_ENV`]) a
+/// diagnostic run of 7,500 cycles, a peer dropped without a goodbye every
+/// fourth, read the same heap to within 176 bytes at all five settled
+/// readings. The server keeps its last 256 refused handshakes
+/// (`ServerSession::take_failures`), a bounded growth while it has refused
+/// fewer; the report counts them. Over the default run's 19,500 measured
+/// cycles a leak of 4 bytes per cycle exceeds the limit.
 const MAX_HEAP_GROWTH: u64 = 64 * 1024;
 /// The server's environment: without glibc's per-thread caches a freed
 /// chunk is free at once, so the count is the bytes in use, not also what
