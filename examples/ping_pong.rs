@@ -54,7 +54,7 @@ struct Args {
     #[arg(long, default_value_t = 1 << 16)]
     max_size: usize,
     /// Print the heap in use (`heap: N B in use`) about this often
-    /// (server; glibc only): the long-lived test reads it, since unlike the
+    /// (server; glibc 2.33 or later): the long-lived test reads it, since unlike the
     /// RSS it does not keep the allocator's high-water marks.
     #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     heap_report_ms: Option<u64>,
@@ -757,7 +757,7 @@ fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
         if Instant::now() >= next_report {
             match heap_in_use() {
                 Some(bytes) => println!("heap: {bytes} B in use"),
-                None => println!("heap: unknown (not glibc)"),
+                None => println!("heap: unknown (no glibc mallinfo2)"),
             }
             next_report = Instant::now() + every;
         }

@@ -259,7 +259,8 @@ pub enum Error {
         #[source]
         cause: CmFailure,
     },
-    /// An operating-system call outside libibverbs failed.
+    /// An operating-system call outside libibverbs failed, or memory asked
+    /// for up front was refused (`ENOMEM`).
     #[error("{what}: {source}")]
     Os {
         /// What we were doing.

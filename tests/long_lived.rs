@@ -73,7 +73,7 @@ const KILLED: u64 = 3;
 /// records were in use at once (its records' vector doubled: 32 more
 /// records of 3,592 bytes), and would have failed here. With glibc's
 /// thread caches on, the heap then crept up about 13 KB a run (what the
-/// threads' last frees left cached); with them off ([`SERVER_ENV`]) a
+/// threads' last frees left cached); with them off ([`server_tunables`]) a
 /// diagnostic run of 7,500 cycles, a peer dropped without a goodbye every
 /// fourth, read the same heap to within 176 bytes at all five settled
 /// readings. The server keeps its last 256 refused handshakes
@@ -83,8 +83,16 @@ const KILLED: u64 = 3;
 const MAX_HEAP_GROWTH: u64 = 64 * 1024;
 /// The server's environment: without glibc's per-thread caches a freed
 /// chunk is free at once, so the count is the bytes in use, not also what
-/// each thread's last frees left cached (up to hundreds of KiB a thread).
-const SERVER_ENV: &[(&str, &str)] = &[("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")];
+/// each thread's last frees left cached (up to about 230 KiB a thread).
+/// Added to the tunables the test was given, if any: the last setting of a
+/// tunable wins.
+fn server_tunables() -> String {
+    const NO_TCACHE: &str = "glibc.malloc.tcache_count=0";
+    match std::env::var("GLIBC_TUNABLES") {
+        Ok(given) if !given.is_empty() => format!("{given}:{NO_TCACHE}"),
+        _ => NO_TCACHE.to_string(),
+    }
+}
 /// Heap readings [`settled_heap`] takes the lowest of: a reading taken
 /// while a reactor thread holds a short-lived allocation is higher, never
 /// lower.
@@ -580,7 +588,9 @@ verbs_test! {
         let cycles = cycles();
         let warm_up = WARM_UP.min(cycles / 2);
         let measured = cycles - warm_up;
-        let (mut server, addr) = start_server_with_env(SERVER_ARGS, SERVER_ENV);
+        let tunables = server_tunables();
+        let (mut server, addr) =
+            start_server_with_env(SERVER_ARGS, &[("GLIBC_TUNABLES", tunables.as_str())]);
         server.hide_in_report("heap: ");
         let pid = server.pid();
         let mut clients = Clients::new(addr);

@@ -226,7 +226,7 @@ impl<H: Handler, L: PeerLink> fmt::Debug for Reactor<H, L> {
 /// What a refused reservation of `ReactorConfig::reserve_connections`
 /// records becomes: the reactor is not built (an allocation failure would
 /// otherwise abort the process).
-pub(super) fn reservation_refused(_: std::collections::TryReserveError) -> crate::Error {
+fn reservation_refused(_: std::collections::TryReserveError) -> crate::Error {
     crate::Error::Os {
         what: "reserving the reactor's records (ReactorConfig::reserve_connections)",
         source: std::io::Error::from_raw_os_error(libc::ENOMEM),

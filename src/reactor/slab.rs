@@ -494,8 +494,27 @@ mod tests {
 
     #[test]
     fn a_reservation_too_large_is_an_error_not_an_abort() {
+        // About 2^52 bytes: within what a Vec may ask for, beyond any
+        // address space, so the allocator itself refuses it (which
+        // `reserve_exact` would have turned into an abort).
         let slab = Slab::<[u8; 4096]>::new(usize::MAX, 1);
-        assert!(slab.reserving(usize::MAX / 2).is_err());
+        assert!(slab.reserving(1 << 40).is_err());
+    }
+
+    #[test]
+    fn a_reservation_does_not_depend_on_the_order_of_the_builder() {
+        let room = |slab: &Slab<i32>| {
+            (
+                slab.entries.capacity(),
+                slab.free.capacity(),
+                slab.quarantine.capacity(),
+                slab.lists.each_ref().map(Vec::capacity),
+            )
+        };
+        let first = Slab::new(64, 1).reserving(8).unwrap();
+        let first = first.quarantining().tracking();
+        let last = Slab::new(64, 1).quarantining().tracking().reserving(8);
+        assert_eq!(room(&first), room(&last.unwrap()));
     }
 
     #[test]
