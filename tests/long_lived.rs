@@ -77,8 +77,9 @@ const KILLED: u64 = 3;
 /// diagnostic run of 7,500 cycles, a peer dropped without a goodbye every
 /// fourth, read the same heap to within 176 bytes at all five settled
 /// readings. The server keeps its last 256 refused handshakes
-/// (`ServerSession::take_failures`), a bounded growth while it has refused
-/// fewer; the report counts them. Over the default run's 19,500 measured
+/// (`ServerSession::take_failures`; room for them is reserved, what their
+/// errors say is not), a bounded growth while it has refused fewer; the
+/// report counts them. Over the default run's 19,500 measured
 /// cycles a leak of 4 bytes per cycle exceeds the limit.
 const MAX_HEAP_GROWTH: u64 = 64 * 1024;
 /// The server's environment: without glibc's per-thread caches a freed

@@ -443,3 +443,19 @@ verbs_test! {
         drop(goodbye.join().unwrap());
     }
 }
+
+verbs_test! {
+    fn a_pending_handshake_limit_too_large_to_reserve_is_an_error_not_an_abort() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        // The server reserves its tables of handshakes in progress for the
+        // most it allows; this many cannot be had.
+        let config = ServerConfig { max_pending_handshakes: usize::MAX, ..Default::default() };
+        match ServerSession::bind("127.0.0.1:0", &pd, config) {
+            Err(err) => assert_eq!(err.errno(), Some(libc::ENOMEM), "{err}"),
+            Ok(_) => panic!("a server reserved tables for usize::MAX handshakes"),
+        }
+        // A sane limit still binds.
+        server(&pd, ServerConfig::default());
+    }
+}

@@ -83,15 +83,16 @@ pub struct ReactorConfig {
     /// Connections the reactor makes room for when it is built: its
     /// connection and session records for this many (about 4 KiB of
     /// address space each, whose pages are touched only when used) and
-    /// their bookkeeping (slab lists, SRQ owners) are allocated then, or
+    /// their bookkeeping (slab lists, SRQ owners, the list of removals a
+    /// pass asks for) are allocated then, or
     /// [`Reactor::new`](super::Reactor::new) fails with `ENOMEM`. While no
     /// more records are in use at once (live ones, and those removed since
     /// the last pass), adding a connection grows none of these tables and
     /// moves no record: the reactor's records do not step a long-running
     /// server's heap up the first time it holds more peers at once than
-    /// before, and no add copies every record. (A list of removals asked
-    /// for within one pass, and a session server's tables of handshakes in
-    /// progress, still follow the busiest moment.) The connection's own QP, rings, registrations
+    /// before, and no add copies every record. (A session server sizes its
+    /// tables of handshakes in progress by its own limits.) The
+    /// connection's own QP, rings, registrations
     /// and session entry are still made as it is added. Past it, more are
     /// accepted up to the reactor's limit, and the tables grow then.
     /// [`absorbing`](Self::absorbing) (so also

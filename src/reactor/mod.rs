@@ -279,6 +279,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let sessions = Slab::new(MAX_SESSIONS, id.0)
             .reserving(reserve)
             .map_err(reservation_refused)?;
+        // Removals asked for within one pass: at most every session.
+        let mut removals = Vec::new();
+        removals
+            .try_reserve_exact(reserve)
+            .map_err(reservation_refused)?;
         Ok(Self {
             config,
             conns,
@@ -302,7 +307,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             stop: Arc::new(AtomicBool::new(false)),
             id,
             deferred: Deferred {
-                removals: Vec::new(),
+                removals,
                 srq_returns: Vec::with_capacity(srq_slots),
             },
             peer_timer,

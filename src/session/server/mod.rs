@@ -286,6 +286,19 @@ impl ServerSession {
             ));
         }
         let os = |what| move |source| Error::Os { what, source };
+        // The tables of handshakes in progress, sized for the most there
+        // can be, and the record of failures, for the most it keeps: a
+        // server that runs for months does not grow them at its busiest
+        // moments.
+        let mut pending = Pending::default();
+        pending
+            .per_address
+            .try_reserve(config.max_pending_handshakes)
+            .and_then(|()| pending.sockets.try_reserve(config.max_pending_handshakes))
+            .map_err(|_| Error::Os {
+                what: "reserving the pending-handshake tables (max_pending_handshakes)",
+                source: io::Error::from_raw_os_error(libc::ENOMEM),
+            })?;
         let (listener, local_addr) = match config.transport {
             Transport::Tcp => {
                 let listener =
@@ -306,9 +319,9 @@ impl ServerSession {
         let (waker, wake_receiver) = net::wake_pair().map_err(os("creating the accept wake-up"))?;
         let (tx, rx) = mpsc::sync_channel(config.accept_backlog);
         let state = Arc::new(State {
-            failures: Mutex::new(VecDeque::new()),
+            failures: Mutex::new(VecDeque::with_capacity(MAX_RECORDED_FAILURES)),
             failed: AtomicU64::new(0),
-            pending: Mutex::new(Pending::default()),
+            pending: Mutex::new(pending),
             reserved: AtomicUsize::new(0),
             admitted: AtomicUsize::new(0),
             established: AtomicUsize::new(0),
