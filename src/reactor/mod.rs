@@ -282,7 +282,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // Removals asked for within one pass: at most every session.
         let mut removals = Vec::new();
         removals
-            .try_reserve_exact(reserve)
+            .try_reserve_exact(reserve.min(MAX_SESSIONS))
             .map_err(reservation_refused)?;
         Ok(Self {
             config,

@@ -74,6 +74,12 @@ impl fmt::Debug for QpHome {
 /// [`ServerSession::take_failures`].
 pub type FailureFn = dyn Fn(&HandshakeFailure) + Send + Sync;
 
+/// Most handshakes in progress whose table entries a server reserves when
+/// it binds (a higher [`ServerConfig::max_pending_handshakes`] is allowed;
+/// its tables grow past this then). Each pending handshake holds a thread
+/// and two descriptors, so more than this at once is rare.
+const RESERVED_PENDING: usize = 1024;
+
 /// Most handshake failures kept for [`ServerSession::take_failures`]; older
 /// ones are dropped (and counted by [`ServerSession::failed_handshakes`]).
 pub const MAX_RECORDED_FAILURES: usize = 256;
@@ -100,7 +106,9 @@ pub struct ServerConfig {
     /// long.
     pub hello_timeout: Duration,
     /// Handshakes in progress at once; connections beyond it are refused at
-    /// once as busy (clients retry within their connect deadline).
+    /// once as busy (clients retry within their connect deadline). The
+    /// server reserves its tables for this many when it binds (for at most
+    /// 1024; past that they grow as needed).
     pub max_pending_handshakes: usize,
     /// Handshakes in progress at once from one IPv4 address or IPv6 /64, so
     /// that one host cannot take every pending slot.
@@ -287,18 +295,20 @@ impl ServerSession {
         }
         let os = |what| move |source| Error::Os { what, source };
         // The tables of handshakes in progress, sized for the most there
-        // can be, and the record of failures, for the most it keeps: a
-        // server that runs for months does not grow them at its busiest
-        // moments.
-        let mut pending = Pending::default();
-        pending
-            .per_address
-            .try_reserve(config.max_pending_handshakes)
-            .and_then(|()| pending.sockets.try_reserve(config.max_pending_handshakes))
-            .map_err(|_| Error::Os {
-                what: "reserving the pending-handshake tables (max_pending_handshakes)",
-                source: io::Error::from_raw_os_error(libc::ENOMEM),
-            })?;
+        // can be (up to a cap), and the record of failures, for the most it
+        // keeps: a server that runs for months does not grow them at its
+        // busiest moments. Twice the room: entries removed leave markers
+        // that count against it until the table is rehashed.
+        let room = 2 * config.max_pending_handshakes.min(RESERVED_PENDING);
+        let pending = Pending {
+            per_address: HashMap::with_capacity(room),
+            // Only a TCP handshake keeps its socket there.
+            sockets: match config.transport {
+                Transport::Tcp => HashMap::with_capacity(room),
+                Transport::RdmaCm => HashMap::new(),
+            },
+            ..Pending::default()
+        };
         let (listener, local_addr) = match config.transport {
             Transport::Tcp => {
                 let listener =
