@@ -92,9 +92,9 @@ pub struct ReactorConfig {
     /// server's heap up the first time it holds more peers at once than
     /// before, and no add copies every record. (A session server sizes its
     /// tables of handshakes in progress by its own limits.) The
-    /// connection's own QP, rings, registrations
-    /// and session entry are still made as it is added. Past it, more are
-    /// accepted up to the reactor's limit, and the tables grow then.
+    /// connection's own QP, rings, registrations and session entry are
+    /// still made as it is added. Past it, more are accepted up to the
+    /// reactor's limit, and the tables grow then.
     /// [`absorbing`](Self::absorbing) (so also
     /// [`for_traffic`](Self::for_traffic)) raises it to the connections it
     /// sizes the CQs for.
