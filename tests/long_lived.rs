@@ -135,7 +135,7 @@ macro_rules! report {
     }};
 }
 
-/// Byte `i` of ping `seq`, as `examples/ping_pong.rs` fills and checks it.
+/// Byte `i` of ping `seq`, as `examples/ping_pong/main.rs` fills and checks it.
 fn pattern(seq: u64, i: usize) -> u8 {
     (seq.wrapping_mul(0x9e37_79b9).wrapping_add(i as u64 * 31) >> 3) as u8
 }
