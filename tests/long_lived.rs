@@ -79,8 +79,8 @@ const KILLED: u64 = 3;
 /// readings. The server keeps its last 256 refused handshakes
 /// (`ServerSession::take_failures`; room for them is reserved, what their
 /// errors say is not), a bounded growth while it has refused fewer; the
-/// report counts them. Over the default run's 19,500 measured
-/// cycles a leak of 4 bytes per cycle exceeds the limit.
+/// report counts them. Over the default run's 19,500 measured cycles a
+/// leak of 4 bytes per cycle exceeds the limit.
 const MAX_HEAP_GROWTH: u64 = 64 * 1024;
 /// The server's environment: without glibc's per-thread caches a freed
 /// chunk is free at once, so the count is the bytes in use, not also what
@@ -94,6 +94,8 @@ fn server_tunables() -> String {
         _ => NO_TCACHE.to_string(),
     }
 }
+/// What the server's heap lines start with (`ping_pong --heap-report-ms`).
+const HEAP_LINE: &str = "heap: ";
 /// Heap readings [`settled_heap`] takes the lowest of: a reading taken
 /// while a reactor thread holds a short-lived allocation is higher, never
 /// lower.
@@ -109,9 +111,9 @@ const HEAP_READINGS: usize = 10;
 /// steady leak the floors are about the readings at cycles 500 and 17,500:
 /// the ~15 KiB a connection holds (its record, rings and registrations)
 /// leaked each cycle is ~250 MiB, and anything above about 370 bytes per
-/// cycle exceeds it. A shorter
-/// run (`RDMA_LONG_LIVED_CYCLES`) has closer windows and catches only
-/// larger leaks (at 3,000 cycles, about 3 KiB per cycle).
+/// cycle exceeds it. A shorter run (`RDMA_LONG_LIVED_CYCLES`) has closer
+/// windows and catches only larger leaks (at 3,000 cycles, about 3 KiB
+/// per cycle).
 const MAX_RSS_GROWTH_KIB: u64 = 6 * 1024;
 /// Readings the floor at each end is the lowest of. The server's RSS swings
 /// by 2-4 MiB between single readings (freed memory the allocator has not
@@ -548,13 +550,14 @@ fn settle(server: &mut Proc, verified: u64, killed: u64) {
 /// [`HEAP_READINGS`] fresh readings (`ping_pong --heap-report-ms`).
 #[track_caller]
 fn settled_heap(server: &mut Proc) -> u64 {
-    const HEAP: &str = "heap: ";
-    let mut lines = server.count(HEAP);
+    let mut lines = server.count(HEAP_LINE);
     let mut lowest = u64::MAX;
     for _ in 0..HEAP_READINGS {
         lines += 1;
-        server.expect_lines(HEAP, lines);
-        let line = server.last_line(HEAP).expect("the heap line just read");
+        server.expect_lines(HEAP_LINE, lines);
+        let line = server
+            .last_line(HEAP_LINE)
+            .expect("the heap line just read");
         let bytes = line
             .split_whitespace()
             .nth(1)
@@ -592,7 +595,7 @@ verbs_test! {
         let tunables = server_tunables();
         let (mut server, addr) =
             start_server_with_env(SERVER_ARGS, &[("GLIBC_TUNABLES", tunables.as_str())]);
-        server.hide_in_report("heap: ");
+        server.hide_in_report(HEAP_LINE);
         let pid = server.pid();
         let mut clients = Clients::new(addr);
         report!("long_lived: {cycles} cycles ({warm_up} warm-up), {WORKERS} client threads with {IN_FLIGHT} sessions in flight each, {PINGS} pings of {SIZE} B each");
