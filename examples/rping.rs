@@ -288,7 +288,8 @@ impl Conn {
         loop {
             match self.wait()? {
                 Wake::Completion(wc) => {
-                    wc.ok()?;
+                    // Named as every other failure here is: by the peer.
+                    wc.ok().map_err(|err| err.with_peer(Some(self.peer)))?;
                     if wc.opcode() == opcode {
                         return Ok(wc.byte_len());
                     }

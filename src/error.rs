@@ -621,8 +621,11 @@ impl Error {
 
     /// Names `peer` as the peer of a failed completion, a credit overrun or
     /// a malformed message that did not say (other errors are returned as
-    /// they are).
-    pub(crate) fn with_peer(mut self, peer: Option<SocketAddr>) -> Self {
+    /// they are). For code on the verbs layer that knows whom its QP is
+    /// connected to: [`WorkCompletion::ok`](crate::verbs::WorkCompletion::ok)
+    /// knows no peer, so `wc.ok().map_err(|e| e.with_peer(Some(peer)))`
+    /// makes its error name one.
+    pub fn with_peer(mut self, peer: Option<SocketAddr>) -> Self {
         if let Error::Completion {
             peer: slot @ None, ..
         }
