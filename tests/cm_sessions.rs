@@ -9,12 +9,12 @@ mod util;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use rdma_comm_core::Error;
-use rdma_comm_core::session::wire::{Hello, MAGIC, Message, VERSION};
+use rdma_comm_core::session::wire::{Hello, MAGIC, Message, VERSION, WireError};
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::cm::{CmEventKind, CmId, EventChannel};
 use rdma_comm_core::verbs::*;
@@ -161,6 +161,85 @@ verbs_test! {
         let mut client = client.join().unwrap().expect("the client retried until the server listened");
         assert!(started.elapsed() >= Duration::from_millis(700));
         exchange(&pd, &mut client, &mut served, b"late but fine");
+    }
+}
+
+/// A server whose admission callback sleeps through its 1 s handshake
+/// deadline on the calls `slow` picks: it cuts those handshakes without a
+/// word, as one whose deadline ran out while its client was slow. Returns
+/// the server and the number of calls so far.
+fn slow_admitting_server(
+    pd: &ProtectionDomain,
+    slow: fn(usize) -> bool,
+) -> (ServerSession, Arc<AtomicUsize>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&calls);
+    let mut config = server_config();
+    config.handshake_timeout = Duration::from_secs(1);
+    config.authorize = Some(Arc::new(move |_: &PeerHello| {
+        if slow(seen.fetch_add(1, Ordering::SeqCst)) {
+            thread::sleep(Duration::from_millis(1500));
+        }
+        Ok(())
+    }));
+    (ServerSession::bind(addr(), pd, config).unwrap(), calls)
+}
+
+/// A cut before our `Ready`, as the client reports it over rdma_cm: the
+/// peer's disconnect, as a reset connection.
+fn is_cut(err: &Error) -> bool {
+    matches!(err, Error::Handshake { source: WireError::Io(io), .. }
+        if io.kind() == std::io::ErrorKind::ConnectionReset && io.to_string().contains("RDMA_CM_EVENT_DISCONNECTED"))
+}
+
+verbs_test! {
+    /// Over the connection manager as over TCP, a handshake the server cut
+    /// without a word before our `Ready` is tried again within the connect
+    /// deadline; a server that keeps cutting leaves the client with the cut
+    /// at the deadline, and one that cut and stopped listening at once.
+    fn a_handshake_the_server_cut_is_tried_again_over_rdma_cm() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let (server, calls) = slow_admitting_server(&pd, |call| call == 0);
+        let mut client = ClientSession::connect(server.local_addr(), &pd, &client_config()).expect("connected on the second try");
+        let mut served = server.accept_timeout(DEADLINE).expect("the server's side");
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "one cut handshake, one that went through");
+        exchange(&pd, &mut client, &mut served, b"after a cut");
+        let failures = server.take_failures();
+        assert!(failures.len() == 1 && failures[0].error.to_string().contains("timed out"), "{failures:?}");
+        assert!(server.try_accept().is_none(), "one session for one connect");
+        drop((client, served, server));
+
+        let (server, calls) = slow_admitting_server(&pd, |_| true);
+        let mut config = client_config();
+        config.connect_deadline = Duration::from_secs(3);
+        let started = Instant::now();
+        let err = ClientSession::connect(server.local_addr(), &pd, &config).unwrap_err();
+        // The last try ends at the connect deadline: cut, or timed out
+        // first on our side.
+        let timed_out = matches!(&err, Error::Handshake { source: WireError::Io(io), .. }
+            if io.kind() == std::io::ErrorKind::TimedOut);
+        assert!(is_cut(&err) || timed_out, "{err}");
+        assert!(calls.load(Ordering::SeqCst) >= 2, "tried again");
+        assert!(started.elapsed() < Duration::from_secs(8), "gave up near the deadline: {:?}", started.elapsed());
+        drop(server);
+
+        // The server goes away while it admits the first try: the client's
+        // one reconnect finds nobody listening and reports the cut.
+        let (server, calls) = slow_admitting_server(&pd, |_| true);
+        let at = server.local_addr();
+        config.connect_deadline = Duration::from_secs(30);
+        let client_pd = pd.clone();
+        let started = Instant::now();
+        let client = thread::spawn(move || ClientSession::connect(at, &client_pd, &config));
+        while calls.load(Ordering::SeqCst) == 0 && started.elapsed() < DEADLINE {
+            thread::sleep(Duration::from_millis(10));
+        }
+        drop(server);
+        let err = client.join().unwrap().unwrap_err();
+        assert!(is_cut(&err), "the cut, not the refused reconnect: {err}");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert!(started.elapsed() < Duration::from_secs(10), "not the whole deadline: {:?}", started.elapsed());
     }
 }
 

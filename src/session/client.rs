@@ -91,11 +91,12 @@ impl ClientSession {
     /// Connects to `addr`, retrying refused or unreachable attempts with
     /// exponential backoff until the deadline, then runs the handshake.
     /// A handshake is tried again, within the same deadline, when the server
-    /// answers busy, or (over TCP) cuts it without a word before our
-    /// `Ready`: its hello or handshake deadline ran out while this process,
-    /// or the server, was slow. The attempt after a cut connects once: a
-    /// server that no longer listens (its peer limit reached, or shut down)
-    /// ends the retries with the cut. A refusal that says why (a wrong key,
+    /// answers busy, or cuts it without a word before our `Ready` (over
+    /// TCP it closes or resets the connection, over rdma_cm it
+    /// disconnects): its hello or handshake deadline ran out while this
+    /// process, or the server, was slow. The attempt after a cut connects
+    /// once: a server that no longer listens (its peer limit reached, or
+    /// shut down) ends the retries with the cut. A refusal that says why (a wrong key,
     /// an unauthorized peer, a bad request), a server that keeps silent
     /// until our handshake timeout, and a cut after our `Ready` (the server
     /// may have kept the session) are not retried. The handshake's own
@@ -129,7 +130,7 @@ impl ClientSession {
                 cut.take(),
             ) {
                 // The server cut us and stopped listening: the cut says why.
-                (Err(Error::ConnectTimeout { .. }), Some(cut)) => return Err(cut),
+                (Err(err), Some(cut)) if nobody_listens(&err) => return Err(cut),
                 (Err(err), _)
                     if worth_another_try(&err)
                         && start.elapsed() + backoff < config.connect_deadline =>
@@ -175,7 +176,8 @@ impl ClientSession {
                     .checked_add(config.connect_deadline)
                     .unwrap_or(start + Duration::from_secs(365 * 86_400));
                 let backoff = (config.initial_backoff, config.max_backoff);
-                let control = super::cm::connect(addr, handshake_timeout, deadline, backoff)?;
+                let control =
+                    super::cm::connect(addr, handshake_timeout, deadline, backoff, !after_cut)?;
                 Self::handshake(pd, config, control, |control| {
                     Ok(ControlLink::Cm(Box::new(control.into_link())))
                 })
@@ -217,6 +219,13 @@ impl ClientSession {
             link(control)?,
         ))
     }
+}
+
+/// Whether a connect tried once found nobody listening: over TCP a refused
+/// (or unanswered) connect, over rdma_cm a reject for want of a listener
+/// or an unreachable peer.
+fn nobody_listens(err: &Error) -> bool {
+    matches!(err, Error::ConnectTimeout { .. }) || super::cm::not_there(err)
 }
 
 /// Whether a failed handshake may go through if tried again: the server

@@ -215,6 +215,18 @@ impl ControlQp {
         WireError::Io(io::Error::other(err.to_string()))
     }
 
+    /// The end of the connection as the handshake sees it. The peer's
+    /// disconnect is a cut ([`io::ErrorKind::ConnectionReset`], as a TCP
+    /// reset is): before our `Ready` a client may try the handshake again
+    /// (see `handshake::is_cut`). Any other end is final.
+    fn ended_wire_error(&self, err: Error) -> WireError {
+        let kind = match self.ended {
+            Some((CmEventKind::Disconnected, _)) => io::ErrorKind::ConnectionReset,
+            _ => io::ErrorKind::Other,
+        };
+        WireError::Io(io::Error::new(kind, err.to_string()))
+    }
+
     /// Polls the CQ once: receives go to `arrived`; returns whether our
     /// SEND completed. A failed completion is an error.
     fn poll(&mut self) -> Result<bool> {
@@ -270,7 +282,7 @@ impl ControlQp {
             if late || self.arrived.len() > before {
                 return Ok(late);
             }
-            return Err(self.wire_error(err));
+            return Err(self.ended_wire_error(err));
         }
         if self.cut.as_ref().is_some_and(|cut| cut()) {
             return Err(WireError::Io(io::Error::other(
@@ -400,14 +412,16 @@ fn ended_error(got: CmEventKind, status: i32, peer: SocketAddr) -> Error {
 }
 
 /// The client's side: resolves `addr` and connects a control QP to the
-/// session server there, within `deadline`. A server that is not
-/// listening yet (or not reachable yet) is retried with backoff; a
-/// server's refusal comes back as [`Error::Rejected`] with its code.
+/// session server there, within `deadline`. With `retry`, a server that
+/// is not listening yet (or not reachable yet) is tried again with
+/// backoff; without, that is an error [`not_there`] tells. A server's
+/// refusal comes back as [`Error::Rejected`] with its code.
 pub(super) fn connect(
     addr: &impl ToSocketAddrs,
     handshake_timeout: Duration,
     deadline: Instant,
     backoff: (Duration, Duration),
+    retry: bool,
 ) -> Result<ControlQp> {
     let os = |source| Error::Os {
         what: "resolving the session server's address",
@@ -421,7 +435,7 @@ pub(super) fn connect(
     let (mut wait, max_wait) = backoff;
     loop {
         match connect_once(target, deadline) {
-            Err(err) if not_there_yet(&err) && Instant::now() + wait < deadline => {
+            Err(err) if retry && not_there(&err) && Instant::now() + wait < deadline => {
                 std::thread::sleep(wait);
                 wait = (wait * 2).min(max_wait);
             }
@@ -436,7 +450,7 @@ pub(super) fn connect(
 
 /// Nobody listens there (yet), or the peer did not answer: worth another
 /// try within the deadline. Any other refusal is final.
-fn not_there_yet(err: &Error) -> bool {
+pub(super) fn not_there(err: &Error) -> bool {
     matches!(
         err,
         Error::Cm {
