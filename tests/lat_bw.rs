@@ -10,6 +10,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use util::process::Proc;
 use util::*;
 
 /// Debug builds of both sides share two emulated cores.
@@ -304,6 +305,39 @@ verbs_test! {
         let extra = ["--batch", "1", "--signal", "1"];
         let (row, _) = run_example("verbs_perf", &listen, &extra, "send", "bw", 4096, 500);
         assert!(row[3] > 0.0, "{row:?}");
+    }
+}
+
+/// Write syscalls `pid` made so far (`/proc/PID/io`): with Soft-RoCE each
+/// doorbell is one.
+fn write_syscalls(pid: u32) -> u64 {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
+    io.lines()
+        .find_map(|line| line.strip_prefix("syscw: "))
+        .and_then(|count| count.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+verbs_test! {
+    /// A verbs_perf client whose server dies mid-run fails with the failed
+    /// completion's error, naming the peer, as the tools' other failures do.
+    fn verbs_perf_names_the_peer_of_a_failed_completion() {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let mut server = Proc::spawn("verbs_perf", &["--server", "--listen", &listen, "--op", "read", "-s", "8", "-n", "100000000"]);
+        let mut command = Command::new(example_binary("verbs_perf"));
+        // rxe retries for ever at the default retry count (7).
+        command.args(["--connect", &listen, "--op", "read", "-s", "8", "-n", "100000000", "--retry-cnt", "2"]);
+        let mut client = Proc::spawn_reading_both(command);
+        // In the READ loop once its doorbells run in the thousands (the
+        // handshake rings a few).
+        let pid = client.pid();
+        client.wait_until("the client's READ loop", || write_syscalls(pid) > 5_000);
+        server.kill();
+        let (status, _, stderr) = client.finish_with_stderr();
+        let stderr = stderr.join("\n");
+        assert!(!status.success(), "{stderr}");
+        assert!(stderr.contains("failed: IBV_WC_") && stderr.contains(&listen), "a failed completion that names {listen}: {stderr}");
+        drop(server);
     }
 }
 

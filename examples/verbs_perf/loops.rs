@@ -2,6 +2,7 @@
 //! go through, selective signaling, and the bound on every wait.
 
 use std::io;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use rdma_comm_core::verbs::{
@@ -147,6 +148,8 @@ pub(crate) struct Link<'r> {
     sq_depth: u64,
     /// Every wait's bound: no progress for STALL, or past the deadline.
     patience: Patience,
+    /// Named in a failed completion's error.
+    peer: SocketAddr,
 }
 
 /// Selective signaling: one request in `every` is signaled, and carries in
@@ -179,8 +182,8 @@ impl<'r> Link<'r> {
         cq: CompletionQueue,
         buffer: MemoryRegion,
         requests: Requests<'r>,
-        sq_depth: u32,
         deadline: Instant,
+        peer: SocketAddr,
     ) -> Self {
         Self {
             qp,
@@ -194,8 +197,9 @@ impl<'r> Link<'r> {
                 unsignaled: 0,
             },
             sq_used: 0,
-            sq_depth: u64::from(sq_depth),
+            sq_depth: u64::from(super::sq_depth(args)),
             patience: Patience::new(deadline),
+            peer,
         }
     }
 
@@ -205,7 +209,7 @@ impl<'r> Link<'r> {
     fn poll(&mut self) -> Result<u64> {
         let mut received = 0;
         for wc in self.cq.poll(&mut self.wcs)? {
-            wc.ok()?;
+            wc.ok().map_err(|err| err.with_peer(Some(self.peer)))?;
             let opcode = wc.opcode();
             if opcode == WcOpcode::RECV || opcode == WcOpcode::RECV_RDMA_WITH_IMM {
                 received += 1;
@@ -293,7 +297,7 @@ impl<'r> Link<'r> {
             self.patience.progressed();
             loop {
                 if let Some(wc) = self.cq.poll(&mut self.wcs[..1])?.first() {
-                    wc.ok()?;
+                    wc.ok().map_err(|err| err.with_peer(Some(self.peer)))?;
                     // The window binds set-up posted are unsignaled: nothing
                     // else completes here.
                     debug_assert_eq!(wc.wr_id(), 1, "a completion not the READ's");

@@ -175,10 +175,16 @@ fn main() -> ExitCode {
     }
 }
 
+/// The send queue's depth: room for `-t` requests in flight, a signal
+/// interval and a batch.
+fn sq_depth(args: &Args) -> u32 {
+    args.tx_depth.max(args.signal).max(u64::from(args.batch)) as u32
+}
+
 fn run(args: &Args) -> Result<()> {
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
-    let sq_depth = args.tx_depth.max(args.signal).max(u64::from(args.batch)) as u32;
+    let sq_depth = sq_depth(args);
     let cq = ctx.create_cq(sq_depth + RECV_DEPTH, None)?;
     // Exported through a window per peer: no REMOTE_* rights of its own.
     let buffer = pd.alloc_mr(
@@ -197,7 +203,7 @@ fn run(args: &Args) -> Result<()> {
     // requests built once can borrow it while the loop writes the buffer.
     let registration = buffer.registration().clone();
     let requests = Requests::new(args, &qp, &registration, peer)?;
-    let mut run = Link::new(args, qp, cq, buffer, requests, sq_depth, deadline);
+    let mut run = Link::new(args, qp, cq, buffer, requests, deadline, link.peer());
     if args.op == Op::Send {
         for _ in 0..RECV_DEPTH {
             run.post_receive()?;
