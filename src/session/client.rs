@@ -90,17 +90,19 @@ pub struct ClientSession;
 impl ClientSession {
     /// Connects to `addr`, retrying refused or unreachable attempts with
     /// exponential backoff until the deadline, then runs the handshake.
-    /// A handshake is tried again, within the same deadline, when the server
-    /// answers busy, or cuts it without a word before our `Ready` (over
-    /// TCP it closes or resets the connection, over rdma_cm it
+    /// A handshake is tried again, within the same deadline, when the
+    /// server answers busy, or cuts it without a word before our `Ready`
+    /// (over TCP it closes or resets the connection, over rdma_cm it
     /// disconnects): its hello or handshake deadline ran out while this
     /// process, or the server, was slow. The attempt after a cut connects
     /// once: a server that no longer listens (its peer limit reached, or
-    /// shut down) ends the retries with the cut. A refusal that says why (a wrong key,
-    /// an unauthorized peer, a bad request), a server that keeps silent
-    /// until our handshake timeout, and a cut after our `Ready` (the server
-    /// may have kept the session) are not retried. The handshake's own
-    /// timeout ends at the connect deadline at the latest.
+    /// shut down) ends the retries with the cut. A refusal that says why
+    /// (a wrong key, an unauthorized peer, a bad request), a server that
+    /// keeps silent until our handshake timeout, and a cut once our `Ready`
+    /// is on its way (the server may have kept the session) are not
+    /// retried. Each handshake's timeout is counted from its connect and
+    /// ends at the connect deadline at the latest (a refusal of ours gets
+    /// 200 ms more to go out).
     ///
     /// Either every QP is connected and ready, or an error is returned and
     /// every resource created on the way is destroyed: never half-connected.
@@ -149,7 +151,7 @@ impl ClientSession {
     }
 
     /// One connection and handshake, within what is left of the connect
-    /// deadline; after a cut, the TCP connection is tried once.
+    /// deadline; after a cut, the connection is tried once.
     fn attempt(
         addr: &impl ToSocketAddrs,
         pd: &ProtectionDomain,
@@ -157,27 +159,35 @@ impl ClientSession {
         start: Instant,
         after_cut: bool,
     ) -> Result<Endpoint> {
-        let remaining = config
-            .connect_deadline
-            .saturating_sub(start.elapsed())
-            .max(Duration::from_millis(1));
-        let handshake_timeout = config.handshake_timeout.min(remaining);
+        // A deadline past the clock's range is a year away.
+        let deadline = start
+            .checked_add(config.connect_deadline)
+            .unwrap_or(start + Duration::from_secs(365 * 86_400));
+        let remaining = || {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1))
+        };
         match config.transport {
             Transport::Tcp => {
-                let (stream, peer) = connect_with_retry(addr, config, remaining, !after_cut)?;
+                let (stream, peer) = connect_with_retry(addr, config, remaining(), !after_cut)?;
+                // Counted from now: a connect that waited for a late server
+                // leaves the handshake only what is left of the deadline.
+                let handshake_timeout = config.handshake_timeout.min(remaining());
                 let control = Control::new(stream, peer, handshake_timeout, handshake_timeout);
                 Self::handshake(pd, config, control, |control| {
                     Ok(ControlLink::tcp(control.into_stream()?))
                 })
             }
             Transport::RdmaCm => {
-                // A deadline past the clock's range is a year away.
-                let deadline = start
-                    .checked_add(config.connect_deadline)
-                    .unwrap_or(start + Duration::from_secs(365 * 86_400));
                 let backoff = (config.initial_backoff, config.max_backoff);
-                let control =
-                    super::cm::connect(addr, handshake_timeout, deadline, backoff, !after_cut)?;
+                let control = super::cm::connect(
+                    addr,
+                    config.handshake_timeout,
+                    deadline,
+                    backoff,
+                    !after_cut,
+                )?;
                 Self::handshake(pd, config, control, |control| {
                     Ok(ControlLink::Cm(Box::new(control.into_link())))
                 })

@@ -353,9 +353,14 @@ impl FrameIo for ControlQp {
         self.send_until(frame, self.deadline)
     }
 
+    /// The last frame (a refusal) gets `LAST_FRAME_WAIT` to be
+    /// acknowledged, even past the handshake's deadline or once the server
+    /// is going away: the disconnect that follows must not overtake it.
     fn send_last(&mut self, frame: &[u8]) {
-        let deadline = self.deadline.min(Instant::now() + super::LAST_FRAME_WAIT);
+        let deadline = Instant::now() + super::LAST_FRAME_WAIT;
+        let cut = self.cut.take();
         let _ = self.send_until(frame, deadline);
+        self.cut = cut;
     }
 
     fn admitted(&mut self) {
@@ -412,10 +417,11 @@ fn ended_error(got: CmEventKind, status: i32, peer: SocketAddr) -> Error {
 }
 
 /// The client's side: resolves `addr` and connects a control QP to the
-/// session server there, within `deadline`. With `retry`, a server that
-/// is not listening yet (or not reachable yet) is tried again with
-/// backoff; without, that is an error [`not_there`] tells. A server's
-/// refusal comes back as [`Error::Rejected`] with its code.
+/// session server there, within `deadline`; the handshake then has
+/// `handshake_timeout`, but no time past `deadline`. With `retry`, a
+/// server that is not listening yet (or not reachable yet) is tried again
+/// with backoff; without, that is an error [`not_there`] tells. A
+/// server's refusal comes back as [`Error::Rejected`] with its code.
 pub(super) fn connect(
     addr: &impl ToSocketAddrs,
     handshake_timeout: Duration,
@@ -440,7 +446,13 @@ pub(super) fn connect(
                 wait = (wait * 2).min(max_wait);
             }
             Ok(mut control) => {
-                control.set_deadlines(handshake_timeout, handshake_timeout);
+                // Counted from now, and ending at the deadline at the latest.
+                let timeout = handshake_timeout.min(
+                    deadline
+                        .saturating_duration_since(Instant::now())
+                        .max(Duration::from_millis(1)),
+                );
+                control.set_deadlines(timeout, timeout);
                 return Ok(control);
             }
             Err(err) => return Err(err),
@@ -449,7 +461,8 @@ pub(super) fn connect(
 }
 
 /// Nobody listens there (yet), or the peer did not answer: worth another
-/// try within the deadline. Any other refusal is final.
+/// try within the deadline, except on the attempt after a cut, where it
+/// means the server went away. Any other refusal is final.
 pub(super) fn not_there(err: &Error) -> bool {
     matches!(
         err,

@@ -253,7 +253,11 @@ const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 const KEEPALIVE_PROBES: u32 = 3;
 
-/// Longest a last frame (a rejection) is waited on.
+/// Longest a last frame (a refusal) is waited on. It gets this even past
+/// the handshake's deadline: a refusal dropped for want of time would
+/// reach the peer as a cut without a word, which a client tries again
+/// instead of reading why (a slow `authorize` that then refuses, say). So a
+/// handshake that ends in a refusal may take this much past its deadline.
 const LAST_FRAME_WAIT: Duration = Duration::from_millis(200);
 
 /// The TCP control connection during a handshake. One absolute deadline
@@ -372,8 +376,8 @@ impl FrameIo for Control {
     }
 
     fn send_last(&mut self, frame: &[u8]) {
-        let deadline = self.deadline.min(Instant::now() + LAST_FRAME_WAIT);
-        let _ = self.write_until(frame, deadline);
+        // Its own short wait, even past the deadline: see `LAST_FRAME_WAIT`.
+        let _ = self.write_until(frame, Instant::now() + LAST_FRAME_WAIT);
     }
 
     fn recv_frame(&mut self) -> std::result::Result<Vec<u8>, WireError> {

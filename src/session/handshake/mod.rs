@@ -430,7 +430,10 @@ pub(crate) fn connect(
         x.refuse(reject_code::RESOURCES, &err.to_string());
         return Err(err);
     }
-    x.send_ready(key, label::CLIENT_READY)?;
+    // Once our Ready is on its way the server may have it: a cut from
+    // then on may have left it a session.
+    x.send_ready(key, label::CLIENT_READY)
+        .map_err(cut_after_our_ready)?;
     x.recv_ready(key, label::SERVER_READY)
         .map_err(cut_after_our_ready)?;
     Ok(accept)

@@ -67,6 +67,9 @@ pub(super) fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc
             }
         }
     }
+    // Stop listening first: a client whose handshake the cut ends finds
+    // nobody on its one reconnect, and reports the cut.
+    drop(listener);
     state.cut_pending();
     for thread in threads {
         let _ = thread.join();
@@ -180,6 +183,11 @@ pub(super) fn cm_accept_loop(
             }
         }
     }
+    // Stop listening first: a client whose handshake the cut ends finds
+    // nobody on its one reconnect, and reports the cut. (A connect request
+    // not yet taken up by its thread holds the listener's id until then.)
+    drop(listener);
+    drop(channel);
     state.cut_pending();
     for thread in threads {
         let _ = thread.join();

@@ -99,7 +99,8 @@ pub struct ServerConfig {
     /// Admit at most this many peers, then stop listening (`None`: no limit).
     pub max_peers: Option<usize>,
     /// Time one handshake may take from accept to ready, whatever the peer
-    /// sends and however slowly: its thread and socket are gone by then.
+    /// sends and however slowly: its thread and socket are gone by then
+    /// (one that ends in a refusal gets 200 ms more for it to go out).
     pub handshake_timeout: Duration,
     /// Time a connection has, within `handshake_timeout`, to say hello and
     /// (with a key) prove it: a stranger holds a pending slot at most this
