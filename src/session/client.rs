@@ -23,13 +23,15 @@ pub struct ClientConfig {
     pub qps: Vec<QpSpec>,
     /// Regions to export to the server.
     pub exports: Vec<Export>,
-    /// Give up connecting (all retries included) after this long.
+    /// Give up connecting (all retries included) after this long; a
+    /// refusal of ours then gets 200 ms more to go out.
     pub connect_deadline: Duration,
     /// First pause between attempts; doubles up to `max_backoff`.
     pub initial_backoff: Duration,
     /// Longest pause between attempts.
     pub max_backoff: Duration,
-    /// Time the handshake may take once TCP is up.
+    /// Time the handshake may take once connected (TCP or the connection
+    /// manager), ending at `connect_deadline` at the latest.
     pub handshake_timeout: Duration,
     /// The shared key to prove and to require of the server. With a key,
     /// the client reveals nothing (its QPs, its region keys) until the
@@ -122,8 +124,7 @@ impl ClientSession {
             ));
         }
         let start = Instant::now();
-        // A zero backoff would reconnect in a tight loop.
-        let mut backoff = config.initial_backoff.max(Duration::from_millis(1));
+        let mut backoff = first_backoff(config.initial_backoff);
         let mut cut: Option<Error> = None;
         loop {
             let after_cut = cut.is_some();
@@ -135,7 +136,7 @@ impl ClientSession {
                 (Err(err), Some(cut)) if nobody_listens(&err) => return Err(cut),
                 (Err(err), _)
                     if worth_another_try(&err)
-                        && start.elapsed() + backoff < config.connect_deadline =>
+                        && start.elapsed().saturating_add(backoff) < config.connect_deadline =>
                 {
                     // The server's text, escaped, as the server escapes ours.
                     log::debug!("{:?}; trying again in {backoff:?}", err.to_string());
@@ -143,7 +144,7 @@ impl ClientSession {
                         cut = Some(err);
                     }
                     std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(config.max_backoff);
+                    backoff = next_backoff(backoff, config.max_backoff);
                 }
                 (other, _) => return other,
             }
@@ -231,6 +232,21 @@ impl ClientSession {
     }
 }
 
+/// Shortest pause between attempts: a zero setting would reconnect in a
+/// tight loop.
+const MIN_BACKOFF: Duration = Duration::from_millis(1);
+
+/// The first pause between attempts.
+pub(super) fn first_backoff(initial: Duration) -> Duration {
+    initial.max(MIN_BACKOFF)
+}
+
+/// The pause after `backoff`: twice as long, at most `max` but never under
+/// [`MIN_BACKOFF`]; saturating, so no setting overflows.
+pub(super) fn next_backoff(backoff: Duration, max: Duration) -> Duration {
+    backoff.saturating_mul(2).min(max).max(MIN_BACKOFF)
+}
+
 /// Whether a connect tried once found nobody listening: over TCP a refused
 /// (or unanswered) connect, over rdma_cm a reject for want of a listener
 /// or an unreachable peer.
@@ -298,7 +314,7 @@ fn connect_with_retry(
             .and_then(|mut a| a.next())
             .map_or_else(|| "the server".to_string(), |a| a.to_string())
     };
-    let mut backoff = config.initial_backoff.max(Duration::from_millis(1));
+    let mut backoff = first_backoff(config.initial_backoff);
     let mut attempts = 0;
     loop {
         attempts += 1;
@@ -307,7 +323,7 @@ fn connect_with_retry(
             Ok(conn) => return Ok(conn),
             Err(err) => err,
         };
-        if !retry || start.elapsed() + backoff >= deadline {
+        if !retry || start.elapsed().saturating_add(backoff) >= deadline {
             return Err(Error::ConnectTimeout {
                 addr: describe(),
                 attempts,
@@ -320,7 +336,7 @@ fn connect_with_retry(
             describe()
         );
         std::thread::sleep(backoff);
-        backoff = (backoff * 2).min(config.max_backoff);
+        backoff = next_backoff(backoff, config.max_backoff);
     }
 }
 
@@ -337,4 +353,19 @@ fn resolve_and_connect(
         }
     }
     Err(last)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_backoff_never_spins_and_never_overflows() {
+        assert_eq!(first_backoff(Duration::ZERO), MIN_BACKOFF);
+        assert_eq!(next_backoff(Duration::ZERO, Duration::ZERO), MIN_BACKOFF);
+        let (ms, s) = (Duration::from_millis, Duration::from_secs);
+        assert_eq!(next_backoff(ms(20), s(1)), ms(40));
+        assert_eq!(next_backoff(ms(800), s(1)), s(1));
+        assert_eq!(next_backoff(Duration::MAX, Duration::MAX), Duration::MAX);
+    }
 }

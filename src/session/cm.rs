@@ -13,8 +13,9 @@
 //! event channel, a kernel id, and on the id's device a PD, a 4-entry CQ,
 //! one control QP without remote access and [`CONTROL_BUFFERS`] bytes of
 //! registered buffers (a frame longer than a slot arrives in several
-//! SENDs), for at most the server's hello timeout, within the same
-//! pending-handshake limits as over TCP. The per-address limit counts the
+//! SENDs), for at most the server's hello timeout (and 200 ms more for a
+//! refusal to go out), within the same pending-handshake limits as over
+//! TCP. The per-address limit counts the
 //! address the request carries, which a host on the same network can forge.
 //!
 //! [`Transport::RdmaCm`]: super::Transport::RdmaCm
@@ -318,13 +319,26 @@ impl ControlQp {
     }
 
     /// Sends one frame, a slot at a time, each acknowledged before the
-    /// next, within `deadline`.
+    /// next, within `deadline`. Nothing is posted once the deadline has
+    /// passed or the server is going away: a side that gave up must not
+    /// hand its peer an admission or a `Ready` it will not stand by.
     fn send_until(
         &mut self,
         frame: &[u8],
         deadline: Instant,
     ) -> std::result::Result<(), WireError> {
         for piece in frame.chunks(SLOT) {
+            if self.cut.as_ref().is_some_and(|cut| cut()) {
+                return Err(WireError::Io(io::Error::other(
+                    "the server is shutting down",
+                )));
+            }
+            if Instant::now() >= deadline {
+                return Err(WireError::Io(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "handshake timed out writing to the peer",
+                )));
+            }
             self.post(piece).map_err(|err| self.wire_error(err))?;
             while !self.pump(deadline)? {}
         }
@@ -355,7 +369,8 @@ impl FrameIo for ControlQp {
 
     /// The last frame (a refusal) gets `LAST_FRAME_WAIT` to be
     /// acknowledged, even past the handshake's deadline or once the server
-    /// is going away: the disconnect that follows must not overtake it.
+    /// is going away (over TCP a shutdown closes the socket first): the
+    /// disconnect that follows must not overtake it.
     fn send_last(&mut self, frame: &[u8]) {
         let deadline = Instant::now() + super::LAST_FRAME_WAIT;
         let cut = self.cut.take();
@@ -438,12 +453,19 @@ pub(super) fn connect(
         .map_err(os)?
         .next()
         .ok_or_else(|| os(io::Error::other("no address")))?;
-    let (mut wait, max_wait) = backoff;
+    let (initial, max_wait) = backoff;
+    let mut wait = super::client::first_backoff(initial);
     loop {
         match connect_once(target, deadline) {
-            Err(err) if retry && not_there(&err) && Instant::now() + wait < deadline => {
+            Err(err)
+                if retry
+                    && not_there(&err)
+                    && Instant::now()
+                        .checked_add(wait)
+                        .is_some_and(|then| then < deadline) =>
+            {
                 std::thread::sleep(wait);
-                wait = (wait * 2).min(max_wait);
+                wait = super::client::next_backoff(wait, max_wait);
             }
             Ok(mut control) => {
                 // Counted from now, and ending at the deadline at the latest.

@@ -257,7 +257,8 @@ const KEEPALIVE_PROBES: u32 = 3;
 /// the handshake's deadline: a refusal dropped for want of time would
 /// reach the peer as a cut without a word, which a client tries again
 /// instead of reading why (a slow `authorize` that then refuses, say). So a
-/// handshake that ends in a refusal may take this much past its deadline.
+/// handshake that ends in a refusal may take this much past its deadline
+/// (and a stranger hold its pending slot this much past `hello_timeout`).
 const LAST_FRAME_WAIT: Duration = Duration::from_millis(200);
 
 /// The TCP control connection during a handshake. One absolute deadline

@@ -184,8 +184,9 @@ pub(super) fn cm_accept_loop(
         }
     }
     // Stop listening first: a client whose handshake the cut ends finds
-    // nobody on its one reconnect, and reports the cut. (A connect request
-    // not yet taken up by its thread holds the listener's id until then.)
+    // nobody on its one reconnect, and reports the cut. (The channel lives
+    // on while a connect request not yet taken up by its thread, whose id
+    // is registered on it, does.)
     drop(listener);
     drop(channel);
     state.cut_pending();

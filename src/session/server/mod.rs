@@ -99,12 +99,14 @@ pub struct ServerConfig {
     /// Admit at most this many peers, then stop listening (`None`: no limit).
     pub max_peers: Option<usize>,
     /// Time one handshake may take from accept to ready, whatever the peer
-    /// sends and however slowly: its thread and socket are gone by then
-    /// (one that ends in a refusal gets 200 ms more for it to go out).
+    /// sends and however slowly: every wait on the peer ends by then, and
+    /// one that ends in a refusal gets 200 ms more for it to go out. Time
+    /// spent in this server's own callbacks (`authorize`, `place`,
+    /// `exports`, `on_failure`) comes on top.
     pub handshake_timeout: Duration,
     /// Time a connection has, within `handshake_timeout`, to say hello and
     /// (with a key) prove it: a stranger holds a pending slot at most this
-    /// long.
+    /// long, and 200 ms more if it earned a refusal.
     pub hello_timeout: Duration,
     /// Handshakes in progress at once; connections beyond it are refused at
     /// once as busy (clients retry within their connect deadline). The
