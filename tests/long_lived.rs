@@ -93,7 +93,7 @@ const MAX_HEAP_GROWTH: u64 = 16 * 1024;
 ///   arenas of their own, up to 8 per core, and counts each new arena's
 ///   header (about 2.3 KB) as in use for good: with them the default run's
 ///   settled heap rose in steps of 2,256 to 2,432 B, bounded but not ours.
-///   A run with every live block traced (an `LD_PRELOAD` tracker; none of
+///   A run with every live block traced (`tools/live-heap.c`; none of
 ///   the 1.1 million allocated from 30 s to 180 s in was still live at
 ///   210 s) and a run on one arena (+0 B) showed that this was all of the
 ///   growth.
