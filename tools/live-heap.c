@@ -26,17 +26,27 @@
  * constructor ran (the dynamic loader's) are served from a small static
  * buffer and never tracked.
  *
- * Build: cc -O2 -shared -fPIC -o live-heap.so tools/live-heap.c -ldl -lpthread
+ * Build: cc -O2 -shared -fPIC -o live-heap.so tools/live-heap.c -lpthread
  */
 #define _GNU_SOURCE
-#include <dlfcn.h>
+#include <errno.h>
 #include <execinfo.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+/* glibc's allocator itself, under the names it exports for this. */
+extern void *__libc_malloc(size_t);
+extern void __libc_free(void *);
+extern void *__libc_calloc(size_t, size_t);
+extern void *__libc_realloc(void *, size_t);
+extern void *__libc_memalign(size_t, size_t);
+extern void *__libc_valloc(size_t);
+extern void *__libc_pvalloc(size_t);
 
 #define TABLE_SLOTS (1u << 19)
 /* Most blocks live at once before the tracker stops: the table stays at
@@ -54,46 +64,22 @@ struct block {
 static struct block *table, *copy;
 static size_t live;
 static int full;
-static volatile int table_lock;
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t next_seq;
-/* Set while the tracker itself runs: backtrace() and stdio allocate. */
-static __thread int busy;
-
-static void *(*real_malloc)(size_t);
-static void (*real_free)(void *);
-static void *(*real_calloc)(size_t, size_t);
-static void *(*real_realloc)(void *, size_t);
-static int (*real_posix_memalign)(void **, size_t, size_t);
-static void *(*real_aligned_alloc)(size_t, size_t);
-
-/* dlsym itself allocates before the real functions are known. */
-static char early[65536];
-static size_t early_used;
-
-static int is_early(void *p)
-{
-	return (char *)p >= early && (char *)p < early + sizeof(early);
-}
-
-static void *early_alloc(size_t n)
-{
-	size_t at = early_used;
-
-	early_used += (n + 15) & ~(size_t)15;
-	if (early_used > sizeof(early))
-		abort();
-	return early + at;
-}
+static char dir[PATH_MAX];
+static int period = 30;
+/* Set while the tracker itself runs (backtrace() and stdio allocate);
+ * initial-exec, so reading it never allocates. */
+static __thread int busy __attribute__((tls_model("initial-exec")));
 
 static void lock(void)
 {
-	while (__sync_lock_test_and_set(&table_lock, 1))
-		;
+	pthread_mutex_lock(&table_lock);
 }
 
 static void unlock(void)
 {
-	__sync_lock_release(&table_lock);
+	pthread_mutex_unlock(&table_lock);
 }
 
 static size_t home(uintptr_t p)
@@ -101,7 +87,8 @@ static size_t home(uintptr_t p)
 	return (size_t)(((p >> 4) * 0x9E3779B97F4A7C15ull) >> 45) & (TABLE_SLOTS - 1);
 }
 
-static void record(void *p, size_t size)
+/* Not inlined: the two frames it skips are its own and its caller's. */
+static __attribute__((noinline)) void record(void *p, size_t size)
 {
 	void *frames[FRAMES + 2];
 	int n, k;
@@ -110,7 +97,6 @@ static void record(void *p, size_t size)
 	if (!p || !table || busy)
 		return;
 	busy = 1;
-	/* The first two frames are this tracker's own. */
 	n = backtrace(frames, FRAMES + 2);
 	lock();
 	if (live >= MOST_LIVE) {
@@ -134,8 +120,9 @@ static void forget(void *p)
 {
 	size_t i, j, h;
 
-	if (!p || !table)
+	if (!p || !table || busy)
 		return;
+	busy = 1;
 	lock();
 	for (i = home((uintptr_t)p); table[i].ptr && table[i].ptr != (uintptr_t)p;
 	     i = (i + 1) & (TABLE_SLOTS - 1))
@@ -160,11 +147,12 @@ static void forget(void *p)
 	}
 done:
 	unlock();
+	busy = 0;
 }
 
-static void write_maps(const char *dir)
+static void write_maps(void)
 {
-	char path[512], buf[4096];
+	char path[PATH_MAX + 32], buf[4096];
 	FILE *in, *out;
 	size_t n;
 
@@ -180,21 +168,18 @@ static void write_maps(const char *dir)
 		fclose(out);
 }
 
-static void *snapshots(void *arg)
+static void *snapshots(void *unused)
 {
-	const char *dir = arg;
-	const char *period_env = getenv("LIVE_HEAP_PERIOD");
-	int period = period_env ? atoi(period_env) : 30;
-	char path[512];
+	char path[PATH_MAX + 32];
 	size_t i, n;
 	uint64_t seq;
 	int was_full, k;
 	FILE *f;
 
+	(void)unused;
 	busy = 1;
-	write_maps(dir);
 	for (int snap = 0;; snap++) {
-		sleep(period > 0 ? period : 30);
+		sleep(period);
 		/* Copied under the lock, written outside it. */
 		lock();
 		for (i = 0, n = 0; i < TABLE_SLOTS; i++)
@@ -202,7 +187,9 @@ static void *snapshots(void *arg)
 				copy[n++] = table[i];
 		seq = next_seq;
 		was_full = full;
+		full = 0;
 		unlock();
+		write_maps();
 		snprintf(path, sizeof(path), "%s/snap.%d.%03d", dir, (int)getpid(), snap);
 		f = fopen(path, "w");
 		if (!f)
@@ -223,77 +210,59 @@ static void *snapshots(void *arg)
 __attribute__((constructor)) static void start(void)
 {
 	void *frames[2];
-	const char *dir = getenv("LIVE_HEAP_DIR");
+	const char *dir_env = getenv("LIVE_HEAP_DIR");
+	const char *period_env = getenv("LIVE_HEAP_PERIOD");
 	pthread_t thread;
 
+	if (!dir_env || strlen(dir_env) >= sizeof(dir))
+		return;
 	busy = 1;
-	real_malloc = dlsym(RTLD_NEXT, "malloc");
-	real_free = dlsym(RTLD_NEXT, "free");
-	real_calloc = dlsym(RTLD_NEXT, "calloc");
-	real_realloc = dlsym(RTLD_NEXT, "realloc");
-	real_posix_memalign = dlsym(RTLD_NEXT, "posix_memalign");
-	real_aligned_alloc = dlsym(RTLD_NEXT, "aligned_alloc");
+	strcpy(dir, dir_env);
+	if (period_env && atoi(period_env) > 0)
+		period = atoi(period_env);
 	/* backtrace() loads its unwinder (and allocates) on first use. */
 	backtrace(frames, 2);
-	if (dir) {
-		table = real_calloc(TABLE_SLOTS, sizeof(*table));
-		copy = real_calloc(TABLE_SLOTS, sizeof(*copy));
-		if (table && copy)
-			pthread_create(&thread, NULL, snapshots, (void *)dir);
-		else
-			table = NULL;
+	pthread_atfork(lock, unlock, unlock);
+	table = __libc_calloc(TABLE_SLOTS, sizeof(*table));
+	copy = __libc_calloc(TABLE_SLOTS, sizeof(*copy));
+	if (table && copy) {
+		write_maps();
+		pthread_create(&thread, NULL, snapshots, NULL);
+	} else {
+		table = NULL;
 	}
 	busy = 0;
 }
 
 void *malloc(size_t n)
 {
-	void *p;
+	void *p = __libc_malloc(n);
 
-	if (!real_malloc)
-		return early_alloc(n);
-	p = real_malloc(n);
 	record(p, n);
 	return p;
 }
 
 void *calloc(size_t count, size_t size)
 {
-	void *p;
+	void *p = __libc_calloc(count, size);
 
-	if (!real_calloc) {
-		if (size && count > SIZE_MAX / size)
-			return NULL;
-		/* The early buffer is zero (static) and never reused. */
-		return early_alloc(count * size);
-	}
-	p = real_calloc(count, size);
+	/* calloc refused an overflowing product, so a block's is exact. */
 	record(p, count * size);
 	return p;
 }
 
 void free(void *p)
 {
-	if (is_early(p))
-		return;
 	forget(p);
-	real_free(p);
+	__libc_free(p);
 }
 
 void *realloc(void *p, size_t n)
 {
 	void *q;
 
-	if (is_early(p)) {
-		size_t left = (size_t)(early + sizeof(early) - (char *)p);
-
-		q = malloc(n);
-		if (q)
-			memcpy(q, p, n < left ? n : left);
-		return q;
-	}
 	forget(p);
-	q = real_realloc(p, n);
+	q = __libc_realloc(p, n);
 	if (q)
 		record(q, n);
 	else if (p && n)
@@ -301,18 +270,44 @@ void *realloc(void *p, size_t n)
 	return q;
 }
 
+void *memalign(size_t align, size_t n)
+{
+	void *p = __libc_memalign(align, n);
+
+	record(p, n);
+	return p;
+}
+
 int posix_memalign(void **out, size_t align, size_t n)
 {
-	int rc = real_posix_memalign(out, align, n);
+	void *p;
 
-	if (!rc)
-		record(*out, n);
-	return rc;
+	if (align < sizeof(void *) || (align & (align - 1)))
+		return EINVAL;
+	p = __libc_memalign(align, n);
+	if (!p)
+		return ENOMEM;
+	record(p, n);
+	*out = p;
+	return 0;
 }
 
 void *aligned_alloc(size_t align, size_t n)
 {
-	void *p = real_aligned_alloc(align, n);
+	return memalign(align, n);
+}
+
+void *valloc(size_t n)
+{
+	void *p = __libc_valloc(n);
+
+	record(p, n);
+	return p;
+}
+
+void *pvalloc(size_t n)
+{
+	void *p = __libc_pvalloc(n);
 
 	record(p, n);
 	return p;

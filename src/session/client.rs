@@ -124,7 +124,7 @@ impl ClientSession {
             ));
         }
         let start = Instant::now();
-        let mut backoff = first_backoff(config.initial_backoff);
+        let mut backoff = first_backoff(config.initial_backoff, config.max_backoff);
         let mut cut: Option<Error> = None;
         loop {
             let after_cut = cut.is_some();
@@ -236,9 +236,10 @@ impl ClientSession {
 /// tight loop.
 const MIN_BACKOFF: Duration = Duration::from_millis(1);
 
-/// The first pause between attempts.
-pub(super) fn first_backoff(initial: Duration) -> Duration {
-    initial.max(MIN_BACKOFF)
+/// The first pause between attempts: `initial`, at most `max` but never
+/// under [`MIN_BACKOFF`].
+pub(super) fn first_backoff(initial: Duration, max: Duration) -> Duration {
+    initial.min(max).max(MIN_BACKOFF)
 }
 
 /// The pause after `backoff`: twice as long, at most `max` but never under
@@ -314,7 +315,7 @@ fn connect_with_retry(
             .and_then(|mut a| a.next())
             .map_or_else(|| "the server".to_string(), |a| a.to_string())
     };
-    let mut backoff = first_backoff(config.initial_backoff);
+    let mut backoff = first_backoff(config.initial_backoff, config.max_backoff);
     let mut attempts = 0;
     loop {
         attempts += 1;
@@ -361,7 +362,11 @@ mod tests {
 
     #[test]
     fn a_backoff_never_spins_and_never_overflows() {
-        assert_eq!(first_backoff(Duration::ZERO), MIN_BACKOFF);
+        assert_eq!(first_backoff(Duration::ZERO, Duration::ZERO), MIN_BACKOFF);
+        assert_eq!(
+            first_backoff(Duration::MAX, Duration::from_secs(1)),
+            Duration::from_secs(1)
+        );
         assert_eq!(next_backoff(Duration::ZERO, Duration::ZERO), MIN_BACKOFF);
         let (ms, s) = (Duration::from_millis, Duration::from_secs);
         assert_eq!(next_backoff(ms(20), s(1)), ms(40));

@@ -13,7 +13,8 @@
 //! event channel, a kernel id, and on the id's device a PD, a 4-entry CQ,
 //! one control QP without remote access and [`CONTROL_BUFFERS`] bytes of
 //! registered buffers (a frame longer than a slot arrives in several
-//! SENDs), for at most the server's hello timeout (and 200 ms more for a
+//! SENDs), for at most the server's hello timeout (and the time its
+//! `authorize` callback takes, then 200 ms more for a frame in flight or a
 //! refusal to go out), within the same pending-handshake limits as over
 //! TCP. The per-address limit counts the
 //! address the request carries, which a host on the same network can forge.
@@ -320,8 +321,11 @@ impl ControlQp {
 
     /// Sends one frame, a slot at a time, each acknowledged before the
     /// next, within `deadline`. Nothing is posted once the deadline has
-    /// passed or the server is going away: a side that gave up must not
-    /// hand its peer an admission or a `Ready` it will not stand by.
+    /// passed or the server is going away, and what is posted is seen
+    /// through: its acknowledgement is awaited whatever the cut says, for
+    /// up to `LAST_FRAME_WAIT` past the deadline. So a side that gives up
+    /// has not just handed its peer an admission or a `Ready` (short of a
+    /// lost acknowledgement).
     fn send_until(
         &mut self,
         frame: &[u8],
@@ -333,14 +337,25 @@ impl ControlQp {
                     "the server is shutting down",
                 )));
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            if now >= deadline {
                 return Err(WireError::Io(io::Error::new(
                     io::ErrorKind::TimedOut,
                     "handshake timed out writing to the peer",
                 )));
             }
             self.post(piece).map_err(|err| self.wire_error(err))?;
-            while !self.pump(deadline)? {}
+            let seen_through = deadline.max(now + super::LAST_FRAME_WAIT);
+            let cut = self.cut.take();
+            let acknowledged = loop {
+                match self.pump(seen_through) {
+                    Ok(true) => break Ok(()),
+                    Ok(false) => {}
+                    Err(err) => break Err(err),
+                }
+            };
+            self.cut = cut;
+            acknowledged?;
         }
         Ok(())
     }
@@ -367,10 +382,10 @@ impl FrameIo for ControlQp {
         self.send_until(frame, self.deadline)
     }
 
-    /// The last frame (a refusal) gets `LAST_FRAME_WAIT` to be
-    /// acknowledged, even past the handshake's deadline or once the server
-    /// is going away (over TCP a shutdown closes the socket first): the
-    /// disconnect that follows must not overtake it.
+    /// The last frame (a refusal) is posted, and gets `LAST_FRAME_WAIT` to
+    /// be acknowledged, even past the handshake's deadline or once the
+    /// server is going away (over TCP a shutdown closes the socket first):
+    /// the disconnect that follows must not overtake it.
     fn send_last(&mut self, frame: &[u8]) {
         let deadline = Instant::now() + super::LAST_FRAME_WAIT;
         let cut = self.cut.take();
@@ -454,7 +469,7 @@ pub(super) fn connect(
         .next()
         .ok_or_else(|| os(io::Error::other("no address")))?;
     let (initial, max_wait) = backoff;
-    let mut wait = super::client::first_backoff(initial);
+    let mut wait = super::client::first_backoff(initial, max_wait);
     loop {
         match connect_once(target, deadline) {
             Err(err)

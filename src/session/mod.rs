@@ -256,9 +256,9 @@ const KEEPALIVE_PROBES: u32 = 3;
 /// Longest a last frame (a refusal) is waited on. It gets this even past
 /// the handshake's deadline: a refusal dropped for want of time would
 /// reach the peer as a cut without a word, which a client tries again
-/// instead of reading why (a slow `authorize` that then refuses, say). So a
-/// handshake that ends in a refusal may take this much past its deadline
-/// (and a stranger hold its pending slot this much past `hello_timeout`).
+/// instead of reading why (a slow `authorize` that then refuses, say). Over
+/// rdma_cm a frame already posted when the deadline passes gets as long to
+/// be acknowledged. So a handshake may end this much past its deadline.
 const LAST_FRAME_WAIT: Duration = Duration::from_millis(200);
 
 /// The TCP control connection during a handshake. One absolute deadline

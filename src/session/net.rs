@@ -6,7 +6,7 @@
 //! And TCP keepalive on control connections, so a peer that vanished
 //! without a FIN or RST (power loss, a cut link) is noticed.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
@@ -30,11 +30,21 @@ pub(super) fn wake_pair() -> io::Result<(Waker, WakeReceiver)> {
 impl Waker {
     /// Wakes the receiver (a full socket buffer means it is awake already).
     /// Once the receiver is gone (the accept thread ended, at its peer
-    /// limit say) this does nothing: the standard library writes to a Unix
-    /// socket with `MSG_NOSIGNAL`, so no SIGPIPE reaches a process that
-    /// does not ignore it (tested below).
+    /// limit say) this does nothing: sent with `MSG_NOSIGNAL`, as a plain
+    /// write would raise SIGPIPE in a process that does not ignore it
+    /// (only newer standard libraries write Unix sockets that way).
     pub(super) fn wake(&self) {
-        let _ = (&self.0).write(&[1]);
+        let byte = 1u8;
+        // SAFETY: the descriptor is open while `self.0` lives, and the
+        // buffer is one readable byte on our stack.
+        let _ = unsafe {
+            libc::send(
+                self.0.as_raw_fd(),
+                (&raw const byte).cast(),
+                1,
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
     }
 }
 
@@ -166,51 +176,59 @@ fn set(
 
 #[cfg(test)]
 mod tests {
-    use std::cell::Cell;
-
     use super::*;
 
-    thread_local! {
-        /// SIGPIPEs delivered to this thread (a SIGPIPE goes to the thread
-        /// that wrote).
-        static SIGPIPES: Cell<u32> = const { Cell::new(0) };
-    }
-
-    extern "C" fn count_sigpipe(_: libc::c_int) {
-        SIGPIPES.with(|count| count.set(count.get() + 1));
+    /// Blocks SIGPIPE for this thread, runs `f`, and returns whether `f`
+    /// raised one: a blocked SIGPIPE stays pending (Linux keeps blocked
+    /// signals even while ignored), where it is seen and taken back. Only
+    /// this thread's mask changes, never the process's disposition.
+    fn raises_sigpipe(f: impl FnOnce()) -> bool {
+        // SAFETY: sigset_t values set up by sigemptyset/sigaddset; the
+        // masks are this thread's; sigtimedwait with a zero timeout only
+        // takes back a SIGPIPE already pending.
+        unsafe {
+            let mut pipe: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut pipe);
+            libc::sigaddset(&mut pipe, libc::SIGPIPE);
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            assert_eq!(libc::pthread_sigmask(libc::SIG_BLOCK, &pipe, &mut old), 0);
+            f();
+            let mut pending: libc::sigset_t = std::mem::zeroed();
+            assert_eq!(libc::sigpending(&mut pending), 0);
+            let raised = libc::sigismember(&pending, libc::SIGPIPE) == 1;
+            if raised {
+                let now = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                libc::sigtimedwait(&pipe, std::ptr::null_mut(), &now);
+            }
+            assert_eq!(
+                libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()),
+                0
+            );
+            raised
+        }
     }
 
     #[test]
     fn waking_a_receiver_that_is_gone_raises_no_sigpipe() {
-        // Counted instead of ignored while this runs (a SIGPIPE of another
-        // test's thread is counted on that thread, and then ignored as
-        // before: its write fails with EPIPE either way).
-        // SAFETY: valid sigaction values; the handler only touches a
-        // thread-local counter.
-        let previous = unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = count_sigpipe as extern "C" fn(libc::c_int) as usize;
-            let mut previous: libc::sigaction = std::mem::zeroed();
-            libc::sigaction(libc::SIGPIPE, &action, &mut previous);
-            previous
-        };
         let (waker, receiver) = wake_pair().unwrap();
         waker.wake();
         drop(receiver);
-        waker.wake();
-        let after_wake = SIGPIPES.with(Cell::get);
-        // The control: write(2) to the same broken socket raises one.
-        let byte = 1u8;
-        // SAFETY: the descriptor is open while `waker` lives; the buffer is
-        // one readable byte.
-        let _ = unsafe { libc::write(waker.0.as_raw_fd(), (&raw const byte).cast(), 1) };
-        let after_write = SIGPIPES.with(Cell::get);
-        // SAFETY: restores the action saved above.
-        unsafe { libc::sigaction(libc::SIGPIPE, &previous, std::ptr::null_mut()) };
-        assert_eq!(
-            after_wake, 0,
+        assert!(
+            !raises_sigpipe(|| waker.wake()),
             "a wake-up after the receiver left raised SIGPIPE"
         );
-        assert_eq!(after_write, 1, "the check sees a SIGPIPE");
+        // The control: write(2) to the same broken socket raises one.
+        let byte = 1u8;
+        assert!(
+            raises_sigpipe(|| {
+                // SAFETY: the descriptor is open while `waker` lives; the
+                // buffer is one readable byte.
+                unsafe { libc::write(waker.0.as_raw_fd(), (&raw const byte).cast(), 1) };
+            }),
+            "the check sees a SIGPIPE"
+        );
     }
 }

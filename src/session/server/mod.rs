@@ -99,14 +99,17 @@ pub struct ServerConfig {
     /// Admit at most this many peers, then stop listening (`None`: no limit).
     pub max_peers: Option<usize>,
     /// Time one handshake may take from accept to ready, whatever the peer
-    /// sends and however slowly: every wait on the peer ends by then, and
-    /// one that ends in a refusal gets 200 ms more for it to go out. Time
-    /// spent in this server's own callbacks (`authorize`, `place`,
-    /// `exports`, `on_failure`) comes on top.
+    /// sends and however slowly. The deadline is absolute: time in this
+    /// server's callbacks (`authorize`, `place`, `exports`) counts against
+    /// it, and one that returns after it fails the handshake (the client
+    /// sees a cut and tries again). Past it run only the callback it
+    /// caught, `on_failure`, and up to 200 ms for a frame in flight or a
+    /// refusal to go out.
     pub handshake_timeout: Duration,
     /// Time a connection has, within `handshake_timeout`, to say hello and
     /// (with a key) prove it: a stranger holds a pending slot at most this
-    /// long, and 200 ms more if it earned a refusal.
+    /// long, plus what `authorize` takes and up to 200 ms for a frame in
+    /// flight or a refusal.
     pub hello_timeout: Duration,
     /// Handshakes in progress at once; connections beyond it are refused at
     /// once as busy (clients retry within their connect deadline). The
