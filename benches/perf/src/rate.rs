@@ -16,6 +16,11 @@ pub struct RateSender {
     conn: Option<ConnId>,
     posted: u64,
     completed: u64,
+    /// Completions since a message was last staged. A completion stages
+    /// more only once a batch's worth is back (or fewer than a batch are in
+    /// flight), so that one lookup of the connection and one slice of the
+    /// buffers serve a whole batch, as perftest posts a list at a time.
+    since_staged: u64,
     marks: RateMarks,
     pub(crate) failed: Option<String>,
     end: RunEnd,
@@ -106,6 +111,7 @@ impl RateSender {
             conn: None,
             posted: 0,
             completed: 0,
+            since_staged: 0,
             marks: RateMarks::new(spec.iters, spec.batch as u64, Clock::new()),
             failed: None,
             end: RunEnd::default(),
@@ -182,6 +188,7 @@ impl RateSender {
                                 self.marks.start();
                             }
                             self.posted += 1;
+                            self.since_staged = 0;
                         }
                         Err(SendError::WouldBlock) => break,
                         Err(err) => {
@@ -200,10 +207,14 @@ impl RateSender {
 
     fn completed_one(&mut self, ctx: &mut Ctx<'_>) {
         self.completed += 1;
+        self.since_staged += 1;
         self.marks.completed(self.completed);
+        let batch = self.spec.batch as u64;
         if self.completed == self.spec.iters {
             self.end.begin(ctx, self.conn);
-        } else {
+        } else if self.since_staged >= batch || self.posted - self.completed < batch {
+            // (Fewer than a batch in flight: the last staging fell short,
+            // for want of credit or room. Stage at every completion then.)
             self.pump(ctx);
         }
     }
