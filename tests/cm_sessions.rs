@@ -409,6 +409,32 @@ fn stalling_stranger(
 }
 
 verbs_test! {
+    /// Dropping the server cuts a handshake whose answer waits in RNR retry
+    /// (the stranger posts no receive) within the 200 ms a frame in flight
+    /// gets, not at the handshake's deadline.
+    fn dropping_the_server_cuts_a_stalled_answer_at_once() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let mut config = server_config();
+        config.hello_timeout = Duration::from_secs(20);
+        config.handshake_timeout = Duration::from_secs(20);
+        let server = ServerSession::bind(addr(), &pd, config).unwrap();
+        let hello = Message::Hello(Hello { nonce: [0; 32], identity: "stranger".into(), qps: vec!["data".into()] })
+            .encode()
+            .unwrap();
+        let stranger = stalling_stranger(server.local_addr(), &[hello]);
+        // The server's challenge is posted by now, and waits for a receive.
+        thread::sleep(Duration::from_millis(500));
+        assert_eq!(server.pending_handshakes(), 1);
+        let started = Instant::now();
+        drop(server);
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(1500), "dropping the server took {took:?}");
+        drop(stranger);
+    }
+}
+
+verbs_test! {
     fn a_stranger_that_stalls_our_answers_is_cut_off_at_the_hello_deadline() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();

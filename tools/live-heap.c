@@ -4,13 +4,13 @@
  *
  * glibc's count of the heap in use (what `ping_pong --heap-report-ms`
  * prints) says how much is held, not by whom. This tracker records every
- * block malloc, calloc, realloc, posix_memalign and aligned_alloc hand out
- * (its size, a sequence number, and the call stack) until it is freed, and
- * every LIVE_HEAP_PERIOD seconds (default 30) writes the blocks live then to
- * $LIVE_HEAP_DIR/snap.PID.NNN: a header line "seq S live N", then one line per
- * block, "SEQ SIZE FRAME...". It writes the process's /proc/self/maps to
- * $LIVE_HEAP_DIR/maps.PID once, so that tools/live-heap-report can name the
- * frames. A block allocated after one snapshot and still live at a much
+ * block the allocator hands out (its size, a sequence number, and the call
+ * stack) until it is freed, and every LIVE_HEAP_PERIOD seconds (default 30)
+ * writes the blocks live then to $LIVE_HEAP_DIR/snap.PID.NNN: a header line
+ * "seq S live N", then one line per block, "SEQ SIZE FRAME...". With each
+ * snapshot it rewrites $LIVE_HEAP_DIR/maps.PID (the process's mappings, so
+ * that tools/live-heap-report can name the frames, in libraries opened
+ * late too). A block allocated after one snapshot and still live at a much
  * later one is held for good: a leak, or capacity that grew.
  *
  * Use (tests/long_lived.rs passes a server environment of its own; add
@@ -18,13 +18,18 @@
  *   LD_PRELOAD=.../live-heap.so LIVE_HEAP_DIR=DIR [LIVE_HEAP_PERIOD=S] server ...
  *   tools/live-heap-report DIR/snap.PID.* DIR/maps.PID
  *
+ * What it sees: the blocks of malloc, calloc, realloc (and reallocarray),
+ * posix_memalign, aligned_alloc, memalign, valloc and pvalloc. It calls
+ * glibc's own __libc_* functions underneath, so it works from the first
+ * allocation of the process, before its constructor has run (those early
+ * blocks go untracked). Without LIVE_HEAP_DIR it tracks nothing. A forked
+ * child inherits the table but takes no snapshots.
+ *
  * Costs: a call stack per allocation (a long_lived server ran at about 90
  * cycles/s instead of 120), and about 110 MB for the table and the copy a
- * snapshot takes. While MOST_LIVE blocks are live the tracker records no
- * more (a snapshot's header then ends in "full"), rather than slow to a
- * crawl. Allocations made before the tracker's
- * constructor ran (the dynamic loader's) are served from a small static
- * buffer and never tracked.
+ * snapshot takes, during which allocating threads wait. While MOST_LIVE
+ * blocks are live the tracker records no more (that snapshot's header then
+ * ends in "full"), rather than slow to a crawl.
  *
  * Build: cc -O2 -shared -fPIC -o live-heap.so tools/live-heap.c -lpthread
  */
@@ -80,6 +85,21 @@ static void lock(void)
 static void unlock(void)
 {
 	pthread_mutex_unlock(&table_lock);
+}
+
+/* Around a fork: the table's lock is held across it, so the child's copy
+ * is consistent; `busy`, so that other fork handlers run meanwhile that
+ * allocate do not wait for the lock this thread holds. */
+static void before_fork(void)
+{
+	busy = 1;
+	lock();
+}
+
+static void after_fork(void)
+{
+	unlock();
+	busy = 0;
 }
 
 static size_t home(uintptr_t p)
@@ -222,7 +242,7 @@ __attribute__((constructor)) static void start(void)
 		period = atoi(period_env);
 	/* backtrace() loads its unwinder (and allocates) on first use. */
 	backtrace(frames, 2);
-	pthread_atfork(lock, unlock, unlock);
+	pthread_atfork(before_fork, after_fork, after_fork);
 	table = __libc_calloc(TABLE_SLOTS, sizeof(*table));
 	copy = __libc_calloc(TABLE_SLOTS, sizeof(*copy));
 	if (table && copy) {
@@ -263,10 +283,10 @@ void *realloc(void *p, size_t n)
 
 	forget(p);
 	q = __libc_realloc(p, n);
+	/* Refused, the old block is still held, and goes untracked: recorded
+	 * again it would pass for a block allocated now. */
 	if (q)
 		record(q, n);
-	else if (p && n)
-		record(p, 0); /* refused: the old block is still held (size unknown) */
 	return q;
 }
 

@@ -23,8 +23,8 @@ pub struct ClientConfig {
     pub qps: Vec<QpSpec>,
     /// Regions to export to the server.
     pub exports: Vec<Export>,
-    /// Give up connecting (all retries included) after this long; a
-    /// refusal of ours then gets 200 ms more to go out.
+    /// Give up connecting (all retries included) after this long; a frame
+    /// of ours in flight, or a refusal of ours, then gets up to 200 ms more.
     pub connect_deadline: Duration,
     /// First pause between attempts; doubles up to `max_backoff`.
     pub initial_backoff: Duration,
@@ -103,8 +103,8 @@ impl ClientSession {
     /// keeps silent until our handshake timeout, and a cut once our `Ready`
     /// is on its way (the server may have kept the session) are not
     /// retried. Each handshake's timeout is counted from its connect and
-    /// ends at the connect deadline at the latest (a refusal of ours gets
-    /// 200 ms more to go out).
+    /// ends at the connect deadline at the latest (a frame of ours in
+    /// flight, or a refusal of ours, gets up to 200 ms more).
     ///
     /// Either every QP is connected and ready, or an error is returned and
     /// every resource created on the way is destroyed: never half-connected.

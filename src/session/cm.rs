@@ -148,6 +148,9 @@ pub(super) struct ControlQp {
     ended: Option<(CmEventKind, i32)>,
     /// The handshake's current deadline (the hello's, then the whole one).
     deadline: Instant,
+    /// A frame was acknowledged only after the deadline or the cut (see
+    /// `send_until`): the handshake reads and sends nothing more.
+    expired: bool,
     final_deadline: Instant,
     cut: Option<CutFn>,
 }
@@ -187,6 +190,7 @@ impl ControlQp {
             sending: false,
             ended: None,
             deadline: now,
+            expired: false,
             final_deadline: now,
             cut: None,
         };
@@ -321,15 +325,22 @@ impl ControlQp {
 
     /// Sends one frame, a slot at a time, each acknowledged before the
     /// next, within `deadline`. Nothing is posted once the deadline has
-    /// passed or the server is going away, and what is posted is seen
-    /// through: its acknowledgement is awaited whatever the cut says, for
-    /// up to `LAST_FRAME_WAIT` past the deadline. So a side that gives up
-    /// has not just handed its peer an admission or a `Ready` (short of a
-    /// lost acknowledgement).
+    /// passed or the server is going away, and a piece in flight when
+    /// either comes is seen through: its acknowledgement gets up to
+    /// `LAST_FRAME_WAIT` more, once. So a server that gives up has not
+    /// just handed its peer the `Ready` that ends the handshake (short of
+    /// a lost acknowledgement). A handshake whose piece was acknowledged
+    /// that late is over ([`expired`](Self::expired)): nothing is read or
+    /// sent after it, so it ends at most `LAST_FRAME_WAIT` past its
+    /// deadline.
+    ///
+    /// `see_through`: whether a piece in flight at the deadline gets that
+    /// extra time (not for the last frame, whose deadline is its own).
     fn send_until(
         &mut self,
         frame: &[u8],
         deadline: Instant,
+        see_through: bool,
     ) -> std::result::Result<(), WireError> {
         for piece in frame.chunks(SLOT) {
             if self.cut.as_ref().is_some_and(|cut| cut()) {
@@ -345,17 +356,31 @@ impl ControlQp {
                 )));
             }
             self.post(piece).map_err(|err| self.wire_error(err))?;
-            let seen_through = deadline.max(now + super::LAST_FRAME_WAIT);
+            // The cut is watched here, not in `pump`: it shortens the wait
+            // instead of ending it.
             let cut = self.cut.take();
+            let mut until = deadline;
+            let mut extended = !see_through;
             let acknowledged = loop {
-                match self.pump(seen_through) {
+                if !extended && cut.as_ref().is_some_and(|cut| cut()) {
+                    extended = true;
+                    until = until.min(Instant::now() + super::LAST_FRAME_WAIT);
+                }
+                match self.pump(until) {
                     Ok(true) => break Ok(()),
                     Ok(false) => {}
+                    Err(WireError::Io(io)) if !extended && io.kind() == io::ErrorKind::TimedOut => {
+                        extended = true;
+                        until = Instant::now() + super::LAST_FRAME_WAIT;
+                    }
                     Err(err) => break Err(err),
                 }
             };
             self.cut = cut;
             acknowledged?;
+            if extended && see_through {
+                self.expired = true;
+            }
         }
         Ok(())
     }
@@ -379,7 +404,7 @@ impl FrameIo for ControlQp {
     }
 
     fn send_frame(&mut self, frame: &[u8]) -> std::result::Result<(), WireError> {
-        self.send_until(frame, self.deadline)
+        self.send_until(frame, self.deadline, true)
     }
 
     /// The last frame (a refusal) is posted, and gets `LAST_FRAME_WAIT` to
@@ -387,9 +412,13 @@ impl FrameIo for ControlQp {
     /// server is going away (over TCP a shutdown closes the socket first):
     /// the disconnect that follows must not overtake it.
     fn send_last(&mut self, frame: &[u8]) {
+        // A frame seen through past the deadline had those 200 ms already.
+        if self.expired {
+            return;
+        }
         let deadline = Instant::now() + super::LAST_FRAME_WAIT;
         let cut = self.cut.take();
-        let _ = self.send_until(frame, deadline);
+        let _ = self.send_until(frame, deadline, false);
         self.cut = cut;
     }
 
@@ -399,6 +428,12 @@ impl FrameIo for ControlQp {
     }
 
     fn recv_frame(&mut self) -> std::result::Result<Vec<u8>, WireError> {
+        if self.expired {
+            return Err(WireError::Io(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "handshake timed out (its last frame was acknowledged after the deadline)",
+            )));
+        }
         loop {
             // The messages are one byte stream: a frame may span several.
             while self.chunk_read < self.chunk.len() {
