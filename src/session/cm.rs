@@ -149,8 +149,9 @@ pub(super) struct ControlQp {
     /// The handshake's current deadline (the hello's, then the whole one).
     deadline: Instant,
     /// A frame was acknowledged only after the deadline or the cut (see
-    /// `send_until`): the handshake reads and sends nothing more.
-    expired: bool,
+    /// `send_until`), which one: the handshake reads and sends nothing
+    /// more, and fails with this.
+    expired: Option<Expired>,
     final_deadline: Instant,
     cut: Option<CutFn>,
 }
@@ -190,7 +191,7 @@ impl ControlQp {
             sending: false,
             ended: None,
             deadline: now,
-            expired: false,
+            expired: None,
             final_deadline: now,
             cut: None,
         };
@@ -360,17 +361,21 @@ impl ControlQp {
             // instead of ending it.
             let cut = self.cut.take();
             let mut until = deadline;
-            let mut extended = !see_through;
+            let mut extended = None;
             let acknowledged = loop {
-                if !extended && cut.as_ref().is_some_and(|cut| cut()) {
-                    extended = true;
+                if see_through && extended.is_none() && cut.as_ref().is_some_and(|cut| cut()) {
+                    extended = Some(Expired::Cut);
                     until = until.min(Instant::now() + super::LAST_FRAME_WAIT);
                 }
                 match self.pump(until) {
                     Ok(true) => break Ok(()),
                     Ok(false) => {}
-                    Err(WireError::Io(io)) if !extended && io.kind() == io::ErrorKind::TimedOut => {
-                        extended = true;
+                    Err(WireError::Io(io))
+                        if see_through
+                            && extended.is_none()
+                            && io.kind() == io::ErrorKind::TimedOut =>
+                    {
+                        extended = Some(Expired::Deadline);
                         until = Instant::now() + super::LAST_FRAME_WAIT;
                     }
                     Err(err) => break Err(err),
@@ -378,8 +383,10 @@ impl ControlQp {
             };
             self.cut = cut;
             acknowledged?;
-            if extended && see_through {
-                self.expired = true;
+            if extended.is_some() {
+                // (A next piece of this frame is refused before it is
+                // posted: the deadline has passed, or the cut has fired.)
+                self.expired = extended;
             }
         }
         Ok(())
@@ -398,12 +405,38 @@ impl ControlQp {
     }
 }
 
+/// What a frame in flight was seen through past (see
+/// [`ControlQp::send_until`]).
+#[derive(Debug, Clone, Copy)]
+enum Expired {
+    /// The handshake's deadline.
+    Deadline,
+    /// The server's cut: it is going away.
+    Cut,
+}
+
+impl Expired {
+    /// The error the handshake ends with once a frame was seen through.
+    fn error(expired: Option<Self>) -> WireError {
+        WireError::Io(match expired {
+            Some(Self::Cut) => io::Error::other("the server is shutting down"),
+            _ => io::Error::new(
+                io::ErrorKind::TimedOut,
+                "handshake timed out (its last frame was acknowledged after the deadline)",
+            ),
+        })
+    }
+}
+
 impl FrameIo for ControlQp {
     fn peer(&self) -> SocketAddr {
         self.peer
     }
 
     fn send_frame(&mut self, frame: &[u8]) -> std::result::Result<(), WireError> {
+        if self.expired.is_some() {
+            return Err(Expired::error(self.expired));
+        }
         self.send_until(frame, self.deadline, true)
     }
 
@@ -413,7 +446,7 @@ impl FrameIo for ControlQp {
     /// the disconnect that follows must not overtake it.
     fn send_last(&mut self, frame: &[u8]) {
         // A frame seen through past the deadline had those 200 ms already.
-        if self.expired {
+        if self.expired.is_some() {
             return;
         }
         let deadline = Instant::now() + super::LAST_FRAME_WAIT;
@@ -428,11 +461,8 @@ impl FrameIo for ControlQp {
     }
 
     fn recv_frame(&mut self) -> std::result::Result<Vec<u8>, WireError> {
-        if self.expired {
-            return Err(WireError::Io(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "handshake timed out (its last frame was acknowledged after the deadline)",
-            )));
+        if self.expired.is_some() {
+            return Err(Expired::error(self.expired));
         }
         loop {
             // The messages are one byte stream: a frame may span several.

@@ -257,8 +257,10 @@ const KEEPALIVE_PROBES: u32 = 3;
 /// the handshake's deadline: a refusal dropped for want of time would
 /// reach the peer as a cut without a word, which a client tries again
 /// instead of reading why (a slow `authorize` that then refuses, say). Over
-/// rdma_cm a frame already posted when the deadline passes gets as long to
-/// be acknowledged. So a handshake may end this much past its deadline.
+/// rdma_cm a frame already posted when the deadline passes (or the server
+/// starts going away) gets as long to be acknowledged instead, and the
+/// handshake then ends without a refusal. So a handshake may end this much
+/// past its deadline.
 const LAST_FRAME_WAIT: Duration = Duration::from_millis(200);
 
 /// The TCP control connection during a handshake. One absolute deadline
