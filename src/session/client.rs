@@ -160,10 +160,7 @@ impl ClientSession {
         start: Instant,
         after_cut: bool,
     ) -> Result<Endpoint> {
-        // A deadline past the clock's range is a year away.
-        let deadline = start
-            .checked_add(config.connect_deadline)
-            .unwrap_or(start + Duration::from_secs(365 * 86_400));
+        let deadline = super::deadline_after(start, config.connect_deadline);
         let remaining = || {
             deadline
                 .saturating_duration_since(Instant::now())

@@ -253,6 +253,13 @@ const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 const KEEPALIVE_PROBES: u32 = 3;
 
+/// `from` + `d`, or a year from `from` when `d` is too large for the clock
+/// (a timeout of `Duration::MAX` means "no timeout").
+fn deadline_after(from: Instant, d: Duration) -> Instant {
+    from.checked_add(d)
+        .unwrap_or(from + Duration::from_secs(365 * 86_400))
+}
+
 /// Longest a last frame (a refusal) is waited on. It gets this even past
 /// the handshake's deadline: a refusal dropped for want of time would
 /// reach the peer as a cut without a word, which a client tries again
@@ -285,11 +292,7 @@ impl Control {
         // Handshake messages are tiny; send them without Nagle delay.
         let _ = stream.set_nodelay(true);
         let now = Instant::now();
-        // A timeout too large for the clock means "a year".
-        let after = |d: Duration| {
-            now.checked_add(d)
-                .unwrap_or(now + Duration::from_secs(365 * 86_400))
-        };
+        let after = |d: Duration| deadline_after(now, d);
         let final_deadline = after(timeout);
         Self {
             stream,

@@ -209,10 +209,7 @@ impl ControlQp {
     /// Sets the handshake's deadlines from now.
     fn set_deadlines(&mut self, timeout: Duration, hello_timeout: Duration) {
         let now = Instant::now();
-        let after = |d: Duration| {
-            now.checked_add(d)
-                .unwrap_or(now + Duration::from_secs(365 * 86_400))
-        };
+        let after = |d: Duration| super::deadline_after(now, d);
         self.final_deadline = after(timeout);
         self.deadline = after(hello_timeout).min(self.final_deadline);
     }
