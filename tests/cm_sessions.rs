@@ -8,8 +8,8 @@
 mod util;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -408,11 +408,16 @@ fn stalling_stranger(
     (channel, id, qp, mr)
 }
 
+/// Held by the tests whose strangers stall answers in RNR retry: the drop
+/// test watches the device-wide RNR counter for its own stranger's NAK.
+static STALLING: Mutex<()> = Mutex::new(());
+
 verbs_test! {
     /// Dropping the server cuts a handshake whose answer waits in RNR retry
     /// (the stranger posts no receive) within the 200 ms a frame in flight
     /// gets, not at the handshake's deadline.
     fn dropping_the_server_cuts_a_stalled_answer_at_once() {
+        let _alone = STALLING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
         let mut config = server_config();
@@ -422,9 +427,15 @@ verbs_test! {
         let hello = Message::Hello(Hello { nonce: [0; 32], identity: "stranger".into(), qps: vec!["data".into()] })
             .encode()
             .unwrap();
+        let (rnr_naks, _) = rnr_counters(ctx.name());
         let stranger = stalling_stranger(server.local_addr(), &[hello]);
-        // The server's challenge is posted by now, and waits for a receive.
-        thread::sleep(Duration::from_millis(500));
+        // The server's challenge is posted once the stranger's hello is in,
+        // and waits in RNR retry: the device counts the stranger's NAK.
+        let waited = Instant::now();
+        while rnr_counters(ctx.name()).0 == rnr_naks && waited.elapsed() < DEADLINE {
+            thread::sleep(Duration::from_millis(10));
+        }
+        assert!(rnr_counters(ctx.name()).0 > rnr_naks, "the server's answer never met the stranger's missing receive");
         assert_eq!(server.pending_handshakes(), 1);
         let started = Instant::now();
         drop(server);
@@ -436,6 +447,7 @@ verbs_test! {
 
 verbs_test! {
     fn a_stranger_that_stalls_our_answers_is_cut_off_at_the_hello_deadline() {
+        let _alone = STALLING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
         let mut config = server_config();

@@ -81,18 +81,6 @@ impl Handler for Downstream {
     }
 }
 
-fn rnr_counters(device: &str) -> (u64, u64) {
-    let read = |name: &str| {
-        let path = format!("/sys/class/infiniband/{device}/ports/1/hw_counters/{name}");
-        std::fs::read_to_string(&path)
-            .unwrap_or_else(|e| panic!("{path}: {e}"))
-            .trim()
-            .parse::<u64>()
-            .unwrap()
-    };
-    (read("rcvd_rnr_err"), read("send_rnr_err"))
-}
-
 verbs_test! {
     fn a_slow_receiver_causes_no_rnr_and_loses_nothing() {
         slow_receiver(0);

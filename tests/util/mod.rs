@@ -42,6 +42,21 @@ pub fn open_device() -> Context {
     })
 }
 
+/// Soft-RoCE's RNR counters of `device`'s port 1: (RNR NAKs received by
+/// our requesters, RNR NAKs sent by our responders). Device-wide, so a test
+/// that compares them runs alone in its binary or only waits for a rise.
+pub fn rnr_counters(device: &str) -> (u64, u64) {
+    let read = |name: &str| {
+        let path = format!("/sys/class/infiniband/{device}/ports/1/hw_counters/{name}");
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    (read("rcvd_rnr_err"), read("send_rnr_err"))
+}
+
 /// Two RC QPs on one device, connected to each other, each with its own CQ.
 pub struct Pair {
     pub a: QueuePair,
