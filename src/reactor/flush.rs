@@ -7,6 +7,7 @@ use crate::error::Result;
 
 use super::conn::Conn;
 use super::counters::Counters;
+use super::pass::TAIL_SIGNAL_IDLE_PASSES;
 use super::slab::{PARKED, TOUCHED};
 use super::srq_pool::SrqPool;
 use super::{ConnId, Handler, PeerLink, Reactor};
@@ -93,6 +94,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// connection is flushed and looked at through the same borrow.
     #[inline]
     fn flush_index(&mut self, index: u32, tidy: bool, signal_tails: bool, left: &mut Left) {
+        let (spell, mark) = (self.quiet_spells, self.spell_mark());
         let Some((key, conn)) = self.conns.get_by_index_quiet(index) else {
             return;
         };
@@ -113,7 +115,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 &mut self.counters,
                 repost,
                 tail,
-                self.after_quiet,
+                spell,
+                mark,
             )
         {
             self.fail(ConnId(key), error);
@@ -152,6 +155,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
+    /// What a doorbell rung now marks its connection with: the current
+    /// quiet spell once it has ended, so the connection's traffic is busy
+    /// until the next one; the spell before it while it lasts, so a
+    /// request sent within the spell (by a timer, say) leaves the answer
+    /// to it, and what a handler posts on that, sparse.
+    #[inline]
+    fn spell_mark(&self) -> u32 {
+        let quiet_now = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
+        self.quiet_spells.wrapping_sub(u32::from(quiet_now))
+    }
+
     /// Signals the last request staged on `conn`, if it is not; with
     /// nothing staged and `tail` (an unsignaled tail to signal out), stages
     /// a signaled credit update. Off the busy path.
@@ -182,9 +196,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// Rings the doorbell of open connection `conn` and reposts its
     /// receives (`repost`). With `tail` (its unsignaled tail is to be
-    /// signaled out) or `quiet` (traffic is sparse), the last request it
-    /// posts is signaled; with `tail` and nothing to post, a signaled
-    /// credit update goes out.
+    /// signaled out), or when its traffic is sparse (it has posted nothing
+    /// since quiet spell `spell` ended, or the reactor is in that spell
+    /// now), the last request it posts is signaled; with `tail` and
+    /// nothing to post, a signaled credit update goes out. A doorbell
+    /// marks the connection with `mark` (see
+    /// [`spell_mark`](Self::spell_mark)).
     #[inline]
     fn flush_conn(
         conn: &mut Conn,
@@ -192,16 +209,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         counters: &mut Counters,
         repost: bool,
         tail: bool,
-        quiet: bool,
+        spell: u32,
+        mark: u32,
     ) -> Result<()> {
         conn.prepare_flush();
-        if tail | quiet {
+        if tail | conn.is_sparse(spell) {
             Self::leave_no_tail(conn, tail);
         }
         let staged = conn.batch.len() as u64;
         if staged > 0 {
             counters.doorbells += 1;
             counters.requests += staged;
+            conn.note_posted(mark);
         }
         conn.post_staged()?;
         if !repost {

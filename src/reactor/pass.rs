@@ -150,7 +150,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let touched = if done == 0 {
             self.idle()
         } else {
-            self.after_quiet = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
+            // A quiet spell ends here; each connection's traffic counts as
+            // sparse until it posts (see `Reactor::quiet_spells`).
             self.idle_passes = 0;
             false
         };
@@ -186,12 +187,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// A pass found nothing: every handler's `on_idle`. Returns whether a
     /// callback may have staged work.
-    #[inline]
+    #[inline(always)]
     fn idle(&mut self) -> bool {
         self.counters.empty_passes += 1;
         self.idle_passes = self.idle_passes.saturating_add(1);
-        if self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES {
-            self.after_quiet = true;
+        if self.idle_passes == TAIL_SIGNAL_IDLE_PASSES {
+            self.quiet_spells = self.quiet_spells.wrapping_add(1);
         }
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         for (_, session) in self.sessions.iter_mut() {
@@ -275,11 +276,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // unreported: signal it out first. Its completion (or, without a
         // credit, the peer's next credit update) then wakes us.
         self.flush(true, true);
-        // A reactor about to sleep is quiet: what it posts on its next
-        // completion is signaled (`after_quiet`), not left as a tail for
+        // A reactor about to sleep is quiet: a spell of its own, so what
+        // each connection posts after it is signaled, not left as a tail for
         // the next arming to signal out with a credit update.
         self.idle_passes = self.idle_passes.max(TAIL_SIGNAL_IDLE_PASSES);
-        self.after_quiet = true;
+        self.quiet_spells = self.quiet_spells.wrapping_add(1);
         for cq in &mut self.cqs {
             cq.req_notify(false)?;
         }

@@ -221,6 +221,22 @@ impl Conn {
         }
     }
 
+    /// Whether traffic on this connection counts as sparse, so a flush
+    /// signals the last request it posts: it has rung no doorbell since
+    /// the reactor's last quiet spell (`spell`, the reactor's count of
+    /// them) ended.
+    #[inline]
+    pub(crate) fn is_sparse(&self, spell: u32) -> bool {
+        self.posted_after_spell != spell
+    }
+
+    /// Notes a doorbell, marked as the reactor's flush says
+    /// (`Reactor::spell_mark`).
+    #[inline]
+    pub(crate) fn note_posted(&mut self, mark: u32) {
+        self.posted_after_spell = mark;
+    }
+
     /// True if requests went out unsignaled since the last signaled one: their
     /// completions are only reported once a later signaled request completes.
     pub(crate) fn has_unsignaled_tail(&self) -> bool {

@@ -103,6 +103,10 @@ pub(crate) struct Conn {
     /// (which holds the others the device has not seen).
     unposted: u32,
     since_signal: u32,
+    /// The reactor's quiet spell (`Reactor::quiet_spells`) after whose end
+    /// this connection last rang its doorbell: until it posts after the
+    /// next one ends, what it posts is signaled (see `Conn::is_sparse`).
+    posted_after_spell: u32,
     signal_interval: u32,
     max_inline: u32,
     // Credits (all cumulative, wrapping): receives the peer has posted, RECV-
@@ -205,6 +209,8 @@ impl Conn {
             sq_done: 0,
             unposted: 0,
             since_signal: 0,
+            // Not after any spell: its first post is signaled.
+            posted_after_spell: u32::MAX,
             signal_interval,
             max_inline,
             peer_posted: 0,

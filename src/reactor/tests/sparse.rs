@@ -59,6 +59,55 @@ fn sparse_round_trips_post_no_credit_updates_to_signal_their_tails() {
     }
 }
 
+/// A quiet spell ended by a completion that posts nothing (on a NIC, a
+/// request's own send completion, ahead of its answer) leaves traffic
+/// sparse until something is posted: the follow-up a handler posts on the
+/// answer, passes later, is signaled too, so no credit update has to
+/// signal it out once the reactor is quiet again.
+#[test]
+fn a_follow_up_posted_after_the_spell_ended_leaves_no_tail() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut client = reactor(&pd);
+    let mut server = reactor(&pd);
+    let (asker, answerer) = add_pair_across(&mut client, &mut server, &pd);
+    // The asker follows every answer up with a copy of it; the answerer
+    // answers from outside its passes (as a timer would) and echoes nothing.
+    asker.seen.borrow_mut().echo = true;
+    quiet(&mut client);
+    quiet(&mut server);
+    let before = client.counters();
+    for round in 0..ROUND_TRIPS {
+        send(&mut client, asker.conn, &[round as u8; 8]);
+        // The request goes out, then its send completion ends the
+        // client's quiet spell in a pass of its own.
+        client.turn().expect("a reactor pass");
+        client.turn().expect("a reactor pass");
+        run_until(&mut server, "the request", |_| {
+            answerer.seen.borrow().messages.len() == 2 * round + 1
+        });
+        send(&mut server, answerer.conn, &[round as u8; 8]);
+        server.turn().expect("a pass of the answerer");
+        // The answer lands, and the follow-up is posted, passes after the
+        // spell ended.
+        run_until(&mut client, "the answer", |_| {
+            asker.seen.borrow().messages.len() == round + 1
+        });
+        run_until(&mut server, "the follow-up", |_| {
+            answerer.seen.borrow().messages.len() == 2 * round + 2
+        });
+        quiet(&mut client);
+        quiet(&mut server);
+    }
+    let requests = client.counters().requests - before.requests;
+    assert_eq!(
+        requests,
+        2 * ROUND_TRIPS as u64,
+        "a request and a follow-up per round trip, no tail signals"
+    );
+}
+
 /// Busy traffic keeps selective signaling: a burst of messages answered
 /// back to back signals about one request in the signal interval, not
 /// each.
