@@ -94,7 +94,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// connection is flushed and looked at through the same borrow.
     #[inline]
     fn flush_index(&mut self, index: u32, tidy: bool, signal_tails: bool, left: &mut Left) {
-        let (spell, mark) = (self.quiet_spells, self.spell_mark());
+        let (spell, idle_passes) = (self.quiet_spells, self.idle_passes);
         let Some((key, conn)) = self.conns.get_by_index_quiet(index) else {
             return;
         };
@@ -116,7 +116,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 repost,
                 tail,
                 spell,
-                mark,
+                idle_passes,
             )
         {
             self.fail(ConnId(key), error);
@@ -155,15 +155,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
-    /// What a doorbell rung now marks its connection with: the current
-    /// quiet spell once it has ended, so the connection's traffic is busy
-    /// until the next one; the spell before it while it lasts, so a
-    /// request sent within the spell (by a timer, say) leaves the answer
-    /// to it, and what a handler posts on that, sparse.
+    /// What a doorbell rung on a connection with sparse traffic marks it
+    /// with, given the reactor's quiet spells and idle passes: the current
+    /// spell once it has ended, so the connection's traffic is busy until
+    /// the next one; the spell before it while it lasts, so a request sent
+    /// within the spell (by a timer, say) leaves the answer to it, and
+    /// what a handler posts on that, sparse. (A connection with busy
+    /// traffic is marked with the current spell already.)
     #[inline]
-    fn spell_mark(&self) -> u32 {
-        let quiet_now = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
-        self.quiet_spells.wrapping_sub(u32::from(quiet_now))
+    fn spell_mark(spell: u32, idle_passes: u32) -> u32 {
+        let quiet_now = idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
+        spell.wrapping_sub(u32::from(quiet_now))
     }
 
     /// Signals the last request staged on `conn`, if it is not; with
@@ -199,9 +201,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// signaled out), or when its traffic is sparse (it has posted nothing
     /// since quiet spell `spell` ended, or the reactor is in that spell
     /// now), the last request it posts is signaled; with `tail` and
-    /// nothing to post, a signaled credit update goes out. A doorbell
-    /// marks the connection with `mark` (see
-    /// [`spell_mark`](Self::spell_mark)).
+    /// nothing to post, a signaled credit update goes out. A doorbell on
+    /// sparse traffic marks the connection (see
+    /// [`spell_mark`](Self::spell_mark); `idle_passes`: the reactor's).
     #[inline]
     fn flush_conn(
         conn: &mut Conn,
@@ -210,17 +212,20 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         repost: bool,
         tail: bool,
         spell: u32,
-        mark: u32,
+        idle_passes: u32,
     ) -> Result<()> {
         conn.prepare_flush();
-        if tail | conn.is_sparse(spell) {
+        let sparse = conn.is_sparse(spell);
+        if tail | sparse {
             Self::leave_no_tail(conn, tail);
         }
         let staged = conn.batch.len() as u64;
         if staged > 0 {
             counters.doorbells += 1;
             counters.requests += staged;
-            conn.note_posted(mark);
+            if sparse {
+                conn.note_posted(Self::spell_mark(spell, idle_passes));
+            }
         }
         conn.post_staged()?;
         if !repost {
