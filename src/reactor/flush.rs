@@ -7,7 +7,6 @@ use crate::error::Result;
 
 use super::conn::Conn;
 use super::counters::Counters;
-use super::pass::TAIL_SIGNAL_IDLE_PASSES;
 use super::slab::{PARKED, TOUCHED};
 use super::srq_pool::SrqPool;
 use super::{ConnId, Handler, PeerLink, Reactor};
@@ -94,7 +93,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// connection is flushed and looked at through the same borrow.
     #[inline]
     fn flush_index(&mut self, index: u32, tidy: bool, signal_tails: bool, left: &mut Left) {
-        let (spell, idle_passes) = (self.quiet_spells, self.idle_passes);
+        let (spell, after_quiet) = (self.quiet_spells, self.after_quiet);
         let Some((key, conn)) = self.conns.get_by_index_quiet(index) else {
             return;
         };
@@ -116,7 +115,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 repost,
                 tail,
                 spell,
-                idle_passes,
+                after_quiet,
             )
         {
             self.fail(ConnId(key), error);
@@ -156,16 +155,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// What a doorbell rung on a connection with sparse traffic marks it
-    /// with, given the reactor's quiet spells and idle passes: the current
-    /// spell once it has ended, so the connection's traffic is busy until
-    /// the next one; the spell before it while it lasts, so a request sent
-    /// within the spell (by a timer, say) leaves the answer to it, and
-    /// what a handler posts on that, sparse. (A connection with busy
-    /// traffic is marked with the current spell already.)
+    /// with, given the reactor's count of quiet spells and
+    /// `after_quiet`: the current count once a pass that did not end the
+    /// spell posts, so the connection's traffic is busy until the next
+    /// spell; the count before it while the spell lasts or the pass ending
+    /// it runs, so a request sent within the spell (by a timer, say)
+    /// leaves the answer to it, and what a handler posts on that, sparse.
+    /// (A connection with busy traffic is marked with the current count
+    /// already.)
     #[inline]
-    fn spell_mark(spell: u32, idle_passes: u32) -> u32 {
-        let quiet_now = idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
-        spell.wrapping_sub(u32::from(quiet_now))
+    fn spell_mark(spell: u32, after_quiet: bool) -> u32 {
+        spell.wrapping_sub(u32::from(after_quiet))
     }
 
     /// Signals the last request staged on `conn`, if it is not; with
@@ -198,12 +198,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// Rings the doorbell of open connection `conn` and reposts its
     /// receives (`repost`). With `tail` (its unsignaled tail is to be
-    /// signaled out), or when its traffic is sparse (it has posted nothing
-    /// since quiet spell `spell` ended, or the reactor is in that spell
-    /// now), the last request it posts is signaled; with `tail` and
-    /// nothing to post, a signaled credit update goes out. A doorbell on
-    /// sparse traffic marks the connection (see
-    /// [`spell_mark`](Self::spell_mark); `idle_passes`: the reactor's).
+    /// signaled out), or when its traffic is sparse (`after_quiet`: the
+    /// reactor is in a quiet spell or its last pass with completions ended
+    /// one; or the connection has not posted in a later pass since quiet
+    /// spell `spell`), the last request it posts is signaled; with `tail`
+    /// and nothing to post, a signaled credit update goes out. A doorbell
+    /// on sparse traffic marks the connection (see
+    /// [`spell_mark`](Self::spell_mark)).
     #[inline]
     fn flush_conn(
         conn: &mut Conn,
@@ -212,10 +213,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         repost: bool,
         tail: bool,
         spell: u32,
-        idle_passes: u32,
+        after_quiet: bool,
     ) -> Result<()> {
         conn.prepare_flush();
-        let sparse = conn.is_sparse(spell);
+        let sparse = after_quiet | conn.is_sparse(spell);
         if tail | sparse {
             Self::leave_no_tail(conn, tail);
         }
@@ -224,7 +225,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             counters.doorbells += 1;
             counters.requests += staged;
             if sparse {
-                conn.note_posted(Self::spell_mark(spell, idle_passes));
+                conn.note_sparse_post(Self::spell_mark(spell, after_quiet));
             }
         }
         conn.post_staged()?;

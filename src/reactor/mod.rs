@@ -181,16 +181,19 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     /// of them (so an empty pass after a wake without a completion does
     /// the idle-time work at once; the arming's own flush left little).
     idle_passes: u32,
+    /// The reactor is in a quiet spell, or the last pass with completions
+    /// ended one: traffic is sparse, so each flush signals its
+    /// connections' last request (a local completion) rather than leave a
+    /// tail that the idle-time flush would signal out with a credit update
+    /// (a SEND the peer must receive, on a receive of its own).
+    after_quiet: bool,
     /// Quiet spells so far (wrapping): counted when an idle busy pass
     /// reaches the tail-signaling point and when the CQs are armed for a
-    /// sleep. Traffic is sparse during a spell and, for each connection,
-    /// after one until it posts: a flush then signals the connection's
-    /// last request (a local completion) rather than leave a tail that
-    /// the idle-time flush would signal out with a credit update (a SEND
-    /// the peer must receive, on a receive of its own). Per connection,
-    /// not per pass: the pass that ends a spell may bring only a
-    /// request's own send completion, and its answer, with what a handler
-    /// posts on it, passes later.
+    /// sleep. Beside `after_quiet`, traffic on a connection also counts as
+    /// sparse after a spell until it posts in a pass that did not end it
+    /// (`Conn::is_sparse`): on a NIC the pass that ends a spell may bring
+    /// only a request's own send completion, and its answer, with what a
+    /// handler posts on it, passes later.
     quiet_spells: u32,
     /// The last flush left work behind that any pass must do (or sessions
     /// changed since).
@@ -303,6 +306,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             next_cq: 0,
             protocol_conns: 0,
             idle_passes: 0,
+            after_quiet: false,
             quiet_spells: 0,
             unsettled: true,
             reposts_left: false,

@@ -150,8 +150,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let touched = if done == 0 {
             self.idle()
         } else {
-            // A quiet spell ends here; each connection's traffic counts as
-            // sparse until it posts (see `Reactor::quiet_spells`).
+            self.after_quiet = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
             self.idle_passes = 0;
             false
         };
@@ -191,7 +190,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     fn idle(&mut self) -> bool {
         self.counters.empty_passes += 1;
         self.idle_passes = self.idle_passes.saturating_add(1);
+        // Only a pass with completions makes `after_quiet` false, and it
+        // counts idle passes from 0 again: a spell is noted once.
         if self.idle_passes == TAIL_SIGNAL_IDLE_PASSES {
+            self.after_quiet = true;
             self.quiet_spells = self.quiet_spells.wrapping_add(1);
         }
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
@@ -280,6 +282,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // each connection posts after it is signaled, not left as a tail for
         // the next arming to signal out with a credit update.
         self.idle_passes = self.idle_passes.max(TAIL_SIGNAL_IDLE_PASSES);
+        self.after_quiet = true;
         self.quiet_spells = self.quiet_spells.wrapping_add(1);
         for cq in &mut self.cqs {
             cq.req_notify(false)?;

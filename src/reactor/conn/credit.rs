@@ -222,18 +222,20 @@ impl Conn {
     }
 
     /// Whether traffic on this connection counts as sparse, so a flush
-    /// signals the last request it posts: it has rung no doorbell since
-    /// the reactor's last quiet spell (`spell`, the reactor's count of
-    /// them) ended.
+    /// signals the last request it posts, whatever the reactor's state: it
+    /// is new, or it has rung no doorbell in a pass that did not end the
+    /// reactor's last quiet spell (`spell`, the reactor's count of them).
+    /// (During a spell and in the pass ending it, every connection's
+    /// traffic is sparse: `Reactor::after_quiet`.)
     #[inline]
     pub(crate) fn is_sparse(&self, spell: u32) -> bool {
         self.posted_after_spell != spell
     }
 
-    /// Notes a doorbell, marked as the reactor's flush says
-    /// (`Reactor::spell_mark`).
+    /// Notes a doorbell rung on sparse traffic, with the mark the
+    /// reactor's flush gives it (`Reactor::spell_mark`).
     #[inline]
-    pub(crate) fn note_posted(&mut self, mark: u32) {
+    pub(crate) fn note_sparse_post(&mut self, mark: u32) {
         self.posted_after_spell = mark;
     }
 

@@ -103,9 +103,11 @@ pub(crate) struct Conn {
     /// (which holds the others the device has not seen).
     unposted: u32,
     since_signal: u32,
-    /// The reactor's quiet spell (`Reactor::quiet_spells`) after whose end
-    /// this connection last rang its doorbell: until it posts after the
-    /// next one ends, what it posts is signaled (see `Conn::is_sparse`).
+    /// The reactor's count of quiet spells (`Reactor::quiet_spells`) as of
+    /// this connection's last doorbell on sparse traffic, or the count
+    /// before it if that doorbell came within the spell or in the pass
+    /// ending it: while it differs from the reactor's count, what the
+    /// connection posts is signaled (see `Conn::is_sparse`).
     posted_after_spell: u32,
     signal_interval: u32,
     max_inline: u32,
@@ -209,7 +211,8 @@ impl Conn {
             sq_done: 0,
             unposted: 0,
             since_signal: 0,
-            // Not after any spell: its first post is signaled.
+            // Unlike any count the reactor starts from: its first post is
+            // signaled.
             posted_after_spell: u32::MAX,
             signal_interval,
             max_inline,

@@ -22,8 +22,7 @@ const QUIET_PASSES: u32 = 2 * TAIL_SIGNAL_IDLE_PASSES;
 /// The count is exact on the loopback device, which completes a request
 /// in the pass that posts it: the answer goes out in the pass that ends
 /// the quiet spell. On a NIC a send completion may land in a pass of its
-/// own, and an answer posted then is left as a tail; `tests/reactor.rs`
-/// bounds that case.
+/// own, ahead of the answer: the next test.
 #[test]
 fn sparse_round_trips_post_no_credit_updates_to_signal_their_tails() {
     // SAFETY: every QP of the device is served from this thread.
@@ -100,12 +99,25 @@ fn a_follow_up_posted_after_the_spell_ended_leaves_no_tail() {
         quiet(&mut client);
         quiet(&mut server);
     }
-    let requests = client.counters().requests - before.requests;
+    let after = client.counters();
     assert_eq!(
-        requests,
+        after.requests - before.requests,
         2 * ROUND_TRIPS as u64,
         "a request and a follow-up per round trip, no tail signals"
     );
+    // The answer's receive, and the signaled send completion of the
+    // request and of the follow-up: nothing is left as a tail.
+    assert_eq!(
+        after.completions - before.completions,
+        3 * ROUND_TRIPS as u64
+    );
+    for (reactor, end) in [(&client, &asker), (&server, &answerer)] {
+        let (sq_in_flight, _, _) = reactor.conn_stats(end.conn).expect("a live connection");
+        assert_eq!(
+            sq_in_flight, 0,
+            "a quiet connection holds no send-queue entry"
+        );
+    }
 }
 
 /// Busy traffic keeps selective signaling: a burst of messages answered
