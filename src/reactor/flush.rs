@@ -155,14 +155,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// What a doorbell rung on a connection with sparse traffic marks it
-    /// with, given the reactor's count of quiet spells and
-    /// `after_quiet`: the current count once a pass that did not end the
-    /// spell posts, so the connection's traffic is busy until the next
-    /// spell; the count before it while the spell lasts or the pass ending
-    /// it runs, so a request sent within the spell (by a timer, say)
-    /// leaves the answer to it, and what a handler posts on that, sparse.
-    /// (A connection with busy traffic is marked with the current count
-    /// already.)
+    /// with, given the reactor's count of quiet spells and `after_quiet`:
+    /// the count before the current one while `after_quiet` holds (within
+    /// the spell, or from the pass ending it to the next pass with
+    /// completions), so a request sent then (by a timer, say) leaves the
+    /// answer to it, and what a handler posts on that, sparse; the current
+    /// count after that, so the connection's traffic is busy until the
+    /// next spell. (A connection with busy traffic is marked with the
+    /// current count already.)
     #[inline]
     fn spell_mark(spell: u32, after_quiet: bool) -> u32 {
         spell.wrapping_sub(u32::from(after_quiet))

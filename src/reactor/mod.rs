@@ -190,10 +190,14 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     /// Quiet spells so far (wrapping): counted when an idle busy pass
     /// reaches the tail-signaling point and when the CQs are armed for a
     /// sleep. Beside `after_quiet`, traffic on a connection also counts as
-    /// sparse after a spell until it posts in a pass that did not end it
-    /// (`Conn::is_sparse`): on a NIC the pass that ends a spell may bring
-    /// only a request's own send completion, and its answer, with what a
-    /// handler posts on it, passes later.
+    /// sparse after a spell until it posts while `after_quiet` is false
+    /// (`Conn::is_sparse`): the pass that ends a spell may bring only a
+    /// request's own send completion (on a NIC), or another connection's
+    /// message, and the message a handler answers, with the answer, come
+    /// passes later. (The per-connection test alone covers `after_quiet`'s
+    /// reach too, except once the count has wrapped round to a
+    /// connection's mark: the flush asks both, so nothing is signaled
+    /// less than under `after_quiet` alone.)
     quiet_spells: u32,
     /// The last flush left work behind that any pass must do (or sessions
     /// changed since).

@@ -223,10 +223,10 @@ impl Conn {
 
     /// Whether traffic on this connection counts as sparse, so a flush
     /// signals the last request it posts, whatever the reactor's state: it
-    /// is new, or it has rung no doorbell in a pass that did not end the
-    /// reactor's last quiet spell (`spell`, the reactor's count of them).
-    /// (During a spell and in the pass ending it, every connection's
-    /// traffic is sparse: `Reactor::after_quiet`.)
+    /// is new, or it has rung no doorbell on busy traffic since the
+    /// reactor last counted a quiet spell (`spell`, the reactor's count of
+    /// them). (While `Reactor::after_quiet` holds, every connection's
+    /// traffic is sparse anyway.)
     #[inline]
     pub(crate) fn is_sparse(&self, spell: u32) -> bool {
         self.posted_after_spell != spell

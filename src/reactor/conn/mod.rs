@@ -105,9 +105,10 @@ pub(crate) struct Conn {
     since_signal: u32,
     /// The reactor's count of quiet spells (`Reactor::quiet_spells`) as of
     /// this connection's last doorbell on sparse traffic, or the count
-    /// before it if that doorbell came within the spell or in the pass
-    /// ending it: while it differs from the reactor's count, what the
-    /// connection posts is signaled (see `Conn::is_sparse`).
+    /// before it if `Reactor::after_quiet` held then (within the spell, or
+    /// from the pass ending it to the next pass with completions): while
+    /// it differs from the reactor's count, what the connection posts is
+    /// signaled (see `Conn::is_sparse`).
     posted_after_spell: u32,
     signal_interval: u32,
     max_inline: u32,

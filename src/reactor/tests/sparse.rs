@@ -120,6 +120,57 @@ fn a_follow_up_posted_after_the_spell_ended_leaves_no_tail() {
     }
 }
 
+/// A spell ended by another connection's message: a connection whose
+/// last doorbell was on busy traffic (its echo in the round before) counts
+/// as sparse again once the reactor has been quiet, so the echo it posts
+/// on a message landing passes after the spell ended is signaled too.
+#[test]
+fn an_echo_after_another_connection_ended_the_spell_leaves_no_tail() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut client = reactor(&pd);
+    let mut server = reactor(&pd);
+    let (echoing, echoed) = add_pair_across(&mut client, &mut server, &pd);
+    let (woken, waking) = add_pair_across(&mut client, &mut server, &pd);
+    echoing.seen.borrow_mut().echo = true;
+    quiet(&mut client);
+    quiet(&mut server);
+    let before = client.counters();
+    for round in 0..ROUND_TRIPS {
+        // A message on the other connection ends the client's spell ...
+        send(&mut server, waking.conn, &[round as u8; 8]);
+        server.turn().expect("a pass of the server");
+        run_until(&mut client, "the waking message", |_| {
+            woken.seen.borrow().messages.len() == round + 1
+        });
+        client.turn().expect("a reactor pass");
+        // ... and the echoed one lands passes later.
+        send(&mut server, echoed.conn, &[round as u8; 8]);
+        server.turn().expect("a pass of the server");
+        run_until(&mut client, "the echoed message", |_| {
+            echoing.seen.borrow().messages.len() == round + 1
+        });
+        run_until(&mut server, "the echo", |_| {
+            echoed.seen.borrow().messages.len() == round + 1
+        });
+        quiet(&mut client);
+        quiet(&mut server);
+    }
+    let requests = client.counters().requests - before.requests;
+    // The echoes, and the credit updates the woken connection owes for its
+    // receives (one per quarter of its receive ring): no tail signals.
+    let credit_updates = ROUND_TRIPS as u64 / u64::from(RECV_DEPTH / 4);
+    assert_eq!(requests, ROUND_TRIPS as u64 + credit_updates);
+    for end in [&echoing, &woken] {
+        let (sq_in_flight, _, _) = client.conn_stats(end.conn).expect("a live connection");
+        assert_eq!(
+            sq_in_flight, 0,
+            "a quiet connection holds no send-queue entry"
+        );
+    }
+}
+
 /// Busy traffic keeps selective signaling: a burst of messages answered
 /// back to back signals about one request in the signal interval, not
 /// each.
