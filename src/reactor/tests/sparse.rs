@@ -49,13 +49,7 @@ fn sparse_round_trips_post_no_credit_updates_to_signal_their_tails() {
     // Each message's receive, and the signaled send completion of each:
     // every send completes, so no slot or SQ entry is held by a tail.
     assert_eq!(completions, 4 * ROUND_TRIPS as u64);
-    for end in [&client, &server] {
-        let (sq_in_flight, _, _) = reactor.conn_stats(end.conn).expect("a live connection");
-        assert_eq!(
-            sq_in_flight, 0,
-            "a quiet connection holds no send-queue entry"
-        );
-    }
+    holds_no_tail(&reactor, &[&client, &server]);
 }
 
 /// A quiet spell ended by a completion that posts nothing (on a NIC, a
@@ -74,8 +68,7 @@ fn a_follow_up_posted_after_the_spell_ended_leaves_no_tail() {
     // The asker follows every answer up with a copy of it; the answerer
     // answers from outside its passes (as a timer would) and echoes nothing.
     asker.seen.borrow_mut().echo = true;
-    quiet(&mut client);
-    quiet(&mut server);
+    quiet_both(&mut client, &mut server);
     let before = client.counters();
     for round in 0..ROUND_TRIPS {
         send(&mut client, asker.conn, &[round as u8; 8]);
@@ -86,8 +79,7 @@ fn a_follow_up_posted_after_the_spell_ended_leaves_no_tail() {
         run_until(&mut server, "the request", |_| {
             answerer.seen.borrow().messages.len() == 2 * round + 1
         });
-        send(&mut server, answerer.conn, &[round as u8; 8]);
-        server.turn().expect("a pass of the answerer");
+        send_now(&mut server, answerer.conn, &[round as u8; 8]);
         // The answer lands, and the follow-up is posted, passes after the
         // spell ended.
         run_until(&mut client, "the answer", |_| {
@@ -96,8 +88,7 @@ fn a_follow_up_posted_after_the_spell_ended_leaves_no_tail() {
         run_until(&mut server, "the follow-up", |_| {
             answerer.seen.borrow().messages.len() == 2 * round + 2
         });
-        quiet(&mut client);
-        quiet(&mut server);
+        quiet_both(&mut client, &mut server);
     }
     let after = client.counters();
     assert_eq!(
@@ -111,13 +102,8 @@ fn a_follow_up_posted_after_the_spell_ended_leaves_no_tail() {
         after.completions - before.completions,
         3 * ROUND_TRIPS as u64
     );
-    for (reactor, end) in [(&client, &asker), (&server, &answerer)] {
-        let (sq_in_flight, _, _) = reactor.conn_stats(end.conn).expect("a live connection");
-        assert_eq!(
-            sq_in_flight, 0,
-            "a quiet connection holds no send-queue entry"
-        );
-    }
+    holds_no_tail(&client, &[&asker]);
+    holds_no_tail(&server, &[&answerer]);
 }
 
 /// A spell ended by another connection's message: a connection whose
@@ -134,41 +120,31 @@ fn an_echo_after_another_connection_ended_the_spell_leaves_no_tail() {
     let (echoing, echoed) = add_pair_across(&mut client, &mut server, &pd);
     let (woken, waking) = add_pair_across(&mut client, &mut server, &pd);
     echoing.seen.borrow_mut().echo = true;
-    quiet(&mut client);
-    quiet(&mut server);
+    quiet_both(&mut client, &mut server);
     let before = client.counters();
     for round in 0..ROUND_TRIPS {
         // A message on the other connection ends the client's spell ...
-        send(&mut server, waking.conn, &[round as u8; 8]);
-        server.turn().expect("a pass of the server");
+        send_now(&mut server, waking.conn, &[round as u8; 8]);
         run_until(&mut client, "the waking message", |_| {
             woken.seen.borrow().messages.len() == round + 1
         });
         client.turn().expect("a reactor pass");
         // ... and the echoed one lands passes later.
-        send(&mut server, echoed.conn, &[round as u8; 8]);
-        server.turn().expect("a pass of the server");
+        send_now(&mut server, echoed.conn, &[round as u8; 8]);
         run_until(&mut client, "the echoed message", |_| {
             echoing.seen.borrow().messages.len() == round + 1
         });
         run_until(&mut server, "the echo", |_| {
             echoed.seen.borrow().messages.len() == round + 1
         });
-        quiet(&mut client);
-        quiet(&mut server);
+        quiet_both(&mut client, &mut server);
     }
     let requests = client.counters().requests - before.requests;
     // The echoes, and the credit updates the woken connection owes for its
     // receives (one per quarter of its receive ring): no tail signals.
     let credit_updates = ROUND_TRIPS as u64 / u64::from(RECV_DEPTH / 4);
     assert_eq!(requests, ROUND_TRIPS as u64 + credit_updates);
-    for end in [&echoing, &woken] {
-        let (sq_in_flight, _, _) = client.conn_stats(end.conn).expect("a live connection");
-        assert_eq!(
-            sq_in_flight, 0,
-            "a quiet connection holds no send-queue entry"
-        );
-    }
+    holds_no_tail(&client, &[&echoing, &woken]);
 }
 
 /// Busy traffic keeps selective signaling: a burst of messages answered
@@ -224,4 +200,32 @@ fn quiet(reactor: &mut Reactor<Probe, ()>) {
         before.completions,
         "still busy after {QUIET_PASSES} passes"
     );
+}
+
+/// Both reactors quiet (see [`quiet`]).
+#[track_caller]
+fn quiet_both(one: &mut Reactor<Probe, ()>, other: &mut Reactor<Probe, ()>) {
+    quiet(one);
+    quiet(other);
+}
+
+/// Sends `data` on `conn` from outside a pass (as a timer would), and
+/// runs the pass that posts it.
+#[track_caller]
+fn send_now(reactor: &mut Reactor<Probe, ()>, conn: ConnId, data: &[u8]) {
+    send(reactor, conn, data);
+    reactor.turn().expect("a reactor pass");
+}
+
+/// Fails if a connection of `ends` still holds a send-queue entry: an
+/// unsignaled tail that only a credit update would have signaled out.
+#[track_caller]
+fn holds_no_tail(reactor: &Reactor<Probe, ()>, ends: &[&End]) {
+    for end in ends {
+        let (sq_in_flight, _, _) = reactor.conn_stats(end.conn).expect("a live connection");
+        assert_eq!(
+            sq_in_flight, 0,
+            "a quiet connection holds no send-queue entry"
+        );
+    }
 }
