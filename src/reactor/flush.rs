@@ -200,8 +200,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// receives (`repost`). With `tail` (its unsignaled tail is to be
     /// signaled out), or when its traffic is sparse (`after_quiet`: the
     /// reactor is in a quiet spell or its last pass with completions ended
-    /// one; or the connection has not posted in a later pass since quiet
-    /// spell `spell`), the last request it posts is signaled; with `tail`
+    /// one; or the connection has not posted on busy traffic since the
+    /// reactor counted quiet spell `spell`), the last request it posts is
+    /// signaled; with `tail`
     /// and nothing to post, a signaled credit update goes out. A doorbell
     /// on sparse traffic marks the connection (see
     /// [`spell_mark`](Self::spell_mark)).
