@@ -202,9 +202,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// reactor is in a quiet spell or its last pass with completions ended
     /// one; or the connection has not posted on busy traffic since the
     /// reactor counted quiet spell `spell`), the last request it posts is
-    /// signaled; with `tail`
-    /// and nothing to post, a signaled credit update goes out. A doorbell
-    /// on sparse traffic marks the connection (see
+    /// signaled; with `tail` and nothing to post, a signaled credit update
+    /// goes out. A doorbell on sparse traffic marks the connection (see
     /// [`spell_mark`](Self::spell_mark)).
     #[inline]
     fn flush_conn(
