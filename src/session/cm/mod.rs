@@ -521,15 +521,7 @@ pub(super) fn connect(
     backoff: (Duration, Duration),
     retry: bool,
 ) -> Result<ControlQp> {
-    let os = |source| Error::Os {
-        what: "resolving the session server's address",
-        source,
-    };
-    let target = addr
-        .to_socket_addrs()
-        .map_err(os)?
-        .next()
-        .ok_or_else(|| os(io::Error::other("no address")))?;
+    let target = first_address(addr, "resolving the session server's address")?;
     let (initial, max_wait) = backoff;
     let mut wait = super::client::first_backoff(initial, max_wait);
     loop {
@@ -648,21 +640,23 @@ pub(super) fn accept(
     Ok(control)
 }
 
+/// The first address `addr` resolves to; an error says `what` was being
+/// resolved (rdma_cm binds and connects one address, not a list).
+fn first_address(addr: &impl ToSocketAddrs, what: &'static str) -> Result<SocketAddr> {
+    let os = |source| Error::Os { what, source };
+    addr.to_socket_addrs()
+        .map_err(os)?
+        .next()
+        .ok_or_else(|| os(io::Error::other("no address")))
+}
+
 /// A listening id on a channel of its own, bound to `addr` (port 0 picks
 /// one); returns it with the address it is bound to.
 pub(super) fn listen(
     addr: impl ToSocketAddrs,
     backlog: usize,
 ) -> Result<(EventChannel, CmId, SocketAddr)> {
-    let os = |source| Error::Os {
-        what: "resolving the session listener's address",
-        source,
-    };
-    let addr = addr
-        .to_socket_addrs()
-        .map_err(os)?
-        .next()
-        .ok_or_else(|| os(io::Error::other("no address")))?;
+    let addr = first_address(&addr, "resolving the session listener's address")?;
     let channel = EventChannel::new()?;
     let mut id = channel.create_id()?;
     id.bind(addr)?;
