@@ -35,6 +35,11 @@ pub(crate) struct RateMarks {
     /// (completions so far, timestamp), every `stride` completions.
     marks: Vec<(u64, u64)>,
     stride: u64,
+    /// The completion count that takes the next mark: one compare a
+    /// message, where a remainder would be a DIV (slow under emulation),
+    /// and a sender whose count jumps by its batch still marks once per
+    /// `stride`.
+    next_mark: u64,
     iters: u64,
 }
 
@@ -52,6 +57,7 @@ impl RateMarks {
             clock,
             marks: Vec::with_capacity(iters.div_ceil(stride) as usize + 2),
             stride,
+            next_mark: stride,
             iters,
         }
     }
@@ -67,8 +73,9 @@ impl RateMarks {
     /// `completed` messages of the run are done (called as they grow).
     #[inline]
     pub(crate) fn completed(&mut self, completed: u64) {
-        if completed.is_multiple_of(self.stride) || completed == self.iters {
+        if completed >= self.next_mark || completed == self.iters {
             self.marks.push((completed, self.clock.now()));
+            self.next_mark = completed.saturating_add(self.stride);
         }
     }
 
@@ -375,6 +382,21 @@ mod tests {
         let long = marked(4 * MAX_MARKS, 1, clock);
         assert_eq!(long.len() as u64, MAX_MARKS + 1);
         assert_eq!((long[1], long[long.len() - 1]), (4, 4 * MAX_MARKS));
+    }
+
+    #[test]
+    fn a_count_that_jumps_still_marks_once_a_stride_within_capacity() {
+        // A direct client's count grows by whole retired batches, which
+        // need not land on a multiple of the stride.
+        let mut marks = RateMarks::new(100, 16, Clock::new());
+        let capacity = marks.marks.capacity();
+        marks.start();
+        for done in (5..=100).step_by(5) {
+            marks.completed(done);
+        }
+        let counts: Vec<u64> = marks.marks.iter().map(|&(done, _)| done).collect();
+        assert_eq!(counts, [0, 20, 40, 60, 80, 100]);
+        assert_eq!(marks.marks.capacity(), capacity, "the marks grew");
     }
 
     fn ns(from: u64, to: u64) -> u64 {
