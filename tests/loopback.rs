@@ -884,3 +884,134 @@ fn staging_on_one_connection_batches_every_kind_of_request_behind_one_lookup() {
     });
     assert!(client.seen.borrow().errors.is_empty());
 }
+
+/// What a `Runs` handler was told: each run of completions, by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Run {
+    Sends(u32, u32),
+    Writes(u32, u32),
+    Reads(u32, u32),
+}
+
+/// A handler that takes completions a run at a time and must never be
+/// told of one alone.
+#[derive(Debug, Default, Clone)]
+struct Runs {
+    runs: Rc<RefCell<Vec<Run>>>,
+    established: Rc<Cell<usize>>,
+}
+
+impl Handler for Runs {
+    fn on_established(&mut self, _: &mut Ctx<'_>, _: ConnId) {
+        self.established.set(self.established.get() + 1);
+    }
+    fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
+    fn on_send_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, seq: u32) {
+        panic!("SEND {seq} reported alone to a handler of runs");
+    }
+    fn on_write_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, seq: u32) {
+        panic!("WRITE {seq} reported alone to a handler of runs");
+    }
+    fn on_read_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, seq: u32) {
+        panic!("READ {seq} reported alone to a handler of runs");
+    }
+    fn on_sends_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, first: u32, count: u32) {
+        self.runs.borrow_mut().push(Run::Sends(first, count));
+    }
+    fn on_writes_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, first: u32, count: u32) {
+        self.runs.borrow_mut().push(Run::Writes(first, count));
+    }
+    fn on_reads_complete(&mut self, _: &mut Ctx<'_>, _: ConnId, first: u32, count: u32) {
+        self.runs.borrow_mut().push(Run::Reads(first, count));
+    }
+}
+
+/// Stages 10 WRITEs, 3 READs and 5 SENDs on `conn` in one pass, the last
+/// SEND signaled, and returns the first one's sequence number. With the
+/// default signaling interval (16) only the READs (always signaled) and
+/// the last SEND have completions of their own: the first READ's retires
+/// the WRITEs before it.
+fn stage_mixed(ctx: &mut Ctx<'_>, conn: ConnId, local: &MemoryRegion, remote: RemoteRegion) -> u32 {
+    let bytes = local.slice(0, 8).unwrap();
+    let target = remote.slice(0, 8).unwrap();
+    let first = ctx.write(conn, &bytes, target, None).unwrap();
+    for n in 1..10 {
+        assert_eq!(ctx.write(conn, &bytes, target, None).unwrap(), first + n);
+    }
+    for n in 10..13 {
+        assert_eq!(ctx.read(conn, &bytes, target).unwrap(), first + n);
+    }
+    for n in 13..18 {
+        assert_eq!(ctx.send(conn, b"run", None).unwrap(), first + n);
+    }
+    ctx.signal_staged(conn);
+    first
+}
+
+#[test]
+fn completions_retired_together_come_a_run_of_one_kind_at_a_time() {
+    // SAFETY: one thread serves every QP of this device and reads every byte.
+    let device = unsafe { Context::loopback() };
+    let pd = device.alloc_pd().unwrap();
+    let config = ReactorConfig {
+        slot_size: 256,
+        recv_depth: 16,
+        send_slots: 16,
+        sq_depth: 64,
+        ..ReactorConfig::default()
+    };
+    assert_eq!(config.signal_interval, 16, "the test counts on it");
+    let local = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let exported = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | ACCESS).unwrap();
+    let remote = exported.remote().unwrap();
+
+    // A handler of runs: one call per run, and never one alone.
+    let mut reactor: Reactor<Runs, ()> = Reactor::new(&pd, config.clone()).unwrap();
+    let (a, b) = connected_pair(&mut reactor, &pd, ACCESS).unwrap();
+    let (client, server) = (Runs::default(), Runs::default());
+    let session = reactor.add(vec![a], client.clone()).unwrap();
+    reactor.add(vec![b], server.clone()).unwrap();
+    let conn = reactor.conns(session).next().unwrap();
+    let mut passes = 0;
+    while client.established.get() + server.established.get() < 2 {
+        reactor.turn().unwrap();
+        passes += 1;
+        assert!(passes < MAX_PASSES, "never established");
+    }
+    let first = reactor.with_ctx(|ctx| stage_mixed(ctx, conn, &local, remote));
+    let expected = [
+        Run::Writes(first, 10),
+        Run::Reads(first + 10, 1),
+        Run::Reads(first + 11, 1),
+        Run::Reads(first + 12, 1),
+        Run::Sends(first + 13, 5),
+    ];
+    while client.runs.borrow().len() < expected.len() {
+        reactor.turn().unwrap();
+        passes += 1;
+        assert!(
+            passes < 2 * MAX_PASSES,
+            "runs so far: {:?}",
+            client.runs.borrow()
+        );
+    }
+    assert_eq!(client.runs.borrow().as_slice(), expected);
+
+    // The default: each request told alone, in order.
+    let mut reactor = new_reactor(&pd);
+    let (client, _server) = add_pair(&mut reactor, &pd);
+    let first = reactor.with_ctx(|ctx| stage_mixed(ctx, client.conn, &local, remote));
+    run_until(&mut reactor, "every request told", || {
+        client.seen.borrow().sends_done.len() == 5
+    });
+    let seen = client.seen.borrow();
+    assert_eq!(seen.writes_done, (first..first + 10).collect::<Vec<_>>());
+    assert_eq!(
+        seen.reads_done,
+        (first + 10..first + 13).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        seen.sends_done,
+        (first + 13..first + 18).collect::<Vec<_>>()
+    );
+}

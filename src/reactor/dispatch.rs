@@ -263,15 +263,20 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 }
             }
             Delivery::Retired { count } => {
-                for _ in 0..count {
+                let mut left = count;
+                while left > 0 {
                     let Some(conn) = ctx.conns.get_mut_quiet(key) else {
                         return;
                     };
-                    let (seq, op) = conn.pop_oldest();
+                    // A run of one kind retires whole, for one handler
+                    // call (`retire_count` vouched for `left` ops in
+                    // flight).
+                    let (seq, op, run) = conn.retire_run(left);
+                    left -= run;
                     match op.kind {
-                        OpKind::Send => handler.on_send_complete(&mut ctx, id, seq),
-                        OpKind::Write => handler.on_write_complete(&mut ctx, id, seq),
-                        OpKind::Read => handler.on_read_complete(&mut ctx, id, seq),
+                        OpKind::Send => handler.on_sends_complete(&mut ctx, id, seq, run),
+                        OpKind::Write => handler.on_writes_complete(&mut ctx, id, seq, run),
+                        OpKind::Read => handler.on_reads_complete(&mut ctx, id, seq, run),
                         OpKind::Forward => {
                             // A slot back in the SRQ pool's batch needs
                             // this pass's flush, which a retire alone does
@@ -286,7 +291,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                                     op.from_srq,
                                 );
                             }
-                            handler.on_send_complete(&mut ctx, id, seq);
+                            handler.on_sends_complete(&mut ctx, id, seq, 1);
                         }
                         OpKind::Credit => {}
                     }

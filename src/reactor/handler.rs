@@ -26,6 +26,56 @@ pub trait Handler {
     fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}
     /// A READ staged with sequence number `seq` completed: the bytes are local.
     fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}
+    /// `count` SENDs staged on `conn` completed, with the sequence numbers
+    /// `first`, `first + 1`, … (wrapping), oldest first. A signaled
+    /// completion retires every request staged before it, and each run of
+    /// one kind comes in one call (a forward alone); `count` is at least 1.
+    ///
+    /// The default calls [`on_send_complete`](Self::on_send_complete) for
+    /// each, in order. Override it to take a batch's completions in one
+    /// call: then `on_send_complete` is not called for them.
+    #[inline]
+    fn on_sends_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        // One at a time (the latency path) goes straight through; the
+        // loop, which keeps its state across calls, is out of line.
+        if count == 1 {
+            self.on_send_complete(ctx, conn, first);
+        } else {
+            each_seq(ctx, conn, first, count, |ctx, conn, seq| {
+                self.on_send_complete(ctx, conn, seq)
+            });
+        }
+    }
+    /// `count` WRITEs completed, as [`on_sends_complete`](Self::on_sends_complete)
+    /// for SENDs; the default calls [`on_write_complete`](Self::on_write_complete)
+    /// for each.
+    #[inline]
+    fn on_writes_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        // One at a time (the latency path) goes straight through; the
+        // loop, which keeps its state across calls, is out of line.
+        if count == 1 {
+            self.on_write_complete(ctx, conn, first);
+        } else {
+            each_seq(ctx, conn, first, count, |ctx, conn, seq| {
+                self.on_write_complete(ctx, conn, seq)
+            });
+        }
+    }
+    /// `count` READs completed, as [`on_sends_complete`](Self::on_sends_complete)
+    /// for SENDs; the default calls [`on_read_complete`](Self::on_read_complete)
+    /// for each.
+    #[inline]
+    fn on_reads_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        // One at a time (the latency path) goes straight through; the
+        // loop, which keeps its state across calls, is out of line.
+        if count == 1 {
+            self.on_read_complete(ctx, conn, first);
+        } else {
+            each_seq(ctx, conn, first, count, |ctx, conn, seq| {
+                self.on_read_complete(ctx, conn, seq)
+            });
+        }
+    }
     /// The connection failed (a completion error, a failed post, a peer
     /// that consumed more receives than it was granted:
     /// [`Error::CreditOverrun`], or one whose SEND the protocol has no place
@@ -56,6 +106,22 @@ pub trait Handler {
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {}
 }
 
+/// Calls `each` with the sequence numbers `first`, `first + 1`, …
+/// (`count` of them, wrapping), in order: the defaults of
+/// [`Handler::on_sends_complete`] and its kin for a run of several.
+#[inline(never)]
+fn each_seq(
+    ctx: &mut Ctx<'_>,
+    conn: ConnId,
+    first: u32,
+    count: u32,
+    mut each: impl FnMut(&mut Ctx<'_>, ConnId, u32),
+) {
+    for n in 0..count {
+        each(ctx, conn, first.wrapping_add(n));
+    }
+}
+
 impl<H: Handler + ?Sized> Handler for Box<H> {
     fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
         (**self).on_established(ctx, conn)
@@ -74,6 +140,15 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
     }
     fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
         (**self).on_read_complete(ctx, conn, seq)
+    }
+    fn on_sends_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        (**self).on_sends_complete(ctx, conn, first, count)
+    }
+    fn on_writes_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        (**self).on_writes_complete(ctx, conn, first, count)
+    }
+    fn on_reads_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        (**self).on_reads_complete(ctx, conn, first, count)
     }
     fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
         (**self).on_error(ctx, conn, error)
@@ -116,6 +191,16 @@ impl<H: Handler> Handler for std::rc::Rc<std::cell::RefCell<H>> {
     }
     fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
         self.borrow_mut().on_read_complete(ctx, conn, seq)
+    }
+    fn on_sends_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        self.borrow_mut().on_sends_complete(ctx, conn, first, count)
+    }
+    fn on_writes_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        self.borrow_mut()
+            .on_writes_complete(ctx, conn, first, count)
+    }
+    fn on_reads_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        self.borrow_mut().on_reads_complete(ctx, conn, first, count)
     }
     fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
         self.borrow_mut().on_error(ctx, conn, error)

@@ -109,6 +109,18 @@ impl<H: Handler> Handler for Seated<H> {
     fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
         self.handler.on_read_complete(ctx, conn, seq)
     }
+    #[inline]
+    fn on_sends_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        self.handler.on_sends_complete(ctx, conn, first, count)
+    }
+    #[inline]
+    fn on_writes_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        self.handler.on_writes_complete(ctx, conn, first, count)
+    }
+    #[inline]
+    fn on_reads_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        self.handler.on_reads_complete(ctx, conn, first, count)
+    }
     fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
         self.handler.on_error(ctx, conn, error)
     }

@@ -75,6 +75,15 @@ impl Handler for PerfHandler {
     fn on_read_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
         each_role!(self, h => h.on_read_complete(ctx, conn, seq))
     }
+    fn on_sends_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        each_role!(self, h => h.on_sends_complete(ctx, conn, first, count))
+    }
+    fn on_writes_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        each_role!(self, h => h.on_writes_complete(ctx, conn, first, count))
+    }
+    fn on_reads_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
+        each_role!(self, h => h.on_reads_complete(ctx, conn, first, count))
+    }
     fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
         each_role!(self, h => h.on_error(ctx, conn, error))
     }

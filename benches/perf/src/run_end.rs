@@ -57,6 +57,15 @@ impl RunEnd {
         }
     }
 
+    /// Sends `first`, `first + 1`, … (`count` of them, wrapping) completed.
+    pub(crate) fn completed_within(&mut self, ctx: &mut Ctx<'_>, first: u32, count: u32) {
+        if let EndState::Sent(seq) = self.state
+            && seq.wrapping_sub(first) < count
+        {
+            self.finish(ctx);
+        }
+    }
+
     fn finish(&mut self, ctx: &mut Ctx<'_>) {
         self.state = EndState::Done;
         ctx.stop();

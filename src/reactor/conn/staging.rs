@@ -405,6 +405,26 @@ impl Conn {
         (seq, op)
     }
 
+    /// Retires the oldest op and, if it is a SEND, WRITE or READ of the
+    /// caller's, the ops of its kind right after it, `most` in all at the
+    /// most (`most` ≥ 1, and that many in flight): the run one handler
+    /// call reports. Returns the first's sequence number, the first, and
+    /// how many retired.
+    #[inline(always)]
+    pub(crate) fn retire_run(&mut self, most: u32) -> (u32, SqOp, u32) {
+        let (seq, op) = self.pop_oldest();
+        let mut run = 1;
+        if matches!(op.kind, OpKind::Send | OpKind::Write | OpKind::Read) {
+            while run < most
+                && self.ops[(self.sq_done & (self.sq_depth - 1)) as usize].kind == op.kind
+            {
+                self.pop_oldest();
+                run += 1;
+            }
+        }
+        (seq, op, run)
+    }
+
     /// True if the connection's kept registration is the one `id` names.
     #[inline]
     pub(crate) fn keeps(&self, id: usize) -> bool {
