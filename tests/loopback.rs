@@ -948,6 +948,43 @@ fn stage_mixed(ctx: &mut Ctx<'_>, conn: ConnId, local: &MemoryRegion, remote: Re
     first
 }
 
+/// Stages `stage_mixed` on a connection whose handler is a `Runs` as
+/// `wrap` makes it, and returns the first sequence number and the runs
+/// the handler was told.
+fn runs_told<H: Handler>(
+    pd: &ProtectionDomain,
+    config: &ReactorConfig,
+    local: &MemoryRegion,
+    remote: RemoteRegion,
+    wrap: impl Fn(Runs) -> H,
+) -> (u32, Vec<Run>) {
+    let mut reactor: Reactor<H, ()> = Reactor::new(pd, config.clone()).unwrap();
+    let (a, b) = connected_pair(&mut reactor, pd, ACCESS).unwrap();
+    let (client, server) = (Runs::default(), Runs::default());
+    let session = reactor.add(vec![a], wrap(client.clone())).unwrap();
+    reactor.add(vec![b], wrap(server.clone())).unwrap();
+    let conn = reactor.conns(session).next().unwrap();
+    let mut passes = 0;
+    while client.established.get() + server.established.get() < 2 {
+        reactor.turn().unwrap();
+        passes += 1;
+        assert!(passes < MAX_PASSES, "never established");
+    }
+    let first = reactor.with_ctx(|ctx| stage_mixed(ctx, conn, local, remote));
+    // Five runs: the WRITEs, each READ, the SENDs.
+    while client.runs.borrow().len() < 5 {
+        reactor.turn().unwrap();
+        passes += 1;
+        assert!(
+            passes < 2 * MAX_PASSES,
+            "runs so far: {:?}",
+            client.runs.borrow()
+        );
+    }
+    let runs = client.runs.borrow().clone();
+    (first, runs)
+}
+
 #[test]
 fn completions_retired_together_come_a_run_of_one_kind_at_a_time() {
     // SAFETY: one thread serves every QP of this device and reads every byte.
@@ -965,37 +1002,21 @@ fn completions_retired_together_come_a_run_of_one_kind_at_a_time() {
     let exported = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | ACCESS).unwrap();
     let remote = exported.remote().unwrap();
 
-    // A handler of runs: one call per run, and never one alone.
-    let mut reactor: Reactor<Runs, ()> = Reactor::new(&pd, config.clone()).unwrap();
-    let (a, b) = connected_pair(&mut reactor, &pd, ACCESS).unwrap();
-    let (client, server) = (Runs::default(), Runs::default());
-    let session = reactor.add(vec![a], client.clone()).unwrap();
-    reactor.add(vec![b], server.clone()).unwrap();
-    let conn = reactor.conns(session).next().unwrap();
-    let mut passes = 0;
-    while client.established.get() + server.established.get() < 2 {
-        reactor.turn().unwrap();
-        passes += 1;
-        assert!(passes < MAX_PASSES, "never established");
-    }
-    let first = reactor.with_ctx(|ctx| stage_mixed(ctx, conn, &local, remote));
-    let expected = [
-        Run::Writes(first, 10),
-        Run::Reads(first + 10, 1),
-        Run::Reads(first + 11, 1),
-        Run::Reads(first + 12, 1),
-        Run::Sends(first + 13, 5),
-    ];
-    while client.runs.borrow().len() < expected.len() {
-        reactor.turn().unwrap();
-        passes += 1;
-        assert!(
-            passes < 2 * MAX_PASSES,
-            "runs so far: {:?}",
-            client.runs.borrow()
-        );
-    }
-    assert_eq!(client.runs.borrow().as_slice(), expected);
+    // A handler of runs: one call per run, and never one alone; through a
+    // `Box` as well, which must hand the runs on.
+    let expected = |first: u32| {
+        [
+            Run::Writes(first, 10),
+            Run::Reads(first + 10, 1),
+            Run::Reads(first + 11, 1),
+            Run::Reads(first + 12, 1),
+            Run::Sends(first + 13, 5),
+        ]
+    };
+    let (first, runs) = runs_told(&pd, &config, &local, remote, |runs| runs);
+    assert_eq!(runs, expected(first));
+    let (first, runs) = runs_told(&pd, &config, &local, remote, Box::new);
+    assert_eq!(runs, expected(first));
 
     // The default: each request told alone, in order.
     let mut reactor = new_reactor(&pd);

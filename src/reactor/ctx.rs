@@ -157,7 +157,9 @@ impl Ctx<'_> {
     }
 
     /// Stages a SEND of `data` (copied into a registered send slot).
-    /// Returns the sequence number `on_send_complete` will report.
+    /// Returns the sequence number its completion will report
+    /// ([`Handler::on_sends_complete`](super::Handler::on_sends_complete),
+    /// by default `on_send_complete`).
     #[inline]
     pub fn send(&mut self, conn: ConnId, data: &[u8], imm: Option<u32>) -> Result<u32, SendError> {
         self.send_with(conn, data.len(), imm, |buf| buf.copy_from_slice(data))
@@ -233,7 +235,7 @@ impl Ctx<'_> {
 
     /// Sends a held message on to `to` without copying it: the SEND reads
     /// the receive slot itself, which is reposted once the SEND completes
-    /// (`on_send_complete` on `to` reports it). On error the message comes
+    /// (`on_sends_complete` on `to` reports it, alone). On error the message comes
     /// back still held, so it can be retried later in order.
     #[inline]
     pub fn forward(

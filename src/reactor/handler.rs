@@ -20,7 +20,12 @@ pub trait Handler {
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>);
     /// A WRITE_WITH_IMM of `len` bytes landed in one of our exported regions.
     fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {}
-    /// A SEND staged with sequence number `seq` completed locally.
+    /// A SEND staged with sequence number `seq` completed locally, told by
+    /// the default [`on_sends_complete`](Self::on_sends_complete) (as are
+    /// the next two by theirs): a handler that overrides those is not
+    /// called here. A wrapper that hands callbacks to an inner handler
+    /// forwards the run methods too, or the inner handler's overrides are
+    /// bypassed.
     fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}
     /// A WRITE staged with sequence number `seq` completed.
     fn on_write_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {}

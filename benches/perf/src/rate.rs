@@ -219,7 +219,9 @@ impl RateSender {
         self.since_staged += count;
         self.marks.completed(self.completed);
         let batch = self.spec.batch as u64;
-        if self.completed == self.spec.iters {
+        // (`>=`: a run never takes it past `iters`, but a miscount must
+        // not run on forever.)
+        if self.completed >= self.spec.iters {
             self.end.begin(ctx, self.conn);
         } else if self.since_staged >= batch || self.posted - self.completed < batch {
             // (Fewer than a batch in flight: the last staging fell short,
