@@ -405,11 +405,11 @@ impl Conn {
         (seq, op)
     }
 
-    /// Retires the oldest op and, if it is a SEND, WRITE or READ of the
-    /// caller's, the ops of its kind right after it, `most` in all at the
-    /// most (`most` ≥ 1, and that many in flight): the run one handler
-    /// call reports. Returns the first's sequence number, the first, and
-    /// how many retired.
+    /// Retires the oldest op and, if it is a SEND, WRITE or READ a
+    /// handler staged (not a forward or a credit update), the ops of its
+    /// kind right after it, `most` in all at the most (`most` ≥ 1, and
+    /// that many in flight): the run one handler call reports. Returns the
+    /// first's sequence number, the first, and how many retired.
     #[inline(always)]
     pub(crate) fn retire_run(&mut self, most: u32) -> (u32, SqOp, u32) {
         let (seq, op) = self.pop_oldest();
