@@ -41,45 +41,27 @@ pub trait Handler {
     /// call: then `on_send_complete` is not called for them.
     #[inline]
     fn on_sends_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
-        // One at a time (the latency path) goes straight through; the
-        // loop, which keeps its state across calls, is out of line.
-        if count == 1 {
-            self.on_send_complete(ctx, conn, first);
-        } else {
-            each_seq(ctx, conn, first, count, |ctx, conn, seq| {
-                self.on_send_complete(ctx, conn, seq)
-            });
-        }
+        each_seq(ctx, conn, first, count, |ctx, conn, seq| {
+            self.on_send_complete(ctx, conn, seq)
+        });
     }
     /// `count` WRITEs completed, as [`on_sends_complete`](Self::on_sends_complete)
     /// for SENDs; the default calls [`on_write_complete`](Self::on_write_complete)
     /// for each.
     #[inline]
     fn on_writes_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
-        // One at a time (the latency path) goes straight through; the
-        // loop, which keeps its state across calls, is out of line.
-        if count == 1 {
-            self.on_write_complete(ctx, conn, first);
-        } else {
-            each_seq(ctx, conn, first, count, |ctx, conn, seq| {
-                self.on_write_complete(ctx, conn, seq)
-            });
-        }
+        each_seq(ctx, conn, first, count, |ctx, conn, seq| {
+            self.on_write_complete(ctx, conn, seq)
+        });
     }
     /// `count` READs completed, as [`on_sends_complete`](Self::on_sends_complete)
     /// for SENDs; the default calls [`on_read_complete`](Self::on_read_complete)
     /// for each.
     #[inline]
     fn on_reads_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, first: u32, count: u32) {
-        // One at a time (the latency path) goes straight through; the
-        // loop, which keeps its state across calls, is out of line.
-        if count == 1 {
-            self.on_read_complete(ctx, conn, first);
-        } else {
-            each_seq(ctx, conn, first, count, |ctx, conn, seq| {
-                self.on_read_complete(ctx, conn, seq)
-            });
-        }
+        each_seq(ctx, conn, first, count, |ctx, conn, seq| {
+            self.on_read_complete(ctx, conn, seq)
+        });
     }
     /// The connection failed (a completion error, a failed post, a peer
     /// that consumed more receives than it was granted:
@@ -113,9 +95,27 @@ pub trait Handler {
 
 /// Calls `each` with the sequence numbers `first`, `first + 1`, …
 /// (`count` of them, wrapping), in order: the defaults of
-/// [`Handler::on_sends_complete`] and its kin for a run of several.
-#[inline(never)]
+/// [`Handler::on_sends_complete`] and its kin. One at a time (the latency
+/// path) goes straight through; the loop, which keeps its state across
+/// calls, is out of line.
+#[inline(always)]
 fn each_seq(
+    ctx: &mut Ctx<'_>,
+    conn: ConnId,
+    first: u32,
+    count: u32,
+    mut each: impl FnMut(&mut Ctx<'_>, ConnId, u32),
+) {
+    if count == 1 {
+        each(ctx, conn, first);
+    } else {
+        each_seq_of_run(ctx, conn, first, count, each);
+    }
+}
+
+/// [`each_seq`] for a run of several.
+#[inline(never)]
+fn each_seq_of_run(
     ctx: &mut Ctx<'_>,
     conn: ConnId,
     first: u32,
