@@ -110,14 +110,21 @@ fn new_reactor(pd: &ProtectionDomain) -> Reactor<Recorder, ()> {
 /// A reactor of small rings that reposts receives `repost_batch` at a time.
 fn reactor_reposting_by(pd: &ProtectionDomain, repost_batch: u32) -> Reactor<Recorder, ()> {
     let config = ReactorConfig {
+        repost_batch,
+        ..small_rings()
+    };
+    Reactor::new(pd, config).expect("a reactor on the loopback device")
+}
+
+/// The tests' reactor configuration: small rings, the rest the default.
+fn small_rings() -> ReactorConfig {
+    ReactorConfig {
         slot_size: 256,
         recv_depth: 16,
         send_slots: 16,
         sq_depth: 64,
-        repost_batch,
         ..ReactorConfig::default()
-    };
-    Reactor::new(pd, config).expect("a reactor on the loopback device")
+    }
 }
 
 /// Adds two sessions of one connection each, connected to each other, and
@@ -149,7 +156,7 @@ fn add_pair(reactor: &mut Reactor<Recorder, ()>, pd: &ProtectionDomain) -> (End,
 }
 
 #[track_caller]
-fn run_until(reactor: &mut Reactor<Recorder, ()>, what: &str, mut done: impl FnMut() -> bool) {
+fn run_until<H: Handler>(reactor: &mut Reactor<H, ()>, what: &str, mut done: impl FnMut() -> bool) {
     for _ in 0..MAX_PASSES {
         if done() {
             return;
@@ -964,23 +971,14 @@ fn runs_told<H: Handler>(
     let session = reactor.add(vec![a], wrap(client.clone())).unwrap();
     reactor.add(vec![b], wrap(server.clone())).unwrap();
     let conn = reactor.conns(session).next().unwrap();
-    let mut passes = 0;
-    while client.established.get() + server.established.get() < 2 {
-        reactor.turn().unwrap();
-        passes += 1;
-        assert!(passes < MAX_PASSES, "never established");
-    }
+    run_until(&mut reactor, "both ends established", || {
+        client.established.get() + server.established.get() == 2
+    });
     let first = reactor.with_ctx(|ctx| stage_mixed(ctx, conn, local, remote));
     // Five runs: the WRITEs, each READ, the SENDs.
-    while client.runs.borrow().len() < 5 {
-        reactor.turn().unwrap();
-        passes += 1;
-        assert!(
-            passes < 2 * MAX_PASSES,
-            "runs so far: {:?}",
-            client.runs.borrow()
-        );
-    }
+    run_until(&mut reactor, "five runs told", || {
+        client.runs.borrow().len() >= 5
+    });
     let runs = client.runs.borrow().clone();
     (first, runs)
 }
@@ -990,13 +988,7 @@ fn completions_retired_together_come_a_run_of_one_kind_at_a_time() {
     // SAFETY: one thread serves every QP of this device and reads every byte.
     let device = unsafe { Context::loopback() };
     let pd = device.alloc_pd().unwrap();
-    let config = ReactorConfig {
-        slot_size: 256,
-        recv_depth: 16,
-        send_slots: 16,
-        sq_depth: 64,
-        ..ReactorConfig::default()
-    };
+    let config = small_rings();
     assert_eq!(config.signal_interval, 16, "the test counts on it");
     let local = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     let exported = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | ACCESS).unwrap();
