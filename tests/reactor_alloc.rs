@@ -217,6 +217,43 @@ verbs_test! {
 const DIRECT_ITERS: u64 = 20_000;
 
 verbs_test! {
+    /// Whole latency runs of the reactor's own protocol, both ends on one
+    /// reactor: READ, WRITE and WRITE_WITH_IMM rung from the callbacks
+    /// (`Ctx::read_now`, `Ctx::write_now`) allocate nothing.
+    fn latency_runs_rung_now_allocate_nothing() {
+        use rdma_perf::loopback::{PerfPair, perf_pair_on};
+        use rdma_perf::{LatencyClient, PerfHandler, PerfOp, PerfSpec, Reflector};
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        for op in [PerfOp::Read, PerfOp::Write, PerfOp::WriteImm] {
+            let spec = PerfSpec { op, size: 8, iters: DIRECT_ITERS, warmup: 0, batch: 1, tx_depth: 0 };
+            let PerfPair { mut reactor, client, exports: _exports } = perf_pair_on(
+                &pd,
+                16,
+                8,
+                |buffers| PerfHandler::Latency(LatencyClient::new(spec, buffers)),
+                |buffers| PerfHandler::Reflect(Reflector::new(spec, buffers)),
+                false,
+            )
+            .unwrap();
+            assert_the_counter_counts();
+            COUNTING.with(|c| c.set(true));
+            let result = reactor.run();
+            COUNTING.with(|c| c.set(false));
+            result.unwrap();
+            let allocations = ALLOCATIONS.with(|n| n.replace(0));
+            println!("{DIRECT_ITERS} {op:?} round trips rung now: {allocations} heap allocations");
+            let Some(PerfHandler::Latency(done)) = reactor.handler(client) else {
+                panic!("{op:?}: the client is gone");
+            };
+            assert_eq!(done.failure(), None, "{op:?}");
+            assert!(done.is_done(), "{op:?}: the run ended early");
+            assert_eq!(allocations, 0, "{op:?}: the data path allocated");
+        }
+    }
+}
+
+verbs_test! {
     /// Whole runs on direct connections, both ends on one reactor, from
     /// the first pass to the done marker: the requests were built when
     /// `add_direct` handed the connections over, and the run allocates

@@ -34,6 +34,13 @@ pub(crate) struct Deferred {
     /// the SRQ (capacity reserved for every SRQ slot: pushing never
     /// allocates).
     pub(crate) srq_returns: Vec<u32>,
+    /// Connections whose doorbell rung alone (`Ctx::read_now`,
+    /// `Ctx::write_now`) the device refused, and why: the next flush fails
+    /// them (pushing allocates, on this error path only).
+    pub(crate) refused: Vec<(ConnId, crate::Error)>,
+    /// Doorbells rung alone so far (counted into `Counters::doorbells` and
+    /// `Counters::requests` when the counters are read).
+    pub(crate) lone_doorbells: u64,
 }
 
 /// A reactor's process-wide unique id (never reused).
@@ -311,6 +318,85 @@ impl Ctx<'_> {
         self.staging(conn)?.read(local, remote)
     }
 
+    /// As [`read`](Self::read), with the doorbell rung now instead of at
+    /// the end of the pass: for a lone latency-critical request, which is
+    /// then on the wire while the pass goes on, and which costs the pass's
+    /// end nothing. If requests are already staged on `conn` in this pass,
+    /// it is staged behind them and goes with them at the end of the pass
+    /// (posted alone, it would overtake them). A doorbell the device refuses
+    /// fails the connection at the end of the pass, as at a flush.
+    ///
+    /// Ringing once per request gives up batching: a sender with many
+    /// requests in one pass stages them ([`read`](Self::read)) and lets the
+    /// pass ring once.
+    #[inline]
+    pub fn read_now(
+        &mut self,
+        conn: ConnId,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+    ) -> Result<u32, SendError> {
+        let Some(record) = self.alone(conn)? else {
+            return self.read(conn, local, remote);
+        };
+        let seq = record.stage_read(local, remote)?;
+        let posted = record.post_staged();
+        self.rang_alone(conn, posted);
+        Ok(seq)
+    }
+
+    /// As [`write`](Self::write), with the doorbell rung now (see
+    /// [`read_now`](Self::read_now)) and the WRITE signaled, so its
+    /// completion retires it without a later request and no unsignaled
+    /// tail is left for the reactor's idle passes to signal out.
+    #[inline]
+    pub fn write_now(
+        &mut self,
+        conn: ConnId,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+        imm: Option<u32>,
+    ) -> Result<u32, SendError> {
+        let Some(record) = self.alone(conn)? else {
+            return self.write(conn, local, remote, imm);
+        };
+        let seq = record.stage_write(local, remote, imm, true)?;
+        let posted = record.post_staged();
+        self.rang_alone(conn, posted);
+        Ok(seq)
+    }
+
+    /// `conn`, if a request staged on it now may be rung alone: looked up
+    /// without listing it for the flush, which then has nothing to do for
+    /// it. `None` if requests staged before must go first.
+    #[inline(always)]
+    fn alone(&mut self, conn: ConnId) -> Result<Option<&mut Conn>, SendError> {
+        let record = self
+            .conns
+            .get_mut_quiet(conn.key())
+            .ok_or(SendError::Closed)?;
+        Ok(record.can_ring_alone().then_some(record))
+    }
+
+    /// Counts a doorbell rung alone on `conn`; a refused one is left for
+    /// the next flush, which fails the connection (listed for it, so even
+    /// an idle pass flushes).
+    #[inline(always)]
+    fn rang_alone(&mut self, conn: ConnId, posted: crate::Result<()>) {
+        self.deferred.lone_doorbells += 1;
+        if let Err(error) = posted {
+            self.refused(conn, error);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn refused(&mut self, conn: ConnId, error: crate::Error) {
+        self.touched = true;
+        self.conns.touch(conn.key().index);
+        self.deferred.refused.push((conn, error));
+    }
+
     /// One connection's staging, looked up once: for a handler that stages
     /// several requests on the same connection in a row (a sender filling
     /// its batch), where each call of [`write`](Self::write) and the like
@@ -435,7 +521,7 @@ impl Staging<'_> {
         remote: RemoteSlice,
         imm: Option<u32>,
     ) -> Result<u32, SendError> {
-        self.conn.stage_write(local, remote, imm)
+        self.conn.stage_write(local, remote, imm, false)
     }
 
     /// As [`Ctx::read`].

@@ -156,6 +156,24 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.fail(ConnId(key), error);
     }
 
+    /// Fails the connections whose doorbell rung alone from a callback
+    /// (`Ctx::read_now`, `Ctx::write_now`) the device refused, unless
+    /// something failed them already. Their handlers may ring more while
+    /// told; a refused one of another connection is failed in turn.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn fail_refused(&mut self) {
+        while let Some((id, error)) = self.deferred.refused.pop() {
+            if self
+                .conns
+                .get(id.key())
+                .is_some_and(|conn| !conn.is_closed())
+            {
+                self.fail(id, error);
+            }
+        }
+    }
+
     #[cold]
     pub(super) fn fail(&mut self, id: ConnId, error: Error) {
         // The failed connection's forwards give other connections' receive

@@ -34,6 +34,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     pub(super) fn flush(&mut self, tidy: bool, signal_tails: bool) {
         // `fail` may set it again while we walk.
         self.unsettled = false;
+        // Before the walk, which could otherwise post behind a request
+        // whose doorbell the device refused.
+        if !self.deferred.refused.is_empty() {
+            self.fail_refused();
+        }
         // The connections something may have changed since the last flush
         // (the slab lists every mutable access): a pass on a reactor of a
         // thousand connections flushes the few its completions and handlers

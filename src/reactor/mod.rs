@@ -321,6 +321,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             deferred: Deferred {
                 removals,
                 srq_returns: Vec::with_capacity(srq_slots),
+                refused: Vec::new(),
+                lone_doorbells: 0,
             },
             peer_timer,
             foreign_completions: 0,
@@ -443,7 +445,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// What the reactor has done so far: passes, completions, messages,
     /// requests, doorbells, sleeps.
     pub fn counters(&self) -> Counters {
-        self.counters
+        let mut counters = self.counters;
+        // Rung from callbacks, which cannot reach these (one request each).
+        counters.doorbells += self.deferred.lone_doorbells;
+        counters.requests += self.deferred.lone_doorbells;
+        counters
     }
 
     /// A handle that wakes the reactor from a sleep (or makes its next wait

@@ -119,14 +119,14 @@ impl LatencyClient {
         let buffer = &mut self.buffers.buffer;
         if self.spec.op == PerfOp::Read {
             let local = buffer.slice(0, size).map_err(SendError::Invalid)?;
-            return ctx.read(conn, &local, remote);
+            return ctx.read_now(conn, &local, remote);
         }
         let imm = (self.spec.op == PerfOp::WriteImm).then_some(self.seq as u32);
         buffer
             .write(2 * size - 1, &[marker])
             .map_err(SendError::Invalid)?;
         let local = buffer.slice(size, size).map_err(SendError::Invalid)?;
-        ctx.write(conn, &local, remote, imm)
+        ctx.write_now(conn, &local, remote, imm)
     }
 
     /// Why the peer's buffer has no room for a message of the spec's size.
@@ -273,7 +273,7 @@ impl Reflector {
             buffer.slice(0, size),
             self.buffers.peer.slice(0, size as u64),
         ) {
-            (Ok(local), Ok(remote)) => ctx.write(conn, &local, remote, imm),
+            (Ok(local), Ok(remote)) => ctx.write_now(conn, &local, remote, imm),
             (Err(e), _) | (_, Err(e)) => Err(SendError::Invalid(e)),
         };
         if let Err(err) = result {

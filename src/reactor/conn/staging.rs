@@ -306,13 +306,15 @@ impl Conn {
         self.stage_signaled(request, op, owned, false)
     }
 
-    /// Stages a WRITE (or WRITE_WITH_IMM, which consumes a peer receive).
+    /// Stages a WRITE (or WRITE_WITH_IMM, which consumes a peer receive),
+    /// signaled if `force_signal` or when selective signaling says so.
     #[inline]
     pub(crate) fn stage_write(
         &mut self,
         local: &LocalSlice<'_>,
         remote: RemoteSlice,
         imm: Option<u32>,
+        force_signal: bool,
     ) -> Result<u32, SendError> {
         if local.len() != remote.len() {
             return Err(SendError::Invalid(Error::InvalidArgument(
@@ -331,7 +333,7 @@ impl Conn {
             keep,
             ..SqOp::of(OpKind::Write)
         };
-        Ok(self.stage_signaled(request, op, owned, false))
+        Ok(self.stage_signaled(request, op, owned, force_signal))
     }
 
     /// Stages a READ of `remote` into `local`.
@@ -465,13 +467,27 @@ impl Conn {
         let staged = self.batch.len() as u32;
         let result = self.qp.post_list(&mut self.batch);
         if let Err(error) = &result {
-            self.unposted = match error {
+            // Added to what an earlier refused doorbell of this pass left
+            // (a request rung alone, see `can_ring_alone`): the connection
+            // fails at the pass's end and unwinds them all.
+            self.unposted += match error {
                 Error::Post { posted, .. } => staged - (*posted as u32).min(staged),
                 // Nothing says what went in: hold on to it all.
                 _ => 0,
             };
         }
         result
+    }
+
+    /// Whether a request staged now may go out at once with a doorbell of
+    /// its own (`Ctx::read_now`, `Ctx::write_now`): nothing staged waits
+    /// ahead of it, which it would overtake on the send queue (a request's
+    /// position there is its sequence number, and completions retire in
+    /// that order), and no refused doorbell of this pass waits for the
+    /// connection to fail.
+    #[inline]
+    pub(crate) fn can_ring_alone(&self) -> bool {
+        self.batch.is_empty() && self.unposted == 0
     }
 }
 

@@ -233,6 +233,14 @@ fn neither_side_posts_on_the_others_connection() {
         ));
         let staged = ctx.staging(a.conn).and_then(|mut s| s.read(&local, remote));
         assert!(matches!(staged, Err(SendError::Invalid(_))));
+        assert!(matches!(
+            ctx.write_now(a.conn, &local, remote, None),
+            Err(SendError::Invalid(_))
+        ));
+        assert!(matches!(
+            ctx.read_now(a.conn, &local, remote),
+            Err(SendError::Invalid(_))
+        ));
     });
 
     let mut plain: Reactor<super::Probe, ()> = super::reactor(&pd);

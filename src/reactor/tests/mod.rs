@@ -240,6 +240,7 @@ fn send(reactor: &mut Reactor<Probe, ()>, conn: ConnId, data: &[u8]) {
 }
 
 mod direct;
+mod now;
 mod ring;
 mod sparse;
 mod srq;

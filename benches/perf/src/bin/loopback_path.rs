@@ -6,11 +6,15 @@
 //!
 //! ```text
 //! loopback_path CASE MESSAGES
-//! CASE: send-lat | read-lat | send-b1 | send-b16 | write-b1 | write-b16
-//!       direct-CASE (the same on direct connections) | direct-write-lat
+//! CASE: send-lat | read-lat | write-lat | send-b1 | send-b16 | write-b1
+//!       | write-b16 | direct-CASE (the same on direct connections)
 //! ```
 //!
-//! Latency cases: 8 B, one message (a SEND ping or a READ) at a time.
+//! Latency cases: 8 B, one message (a SEND ping, a READ or a WRITE) at a
+//! time. (`write-lat` is left out of `tools/instr-count --host`: both ends
+//! spin on their landing byte in one thread, so its count says more about
+//! where in a pass the loopback device lands the WRITE than about the
+//! path.)
 //! Streaming cases: 64 B, 1 or 16 requests per doorbell, one signaled in
 //! 16. Prints the messages and the time per message (not deterministic;
 //! the instruction count is).
@@ -30,7 +34,7 @@ fn main() -> ExitCode {
         (args.get(1), args.get(2).and_then(|n| n.parse::<u64>().ok()))
     else {
         eprintln!(
-            "usage: loopback_path send-lat|read-lat|send-b1|send-b16|write-b1|write-b16 MESSAGES"
+            "usage: loopback_path [direct-]send-lat|read-lat|write-lat|send-b1|send-b16|write-b1|write-b16 MESSAGES"
         );
         return ExitCode::from(2);
     };
@@ -46,7 +50,7 @@ fn main() -> ExitCode {
         "send-b16" => (PerfOp::Send, false, 16),
         "write-b1" => (PerfOp::Write, false, 1),
         "write-b16" => (PerfOp::Write, false, 16),
-        "write-lat" if direct => (PerfOp::Write, true, 1),
+        "write-lat" => (PerfOp::Write, true, 1),
         other => {
             eprintln!("loopback_path: no case {other:?}");
             return ExitCode::from(2);

@@ -1,0 +1,161 @@
+//! Requests rung alone (`Ctx::read_now`, `Ctx::write_now`): the doorbell
+//! rings inside the callback, the flush has nothing left to do for them,
+//! they never overtake requests staged before them, and a doorbell the
+//! device refuses fails only its connection, at the end of the pass.
+
+use crate::verbs::{AccessFlags, Context, MemoryRegion, ProtectionDomain, refuse_sends_after};
+
+use super::{ConnId, Reactor, add_pair, reactor, run_until, run_within, send};
+
+/// Fewer passes than the idle spell after which the reactor signals out an
+/// unsignaled tail itself: a request retired within them was signaled.
+const FEW_PASSES: usize = 100;
+
+fn region(pd: &ProtectionDomain) -> MemoryRegion {
+    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    pd.alloc_mr(4096, access).expect("a region")
+}
+
+/// Send-queue entries `conn` has in use (posted or staged, not retired).
+fn sq_used(reactor: &Reactor<super::Probe, ()>, conn: ConnId) -> u32 {
+    reactor.conn_stats(conn).expect("a live connection").0
+}
+
+/// A WRITE and a READ rung now are on the wire when the call returns (the
+/// loopback device executes a request inside its post), counted as one
+/// doorbell each, leave the flush nothing, and are signaled: each retires
+/// within a few passes, with whatever went unsignaled before it.
+#[test]
+fn a_request_rung_now_is_on_the_wire_when_the_call_returns() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, _b) = add_pair(&mut reactor, &pd);
+    let mut ours = region(&pd);
+    let theirs = region(&pd);
+    ours.write(0, b"rung now").unwrap();
+    let remote = theirs.remote().unwrap();
+
+    let before = reactor.counters();
+    let local = ours.slice(0, 8).unwrap();
+    reactor
+        .with_ctx(|ctx| ctx.write_now(a.conn, &local, remote.slice(0, 8).unwrap(), None))
+        .expect("the WRITE rung");
+    let mut landed = [0; 8];
+    theirs.read(0, &mut landed).unwrap();
+    assert_eq!(&landed, b"rung now", "landed before any pass");
+    let after = reactor.counters();
+    assert_eq!(after.doorbells, before.doorbells + 1);
+    assert_eq!(after.requests, before.requests + 1);
+    assert!(!reactor.conns.has_touched(), "nothing listed for the flush");
+    run_within(&mut reactor, FEW_PASSES, "the WRITE retired", |r| {
+        sq_used(r, a.conn) == 0
+    });
+
+    let into = ours.slice(64, 8).unwrap();
+    reactor
+        .with_ctx(|ctx| ctx.read_now(a.conn, &into, remote.slice(0, 8).unwrap()))
+        .expect("the READ rung");
+    ours.read(64, &mut landed).unwrap();
+    assert_eq!(&landed, b"rung now", "read back before any pass");
+    assert_eq!(reactor.counters().doorbells, before.doorbells + 2);
+    run_within(&mut reactor, FEW_PASSES, "the READ retired", |r| {
+        sq_used(r, a.conn) == 0
+    });
+}
+
+/// With a request already staged on the connection in this pass, one
+/// asked to ring now is staged behind it instead (posted alone it would
+/// overtake it): both go with the pass's one doorbell, in order.
+#[test]
+fn a_request_rung_now_waits_behind_what_is_staged() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, _b) = add_pair(&mut reactor, &pd);
+    let mut ours = region(&pd);
+    let theirs = region(&pd);
+    ours.write(0, b"first!!!second!!").unwrap();
+    let remote = theirs.remote().unwrap();
+    let (first, second) = (ours.slice(0, 8).unwrap(), ours.slice(8, 8).unwrap());
+
+    let before = reactor.counters();
+    let (staged_seq, now_seq) = reactor.with_ctx(|ctx| {
+        let staged = ctx.write(a.conn, &first, remote.slice(0, 8).unwrap(), None);
+        let now = ctx.write_now(a.conn, &second, remote.slice(8, 8).unwrap(), None);
+        assert_eq!(ctx.staged(a.conn), 2, "staged behind the first");
+        (staged.expect("staged"), now.expect("staged too"))
+    });
+    assert_eq!(now_seq, staged_seq.wrapping_add(1));
+    let mut landed = [0; 16];
+    theirs.read(0, &mut landed).unwrap();
+    assert_eq!(landed, [0; 16], "nothing posted before the pass's end");
+    assert_eq!(reactor.counters().doorbells, before.doorbells);
+
+    reactor.turn().expect("the pass that posts");
+    theirs.read(0, &mut landed).unwrap();
+    assert_eq!(&landed, b"first!!!second!!");
+    let after = reactor.counters();
+    assert!(
+        after.doorbells <= before.doorbells + 1,
+        "one doorbell for both (and anything else that pass sent on it)"
+    );
+    assert!(after.requests >= before.requests + 2);
+}
+
+/// A doorbell rung now that the device refuses: the call still returns
+/// the request's sequence number (it is staged, as a request whose pass's
+/// doorbell fails is), a later request on the connection is staged, not
+/// rung, and at the end of the pass the connection fails, its handler is
+/// told once, and both requests are unwound. Another pair keeps running.
+#[test]
+fn a_refused_doorbell_rung_now_fails_only_its_connection() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, _b) = add_pair(&mut reactor, &pd);
+    let (c, d) = add_pair(&mut reactor, &pd);
+    let mut ours = region(&pd);
+    let theirs = region(&pd);
+    ours.write(0, b"refused!").unwrap();
+    let remote = theirs.remote().unwrap();
+    let local = ours.slice(0, 8).unwrap();
+    let into = ours.slice(64, 8).unwrap();
+    // (An idle spell signals out the handshake's unsignaled credit
+    // updates.)
+    run_until(&mut reactor, "the handshake's updates retired", |r| {
+        sq_used(r, a.conn) == 0
+    });
+
+    let qpn = reactor.conns.get(a.conn.key()).expect("a").qpn;
+    refuse_sends_after(qpn, 0);
+    reactor.with_ctx(|ctx| {
+        ctx.write_now(a.conn, &local, remote.slice(0, 8).unwrap(), None)
+            .expect("staged, though its doorbell was refused");
+        ctx.read_now(a.conn, &into, remote.slice(0, 8).unwrap())
+            .expect("staged behind it");
+        assert_eq!(ctx.staged(a.conn), 1, "the READ waits: it is not rung");
+    });
+    assert!(a.seen.borrow().errors.is_empty(), "told at the pass's end");
+    assert_eq!(sq_used(&reactor, a.conn), 2);
+
+    reactor.turn().expect("a pass");
+    {
+        let seen = a.seen.borrow();
+        assert_eq!(seen.errors.len(), 1, "told once");
+        assert_eq!(seen.errors[0].0, Some(libc::ENOMEM), "{}", seen.errors[0].1);
+    }
+    assert_eq!(sq_used(&reactor, a.conn), 0, "both unwound");
+    let mut landed = [0; 8];
+    theirs.read(0, &mut landed).unwrap();
+    assert_eq!(landed, [0; 8], "the device never got the WRITE");
+
+    send(&mut reactor, c.conn, b"still up");
+    run_within(&mut reactor, FEW_PASSES, "the other pair's message", |_| {
+        d.seen.borrow().messages.len() == 1
+    });
+    assert_eq!(a.seen.borrow().errors.len(), 1, "no second error");
+}
