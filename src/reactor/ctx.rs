@@ -323,8 +323,15 @@ impl Ctx<'_> {
     /// then on the wire while the pass goes on, and which costs the pass's
     /// end nothing. If requests are already staged on `conn` in this pass,
     /// it is staged behind them and goes with them at the end of the pass
-    /// (posted alone, it would overtake them). A doorbell the device refuses
-    /// fails the connection at the end of the pass, as at a flush.
+    /// (posted alone, it would overtake them).
+    ///
+    /// A doorbell the device refuses is reported as a refused flush is:
+    /// the call still returns the request's sequence number, the request
+    /// never completes, later requests on `conn` are only staged, and the
+    /// connection fails with the device's error (`on_error`) at the next
+    /// flush, the one ending this pass (or the next pass, from
+    /// [`Reactor::with_ctx`](super::Reactor::with_ctx)), or at once when
+    /// rung from `on_error`.
     ///
     /// Ringing once per request gives up batching: a sender with many
     /// requests in one pass stages them ([`read`](Self::read)) and lets the
@@ -346,9 +353,10 @@ impl Ctx<'_> {
     }
 
     /// As [`write`](Self::write), with the doorbell rung now (see
-    /// [`read_now`](Self::read_now)) and the WRITE signaled, so its
-    /// completion retires it without a later request and no unsignaled
-    /// tail is left for the reactor's idle passes to signal out.
+    /// [`read_now`](Self::read_now)) and the WRITE signaled (also when it
+    /// is staged behind others), so its completion retires it without a
+    /// later request and no unsignaled tail is left for the reactor's idle
+    /// passes to signal out.
     #[inline]
     pub fn write_now(
         &mut self,
@@ -358,7 +366,7 @@ impl Ctx<'_> {
         imm: Option<u32>,
     ) -> Result<u32, SendError> {
         let Some(record) = self.alone(conn)? else {
-            return self.write(conn, local, remote, imm);
+            return self.conn(conn)?.stage_write(local, remote, imm, true);
         };
         let seq = record.stage_write(local, remote, imm, true)?;
         let posted = record.post_staged();

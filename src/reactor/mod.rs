@@ -461,7 +461,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// Lets `stage` stage work through a [`Ctx`] between passes, as a
     /// callback would: it goes out with the next pass's doorbells (one per
-    /// QP, shared with whatever the handlers stage in that pass). For work
+    /// QP, shared with whatever the handlers stage in that pass), or at
+    /// once with [`Ctx::read_now`] and [`Ctx::write_now`]. For work
     /// that comes from outside the handlers, such as commands other threads
     /// queued.
     pub fn with_ctx<R>(&mut self, stage: impl FnOnce(&mut Ctx<'_>) -> R) -> R {

@@ -464,6 +464,9 @@ impl Conn {
     /// for (none if the provider did not say: all are then held as posted).
     #[inline]
     pub(crate) fn post_staged(&mut self) -> crate::Result<()> {
+        // Never behind a refused request: the connection fails first
+        // (`Reactor::fail_refused`), and `Conn::fail` unwinds the newest.
+        debug_assert!(self.unposted == 0 || self.batch.is_empty());
         let staged = self.batch.len() as u32;
         let result = self.qp.post_list(&mut self.batch);
         if let Err(error) = &result {

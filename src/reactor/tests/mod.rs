@@ -73,6 +73,8 @@ impl Handler for Probe {
         if let Some((to, held)) = seen.forward_on_error.take() {
             forward_all(ctx, to, held);
         }
+        drop(seen);
+        now::when_told(ctx);
     }
 }
 

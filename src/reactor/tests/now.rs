@@ -3,9 +3,26 @@
 //! they never overtake requests staged before them, and a doorbell the
 //! device refuses fails only its connection, at the end of the pass.
 
-use crate::verbs::{AccessFlags, Context, MemoryRegion, ProtectionDomain, refuse_sends_after};
+use std::cell::RefCell;
 
-use super::{ConnId, Reactor, add_pair, reactor, run_until, run_within, send};
+use crate::verbs::{
+    AccessFlags, Context, MemoryRegion, ProtectionDomain, RemoteSlice, refuse_sends_after,
+};
+
+use super::{ConnId, Ctx, Reactor, add_pair, reactor, run_until, run_within, send};
+
+thread_local! {
+    /// What the next handler told of an error does (once), in this test's
+    /// thread.
+    static WHEN_TOLD: RefCell<Option<Box<dyn FnOnce(&mut Ctx<'_>)>>> = RefCell::new(None);
+}
+
+/// Runs what a test left for the next `on_error` (`Probe` calls it).
+pub(super) fn when_told(ctx: &mut Ctx<'_>) {
+    if let Some(action) = WHEN_TOLD.with(|cell| cell.borrow_mut().take()) {
+        action(ctx);
+    }
+}
 
 /// Fewer passes than the idle spell after which the reactor signals out an
 /// unsignaled tail itself: a request retired within them was signaled.
@@ -98,11 +115,67 @@ fn a_request_rung_now_waits_behind_what_is_staged() {
     theirs.read(0, &mut landed).unwrap();
     assert_eq!(&landed, b"first!!!second!!");
     let after = reactor.counters();
-    assert!(
-        after.doorbells <= before.doorbells + 1,
-        "one doorbell for both (and anything else that pass sent on it)"
+    assert_eq!(after.doorbells, before.doorbells + 1, "one doorbell");
+    assert_eq!(after.requests, before.requests + 2, "for both");
+    // Signaled there too: both retire within a few passes.
+    run_within(&mut reactor, FEW_PASSES, "both WRITEs retired", |r| {
+        sq_used(r, a.conn) == 0
+    });
+}
+
+/// A doorbell rung alone from `on_error` while a flush walks the
+/// connections (it failed another one), and refused: its connection fails
+/// before the walk reaches it, so nothing is posted behind the refused
+/// request, and the requests it was refused with are unwound once.
+#[test]
+fn a_doorbell_refused_during_a_flush_fails_its_connection_before_the_walk_reaches_it() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    // `c` first: the walk takes the connections in the order listed.
+    let (c, _d) = add_pair(&mut reactor, &pd);
+    let (a, _b) = add_pair(&mut reactor, &pd);
+    let ours = region(&pd);
+    let theirs = region(&pd);
+    let remote: RemoteSlice = theirs.remote().unwrap().slice(0, 8).unwrap();
+    run_until(&mut reactor, "both connections quiet", |r| {
+        sq_used(r, a.conn) == 0 && sq_used(r, c.conn) == 0 && !r.conns.has_touched()
+    });
+    let into = ours.slice(0, 8).unwrap().registration().clone();
+    let a_conn = a.conn;
+    WHEN_TOLD.with(|cell| {
+        *cell.borrow_mut() = Some(Box::new(move |ctx: &mut Ctx<'_>| {
+            let local = into.slice(0, 8).unwrap();
+            ctx.read_now(a_conn, &local, remote)
+                .expect("refused, still staged");
+            ctx.read_now(a_conn, &local, remote)
+                .expect("staged behind it");
+        }));
+    });
+    let qpn = |conn: ConnId| reactor.conns.get(conn.key()).expect("live").qpn;
+    let (c_qpn, a_qpn) = (qpn(c.conn), qpn(a.conn));
+    reactor.with_ctx(|ctx| {
+        ctx.send(c.conn, b"refused", None).expect("a SEND on c");
+        // Lists `a` for the same walk, after `c`, with nothing staged.
+        ctx.signal_staged(a.conn);
+    });
+    refuse_sends_after(c_qpn, 0);
+    refuse_sends_after(a_qpn, 0);
+    reactor.turn().expect("the pass whose flush fails c");
+
+    assert_eq!(c.seen.borrow().errors.len(), 1, "c failed");
+    assert_eq!(
+        a.seen.borrow().errors.len(),
+        1,
+        "a failed in the same flush"
     );
-    assert!(after.requests >= before.requests + 2);
+    assert_eq!(sq_used(&reactor, a.conn), 0, "both READs unwound");
+    for _ in 0..FEW_PASSES {
+        reactor.turn().expect("a pass");
+    }
+    assert_eq!(a.seen.borrow().errors.len(), 1, "told once");
+    assert_eq!(sq_used(&reactor, a.conn), 0, "nothing retired twice");
 }
 
 /// A doorbell rung now that the device refuses: the call still returns
