@@ -11,10 +11,13 @@ use crate::verbs::{
 
 use super::{ConnId, Ctx, Reactor, add_pair, reactor, run_until, run_within, send};
 
+/// Something a handler does from a callback.
+type Action = Box<dyn FnOnce(&mut Ctx<'_>)>;
+
 thread_local! {
     /// What the next handler told of an error does (once), in this test's
     /// thread.
-    static WHEN_TOLD: RefCell<Option<Box<dyn FnOnce(&mut Ctx<'_>)>>> = RefCell::new(None);
+    static WHEN_TOLD: RefCell<Option<Action>> = RefCell::new(None);
 }
 
 /// Runs what a test left for the next `on_error` (`Probe` calls it).
