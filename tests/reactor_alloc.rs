@@ -213,6 +213,16 @@ verbs_test! {
     }
 }
 
+/// Heap allocations of one whole `run` of `reactor` (which must succeed).
+fn allocations_of_run(reactor: &mut Reactor<rdma_perf::PerfHandler, ()>) -> u64 {
+    assert_the_counter_counts();
+    COUNTING.with(|c| c.set(true));
+    let result = reactor.run();
+    COUNTING.with(|c| c.set(false));
+    result.unwrap();
+    ALLOCATIONS.with(|n| n.replace(0))
+}
+
 /// Iterations of each run on direct connections.
 const DIRECT_ITERS: u64 = 20_000;
 
@@ -236,12 +246,7 @@ verbs_test! {
                 false,
             )
             .unwrap();
-            assert_the_counter_counts();
-            COUNTING.with(|c| c.set(true));
-            let result = reactor.run();
-            COUNTING.with(|c| c.set(false));
-            result.unwrap();
-            let allocations = ALLOCATIONS.with(|n| n.replace(0));
+            let allocations = allocations_of_run(&mut reactor);
             println!("{DIRECT_ITERS} {op:?} round trips rung now: {allocations} heap allocations");
             let Some(PerfHandler::Latency(done)) = reactor.handler(client) else {
                 panic!("{op:?}: the client is gone");
@@ -284,12 +289,7 @@ verbs_test! {
                 true,
             )
             .unwrap();
-            assert_the_counter_counts();
-            COUNTING.with(|c| c.set(true));
-            let result = reactor.run();
-            COUNTING.with(|c| c.set(false));
-            result.unwrap();
-            let allocations = ALLOCATIONS.with(|n| n.replace(0));
+            let allocations = allocations_of_run(&mut reactor);
             let what = format!("{op:?} {}", if latency { "latency" } else { "batch 16" });
             println!("{DIRECT_ITERS} iterations of {what} on direct connections: {allocations} heap allocations");
             let Some(PerfHandler::DirectClient(done)) = reactor.handler(client) else {
