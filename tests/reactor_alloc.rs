@@ -228,8 +228,8 @@ const DIRECT_ITERS: u64 = 20_000;
 
 verbs_test! {
     /// Whole latency runs of the reactor's own protocol, both ends on one
-    /// reactor: READ, WRITE and WRITE_WITH_IMM rung from the callbacks
-    /// (`Ctx::read_now`, `Ctx::write_now`) allocate nothing.
+    /// reactor, allocate nothing: READs rung from the callbacks
+    /// (`Ctx::read_now`), WRITEs and WRITE_WITH_IMMs staged.
     fn latency_runs_rung_now_allocate_nothing() {
         use rdma_perf::loopback::{PerfPair, perf_pair_on};
         use rdma_perf::{LatencyClient, PerfHandler, PerfOp, PerfSpec, Reflector};
@@ -247,7 +247,7 @@ verbs_test! {
             )
             .unwrap();
             let allocations = allocations_of_run(&mut reactor);
-            println!("{DIRECT_ITERS} {op:?} round trips rung now: {allocations} heap allocations");
+            println!("{DIRECT_ITERS} {op:?} latency round trips: {allocations} heap allocations");
             let Some(PerfHandler::Latency(done)) = reactor.handler(client) else {
                 panic!("{op:?}: the client is gone");
             };

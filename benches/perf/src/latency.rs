@@ -126,7 +126,11 @@ impl LatencyClient {
             .write(2 * size - 1, &[marker])
             .map_err(SendError::Invalid)?;
         let local = buffer.slice(size, size).map_err(SendError::Invalid)?;
-        ctx.write_now(conn, &local, remote, imm)
+        // Staged, not rung now: `write_now` signals every WRITE, and on
+        // this ping-pong (one signaled in 16 otherwise) the completion it
+        // adds cost more than the flush it saves (guest, callgrind: 1087 ->
+        // 1259 Ir per round trip). A READ is signaled anyway.
+        ctx.write(conn, &local, remote, imm)
     }
 
     /// Why the peer's buffer has no room for a message of the spec's size.
@@ -273,7 +277,7 @@ impl Reflector {
             buffer.slice(0, size),
             self.buffers.peer.slice(0, size as u64),
         ) {
-            (Ok(local), Ok(remote)) => ctx.write_now(conn, &local, remote, imm),
+            (Ok(local), Ok(remote)) => ctx.write(conn, &local, remote, imm),
             (Err(e), _) | (_, Err(e)) => Err(SendError::Invalid(e)),
         };
         if let Err(err) = result {
