@@ -330,8 +330,8 @@ impl Ctx<'_> {
     /// never completes, later requests on `conn` are only staged, and the
     /// connection fails with the device's error (`on_error`) at the next
     /// flush, the one ending this pass (or the next pass, from
-    /// [`Reactor::with_ctx`](super::Reactor::with_ctx)), or at once when
-    /// rung from `on_error`.
+    /// [`Reactor::with_ctx`](super::Reactor::with_ctx)), or before that
+    /// flush goes on when rung from `on_error` during it.
     ///
     /// Ringing once per request gives up batching: a sender with many
     /// requests in one pass stages them ([`read`](Self::read)) and lets the

@@ -198,12 +198,5 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             let error = error.with_peer(record.link.peer());
             record.handler.on_error(&mut ctx, id, &error);
         }
-        // A doorbell the handler rang alone while told, and the device
-        // refused, fails its connection now: a flush walking the
-        // connections (which may have failed this one) must never post
-        // behind the refused request.
-        if !self.deferred.refused.is_empty() {
-            self.fail_refused();
-        }
     }
 }

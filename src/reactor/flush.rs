@@ -124,6 +124,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             )
         {
             self.fail(ConnId(key), error);
+            // The handler told may have rung a doorbell alone that the
+            // device refused: its connection fails before the walk goes
+            // on, which must never post behind the refused request (the
+            // loop also takes what the handlers it tells push, so the
+            // chain does not nest).
+            if !self.deferred.refused.is_empty() {
+                self.fail_refused();
+            }
             if let Some((_, conn)) = self.conns.get_by_index_quiet(index) {
                 let (unsettled, reposts, tail) = conn.leftovers();
                 self.note_left(index, left, unsettled, reposts, tail);
