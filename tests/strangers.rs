@@ -6,8 +6,9 @@
 
 mod util;
 
+use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -43,10 +44,20 @@ fn connect_from(source: [u8; 4], to: SocketAddr) -> TcpStream {
     socket.into()
 }
 
+/// How long the server held one dripper, and when it hung up.
+struct Held {
+    /// The dripper's end of the connection: the peer in the server's
+    /// failure record for it.
+    local: SocketAddr,
+    held: Duration,
+    cut_at: Instant,
+}
+
 /// Drips a valid-looking Hello, one byte every `every`, until the server
-/// hangs up; returns how long the server held the connection.
-fn drip(mut stream: TcpStream, every: Duration) -> Duration {
+/// hangs up.
+fn drip(mut stream: TcpStream, every: Duration) -> Held {
     let start = Instant::now();
+    let local = stream.local_addr().unwrap();
     let frame = Message::Hello(Hello {
         nonce: [1; PROOF_LEN],
         identity: "drip".into(),
@@ -71,7 +82,19 @@ fn drip(mut stream: TcpStream, every: Duration) -> Duration {
             break;
         }
     }
-    start.elapsed()
+    Held {
+        local,
+        held: start.elapsed(),
+        cut_at: Instant::now(),
+    }
+}
+
+/// What the server did with one dripper.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Outcome {
+    CutAtDeadline,
+    RefusedAsOneAddress,
+    RefusedAsBusy,
 }
 
 verbs_test! {
@@ -122,20 +145,69 @@ verbs_test! {
         }
         assert!(served >= 4, "only {served} real clients in {:?}", 4 * TIMEOUT);
 
-        // No dripper was held past the deadline (plus scheduling slack).
-        let held: Vec<Duration> = drippers.into_iter().map(|d| d.join().unwrap()).collect();
-        let longest = held.iter().max().unwrap();
-        assert!(*longest < TIMEOUT + Duration::from_millis(1500), "a dripper was held {longest:?}");
-        let refused_at_once = held.iter().filter(|d| **d < Duration::from_secs(1)).count();
-        assert!(refused_at_once >= 80 - per_address, "{refused_at_once} refused at once: {held:?}");
+        // No dripper was held much past the deadline: the old server waited
+        // the whole timeout on every partial read (tens of seconds here).
+        // Held time counts from the dripper's connect, so it includes the
+        // time the server took to reach it in the backlog: under TCG that
+        // alone can reach a second, hence the slack.
+        let held: Vec<Held> = drippers.into_iter().map(|d| d.join().unwrap()).collect();
+        let longest = held.iter().map(|h| h.held).max().unwrap();
+        assert!(longest < 2 * TIMEOUT + Duration::from_millis(1500), "a dripper was held {longest:?}");
+
+        // Every dripper was either refused at the door or admitted and cut
+        // at the hello deadline; the server's record says which (its
+        // 256-entry list holds all 160).
         assert_eq!(srv.pending_handshakes(), 0);
         let failures = srv.take_failures();
-        assert!(
-            failures.iter().any(|f| f.peer.ip() == "127.0.0.2".parse::<std::net::IpAddr>().unwrap()
-                && f.error.to_string().contains("from one address")),
-            "{failures:?}"
-        );
-        assert!(failures.iter().any(|f| f.error.to_string().contains("timed out")), "{failures:?}");
+        // A connection the server reset gives its port back at once (the
+        // socket is still open here, but no longer bound), so a later
+        // dripper may have the same address. Such drippers connected one
+        // after the other, in the order of `held`, and the server recorded
+        // them in that order too.
+        let mut records: HashMap<SocketAddr, VecDeque<String>> = HashMap::new();
+        for failure in &failures {
+            records.entry(failure.peer).or_default().push_back(failure.error.to_string());
+        }
+        let mut outcome = |h: &Held| {
+            let record = records.get_mut(&h.local).and_then(VecDeque::pop_front);
+            match record {
+                Some(r) if r.contains("timed out") => Outcome::CutAtDeadline,
+                Some(r) if r.contains("from one address") => Outcome::RefusedAsOneAddress,
+                Some(r) if r.contains("too many handshakes in progress") => Outcome::RefusedAsBusy,
+                _ => panic!("dripper {}: recorded as {record:?}", h.local),
+            }
+        };
+        let outcomes: Vec<(&Held, Outcome)> = held.iter().map(|h| (h, outcome(h))).collect();
+        // Real clients (from 127.0.0.1) may have been told "busy" too.
+        records.retain(|peer, left| peer.ip() != IpAddr::from([127, 0, 0, 1]) && !left.is_empty());
+        assert!(records.is_empty(), "recorded, but no dripper had that address: {records:?}");
+        let from_one: Vec<&(&Held, Outcome)> =
+            outcomes.iter().filter(|(h, _)| h.local.ip() == IpAddr::from([127, 0, 0, 2])).collect();
+        assert!(from_one.iter().any(|(_, o)| *o == Outcome::RefusedAsOneAddress), "none refused as one address");
+
+        // One address holds at most its share at a time. A held dripper is
+        // cut at the hello deadline counted from its accept, and a freed
+        // slot is only refilled after that cut, so among any
+        // `per_address + 1` cuts of one address two are a deadline apart:
+        // none of those windows is shorter than half a deadline (the half
+        // absorbs the drippers' own scheduling). Drippers the server reached
+        // only after a first share expired may be held too: the limit is on
+        // how many at once, not in total.
+        let mut cuts: Vec<Instant> = from_one
+            .iter()
+            .filter(|(_, o)| *o == Outcome::CutAtDeadline)
+            .map(|(h, _)| h.cut_at)
+            .collect();
+        cuts.sort();
+        assert!(!cuts.is_empty(), "no dripper from 127.0.0.2 was held at all");
+        for (i, window) in cuts.windows(per_address + 1).enumerate() {
+            let span = window[per_address] - window[0];
+            assert!(
+                span >= TIMEOUT / 2,
+                "{} drippers from one address cut within {span:?} (cuts {i}..): more than {per_address} held at once",
+                per_address + 1
+            );
+        }
     }
 }
 
