@@ -156,7 +156,10 @@ mod tests {
         assert_eq!(expiries.len(), 3, "{expiries:?}");
         assert!(expiries[0] >= period, "{expiries:?}");
         for pair in expiries.windows(2) {
-            assert!(pair[1] - pair[0] >= period, "one expiry per period: {expiries:?}");
+            assert!(
+                pair[1] - pair[0] >= period,
+                "one expiry per period: {expiries:?}"
+            );
         }
     }
 
