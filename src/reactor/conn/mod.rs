@@ -36,6 +36,9 @@ pub(crate) const IMM_TRAILER_LEN: usize = 4;
 pub(crate) const MAX_STAGED: usize = 64;
 /// Most receives reposted with one `ibv_post_recv`.
 pub(crate) const MAX_REPOST: usize = 64;
+/// The mark in `Conn::unposted` of a refused doorbell (a count of requests
+/// never reaches it: a send queue is far smaller).
+const REFUSED: u32 = 1 << 31;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ConnState {
@@ -100,7 +103,9 @@ pub(crate) struct Conn {
     sq_next: u32,
     sq_done: u32,
     /// The newest ops a failed post left unposted, no longer in `batch`
-    /// (which holds the others the device has not seen).
+    /// (which holds the others the device has not seen), with [`REFUSED`]
+    /// set once a doorbell was refused: nonzero means the connection waits
+    /// to fail.
     unposted: u32,
     since_signal: u32,
     /// The reactor's count of quiet spells (`Reactor::quiet_spells`) as of
@@ -293,7 +298,7 @@ impl Conn {
     /// goes when the QP is destroyed (`shut_down`).
     pub(crate) fn fail(&mut self, mut release: impl FnMut(ConnId, u32, bool)) {
         self.state = ConnState::Failed;
-        let unposted = self.batch.len() as u32 + std::mem::take(&mut self.unposted);
+        let unposted = self.batch.len() as u32 + (std::mem::take(&mut self.unposted) & !REFUSED);
         let posted_end = self.sq_next.wrapping_sub(unposted);
         while self.sq_next != posted_end {
             let seq = self.sq_next.wrapping_sub(1);

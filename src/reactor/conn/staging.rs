@@ -9,7 +9,7 @@ use crate::verbs::{
 
 use super::credit::send_imm;
 use super::ring::SlotSource;
-use super::{Conn, ConnId, ConnState, IMM_TRAILER_LEN, SendError, wr_id};
+use super::{Conn, ConnId, ConnState, IMM_TRAILER_LEN, REFUSED, SendError, wr_id};
 use crate::reactor::slab::Key;
 
 /// An operation on the send queue, remembered until a signaled completion
@@ -473,11 +473,16 @@ impl Conn {
             // Added to what an earlier refused doorbell of this pass left
             // (a request rung alone, see `can_ring_alone`): the connection
             // fails at the pass's end and unwinds them all.
-            self.unposted += match error {
-                Error::Post { posted, .. } => staged - (*posted as u32).min(staged),
-                // Nothing says what went in: hold on to it all.
-                _ => 0,
-            };
+            // The mark stays even if the provider did not say which request
+            // it refused (then all are held as posted, and the count adds
+            // nothing): no request may be rung alone behind the refusal.
+            self.unposted = (self.unposted
+                + match error {
+                    Error::Post { posted, .. } => staged - (*posted as u32).min(staged),
+                    // Nothing says what went in: hold on to it all.
+                    _ => 0,
+                })
+                | REFUSED;
         }
         result
     }

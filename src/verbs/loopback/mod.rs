@@ -91,7 +91,9 @@ use qp::{post_recv, post_send};
 #[cfg(test)]
 use registry::{is_mr_registered, is_qp_registered};
 #[cfg(test)]
-pub(crate) use registry::{refuse_sends_after, refuse_srq_recvs_after};
+pub(crate) use registry::{
+    refuse_sends_after, refuse_sends_after_silently, refuse_srq_recvs_after,
+};
 use srq::post_srq_recv;
 #[cfg(test)]
 pub(crate) use srq::posted_wr_ids as srq_posted_wr_ids;

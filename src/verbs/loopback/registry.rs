@@ -79,20 +79,22 @@ pub(super) fn is_mr_registered(key: u32) -> bool {
 /// Test-only faults: by QP number (send lists) and by SRQ handle (receive
 /// lists of an SRQ), how many requests each of the next posts accepts
 /// before it refuses the rest of its list with `ENOMEM`, as a provider
-/// whose queue filled up mid-list does. Queued: calls in a row limit posts
-/// in a row.
+/// whose queue filled up mid-list does, and whether it says where (sets
+/// `bad_wr`). Queued: calls in a row limit posts in a row.
 #[cfg(test)]
-static SEND_POST_LIMITS: LazyLock<Mutex<KeyMap<VecDeque<usize>>>> = LazyLock::new(Default::default);
+static SEND_POST_LIMITS: LazyLock<Mutex<KeyMap<VecDeque<(usize, bool)>>>> =
+    LazyLock::new(Default::default);
 #[cfg(test)]
-static SRQ_POST_LIMITS: LazyLock<Mutex<KeyMap<VecDeque<usize>>>> = LazyLock::new(Default::default);
+static SRQ_POST_LIMITS: LazyLock<Mutex<KeyMap<VecDeque<(usize, bool)>>>> =
+    LazyLock::new(Default::default);
 
 #[cfg(test)]
-fn queue_limit(limits: &Mutex<KeyMap<VecDeque<usize>>>, key: u32, accepted: usize) {
-    lock(limits).entry(key).or_default().push_back(accepted);
+fn queue_limit(limits: &Mutex<KeyMap<VecDeque<(usize, bool)>>>, key: u32, limit: (usize, bool)) {
+    lock(limits).entry(key).or_default().push_back(limit);
 }
 
 #[cfg(test)]
-fn take_limit(limits: &Mutex<KeyMap<VecDeque<usize>>>, key: u32) -> PostLimit {
+fn take_limit(limits: &Mutex<KeyMap<VecDeque<(usize, bool)>>>, key: u32) -> PostLimit {
     let mut limits = lock(limits);
     let Some(queued) = limits.get_mut(&key) else {
         return PostLimit::default();
@@ -101,14 +103,26 @@ fn take_limit(limits: &Mutex<KeyMap<VecDeque<usize>>>, key: u32) -> PostLimit {
     if queued.is_empty() {
         limits.remove(&key);
     }
-    PostLimit { limit, accepted: 0 }
+    PostLimit {
+        limit: limit.map(|(accepted, _)| accepted),
+        says_where: limit.is_none_or(|(_, says_where)| says_where),
+        accepted: 0,
+    }
 }
 
 /// Makes the next post of a send list on QP `qpn` (not limited already)
 /// accept only its first `accepted` requests (tests of a partial post).
 #[cfg(test)]
 pub(crate) fn refuse_sends_after(qpn: u32, accepted: usize) {
-    queue_limit(&SEND_POST_LIMITS, qpn, accepted);
+    queue_limit(&SEND_POST_LIMITS, qpn, (accepted, true));
+}
+
+/// As [`refuse_sends_after`], by a provider that does not say which
+/// request it refused (leaves `bad_wr` as it was): the caller cannot tell
+/// what went in.
+#[cfg(test)]
+pub(crate) fn refuse_sends_after_silently(qpn: u32, accepted: usize) {
+    queue_limit(&SEND_POST_LIMITS, qpn, (accepted, false));
 }
 
 /// The limit `refuse_sends_after` set for this post on `qpn`, if any.
@@ -122,7 +136,7 @@ pub(super) fn take_send_limit(qpn: u32) -> PostLimit {
 /// receives (tests of a partial post).
 #[cfg(test)]
 pub(crate) fn refuse_srq_recvs_after(handle: u32, accepted: usize) {
-    queue_limit(&SRQ_POST_LIMITS, handle, accepted);
+    queue_limit(&SRQ_POST_LIMITS, handle, (accepted, true));
 }
 
 /// The limit `refuse_srq_recvs_after` set for this post on SRQ `handle`,
@@ -137,6 +151,8 @@ pub(super) fn take_srq_recv_limit(handle: u32) -> PostLimit {
 #[derive(Default)]
 pub(super) struct PostLimit {
     limit: Option<usize>,
+    /// Whether a refusal sets `bad_wr` (rdma-core's providers do).
+    says_where: bool,
     accepted: usize,
 }
 
@@ -150,5 +166,10 @@ impl PostLimit {
         }
         self.accepted += 1;
         false
+    }
+
+    /// Whether a refusal sets `bad_wr`.
+    pub(super) fn says_where(&self) -> bool {
+        self.says_where
     }
 }

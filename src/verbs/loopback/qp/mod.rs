@@ -638,8 +638,10 @@ impl LbQp {
             while !cur.is_null() {
                 #[cfg(test)]
                 if limit.refuses_next() {
-                    // SAFETY: `bad` is writable.
-                    unsafe { *bad = cur };
+                    if limit.says_where() {
+                        // SAFETY: `bad` is writable.
+                        unsafe { *bad = cur };
+                    }
                     break 'post libc::ENOMEM;
                 }
                 // SAFETY: a valid request of the caller's list.
