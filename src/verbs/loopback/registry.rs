@@ -82,19 +82,22 @@ pub(super) fn is_mr_registered(key: u32) -> bool {
 /// whose queue filled up mid-list does, and whether it says where (sets
 /// `bad_wr`). Queued: calls in a row limit posts in a row.
 #[cfg(test)]
-static SEND_POST_LIMITS: LazyLock<Mutex<KeyMap<VecDeque<(usize, bool)>>>> =
-    LazyLock::new(Default::default);
+static SEND_POST_LIMITS: LazyLock<PostLimits> = LazyLock::new(Default::default);
 #[cfg(test)]
-static SRQ_POST_LIMITS: LazyLock<Mutex<KeyMap<VecDeque<(usize, bool)>>>> =
-    LazyLock::new(Default::default);
+static SRQ_POST_LIMITS: LazyLock<PostLimits> = LazyLock::new(Default::default);
+
+/// Per key, the queued limits: how many requests a post accepts, and
+/// whether its refusal says where.
+#[cfg(test)]
+type PostLimits = Mutex<KeyMap<VecDeque<(usize, bool)>>>;
 
 #[cfg(test)]
-fn queue_limit(limits: &Mutex<KeyMap<VecDeque<(usize, bool)>>>, key: u32, limit: (usize, bool)) {
+fn queue_limit(limits: &PostLimits, key: u32, limit: (usize, bool)) {
     lock(limits).entry(key).or_default().push_back(limit);
 }
 
 #[cfg(test)]
-fn take_limit(limits: &Mutex<KeyMap<VecDeque<(usize, bool)>>>, key: u32) -> PostLimit {
+fn take_limit(limits: &PostLimits, key: u32) -> PostLimit {
     let mut limits = lock(limits);
     let Some(queued) = limits.get_mut(&key) else {
         return PostLimit::default();
