@@ -470,12 +470,14 @@ impl Conn {
         let staged = self.batch.len() as u32;
         let result = self.qp.post_list(&mut self.batch);
         if let Err(error) = &result {
-            // Added to what an earlier refused doorbell of this pass left
-            // (a request rung alone, see `can_ring_alone`): the connection
-            // fails at the pass's end and unwinds them all.
-            // The mark stays even if the provider did not say which request
-            // it refused (then all are held as posted, and the count adds
-            // nothing): no request may be rung alone behind the refusal.
+            // The connection fails before anything else is posted on it (at
+            // the next flush's start, or in the walk that rang this), and
+            // `fail` unwinds the count. The mark is set even if the provider
+            // did not say which request it refused (then all are held as
+            // posted and the count is 0): nothing may be rung alone behind
+            // the refusal meanwhile. (Added, not stored: the assertion above
+            // says nothing is left from before, and a sum keeps every
+            // unposted request unwound even if that ever broke.)
             self.unposted = (self.unposted
                 + match error {
                     Error::Post { posted, .. } => staged - (*posted as u32).min(staged),

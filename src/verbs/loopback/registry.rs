@@ -154,7 +154,8 @@ pub(super) fn take_srq_recv_limit(handle: u32) -> PostLimit {
 #[derive(Default)]
 pub(super) struct PostLimit {
     limit: Option<usize>,
-    /// Whether a refusal sets `bad_wr` (rdma-core's providers do).
+    /// Whether a refusal sets `bad_wr` (rdma-core's providers do; read
+    /// only for send lists, and moot without a `limit`).
     says_where: bool,
     accepted: usize,
 }
