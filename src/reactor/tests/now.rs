@@ -189,6 +189,23 @@ fn a_doorbell_refused_during_a_flush_fails_its_connection_before_the_walk_reache
 /// told once, and both requests are unwound. Another pair keeps running.
 #[test]
 fn a_refused_doorbell_rung_now_fails_only_its_connection() {
+    refused_rung_now(refuse_sends_after, 0);
+}
+
+/// A provider that refuses a doorbell without saying which request it
+/// refused (`bad_wr` left alone) still stops a later request from being
+/// rung alone behind it: the READ is staged, the connection fails once at
+/// the end of the pass, and the WRITE, which nothing says the device did
+/// not get, is held as posted.
+#[test]
+fn a_doorbell_refused_without_saying_where_still_stops_requests_rung_alone() {
+    refused_rung_now(refuse_sends_after_silently, 1);
+}
+
+/// A WRITE rung now whose doorbell `refuse` makes the device refuse, and
+/// a READ after it; `held`: how many of the two the failed connection
+/// holds as posted.
+fn refused_rung_now(refuse: fn(u32, usize), held: u32) {
     // SAFETY: every QP of the device is served from this thread.
     let ctx = unsafe { Context::loopback() };
     let pd = ctx.alloc_pd().expect("a PD");
@@ -208,59 +225,7 @@ fn a_refused_doorbell_rung_now_fails_only_its_connection() {
     });
 
     let qpn = reactor.conns.get(a.conn.key()).expect("a").qpn;
-    refuse_sends_after(qpn, 0);
-    reactor.with_ctx(|ctx| {
-        ctx.write_now(a.conn, &local, remote.slice(0, 8).unwrap(), None)
-            .expect("staged, though its doorbell was refused");
-        ctx.read_now(a.conn, &into, remote.slice(0, 8).unwrap())
-            .expect("staged behind it");
-        assert_eq!(ctx.staged(a.conn), 1, "the READ waits: it is not rung");
-    });
-    assert!(a.seen.borrow().errors.is_empty(), "told at the pass's end");
-    assert_eq!(sq_used(&reactor, a.conn), 2);
-
-    reactor.turn().expect("a pass");
-    {
-        let seen = a.seen.borrow();
-        assert_eq!(seen.errors.len(), 1, "told once");
-        assert_eq!(seen.errors[0].0, Some(libc::ENOMEM), "{}", seen.errors[0].1);
-    }
-    assert_eq!(sq_used(&reactor, a.conn), 0, "both unwound");
-    let mut landed = [0; 8];
-    theirs.read(0, &mut landed).unwrap();
-    assert_eq!(landed, [0; 8], "the device never got the WRITE");
-
-    send(&mut reactor, c.conn, b"still up");
-    run_within(&mut reactor, FEW_PASSES, "the other pair's message", |_| {
-        d.seen.borrow().messages.len() == 1
-    });
-    assert_eq!(a.seen.borrow().errors.len(), 1, "no second error");
-}
-
-/// A provider that refuses a doorbell without saying which request it
-/// refused (`bad_wr` left alone) still stops a later request from being
-/// rung alone behind it: the READ is staged, the connection fails once at
-/// the end of the pass, and the WRITE, which nothing says the device did
-/// not get, is held as posted.
-#[test]
-fn a_doorbell_refused_without_saying_where_still_stops_requests_rung_alone() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, _b) = add_pair(&mut reactor, &pd);
-    let (c, d) = add_pair(&mut reactor, &pd);
-    let ours = region(&pd);
-    let theirs = region(&pd);
-    let remote = theirs.remote().unwrap();
-    let local = ours.slice(0, 8).unwrap();
-    let into = ours.slice(64, 8).unwrap();
-    run_until(&mut reactor, "the handshake's updates retired", |r| {
-        sq_used(r, a.conn) == 0
-    });
-
-    let qpn = reactor.conns.get(a.conn.key()).expect("a").qpn;
-    refuse_sends_after_silently(qpn, 0);
+    refuse(qpn, 0);
     let doorbells = reactor.counters().doorbells;
     reactor.with_ctx(|ctx| {
         ctx.write_now(a.conn, &local, remote.slice(0, 8).unwrap(), None)
@@ -274,6 +239,8 @@ fn a_doorbell_refused_without_saying_where_still_stops_requests_rung_alone() {
         doorbells + 1,
         "one doorbell: the refused one"
     );
+    assert!(a.seen.borrow().errors.is_empty(), "told at the pass's end");
+    assert_eq!(sq_used(&reactor, a.conn), 2);
 
     reactor.turn().expect("a pass");
     {
@@ -281,11 +248,10 @@ fn a_doorbell_refused_without_saying_where_still_stops_requests_rung_alone() {
         assert_eq!(seen.errors.len(), 1, "told once");
         assert_eq!(seen.errors[0].0, Some(libc::ENOMEM), "{}", seen.errors[0].1);
     }
-    assert_eq!(
-        sq_used(&reactor, a.conn),
-        1,
-        "the READ unwound, the WRITE held"
-    );
+    assert_eq!(sq_used(&reactor, a.conn), held, "the rest unwound");
+    let mut landed = [0; 8];
+    theirs.read(0, &mut landed).unwrap();
+    assert_eq!(landed, [0; 8], "the device never got the WRITE");
 
     send(&mut reactor, c.conn, b"still up");
     run_within(&mut reactor, FEW_PASSES, "the other pair's message", |_| {
