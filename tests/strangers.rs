@@ -82,10 +82,11 @@ fn drip(mut stream: TcpStream, every: Duration) -> Held {
             break;
         }
     }
+    let cut_at = Instant::now();
     Held {
         local,
-        held: start.elapsed(),
-        cut_at: Instant::now(),
+        held: cut_at - start,
+        cut_at,
     }
 }
 
@@ -120,9 +121,11 @@ verbs_test! {
         // together more than the table holds: real clients are told "busy"
         // and retry until the strangers' slots run out.
         const DRIPPERS: usize = 160;
+        // The host that sends half of them.
+        const ONE_HOST: [u8; 4] = [127, 0, 0, 2];
         let drippers: Vec<_> = (0..DRIPPERS)
             .map(|i| {
-                let source = if i < 80 { [127, 0, 0, 2] } else { [127, 0, 0, 3 + (i % 10) as u8] };
+                let source = if i < 80 { ONE_HOST } else { [127, 0, 0, 3 + (i % 10) as u8] };
                 let stream = connect_from(source, addr);
                 thread::spawn(move || drip(stream, Duration::from_millis(500)))
             })
@@ -182,7 +185,7 @@ verbs_test! {
         records.retain(|peer, left| peer.ip() != IpAddr::from([127, 0, 0, 1]) && !left.is_empty());
         assert!(records.is_empty(), "recorded, but no dripper had that address: {records:?}");
         let from_one: Vec<&(&Held, Outcome)> =
-            outcomes.iter().filter(|(h, _)| h.local.ip() == IpAddr::from([127, 0, 0, 2])).collect();
+            outcomes.iter().filter(|(h, _)| h.local.ip() == IpAddr::from(ONE_HOST)).collect();
         assert!(from_one.iter().any(|(_, o)| *o == Outcome::RefusedAsOneAddress), "none refused as one address");
 
         // One address holds at most its share at a time. A held dripper is
@@ -199,7 +202,7 @@ verbs_test! {
             .map(|(h, _)| h.cut_at)
             .collect();
         cuts.sort();
-        assert!(!cuts.is_empty(), "no dripper from 127.0.0.2 was held at all");
+        assert!(!cuts.is_empty(), "no dripper from {ONE_HOST:?} was held at all");
         for (i, window) in cuts.windows(per_address + 1).enumerate() {
             let span = window[per_address] - window[0];
             assert!(
