@@ -337,7 +337,7 @@ impl Conn {
     }
 
     /// Stages a READ of `remote` into `local`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn stage_read(
         &mut self,
         local: &LocalSlice<'_>,
