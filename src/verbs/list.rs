@@ -166,7 +166,8 @@ impl<const N: usize> SendList<N> {
     #[inline]
     pub(crate) fn push(&mut self, wr_id: u64, flags: SendFlags, request: &SendDescriptor) -> bool {
         let i = self.len;
-        if i == N {
+        // `>=`, not `==`: it also proves the indexing below in bounds.
+        if i >= N {
             return false;
         }
         let sge = &mut self.sges[i];

@@ -118,11 +118,10 @@ impl Conn {
     /// Whether posting a request now would be refused, and why.
     #[inline]
     fn admit(&self, consumes_recv: bool, needs_slot: bool) -> Result<(), SendError> {
-        match self.state {
-            ConnState::Established => {}
-            ConnState::Connecting => return Err(SendError::WouldBlock),
-            ConnState::Failed | ConnState::Removed => return Err(SendError::Closed),
-            ConnState::Direct => return Err(direct_refused()),
+        // One compare on the busy path: the state is what it almost
+        // always is (a match was a jump through a table).
+        if self.state != ConnState::Established {
+            return Err(self.refusal());
         }
         // One SQ entry and one credit stay reserved for credit updates, so a
         // busy sender can always tell its peer that it may send again.
@@ -136,6 +135,16 @@ impl Conn {
             return Err(SendError::WouldBlock);
         }
         Ok(())
+    }
+
+    /// Why a connection that is not established refuses a request.
+    #[cold]
+    fn refusal(&self) -> SendError {
+        match self.state {
+            ConnState::Connecting | ConnState::Established => SendError::WouldBlock,
+            ConnState::Failed | ConnState::Removed => SendError::Closed,
+            ConnState::Direct => direct_refused(),
+        }
     }
 
     /// Records `op` in the SQ ring (with the registration handle an op of
@@ -157,9 +166,11 @@ impl Conn {
         debug_assert_eq!(op.keep == Keep::Own, owned.is_some());
         debug_assert!(self.owned[at].is_none());
         self.ops[at] = op;
-        if owned.is_some() {
+        if let Some(owned) = owned {
             // Empty: the op that was here retired and took its handle.
-            self.owned[at] = owned;
+            // (Moved in here, so no drop of an empty `owned` is left for
+            // the common path.)
+            self.owned[at] = Some(owned);
         }
         // Selective signaling: every Nth request, and early whenever the SQ or
         // the slot ring gets low, so resources held by unsignaled requests are
