@@ -118,8 +118,8 @@ impl Conn {
     /// Whether posting a request now would be refused, and why.
     #[inline]
     fn admit(&self, consumes_recv: bool, needs_slot: bool) -> Result<(), SendError> {
-        // One compare on the busy path: the state is what it almost
-        // always is (a match was a jump through a table).
+        // One compare on the busy path, where the state is what it
+        // almost always is.
         if self.state != ConnState::Established {
             return Err(self.refusal());
         }
@@ -140,6 +140,7 @@ impl Conn {
     /// Why a connection that is not established refuses a request.
     #[cold]
     fn refusal(&self) -> SendError {
+        debug_assert_ne!(self.state, ConnState::Established);
         match self.state {
             ConnState::Connecting | ConnState::Established => SendError::WouldBlock,
             ConnState::Failed | ConnState::Removed => SendError::Closed,
@@ -168,8 +169,8 @@ impl Conn {
         self.ops[at] = op;
         if let Some(owned) = owned {
             // Empty: the op that was here retired and took its handle.
-            // (Moved in here, so no drop of an empty `owned` is left for
-            // the common path.)
+            // (Moved in here: `is_some()` and a move of the whole option
+            // left a check for a handle to drop on every request's path.)
             self.owned[at] = Some(owned);
         }
         // Selective signaling: every Nth request, and early whenever the SQ or
@@ -191,8 +192,10 @@ impl Conn {
             flags |= SendFlags::INLINE;
         }
         // admit() checked the room.
-        self.batch
+        let pushed = self
+            .batch
             .push(wr_id::send(self.id.key(), seq), flags, &request);
+        debug_assert!(pushed, "staged past a full list");
         seq
     }
 
