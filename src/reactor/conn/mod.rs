@@ -56,6 +56,10 @@ pub(crate) enum ConnState {
 
 pub(crate) struct Conn {
     pub(crate) id: ConnId,
+    /// `wr_id::send(id, 0)` and `wr_id::recv(id, 0)`, made once: a
+    /// request's `wr_id` is then its sequence number or slot OR-ed in.
+    send_tag: u64,
+    recv_tag: u64,
     pub(crate) session: SessionId,
     /// The QP's position among its session's QPs.
     pub(crate) qp_index: usize,
@@ -152,6 +156,19 @@ pub(crate) struct Conn {
 unsafe impl Send for Conn {}
 
 impl Conn {
+    /// The `wr_id` of send-queue request `seq` (`wr_id::send`).
+    #[inline(always)]
+    pub(crate) fn send_wr_id(&self, seq: u32) -> u64 {
+        self.send_tag | u64::from(seq)
+    }
+
+    /// The `wr_id` of a receive into slot `slot` of the connection's own
+    /// ring (`wr_id::recv`).
+    #[inline(always)]
+    pub(crate) fn recv_wr_id(&self, slot: u32) -> u64 {
+        self.recv_tag | u64::from(slot)
+    }
+
     pub(crate) fn new(
         id: ConnId,
         session: SessionId,
@@ -190,6 +207,8 @@ impl Conn {
         let max_inline = qp.max_inline_data();
         Ok(Self {
             id,
+            send_tag: wr_id::send(id.key(), 0),
+            recv_tag: wr_id::recv(id.key(), 0),
             session,
             qp_index,
             qpn: qp.qpn(),
@@ -388,11 +407,10 @@ impl Conn {
         // `fail` emptied it: nothing staged is dropped here.
         debug_assert!(self.batch.is_empty());
         let drain = SendDescriptor::drain();
-        if self.batch.push(
-            wr_id::send(self.id.key(), newest),
-            SendFlags::SIGNALED,
-            &drain,
-        ) {
+        if self
+            .batch
+            .push(self.send_wr_id(newest), SendFlags::SIGNALED, &drain)
+        {
             // Errors add nothing: the connection is failed already.
             let _ = self.qp.post_list(&mut self.batch);
         }

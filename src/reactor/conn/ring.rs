@@ -5,7 +5,7 @@
 use crate::verbs::{MemoryRegion, RecvRequest, Registration};
 
 use super::credit::{Arrival, send_imm};
-use super::{Conn, IMM_TRAILER_LEN, MAX_REPOST, wr_id};
+use super::{Conn, IMM_TRAILER_LEN, MAX_REPOST};
 
 /// A reactor's shared receive queue as a connection sees it: the ring its
 /// receives land in and the ring's size. The reactor reposts its slots.
@@ -125,13 +125,12 @@ impl Conn {
         if self.shared_recv {
             return Ok(());
         }
-        let key = self.id.key();
         let mut start = 0;
         while start < self.pending_len {
             let end = (start + MAX_REPOST).min(self.pending_len);
             for &slot in &self.pending_reposts[start..end] {
                 let request =
-                    recv_request(self.recv_ring, self.slot_size, wr_id::recv(key, slot), slot);
+                    recv_request(self.recv_ring, self.slot_size, self.recv_wr_id(slot), slot);
                 // At most MAX_REPOST pushes into a batch emptied by each post.
                 let _ = self.reposts.push(request);
             }

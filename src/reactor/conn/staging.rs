@@ -9,7 +9,7 @@ use crate::verbs::{
 
 use super::credit::send_imm;
 use super::ring::SlotSource;
-use super::{Conn, ConnId, ConnState, IMM_TRAILER_LEN, REFUSED, SendError, wr_id};
+use super::{Conn, ConnId, ConnState, IMM_TRAILER_LEN, REFUSED, SendError};
 use crate::reactor::slab::Key;
 
 /// An operation on the send queue, remembered until a signaled completion
@@ -192,9 +192,7 @@ impl Conn {
             flags |= SendFlags::INLINE;
         }
         // admit() checked the room.
-        let pushed = self
-            .batch
-            .push(wr_id::send(self.id.key(), seq), flags, &request);
+        let pushed = self.batch.push(self.send_wr_id(seq), flags, &request);
         debug_assert!(pushed, "staged past a full list");
         seq
     }
