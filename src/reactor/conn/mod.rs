@@ -56,8 +56,9 @@ pub(crate) enum ConnState {
 
 pub(crate) struct Conn {
     pub(crate) id: ConnId,
-    /// `wr_id::send(id, 0)` and `wr_id::recv(id, 0)`, made once: a
-    /// request's `wr_id` is then its sequence number or slot OR-ed in.
+    /// `wr_id::send(id.key(), 0)` and `wr_id::recv(id.key(), 0)`, made
+    /// once (`id` never changes): a request's `wr_id` is then its sequence
+    /// number or slot OR-ed in.
     send_tag: u64,
     recv_tag: u64,
     pub(crate) session: SessionId,
@@ -159,6 +160,7 @@ impl Conn {
     /// The `wr_id` of send-queue request `seq` (`wr_id::send`).
     #[inline(always)]
     pub(crate) fn send_wr_id(&self, seq: u32) -> u64 {
+        debug_assert_eq!(self.send_tag, wr_id::send(self.id.key(), 0));
         self.send_tag | u64::from(seq)
     }
 
@@ -166,6 +168,7 @@ impl Conn {
     /// ring (`wr_id::recv`).
     #[inline(always)]
     pub(crate) fn recv_wr_id(&self, slot: u32) -> u64 {
+        debug_assert_eq!(self.recv_tag, wr_id::recv(self.id.key(), 0));
         self.recv_tag | u64::from(slot)
     }
 

@@ -201,6 +201,20 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// A connection's tags made once (`Conn::send_wr_id`,
+        /// `Conn::recv_wr_id`: the id with value 0) with a value OR-ed in
+        /// are the ids encoded whole.
+        #[test]
+        fn tag_with_a_value_is_the_whole_id(
+            index in 0..MAX_CONNS as u32,
+            generation: u32,
+            value: u32,
+        ) {
+            let conn = Key { index, generation, owner: 1 };
+            proptest::prop_assert_eq!(send(conn, 0) | u64::from(value), send(conn, value));
+            proptest::prop_assert_eq!(recv(conn, 0) | u64::from(value), recv(conn, value));
+        }
+
         /// The direct path's shortcut says what the full decode says, for
         /// any id a completion may carry (a stranger's included).
         #[test]
