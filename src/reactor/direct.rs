@@ -20,8 +20,6 @@ use std::fmt;
 use crate::error::Result;
 use crate::verbs::{KeptBatch, KeptRecv, KeptRequest, QueuePair, RecvRequest, WorkRequest};
 
-use super::conn::{direct_recv_tag, direct_send_tag};
-use super::slab::Key;
 use super::{ConnId, Ctx, SendError};
 
 /// Posting on a direct connection's QP, from [`Ctx::direct`]. It borrows
@@ -29,7 +27,10 @@ use super::{ConnId, Ctx, SendError};
 /// doorbell (a [`KeptBatch`] rings one for the batch).
 pub struct DirectQp<'c> {
     qp: &'c mut QueuePair,
-    key: Key,
+    /// The top halves of the connection's send-queue and receive ids
+    /// (made once, with the connection).
+    send_tag: u64,
+    recv_tag: u64,
 }
 
 impl fmt::Debug for DirectQp<'_> {
@@ -51,21 +52,21 @@ impl DirectQp<'_> {
     /// it with the caller, to post again.
     #[inline]
     pub fn post_send(&mut self, request: &mut WorkRequest<'_>) -> Result<()> {
-        request.set_wr_id(tagged(direct_send_tag(self.key), request.wr_id()));
+        request.set_wr_id(tagged(self.send_tag, request.wr_id()));
         self.qp.post_send_kept(request)
     }
 
     /// Posts a [`KeptRequest`].
     #[inline]
     pub fn post_kept(&mut self, request: &mut KeptRequest) -> Result<()> {
-        request.set_wr_id(tagged(direct_send_tag(self.key), request.wr_id()));
+        request.set_wr_id(tagged(self.send_tag, request.wr_id()));
         self.qp.post_kept(request)
     }
 
     /// Posts a [`KeptBatch`] as one list: one doorbell.
     #[inline]
     pub fn post_kept_batch<const N: usize>(&mut self, batch: &mut KeptBatch<N>) -> Result<()> {
-        let tag = direct_send_tag(self.key);
+        let tag = self.send_tag;
         for index in 0..batch.len() {
             if let Some(id) = batch.wr_id(index) {
                 batch.set_wr_id(index, tagged(tag, id));
@@ -77,14 +78,14 @@ impl DirectQp<'_> {
     /// Posts a receive (its id's low 32 bits are the handler's).
     #[inline]
     pub fn post_recv(&mut self, request: &mut RecvRequest<'_>) -> Result<()> {
-        request.set_wr_id(tagged(direct_recv_tag(self.key), request.wr_id()));
+        request.set_wr_id(tagged(self.recv_tag, request.wr_id()));
         self.qp.post_recv_kept(request)
     }
 
     /// Posts a [`KeptRecv`].
     #[inline]
     pub fn post_kept_recv(&mut self, request: &mut KeptRecv) -> Result<()> {
-        request.set_wr_id(tagged(direct_recv_tag(self.key), request.wr_id()));
+        request.set_wr_id(tagged(self.recv_tag, request.wr_id()));
         self.qp.post_kept_recv(request)
     }
 
@@ -125,14 +126,20 @@ impl Ctx<'_> {
     /// connection with a protection error.
     #[inline]
     pub fn direct(&mut self, conn: ConnId) -> Result<DirectQp<'_>, SendError> {
-        let key = conn.key();
-        let record = self.conns.get_mut_quiet(key).ok_or(SendError::Closed)?;
+        let record = self
+            .conns
+            .get_mut_quiet(conn.key())
+            .ok_or(SendError::Closed)?;
         if !record.direct {
             return Err(SendError::Invalid(crate::Error::InvalidArgument(
                 "not a direct connection: the reactor alone posts on its QP",
             )));
         }
-        let qp = record.direct_qp().ok_or(SendError::Closed)?;
-        Ok(DirectQp { qp, key })
+        let (qp, send_tag, recv_tag) = record.direct_qp().ok_or(SendError::Closed)?;
+        Ok(DirectQp {
+            qp,
+            send_tag,
+            recv_tag,
+        })
     }
 }

@@ -56,9 +56,11 @@ pub(crate) enum ConnState {
 
 pub(crate) struct Conn {
     pub(crate) id: ConnId,
-    /// `wr_id::send(id.key(), 0)` and `wr_id::recv(id.key(), 0)`, made
-    /// once (`id` never changes): a request's `wr_id` is then its sequence
-    /// number or slot OR-ed in.
+    /// The top 32 bits of every send-queue request's and every receive's
+    /// `wr_id`, made once (`id` never changes): a request's `wr_id` is then
+    /// its sequence number or slot (or a direct handler's own 32 bits)
+    /// OR-ed in. `wr_id::send(id.key(), 0)` and `wr_id::recv(id.key(), 0)`;
+    /// a direct connection's carry the direct bit too (`direct_send_tag`).
     send_tag: u64,
     recv_tag: u64,
     pub(crate) session: SessionId,
@@ -286,13 +288,24 @@ impl Conn {
         let mut conn = Self::new(id, session, qp_index, pd, qp, &token, None)?;
         conn.direct = true;
         conn.state = ConnState::Direct;
+        // The reactor posts nothing of its own on a direct QP
+        // (`send_wr_id` and `recv_wr_id` are never asked), so its tags are
+        // the direct ones its handler's requests carry.
+        conn.send_tag = direct_send_tag(id.key());
+        conn.recv_tag = direct_recv_tag(id.key());
         Ok(conn)
     }
 
-    /// The QP of a direct connection, to post on.
+    /// The QP of a direct connection, to post on, with the tags its
+    /// requests' `wr_id`s carry: send queue's, then receive's.
     #[inline]
-    pub(crate) fn direct_qp(&mut self) -> Option<&mut QueuePair> {
-        (self.state == ConnState::Direct).then_some(&mut self.qp)
+    pub(crate) fn direct_qp(&mut self) -> Option<(&mut QueuePair, u64, u64)> {
+        debug_assert!(
+            self.state != ConnState::Direct
+                || (self.send_tag == direct_send_tag(self.id.key())
+                    && self.recv_tag == direct_recv_tag(self.id.key()))
+        );
+        (self.state == ConnState::Direct).then_some((&mut self.qp, self.send_tag, self.recv_tag))
     }
 
     /// Bytes registered for this connection alone: its own receive ring
