@@ -26,11 +26,11 @@ use super::{ConnId, Ctx, SendError};
 /// the `Ctx`, so it lives within one callback. Each post rings its own
 /// doorbell (a [`KeptBatch`] rings one for the batch).
 pub struct DirectQp<'c> {
-    qp: &'c mut QueuePair,
+    pub(super) qp: &'c mut QueuePair,
     /// The top halves of the connection's send-queue and receive ids
     /// (made once, with the connection).
-    send_tag: u64,
-    recv_tag: u64,
+    pub(super) send_tag: u64,
+    pub(super) recv_tag: u64,
 }
 
 impl fmt::Debug for DirectQp<'_> {
@@ -135,11 +135,6 @@ impl Ctx<'_> {
                 "not a direct connection: the reactor alone posts on its QP",
             )));
         }
-        let (qp, send_tag, recv_tag) = record.direct_qp().ok_or(SendError::Closed)?;
-        Ok(DirectQp {
-            qp,
-            send_tag,
-            recv_tag,
-        })
+        record.direct_qp().ok_or(SendError::Closed)
     }
 }

@@ -15,7 +15,7 @@ use crate::verbs::{
     SendDescriptor, SendFlags, SendList,
 };
 
-use super::{ConnId, ReactorConfig, SendError, SessionId};
+use super::{ConnId, DirectQp, ReactorConfig, SendError, SessionId};
 
 pub(crate) use credit::Arrival;
 pub(crate) use ring::{Ring, SharedRing, recv_request};
@@ -162,6 +162,7 @@ impl Conn {
     /// The `wr_id` of send-queue request `seq` (`wr_id::send`).
     #[inline(always)]
     pub(crate) fn send_wr_id(&self, seq: u32) -> u64 {
+        debug_assert!(!self.direct, "the reactor posts nothing on a direct QP");
         debug_assert_eq!(self.send_tag, wr_id::send(self.id.key(), 0));
         self.send_tag | u64::from(seq)
     }
@@ -170,6 +171,7 @@ impl Conn {
     /// ring (`wr_id::recv`).
     #[inline(always)]
     pub(crate) fn recv_wr_id(&self, slot: u32) -> u64 {
+        debug_assert!(!self.direct, "the reactor posts nothing on a direct QP");
         debug_assert_eq!(self.recv_tag, wr_id::recv(self.id.key(), 0));
         self.recv_tag | u64::from(slot)
     }
@@ -296,16 +298,20 @@ impl Conn {
         Ok(conn)
     }
 
-    /// The QP of a direct connection, to post on, with the tags its
-    /// requests' `wr_id`s carry: send queue's, then receive's.
+    /// Posting on a direct connection's QP: the QP with the tags its
+    /// requests' `wr_id`s carry.
     #[inline]
-    pub(crate) fn direct_qp(&mut self) -> Option<(&mut QueuePair, u64, u64)> {
+    pub(crate) fn direct_qp(&mut self) -> Option<DirectQp<'_>> {
         debug_assert!(
             self.state != ConnState::Direct
                 || (self.send_tag == direct_send_tag(self.id.key())
                     && self.recv_tag == direct_recv_tag(self.id.key()))
         );
-        (self.state == ConnState::Direct).then_some((&mut self.qp, self.send_tag, self.recv_tag))
+        (self.state == ConnState::Direct).then_some(DirectQp {
+            qp: &mut self.qp,
+            send_tag: self.send_tag,
+            recv_tag: self.recv_tag,
+        })
     }
 
     /// Bytes registered for this connection alone: its own receive ring
