@@ -349,12 +349,96 @@ fn connect_at_once(
             let pd = pd.clone();
             thread::spawn(move || {
                 let mut config = client_config(None);
-                config.connect_deadline = Duration::from_secs(2);
+                // Long enough that a slow guest answers every attempt:
+                // those refused keep asking until it ends.
+                config.connect_deadline = Duration::from_secs(4);
                 ClientSession::connect(addr, &pd, &config).map_err(|e| e.to_string())
             })
         })
         .collect();
     clients.into_iter().map(|c| c.join().unwrap()).collect()
+}
+
+verbs_test! {
+    fn a_deadline_that_ends_a_retry_after_busy_reports_busy_and_a_silent_server_its_timeout() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        // Deadline 1 s, handshake timeout 60 s: the retry after busy is cut
+        // short by the deadline, so the busy answer is why.
+        let mut config = client_config(None);
+        config.connect_deadline = Duration::from_secs(1);
+        config.handshake_timeout = Duration::from_secs(60);
+        let (addr, server) = busy_then_silent();
+        let err = ClientSession::connect(addr, &pd, &config).unwrap_err();
+        assert!(
+            matches!(err, Error::Rejected { code: reject_code::BUSY, .. }),
+            "{err}"
+        );
+        drop(server);
+        // Deadline 20 s, handshake timeout 300 ms: the retry times out on
+        // its own with most of the deadline left, and says so.
+        config.connect_deadline = Duration::from_secs(20);
+        config.handshake_timeout = Duration::from_millis(300);
+        let (addr, server) = busy_then_silent();
+        let started = Instant::now();
+        let err = ClientSession::connect(addr, &pd, &config).unwrap_err();
+        assert!(err.to_string().contains("timed out"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+        drop(server);
+    }
+}
+
+/// A fake server that answers the first hello with busy and then accepts
+/// connections without a word; it stops when the returned handle drops.
+fn busy_then_silent() -> (SocketAddr, SilentServer) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopped = Arc::clone(&stop);
+    let thread = thread::spawn(move || {
+        let mut held = Vec::new();
+        while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+            let Ok((mut stream, _)) = listener.accept() else {
+                thread::sleep(Duration::from_millis(5));
+                continue;
+            };
+            if held.is_empty() {
+                stream.set_nonblocking(false).unwrap();
+                stream.set_read_timeout(Some(DEADLINE)).unwrap();
+                let mut reader = FrameReader::new(MAX_PAYLOAD);
+                while reader.read_from(&mut stream).unwrap().is_none() {}
+                let busy = Message::Reject {
+                    code: reject_code::BUSY,
+                    reason: "busy".into(),
+                };
+                stream.write_all(&busy.encode().unwrap()).unwrap();
+            }
+            held.push(stream);
+        }
+    });
+    (
+        addr,
+        SilentServer {
+            stop,
+            thread: Some(thread),
+        },
+    )
+}
+
+/// Stops [`busy_then_silent`]'s thread, closing its connections.
+struct SilentServer {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Drop for SilentServer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 verbs_test! {

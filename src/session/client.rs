@@ -104,7 +104,12 @@ impl ClientSession {
     /// is on its way (the server may have kept the session) are not
     /// retried. Each handshake's timeout is counted from its connect and
     /// ends at the connect deadline at the latest (a frame of ours in
-    /// flight, or a refusal of ours, gets up to 200 ms more).
+    /// flight, or a refusal of ours, gets up to 200 ms more). When the
+    /// deadline ends an attempt made after a busy answer, the busy
+    /// refusal is returned ([`Error::Rejected`] with
+    /// [`reject_code::BUSY`](super::reject_code::BUSY)): that is why
+    /// nothing got through. An attempt that times out on its own handshake
+    /// timeout, with deadline to spare, reports the timeout.
     ///
     /// Either every QP is connected and ready, or an error is returned and
     /// every resource created on the way is destroyed: never half-connected.
@@ -126,6 +131,7 @@ impl ClientSession {
         let start = Instant::now();
         let mut backoff = first_backoff(config.initial_backoff, config.max_backoff);
         let mut cut: Option<Error> = None;
+        let mut busy: Option<Error> = None;
         loop {
             let after_cut = cut.is_some();
             match (
@@ -140,11 +146,24 @@ impl ClientSession {
                 {
                     // The server's text, escaped, as the server escapes ours.
                     log::debug!("{:?}; trying again in {backoff:?}", err.to_string());
-                    if !matches!(err, Error::Rejected { .. }) {
+                    if matches!(err, Error::Rejected { .. }) {
+                        busy = Some(err);
+                    } else {
                         cut = Some(err);
                     }
                     std::thread::sleep(backoff);
                     backoff = next_backoff(backoff, config.max_backoff);
+                }
+                // An attempt after a busy answer that the connect deadline
+                // cut short: the server being busy is why nothing got
+                // through, not the few milliseconds the last attempt had.
+                (Err(err), _)
+                    if busy.is_some()
+                        && timed_out(&err)
+                        && start.elapsed() >= config.connect_deadline =>
+                {
+                    log::debug!("{err}, after the server was busy");
+                    return Err(busy.take().unwrap_or(err));
                 }
                 (other, _) => return other,
             }
@@ -250,6 +269,19 @@ pub(super) fn next_backoff(backoff: Duration, max: Duration) -> Duration {
 /// or an unreachable peer.
 fn nobody_listens(err: &Error) -> bool {
     matches!(err, Error::ConnectTimeout { .. }) || super::cm::not_there(err)
+}
+
+/// Whether an attempt failed because its time ran out: no connection
+/// within it, or no answer to the handshake.
+fn timed_out(err: &Error) -> bool {
+    match err {
+        Error::ConnectTimeout { .. } => true,
+        Error::Handshake {
+            source: WireError::Io(io),
+            ..
+        } => io.kind() == io::ErrorKind::TimedOut,
+        _ => false,
+    }
 }
 
 /// Whether a failed handshake may go through if tried again: the server
