@@ -363,81 +363,104 @@ verbs_test! {
     fn a_deadline_that_ends_a_retry_after_busy_reports_busy_and_a_silent_server_its_timeout() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        // Deadline 1 s, handshake timeout 60 s: the retry after busy is cut
-        // short by the deadline, so the busy answer is why.
+        // Deadline 4 s, handshake timeout 60 s: the retry after busy is
+        // ended by the deadline before any admission, so busy is why.
         let mut config = client_config(None);
-        config.connect_deadline = Duration::from_secs(1);
+        config.connect_deadline = Duration::from_secs(4);
         config.handshake_timeout = Duration::from_secs(60);
-        let (addr, server) = busy_then_silent();
-        let err = ClientSession::connect(addr, &pd, &config).unwrap_err();
+        let server = BusyThenSilent::start(false);
+        let err = ClientSession::connect(server.addr, &pd, &config).unwrap_err();
         assert!(
             matches!(err, Error::Rejected { code: reject_code::BUSY, .. }),
             "{err}"
         );
-        drop(server);
-        // Deadline 20 s, handshake timeout 300 ms: the retry times out on
-        // its own with most of the deadline left, and says so.
-        config.connect_deadline = Duration::from_secs(20);
-        config.handshake_timeout = Duration::from_millis(300);
-        let (addr, server) = busy_then_silent();
-        let started = Instant::now();
-        let err = ClientSession::connect(addr, &pd, &config).unwrap_err();
+        assert!(server.stop() >= 2, "the client tried again after busy");
+        // The same, but the retry is admitted before the server falls
+        // silent: it may have made the session by then, so the timeout is
+        // what the client reports.
+        let server = BusyThenSilent::start(true);
+        let err = ClientSession::connect(server.addr, &pd, &config).unwrap_err();
         assert!(err.to_string().contains("timed out"), "{err}");
-        assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
-        drop(server);
+        assert!(server.stop() >= 2, "the client tried again after busy");
+        // Deadline 30 s, handshake timeout 2 s: the retry times out on its
+        // own with most of the deadline left, and says so.
+        config.connect_deadline = Duration::from_secs(30);
+        config.handshake_timeout = Duration::from_secs(2);
+        let server = BusyThenSilent::start(false);
+        let started = Instant::now();
+        let err = ClientSession::connect(server.addr, &pd, &config).unwrap_err();
+        assert!(err.to_string().contains("timed out"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
+        assert!(server.stop() >= 2, "the timeout came after a busy answer");
     }
 }
 
 /// A fake server that answers the first hello with busy and then accepts
-/// connections without a word; it stops when the returned handle drops.
-fn busy_then_silent() -> (SocketAddr, SilentServer) {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    listener.set_nonblocking(true).unwrap();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let stopped = Arc::clone(&stop);
-    let thread = thread::spawn(move || {
-        let mut held = Vec::new();
-        while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
-            let Ok((mut stream, _)) = listener.accept() else {
-                thread::sleep(Duration::from_millis(5));
-                continue;
-            };
-            if held.is_empty() {
-                stream.set_nonblocking(false).unwrap();
-                stream.set_read_timeout(Some(DEADLINE)).unwrap();
-                let mut reader = FrameReader::new(MAX_PAYLOAD);
-                while reader.read_from(&mut stream).unwrap().is_none() {}
-                let busy = Message::Reject {
-                    code: reject_code::BUSY,
-                    reason: "busy".into(),
-                };
-                stream.write_all(&busy.encode().unwrap()).unwrap();
-            }
-            held.push(stream);
-        }
-    });
-    (
-        addr,
-        SilentServer {
-            stop,
-            thread: Some(thread),
-        },
-    )
-}
-
-/// Stops [`busy_then_silent`]'s thread, closing its connections.
-struct SilentServer {
+/// connections without a word, or, if `admit`, answers their hellos with
+/// a challenge and admission and then keeps silent.
+struct BusyThenSilent {
+    addr: SocketAddr,
     stop: Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<thread::JoinHandle<()>>,
+    thread: thread::JoinHandle<usize>,
 }
 
-impl Drop for SilentServer {
-    fn drop(&mut self) {
+impl BusyThenSilent {
+    fn start(admit: bool) -> Self {
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = thread::spawn(move || {
+            let mut held = Vec::new();
+            while !stopped.load(Ordering::Relaxed) {
+                let Ok((mut stream, _)) = listener.accept() else {
+                    thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                let answer = if held.is_empty() {
+                    vec![Message::Reject {
+                        code: reject_code::BUSY,
+                        reason: "busy".into(),
+                    }]
+                } else if admit {
+                    vec![
+                        Message::Challenge {
+                            nonce: [7; PROOF_LEN],
+                            auth: false,
+                        },
+                        Message::Admit,
+                    ]
+                } else {
+                    Vec::new()
+                };
+                if !answer.is_empty() {
+                    stream
+                        .set_read_timeout(Some(Duration::from_millis(100)))
+                        .unwrap();
+                    let mut reader = FrameReader::new(MAX_PAYLOAD);
+                    // The hello, however slowly it comes; then the answer.
+                    while !stopped.load(Ordering::Relaxed) {
+                        if let Ok(Some(_)) = reader.read_from(&mut stream) {
+                            for message in &answer {
+                                let _ = stream.write_all(&message.encode().unwrap());
+                            }
+                            break;
+                        }
+                    }
+                }
+                held.push(stream);
+            }
+            held.len()
+        });
+        Self { addr, stop, thread }
+    }
+
+    /// Stops the server; returns how many connections it took.
+    fn stop(self) -> usize {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        self.thread.join().expect("the fake server's thread")
     }
 }
 

@@ -13,7 +13,7 @@ use super::{
     SessionQp, Transport, build_qps, check_exports, check_qp_names, connect_qps, local_handshake,
     reject_code,
 };
-use crate::error::{Error, Result};
+use crate::error::{CmFailure, Error, Result};
 use crate::verbs::{BoundWindow, ProtectionDomain};
 
 /// What a client asks for and how hard it tries.
@@ -105,11 +105,13 @@ impl ClientSession {
     /// retried. Each handshake's timeout is counted from its connect and
     /// ends at the connect deadline at the latest (a frame of ours in
     /// flight, or a refusal of ours, gets up to 200 ms more). When the
-    /// deadline ends an attempt made after a busy answer, the busy
-    /// refusal is returned ([`Error::Rejected`] with
+    /// deadline runs out in an attempt made after a busy answer, before
+    /// the server admitted us, the busy refusal is returned
+    /// ([`Error::Rejected`] with
     /// [`reject_code::BUSY`](super::reject_code::BUSY)): that is why
     /// nothing got through. An attempt that times out on its own handshake
-    /// timeout, with deadline to spare, reports the timeout.
+    /// timeout, with deadline to spare, or once admitted (the server may
+    /// have made the session's resources by then), reports the timeout.
     ///
     /// Either every QP is connected and ready, or an error is returned and
     /// every resource created on the way is destroyed: never half-connected.
@@ -134,8 +136,9 @@ impl ClientSession {
         let mut busy: Option<Error> = None;
         loop {
             let after_cut = cut.is_some();
+            let mut admitted = false;
             match (
-                Self::attempt(&addr, pd, config, start, after_cut),
+                Self::attempt(&addr, pd, config, start, after_cut, &mut admitted),
                 cut.take(),
             ) {
                 // The server cut us and stopped listening: the cut says why.
@@ -155,10 +158,13 @@ impl ClientSession {
                     backoff = next_backoff(backoff, config.max_backoff);
                 }
                 // An attempt after a busy answer that the connect deadline
-                // cut short: the server being busy is why nothing got
-                // through, not the few milliseconds the last attempt had.
+                // ended before the server admitted us: the server being
+                // busy is why nothing got through, not the little time the
+                // last attempt had. (Once admitted, the server may have
+                // made the session's resources: its timeout is reported.)
                 (Err(err), _)
                     if busy.is_some()
+                        && !admitted
                         && timed_out(&err)
                         && start.elapsed() >= config.connect_deadline =>
                 {
@@ -171,13 +177,15 @@ impl ClientSession {
     }
 
     /// One connection and handshake, within what is left of the connect
-    /// deadline; after a cut, the connection is tried once.
+    /// deadline; after a cut, the connection is tried once. `admitted` is
+    /// set once the server has admitted us.
     fn attempt(
         addr: &impl ToSocketAddrs,
         pd: &ProtectionDomain,
         config: &ClientConfig,
         start: Instant,
         after_cut: bool,
+        admitted: &mut bool,
     ) -> Result<Endpoint> {
         let deadline = super::deadline_after(start, config.connect_deadline);
         let remaining = || {
@@ -192,7 +200,7 @@ impl ClientSession {
                 // leaves the handshake only what is left of the deadline.
                 let handshake_timeout = config.handshake_timeout.min(remaining());
                 let control = Control::new(stream, peer, handshake_timeout, handshake_timeout);
-                Self::handshake(pd, config, control, |control| {
+                Self::handshake(pd, config, control, admitted, |control| {
                     Ok(ControlLink::tcp(control.into_stream()?))
                 })
             }
@@ -205,7 +213,7 @@ impl ClientSession {
                     backoff,
                     !after_cut,
                 )?;
-                Self::handshake(pd, config, control, |control| {
+                Self::handshake(pd, config, control, admitted, |control| {
                     Ok(ControlLink::Cm(Box::new(control.into_link())))
                 })
             }
@@ -213,17 +221,19 @@ impl ClientSession {
     }
 
     /// Runs the handshake over `control`, then makes the endpoint with the
-    /// link `link` makes of it.
+    /// link `link` makes of it. Sets `admitted` once the server admits us.
     fn handshake<C: FrameIo>(
         pd: &ProtectionDomain,
         config: &ClientConfig,
         mut control: C,
+        admitted: &mut bool,
         link: impl FnOnce(C) -> Result<ControlLink>,
     ) -> Result<Endpoint> {
         let peer = control.peer();
         let mut side = ClientSide {
             pd,
             config,
+            admitted,
             peer,
             qps: Vec::new(),
             windows: None,
@@ -271,11 +281,16 @@ fn nobody_listens(err: &Error) -> bool {
     matches!(err, Error::ConnectTimeout { .. }) || super::cm::not_there(err)
 }
 
-/// Whether an attempt failed because its time ran out: no connection
-/// within it, or no answer to the handshake.
+/// Whether an attempt failed because its time ran out: a connect left
+/// unanswered, an rdma_cm event that did not come, or a handshake frame
+/// that did not.
 fn timed_out(err: &Error) -> bool {
     match err {
-        Error::ConnectTimeout { .. } => true,
+        Error::ConnectTimeout { last, .. } => last.kind() == io::ErrorKind::TimedOut,
+        Error::Cm {
+            cause: CmFailure::Timeout(_),
+            ..
+        } => true,
         Error::Handshake {
             source: WireError::Io(io),
             ..
@@ -304,6 +319,9 @@ fn worth_another_try(err: &Error) -> bool {
 struct ClientSide<'a> {
     pd: &'a ProtectionDomain,
     config: &'a ClientConfig,
+    /// Set when the handshake asks for our resources: the server has
+    /// admitted us.
+    admitted: &'a mut bool,
     peer: SocketAddr,
     qps: Vec<SessionQp>,
     windows: Option<ExportWindows>,
@@ -312,6 +330,7 @@ struct ClientSide<'a> {
 
 impl Resources for ClientSide<'_> {
     fn build(&mut self, _: Option<&Handshake>) -> Result<Handshake> {
+        *self.admitted = true;
         let exports = &self.config.exports;
         self.qps = build_qps(self.pd, &self.config.qps, exports.len())?;
         let windows = ExportWindows::allocate(self.pd, exports, self.qps.len())?;
