@@ -475,8 +475,10 @@ fn idle_runtime(mode: EventMode) {
         "an idle runtime made syscalls: {idle:?}"
     );
 
-    // A peer that pings, then stays connected and quiet.
-    let client = ping_client(addr, "quiet", 20, Duration::from_secs(4));
+    // A peer that pings, then stays connected and quiet: long enough for
+    // the settling and the measurement below (up to 12 s) in a slow guest,
+    // whose goodbye would otherwise wake the reactor inside the window.
+    let client = ping_client(addr, "quiet", 20, Duration::from_secs(20));
     wait_until("the pings", || {
         runtime
             .stats()

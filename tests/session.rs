@@ -439,7 +439,8 @@ verbs_test! {
         let status = served.link_mut().wait_for_peer(Duration::from_secs(20));
         let took = start.elapsed();
         assert!(matches!(status, PeerStatus::Disconnected { code: 0x8004 }), "{status:?}");
-        assert!(took < Duration::from_secs(2), "woken by the goodbye, not a timer: {took:?}");
+        // Far below the 20 s wait, with room for a slow guest.
+        assert!(took < Duration::from_secs(8), "woken by the goodbye, not a timer: {took:?}");
         drop(goodbye.join().unwrap());
     }
 }

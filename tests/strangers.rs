@@ -134,11 +134,14 @@ verbs_test! {
         let pending = srv.pending_handshakes();
         assert!(pending <= 64, "{pending} handshakes pending");
 
-        // Real clients from 127.0.0.1, one after another over two handshake
-        // timeouts, all served.
+        // Real clients from 127.0.0.1, one after another, all served: the
+        // first while the strangers hold the table (it is told "busy" until
+        // their slots run out, well within its connect deadline). Four are
+        // asked for within 12 s: a slow guest may take a second or more for
+        // one client.
         let start = Instant::now();
         let mut served = 0;
-        while start.elapsed() < 4 * TIMEOUT {
+        while served < 4 && start.elapsed() < 12 * TIMEOUT {
             let endpoint = ClientSession::connect(addr, &pd, &client_config(None))
                 .unwrap_or_else(|err| panic!("a real client during the drip attack: {err}"));
             let server_side = srv.accept_timeout(DEADLINE).expect("the server side of a real client");
@@ -146,16 +149,17 @@ verbs_test! {
             served += 1;
             thread::sleep(Duration::from_millis(300));
         }
-        assert!(served >= 4, "only {served} real clients in {:?}", 4 * TIMEOUT);
+        assert!(served >= 4, "only {served} real clients in {:?}", 12 * TIMEOUT);
 
         // No dripper was held much past the deadline: the old server waited
         // the whole timeout on every partial read (tens of seconds here).
         // Held time counts from the dripper's connect, so it includes the
         // time the server took to reach it in the backlog: under TCG that
-        // alone can reach a second, hence the slack.
+        // alone can reach a second (more in a slow boot), hence the slack,
+        // still far below the 30 s handshake timeout.
         let held: Vec<Held> = drippers.into_iter().map(|d| d.join().unwrap()).collect();
         let longest = held.iter().map(|h| h.held).max().unwrap();
-        assert!(longest < 2 * TIMEOUT + Duration::from_millis(1500), "a dripper was held {longest:?}");
+        assert!(longest < 2 * TIMEOUT + Duration::from_secs(3), "a dripper was held {longest:?}");
 
         // Every dripper was either refused at the door or admitted and cut
         // at the hello deadline; the server's record says which (its
@@ -486,10 +490,10 @@ verbs_test! {
         }
         // Drop joins the accept thread, which joins every handshake thread:
         // it returns at once because the pending sockets are cut, not after
-        // the 60 s deadline.
+        // the 60 s deadline (10 s: room for a slow guest, far from 60).
         let dropped = Instant::now();
         drop(srv);
-        assert!(dropped.elapsed() < Duration::from_secs(2), "drop waited {:?}", dropped.elapsed());
+        assert!(dropped.elapsed() < Duration::from_secs(10), "drop waited {:?}", dropped.elapsed());
         for mut stream in silent {
             stream.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
             let mut byte = [0u8; 64];
@@ -588,8 +592,8 @@ verbs_test! {
         let goodbye = Message::Disconnect { code: 42 }.encode().unwrap();
         // One byte at a time; the old check_peer waited 2 s for the rest.
         // (A bound well under that, and well over a TCG guest's
-        // scheduling hiccups.)
-        const NOT_BLOCKED: Duration = Duration::from_millis(500);
+        // scheduling hiccups, also in a slow boot.)
+        const NOT_BLOCKED: Duration = Duration::from_secs(1);
         for byte in &goodbye[..goodbye.len() - 1] {
             raw.stream.write_all(std::slice::from_ref(byte)).unwrap();
             thread::sleep(Duration::from_millis(20));
