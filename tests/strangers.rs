@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use rdma_comm_core::Error;
 use rdma_comm_core::error::WcStatus;
 use rdma_comm_core::session::wire::{
-    FrameReader, Handshake, Hello, MAX_PAYLOAD, Message, PROOF_LEN, QpInfo,
+    FrameReader, Handshake, Hello, MAX_PAYLOAD, Message, PROOF_LEN, QpInfo, WireError,
 };
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
@@ -372,7 +372,7 @@ verbs_test! {
         let mut config = client_config(None);
         config.connect_deadline = Duration::from_secs(4);
         config.handshake_timeout = Duration::from_secs(60);
-        let server = BusyThenSilent::start(false);
+        let server = BusyThenSilent::start(Then::Silent);
         let err = ClientSession::connect(server.addr, &pd, &config).unwrap_err();
         assert!(
             matches!(err, Error::Rejected { code: reject_code::BUSY, .. }),
@@ -382,15 +382,24 @@ verbs_test! {
         // The same, but the retry is admitted before the server falls
         // silent: it may have made the session by then, so the timeout is
         // what the client reports.
-        let server = BusyThenSilent::start(true);
+        let server = BusyThenSilent::start(Then::Admit);
         let err = ClientSession::connect(server.addr, &pd, &config).unwrap_err();
         assert!(err.to_string().contains("timed out"), "{err}");
         assert!(server.stop() >= 2, "the client tried again after busy");
+        // Busy after admission is not an answer to try again: the server
+        // may have kept what it made. The client stops at the second.
+        let server = BusyThenSilent::start(Then::AdmitThenBusy);
+        let err = ClientSession::connect(server.addr, &pd, &config).unwrap_err();
+        assert!(
+            matches!(err, Error::Rejected { code: reject_code::BUSY, .. }),
+            "{err}"
+        );
+        assert_eq!(server.stop(), 2, "busy after admission was tried again");
         // Deadline 30 s, handshake timeout 2 s: the retry times out on its
         // own with most of the deadline left, and says so.
         config.connect_deadline = Duration::from_secs(30);
         config.handshake_timeout = Duration::from_secs(2);
-        let server = BusyThenSilent::start(false);
+        let server = BusyThenSilent::start(Then::Silent);
         let started = Instant::now();
         let err = ClientSession::connect(server.addr, &pd, &config).unwrap_err();
         assert!(err.to_string().contains("timed out"), "{err}");
@@ -399,17 +408,27 @@ verbs_test! {
     }
 }
 
-/// A fake server that answers the first hello with busy and then accepts
-/// connections without a word, or, if `admit`, answers their hellos with
-/// a challenge and admission and then keeps silent.
+/// What [`BusyThenSilent`] does with the connections after the first.
+#[derive(Clone, Copy, PartialEq)]
+enum Then {
+    /// Accepts them and says nothing.
+    Silent,
+    /// Answers the hello with a challenge and admission, then says nothing.
+    Admit,
+    /// Admits, and answers the client's offer with busy.
+    AdmitThenBusy,
+}
+
+/// A fake server that answers the first hello with busy and the
+/// connections after it as `then` says.
 struct BusyThenSilent {
     addr: SocketAddr,
     stop: Arc<std::sync::atomic::AtomicBool>,
-    thread: thread::JoinHandle<usize>,
+    thread: Option<thread::JoinHandle<usize>>,
 }
 
 impl BusyThenSilent {
-    fn start(admit: bool) -> Self {
+    fn start(then: Then) -> Self {
         use std::sync::atomic::Ordering;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
@@ -417,40 +436,54 @@ impl BusyThenSilent {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stopped = Arc::clone(&stop);
         let thread = thread::spawn(move || {
+            let busy = || Message::Reject {
+                code: reject_code::BUSY,
+                reason: "busy".into(),
+            };
+            let admit = || {
+                vec![
+                    Message::Challenge {
+                        nonce: [7; PROOF_LEN],
+                        auth: false,
+                    },
+                    Message::Admit,
+                ]
+            };
             let mut held = Vec::new();
             while !stopped.load(Ordering::Relaxed) {
                 let Ok((mut stream, _)) = listener.accept() else {
                     thread::sleep(Duration::from_millis(5));
                     continue;
                 };
-                let answer = if held.is_empty() {
-                    vec![Message::Reject {
-                        code: reject_code::BUSY,
-                        reason: "busy".into(),
-                    }]
-                } else if admit {
-                    vec![
-                        Message::Challenge {
-                            nonce: [7; PROOF_LEN],
-                            auth: false,
-                        },
-                        Message::Admit,
-                    ]
-                } else {
-                    Vec::new()
+                // What to send after each frame the client sends.
+                let script = match (held.is_empty(), then) {
+                    (true, _) => vec![vec![busy()]],
+                    (false, Then::Silent) => Vec::new(),
+                    (false, Then::Admit) => vec![admit()],
+                    (false, Then::AdmitThenBusy) => vec![admit(), vec![busy()]],
                 };
-                if !answer.is_empty() {
-                    stream
-                        .set_read_timeout(Some(Duration::from_millis(100)))
-                        .unwrap();
-                    let mut reader = FrameReader::new(MAX_PAYLOAD);
-                    // The hello, however slowly it comes; then the answer.
+                stream
+                    .set_read_timeout(Some(Duration::from_millis(100)))
+                    .unwrap();
+                let mut reader = FrameReader::new(MAX_PAYLOAD);
+                'script: for answer in &script {
+                    // The client's next frame, however slowly it comes.
                     while !stopped.load(Ordering::Relaxed) {
-                        if let Ok(Some(_)) = reader.read_from(&mut stream) {
-                            for message in &answer {
-                                let _ = stream.write_all(&message.encode().unwrap());
+                        match reader.read_from(&mut stream) {
+                            Ok(Some(_)) => {
+                                for message in answer {
+                                    let _ = stream.write_all(&message.encode().unwrap());
+                                }
+                                continue 'script;
                             }
-                            break;
+                            Ok(None) => {}
+                            Err(WireError::Io(e))
+                                if matches!(
+                                    e.kind(),
+                                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                ) => {}
+                            // The client went away: nothing more to answer.
+                            Err(_) => break 'script,
                         }
                     }
                 }
@@ -458,13 +491,28 @@ impl BusyThenSilent {
             }
             held.len()
         });
-        Self { addr, stop, thread }
+        Self {
+            addr,
+            stop,
+            thread: Some(thread),
+        }
     }
 
     /// Stops the server; returns how many connections it took.
-    fn stop(self) -> usize {
+    fn stop(mut self) -> usize {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.thread.join().expect("the fake server's thread")
+        let thread = self.thread.take().expect("a running server");
+        thread.join().expect("the fake server's thread")
+    }
+}
+
+impl Drop for BusyThenSilent {
+    /// A test that failed before `stop` leaves no thread behind.
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 

@@ -111,7 +111,9 @@ impl ClientSession {
     /// [`reject_code::BUSY`](super::reject_code::BUSY)): that is why
     /// nothing got through. An attempt that times out on its own handshake
     /// timeout, with deadline to spare, or once admitted (the server may
-    /// have made the session's resources by then), reports the timeout.
+    /// have made the session's resources by then), reports the timeout; so
+    /// does one after an attempt the server admitted since the busy
+    /// answer. A busy answer after admission is not tried again.
     ///
     /// Either every QP is connected and ready, or an error is returned and
     /// every resource created on the way is destroyed: never half-connected.
@@ -143,8 +145,11 @@ impl ClientSession {
             ) {
                 // The server cut us and stopped listening: the cut says why.
                 (Err(err), Some(cut)) if nobody_listens(&err) => return Err(cut),
+                // (Busy is an answer to a hello: once admitted, the server
+                // may have made the session, and busy is not tried again.)
                 (Err(err), _)
                     if worth_another_try(&err)
+                        && !(admitted && matches!(err, Error::Rejected { .. }))
                         && start.elapsed().saturating_add(backoff) < config.connect_deadline =>
                 {
                     // The server's text, escaped, as the server escapes ours.
@@ -152,6 +157,11 @@ impl ClientSession {
                     if matches!(err, Error::Rejected { .. }) {
                         busy = Some(err);
                     } else {
+                        // Admitted since the busy answer: it no longer says
+                        // why a later attempt fails.
+                        if admitted {
+                            busy = None;
+                        }
                         cut = Some(err);
                     }
                     std::thread::sleep(backoff);
@@ -291,6 +301,12 @@ fn timed_out(err: &Error) -> bool {
             cause: CmFailure::Timeout(_),
             ..
         } => true,
+        // An event that reports the kernel's own timeout (an address or
+        // route not resolved, a connect left unanswered).
+        Error::Cm {
+            cause: CmFailure::Event { status, .. },
+            ..
+        } => *status == -libc::ETIMEDOUT,
         Error::Handshake {
             source: WireError::Io(io),
             ..
