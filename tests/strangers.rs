@@ -353,8 +353,8 @@ fn connect_at_once(
             let pd = pd.clone();
             thread::spawn(move || {
                 let mut config = client_config(None);
-                // Long enough that a slow guest answers every attempt:
-                // those refused keep asking until it ends.
+                // Refused clients retry busy until this ends; 4 s leaves a
+                // slow guest time to answer their first attempt.
                 config.connect_deadline = Duration::from_secs(4);
                 ClientSession::connect(addr, &pd, &config).map_err(|e| e.to_string())
             })
