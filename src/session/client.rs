@@ -13,7 +13,7 @@ use super::{
     SessionQp, Transport, build_qps, check_exports, check_qp_names, connect_qps, local_handshake,
     reject_code,
 };
-use crate::error::{CmFailure, Error, Result};
+use crate::error::{Error, Result};
 use crate::verbs::{BoundWindow, ProtectionDomain};
 
 /// What a client asks for and how hard it tries.
@@ -292,21 +292,12 @@ fn nobody_listens(err: &Error) -> bool {
 }
 
 /// Whether an attempt failed because its time ran out: a connect left
-/// unanswered, an rdma_cm event that did not come, or a handshake frame
-/// that did not.
+/// unanswered (over TCP, or over rdma_cm as [`super::cm::timed_out`] says),
+/// or a handshake frame that did not come.
 fn timed_out(err: &Error) -> bool {
     match err {
         Error::ConnectTimeout { last, .. } => last.kind() == io::ErrorKind::TimedOut,
-        Error::Cm {
-            cause: CmFailure::Timeout(_),
-            ..
-        } => true,
-        // An event that reports the kernel's own timeout (an address or
-        // route not resolved, a connect left unanswered).
-        Error::Cm {
-            cause: CmFailure::Event { status, .. },
-            ..
-        } => *status == -libc::ETIMEDOUT,
+        Error::Cm { .. } => super::cm::timed_out(err),
         Error::Handshake {
             source: WireError::Io(io),
             ..
@@ -436,5 +427,47 @@ mod tests {
         assert_eq!(next_backoff(ms(20), s(1)), ms(40));
         assert_eq!(next_backoff(ms(800), s(1)), s(1));
         assert_eq!(next_backoff(Duration::MAX, Duration::MAX), Duration::MAX);
+    }
+
+    #[test]
+    fn only_a_real_timeout_counts_as_one() {
+        use crate::error::{CmEventKind, CmFailure};
+        let peer = "127.0.0.1:7174".parse().unwrap();
+        let connect = |kind: io::ErrorKind| Error::ConnectTimeout {
+            addr: "the server".into(),
+            attempts: 3,
+            elapsed: Duration::from_secs(1),
+            last: kind.into(),
+        };
+        let cm = |cause| Error::Cm {
+            op: "rdma_connect",
+            peer: Some(peer),
+            cause,
+        };
+        let event = |got, status| CmFailure::Event {
+            got,
+            status,
+            expected: None,
+        };
+        let handshake = |kind: io::ErrorKind| Error::Handshake {
+            peer,
+            source: WireError::Io(kind.into()),
+        };
+        assert!(timed_out(&connect(io::ErrorKind::TimedOut)));
+        assert!(timed_out(&cm(CmFailure::Timeout(5000))));
+        assert!(timed_out(&cm(event(
+            CmEventKind::AddrError,
+            -libc::ETIMEDOUT
+        ))));
+        assert!(timed_out(&cm(event(
+            CmEventKind::Unreachable,
+            -libc::ETIMEDOUT
+        ))));
+        assert!(timed_out(&handshake(io::ErrorKind::TimedOut)));
+        // A refused connect, another event, a cut: not the clock.
+        assert!(!timed_out(&connect(io::ErrorKind::ConnectionRefused)));
+        assert!(!timed_out(&cm(event(CmEventKind::Rejected, 8))));
+        assert!(!timed_out(&cm(CmFailure::Errno(libc::ECONNREFUSED))));
+        assert!(!timed_out(&handshake(io::ErrorKind::UnexpectedEof)));
     }
 }

@@ -571,6 +571,23 @@ pub(super) fn not_there(err: &Error) -> bool {
     )
 }
 
+/// An rdma_cm step whose time ran out: an event that did not come within
+/// our wait, or one that reports the kernel's own timeout (an address or
+/// route not resolved, a connect left unanswered).
+pub(super) fn timed_out(err: &Error) -> bool {
+    match err {
+        Error::Cm {
+            cause: CmFailure::Timeout(_),
+            ..
+        } => true,
+        Error::Cm {
+            cause: CmFailure::Event { status, .. },
+            ..
+        } => *status == -libc::ETIMEDOUT,
+        _ => false,
+    }
+}
+
 fn connect_once(target: SocketAddr, deadline: Instant) -> Result<ControlQp> {
     let step = || {
         deadline
