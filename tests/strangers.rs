@@ -9,6 +9,7 @@ mod util;
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -372,7 +373,7 @@ verbs_test! {
         let mut config = client_config(None);
         config.connect_deadline = Duration::from_secs(4);
         config.handshake_timeout = Duration::from_secs(60);
-        let server = BusyThenSilent::start(Then::Silent);
+        let server = BusyFirst::start(Then::Silent);
         let err = ClientSession::connect(server.addr, &pd, &config).unwrap_err();
         assert!(
             matches!(err, Error::Rejected { code: reject_code::BUSY, .. }),
@@ -382,13 +383,13 @@ verbs_test! {
         // The same, but the retry is admitted before the server falls
         // silent: it may have made the session by then, so the timeout is
         // what the client reports.
-        let server = BusyThenSilent::start(Then::Admit);
+        let server = BusyFirst::start(Then::Admit);
         let err = ClientSession::connect(server.addr, &pd, &config).unwrap_err();
         assert!(err.to_string().contains("timed out"), "{err}");
         assert!(server.stop() >= 2, "the client tried again after busy");
         // Busy after admission is not an answer to try again: the server
         // may have kept what it made. The client stops at the second.
-        let server = BusyThenSilent::start(Then::AdmitThenBusy);
+        let server = BusyFirst::start(Then::AdmitThenBusy);
         let err = ClientSession::connect(server.addr, &pd, &config).unwrap_err();
         assert!(
             matches!(err, Error::Rejected { code: reject_code::BUSY, .. }),
@@ -399,7 +400,7 @@ verbs_test! {
         // own with most of the deadline left, and says so.
         config.connect_deadline = Duration::from_secs(30);
         config.handshake_timeout = Duration::from_secs(2);
-        let server = BusyThenSilent::start(Then::Silent);
+        let server = BusyFirst::start(Then::Silent);
         let started = Instant::now();
         let err = ClientSession::connect(server.addr, &pd, &config).unwrap_err();
         assert!(err.to_string().contains("timed out"), "{err}");
@@ -408,7 +409,7 @@ verbs_test! {
     }
 }
 
-/// What [`BusyThenSilent`] does with the connections after the first.
+/// What [`BusyFirst`] does with the connections after the first.
 #[derive(Clone, Copy, PartialEq)]
 enum Then {
     /// Accepts them and says nothing.
@@ -419,21 +420,20 @@ enum Then {
     AdmitThenBusy,
 }
 
-/// A fake server that answers the first hello with busy and the
-/// connections after it as `then` says.
-struct BusyThenSilent {
+/// A fake server that answers the first connection's hello with busy and
+/// the connections after it as `then` says.
+struct BusyFirst {
     addr: SocketAddr,
-    stop: Arc<std::sync::atomic::AtomicBool>,
+    stop: Arc<AtomicBool>,
     thread: Option<thread::JoinHandle<usize>>,
 }
 
-impl BusyThenSilent {
+impl BusyFirst {
     fn start(then: Then) -> Self {
-        use std::sync::atomic::Ordering;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         listener.set_nonblocking(true).unwrap();
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
         let stopped = Arc::clone(&stop);
         let thread = thread::spawn(move || {
             let busy = || Message::Reject {
@@ -500,19 +500,22 @@ impl BusyThenSilent {
 
     /// Stops the server; returns how many connections it took.
     fn stop(mut self) -> usize {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let thread = self.thread.take().expect("a running server");
-        thread.join().expect("the fake server's thread")
+        self.halt()
+            .expect("a running server")
+            .expect("the fake server's thread")
+    }
+
+    /// Stops the thread, if it still runs, and joins it.
+    fn halt(&mut self) -> Option<thread::Result<usize>> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.take().map(thread::JoinHandle::join)
     }
 }
 
-impl Drop for BusyThenSilent {
+impl Drop for BusyFirst {
     /// A test that failed before `stop` leaves no thread behind.
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        let _ = self.halt();
     }
 }
 
