@@ -8,6 +8,7 @@ use crate::verbs::{LocalSlice, RemoteSlice};
 
 use super::conn::{Conn, ConnState, ForwardOrigin};
 use super::slab::Slab;
+use super::spin::CqLoan;
 use super::{ConnId, SendError, SessionId};
 
 /// What a callback may do: stage work on any connection of the reactor.
@@ -23,6 +24,8 @@ pub struct Ctx<'a> {
     pub(super) touched: bool,
     /// What callbacks leave for the end of the pass.
     pub(super) deferred: &'a mut Deferred,
+    /// In `on_idle`: the reactor's CQs, lent for a spin ([`Ctx::spin`]).
+    pub(super) loan: Option<CqLoan<'a>>,
 }
 
 /// Work callbacks leave for the reactor to do after them.
@@ -68,6 +71,7 @@ impl<'a> Ctx<'a> {
             current: None,
             touched: false,
             deferred,
+            loan: None,
         }
     }
 }

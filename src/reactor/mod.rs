@@ -80,6 +80,7 @@ mod peer_watch;
 pub mod placement;
 mod slab;
 mod source;
+mod spin;
 mod srq_pool;
 #[cfg(test)]
 mod tests;
@@ -100,6 +101,7 @@ use crate::verbs::{
 use conn::{Conn, IMM_TRAILER_LEN, MAX_CONNS};
 use ctx::{Deferred, ReactorId};
 use slab::Slab;
+use spin::SpinState;
 use srq_pool::SrqPool;
 use wait::Waiter;
 
@@ -113,6 +115,7 @@ pub use handler::Handler;
 pub use pass_timer::{CLOCK_READ_INTERVAL, PassTimer};
 pub use placement::{CorePreference, Placement, pin_current_thread, usable_cores};
 pub use source::{PeerLink, QpSource};
+pub use spin::{SPIN_POLLS, Spin, Spun};
 pub use wait::Waker;
 
 /// Bytes of every slot the reactor keeps back: a SEND carries at most
@@ -212,6 +215,11 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     id: ReactorId,
     /// What callbacks left for after the pass (removals, SRQ slots).
     deferred: Deferred,
+    /// What spins left after the last idle callbacks ([`Ctx::spin`]).
+    spun: SpinState,
+    /// A pass lent its CQs to a spin since [`take_spun`](Self::take_spun)
+    /// last asked.
+    spun_since_asked: bool,
     peer_timer: Option<PassTimer>,
     /// Completions no connection of ours posted (ignored).
     foreign_completions: u64,
@@ -324,6 +332,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 refused: Vec::new(),
                 lone_doorbells: 0,
             },
+            spun: SpinState::default(),
+            spun_since_asked: false,
             peer_timer,
             foreign_completions: 0,
             counters: Counters::default(),
@@ -568,6 +578,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// [`poll_once`](Self::poll_once) when it fires or the limit passes.
     pub fn event_fd(&self) -> Option<RawFd> {
         self.waiter.fd()
+    }
+
+    /// Whether a handler spun on the reactor's CQs ([`Ctx::spin`]) since
+    /// the last call: a loop of the crate's own that counts passes to pace
+    /// other work (the runtime's look at new sessions) looks at once after
+    /// a spin, which lasted up to [`SPIN_POLLS`] polls.
+    pub(crate) fn take_spun(&mut self) -> bool {
+        std::mem::take(&mut self.spun_since_asked)
     }
 
     /// Asks the reactor's `run` loop to return after this pass.

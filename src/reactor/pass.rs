@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::Result;
 
+use super::spin::{CqLoan, SpinState};
 use super::srq_pool::SrqPool;
 use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor};
 
@@ -147,13 +148,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.conns.release_quarantine(settled);
         }
         self.counters.completions += done as u64;
-        let touched = if done == 0 {
-            self.idle()
-        } else {
+        let mut touched = false;
+        if done == 0 {
+            touched = self.idle();
+            // A handler spun on the CQs the pass lent it (`Ctx::spin`).
+            if self.spun.polls != 0 {
+                done = self.settle_spin::<LEAN>();
+            }
+        }
+        if done != 0 {
             self.after_quiet = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
             self.idle_passes = 0;
-            false
-        };
+        }
         if !LEAN {
             // (The peer timer is read after the flush, as it always was: a
             // pass of the reactor's own protocol measured about 5 Ir more
@@ -197,10 +203,46 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.quiet_spells = self.quiet_spells.wrapping_add(1);
         }
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+        // The pass polled nothing into `wcs`: a spin may poll into it.
+        ctx.loan = Some(CqLoan {
+            cqs: &mut self.cqs,
+            wcs: &mut self.wcs,
+            state: &mut self.spun,
+        });
         for (_, session) in self.sessions.iter_mut() {
             session.handler.on_idle(&mut ctx);
         }
         ctx.touched
+    }
+
+    /// After idle callbacks that spun: the completions a spin polled and
+    /// did not hand over are routed as any pass's, in order; the spins'
+    /// polls count as passes for the peer watch (each cost about an empty
+    /// pass). Returns the completions the spins polled, so the pass counts
+    /// as a busy one.
+    #[cold]
+    #[inline(never)]
+    fn settle_spin<const LEAN: bool>(&mut self) -> usize {
+        let SpinState {
+            next,
+            end,
+            taken,
+            polls,
+        } = std::mem::take(&mut self.spun);
+        for at in next..end {
+            self.route::<LEAN>(at);
+        }
+        if let Some(timer) = &mut self.peer_timer {
+            timer.count_passes(polls);
+        }
+        self.spun_since_asked = true;
+        let done = taken + (end - next);
+        self.counters.completions += done as u64;
+        if done != 0 {
+            // Not an empty pass after all.
+            self.counters.empty_passes -= 1;
+        }
+        done
     }
 
     /// [`chores`](Self::chores) as a call of its own.

@@ -104,6 +104,12 @@ impl PassTimer {
         })
     }
 
+    /// Counts `passes` passes made elsewhere (a spin's polls) without
+    /// reading the clock: the next pass that reaches the stride reads it.
+    pub(crate) fn count_passes(&mut self, passes: u32) {
+        self.passes = self.passes.saturating_add(passes);
+    }
+
     #[inline]
     fn count(&mut self, weight: u32) -> bool {
         self.passes = self.passes.saturating_add(weight);

@@ -156,7 +156,8 @@ impl<F: HandlerFactory> Worker<'_, F> {
             if let Some(tracer) = &mut self.tracer {
                 tracer.doorbells_rung();
             }
-            look = done == 0;
+            // After a spin (`Ctx::spin`), a pass stood for many.
+            look = done == 0 || reactor.take_spun();
             busy_passes += 1;
             since_publish += 1;
             if since_publish >= PUBLISH_PASSES {

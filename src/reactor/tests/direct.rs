@@ -19,16 +19,27 @@ use super::{MAX_PASSES, connected_qps};
 /// What a direct handler saw: (id, opcode, bytes) of each completion, and
 /// each error's text.
 #[derive(Debug, Default)]
-struct Log {
+pub(super) struct Log {
     /// `on_established` calls.
-    established: usize,
-    completions: Vec<(u32, WcOpcode, u32)>,
-    errors: Vec<String>,
+    pub(super) established: usize,
+    pub(super) completions: Vec<(u32, WcOpcode, u32)>,
+    pub(super) errors: Vec<String>,
     /// A session to remove (`Ctx::remove_session`) on the next idle pass.
     remove_when_idle: Option<SessionId>,
+    /// What the handler does in its idle callbacks, while it says `true`.
+    pub(super) idle_plan: Option<IdlePlan>,
 }
 
-struct Direct(Rc<RefCell<Log>>);
+/// A test's own `on_idle`, run while it returns true.
+pub(super) struct IdlePlan(pub(super) Box<dyn FnMut(&mut Ctx<'_>) -> bool>);
+
+impl std::fmt::Debug for IdlePlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IdlePlan")
+    }
+}
+
+pub(super) struct Direct(pub(super) Rc<RefCell<Log>>);
 
 impl Handler for Direct {
     fn on_established(&mut self, _: &mut Ctx<'_>, _: ConnId) {
@@ -51,20 +62,27 @@ impl Handler for Direct {
         if let Some(session) = self.0.borrow_mut().remove_when_idle.take() {
             ctx.remove_session(session);
         }
+        // Not borrowed while it runs: it may look at the log.
+        let plan = self.0.borrow_mut().idle_plan.take();
+        if let Some(mut plan) = plan
+            && (plan.0)(ctx)
+        {
+            self.0.borrow_mut().idle_plan = Some(plan);
+        }
     }
     fn on_error(&mut self, _: &mut Ctx<'_>, _: ConnId, error: &Error) {
         self.0.borrow_mut().errors.push(error.to_string());
     }
 }
 
-struct End {
-    session: SessionId,
-    conn: ConnId,
-    log: Rc<RefCell<Log>>,
-    region: MemoryRegion,
+pub(super) struct End {
+    pub(super) session: SessionId,
+    pub(super) conn: ConnId,
+    pub(super) log: Rc<RefCell<Log>>,
+    pub(super) region: MemoryRegion,
 }
 
-fn reactor(pd: &ProtectionDomain) -> Reactor<Direct, ()> {
+pub(super) fn reactor(pd: &ProtectionDomain) -> Reactor<Direct, ()> {
     let config = ReactorConfig {
         sq_depth: 16,
         recv_depth: 16,
@@ -75,7 +93,7 @@ fn reactor(pd: &ProtectionDomain) -> Reactor<Direct, ()> {
 
 /// Two direct connections of one reactor, connected to each other, each
 /// with a 4 KiB region the other may WRITE and READ.
-fn direct_pair(reactor: &mut Reactor<Direct, ()>, pd: &ProtectionDomain) -> (End, End) {
+pub(super) fn direct_pair(reactor: &mut Reactor<Direct, ()>, pd: &ProtectionDomain) -> (End, End) {
     let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
     let [a, b] = connected_qps(reactor, pd, access);
     let mut add = |qp: QueuePair| {
@@ -98,7 +116,11 @@ fn direct_pair(reactor: &mut Reactor<Direct, ()>, pd: &ProtectionDomain) -> (End
 }
 
 #[track_caller]
-fn run_until(reactor: &mut Reactor<Direct, ()>, what: &str, mut done: impl FnMut() -> bool) {
+pub(super) fn run_until(
+    reactor: &mut Reactor<Direct, ()>,
+    what: &str,
+    mut done: impl FnMut() -> bool,
+) {
     for _ in 0..MAX_PASSES {
         if done() {
             return;
@@ -351,7 +373,7 @@ fn an_srq_reactor_refuses_direct_connections() {
 /// A pair of connections of the reactor's own protocol, with `Direct`
 /// handlers (which count `on_established`), run until both are
 /// established; returns their sessions.
-fn protocol_pair(
+pub(super) fn protocol_pair(
     reactor: &mut Reactor<Direct, ()>,
     pd: &ProtectionDomain,
 ) -> [(SessionId, Rc<RefCell<Log>>); 2] {

@@ -245,4 +245,5 @@ mod direct;
 mod now;
 mod ring;
 mod sparse;
+mod spin;
 mod srq;

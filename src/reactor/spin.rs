@@ -1,0 +1,237 @@
+//! Spinning on a direct connection: the reactor lends its CQs to one
+//! handler, from `on_idle`, for a loop of the handler's own that posts and
+//! polls with nothing of the reactor's in between ([`Ctx::spin`]). That is
+//! perftest's loop inside the reactor's ownership: the completions the
+//! handler gets are vetted as the dispatch vets them (its connection's
+//! tags, its QP number, a success), and the first completion that is
+//! anything else ends the spin and stays where the reactor routes it as it
+//! routes every completion, so a stranger's, another connection's or a
+//! failed one never reaches the spinning handler.
+//!
+//! A spin is bounded: it ends after [`SPIN_POLLS`] polls, when the reactor
+//! is asked to stop, or at that first completion it may not hand over; the
+//! reactor then finishes its pass (the completions left, the peer watch
+//! with the spin's polls counted as passes, removals) and the next idle
+//! pass may lend the CQs again.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::verbs::{CompletionQueue, WorkCompletion};
+
+use super::direct::DirectQp;
+use super::{ConnId, Ctx, POLL_BATCH, SendError};
+
+/// Most CQ polls of one spin: it then ends, so the reactor's own work
+/// (the peer watch, removals, a runtime's new sessions and commands) waits
+/// for at most this many polls. An empty poll costs tens of nanoseconds on
+/// a NIC, so a spin lasts well under a millisecond there; ending and
+/// entering one again costs about a pass.
+pub const SPIN_POLLS: u32 = 1 << 14;
+
+/// Bits of a `wr_id` that the reactor writes on a direct connection's
+/// requests (its tags); the low half is the handler's.
+const TAG_MASK: u64 = !(u32::MAX as u64);
+
+/// What an idle pass lends its `on_idle` callbacks: the reactor's CQs, the
+/// pass's completion buffer (empty then: the pass polled nothing), and
+/// where a spin leaves what it polled and did not hand over.
+pub(super) struct CqLoan<'a> {
+    pub(super) cqs: &'a mut [CompletionQueue],
+    pub(super) wcs: &'a mut [WorkCompletion; POLL_BATCH],
+    pub(super) state: &'a mut SpinState,
+}
+
+/// What spins left for the reactor, read after the idle callbacks.
+#[derive(Debug, Default)]
+pub(super) struct SpinState {
+    /// Completions a spin polled into the pass's buffer and did not hand
+    /// over: `wcs[next..end]`, for the reactor to route in order.
+    pub(super) next: usize,
+    pub(super) end: usize,
+    /// Completions spins handed their handlers.
+    pub(super) taken: usize,
+    /// CQ polls spins made.
+    pub(super) polls: u32,
+}
+
+impl SpinState {
+    /// True while a spin's completions wait for the reactor.
+    #[inline]
+    pub(super) fn has_left(&self) -> bool {
+        self.next < self.end
+    }
+}
+
+/// What [`Spin::poll`] found.
+#[derive(Debug)]
+pub enum Spun<'s> {
+    /// A successful completion of the spinning connection, with the
+    /// handler's id (the low 32 bits of its request's `wr_id`).
+    Completion(u32, &'s WorkCompletion),
+    /// Nothing completed yet: poll again, or return.
+    Empty,
+    /// The spin is over: return from `on_idle` (a completion waits for the
+    /// reactor, its poll budget is spent, or the reactor is asked to stop).
+    /// Every later poll says so too.
+    Ended,
+}
+
+/// The reactor's CQs, lent to a direct connection's handler within one
+/// `on_idle` call ([`Ctx::spin`]): it posts through [`qp`](Self::qp) and
+/// polls through [`poll`](Self::poll), perftest's loop, until the spin
+/// ends.
+pub struct Spin<'s> {
+    qp: DirectQp<'s>,
+    cqs: &'s mut [CompletionQueue],
+    wcs: &'s mut [WorkCompletion; POLL_BATCH],
+    state: &'s mut SpinState,
+    stop: &'s AtomicBool,
+    /// The connection's CQs, by index (the same for a QP with one CQ).
+    send_cq: usize,
+    recv_cq: usize,
+    qpn: u32,
+    /// Polls left before the spin ends.
+    budget: u32,
+    ended: bool,
+}
+
+impl fmt::Debug for Spin<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Spin")
+            .field("qpn", &self.qpn)
+            .field("budget", &self.budget)
+            .field("ended", &self.ended)
+            .finish()
+    }
+}
+
+impl<'s> Spin<'s> {
+    /// Posting on the spinning connection's QP.
+    #[inline]
+    pub fn qp(&mut self) -> &mut DirectQp<'s> {
+        &mut self.qp
+    }
+
+    /// The next completion of the connection: one the spin polled before
+    /// and has not handed over yet, or one polled now from the
+    /// connection's CQs (its send CQ first). A completion the spin may not
+    /// hand over (another QP's, a removed connection's, a failed one) ends
+    /// the spin, and the reactor routes it and every one after it as it
+    /// routes all completions once `on_idle` returns.
+    #[inline]
+    pub fn poll(&mut self) -> Spun<'_> {
+        if self.state.next == self.state.end && !self.refill() {
+            return if self.ended { Spun::Ended } else { Spun::Empty };
+        }
+        let at = self.state.next;
+        let wc = &self.wcs[at];
+        let top = wc.wr_id() & TAG_MASK;
+        if (top == self.qp.send_tag || top == self.qp.recv_tag)
+            && wc.qp_num() == self.qpn
+            && wc.is_success()
+        {
+            self.state.next = at + 1;
+            self.state.taken += 1;
+            return Spun::Completion(wc.wr_id() as u32, wc);
+        }
+        self.ended = true;
+        Spun::Ended
+    }
+
+    /// Polls the connection's CQs into the empty buffer; true if it found
+    /// any completion. Sets `ended` when the spin may not poll again.
+    #[inline]
+    fn refill(&mut self) -> bool {
+        if self.ended || self.budget == 0 || self.stop.load(Ordering::Relaxed) {
+            self.ended = true;
+            return false;
+        }
+        self.budget -= 1;
+        self.state.polls += 1;
+        let mut n = self.poll_cq(self.send_cq);
+        if n == 0 && self.recv_cq != self.send_cq {
+            n = self.poll_cq(self.recv_cq);
+        }
+        self.state.next = 0;
+        self.state.end = n;
+        n > 0
+    }
+
+    /// Polls CQ `index` into the buffer. A CQ that cannot be polled ends
+    /// the spin: the reactor's next pass polls it and reports the error.
+    #[inline]
+    fn poll_cq(&mut self, index: usize) -> usize {
+        match self.cqs[index].poll(&mut self.wcs[..]) {
+            Ok(polled) => polled.len(),
+            Err(_) => {
+                self.ended = true;
+                0
+            }
+        }
+    }
+}
+
+impl Ctx<'_> {
+    /// Lends the reactor's CQs to `conn`'s handler for a loop of its own,
+    /// from `on_idle` (where the pass found nothing): it posts on the
+    /// direct connection's QP and polls for its completions with nothing
+    /// of the reactor's in between, as perftest's loop does. For a
+    /// connection that owns its reactor, one pinned session per core.
+    ///
+    /// The completions the spin hands over are the connection's own and
+    /// successful; the first that is anything else ends the spin and is
+    /// the reactor's to route (a failure still reaches `on_error`, once).
+    /// It ends too after [`SPIN_POLLS`] polls and when the reactor is
+    /// asked to stop, so the reactor's own work waits for one spin at
+    /// most. Completions it polled and did not hand over before it was
+    /// dropped reach the handler through
+    /// [`Handler::on_direct_completion`](super::Handler::on_direct_completion),
+    /// in order, once `on_idle` returns.
+    ///
+    /// # Errors
+    /// [`SendError::Invalid`] outside `on_idle` or for a connection of the
+    /// reactor's own protocol; [`SendError::Closed`] for a connection that
+    /// failed or is gone; [`SendError::WouldBlock`] while an earlier
+    /// spin's completions wait for the reactor (after this `on_idle`).
+    pub fn spin(&mut self, conn: ConnId) -> Result<Spin<'_>, SendError> {
+        let Some(loan) = self.loan.as_mut() else {
+            return Err(SendError::Invalid(crate::Error::InvalidArgument(
+                "the reactor lends its CQs only in on_idle",
+            )));
+        };
+        if loan.state.has_left() {
+            return Err(SendError::WouldBlock);
+        }
+        let record = self
+            .conns
+            .get_mut_quiet(conn.key())
+            .ok_or(SendError::Closed)?;
+        if !record.direct {
+            return Err(SendError::Invalid(crate::Error::InvalidArgument(
+                "not a direct connection: the reactor alone posts on its QP",
+            )));
+        }
+        let qp = record.direct_qp().ok_or(SendError::Closed)?;
+        let cqs = &mut *loan.cqs;
+        // `add_direct` took only QPs on these CQs.
+        let (Some(send_cq), Some(recv_cq)) = (
+            cqs.iter().position(|cq| qp.qp.sends_to(cq)),
+            cqs.iter().position(|cq| qp.qp.receives_to(cq)),
+        ) else {
+            return Err(SendError::Closed);
+        };
+        Ok(Spin {
+            qpn: qp.qpn(),
+            qp,
+            cqs,
+            wcs: &mut *loan.wcs,
+            state: &mut *loan.state,
+            stop: self.stop,
+            send_cq,
+            recv_cq,
+            budget: SPIN_POLLS,
+            ended: false,
+        })
+    }
+}

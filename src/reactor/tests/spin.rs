@@ -1,0 +1,314 @@
+//! Spins (`Ctx::spin`) over the loopback device: a direct connection's
+//! handler polls the reactor's CQs itself from `on_idle`, gets its own
+//! successful completions with its ids, and nothing else: the first
+//! completion that is another connection's, a stranger's or a failure
+//! ends the spin and reaches its owner through the reactor, in order.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use crate::verbs::{AccessFlags, Context, KeptRequest, RecvRequest, WcOpcode, WorkRequest};
+
+use super::super::conn::direct_send_tag;
+use super::super::{Ctx, Reactor, SPIN_POLLS, SendError, Spun};
+use super::connected_qps;
+use super::direct::{Direct, End, IdlePlan, direct_pair, protocol_pair, reactor, run_until};
+
+/// What a spin handed over: (id, opcode) of each completion, its empty
+/// polls, and whether it ended.
+#[derive(Debug, Default)]
+struct Seen_ {
+    taken: Vec<(u32, WcOpcode)>,
+    empty_polls: u32,
+    ended: bool,
+}
+
+type Seen = Rc<RefCell<Seen_>>;
+
+/// Polls `spin` until it ends or hands over `want` completions, writing
+/// down what it saw.
+fn drain(spin: &mut super::super::Spin<'_>, seen: &Seen, want: usize) {
+    while seen.borrow().taken.len() < want {
+        match spin.poll() {
+            Spun::Completion(id, wc) => seen.borrow_mut().taken.push((id, wc.opcode())),
+            Spun::Empty => seen.borrow_mut().empty_polls += 1,
+            Spun::Ended => {
+                seen.borrow_mut().ended = true;
+                return;
+            }
+        }
+    }
+}
+
+/// A's signaled READ of B's first 8 bytes into A's bytes 256.., with `id`.
+fn read_request(a: &End, b: &End, id: u64) -> KeptRequest {
+    let remote = b.region.remote().unwrap().slice(0, 8).unwrap();
+    let read = WorkRequest::read(id, a.region.slice(256, 8).unwrap(), remote)
+        .unwrap()
+        .signaled();
+    KeptRequest::new(read, a.region.registration()).unwrap()
+}
+
+/// Sets `end`'s idle plan.
+fn plan(end: &End, plan: impl FnMut(&mut Ctx<'_>) -> bool + 'static) {
+    end.log.borrow_mut().idle_plan = Some(IdlePlan(Box::new(plan)));
+}
+
+/// One pass, which must be idle, so its `on_idle` runs the plans.
+fn idle_pass(reactor: &mut Reactor<Direct, ()>) {
+    reactor.poll_once().expect("a pass");
+}
+
+/// A READ loop inside one spin: every completion comes back through the
+/// spin, with the handler's id, none through `on_direct_completion`, and
+/// the bytes land.
+#[test]
+fn a_spin_hands_its_handler_its_own_completions() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, mut b) = direct_pair(&mut reactor, &pd);
+    b.region.write(0, b"spinning").unwrap();
+    let seen = Seen::default();
+    let (conn, mut read, seen_in) = (a.conn, read_request(&a, &b, 0x33), Rc::clone(&seen));
+    plan(&a, move |ctx| {
+        let mut spin = ctx.spin(conn).expect("a spin from on_idle");
+        for round in 1..=100 {
+            spin.qp().post_kept(&mut read).expect("a READ");
+            drain(&mut spin, &seen_in, round);
+        }
+        false
+    });
+    let before = reactor.counters();
+    idle_pass(&mut reactor);
+    let seen = seen.borrow();
+    assert!(!seen.ended, "the spin ran its course");
+    assert_eq!(seen.taken, vec![(0x33, WcOpcode::RDMA_READ); 100]);
+    assert!(a.log.borrow().completions.is_empty(), "none went round");
+    assert_eq!(reactor.counters().completions - before.completions, 100);
+    assert_eq!(
+        reactor.counters().empty_passes,
+        before.empty_passes,
+        "a pass whose spin took completions is no empty pass"
+    );
+    let mut landed = [0u8; 8];
+    a.region.read(256, &mut landed).unwrap();
+    assert_eq!(&landed, b"spinning");
+}
+
+/// A's SEND to B on the shared CQ: B's receive is not A's, so the spin
+/// ends there and B's handler gets it; A's own completion comes exactly
+/// once, through the spin or after it, and a spin that ended stays ended.
+#[test]
+fn another_connections_completion_ends_the_spin_and_reaches_its_handler() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, b) = direct_pair(&mut reactor, &pd);
+    reactor.with_ctx(|ctx| {
+        let mut recv = RecvRequest::new(9, b.region.slice(0, 8).unwrap()).unwrap();
+        ctx.direct(b.conn).unwrap().post_recv(&mut recv).unwrap();
+    });
+    let send = WorkRequest::send(0x11, a.region.slice(0, 8).unwrap()).signaled();
+    let mut send = KeptRequest::new(send, a.region.registration()).unwrap();
+    let (conn, seen) = (a.conn, Seen::default());
+    let seen_in = Rc::clone(&seen);
+    plan(&a, move |ctx| {
+        let mut spin = ctx.spin(conn).expect("a spin");
+        spin.qp().post_kept(&mut send).expect("a SEND");
+        drain(&mut spin, &seen_in, 2);
+        assert!(matches!(spin.poll(), Spun::Ended), "ended for good");
+        false
+    });
+    idle_pass(&mut reactor);
+    let seen = seen.borrow();
+    assert!(seen.ended, "B's receive ended A's spin");
+    assert_eq!(b.log.borrow().completions, [(9, WcOpcode::RECV, 8)]);
+    let a_after: Vec<_> = a
+        .log
+        .borrow()
+        .completions
+        .iter()
+        .map(|c| (c.0, c.1))
+        .collect();
+    let all_of_a: Vec<_> = seen.taken.iter().copied().chain(a_after).collect();
+    assert_eq!(all_of_a, [(0x11, WcOpcode::SEND)], "A's SEND, once");
+}
+
+/// A QP on the reactor's CQ that was never added (a stranger's) posts a
+/// request whose `wr_id` carries A's very tag: its completion ends A's
+/// spin (the QP number is not A's), reaches no handler and is counted as
+/// foreign.
+#[test]
+fn a_strangers_completion_with_a_copied_tag_ends_the_spin() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, b) = direct_pair(&mut reactor, &pd);
+    let [mut stranger, _peer] = connected_qps(&mut reactor, &pd, AccessFlags::REMOTE_WRITE);
+    let source = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let target = pd
+        .alloc_mr(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+        .unwrap();
+    let forged = direct_send_tag(a.conn.key()) | 0x44;
+    let (foreign_before, _) = reactor.ignored_completions();
+    let (conn, seen) = (a.conn, Seen::default());
+    let seen_in = Rc::clone(&seen);
+    plan(&a, move |ctx| {
+        let mut spin = ctx.spin(conn).expect("a spin");
+        // Posted while A spins, onto the CQ A polls.
+        let remote = target.remote().unwrap().slice(0, 8).unwrap();
+        let write = WorkRequest::write(forged, source.slice(0, 8).unwrap(), remote)
+            .unwrap()
+            .signaled();
+        stranger.post_send(write).expect("the stranger's WRITE");
+        drain(&mut spin, &seen_in, 1);
+        false
+    });
+    idle_pass(&mut reactor);
+    assert!(seen.borrow().ended && seen.borrow().taken.is_empty());
+    assert!(a.log.borrow().completions.is_empty());
+    assert!(b.log.borrow().completions.is_empty());
+    assert_eq!(reactor.ignored_completions().0, foreign_before + 1);
+}
+
+/// A failed completion is not handed over: it ends the spin, and the
+/// reactor fails the connection, telling its handler once; a failed
+/// connection lends no spin.
+#[test]
+fn a_failed_completion_ends_the_spin_and_fails_the_connection_once() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, b) = direct_pair(&mut reactor, &pd);
+    // A READ of memory that allows no remote reads: A's own completion
+    // fails.
+    let closed = pd
+        .alloc_mr(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+        .unwrap();
+    let remote = closed.remote().unwrap().slice(0, 8).unwrap();
+    let read = WorkRequest::read(2, a.region.slice(0, 8).unwrap(), remote)
+        .unwrap()
+        .signaled();
+    let mut read = KeptRequest::new(read, a.region.registration()).unwrap();
+    let (conn, seen) = (a.conn, Seen::default());
+    let seen_in = Rc::clone(&seen);
+    plan(&a, move |ctx| {
+        let mut spin = ctx.spin(conn).expect("a spin");
+        spin.qp().post_kept(&mut read).expect("a READ");
+        drain(&mut spin, &seen_in, 1);
+        false
+    });
+    idle_pass(&mut reactor);
+    for _ in 0..100 {
+        reactor.turn().unwrap();
+    }
+    assert!(seen.borrow().ended && seen.borrow().taken.is_empty());
+    let errors = a.log.borrow().errors.clone();
+    assert_eq!(errors.len(), 1, "told once: {errors:?}");
+    assert!(a.log.borrow().completions.is_empty());
+    assert!(
+        b.log.borrow().errors.is_empty(),
+        "the READ's target is not B's"
+    );
+    let refused = Rc::new(RefCell::new(None));
+    let refused_in = Rc::clone(&refused);
+    plan(&a, move |ctx| {
+        *refused_in.borrow_mut() = Some(ctx.spin(conn).err());
+        false
+    });
+    idle_pass(&mut reactor);
+    assert!(matches!(*refused.borrow(), Some(Some(SendError::Closed))));
+}
+
+/// A spin is lent only in `on_idle`, and only for a direct connection.
+#[test]
+fn a_spin_is_lent_only_in_on_idle_for_a_direct_connection() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, _b) = direct_pair(&mut reactor, &pd);
+    reactor.with_ctx(|ctx| {
+        assert!(matches!(ctx.spin(a.conn), Err(SendError::Invalid(_))));
+    });
+    let [(session, protocol), _] = protocol_pair(&mut reactor, &pd);
+    let conn = reactor.conns(session).next().expect("a connection");
+    let refused = Rc::new(RefCell::new(None));
+    let refused_in = Rc::clone(&refused);
+    protocol.borrow_mut().idle_plan = Some(IdlePlan(Box::new(move |ctx| {
+        *refused_in.borrow_mut() = Some(ctx.spin(conn).err());
+        false
+    })));
+    run_until(&mut reactor, "an idle pass", || refused.borrow().is_some());
+    assert!(matches!(
+        *refused.borrow(),
+        Some(Some(SendError::Invalid(_)))
+    ));
+}
+
+/// A spin that finds nothing ends after its poll budget; one in a reactor
+/// asked to stop ends at once.
+#[test]
+fn a_spin_ends_after_its_budget_and_when_the_reactor_stops() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, _b) = direct_pair(&mut reactor, &pd);
+    for stopping in [false, true] {
+        let (conn, seen) = (a.conn, Seen::default());
+        let seen_in = Rc::clone(&seen);
+        plan(&a, move |ctx| {
+            let mut spin = ctx.spin(conn).expect("a spin");
+            drain(&mut spin, &seen_in, 1);
+            false
+        });
+        if stopping {
+            reactor.stop();
+        }
+        idle_pass(&mut reactor);
+        let seen = seen.borrow();
+        assert!(seen.ended);
+        let want = if stopping { 0 } else { SPIN_POLLS };
+        assert_eq!(seen.empty_polls, want, "stopping: {stopping}");
+    }
+}
+
+/// What a spin polled and did not hand over before it was dropped reaches
+/// the handler after `on_idle`, in order; until then no other spin is lent.
+#[test]
+fn what_a_spin_left_reaches_the_handler_in_order() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, b) = direct_pair(&mut reactor, &pd);
+    let mut reads = [1, 2, 3].map(|id| read_request(&a, &b, id));
+    let (conn, seen) = (a.conn, Seen::default());
+    let seen_in = Rc::clone(&seen);
+    let again = Rc::new(RefCell::new(None));
+    let again_in = Rc::clone(&again);
+    plan(&a, move |ctx| {
+        let mut spin = ctx.spin(conn).expect("a spin");
+        for read in &mut reads {
+            spin.qp().post_kept(read).expect("a READ");
+        }
+        drain(&mut spin, &seen_in, 1);
+        // (The spin's borrow of `ctx` ends here.)
+        *again_in.borrow_mut() = Some(ctx.spin(conn).err());
+        false
+    });
+    idle_pass(&mut reactor);
+    assert_eq!(seen.borrow().taken, [(1, WcOpcode::RDMA_READ)]);
+    assert!(matches!(*again.borrow(), Some(Some(SendError::WouldBlock))));
+    assert_eq!(
+        a.log.borrow().completions,
+        [(2, WcOpcode::RDMA_READ, 8), (3, WcOpcode::RDMA_READ, 8)],
+        "the rest after on_idle, in order"
+    );
+}
