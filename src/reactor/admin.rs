@@ -156,8 +156,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         for qp in qps {
             // By identity, not by CqId: ids repeat across device contexts.
             let (Some(send), Some(recv)) = (
-                self.cqs.iter().position(|cq| qp.sends_to(cq)),
-                self.cqs.iter().position(|cq| qp.receives_to(cq)),
+                self.polling.cqs.iter().position(|cq| qp.sends_to(cq)),
+                self.polling.cqs.iter().position(|cq| qp.receives_to(cq)),
             ) else {
                 return Err(Error::InvalidArgument(
                     "QP was not created on this reactor's CQs (build it from Reactor::qp_spec)",
@@ -213,7 +213,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
         }
         for &(cq, entries) in &charges {
-            if self.cq_load[cq].saturating_add(entries) > self.cqs[cq].capacity() {
+            if self.cq_load[cq].saturating_add(entries) > self.polling.cqs[cq].capacity() {
                 return Err(Error::InvalidArgument(
                     "the reactor's CQs cannot absorb more connections at these queue depths (see ReactorConfig::absorbing)",
                 ));

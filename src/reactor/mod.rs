@@ -101,7 +101,7 @@ use crate::verbs::{
 use conn::{Conn, IMM_TRAILER_LEN, MAX_CONNS};
 use ctx::{Deferred, ReactorId};
 use slab::Slab;
-use spin::SpinState;
+use spin::{Polling, SpinState};
 use srq_pool::SrqPool;
 use wait::Waiter;
 
@@ -168,13 +168,13 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     conns: Slab<Conn>,
     sessions: Slab<Session<H, L>>,
     srq: Option<SrqPool>,
-    cqs: Vec<CompletionQueue>,
+    /// The CQs, the buffer a pass polls them into, and what spins left.
+    polling: Polling,
     /// CQ entries promised to connections, by CQ.
     cq_load: Vec<u32>,
     channels: Vec<CompletionChannel>,
     waiter: Waiter,
     pd: ProtectionDomain,
-    wcs: [WorkCompletion; POLL_BATCH],
     next_cq: usize,
     /// Connections of the reactor's own protocol (not direct): while there
     /// are none, a pass takes the lean path.
@@ -215,8 +215,6 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     id: ReactorId,
     /// What callbacks left for after the pass (removals, SRQ slots).
     deferred: Deferred,
-    /// What spins left after the last idle callbacks ([`Ctx::spin`]).
-    spun: SpinState,
     /// A pass lent its CQs to a spin since [`take_spun`](Self::take_spun)
     /// last asked.
     spun_since_asked: bool,
@@ -310,11 +308,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             srq,
             // Room for the whole SRQ in every CQ (see `add`).
             cq_load: vec![srq_slots as u32; cqs.len()],
-            cqs,
+            polling: Polling {
+                cqs,
+                wcs: [WorkCompletion::default(); POLL_BATCH],
+                spun: SpinState::default(),
+            },
             channels,
             waiter,
             pd: pd.clone(),
-            wcs: [WorkCompletion::default(); POLL_BATCH],
             next_cq: 0,
             protocol_conns: 0,
             idle_passes: 0,
@@ -332,7 +333,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 refused: Vec::new(),
                 lone_doorbells: 0,
             },
-            spun: SpinState::default(),
             spun_since_asked: false,
             peer_timer,
             foreign_completions: 0,
@@ -350,7 +350,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// A QP spec whose QP reports to this reactor's CQs (spread over them
     /// round-robin) with queue depths matching the reactor's settings.
     pub fn qp_spec(&mut self, name: impl Into<String>) -> QpSpec {
-        let cq = self.cqs[self.next_cq % self.cqs.len()].shared();
+        let cq = self.polling.cqs[self.next_cq % self.polling.cqs.len()].shared();
         self.next_cq += 1;
         let qp = QpConfig {
             max_send_wr: self.config.sq_depth,
@@ -384,8 +384,16 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let spec = self.qp_spec_with_access("", remote_access);
         // Accepted peers take the reactor's CQs in turn, as `qp_spec`
         // callers do: one CQ would cap a server at what it can absorb.
-        let spread = (self.cqs.len() > 1)
-            .then(|| CqSpread::new(self.cqs.iter().map(CompletionQueue::shared).collect()))
+        let spread = (self.polling.cqs.len() > 1)
+            .then(|| {
+                CqSpread::new(
+                    self.polling
+                        .cqs
+                        .iter()
+                        .map(CompletionQueue::shared)
+                        .collect(),
+                )
+            })
             .flatten();
         let cq = spread.map_or(spec.cq, CqChoice::Spread);
         ServerConfig {

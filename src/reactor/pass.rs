@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::Result;
 
-use super::spin::{CqLoan, SpinState};
+use super::spin::SpinState;
 use super::srq_pool::SrqPool;
 use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor};
 
@@ -132,9 +132,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let settled = self.conns.quarantined();
         self.counters.passes += 1;
         let mut done = 0;
-        for cq_index in 0..self.cqs.len() {
+        for cq_index in 0..self.polling.cqs.len() {
             loop {
-                let n = self.cqs[cq_index].poll(&mut self.wcs)?.len();
+                let polling = &mut self.polling;
+                let n = polling.cqs[cq_index].poll(&mut polling.wcs)?.len();
                 for at in 0..n {
                     self.route::<LEAN>(at);
                 }
@@ -152,7 +153,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if done == 0 {
             touched = self.idle();
             // A handler spun on the CQs the pass lent it (`Ctx::spin`).
-            if self.spun.polls != 0 {
+            if self.polling.spun.polls != 0 {
                 done = self.settle_spin::<LEAN>();
             }
         }
@@ -204,11 +205,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         // The pass polled nothing into `wcs`: a spin may poll into it.
-        ctx.loan = Some(CqLoan {
-            cqs: &mut self.cqs,
-            wcs: &mut self.wcs,
-            state: &mut self.spun,
-        });
+        ctx.loan = Some(&mut self.polling);
         for (_, session) in self.sessions.iter_mut() {
             session.handler.on_idle(&mut ctx);
         }
@@ -228,7 +225,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             end,
             taken,
             polls,
-        } = std::mem::take(&mut self.spun);
+        } = std::mem::take(&mut self.polling.spun);
         for at in next..end {
             self.route::<LEAN>(at);
         }
@@ -326,7 +323,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.idle_passes = self.idle_passes.max(TAIL_SIGNAL_IDLE_PASSES);
         self.after_quiet = true;
         self.quiet_spells = self.quiet_spells.wrapping_add(1);
-        for cq in &mut self.cqs {
+        for cq in &mut self.polling.cqs {
             cq.req_notify(false)?;
         }
         self.poll_once()

@@ -33,13 +33,13 @@ pub const SPIN_POLLS: u32 = 1 << 14;
 /// requests (its tags); the low half is the handler's.
 const TAG_MASK: u64 = !(u32::MAX as u64);
 
-/// What an idle pass lends its `on_idle` callbacks: the reactor's CQs, the
-/// pass's completion buffer (empty then: the pass polled nothing), and
-/// where a spin leaves what it polled and did not hand over.
-pub(super) struct CqLoan<'a> {
-    pub(super) cqs: &'a mut [CompletionQueue],
-    pub(super) wcs: &'a mut [WorkCompletion; POLL_BATCH],
-    pub(super) state: &'a mut SpinState,
+/// The reactor's CQs and the buffer a pass polls them into, with what
+/// spins left there: one place, so an idle pass lends it whole (the
+/// buffer is empty then: the pass polled nothing).
+pub(super) struct Polling {
+    pub(super) cqs: Vec<CompletionQueue>,
+    pub(super) wcs: [WorkCompletion; POLL_BATCH],
+    pub(super) spun: SpinState,
 }
 
 /// What spins left for the reactor, read after the idle callbacks.
@@ -83,9 +83,7 @@ pub enum Spun<'s> {
 /// ends.
 pub struct Spin<'s> {
     qp: DirectQp<'s>,
-    cqs: &'s mut [CompletionQueue],
-    wcs: &'s mut [WorkCompletion; POLL_BATCH],
-    state: &'s mut SpinState,
+    polling: &'s mut Polling,
     stop: &'s AtomicBool,
     /// The connection's CQs, by index (the same for a QP with one CQ).
     send_cq: usize,
@@ -106,11 +104,21 @@ impl fmt::Debug for Spin<'_> {
     }
 }
 
-impl<'s> Spin<'s> {
-    /// Posting on the spinning connection's QP.
+impl Spin<'_> {
+    /// Posting on the spinning connection's QP (as [`Ctx::direct`] gives).
     #[inline]
-    pub fn qp(&mut self) -> &mut DirectQp<'s> {
-        &mut self.qp
+    pub fn qp(&mut self) -> DirectQp<'_> {
+        DirectQp {
+            qp: &mut *self.qp.qp,
+            send_tag: self.qp.send_tag,
+            recv_tag: self.qp.recv_tag,
+        }
+    }
+
+    /// Asks the reactor to stop, as [`Ctx::stop`] does; the spin ends at
+    /// its next poll that finds nothing.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
     }
 
     /// The next completion of the connection: one the spin polled before
@@ -121,18 +129,18 @@ impl<'s> Spin<'s> {
     /// routes all completions once `on_idle` returns.
     #[inline]
     pub fn poll(&mut self) -> Spun<'_> {
-        if self.state.next == self.state.end && !self.refill() {
+        if self.polling.spun.next == self.polling.spun.end && !self.refill() {
             return if self.ended { Spun::Ended } else { Spun::Empty };
         }
-        let at = self.state.next;
-        let wc = &self.wcs[at];
+        let at = self.polling.spun.next;
+        let wc = &self.polling.wcs[at];
         let top = wc.wr_id() & TAG_MASK;
         if (top == self.qp.send_tag || top == self.qp.recv_tag)
             && wc.qp_num() == self.qpn
             && wc.is_success()
         {
-            self.state.next = at + 1;
-            self.state.taken += 1;
+            self.polling.spun.next = at + 1;
+            self.polling.spun.taken += 1;
             return Spun::Completion(wc.wr_id() as u32, wc);
         }
         self.ended = true;
@@ -148,13 +156,13 @@ impl<'s> Spin<'s> {
             return false;
         }
         self.budget -= 1;
-        self.state.polls += 1;
+        self.polling.spun.polls += 1;
         let mut n = self.poll_cq(self.send_cq);
         if n == 0 && self.recv_cq != self.send_cq {
             n = self.poll_cq(self.recv_cq);
         }
-        self.state.next = 0;
-        self.state.end = n;
+        self.polling.spun.next = 0;
+        self.polling.spun.end = n;
         n > 0
     }
 
@@ -162,7 +170,8 @@ impl<'s> Spin<'s> {
     /// the spin: the reactor's next pass polls it and reports the error.
     #[inline]
     fn poll_cq(&mut self, index: usize) -> usize {
-        match self.cqs[index].poll(&mut self.wcs[..]) {
+        let polling = &mut *self.polling;
+        match polling.cqs[index].poll(&mut polling.wcs[..]) {
             Ok(polled) => polled.len(),
             Err(_) => {
                 self.ended = true;
@@ -200,7 +209,7 @@ impl Ctx<'_> {
                 "the reactor lends its CQs only in on_idle",
             )));
         };
-        if loan.state.has_left() {
+        if loan.spun.has_left() {
             return Err(SendError::WouldBlock);
         }
         let record = self
@@ -213,20 +222,17 @@ impl Ctx<'_> {
             )));
         }
         let qp = record.direct_qp().ok_or(SendError::Closed)?;
-        let cqs = &mut *loan.cqs;
         // `add_direct` took only QPs on these CQs.
         let (Some(send_cq), Some(recv_cq)) = (
-            cqs.iter().position(|cq| qp.qp.sends_to(cq)),
-            cqs.iter().position(|cq| qp.qp.receives_to(cq)),
+            loan.cqs.iter().position(|cq| qp.qp.sends_to(cq)),
+            loan.cqs.iter().position(|cq| qp.qp.receives_to(cq)),
         ) else {
             return Err(SendError::Closed);
         };
         Ok(Spin {
             qpn: qp.qpn(),
             qp,
-            cqs,
-            wcs: &mut *loan.wcs,
-            state: &mut *loan.state,
+            polling: &mut **loan,
             stop: self.stop,
             send_cq,
             recv_cq,
