@@ -10,7 +10,7 @@ use crate::error::Result;
 
 use super::spin::SpinState;
 use super::srq_pool::SrqPool;
-use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor};
+use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, SessionId};
 
 /// Longest sleep while SRQ receives wait to be posted again after a
 /// refused post.
@@ -132,6 +132,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let settled = self.conns.quarantined();
         self.counters.passes += 1;
         let mut done = 0;
+        // What a spin left in `wcs` when an idle callback panicked out of
+        // the last pass (a caller may catch that and go on): routed now,
+        // before a poll overwrites it, so nothing is lost or told twice.
+        if self.polling.spun.polls != 0 {
+            done = self.settle_spin::<LEAN>();
+        }
         for cq_index in 0..self.polling.cqs.len() {
             loop {
                 let polling = &mut self.polling;
@@ -151,10 +157,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.counters.completions += done as u64;
         let mut touched = false;
         if done == 0 {
-            touched = self.idle();
+            touched = self.idle::<LEAN>();
             // A handler spun on the CQs the pass lent it (`Ctx::spin`).
             if self.polling.spun.polls != 0 {
                 done = self.settle_spin::<LEAN>();
+                if done != 0 {
+                    // Not an empty pass after all.
+                    self.counters.empty_passes -= 1;
+                }
             }
         }
         if done != 0 {
@@ -192,9 +202,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// A pass found nothing: every handler's `on_idle`. Returns whether a
-    /// callback may have staged work.
+    /// callback may have staged work. A lean pass (no connection of the
+    /// reactor's own protocol, whose tails and reposts count idle passes)
+    /// lends each handler the CQs for a spin on its own connections.
     #[inline(always)]
-    fn idle(&mut self) -> bool {
+    fn idle<const LEAN: bool>(&mut self) -> bool {
         self.counters.empty_passes += 1;
         self.idle_passes = self.idle_passes.saturating_add(1);
         // Only a pass with completions makes `after_quiet` false, and it
@@ -204,9 +216,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.quiet_spells = self.quiet_spells.wrapping_add(1);
         }
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
-        // The pass polled nothing into `wcs`: a spin may poll into it.
-        ctx.loan = Some(&mut self.polling);
-        for (_, session) in self.sessions.iter_mut() {
+        if LEAN {
+            // The pass polled nothing into `wcs`: a spin may poll into it.
+            ctx.loan = Some(&mut self.polling);
+        }
+        for (key, session) in self.sessions.iter_mut() {
+            if let Some(loan) = ctx.loan.as_deref_mut() {
+                loan.spun.session = Some(SessionId(key));
+            }
             session.handler.on_idle(&mut ctx);
         }
         ctx.touched
@@ -215,8 +232,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// After idle callbacks that spun: the completions a spin polled and
     /// did not hand over are routed as any pass's, in order; the spins'
     /// polls count as passes for the peer watch (each cost about an empty
-    /// pass). Returns the completions the spins polled, so the pass counts
-    /// as a busy one.
+    /// pass). Returns the completions the spins polled.
     #[cold]
     #[inline(never)]
     fn settle_spin<const LEAN: bool>(&mut self) -> usize {
@@ -225,6 +241,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             end,
             taken,
             polls,
+            ..
         } = std::mem::take(&mut self.polling.spun);
         for at in next..end {
             self.route::<LEAN>(at);
@@ -235,10 +252,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.spun_since_asked = true;
         let done = taken + (end - next);
         self.counters.completions += done as u64;
-        if done != 0 {
-            // Not an empty pass after all.
-            self.counters.empty_passes -= 1;
-        }
         done
     }
 

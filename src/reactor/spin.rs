@@ -8,11 +8,16 @@
 //! routes every completion, so a stranger's, another connection's or a
 //! failed one never reaches the spinning handler.
 //!
-//! A spin is bounded: it ends after [`SPIN_POLLS`] polls, when the reactor
-//! is asked to stop, or at that first completion it may not hand over; the
-//! reactor then finishes its pass (the completions left, the peer watch
-//! with the spin's polls counted as passes, removals) and the next idle
-//! pass may lend the CQs again.
+//! A spin is bounded: the spins of one pass make at most [`SPIN_POLLS`]
+//! polls, and a spin ends when the reactor is asked to stop or at that
+//! first completion it may not hand over; the reactor then finishes its
+//! pass (the completions left, the peer watch with the spin's polls
+//! counted as passes, removals) and the next idle pass may lend the CQs
+//! again. A handler that panics inside a spin leaves what it polled to the
+//! next pass, which routes it before polling. Only a reactor with no
+//! connection of its own protocol lends its CQs (their tails and reposts
+//! count idle passes, which a spin would take), and only to the session
+//! whose connection spins.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use crate::verbs::{CompletionQueue, WorkCompletion};
 
 use super::direct::DirectQp;
-use super::{ConnId, Ctx, POLL_BATCH, SendError};
+use super::{ConnId, Ctx, POLL_BATCH, SendError, SessionId};
 
 /// Most CQ polls of one spin: it then ends, so the reactor's own work
 /// (the peer watch, removals, a runtime's new sessions and commands) waits
@@ -51,8 +56,11 @@ pub(super) struct SpinState {
     pub(super) end: usize,
     /// Completions spins handed their handlers.
     pub(super) taken: usize,
-    /// CQ polls spins made.
+    /// CQ polls spins made in this pass: together at most [`SPIN_POLLS`].
     pub(super) polls: u32,
+    /// The session whose `on_idle` runs: it may spin on its own
+    /// connections only.
+    pub(super) session: Option<SessionId>,
 }
 
 impl SpinState {
@@ -158,7 +166,7 @@ impl Spin<'_> {
         self.budget -= 1;
         self.polling.spun.polls += 1;
         let mut n = self.poll_cq(self.send_cq);
-        if n == 0 && self.recv_cq != self.send_cq {
+        if n == 0 && !self.ended && self.recv_cq != self.send_cq {
             n = self.poll_cq(self.recv_cq);
         }
         self.polling.spun.next = 0;
@@ -183,33 +191,42 @@ impl Spin<'_> {
 
 impl Ctx<'_> {
     /// Lends the reactor's CQs to `conn`'s handler for a loop of its own,
-    /// from `on_idle` (where the pass found nothing): it posts on the
+    /// from its `on_idle` (where the pass found nothing): it posts on its
     /// direct connection's QP and polls for its completions with nothing
     /// of the reactor's in between, as perftest's loop does. For a
-    /// connection that owns its reactor, one pinned session per core.
+    /// connection that owns its reactor, one pinned session per core. Lent
+    /// only by a reactor that serves no connection of its own protocol
+    /// (whose unsignaled tails and reposts wait for idle passes), and only
+    /// to the session whose connection `conn` is.
     ///
     /// The completions the spin hands over are the connection's own and
     /// successful; the first that is anything else ends the spin and is
     /// the reactor's to route (a failure still reaches `on_error`, once).
-    /// It ends too after [`SPIN_POLLS`] polls and when the reactor is
-    /// asked to stop, so the reactor's own work waits for one spin at
-    /// most. Completions it polled and did not hand over before it was
+    /// It ends too when the pass's spins made [`SPIN_POLLS`] polls and
+    /// when the reactor is asked to stop, so the reactor's own work waits
+    /// for that many polls at most. (A runtime's stop is seen between
+    /// passes: it waits for the spin.) Completions it polled and did not hand over before it was
     /// dropped reach the handler through
     /// [`Handler::on_direct_completion`](super::Handler::on_direct_completion),
     /// in order, once `on_idle` returns.
     ///
     /// # Errors
-    /// [`SendError::Invalid`] outside `on_idle` or for a connection of the
-    /// reactor's own protocol; [`SendError::Closed`] for a connection that
+    /// [`SendError::Invalid`] outside `on_idle`, in a reactor that serves
+    /// connections of its own protocol, for one of those connections or
+    /// for another session's; [`SendError::Closed`] for a connection that
     /// failed or is gone; [`SendError::WouldBlock`] while an earlier
-    /// spin's completions wait for the reactor (after this `on_idle`).
+    /// spin's completions wait for the reactor or once this pass's spins
+    /// spent [`SPIN_POLLS`] (until the next idle pass).
     pub fn spin(&mut self, conn: ConnId) -> Result<Spin<'_>, SendError> {
         let Some(loan) = self.loan.as_mut() else {
             return Err(SendError::Invalid(crate::Error::InvalidArgument(
-                "the reactor lends its CQs only in on_idle",
+                "the reactor lends its CQs only in on_idle, when it serves no connection of its own protocol",
             )));
         };
-        if loan.spun.has_left() {
+        // One pass's spins share one budget, so the reactor's own work
+        // waits for at most that many polls.
+        let budget = SPIN_POLLS.saturating_sub(loan.spun.polls);
+        if loan.spun.has_left() || budget == 0 {
             return Err(SendError::WouldBlock);
         }
         let record = self
@@ -219,6 +236,11 @@ impl Ctx<'_> {
         if !record.direct {
             return Err(SendError::Invalid(crate::Error::InvalidArgument(
                 "not a direct connection: the reactor alone posts on its QP",
+            )));
+        }
+        if loan.spun.session != Some(record.session) {
+            return Err(SendError::Invalid(crate::Error::InvalidArgument(
+                "a spin is lent only to the session whose connection it is",
             )));
         }
         let qp = record.direct_qp().ok_or(SendError::Closed)?;
@@ -232,11 +254,11 @@ impl Ctx<'_> {
         Ok(Spin {
             qpn: qp.qpn(),
             qp,
-            polling: &mut **loan,
+            polling: loan,
             stop: self.stop,
             send_cq,
             recv_cq,
-            budget: SPIN_POLLS,
+            budget,
             ended: false,
         })
     }

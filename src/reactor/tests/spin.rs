@@ -312,3 +312,104 @@ fn what_a_spin_left_reaches_the_handler_in_order() {
         "the rest after on_idle, in order"
     );
 }
+
+/// A handler that panics inside a spin, caught around the pass by a
+/// caller that goes on: what the spin polled and did not hand over is
+/// routed at the next pass, before that pass polls over it, so every
+/// completion reaches its handler once, in order.
+#[test]
+fn a_panic_inside_a_spin_loses_and_repeats_nothing() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, b) = direct_pair(&mut reactor, &pd);
+    let mut reads = [1, 2, 3].map(|id| read_request(&a, &b, id));
+    let (conn, seen) = (a.conn, Seen::default());
+    let seen_in = Rc::clone(&seen);
+    plan(&a, move |ctx| {
+        let mut spin = ctx.spin(conn).expect("a spin");
+        for read in &mut reads {
+            spin.qp().post_kept(read).expect("a READ");
+        }
+        drain(&mut spin, &seen_in, 1);
+        panic!("a handler's bug, inside its spin");
+    });
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reactor.poll_once()));
+    assert!(caught.is_err(), "the handler panicked");
+    let mut more = [7, 8].map(|id| read_request(&a, &b, id));
+    reactor.with_ctx(|ctx| {
+        let mut qp = ctx.direct(a.conn).unwrap();
+        for read in &mut more {
+            qp.post_kept(read).unwrap();
+        }
+    });
+    for _ in 0..10 {
+        reactor.turn().unwrap();
+    }
+    assert_eq!(seen.borrow().taken, [(1, WcOpcode::RDMA_READ)]);
+    let ids: Vec<u32> = a.log.borrow().completions.iter().map(|c| c.0).collect();
+    assert_eq!(ids, [2, 3, 7, 8], "each READ once, in order");
+}
+
+/// A spin is lent to a session for its own connections only, and not in
+/// a reactor that also serves connections of its own protocol (whose
+/// tails and reposts wait for idle passes a spin would take).
+#[test]
+fn a_spin_is_lent_only_for_the_sessions_own_connection_of_a_lean_reactor() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, b) = direct_pair(&mut reactor, &pd);
+    let refused = Rc::new(RefCell::new(None));
+    let refused_in = Rc::clone(&refused);
+    let others = a.conn;
+    plan(&b, move |ctx| {
+        *refused_in.borrow_mut() = Some(ctx.spin(others).err());
+        false
+    });
+    idle_pass(&mut reactor);
+    assert!(matches!(
+        *refused.borrow(),
+        Some(Some(SendError::Invalid(_)))
+    ));
+
+    let _protocol = protocol_pair(&mut reactor, &pd);
+    let refused_in = Rc::clone(&refused);
+    *refused.borrow_mut() = None;
+    let own = a.conn;
+    plan(&a, move |ctx| {
+        *refused_in.borrow_mut() = Some(ctx.spin(own).err());
+        false
+    });
+    run_until(&mut reactor, "an idle pass", || refused.borrow().is_some());
+    assert!(matches!(
+        *refused.borrow(),
+        Some(Some(SendError::Invalid(_)))
+    ));
+}
+
+/// One pass's spins share one budget of polls: a second spin after the
+/// first spent it is refused until the next pass.
+#[test]
+fn the_spins_of_one_pass_share_one_budget() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, _b) = direct_pair(&mut reactor, &pd);
+    let (conn, seen) = (a.conn, Seen::default());
+    let seen_in = Rc::clone(&seen);
+    let again = Rc::new(RefCell::new(None));
+    let again_in = Rc::clone(&again);
+    plan(&a, move |ctx| {
+        let mut spin = ctx.spin(conn).expect("a spin");
+        drain(&mut spin, &seen_in, 1);
+        *again_in.borrow_mut() = Some(ctx.spin(conn).err());
+        false
+    });
+    idle_pass(&mut reactor);
+    assert_eq!(seen.borrow().empty_polls, SPIN_POLLS);
+    assert!(matches!(*again.borrow(), Some(Some(SendError::WouldBlock))));
+}
