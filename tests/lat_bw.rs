@@ -291,6 +291,29 @@ verbs_test! {
 }
 
 verbs_test! {
+    /// Spinning on direct connections (`--direct --spin`, both sides, each
+    /// its own process): every latency test finishes with a sane row, and
+    /// a bandwidth test or a spin without `--direct` is refused.
+    fn lat_bw_spin_runs_every_latency_test() {
+        let spin = ["--direct", "--spin"];
+        for op in ["send", "write", "read"] {
+            let listen = format!("127.0.0.1:{}", free_port());
+            let (row, _) = run_example("lat_bw", &listen, &spin, op, "lat", 8, 300);
+            assert_eq!(row.len(), 9, "{op}: {row:?}");
+            let (min, max, typical) = (row[2], row[3], row[4]);
+            assert!(min > 0.0 && min <= typical && typical <= max, "{op}: {row:?}");
+        }
+        for refused in [&["--direct", "--spin", "--test", "bw"][..], &["--spin"][..]] {
+            let mut args = vec!["--connect", "127.0.0.1:9"];
+            args.extend_from_slice(refused);
+            let out = lat_bw(&args).wait_with_output().expect("collect lat_bw");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success() && stderr.contains("--"), "{refused:?}: {stderr}");
+        }
+    }
+}
+
+verbs_test! {
     /// The same tests on the verbs layer alone: every one finishes on both
     /// sides with a sane row (READ has a latency test only).
     fn verbs_perf_runs_every_test() {

@@ -262,18 +262,23 @@ verbs_test! {
     /// Whole runs on direct connections, both ends on one reactor, from
     /// the first pass to the done marker: the requests were built when
     /// `add_direct` handed the connections over, and the run allocates
-    /// nothing (the samples and rate marks are preallocated).
+    /// nothing (the samples and rate marks are preallocated). Also with
+    /// the client spinning (`Ctx::spin`): READs from the spin alone, and
+    /// SENDs whose answers the other end's handler makes, so each spin
+    /// ends at the other end's completion and the reactor routes it.
     fn runs_on_direct_connections_allocate_nothing() {
         use rdma_perf::loopback::{PerfPair, perf_pair_on};
         use rdma_perf::{DirectClient, DirectServer, PerfHandler, PerfOp, PerfSpec};
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        for (op, latency) in [
-            (PerfOp::Send, true),
-            (PerfOp::Write, true),
-            (PerfOp::Read, true),
-            (PerfOp::Write, false),
-            (PerfOp::Send, false),
+        for (op, latency, spin) in [
+            (PerfOp::Send, true, false),
+            (PerfOp::Write, true, false),
+            (PerfOp::Read, true, false),
+            (PerfOp::Write, false, false),
+            (PerfOp::Send, false, false),
+            (PerfOp::Read, true, true),
+            (PerfOp::Send, true, true),
         ] {
             let size = if latency { 8 } else { 64 };
             let spec = PerfSpec { op, size, iters: DIRECT_ITERS, warmup: 0, batch: 16, tx_depth: 128 };
@@ -281,16 +286,21 @@ verbs_test! {
                 &pd,
                 1,
                 size,
-                |buffers| match latency {
-                    true => PerfHandler::DirectClient(DirectClient::latency(spec, buffers)),
-                    false => PerfHandler::DirectClient(DirectClient::bandwidth(spec, buffers)),
+                |buffers| match (latency, spin) {
+                    (true, true) => PerfHandler::DirectClient(DirectClient::latency(spec, buffers).spinning()),
+                    (true, false) => PerfHandler::DirectClient(DirectClient::latency(spec, buffers)),
+                    (false, _) => PerfHandler::DirectClient(DirectClient::bandwidth(spec, buffers)),
                 },
                 |buffers| PerfHandler::DirectServer(DirectServer::new(spec, buffers, !latency)),
                 true,
             )
             .unwrap();
             let allocations = allocations_of_run(&mut reactor);
-            let what = format!("{op:?} {}", if latency { "latency" } else { "batch 16" });
+            let what = format!(
+                "{op:?} {}{}",
+                if latency { "latency" } else { "batch 16" },
+                if spin { ", spinning" } else { "" }
+            );
             println!("{DIRECT_ITERS} iterations of {what} on direct connections: {allocations} heap allocations");
             let Some(PerfHandler::DirectClient(done)) = reactor.handler(client) else {
                 panic!("{what}: the client is gone");

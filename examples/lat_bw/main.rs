@@ -11,7 +11,9 @@
 //!
 //! `--direct` (on both sides) runs on a direct connection
 //! (`Reactor::add_direct`): the handler posts requests built once on its QP,
-//! perftest's way, and the reactor only polls and routes.
+//! perftest's way, and the reactor only polls and routes. `--spin` (with
+//! `--direct`, on both sides) runs a latency test's loop on the CQs the
+//! reactor lends from `on_idle` (`Ctx::spin`).
 //!
 //! `--reactors N` (on both sides) runs N streams at once on a runtime of N
 //! reactors, each pinned to a core of its own (`--cores LIST`, or the NIC's
@@ -96,6 +98,11 @@ struct Args {
     /// send, write and read; one stream.
     #[arg(long)]
     direct: bool,
+    /// With --direct, latency (both sides): the handler's loop spins on the
+    /// reactor's CQs (`Ctx::spin`), posting and polling with nothing of the
+    /// reactor's in between, perftest's loop inside the reactor.
+    #[arg(long, requires = "direct")]
+    spin: bool,
     /// Pin the reactor to this CPU (default: a core near the NIC; the server
     /// takes the first, the client the second).
     #[arg(long, conflicts_with_all = ["no_pin", "cores"])]
@@ -247,6 +254,11 @@ fn run(args: &'static Args) -> rdma_comm_core::Result<()> {
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
     let streams = usize::from(args.runtime.reactors);
+    if args.spin && args.test == TestArg::Bw {
+        return Err(rdma_comm_core::Error::InvalidArgument(
+            "--spin runs latency tests: a bandwidth run keeps its queue full from its completions",
+        ));
+    }
     if args.direct && (streams > 1 || args.op == OpArg::WriteImm) {
         return Err(rdma_comm_core::Error::InvalidArgument(
             "--direct measures send, write and read on one stream",
@@ -502,8 +514,14 @@ fn handler_for(args: &Args, spec: PerfSpec, buffers: PerfBuffers) -> PerfHandler
     let bandwidth = args.test == TestArg::Bw;
     if args.direct {
         return match args.server {
+            true if args.spin => {
+                PerfHandler::DirectServer(DirectServer::new(spec, buffers, bandwidth).spinning())
+            }
             true => PerfHandler::DirectServer(DirectServer::new(spec, buffers, bandwidth)),
             false if bandwidth => PerfHandler::DirectClient(DirectClient::bandwidth(spec, buffers)),
+            false if args.spin => {
+                PerfHandler::DirectClient(DirectClient::latency(spec, buffers).spinning())
+            }
             false => PerfHandler::DirectClient(DirectClient::latency(spec, buffers)),
         };
     }

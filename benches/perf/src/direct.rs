@@ -14,7 +14,7 @@
 //! [`Reactor::add_direct`]: rdma_comm_core::reactor::Reactor::add_direct
 
 use rdma_comm_core::error::Error;
-use rdma_comm_core::reactor::{ConnId, Ctx, DirectQp, Handler};
+use rdma_comm_core::reactor::{ConnId, Ctx, DirectQp, Handler, SendError, Spin, Spun};
 use rdma_comm_core::verbs::{
     KeptBatch, KeptRecv, KeptRequest, RecvRequest, SendFlags, WcOpcode, WorkCompletion, WorkRequest,
 };
@@ -153,6 +153,42 @@ fn start(
     Ok((requests, qp.max_send_wr()))
 }
 
+/// Where a side posts: its connection's QP through [`Ctx::direct`], or
+/// through the [`Spin`] it runs in. The roles' steps are generic over it,
+/// so each caller's code is compiled for it alone.
+trait Poster {
+    /// The QP to post on (an error once the connection is gone).
+    fn qp(&mut self) -> Result<DirectQp<'_>, String>;
+    /// Asks the reactor to stop.
+    fn stop(&mut self);
+}
+
+/// Posting through the callback's `Ctx`.
+struct ViaCtx<'a, 'c> {
+    ctx: &'a mut Ctx<'c>,
+    conn: ConnId,
+}
+
+impl Poster for ViaCtx<'_, '_> {
+    #[inline(always)]
+    fn qp(&mut self) -> Result<DirectQp<'_>, String> {
+        self.ctx.direct(self.conn).map_err(|e| e.to_string())
+    }
+    fn stop(&mut self) {
+        self.ctx.stop();
+    }
+}
+
+impl Poster for Spin<'_> {
+    #[inline(always)]
+    fn qp(&mut self) -> Result<DirectQp<'_>, String> {
+        Ok(Spin::qp(self))
+    }
+    fn stop(&mut self) {
+        Spin::stop(self);
+    }
+}
+
 /// What a side's run is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
@@ -189,6 +225,12 @@ pub struct DirectClient {
     marks: RateMarks,
     /// Send-queue entries the run may use.
     depth: u64,
+    /// Latency: the run's loop spins on the reactor's CQs from `on_idle`
+    /// (`Ctx::spin`); between spins, the next request waits for the next
+    /// one (`hold`), due from this time.
+    spin: bool,
+    hold: bool,
+    due: Option<u64>,
     pub(crate) failed: Option<String>,
 }
 
@@ -223,8 +265,19 @@ impl DirectClient {
             retired: 0,
             marks: RateMarks::new(if bandwidth { spec.iters } else { 0 }, 1, clock),
             depth: 0,
+            spin: false,
+            hold: false,
+            due: None,
             failed: None,
         }
+    }
+
+    /// The same, with a latency run's loop spinning on the reactor's CQs
+    /// (`Ctx::spin`): perftest's loop inside the reactor's ownership.
+    pub fn spinning(mut self) -> Self {
+        self.spin = !self.bandwidth;
+        self.hold = self.spin;
+        self
     }
 
     /// True for a bandwidth client.
@@ -258,7 +311,7 @@ impl DirectClient {
     }
 
     #[cold]
-    fn fail(&mut self, ctx: &mut Ctx<'_>, why: String) {
+    fn fail(&mut self, ctx: &mut impl Poster, why: String) {
         self.failed.get_or_insert(why);
         self.stage = Stage::Over;
         ctx.stop();
@@ -266,12 +319,12 @@ impl DirectClient {
 
     /// Posts iteration `self.seq`, timed from `now`.
     #[inline]
-    fn issue(&mut self, ctx: &mut Ctx<'_>, now: u64) {
-        let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut()) else {
+    fn issue(&mut self, ctx: &mut impl Poster, now: u64) {
+        let Some(requests) = self.requests.as_mut() else {
             return;
         };
         self.started_at = now;
-        let posted = match ctx.direct(conn) {
+        let posted = match ctx.qp() {
             Ok(mut qp) => {
                 if self.spec.op == PerfOp::Write {
                     let marker = marker(self.seq);
@@ -283,7 +336,7 @@ impl DirectClient {
                     .post_op(&mut qp, &mut self.unsignaled)
                     .map_err(|e| e.to_string())
             }
-            Err(err) => Err(err.to_string()),
+            Err(why) => Err(why),
         };
         match posted {
             Ok(()) => self.in_flight = true,
@@ -293,7 +346,7 @@ impl DirectClient {
 
     /// The answer of the iteration in flight came.
     #[inline]
-    fn answered(&mut self, ctx: &mut Ctx<'_>) {
+    fn answered(&mut self, ctx: &mut impl Poster) {
         // One reading ends this round trip and starts the next, as
         // perftest times from post to post.
         let now = self.clock.now();
@@ -304,20 +357,99 @@ impl DirectClient {
         self.seq += 1;
         if self.seq == self.spec.warmup + self.spec.iters {
             self.end(ctx);
+        } else if self.hold {
+            // Spinning, every request goes out from the spin: the next
+            // idle pass lends one.
+            self.due = Some(now);
         } else {
             self.issue(ctx, now);
         }
     }
 
+    /// A latency run's completion `id` (of `opcode`): a receive (a SEND's
+    /// answer, whose receive goes back first), a READ, the done marker,
+    /// or signaled SENDs and WRITEs retiring the unsignaled ones before.
+    #[inline]
+    fn latency_completion(&mut self, ctx: &mut impl Poster, id: u32, opcode: WcOpcode) {
+        match id {
+            RECV_ID => {
+                if let Some(requests) = self.requests.as_mut()
+                    && let Ok(mut qp) = ctx.qp()
+                    && let Err(err) = qp.post_kept_recv(&mut requests.landing)
+                {
+                    return self.fail(ctx, err.to_string());
+                }
+                if self.in_flight {
+                    self.answered(ctx);
+                }
+            }
+            DONE_ID => {
+                self.stage = Stage::Over;
+                ctx.stop();
+            }
+            _ if opcode == WcOpcode::RDMA_READ && self.in_flight => self.answered(ctx),
+            _ => {}
+        }
+    }
+
+    /// A WRITE ping-pong's answer shows in memory, not in the CQ.
+    #[inline]
+    fn write_answered(&self) -> bool {
+        self.in_flight
+            && self.spec.op == PerfOp::Write
+            && poll_byte(&self.buffers.buffer, self.spec.size - 1, |b| {
+                b == marker(self.seq)
+            })
+    }
+
+    /// The latency run's loop on the CQs `spin` lends, until the run is
+    /// over or the spin ends.
+    fn spin_run(&mut self, spin: &mut Spin<'_>) {
+        self.hold = false;
+        if let Some(now) = self.due.take() {
+            self.issue(spin, now);
+        }
+        while self.stage != Stage::Over {
+            match spin.poll() {
+                Spun::Completion(id, wc) => {
+                    let opcode = wc.opcode();
+                    self.latency_completion(spin, id, opcode);
+                }
+                Spun::Empty => {
+                    if self.write_answered() {
+                        self.answered(spin);
+                    }
+                }
+                Spun::Ended => break,
+            }
+        }
+        self.hold = true;
+    }
+
+    /// A spinning run's idle pass: a spin, while the run is on.
+    fn spin_idle(&mut self, ctx: &mut Ctx<'_>) {
+        let Some(conn) = self.conn else { return };
+        if self.stage != Stage::Running {
+            return;
+        }
+        match ctx.spin(conn) {
+            Ok(mut spin) => self.spin_run(&mut spin),
+            // A failed connection (the reactor tells `on_error`), or
+            // completions the reactor routes first: the next idle pass.
+            Err(SendError::Closed | SendError::WouldBlock) => {}
+            Err(err) => self.fail(&mut ViaCtx { ctx, conn }, err.to_string()),
+        }
+    }
+
     /// Posts batches while the run has messages left and the send queue
     /// room for a whole batch.
-    fn pump(&mut self, ctx: &mut Ctx<'_>) {
-        let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut()) else {
+    fn pump(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        let Some(requests) = self.requests.as_mut() else {
             return;
         };
         let mut qp = match ctx.direct(conn) {
             Ok(qp) => qp,
-            Err(err) => return self.fail(ctx, err.to_string()),
+            Err(err) => return self.fail(&mut ViaCtx { ctx, conn }, err.to_string()),
         };
         let batch_len = requests.batch.len() as u64;
         let mut failed = None;
@@ -353,19 +485,19 @@ impl DirectClient {
             self.posted += batch_len;
         }
         if let Some(err) = failed {
-            self.fail(ctx, err.to_string());
+            self.fail(&mut ViaCtx { ctx, conn }, err.to_string());
         }
     }
 
     /// Posts the done marker.
-    fn end(&mut self, ctx: &mut Ctx<'_>) {
+    fn end(&mut self, ctx: &mut impl Poster) {
         self.stage = Stage::Ending;
-        let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut()) else {
+        let Some(requests) = self.requests.as_mut() else {
             return;
         };
-        let posted = match ctx.direct(conn) {
+        let posted = match ctx.qp() {
             Ok(mut qp) => qp.post_kept(&mut requests.done).map_err(|e| e.to_string()),
-            Err(err) => Err(err.to_string()),
+            Err(why) => Err(why),
         };
         if let Err(why) = posted {
             self.fail(ctx, why);
@@ -390,13 +522,13 @@ impl Handler for DirectClient {
                     depth => depth.min(u64::from(sq_depth)),
                 };
             }
-            Err(why) => return self.fail(ctx, why),
+            Err(why) => return self.fail(&mut ViaCtx { ctx, conn }, why),
         }
         self.stage = Stage::Running;
         if self.bandwidth {
-            self.pump(ctx);
+            self.pump(ctx, conn);
         } else {
-            self.issue(ctx, self.clock.now());
+            self.issue(&mut ViaCtx { ctx, conn }, self.clock.now());
         }
     }
 
@@ -410,53 +542,33 @@ impl Handler for DirectClient {
         id: u32,
         wc: &WorkCompletion,
     ) {
-        match id {
-            RECV_ID => {
-                // The answer of a SEND ping-pong: its receive goes back first.
-                if let Some(requests) = self.requests.as_mut()
-                    && let Ok(mut qp) = ctx.direct(conn)
-                    && let Err(err) = qp.post_kept_recv(&mut requests.landing)
-                {
-                    return self.fail(ctx, err.to_string());
-                }
-                if self.in_flight {
-                    self.answered(ctx);
-                }
+        if self.bandwidth && id != DONE_ID {
+            self.retired += u64::from(id);
+            self.marks.completed(self.retired);
+            if self.retired == self.spec.iters {
+                self.end(&mut ViaCtx { ctx, conn });
+            } else {
+                self.pump(ctx, conn);
             }
-            DONE_ID => {
-                self.stage = Stage::Over;
-                ctx.stop();
-            }
-            retired if self.bandwidth => {
-                self.retired += u64::from(retired);
-                self.marks.completed(self.retired);
-                if self.retired == self.spec.iters {
-                    self.end(ctx);
-                } else {
-                    self.pump(ctx);
-                }
-            }
-            _ if wc.opcode() == WcOpcode::RDMA_READ && self.in_flight => self.answered(ctx),
-            // Signaled SENDs and WRITEs retire the unsignaled ones before them.
-            _ => {}
+            return;
         }
+        self.latency_completion(&mut ViaCtx { ctx, conn }, id, wc.opcode());
     }
 
-    fn on_error(&mut self, ctx: &mut Ctx<'_>, _: ConnId, error: &Error) {
-        self.fail(ctx, error.to_string());
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
+        self.fail(&mut ViaCtx { ctx, conn }, error.to_string());
     }
 
     #[inline]
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        // A WRITE's answer shows in memory, not in the CQ.
-        if self.in_flight
-            && self.spec.op == PerfOp::Write
-            && !self.bandwidth
-            && poll_byte(&self.buffers.buffer, self.spec.size - 1, |b| {
-                b == marker(self.seq)
-            })
+        if self.spin {
+            return self.spin_idle(ctx);
+        }
+        if !self.bandwidth
+            && self.write_answered()
+            && let Some(conn) = self.conn
         {
-            self.answered(ctx);
+            self.answered(&mut ViaCtx { ctx, conn });
         }
     }
 }
@@ -474,6 +586,8 @@ pub struct DirectServer {
     last_marker: u8,
     unsignaled: u32,
     told_done: bool,
+    /// Latency: answers from a loop spinning on the reactor's CQs.
+    spin: bool,
     pub(crate) failed: Option<String>,
 }
 
@@ -489,8 +603,16 @@ impl DirectServer {
             last_marker: 0,
             unsignaled: 0,
             told_done: false,
+            spin: false,
             failed: None,
         }
+    }
+
+    /// The same, answering a latency run from a loop spinning on the
+    /// reactor's CQs (`Ctx::spin`).
+    pub fn spinning(mut self) -> Self {
+        self.spin = !self.bandwidth;
+        self
     }
 
     /// The error that ended the run early, if any.
@@ -504,25 +626,89 @@ impl DirectServer {
     }
 
     #[cold]
-    fn fail(&mut self, ctx: &mut Ctx<'_>, why: String) {
+    fn fail(&mut self, ctx: &mut impl Poster, why: String) {
         self.failed.get_or_insert(why);
         ctx.stop();
     }
 
     /// Posts the answer (a SEND, or a WRITE of what landed).
     #[inline]
-    fn answer(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+    fn answer(&mut self, ctx: &mut impl Poster) {
         let Some(requests) = self.requests.as_mut() else {
             return;
         };
-        let posted = match ctx.direct(conn) {
+        let posted = match ctx.qp() {
             Ok(mut qp) => requests
                 .post_op(&mut qp, &mut self.unsignaled)
                 .map_err(|e| e.to_string()),
-            Err(err) => Err(err.to_string()),
+            Err(why) => Err(why),
         };
         if let Err(why) = posted {
             self.fail(ctx, why);
+        }
+    }
+
+    /// Completion `id`, with immediate `imm`: a receive (the client's SEND
+    /// or its done marker) is reposted and a SEND answered.
+    #[inline]
+    fn served(&mut self, ctx: &mut impl Poster, id: u32, imm: Option<u32>) {
+        if id != RECV_ID {
+            return;
+        }
+        if imm == Some(DONE_MARKER) {
+            self.told_done = true;
+            return ctx.stop();
+        }
+        if let Some(requests) = self.requests.as_mut()
+            && let Ok(mut qp) = ctx.qp()
+            && let Err(err) = qp.post_kept_recv(&mut requests.landing)
+        {
+            return self.fail(ctx, err.to_string());
+        }
+        if self.spec.op == PerfOp::Send && !self.bandwidth {
+            self.answer(ctx);
+        }
+    }
+
+    /// WRITE ping-pong: whether the client's WRITE changed the last byte
+    /// of our landing half (that half then goes straight back).
+    #[inline]
+    fn write_landed(&mut self) -> bool {
+        let (last, at) = (self.last_marker, self.spec.size - 1);
+        if !poll_byte(&self.buffers.buffer, at, |b| b != 0 && b != last) {
+            return false;
+        }
+        self.last_marker = self.buffers.buffer.load_byte(at).unwrap_or(last);
+        true
+    }
+
+    /// A spinning server's idle pass: a spin, until the client is done.
+    fn spin_idle(&mut self, ctx: &mut Ctx<'_>) {
+        let Some(conn) = self.conn else { return };
+        if self.told_done {
+            return;
+        }
+        match ctx.spin(conn) {
+            Ok(mut spin) => self.spin_serve(&mut spin),
+            Err(SendError::Closed | SendError::WouldBlock) => {}
+            Err(err) => self.fail(&mut ViaCtx { ctx, conn }, err.to_string()),
+        }
+    }
+
+    /// Answers from the CQs `spin` lends, until the client is done or the
+    /// spin ends.
+    fn spin_serve(&mut self, spin: &mut Spin<'_>) {
+        let writes = self.spec.op == PerfOp::Write;
+        while !self.told_done && self.failed.is_none() {
+            match spin.poll() {
+                Spun::Completion(id, wc) => {
+                    let imm = wc.imm();
+                    self.served(spin, id, imm);
+                }
+                Spun::Empty if writes && self.write_landed() => self.answer(spin),
+                Spun::Empty => {}
+                Spun::Ended => break,
+            }
         }
     }
 }
@@ -534,7 +720,7 @@ impl Handler for DirectServer {
         let answer = self.spec.op == PerfOp::Write;
         match start(ctx, conn, &self.spec, &self.buffers, answer, true) {
             Ok((requests, _)) => self.requests = Some(requests),
-            Err(why) => self.fail(ctx, why),
+            Err(why) => self.fail(&mut ViaCtx { ctx, conn }, why),
         }
     }
 
@@ -548,40 +734,26 @@ impl Handler for DirectServer {
         id: u32,
         wc: &WorkCompletion,
     ) {
-        if id != RECV_ID {
-            return;
-        }
-        if wc.imm() == Some(DONE_MARKER) {
-            self.told_done = true;
-            return ctx.stop();
-        }
-        if let Some(requests) = self.requests.as_mut()
-            && let Ok(mut qp) = ctx.direct(conn)
-            && let Err(err) = qp.post_kept_recv(&mut requests.landing)
-        {
-            return self.fail(ctx, err.to_string());
-        }
-        if self.spec.op == PerfOp::Send && !self.bandwidth {
-            self.answer(ctx, conn);
-        }
+        self.served(&mut ViaCtx { ctx, conn }, id, wc.imm());
     }
 
-    fn on_error(&mut self, ctx: &mut Ctx<'_>, _: ConnId, error: &Error) {
-        self.fail(ctx, error.to_string());
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
+        self.fail(&mut ViaCtx { ctx, conn }, error.to_string());
     }
 
     #[inline]
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        // WRITE ping-pong: the client's WRITE changed the last byte of our
-        // landing half; write that half straight back.
+        if self.spin {
+            return self.spin_idle(ctx);
+        }
+        // WRITE ping-pong: the answer goes once the client's WRITE landed.
         if self.spec.op != PerfOp::Write || self.bandwidth {
             return;
         }
-        let Some(conn) = self.conn else { return };
-        let (last, at) = (self.last_marker, self.spec.size - 1);
-        if poll_byte(&self.buffers.buffer, at, |b| b != 0 && b != last) {
-            self.last_marker = self.buffers.buffer.load_byte(at).unwrap_or(last);
-            self.answer(ctx, conn);
+        if let Some(conn) = self.conn
+            && self.write_landed()
+        {
+            self.answer(&mut ViaCtx { ctx, conn });
         }
     }
 }

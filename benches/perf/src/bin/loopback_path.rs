@@ -8,6 +8,7 @@
 //! loopback_path CASE MESSAGES
 //! CASE: send-lat | read-lat | write-lat | send-b1 | send-b16 | write-b1
 //!       | write-b16 | direct-CASE (the same on direct connections)
+//!       | spin-read-lat (direct, the client's READs from a spin)
 //! ```
 //!
 //! Latency cases: 8 B, one message (a SEND ping, a READ or a WRITE) at a
@@ -15,6 +16,9 @@
 //! spin on their landing byte in one thread, so its count says more about
 //! where in a pass the loopback device lands the WRITE than about the
 //! path.)
+//! `spin-read-lat`: the client's loop spins on the CQs the reactor lends
+//! (`Ctx::spin`). Only READ: in one reactor a SEND's or WRITE's answer
+//! comes from the other end's handler, which a spin does not run.
 //! Streaming cases: 64 B, 1 or 16 requests per doorbell, one signaled in
 //! 16. Prints the messages and the time per message (not deterministic;
 //! the instruction count is).
@@ -34,14 +38,15 @@ fn main() -> ExitCode {
         (args.get(1), args.get(2).and_then(|n| n.parse::<u64>().ok()))
     else {
         eprintln!(
-            "usage: loopback_path [direct-]send-lat|read-lat|write-lat|send-b1|send-b16|write-b1|write-b16 MESSAGES"
+            "usage: loopback_path [direct-]send-lat|read-lat|write-lat|send-b1|send-b16|write-b1|write-b16|spin-read-lat MESSAGES"
         );
         return ExitCode::from(2);
     };
     // `direct-` cases: the same on direct connections (`Reactor::add_direct`).
-    let (direct, base) = match case.strip_prefix("direct-") {
-        Some(base) => (true, base),
-        None => (false, case.as_str()),
+    let (direct, spin, base) = match (case.strip_prefix("direct-"), case.as_str()) {
+        (Some(base), _) => (true, false, base),
+        (None, "spin-read-lat") => (true, true, "read-lat"),
+        (None, base) => (false, false, base),
     };
     let (op, latency, batch) = match base {
         "send-lat" => (PerfOp::Send, true, 1),
@@ -56,7 +61,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match run(op, latency, batch, messages.max(1), direct) {
+    match run(op, latency, batch, messages.max(1), direct, spin) {
         Ok(ns) => {
             println!("{case} {messages} messages {ns:.1} ns/message");
             ExitCode::SUCCESS
@@ -75,6 +80,7 @@ fn run(
     batch: usize,
     messages: u64,
     direct: bool,
+    spin: bool,
 ) -> Result<f64, String> {
     let size = if latency { 8 } else { 64 };
     let spec = PerfSpec {
@@ -90,6 +96,9 @@ fn run(
         direct_perf_pair(
             size,
             |buffers| match latency {
+                true if spin => {
+                    PerfHandler::DirectClient(DirectClient::latency(spec, buffers).spinning())
+                }
                 true => PerfHandler::DirectClient(DirectClient::latency(spec, buffers)),
                 false => PerfHandler::DirectClient(DirectClient::bandwidth(spec, buffers)),
             },
