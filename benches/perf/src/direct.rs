@@ -153,35 +153,30 @@ fn start(
     Ok((requests, qp.max_send_wr()))
 }
 
-/// Where a side posts: its connection's QP through [`Ctx::direct`], or
-/// through the [`Spin`] it runs in. The roles' steps are generic over it,
-/// so each caller's code is compiled for it alone.
+/// Where a side posts: its connection's QP through the callback's
+/// [`Ctx`], or through the [`Spin`] it runs in (whose connection it is).
+/// The roles' steps are generic over it, so each caller's code is
+/// compiled for it alone.
 trait Poster {
-    /// The QP to post on (an error once the connection is gone).
-    fn qp(&mut self) -> Result<DirectQp<'_>, String>;
+    /// The QP of `conn` to post on (an error once it is gone).
+    fn qp(&mut self, conn: ConnId) -> Result<DirectQp<'_>, String>;
     /// Asks the reactor to stop.
     fn stop(&mut self);
 }
 
-/// Posting through the callback's `Ctx`.
-struct ViaCtx<'a, 'c> {
-    ctx: &'a mut Ctx<'c>,
-    conn: ConnId,
-}
-
-impl Poster for ViaCtx<'_, '_> {
+impl Poster for Ctx<'_> {
     #[inline(always)]
-    fn qp(&mut self) -> Result<DirectQp<'_>, String> {
-        self.ctx.direct(self.conn).map_err(|e| e.to_string())
+    fn qp(&mut self, conn: ConnId) -> Result<DirectQp<'_>, String> {
+        self.direct(conn).map_err(|e| e.to_string())
     }
     fn stop(&mut self) {
-        self.ctx.stop();
+        Ctx::stop(self);
     }
 }
 
 impl Poster for Spin<'_> {
     #[inline(always)]
-    fn qp(&mut self) -> Result<DirectQp<'_>, String> {
+    fn qp(&mut self, _: ConnId) -> Result<DirectQp<'_>, String> {
         Ok(Spin::qp(self))
     }
     fn stop(&mut self) {
@@ -320,11 +315,11 @@ impl DirectClient {
     /// Posts iteration `self.seq`, timed from `now`.
     #[inline]
     fn issue(&mut self, ctx: &mut impl Poster, now: u64) {
-        let Some(requests) = self.requests.as_mut() else {
+        let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut()) else {
             return;
         };
         self.started_at = now;
-        let posted = match ctx.qp() {
+        let posted = match ctx.qp(conn) {
             Ok(mut qp) => {
                 if self.spec.op == PerfOp::Write {
                     let marker = marker(self.seq);
@@ -373,8 +368,8 @@ impl DirectClient {
     fn latency_completion(&mut self, ctx: &mut impl Poster, id: u32, opcode: WcOpcode) {
         match id {
             RECV_ID => {
-                if let Some(requests) = self.requests.as_mut()
-                    && let Ok(mut qp) = ctx.qp()
+                if let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut())
+                    && let Ok(mut qp) = ctx.qp(conn)
                     && let Err(err) = qp.post_kept_recv(&mut requests.landing)
                 {
                     return self.fail(ctx, err.to_string());
@@ -437,7 +432,7 @@ impl DirectClient {
             // A failed connection (the reactor tells `on_error`), or
             // completions the reactor routes first: the next idle pass.
             Err(SendError::Closed | SendError::WouldBlock) => {}
-            Err(err) => self.fail(&mut ViaCtx { ctx, conn }, err.to_string()),
+            Err(err) => self.fail(ctx, err.to_string()),
         }
     }
 
@@ -449,7 +444,7 @@ impl DirectClient {
         };
         let mut qp = match ctx.direct(conn) {
             Ok(qp) => qp,
-            Err(err) => return self.fail(&mut ViaCtx { ctx, conn }, err.to_string()),
+            Err(err) => return self.fail(ctx, err.to_string()),
         };
         let batch_len = requests.batch.len() as u64;
         let mut failed = None;
@@ -485,17 +480,28 @@ impl DirectClient {
             self.posted += batch_len;
         }
         if let Some(err) = failed {
-            self.fail(&mut ViaCtx { ctx, conn }, err.to_string());
+            self.fail(ctx, err.to_string());
+        }
+    }
+
+    /// A bandwidth run's signaled request retired `count` requests.
+    fn retired(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, count: u32) {
+        self.retired += u64::from(count);
+        self.marks.completed(self.retired);
+        if self.retired == self.spec.iters {
+            self.end(ctx);
+        } else {
+            self.pump(ctx, conn);
         }
     }
 
     /// Posts the done marker.
     fn end(&mut self, ctx: &mut impl Poster) {
         self.stage = Stage::Ending;
-        let Some(requests) = self.requests.as_mut() else {
+        let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut()) else {
             return;
         };
-        let posted = match ctx.qp() {
+        let posted = match ctx.qp(conn) {
             Ok(mut qp) => qp.post_kept(&mut requests.done).map_err(|e| e.to_string()),
             Err(why) => Err(why),
         };
@@ -522,13 +528,13 @@ impl Handler for DirectClient {
                     depth => depth.min(u64::from(sq_depth)),
                 };
             }
-            Err(why) => return self.fail(&mut ViaCtx { ctx, conn }, why),
+            Err(why) => return self.fail(ctx, why),
         }
         self.stage = Stage::Running;
         if self.bandwidth {
             self.pump(ctx, conn);
         } else {
-            self.issue(&mut ViaCtx { ctx, conn }, self.clock.now());
+            self.issue(ctx, self.clock.now());
         }
     }
 
@@ -542,21 +548,17 @@ impl Handler for DirectClient {
         id: u32,
         wc: &WorkCompletion,
     ) {
-        if self.bandwidth && id != DONE_ID {
-            self.retired += u64::from(id);
-            self.marks.completed(self.retired);
-            if self.retired == self.spec.iters {
-                self.end(&mut ViaCtx { ctx, conn });
-            } else {
-                self.pump(ctx, conn);
-            }
-            return;
+        match id {
+            RECV_ID | DONE_ID => self.latency_completion(ctx, id, wc.opcode()),
+            retired if self.bandwidth => self.retired(ctx, conn, retired),
+            _ if wc.opcode() == WcOpcode::RDMA_READ && self.in_flight => self.answered(ctx),
+            // Signaled SENDs and WRITEs retire the unsignaled ones before them.
+            _ => {}
         }
-        self.latency_completion(&mut ViaCtx { ctx, conn }, id, wc.opcode());
     }
 
-    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
-        self.fail(&mut ViaCtx { ctx, conn }, error.to_string());
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _: ConnId, error: &Error) {
+        self.fail(ctx, error.to_string());
     }
 
     #[inline]
@@ -564,11 +566,8 @@ impl Handler for DirectClient {
         if self.spin {
             return self.spin_idle(ctx);
         }
-        if !self.bandwidth
-            && self.write_answered()
-            && let Some(conn) = self.conn
-        {
-            self.answered(&mut ViaCtx { ctx, conn });
+        if !self.bandwidth && self.write_answered() {
+            self.answered(ctx);
         }
     }
 }
@@ -634,10 +633,10 @@ impl DirectServer {
     /// Posts the answer (a SEND, or a WRITE of what landed).
     #[inline]
     fn answer(&mut self, ctx: &mut impl Poster) {
-        let Some(requests) = self.requests.as_mut() else {
+        let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut()) else {
             return;
         };
-        let posted = match ctx.qp() {
+        let posted = match ctx.qp(conn) {
             Ok(mut qp) => requests
                 .post_op(&mut qp, &mut self.unsignaled)
                 .map_err(|e| e.to_string()),
@@ -659,8 +658,8 @@ impl DirectServer {
             self.told_done = true;
             return ctx.stop();
         }
-        if let Some(requests) = self.requests.as_mut()
-            && let Ok(mut qp) = ctx.qp()
+        if let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut())
+            && let Ok(mut qp) = ctx.qp(conn)
             && let Err(err) = qp.post_kept_recv(&mut requests.landing)
         {
             return self.fail(ctx, err.to_string());
@@ -691,7 +690,7 @@ impl DirectServer {
         match ctx.spin(conn) {
             Ok(mut spin) => self.spin_serve(&mut spin),
             Err(SendError::Closed | SendError::WouldBlock) => {}
-            Err(err) => self.fail(&mut ViaCtx { ctx, conn }, err.to_string()),
+            Err(err) => self.fail(ctx, err.to_string()),
         }
     }
 
@@ -720,25 +719,19 @@ impl Handler for DirectServer {
         let answer = self.spec.op == PerfOp::Write;
         match start(ctx, conn, &self.spec, &self.buffers, answer, true) {
             Ok((requests, _)) => self.requests = Some(requests),
-            Err(why) => self.fail(&mut ViaCtx { ctx, conn }, why),
+            Err(why) => self.fail(ctx, why),
         }
     }
 
     fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
 
     #[inline]
-    fn on_direct_completion(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        conn: ConnId,
-        id: u32,
-        wc: &WorkCompletion,
-    ) {
-        self.served(&mut ViaCtx { ctx, conn }, id, wc.imm());
+    fn on_direct_completion(&mut self, ctx: &mut Ctx<'_>, _: ConnId, id: u32, wc: &WorkCompletion) {
+        self.served(ctx, id, wc.imm());
     }
 
-    fn on_error(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, error: &Error) {
-        self.fail(&mut ViaCtx { ctx, conn }, error.to_string());
+    fn on_error(&mut self, ctx: &mut Ctx<'_>, _: ConnId, error: &Error) {
+        self.fail(ctx, error.to_string());
     }
 
     #[inline]
@@ -750,10 +743,8 @@ impl Handler for DirectServer {
         if self.spec.op != PerfOp::Write || self.bandwidth {
             return;
         }
-        if let Some(conn) = self.conn
-            && self.write_landed()
-        {
-            self.answer(&mut ViaCtx { ctx, conn });
+        if self.write_landed() {
+            self.answer(ctx);
         }
     }
 }
