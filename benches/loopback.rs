@@ -86,19 +86,33 @@ fn round_trips(c: &mut Criterion) {
 /// Round trips on direct connections (`Reactor::add_direct`: the handler
 /// posts requests built once, the reactor polls and routes, in its lean
 /// pass): 8 B SEND ping-pong, WRITE ping-pong (the answer noticed in
-/// memory) and READ. Per iteration: one round trip, timed over the whole
-/// run.
+/// memory) and READ, and READ from the client's spin (`Ctx::spin`: its
+/// loop polls the CQs the reactor lends it). Per iteration: one round
+/// trip, timed over the whole run.
 fn direct_round_trips(c: &mut Criterion) {
     const SIZE: usize = 8;
     let mut group = c.benchmark_group("loopback_direct_round_trip_8B");
     group.sample_size(10);
-    for op in [PerfOp::Send, PerfOp::Write, PerfOp::Read] {
-        group.bench_function(BenchmarkId::from_parameter(op), |b| {
+    for (op, spin) in [
+        (PerfOp::Send, false),
+        (PerfOp::Write, false),
+        (PerfOp::Read, false),
+        (PerfOp::Read, true),
+    ] {
+        let id = if spin {
+            format!("{op}-spin")
+        } else {
+            op.to_string()
+        };
+        group.bench_function(BenchmarkId::from_parameter(id), |b| {
             b.iter_custom(|iters| {
                 let spec = round_trip_spec(op, SIZE, iters, 0);
                 let mut pair = direct_perf_pair(
                     SIZE,
-                    |buffers| PerfHandler::DirectClient(DirectClient::latency(spec, buffers)),
+                    |buffers| {
+                        let client = DirectClient::latency(spec, buffers);
+                        PerfHandler::DirectClient(if spin { client.spinning() } else { client })
+                    },
                     |buffers| PerfHandler::DirectServer(DirectServer::new(spec, buffers, false)),
                 )
                 .expect("a reactor with both direct ends on the loopback device");
