@@ -58,6 +58,7 @@ impl ReactorId {
 }
 
 impl<'a> Ctx<'a> {
+    #[inline(always)]
     pub(super) fn new(
         conns: &'a mut Slab<Conn>,
         stop: &'a AtomicBool,

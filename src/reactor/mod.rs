@@ -311,6 +311,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             polling: Polling {
                 cqs,
                 wcs: [WorkCompletion::default(); POLL_BATCH],
+                spin_wcs: [WorkCompletion::default(); POLL_BATCH],
                 spun: SpinState::default(),
             },
             channels,

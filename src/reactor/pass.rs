@@ -132,12 +132,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let settled = self.conns.quarantined();
         self.counters.passes += 1;
         let mut done = 0;
-        // What a spin left in `wcs` when an idle callback panicked out of
-        // the last pass (a caller may catch that and go on): routed now,
-        // before a poll overwrites it, so nothing is lost or told twice.
-        if self.polling.spun.polls != 0 {
-            done = self.settle_spin::<LEAN>();
-        }
         for cq_index in 0..self.polling.cqs.len() {
             loop {
                 let polling = &mut self.polling;
@@ -155,22 +149,23 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.conns.release_quarantine(settled);
         }
         self.counters.completions += done as u64;
-        let mut touched = false;
-        if done == 0 {
-            touched = self.idle::<LEAN>();
-            // A handler spun on the CQs the pass lent it (`Ctx::spin`).
-            if self.polling.spun.polls != 0 {
+        let touched = if done == 0 {
+            let touched = self.idle::<LEAN>();
+            // A handler spun on the CQs the pass lent it (`Ctx::spin`;
+            // only a lean pass lends them).
+            if LEAN && self.polling.spun.polls != 0 {
                 done = self.settle_spin::<LEAN>();
                 if done != 0 {
                     // Not an empty pass after all.
                     self.counters.empty_passes -= 1;
+                    self.busy();
                 }
             }
-        }
-        if done != 0 {
-            self.after_quiet = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
-            self.idle_passes = 0;
-        }
+            touched
+        } else {
+            self.busy();
+            false
+        };
         if !LEAN {
             // (The peer timer is read after the flush, as it always was: a
             // pass of the reactor's own protocol measured about 5 Ir more
@@ -186,6 +181,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.chores_apart(settled, touched, peers_due);
         }
         Ok(done)
+    }
+
+    /// A pass with completions: the reactor is not idle.
+    #[inline(always)]
+    fn busy(&mut self) {
+        self.after_quiet = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
+        self.idle_passes = 0;
     }
 
     /// Whether the end of a pass has work besides a released quarantine,
@@ -216,10 +218,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.quiet_spells = self.quiet_spells.wrapping_add(1);
         }
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
-        if LEAN {
-            // The pass polled nothing into `wcs`: a spin may poll into it.
-            ctx.loan = Some(&mut self.polling);
+        if !LEAN {
+            for (_, session) in self.sessions.iter_mut() {
+                session.handler.on_idle(&mut ctx);
+            }
+            return ctx.touched;
         }
+        ctx.loan = Some(&mut self.polling);
         for (key, session) in self.sessions.iter_mut() {
             if let Some(loan) = ctx.loan.as_deref_mut() {
                 loan.spun.session = Some(SessionId(key));
@@ -230,9 +235,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// After idle callbacks that spun: the completions a spin polled and
-    /// did not hand over are routed as any pass's, in order; the spins'
-    /// polls count as passes for the peer watch (each cost about an empty
-    /// pass). Returns the completions the spins polled.
+    /// did not hand over are routed as any pass's, in order (through
+    /// `wcs`, which holds nothing then: the pass polled nothing); the
+    /// spins' polls count as passes for the peer watch (each cost about an
+    /// empty pass). Returns the completions the spins polled. (An idle
+    /// callback that panicked out of a pass left its spin's state, in the
+    /// spin's own buffer, which no pass polls into: the next idle pass
+    /// routes it then.)
     #[cold]
     #[inline(never)]
     fn settle_spin<const LEAN: bool>(&mut self) -> usize {
@@ -243,14 +252,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             polls,
             ..
         } = std::mem::take(&mut self.polling.spun);
-        for at in next..end {
+        let left = end - next;
+        let polling = &mut self.polling;
+        polling.wcs[..left].copy_from_slice(&polling.spin_wcs[next..end]);
+        for at in 0..left {
             self.route::<LEAN>(at);
         }
         if let Some(timer) = &mut self.peer_timer {
             timer.count_passes(polls);
         }
         self.spun_since_asked = true;
-        let done = taken + (end - next);
+        let done = taken + left;
         self.counters.completions += done as u64;
         done
     }

@@ -13,8 +13,9 @@
 //! first completion it may not hand over; the reactor then finishes its
 //! pass (the completions left, the peer watch with the spin's polls
 //! counted as passes, removals) and the next idle pass may lend the CQs
-//! again. A handler that panics inside a spin leaves what it polled to the
-//! next pass, which routes it before polling. Only a reactor with no
+//! again. A handler that panics inside a spin leaves what it polled in the
+//! spin's own buffer, which no pass polls into: the next idle pass routes
+//! it (after what passes polled meanwhile); nothing is lost or told twice. Only a reactor with no
 //! connection of its own protocol lends its CQs (their tails and reposts
 //! count idle passes, which a spin would take), and only to the session
 //! whose connection spins.
@@ -38,20 +39,21 @@ pub const SPIN_POLLS: u32 = 1 << 14;
 /// requests (its tags); the low half is the handler's.
 const TAG_MASK: u64 = !(u32::MAX as u64);
 
-/// The reactor's CQs and the buffer a pass polls them into, with what
-/// spins left there: one place, so an idle pass lends it whole (the
-/// buffer is empty then: the pass polled nothing).
+/// The reactor's CQs, the buffers a pass and a spin poll them into, and
+/// what spins left: one place, so an idle pass lends it whole.
 pub(super) struct Polling {
     pub(super) cqs: Vec<CompletionQueue>,
     pub(super) wcs: [WorkCompletion; POLL_BATCH],
+    /// Where spins poll: no pass polls over what one left.
+    pub(super) spin_wcs: [WorkCompletion; POLL_BATCH],
     pub(super) spun: SpinState,
 }
 
 /// What spins left for the reactor, read after the idle callbacks.
 #[derive(Debug, Default)]
 pub(super) struct SpinState {
-    /// Completions a spin polled into the pass's buffer and did not hand
-    /// over: `wcs[next..end]`, for the reactor to route in order.
+    /// Completions a spin polled and did not hand over:
+    /// `spin_wcs[next..end]`, for the reactor to route in order.
     pub(super) next: usize,
     pub(super) end: usize,
     /// Completions spins handed their handlers.
@@ -141,7 +143,7 @@ impl Spin<'_> {
             return if self.ended { Spun::Ended } else { Spun::Empty };
         }
         let at = self.polling.spun.next;
-        let wc = &self.polling.wcs[at];
+        let wc = &self.polling.spin_wcs[at];
         let top = wc.wr_id() & TAG_MASK;
         if (top == self.qp.send_tag || top == self.qp.recv_tag)
             && wc.qp_num() == self.qpn
@@ -179,7 +181,7 @@ impl Spin<'_> {
     #[inline]
     fn poll_cq(&mut self, index: usize) -> usize {
         let polling = &mut *self.polling;
-        match polling.cqs[index].poll(&mut polling.wcs[..]) {
+        match polling.cqs[index].poll(&mut polling.spin_wcs[..]) {
             Ok(polled) => polled.len(),
             Err(_) => {
                 self.ended = true;
