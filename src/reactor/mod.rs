@@ -215,9 +215,9 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     id: ReactorId,
     /// What callbacks left for after the pass (removals, SRQ slots).
     deferred: Deferred,
-    /// A pass lent its CQs to a spin since [`take_spun`](Self::take_spun)
+    /// CQ polls spins made since [`take_spin_polls`](Self::take_spin_polls)
     /// last asked.
-    spun_since_asked: bool,
+    spin_polls: u32,
     peer_timer: Option<PassTimer>,
     /// Completions no connection of ours posted (ignored).
     foreign_completions: u64,
@@ -334,7 +334,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 refused: Vec::new(),
                 lone_doorbells: 0,
             },
-            spun_since_asked: false,
+            spin_polls: 0,
             peer_timer,
             foreign_completions: 0,
             counters: Counters::default(),
@@ -543,6 +543,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let mut expired = false;
         while !expired && !self.stop.load(Ordering::Acquire) {
             let done = self.turn()?;
+            let spun = self.take_spin_polls();
+            if spun != 0 {
+                timer.count_passes(spun);
+            }
             expired = timer.expired_after(done);
         }
         self.clock_stride = timer.stride();
@@ -589,12 +593,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.waiter.fd()
     }
 
-    /// Whether a handler spun on the reactor's CQs ([`Ctx::spin`]) since
-    /// the last call: a loop of the crate's own that counts passes to pace
-    /// other work (the runtime's look at new sessions) looks at once after
-    /// a spin, which lasted up to [`SPIN_POLLS`] polls.
-    pub(crate) fn take_spun(&mut self) -> bool {
-        std::mem::take(&mut self.spun_since_asked)
+    /// The CQ polls handlers' spins made ([`Ctx::spin`]) since the last
+    /// call: a loop that paces other work by counting passes (a
+    /// [`PassTimer`] of [`pass_timer`](Self::pass_timer)) counts them too,
+    /// each about the cost of an empty pass, or a pass that spun (up to
+    /// [`SPIN_POLLS`] polls) would count as one.
+    pub fn take_spin_polls(&mut self) -> u32 {
+        std::mem::take(&mut self.spin_polls)
     }
 
     /// Asks the reactor's `run` loop to return after this pass.

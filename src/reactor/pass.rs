@@ -155,6 +155,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             // only a lean pass lends them).
             if LEAN && self.polling.spun.polls != 0 {
                 done = self.settle_spin::<LEAN>();
+                self.counters.completions += done as u64;
                 if done != 0 {
                     // Not an empty pass after all.
                     self.counters.empty_passes -= 1;
@@ -224,6 +225,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             return ctx.touched;
         }
+        // What spins polled in a pass an idle callback panicked out of (a
+        // caller may catch that and go on) is dropped, as a panic drops
+        // the rest of a pass's batch: told late, it would come after what
+        // passes polled since, and might name a connection removed since.
+        if self.polling.spun.polls != 0 {
+            self.polling.spun = SpinState::default();
+        }
         ctx.loan = Some(&mut self.polling);
         for (key, session) in self.sessions.iter_mut() {
             if let Some(loan) = ctx.loan.as_deref_mut() {
@@ -238,10 +246,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// did not hand over are routed as any pass's, in order (through
     /// `wcs`, which holds nothing then: the pass polled nothing); the
     /// spins' polls count as passes for the peer watch (each cost about an
-    /// empty pass). Returns the completions the spins polled. (An idle
-    /// callback that panicked out of a pass left its spin's state, in the
-    /// spin's own buffer, which no pass polls into: the next idle pass
-    /// routes it then.)
+    /// empty pass). Returns the completions the spins polled.
     #[cold]
     #[inline(never)]
     fn settle_spin<const LEAN: bool>(&mut self) -> usize {
@@ -261,10 +266,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if let Some(timer) = &mut self.peer_timer {
             timer.count_passes(polls);
         }
-        self.spun_since_asked = true;
-        let done = taken + left;
-        self.counters.completions += done as u64;
-        done
+        self.spin_polls = self.spin_polls.saturating_add(polls);
+        taken + left
     }
 
     /// [`chores`](Self::chores) as a call of its own.

@@ -104,9 +104,11 @@ impl PassTimer {
         })
     }
 
-    /// Counts `passes` passes made elsewhere (a spin's polls) without
-    /// reading the clock: the next pass that reaches the stride reads it.
-    pub(crate) fn count_passes(&mut self, passes: u32) {
+    /// Counts `passes` passes made elsewhere (a spin's polls, see
+    /// [`Reactor::take_spin_polls`](super::Reactor::take_spin_polls))
+    /// without reading the clock: the next pass that reaches the stride
+    /// reads it.
+    pub fn count_passes(&mut self, passes: u32) {
         self.passes = self.passes.saturating_add(passes);
     }
 

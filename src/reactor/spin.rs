@@ -13,9 +13,10 @@
 //! first completion it may not hand over; the reactor then finishes its
 //! pass (the completions left, the peer watch with the spin's polls
 //! counted as passes, removals) and the next idle pass may lend the CQs
-//! again. A handler that panics inside a spin leaves what it polled in the
-//! spin's own buffer, which no pass polls into: the next idle pass routes
-//! it (after what passes polled meanwhile); nothing is lost or told twice. Only a reactor with no
+//! again. A handler that panics inside a spin (or in an idle callback
+//! after one) loses what the spin polled and did not hand over, as a panic
+//! in any callback loses the rest of its pass's batch: nothing is told
+//! twice, late, or for a connection removed since. Only a reactor with no
 //! connection of its own protocol lends its CQs (their tails and reposts
 //! count idle passes, which a spin would take), and only to the session
 //! whose connection spins.
@@ -28,8 +29,8 @@ use crate::verbs::{CompletionQueue, WorkCompletion};
 use super::direct::DirectQp;
 use super::{ConnId, Ctx, POLL_BATCH, SendError, SessionId};
 
-/// Most CQ polls of one spin: it then ends, so the reactor's own work
-/// (the peer watch, removals, a runtime's new sessions and commands) waits
+/// Most CQ polls of one pass's spins: the spin then ends, so the
+/// reactor's own work (the peer watch, removals, a loop's timers) waits
 /// for at most this many polls. An empty poll costs tens of nanoseconds on
 /// a NIC, so a spin lasts well under a millisecond there; ending and
 /// entering one again costs about a pass.
@@ -90,16 +91,24 @@ pub enum Spun<'s> {
 /// The reactor's CQs, lent to a direct connection's handler within one
 /// `on_idle` call ([`Ctx::spin`]): it posts through [`qp`](Self::qp) and
 /// polls through [`poll`](Self::poll), perftest's loop, until the spin
-/// ends.
+/// ends. Dropping it (at the end of the loop, or unwinding from a panic)
+/// leaves the reactor what it polled and did not hand over.
 pub struct Spin<'s> {
     qp: DirectQp<'s>,
     polling: &'s mut Polling,
     stop: &'s AtomicBool,
+    /// `spin_wcs[next..end]`: polled and not handed over yet (kept here,
+    /// not behind `polling`, while the spin runs).
+    next: usize,
+    end: usize,
+    /// Completions polled, and CQ polls made, by this spin.
+    polled: usize,
+    polls: u32,
     /// The connection's CQs, by index (the same for a QP with one CQ).
     send_cq: usize,
     recv_cq: usize,
     qpn: u32,
-    /// Polls left before the spin ends.
+    /// Polls left before the spin ends (0 once it ended).
     budget: u32,
     ended: bool,
 }
@@ -111,6 +120,17 @@ impl fmt::Debug for Spin<'_> {
             .field("budget", &self.budget)
             .field("ended", &self.ended)
             .finish()
+    }
+}
+
+impl Drop for Spin<'_> {
+    fn drop(&mut self) {
+        let spun = &mut self.polling.spun;
+        let left = self.end - self.next;
+        spun.next = self.next;
+        spun.end = self.end;
+        spun.taken += self.polled - left;
+        spun.polls += self.polls;
     }
 }
 
@@ -139,40 +159,41 @@ impl Spin<'_> {
     /// routes all completions once `on_idle` returns.
     #[inline]
     pub fn poll(&mut self) -> Spun<'_> {
-        if self.polling.spun.next == self.polling.spun.end && !self.refill() {
+        if self.next == self.end && !self.refill() {
             return if self.ended { Spun::Ended } else { Spun::Empty };
         }
-        let at = self.polling.spun.next;
+        let at = self.next;
         let wc = &self.polling.spin_wcs[at];
         let top = wc.wr_id() & TAG_MASK;
         if (top == self.qp.send_tag || top == self.qp.recv_tag)
             && wc.qp_num() == self.qpn
             && wc.is_success()
         {
-            self.polling.spun.next = at + 1;
-            self.polling.spun.taken += 1;
+            self.next = at + 1;
             return Spun::Completion(wc.wr_id() as u32, wc);
         }
         self.ended = true;
+        self.budget = 0;
         Spun::Ended
     }
 
     /// Polls the connection's CQs into the empty buffer; true if it found
-    /// any completion. Sets `ended` when the spin may not poll again.
+    /// any completion. Ends the spin when it may not poll again.
     #[inline]
     fn refill(&mut self) -> bool {
-        if self.ended || self.budget == 0 || self.stop.load(Ordering::Relaxed) {
-            self.ended = true;
+        if self.budget == 0 || self.stop.load(Ordering::Relaxed) {
+            self.end_spin();
             return false;
         }
         self.budget -= 1;
-        self.polling.spun.polls += 1;
+        self.polls += 1;
         let mut n = self.poll_cq(self.send_cq);
-        if n == 0 && !self.ended && self.recv_cq != self.send_cq {
+        if n == 0 && self.recv_cq != self.send_cq && !self.ended {
             n = self.poll_cq(self.recv_cq);
         }
-        self.polling.spun.next = 0;
-        self.polling.spun.end = n;
+        self.next = 0;
+        self.end = n;
+        self.polled += n;
         n > 0
     }
 
@@ -181,13 +202,20 @@ impl Spin<'_> {
     #[inline]
     fn poll_cq(&mut self, index: usize) -> usize {
         let polling = &mut *self.polling;
-        match polling.cqs[index].poll(&mut polling.spin_wcs[..]) {
-            Ok(polled) => polled.len(),
+        match polling.cqs[index].poll_count(&mut polling.spin_wcs[..]) {
+            Ok(n) => n,
             Err(_) => {
-                self.ended = true;
+                self.end_spin();
                 0
             }
         }
+    }
+
+    /// No more polls: every later one says [`Spun::Ended`].
+    #[inline]
+    fn end_spin(&mut self) {
+        self.ended = true;
+        self.budget = 0;
     }
 }
 
@@ -258,6 +286,10 @@ impl Ctx<'_> {
             qp,
             polling: loan,
             stop: self.stop,
+            next: 0,
+            end: 0,
+            polled: 0,
+            polls: 0,
             send_cq,
             recv_cq,
             budget,

@@ -156,8 +156,7 @@ impl<F: HandlerFactory> Worker<'_, F> {
             if let Some(tracer) = &mut self.tracer {
                 tracer.doorbells_rung();
             }
-            // After a spin (`Ctx::spin`), a pass stood for many.
-            look = done == 0 || reactor.take_spun();
+            look = done == 0;
             busy_passes += 1;
             since_publish += 1;
             if since_publish >= PUBLISH_PASSES {

@@ -26,7 +26,7 @@ mod srq;
 mod wr;
 
 pub use cq::{
-    CompletionChannel, CompletionQueue, CqId, CqSource, SharedCq, WcOpcode, WcStatus,
+    CompletionChannel, CompletionQueue, CqId, CqSource, PollFailed, SharedCq, WcOpcode, WcStatus,
     WorkCompletion,
 };
 pub use device::{

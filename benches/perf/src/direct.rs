@@ -427,13 +427,17 @@ impl DirectClient {
         if self.stage != Stage::Running {
             return;
         }
-        match ctx.spin(conn) {
-            Ok(mut spin) => self.spin_run(&mut spin),
+        let refused = match ctx.spin(conn) {
+            Ok(mut spin) => {
+                self.spin_run(&mut spin);
+                return;
+            }
             // A failed connection (the reactor tells `on_error`), or
             // completions the reactor routes first: the next idle pass.
-            Err(SendError::Closed | SendError::WouldBlock) => {}
-            Err(err) => self.fail(ctx, err.to_string()),
-        }
+            Err(SendError::Closed | SendError::WouldBlock) => return,
+            Err(err) => err.to_string(),
+        };
+        self.fail(ctx, refused);
     }
 
     /// Posts batches while the run has messages left and the send queue
@@ -687,11 +691,15 @@ impl DirectServer {
         if self.told_done {
             return;
         }
-        match ctx.spin(conn) {
-            Ok(mut spin) => self.spin_serve(&mut spin),
-            Err(SendError::Closed | SendError::WouldBlock) => {}
-            Err(err) => self.fail(ctx, err.to_string()),
-        }
+        let refused = match ctx.spin(conn) {
+            Ok(mut spin) => {
+                self.spin_serve(&mut spin);
+                return;
+            }
+            Err(SendError::Closed | SendError::WouldBlock) => return,
+            Err(err) => err.to_string(),
+        };
+        self.fail(ctx, refused);
     }
 
     /// Answers from the CQs `spin` lends, until the client is done or the

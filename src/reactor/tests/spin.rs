@@ -6,6 +6,7 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::time::{Duration, Instant};
 
 use crate::verbs::{AccessFlags, Context, KeptRequest, RecvRequest, WcOpcode, WorkRequest};
 
@@ -299,7 +300,7 @@ fn what_a_spin_left_reaches_the_handler_in_order() {
             spin.qp().post_kept(read).expect("a READ");
         }
         drain(&mut spin, &seen_in, 1);
-        // (The spin's borrow of `ctx` ends here.)
+        drop(spin);
         *again_in.borrow_mut() = Some(ctx.spin(conn).err());
         false
     });
@@ -314,46 +315,52 @@ fn what_a_spin_left_reaches_the_handler_in_order() {
 }
 
 /// A handler that panics inside a spin, caught around the pass by a
-/// caller that goes on: what the spin polled and did not hand over waits
-/// in the spin's own buffer, which passes do not poll over, and reaches
-/// its handler at the next idle pass: every completion once.
+/// caller that goes on: what the spin polled and did not hand over is
+/// dropped, as a panic drops the rest of a pass's batch, never told late
+/// or twice, whether the reactor stays lean or turns full (a protocol
+/// connection added after the panic); the connection goes on.
 #[test]
 fn a_panic_inside_a_spin_loses_and_repeats_nothing() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, b) = direct_pair(&mut reactor, &pd);
-    let mut reads = [1, 2, 3].map(|id| read_request(&a, &b, id));
-    let (conn, seen) = (a.conn, Seen::default());
-    let seen_in = Rc::clone(&seen);
-    plan(&a, move |ctx| {
-        let mut spin = ctx.spin(conn).expect("a spin");
-        for read in &mut reads {
-            spin.qp().post_kept(read).expect("a READ");
+    for then_full in [false, true] {
+        // SAFETY: every QP of the device is served from this thread.
+        let ctx = unsafe { Context::loopback() };
+        let pd = ctx.alloc_pd().expect("a PD");
+        let mut reactor = reactor(&pd);
+        let (a, b) = direct_pair(&mut reactor, &pd);
+        let mut reads = [1, 2, 3].map(|id| read_request(&a, &b, id));
+        let (conn, seen) = (a.conn, Seen::default());
+        let seen_in = Rc::clone(&seen);
+        plan(&a, move |ctx| {
+            let mut spin = ctx.spin(conn).expect("a spin");
+            for read in &mut reads {
+                spin.qp().post_kept(read).expect("a READ");
+            }
+            drain(&mut spin, &seen_in, 1);
+            panic!("a handler's bug, inside its spin");
+        });
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reactor.poll_once()));
+        assert!(caught.is_err(), "the handler panicked");
+        if then_full {
+            let _protocol = protocol_pair(&mut reactor, &pd);
         }
-        drain(&mut spin, &seen_in, 1);
-        panic!("a handler's bug, inside its spin");
-    });
-    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reactor.poll_once()));
-    assert!(caught.is_err(), "the handler panicked");
-    let mut more = [7, 8].map(|id| read_request(&a, &b, id));
-    reactor.with_ctx(|ctx| {
-        let mut qp = ctx.direct(a.conn).unwrap();
-        for read in &mut more {
-            qp.post_kept(read).unwrap();
+        let mut more = [7, 8].map(|id| read_request(&a, &b, id));
+        reactor.with_ctx(|ctx| {
+            let mut qp = ctx.direct(a.conn).unwrap();
+            for read in &mut more {
+                qp.post_kept(read).unwrap();
+            }
+        });
+        for _ in 0..10 {
+            reactor.turn().unwrap();
         }
-    });
-    for _ in 0..10 {
-        reactor.turn().unwrap();
+        assert_eq!(seen.borrow().taken, [(1, WcOpcode::RDMA_READ)]);
+        let ids: Vec<u32> = a.log.borrow().completions.iter().map(|c| c.0).collect();
+        assert_eq!(
+            ids,
+            [7, 8],
+            "the later READs once, the spin's never (full: {then_full})"
+        );
     }
-    assert_eq!(seen.borrow().taken, [(1, WcOpcode::RDMA_READ)]);
-    let ids: Vec<u32> = a.log.borrow().completions.iter().map(|c| c.0).collect();
-    assert_eq!(
-        ids,
-        [7, 8, 2, 3],
-        "each READ once (the spin's after its panic)"
-    );
 }
 
 /// A spin is lent to a session for its own connections only, and not in
@@ -410,10 +417,40 @@ fn the_spins_of_one_pass_share_one_budget() {
     plan(&a, move |ctx| {
         let mut spin = ctx.spin(conn).expect("a spin");
         drain(&mut spin, &seen_in, 1);
+        drop(spin);
         *again_in.borrow_mut() = Some(ctx.spin(conn).err());
         false
     });
     idle_pass(&mut reactor);
     assert_eq!(seen.borrow().empty_polls, SPIN_POLLS);
     assert!(matches!(*again.borrow(), Some(Some(SendError::WouldBlock))));
+}
+
+/// `run_for` counts a pass that spun as the passes its polls cost: a
+/// reactor whose handler spins on an idle connection every pass still
+/// returns about when asked (counted as one pass each, the 32768 passes
+/// of a stride learned while idle took seconds of spins).
+#[test]
+fn run_for_counts_the_polls_of_spins() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, _b) = direct_pair(&mut reactor, &pd);
+    // A stride learned while idle, without spins.
+    assert!(!reactor.run_for(Duration::from_millis(20)).unwrap());
+    let conn = a.conn;
+    plan(&a, move |ctx| {
+        if let Ok(mut spin) = ctx.spin(conn) {
+            while !matches!(spin.poll(), Spun::Ended) {}
+        }
+        true
+    });
+    let started = Instant::now();
+    assert!(!reactor.run_for(Duration::from_millis(20)).unwrap());
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "run_for(20 ms) took {took:?}"
+    );
 }
