@@ -157,7 +157,7 @@ impl Spin<'_> {
     /// hand over (another QP's, a removed connection's, a failed one) ends
     /// the spin, and the reactor routes it and every one after it as it
     /// routes all completions once `on_idle` returns.
-    #[inline]
+    #[inline(always)]
     pub fn poll(&mut self) -> Spun<'_> {
         if self.next == self.end && !self.refill() {
             return if self.ended { Spun::Ended } else { Spun::Empty };

@@ -315,28 +315,37 @@ impl DirectClient {
     /// Posts iteration `self.seq`, timed from `now`.
     #[inline]
     fn issue(&mut self, ctx: &mut impl Poster, now: u64) {
+        self.started_at = now;
+        if self.spec.op == PerfOp::Write
+            && let Err(err) = self.write_marker()
+        {
+            return self.fail(ctx, err.to_string());
+        }
         let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut()) else {
             return;
         };
-        self.started_at = now;
         let posted = match ctx.qp(conn) {
-            Ok(mut qp) => {
-                if self.spec.op == PerfOp::Write {
-                    let marker = marker(self.seq);
-                    if let Err(err) = self.buffers.buffer.write(2 * self.spec.size - 1, &[marker]) {
-                        return self.fail(ctx, err.to_string());
-                    }
-                }
-                requests
-                    .post_op(&mut qp, &mut self.unsignaled)
-                    .map_err(|e| e.to_string())
-            }
-            Err(why) => Err(why),
+            Ok(mut qp) => requests.post_op(&mut qp, &mut self.unsignaled),
+            Err(why) => return self.fail(ctx, why),
         };
         match posted {
             Ok(()) => self.in_flight = true,
-            Err(why) => self.fail(ctx, why),
+            Err(err) => self.fail_with(ctx, err),
         }
+    }
+
+    /// A WRITE ping-pong's marker for iteration `self.seq`, in the last
+    /// byte of the half the WRITE sends.
+    #[inline]
+    fn write_marker(&mut self) -> Result<(), Error> {
+        let marker = marker(self.seq);
+        self.buffers.buffer.write(2 * self.spec.size - 1, &[marker])
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn fail_with(&mut self, ctx: &mut impl Poster, err: Error) {
+        self.fail(ctx, err.to_string());
     }
 
     /// The answer of the iteration in flight came.
