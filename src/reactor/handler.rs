@@ -89,7 +89,10 @@ pub trait Handler {
         completion: &WorkCompletion,
     ) {
     }
-    /// A pass found no completions (busy poll) or a wait timed out.
+    /// A pass found no completions (busy poll) or a wait timed out. A
+    /// reactor of direct connections only lends its CQs here: the
+    /// handler of a direct connection may spin on them
+    /// ([`Ctx::spin`]).
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {}
 }
 
