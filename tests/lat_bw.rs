@@ -259,6 +259,22 @@ verbs_test! {
     }
 }
 
+/// SEND, WRITE and READ latency of `lat_bw` with `flags` on both sides, 8 B
+/// and 300 iterations each: a full row whose min, typical and max are in
+/// order.
+fn every_latency_row_is_sane(flags: &[&str]) {
+    for op in ["send", "write", "read"] {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let (row, _) = run_example("lat_bw", &listen, flags, op, "lat", 8, 300);
+        assert_eq!(row.len(), 9, "{flags:?} {op}: {row:?}");
+        let (min, max, typical) = (row[2], row[3], row[4]);
+        assert!(
+            min > 0.0 && min <= typical && typical <= max,
+            "{flags:?} {op}: {row:?}"
+        );
+    }
+}
+
 verbs_test! {
     /// On direct connections (`--direct`, both sides): every latency test
     /// finishes with a sane row, rates move every message (a batch of 16,
@@ -267,13 +283,7 @@ verbs_test! {
     /// measure is refused with a reason.
     fn lat_bw_direct_runs_every_test() {
         let direct = ["--direct"];
-        for op in ["send", "write", "read"] {
-            let listen = format!("127.0.0.1:{}", free_port());
-            let (row, _) = run_example("lat_bw", &listen, &direct, op, "lat", 8, 300);
-            assert_eq!(row.len(), 9, "{op}: {row:?}");
-            let (min, max, typical) = (row[2], row[3], row[4]);
-            assert!(min > 0.0 && min <= typical && typical <= max, "{op}: {row:?}");
-        }
+        every_latency_row_is_sane(&direct);
         for (op, size, iters) in [("send", 64, 3000), ("write", 64, 3000), ("write", 4096, 1001), ("send", 4096, 333)] {
             let listen = format!("127.0.0.1:{}", free_port());
             let (row, _) = run_example("lat_bw", &listen, &direct, op, "bw", size, iters);
@@ -295,14 +305,7 @@ verbs_test! {
     /// its own process): every latency test finishes with a sane row, and
     /// a bandwidth test or a spin without `--direct` is refused.
     fn lat_bw_spin_runs_every_latency_test() {
-        let spin = ["--direct", "--spin"];
-        for op in ["send", "write", "read"] {
-            let listen = format!("127.0.0.1:{}", free_port());
-            let (row, _) = run_example("lat_bw", &listen, &spin, op, "lat", 8, 300);
-            assert_eq!(row.len(), 9, "{op}: {row:?}");
-            let (min, max, typical) = (row[2], row[3], row[4]);
-            assert!(min > 0.0 && min <= typical && typical <= max, "{op}: {row:?}");
-        }
+        every_latency_row_is_sane(&["--direct", "--spin"]);
         for refused in [&["--direct", "--spin", "--test", "bw"][..], &["--spin"][..]] {
             let mut args = vec!["--connect", "127.0.0.1:9"];
             args.extend_from_slice(refused);

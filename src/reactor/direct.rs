@@ -20,6 +20,8 @@ use std::fmt;
 use crate::error::Result;
 use crate::verbs::{KeptBatch, KeptRecv, KeptRequest, QueuePair, RecvRequest, WorkRequest};
 
+use super::conn::Conn;
+use super::slab::Slab;
 use super::{ConnId, Ctx, SendError};
 
 /// Posting on a direct connection's QP, from [`Ctx::direct`]. It borrows
@@ -126,15 +128,21 @@ impl Ctx<'_> {
     /// connection with a protection error.
     #[inline]
     pub fn direct(&mut self, conn: ConnId) -> Result<DirectQp<'_>, SendError> {
-        let record = self
-            .conns
-            .get_mut_quiet(conn.key())
-            .ok_or(SendError::Closed)?;
-        if !record.direct {
-            return Err(SendError::Invalid(crate::Error::InvalidArgument(
-                "not a direct connection: the reactor alone posts on its QP",
-            )));
-        }
-        record.direct_qp().ok_or(SendError::Closed)
+        direct_conn(self.conns, conn)?
+            .direct_qp()
+            .ok_or(SendError::Closed)
     }
+}
+
+/// `conn`'s record if it is a direct connection ([`SendError::Closed`] if
+/// it is gone, [`SendError::Invalid`] for one of the reactor's protocol).
+#[inline]
+pub(super) fn direct_conn(conns: &mut Slab<Conn>, conn: ConnId) -> Result<&mut Conn, SendError> {
+    let record = conns.get_mut_quiet(conn.key()).ok_or(SendError::Closed)?;
+    if !record.direct {
+        return Err(SendError::Invalid(crate::Error::InvalidArgument(
+            "not a direct connection: the reactor alone posts on its QP",
+        )));
+    }
+    Ok(record)
 }

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::verbs::{CompletionQueue, WorkCompletion};
 
-use super::direct::DirectQp;
+use super::direct::{DirectQp, direct_conn};
 use super::{ConnId, Ctx, POLL_BATCH, SendError, SessionId};
 
 /// Most CQ polls of one pass's spins: the spin then ends, so the
@@ -259,15 +259,7 @@ impl Ctx<'_> {
         if loan.spun.has_left() || budget == 0 {
             return Err(SendError::WouldBlock);
         }
-        let record = self
-            .conns
-            .get_mut_quiet(conn.key())
-            .ok_or(SendError::Closed)?;
-        if !record.direct {
-            return Err(SendError::Invalid(crate::Error::InvalidArgument(
-                "not a direct connection: the reactor alone posts on its QP",
-            )));
-        }
+        let record = direct_conn(self.conns, conn)?;
         if loan.spun.session != Some(record.session) {
             return Err(SendError::Invalid(crate::Error::InvalidArgument(
                 "a spin is lent only to the session whose connection it is",

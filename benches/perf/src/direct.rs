@@ -184,6 +184,21 @@ impl Poster for Spin<'_> {
     }
 }
 
+/// Runs `run` on the spin `ctx` lends for `conn`; returns a refusal the
+/// run must fail with, if any. (A failed connection the reactor reports
+/// itself, to `on_error`; completions that wait for the reactor leave the
+/// spin to the next idle pass.)
+fn spin_on(ctx: &mut Ctx<'_>, conn: ConnId, run: impl FnOnce(&mut Spin<'_>)) -> Option<String> {
+    match ctx.spin(conn) {
+        Ok(mut spin) => {
+            run(&mut spin);
+            None
+        }
+        Err(SendError::Closed | SendError::WouldBlock) => None,
+        Err(err) => Some(err.to_string()),
+    }
+}
+
 /// What a side's run is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
@@ -436,17 +451,9 @@ impl DirectClient {
         if self.stage != Stage::Running {
             return;
         }
-        let refused = match ctx.spin(conn) {
-            Ok(mut spin) => {
-                self.spin_run(&mut spin);
-                return;
-            }
-            // A failed connection (the reactor tells `on_error`), or
-            // completions the reactor routes first: the next idle pass.
-            Err(SendError::Closed | SendError::WouldBlock) => return,
-            Err(err) => err.to_string(),
-        };
-        self.fail(ctx, refused);
+        if let Some(refused) = spin_on(ctx, conn, |spin| self.spin_run(spin)) {
+            self.fail(ctx, refused);
+        }
     }
 
     /// Posts batches while the run has messages left and the send queue
@@ -700,15 +707,9 @@ impl DirectServer {
         if self.told_done {
             return;
         }
-        let refused = match ctx.spin(conn) {
-            Ok(mut spin) => {
-                self.spin_serve(&mut spin);
-                return;
-            }
-            Err(SendError::Closed | SendError::WouldBlock) => return,
-            Err(err) => err.to_string(),
-        };
-        self.fail(ctx, refused);
+        if let Some(refused) = spin_on(ctx, conn, |spin| self.spin_serve(spin)) {
+            self.fail(ctx, refused);
+        }
     }
 
     /// Answers from the CQs `spin` lends, until the client is done or the

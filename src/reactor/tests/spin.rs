@@ -8,7 +8,9 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use crate::verbs::{AccessFlags, Context, KeptRequest, RecvRequest, WcOpcode, WorkRequest};
+use crate::verbs::{
+    AccessFlags, Context, KeptRequest, ProtectionDomain, RecvRequest, WcOpcode, WorkRequest,
+};
 
 use super::super::conn::direct_send_tag;
 use super::super::{Ctx, Reactor, SPIN_POLLS, SendError, Spun};
@@ -50,9 +52,60 @@ fn read_request(a: &End, b: &End, id: u64) -> KeptRequest {
     KeptRequest::new(read, a.region.registration()).unwrap()
 }
 
+/// A reactor of direct connections only, on the loopback device, with a
+/// direct pair on it (and the PD, for more).
+fn lean_pair() -> (ProtectionDomain, Reactor<Direct, ()>, End, End) {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, b) = direct_pair(&mut reactor, &pd);
+    (pd, reactor, a, b)
+}
+
+/// One idle pass in which `end` spins, posts `request` and polls until
+/// the spin hands over `want` completions or ends (and stays ended).
+fn post_in_a_spin(
+    reactor: &mut Reactor<Direct, ()>,
+    end: &End,
+    mut request: KeptRequest,
+    want: usize,
+) -> Seen {
+    let (conn, seen) = (end.conn, Seen::default());
+    let seen_in = Rc::clone(&seen);
+    plan(end, move |ctx| {
+        let mut spin = ctx.spin(conn).expect("a spin");
+        spin.qp().post_kept(&mut request).expect("a post");
+        drain(&mut spin, &seen_in, want);
+        if seen_in.borrow().ended {
+            assert!(matches!(spin.poll(), Spun::Ended), "ended for good");
+        }
+        false
+    });
+    idle_pass(reactor);
+    seen
+}
+
 /// Sets `end`'s idle plan.
 fn plan(end: &End, plan: impl FnMut(&mut Ctx<'_>) -> bool + 'static) {
     end.log.borrow_mut().idle_plan = Some(IdlePlan(Box::new(plan)));
+}
+
+/// What the idle callback of `log`'s handler is told when it asks for a
+/// spin on `conn` (`None`: it was lent one).
+fn spin_refusal(
+    reactor: &mut Reactor<Direct, ()>,
+    log: &Rc<RefCell<super::direct::Log>>,
+    conn: crate::reactor::ConnId,
+) -> Option<SendError> {
+    let refused = Rc::new(RefCell::new(None));
+    let refused_in = Rc::clone(&refused);
+    log.borrow_mut().idle_plan = Some(IdlePlan(Box::new(move |ctx| {
+        *refused_in.borrow_mut() = Some(ctx.spin(conn).err());
+        false
+    })));
+    run_until(reactor, "an idle pass", || refused.borrow().is_some());
+    refused.take().flatten()
 }
 
 /// One pass, which must be idle, so its `on_idle` runs the plans.
@@ -65,11 +118,7 @@ fn idle_pass(reactor: &mut Reactor<Direct, ()>) {
 /// the bytes land.
 #[test]
 fn a_spin_hands_its_handler_its_own_completions() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, mut b) = direct_pair(&mut reactor, &pd);
+    let (_pd, mut reactor, a, mut b) = lean_pair();
     b.region.write(0, b"spinning").unwrap();
     let seen = Seen::default();
     let (conn, mut read, seen_in) = (a.conn, read_request(&a, &b, 0x33), Rc::clone(&seen));
@@ -103,27 +152,14 @@ fn a_spin_hands_its_handler_its_own_completions() {
 /// once, through the spin or after it, and a spin that ended stays ended.
 #[test]
 fn another_connections_completion_ends_the_spin_and_reaches_its_handler() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, b) = direct_pair(&mut reactor, &pd);
+    let (_pd, mut reactor, a, b) = lean_pair();
     reactor.with_ctx(|ctx| {
         let mut recv = RecvRequest::new(9, b.region.slice(0, 8).unwrap()).unwrap();
         ctx.direct(b.conn).unwrap().post_recv(&mut recv).unwrap();
     });
     let send = WorkRequest::send(0x11, a.region.slice(0, 8).unwrap()).signaled();
-    let mut send = KeptRequest::new(send, a.region.registration()).unwrap();
-    let (conn, seen) = (a.conn, Seen::default());
-    let seen_in = Rc::clone(&seen);
-    plan(&a, move |ctx| {
-        let mut spin = ctx.spin(conn).expect("a spin");
-        spin.qp().post_kept(&mut send).expect("a SEND");
-        drain(&mut spin, &seen_in, 2);
-        assert!(matches!(spin.poll(), Spun::Ended), "ended for good");
-        false
-    });
-    idle_pass(&mut reactor);
+    let send = KeptRequest::new(send, a.region.registration()).unwrap();
+    let seen = post_in_a_spin(&mut reactor, &a, send, 2);
     let seen = seen.borrow();
     assert!(seen.ended, "B's receive ended A's spin");
     assert_eq!(b.log.borrow().completions, [(9, WcOpcode::RECV, 8)]);
@@ -144,11 +180,7 @@ fn another_connections_completion_ends_the_spin_and_reaches_its_handler() {
 /// foreign.
 #[test]
 fn a_strangers_completion_with_a_copied_tag_ends_the_spin() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, b) = direct_pair(&mut reactor, &pd);
+    let (pd, mut reactor, a, b) = lean_pair();
     let [mut stranger, _peer] = connected_qps(&mut reactor, &pd, AccessFlags::REMOTE_WRITE);
     let source = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     let target = pd
@@ -181,11 +213,7 @@ fn a_strangers_completion_with_a_copied_tag_ends_the_spin() {
 /// connection lends no spin.
 #[test]
 fn a_failed_completion_ends_the_spin_and_fails_the_connection_once() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, b) = direct_pair(&mut reactor, &pd);
+    let (pd, mut reactor, a, b) = lean_pair();
     // A READ of memory that allows no remote reads: A's own completion
     // fails.
     let closed = pd
@@ -195,16 +223,9 @@ fn a_failed_completion_ends_the_spin_and_fails_the_connection_once() {
     let read = WorkRequest::read(2, a.region.slice(0, 8).unwrap(), remote)
         .unwrap()
         .signaled();
-    let mut read = KeptRequest::new(read, a.region.registration()).unwrap();
-    let (conn, seen) = (a.conn, Seen::default());
-    let seen_in = Rc::clone(&seen);
-    plan(&a, move |ctx| {
-        let mut spin = ctx.spin(conn).expect("a spin");
-        spin.qp().post_kept(&mut read).expect("a READ");
-        drain(&mut spin, &seen_in, 1);
-        false
-    });
-    idle_pass(&mut reactor);
+    let read = KeptRequest::new(read, a.region.registration()).unwrap();
+    let conn = a.conn;
+    let seen = post_in_a_spin(&mut reactor, &a, read, 1);
     for _ in 0..100 {
         reactor.turn().unwrap();
     }
@@ -216,39 +237,24 @@ fn a_failed_completion_ends_the_spin_and_fails_the_connection_once() {
         b.log.borrow().errors.is_empty(),
         "the READ's target is not B's"
     );
-    let refused = Rc::new(RefCell::new(None));
-    let refused_in = Rc::clone(&refused);
-    plan(&a, move |ctx| {
-        *refused_in.borrow_mut() = Some(ctx.spin(conn).err());
-        false
-    });
-    idle_pass(&mut reactor);
-    assert!(matches!(*refused.borrow(), Some(Some(SendError::Closed))));
+    assert!(matches!(
+        spin_refusal(&mut reactor, &a.log, conn),
+        Some(SendError::Closed)
+    ));
 }
 
 /// A spin is lent only in `on_idle`, and only for a direct connection.
 #[test]
 fn a_spin_is_lent_only_in_on_idle_for_a_direct_connection() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, _b) = direct_pair(&mut reactor, &pd);
+    let (pd, mut reactor, a, _b) = lean_pair();
     reactor.with_ctx(|ctx| {
         assert!(matches!(ctx.spin(a.conn), Err(SendError::Invalid(_))));
     });
     let [(session, protocol), _] = protocol_pair(&mut reactor, &pd);
     let conn = reactor.conns(session).next().expect("a connection");
-    let refused = Rc::new(RefCell::new(None));
-    let refused_in = Rc::clone(&refused);
-    protocol.borrow_mut().idle_plan = Some(IdlePlan(Box::new(move |ctx| {
-        *refused_in.borrow_mut() = Some(ctx.spin(conn).err());
-        false
-    })));
-    run_until(&mut reactor, "an idle pass", || refused.borrow().is_some());
     assert!(matches!(
-        *refused.borrow(),
-        Some(Some(SendError::Invalid(_)))
+        spin_refusal(&mut reactor, &protocol, conn),
+        Some(SendError::Invalid(_))
     ));
 }
 
@@ -256,11 +262,7 @@ fn a_spin_is_lent_only_in_on_idle_for_a_direct_connection() {
 /// asked to stop ends at once.
 #[test]
 fn a_spin_ends_after_its_budget_and_when_the_reactor_stops() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, _b) = direct_pair(&mut reactor, &pd);
+    let (_pd, mut reactor, a, _b) = lean_pair();
     for stopping in [false, true] {
         let (conn, seen) = (a.conn, Seen::default());
         let seen_in = Rc::clone(&seen);
@@ -284,11 +286,7 @@ fn a_spin_ends_after_its_budget_and_when_the_reactor_stops() {
 /// the handler after `on_idle`, in order; until then no other spin is lent.
 #[test]
 fn what_a_spin_left_reaches_the_handler_in_order() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, b) = direct_pair(&mut reactor, &pd);
+    let (_pd, mut reactor, a, b) = lean_pair();
     let mut reads = [1, 2, 3].map(|id| read_request(&a, &b, id));
     let (conn, seen) = (a.conn, Seen::default());
     let seen_in = Rc::clone(&seen);
@@ -322,11 +320,7 @@ fn what_a_spin_left_reaches_the_handler_in_order() {
 #[test]
 fn a_panic_inside_a_spin_loses_and_repeats_nothing() {
     for then_full in [false, true] {
-        // SAFETY: every QP of the device is served from this thread.
-        let ctx = unsafe { Context::loopback() };
-        let pd = ctx.alloc_pd().expect("a PD");
-        let mut reactor = reactor(&pd);
-        let (a, b) = direct_pair(&mut reactor, &pd);
+        let (pd, mut reactor, a, b) = lean_pair();
         let mut reads = [1, 2, 3].map(|id| read_request(&a, &b, id));
         let (conn, seen) = (a.conn, Seen::default());
         let seen_in = Rc::clone(&seen);
@@ -368,36 +362,15 @@ fn a_panic_inside_a_spin_loses_and_repeats_nothing() {
 /// tails and reposts wait for idle passes a spin would take).
 #[test]
 fn a_spin_is_lent_only_for_the_sessions_own_connection_of_a_lean_reactor() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, b) = direct_pair(&mut reactor, &pd);
-    let refused = Rc::new(RefCell::new(None));
-    let refused_in = Rc::clone(&refused);
-    let others = a.conn;
-    plan(&b, move |ctx| {
-        *refused_in.borrow_mut() = Some(ctx.spin(others).err());
-        false
-    });
-    idle_pass(&mut reactor);
+    let (pd, mut reactor, a, b) = lean_pair();
     assert!(matches!(
-        *refused.borrow(),
-        Some(Some(SendError::Invalid(_)))
+        spin_refusal(&mut reactor, &b.log, a.conn),
+        Some(SendError::Invalid(_))
     ));
-
     let _protocol = protocol_pair(&mut reactor, &pd);
-    let refused_in = Rc::clone(&refused);
-    *refused.borrow_mut() = None;
-    let own = a.conn;
-    plan(&a, move |ctx| {
-        *refused_in.borrow_mut() = Some(ctx.spin(own).err());
-        false
-    });
-    run_until(&mut reactor, "an idle pass", || refused.borrow().is_some());
     assert!(matches!(
-        *refused.borrow(),
-        Some(Some(SendError::Invalid(_)))
+        spin_refusal(&mut reactor, &a.log, a.conn),
+        Some(SendError::Invalid(_))
     ));
 }
 
@@ -405,11 +378,7 @@ fn a_spin_is_lent_only_for_the_sessions_own_connection_of_a_lean_reactor() {
 /// first spent it is refused until the next pass.
 #[test]
 fn the_spins_of_one_pass_share_one_budget() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, _b) = direct_pair(&mut reactor, &pd);
+    let (_pd, mut reactor, a, _b) = lean_pair();
     let (conn, seen) = (a.conn, Seen::default());
     let seen_in = Rc::clone(&seen);
     let again = Rc::new(RefCell::new(None));
@@ -432,11 +401,7 @@ fn the_spins_of_one_pass_share_one_budget() {
 /// of a stride learned while idle took seconds of spins).
 #[test]
 fn run_for_counts_the_polls_of_spins() {
-    // SAFETY: every QP of the device is served from this thread.
-    let ctx = unsafe { Context::loopback() };
-    let pd = ctx.alloc_pd().expect("a PD");
-    let mut reactor = reactor(&pd);
-    let (a, _b) = direct_pair(&mut reactor, &pd);
+    let (_pd, mut reactor, a, _b) = lean_pair();
     // A stride learned while idle, without spins.
     assert!(!reactor.run_for(Duration::from_millis(20)).unwrap());
     let conn = a.conn;
