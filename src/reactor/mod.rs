@@ -540,6 +540,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // clocksource is not the TSC): the timer reads it every so many
         // passes. A pass that may sleep is long enough to read it every time.
         let mut timer = self.pass_timer(limit);
+        // Polls of spins before this call were counted by whoever ran them.
+        self.take_spin_polls();
         let mut expired = false;
         while !expired && !self.stop.load(Ordering::Acquire) {
             let done = self.turn()?;
@@ -569,6 +571,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// let mut every_second = reactor.pass_timer(Duration::from_secs(1));
     /// loop {
     ///     let completions = reactor.turn()?;
+    ///     // A pass whose handler spun (`Ctx::spin`) stood for many.
+    ///     every_second.count_passes(reactor.take_spin_polls());
     ///     if every_second.expired_after(completions) {
     ///         eprintln!("still running");
     ///     }

@@ -153,8 +153,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             let touched = self.idle::<LEAN>();
             // A handler spun on the CQs the pass lent it (`Ctx::spin`;
             // only a lean pass lends them).
-            if LEAN && self.polling.spun.polls != 0 {
-                done = self.settle_spin::<LEAN>();
+            if LEAN && self.polling.spun.used != 0 {
+                done = self.settle_spin::<LEAN>()?;
                 self.counters.completions += done as u64;
                 if done != 0 {
                     // Not an empty pass after all.
@@ -229,7 +229,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // caller may catch that and go on) is dropped, as a panic drops
         // the rest of a pass's batch: told late, it would come after what
         // passes polled since, and might name a connection removed since.
-        if self.polling.spun.polls != 0 {
+        if self.polling.spun.used != 0 {
             self.polling.spun = SpinState::default();
         }
         ctx.loan = Some(&mut self.polling);
@@ -246,15 +246,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// did not hand over are routed as any pass's, in order (through
     /// `wcs`, which holds nothing then: the pass polled nothing); the
     /// spins' polls count as passes for the peer watch (each cost about an
-    /// empty pass). Returns the completions the spins polled.
+    /// empty pass). Returns the completions the spins polled, or the
+    /// error of a CQ poll a spin made (after routing what it left).
     #[cold]
     #[inline(never)]
-    fn settle_spin<const LEAN: bool>(&mut self) -> usize {
+    fn settle_spin<const LEAN: bool>(&mut self) -> Result<usize> {
         let SpinState {
             next,
             end,
             taken,
-            polls,
+            used,
+            failed,
             ..
         } = std::mem::take(&mut self.polling.spun);
         let left = end - next;
@@ -264,10 +266,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.route::<LEAN>(at);
         }
         if let Some(timer) = &mut self.peer_timer {
-            timer.count_passes(polls);
+            timer.count_passes(used);
         }
-        self.spin_polls = self.spin_polls.saturating_add(polls);
-        taken + left
+        self.spin_polls = self.spin_polls.saturating_add(used);
+        match failed {
+            Some(error) => Err(error),
+            None => Ok(taken + left),
+        }
     }
 
     /// [`chores`](Self::chores) as a call of its own.

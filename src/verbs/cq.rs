@@ -306,6 +306,7 @@ impl CompletionQueue {
         if n < 0 {
             return Err(PollFailed(n));
         }
+        debug_assert!(n <= max, "the provider wrote past the buffer");
         Ok(n as usize)
     }
 

@@ -419,3 +419,67 @@ fn run_for_counts_the_polls_of_spins() {
         "run_for(20 ms) took {took:?}"
     );
 }
+
+/// A busy spin is as bounded as an idle one: each poll and each
+/// completion it brings cost one of the pass's budget, so a READ loop
+/// that always has its next READ in flight hands over fewer than
+/// `SPIN_POLLS` completions before the spin ends.
+#[test]
+fn a_busy_spin_spends_its_budget_on_completions_too() {
+    let (_pd, mut reactor, a, b) = lean_pair();
+    let mut read = read_request(&a, &b, 0x33);
+    let (conn, taken) = (a.conn, Rc::new(RefCell::new(0u32)));
+    let taken_in = Rc::clone(&taken);
+    plan(&a, move |ctx| {
+        let mut spin = ctx.spin(conn).expect("a spin");
+        spin.qp().post_kept(&mut read).expect("a READ");
+        loop {
+            match spin.poll() {
+                Spun::Completion(..) => {
+                    *taken_in.borrow_mut() += 1;
+                    spin.qp().post_kept(&mut read).expect("a READ");
+                }
+                Spun::Empty => {}
+                Spun::Ended => return false,
+            }
+        }
+    });
+    idle_pass(&mut reactor);
+    let taken = *taken.borrow();
+    // A READ completes inside its post here: one poll and one completion
+    // each.
+    assert_eq!(taken, SPIN_POLLS / 2, "{taken} READs in one spin");
+}
+
+/// A handler that forgets its spin (safe, if unkind) keeps the pass's
+/// budget spent and still leaves the reactor a completion its spin could
+/// not hand over: B's receive reaches B.
+#[test]
+fn a_forgotten_spin_spends_the_budget_and_loses_no_one_elses_completion() {
+    let (_pd, mut reactor, a, b) = lean_pair();
+    reactor.with_ctx(|ctx| {
+        let mut recv = RecvRequest::new(9, b.region.slice(0, 8).unwrap()).unwrap();
+        ctx.direct(b.conn).unwrap().post_recv(&mut recv).unwrap();
+    });
+    let send = WorkRequest::send(0x11, a.region.slice(0, 8).unwrap()).signaled();
+    let mut send = KeptRequest::new(send, a.region.registration()).unwrap();
+    let (conn, seen) = (a.conn, Seen::default());
+    let (seen_in, again) = (Rc::clone(&seen), Rc::new(RefCell::new(None)));
+    let again_in = Rc::clone(&again);
+    plan(&a, move |ctx| {
+        let mut spin = ctx.spin(conn).expect("a spin");
+        spin.qp().post_kept(&mut send).expect("a SEND");
+        drain(&mut spin, &seen_in, 2);
+        std::mem::forget(spin);
+        *again_in.borrow_mut() = Some(ctx.spin(conn).err());
+        false
+    });
+    idle_pass(&mut reactor);
+    assert!(matches!(*again.borrow(), Some(Some(SendError::WouldBlock))));
+    assert!(seen.borrow().ended, "B's receive ended A's spin");
+    assert_eq!(
+        b.log.borrow().completions,
+        [(9, WcOpcode::RECV, 8)],
+        "B's receive reached B"
+    );
+}
