@@ -9,7 +9,8 @@
 //! failed one never reaches the spinning handler.
 //!
 //! A spin is bounded: the spins of one pass make at most [`SPIN_POLLS`]
-//! polls and completions, and a spin ends when the reactor is asked to stop or at that
+//! polls and completions, and a spin ends when the reactor is asked to
+//! stop (seen at its next poll that finds nothing) or at that
 //! first completion it may not hand over; the reactor then finishes its
 //! pass (the completions left, the peer watch with the spin's polls
 //! counted as passes, removals) and the next idle pass may lend the CQs
@@ -154,7 +155,7 @@ impl Spin<'_> {
     }
 
     /// Asks the reactor to stop, as [`Ctx::stop`] does; the spin ends at
-    /// its next poll that finds nothing.
+    /// its next poll that finds nothing (or when its budget is spent).
     pub fn stop(&self) {
         self.stop.store(true, Ordering::Release);
     }
@@ -200,7 +201,7 @@ impl Spin<'_> {
     /// more per READ round trip on the host.)
     #[inline(always)]
     fn refill(&mut self) -> bool {
-        if self.budget == 0 || self.stop.load(Ordering::Relaxed) {
+        if self.budget == 0 {
             self.end_spin();
             return false;
         }
@@ -210,11 +211,19 @@ impl Spin<'_> {
             self.budget = self.budget.saturating_sub(1);
             n = self.poll_cq(self.recv_cq);
         }
+        if n == 0 {
+            // Asked to stop: seen at the next poll that finds nothing (or
+            // when the budget is spent), not read on every busy one.
+            if self.stop.load(Ordering::Relaxed) {
+                self.end_spin();
+            }
+            return false;
+        }
         self.budget = self.budget.saturating_sub(n as u32);
         self.next = 0;
         self.end = n;
         self.polled += n;
-        n > 0
+        true
     }
 
     /// Polls CQ `index` into the buffer. A CQ that cannot be polled ends
@@ -267,7 +276,8 @@ impl Ctx<'_> {
     /// that forgets its `Spin` (`mem::forget`) loses its own completions
     /// the spin held, but not another's, and keeps the pass's budget.
     /// It ends too when the pass's spins spent [`SPIN_POLLS`] (a poll or
-    /// a completion each) and when the reactor is asked to stop, so the
+    /// a completion each) and when the reactor is asked to stop (seen at
+    /// the next poll that finds nothing), so the
     /// reactor's own work waits for about that many empty passes' time. (A runtime's stop is seen between
     /// passes: it waits for the spin.) Completions it polled and did not hand over before it was
     /// dropped reach the handler through

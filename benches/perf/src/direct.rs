@@ -328,7 +328,7 @@ impl DirectClient {
     }
 
     /// Posts iteration `self.seq`, timed from `now`.
-    #[inline]
+    #[inline(always)]
     fn issue(&mut self, ctx: &mut impl Poster, now: u64) {
         self.started_at = now;
         if self.spec.op == PerfOp::Write
