@@ -215,8 +215,8 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     id: ReactorId,
     /// What callbacks left for after the pass (removals, SRQ slots).
     deferred: Deferred,
-    /// CQ polls spins made since [`take_spin_polls`](Self::take_spin_polls)
-    /// last asked.
+    /// What spins spent (a CQ poll or a completion each) since
+    /// [`take_spin_polls`](Self::take_spin_polls) last asked.
     spin_polls: u32,
     peer_timer: Option<PassTimer>,
     /// Completions no connection of ours posted (ignored).
@@ -597,11 +597,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.waiter.fd()
     }
 
-    /// The CQ polls handlers' spins made ([`Ctx::spin`]) since the last
-    /// call: a loop that paces other work by counting passes (a
-    /// [`PassTimer`] of [`pass_timer`](Self::pass_timer)) counts them too,
-    /// each about the cost of an empty pass, or a pass that spun (up to
-    /// [`SPIN_POLLS`] polls) would count as one.
+    /// What handlers' spins spent ([`Ctx::spin`]) since the last call, a
+    /// CQ poll or a completion each: a loop that paces other work by
+    /// counting passes (a [`PassTimer`] of [`pass_timer`](Self::pass_timer))
+    /// counts them too, each about the cost of an empty pass, or a pass
+    /// that spun (up to [`SPIN_POLLS`] of them) would count as one.
     pub fn take_spin_polls(&mut self) -> u32 {
         std::mem::take(&mut self.spin_polls)
     }

@@ -244,9 +244,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// After idle callbacks that spun: the completions a spin polled and
     /// did not hand over are routed as any pass's, in order (through
-    /// `wcs`, which holds nothing then: the pass polled nothing); the
-    /// spins' polls count as passes for the peer watch (each cost about an
-    /// empty pass). Returns the completions the spins polled, or the
+    /// `wcs`, which holds nothing then: the pass polled nothing); what the
+    /// spins spent counts as passes for the peer watch (a poll or a
+    /// completion each costs about an empty pass). Returns the completions the spins polled, or the
     /// error of a CQ poll a spin made (after routing what it left).
     #[cold]
     #[inline(never)]
