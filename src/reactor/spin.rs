@@ -10,11 +10,10 @@
 //!
 //! A spin is bounded: the spins of one pass make at most [`SPIN_POLLS`]
 //! polls and completions, and a spin ends when the reactor is asked to
-//! stop (seen at its next poll that finds nothing) or at that
-//! first completion it may not hand over; the reactor then finishes its
-//! pass (the completions left, the peer watch with the spin's polls
-//! counted as passes, removals) and the next idle pass may lend the CQs
-//! again. A handler that panics inside a spin (or in an idle callback
+//! stop (seen at its next poll that finds nothing) or at that first
+//! completion it may not hand over; the reactor then finishes its pass
+//! (the completions left, the peer watch with what the spin spent counted
+//! as passes, removals) and the next idle pass may lend the CQs again. A handler that panics inside a spin (or in an idle callback
 //! after one) loses what the spin polled and did not hand over, as a panic
 //! in any callback loses the rest of its pass's batch: nothing is told
 //! twice, late, or for a connection removed since. Only a reactor with no
@@ -33,9 +32,9 @@ use super::{ConnId, Ctx, POLL_BATCH, SendError, SessionId};
 /// Most CQ polls and completions of one pass's spins (each costs one):
 /// the spin then ends, so the reactor's own work (the peer watch,
 /// removals, a loop's timers) waits for about as long as this many empty
-/// passes take. An empty poll costs tens of nanoseconds on
-/// a NIC, so a spin lasts well under a millisecond there; ending and
-/// entering one again costs about a pass.
+/// passes take. An empty poll costs tens of nanoseconds on a NIC, so a
+/// spin lasts well under a millisecond there; ending and entering one
+/// again costs about a pass.
 pub const SPIN_POLLS: u32 = 1 << 14;
 
 /// Bits of a `wr_id` that the reactor writes on a direct connection's
@@ -277,10 +276,10 @@ impl Ctx<'_> {
     /// the spin held, but not another's, and keeps the pass's budget.
     /// It ends too when the pass's spins spent [`SPIN_POLLS`] (a poll or
     /// a completion each) and when the reactor is asked to stop (seen at
-    /// the next poll that finds nothing), so the
-    /// reactor's own work waits for about that many empty passes' time. (A runtime's stop is seen between
-    /// passes: it waits for the spin.) Completions it polled and did not hand over before it was
-    /// dropped reach the handler through
+    /// the next poll that finds nothing), so the reactor's own work waits
+    /// for about that many empty passes' time. (A runtime's stop is seen
+    /// between passes: it waits for the spin.) Completions it polled and
+    /// did not hand over before it was dropped reach the handler through
     /// [`Handler::on_direct_completion`](super::Handler::on_direct_completion),
     /// in order, once `on_idle` returns.
     ///
