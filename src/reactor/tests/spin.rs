@@ -86,6 +86,17 @@ fn post_in_a_spin(
     seen
 }
 
+/// A receive posted on B (id 9) and A's signaled 8-byte SEND to it (id
+/// 0x11), for A to post.
+fn send_to(reactor: &mut Reactor<Direct, ()>, a: &End, b: &End) -> KeptRequest {
+    reactor.with_ctx(|ctx| {
+        let mut recv = RecvRequest::new(9, b.region.slice(0, 8).unwrap()).unwrap();
+        ctx.direct(b.conn).unwrap().post_recv(&mut recv).unwrap();
+    });
+    let send = WorkRequest::send(0x11, a.region.slice(0, 8).unwrap()).signaled();
+    KeptRequest::new(send, a.region.registration()).unwrap()
+}
+
 /// Sets `end`'s idle plan.
 fn plan(end: &End, plan: impl FnMut(&mut Ctx<'_>) -> bool + 'static) {
     end.log.borrow_mut().idle_plan = Some(IdlePlan(Box::new(plan)));
@@ -153,12 +164,7 @@ fn a_spin_hands_its_handler_its_own_completions() {
 #[test]
 fn another_connections_completion_ends_the_spin_and_reaches_its_handler() {
     let (_pd, mut reactor, a, b) = lean_pair();
-    reactor.with_ctx(|ctx| {
-        let mut recv = RecvRequest::new(9, b.region.slice(0, 8).unwrap()).unwrap();
-        ctx.direct(b.conn).unwrap().post_recv(&mut recv).unwrap();
-    });
-    let send = WorkRequest::send(0x11, a.region.slice(0, 8).unwrap()).signaled();
-    let send = KeptRequest::new(send, a.region.registration()).unwrap();
+    let send = send_to(&mut reactor, &a, &b);
     let seen = post_in_a_spin(&mut reactor, &a, send, 2);
     let seen = seen.borrow();
     assert!(seen.ended, "B's receive ended A's spin");
@@ -457,12 +463,7 @@ fn a_busy_spin_spends_its_budget_on_completions_too() {
 #[test]
 fn a_forgotten_spin_spends_the_budget_and_loses_no_one_elses_completion() {
     let (_pd, mut reactor, a, b) = lean_pair();
-    reactor.with_ctx(|ctx| {
-        let mut recv = RecvRequest::new(9, b.region.slice(0, 8).unwrap()).unwrap();
-        ctx.direct(b.conn).unwrap().post_recv(&mut recv).unwrap();
-    });
-    let send = WorkRequest::send(0x11, a.region.slice(0, 8).unwrap()).signaled();
-    let mut send = KeptRequest::new(send, a.region.registration()).unwrap();
+    let mut send = send_to(&mut reactor, &a, &b);
     let (conn, seen) = (a.conn, Seen::default());
     let (seen_in, again) = (Rc::clone(&seen), Rc::new(RefCell::new(None)));
     let again_in = Rc::clone(&again);
