@@ -97,6 +97,19 @@ fn send_to(reactor: &mut Reactor<Direct, ()>, a: &End, b: &End) -> KeptRequest {
     KeptRequest::new(send, a.region.registration()).unwrap()
 }
 
+/// Posts every one of `reads` in `spin` (each completes inside its post
+/// on the loopback device), then takes the first completion back.
+fn post_all_and_take_one(
+    spin: &mut super::super::Spin<'_>,
+    reads: &mut [KeptRequest],
+    seen: &Seen,
+) {
+    for read in reads {
+        spin.qp().post_kept(read).expect("a READ");
+    }
+    drain(spin, seen, 1);
+}
+
 /// Sets `end`'s idle plan.
 fn plan(end: &End, plan: impl FnMut(&mut Ctx<'_>) -> bool + 'static) {
     end.log.borrow_mut().idle_plan = Some(IdlePlan(Box::new(plan)));
@@ -300,10 +313,7 @@ fn what_a_spin_left_reaches_the_handler_in_order() {
     let again_in = Rc::clone(&again);
     plan(&a, move |ctx| {
         let mut spin = ctx.spin(conn).expect("a spin");
-        for read in &mut reads {
-            spin.qp().post_kept(read).expect("a READ");
-        }
-        drain(&mut spin, &seen_in, 1);
+        post_all_and_take_one(&mut spin, &mut reads, &seen_in);
         drop(spin);
         *again_in.borrow_mut() = Some(ctx.spin(conn).err());
         false
@@ -332,10 +342,7 @@ fn a_panic_inside_a_spin_loses_and_repeats_nothing() {
         let seen_in = Rc::clone(&seen);
         plan(&a, move |ctx| {
             let mut spin = ctx.spin(conn).expect("a spin");
-            for read in &mut reads {
-                spin.qp().post_kept(read).expect("a READ");
-            }
-            drain(&mut spin, &seen_in, 1);
+            post_all_and_take_one(&mut spin, &mut reads, &seen_in);
             panic!("a handler's bug, inside its spin");
         });
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reactor.poll_once()));
