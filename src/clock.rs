@@ -62,6 +62,13 @@ impl Clock {
         ticks(&self.reference)
     }
 
+    /// Nanoseconds per tick of [`now`](Self::now), as [`nanos`](Self::nanos)
+    /// converts them (for converting many readings at once: a sum, or only
+    /// the figures a report prints).
+    pub fn ns_per_tick(&self) -> f64 {
+        self.ns_per_tick_fixed as f64 / (1u64 << FIXED_POINT_BITS) as f64
+    }
+
     /// Nanoseconds between two readings of [`now`](Self::now) (0 if `end`
     /// is the earlier).
     #[inline]

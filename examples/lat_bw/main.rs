@@ -471,17 +471,13 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
                 .ok_or(rdma_comm_core::Error::InvalidArgument(
                     "the session vanished from its reactor",
                 ))?;
-        rows.push(row_of(handler, size, peer_addr)?);
+        rows.push(row_of(handler, peer_addr)?);
     }
     Ok(rows)
 }
 
 /// What a finished handler measured (or why it failed).
-fn row_of(
-    handler: PerfHandler,
-    size: usize,
-    peer: std::net::SocketAddr,
-) -> rdma_comm_core::Result<Row> {
+fn row_of(handler: PerfHandler, peer: std::net::SocketAddr) -> rdma_comm_core::Result<Row> {
     if let Some(failure) = handler.failure() {
         return Err(rdma_comm_core::Error::Protocol {
             peer,
@@ -489,22 +485,18 @@ fn row_of(
         });
     }
     Ok(match handler {
-        PerfHandler::Latency(client) => {
-            match LatencyStats::from_ns(size, &client.into_latencies_ns()) {
-                Some(stats) => Row::Latency(stats),
-                None => Row::Served,
-            }
-        }
+        PerfHandler::Latency(client) => match client.into_latency_stats() {
+            Some(stats) => Row::Latency(stats),
+            None => Row::Served,
+        },
         PerfHandler::Rate(sender) => Row::Bandwidth(sender.stats()),
         PerfHandler::DirectClient(client) if client.is_bandwidth() => {
             Row::Bandwidth(client.stats())
         }
-        PerfHandler::DirectClient(client) => {
-            match LatencyStats::from_ns(size, &client.into_latencies_ns()) {
-                Some(stats) => Row::Latency(stats),
-                None => Row::Served,
-            }
-        }
+        PerfHandler::DirectClient(client) => match client.into_latency_stats() {
+            Some(stats) => Row::Latency(stats),
+            None => Row::Served,
+        },
         _ => Row::Served,
     })
 }

@@ -64,9 +64,7 @@ impl HandlerFactory for Streams {
 
     fn stopped(&self, reactor: usize, handler: PerfHandler) {
         let peer = std::net::SocketAddr::from(([0, 0, 0, 0], 0));
-        let _ = self
-            .done
-            .send((reactor, row_of(handler, self.spec.size, peer)));
+        let _ = self.done.send((reactor, row_of(handler, peer)));
     }
 }
 

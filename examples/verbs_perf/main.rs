@@ -231,13 +231,14 @@ fn run(args: &Args) -> Result<()> {
                 Op::Send => run.send_lat(&clock, total, &mut samples)?,
                 Op::Write => run.write_lat(&clock, total, &mut samples)?,
             }
-            let halve = u64::from(args.op != Op::Read);
-            let ns = &mut samples[args.warmup as usize..];
-            for sample in ns.iter_mut() {
-                *sample = clock.nanos(0, *sample) >> halve;
-            }
+            // Half round trips for SEND and WRITE; only the columns are
+            // converted from ticks.
+            let halve = if args.op == Op::Read { 1.0 } else { 2.0 };
+            let measured = &mut samples[args.warmup as usize..];
             println!("{LATENCY_HEADER}");
-            if let Some(stats) = LatencyStats::from_ns(size, ns) {
+            if let Some(stats) =
+                LatencyStats::from_ticks(size, measured, clock.ns_per_tick() / halve)
+            {
                 println!("{}", stats.row());
             }
         }

@@ -34,7 +34,10 @@ use super::{ConnId, Ctx, POLL_BATCH, SendError, SessionId};
 /// removals, a loop's timers) waits for about as long as this many empty
 /// passes take. An empty poll costs tens of nanoseconds on a NIC, so a
 /// spin lasts well under a millisecond there; ending and entering one
-/// again costs about a pass.
+/// again costs about a pass. Only polls and completions count: a handler
+/// that mostly waits on memory between polls (a WRITE ping-pong watching
+/// for its answer's byte, polling the CQ only to reap a signaled WRITE)
+/// holds a spin for that many of its own polls, however long its waits.
 pub const SPIN_POLLS: u32 = 1 << 14;
 
 /// Bits of a `wr_id` that the reactor writes on a direct connection's

@@ -19,9 +19,9 @@ use rdma_comm_core::verbs::{
     KeptBatch, KeptRecv, KeptRequest, RecvRequest, SendFlags, WcOpcode, WorkCompletion, WorkRequest,
 };
 
-use crate::latency::poll_byte;
+use crate::latency::{latency_stats, poll_byte};
 use crate::rate::RateMarks;
-use crate::{BandwidthStats, Clock, DONE_MARKER, PerfBuffers, PerfOp, PerfSpec};
+use crate::{BandwidthStats, Clock, DONE_MARKER, LatencyStats, PerfBuffers, PerfOp, PerfSpec};
 
 /// Latency requests signaled: one in this many (the others retire with it).
 pub const SIGNAL_EVERY: u32 = 16;
@@ -256,7 +256,11 @@ impl DirectClient {
     }
 
     fn new(spec: PerfSpec, buffers: PerfBuffers, bandwidth: bool) -> Self {
-        let samples = if bandwidth { 0 } else { spec.iters as usize };
+        let samples = if bandwidth {
+            0
+        } else {
+            (spec.warmup + spec.iters) as usize
+        };
         let clock = Clock::new();
         Self {
             spec,
@@ -305,14 +309,10 @@ impl DirectClient {
         matches!(self.stage, Stage::Ending | Stage::Over)
     }
 
-    /// Latencies in nanoseconds (half round trips for SEND and WRITE),
-    /// converted in place.
-    pub fn into_latencies_ns(mut self) -> Vec<u64> {
-        let halve = u32::from(self.spec.op != PerfOp::Read);
-        for sample in &mut self.samples {
-            *sample = self.clock.nanos(0, *sample) >> halve;
-        }
-        self.samples
+    /// The latency columns (whole READs, half SEND and WRITE round trips,
+    /// after the warmup), once done; `None` without any.
+    pub fn into_latency_stats(mut self) -> Option<LatencyStats> {
+        latency_stats(&self.spec, &self.clock, &mut self.samples)
     }
 
     /// Bandwidth figures, once done.
@@ -370,9 +370,7 @@ impl DirectClient {
         // perftest times from post to post.
         let now = self.clock.now();
         self.in_flight = false;
-        if self.seq >= self.spec.warmup {
-            self.samples.push(now.saturating_sub(self.started_at));
-        }
+        self.samples.push(now.saturating_sub(self.started_at));
         self.seq += 1;
         if self.seq == self.spec.warmup + self.spec.iters {
             self.end(ctx);
@@ -422,27 +420,105 @@ impl DirectClient {
     }
 
     /// The latency run's loop on the CQs `spin` lends, until the run is
-    /// over or the spin ends.
+    /// over or the spin ends: perftest's loop, its state in locals for the
+    /// spin's length (each iteration posts, waits for its answer and
+    /// stamps it; a WRITE ping-pong polls the CQ only to reap a signaled
+    /// request, or when the answer is slow, as perftest's loop does).
     fn spin_run(&mut self, spin: &mut Spin<'_>) {
-        self.hold = false;
-        if let Some(now) = self.due.take() {
-            self.issue(spin, now);
-        }
-        while self.stage != Stage::Over {
-            match spin.poll() {
-                Spun::Completion(id, wc) => {
-                    let opcode = wc.opcode();
-                    self.latency_completion(spin, id, opcode);
+        let total = self.spec.warmup + self.spec.iters;
+        let (op, size) = (self.spec.op, self.spec.size);
+        let Some(requests) = self.requests.as_mut() else {
+            return;
+        };
+        let (clock, samples, buffer) = (&self.clock, &mut self.samples, &mut self.buffers.buffer);
+        let mut seq = self.seq;
+        let mut started_at = self.started_at;
+        let mut in_flight = self.in_flight;
+        let mut unsignaled = self.unsignaled;
+        // A request the reactor's dispatch answered waits for this spin,
+        // timed from that answer.
+        let mut now = match self.due.take() {
+            Some(due) => due,
+            None => clock.now(),
+        };
+        let mut failed = None;
+        'run: while seq < total {
+            if !in_flight {
+                started_at = now;
+                let posted = if op == PerfOp::Write {
+                    buffer.write(2 * size - 1, &[marker(seq)])
+                } else {
+                    Ok(())
                 }
-                Spun::Empty => {
-                    if self.write_answered() {
-                        self.answered(spin);
+                .and_then(|()| requests.post_op(&mut spin.qp(), &mut unsignaled));
+                if let Err(err) = posted {
+                    failed = Some(err);
+                    break;
+                }
+                in_flight = true;
+            }
+            if op == PerfOp::Write {
+                let want = marker(seq);
+                while !poll_byte(buffer, size - 1, |b| b == want) {
+                    // Slow: the CQ, for a failure or the spin's end.
+                    if let Spun::Ended = spin.poll() {
+                        break 'run;
                     }
                 }
-                Spun::Ended => break,
+                // The request just answered was signaled: reap it.
+                if unsignaled == 0 {
+                    loop {
+                        match spin.poll() {
+                            Spun::Completion(id, _) if id == SIGNAL_EVERY => break,
+                            Spun::Ended => {
+                                // Reaped later; the answer is in.
+                                now = stamp(clock, samples, started_at);
+                                in_flight = false;
+                                seq += 1;
+                                break 'run;
+                            }
+                            Spun::Completion(..) | Spun::Empty => {}
+                        }
+                    }
+                }
+            } else {
+                loop {
+                    match spin.poll() {
+                        Spun::Completion(RECV_ID, _) => {
+                            if let Err(err) = spin.qp().post_kept_recv(&mut requests.landing) {
+                                failed = Some(err);
+                                break 'run;
+                            }
+                            if op == PerfOp::Send {
+                                break;
+                            }
+                        }
+                        Spun::Completion(_, wc) if wc.opcode() == WcOpcode::RDMA_READ => break,
+                        // Signaled SENDs retiring the unsignaled before.
+                        Spun::Completion(..) | Spun::Empty => {}
+                        Spun::Ended => break 'run,
+                    }
+                }
             }
+            now = stamp(clock, samples, started_at);
+            in_flight = false;
+            seq += 1;
         }
-        self.hold = true;
+        self.seq = seq;
+        self.started_at = started_at;
+        self.in_flight = in_flight;
+        self.unsignaled = unsignaled;
+        if let Some(err) = failed {
+            return self.fail_with(spin, err);
+        }
+        if in_flight {
+            return;
+        }
+        if seq == total {
+            self.end(spin);
+        } else {
+            self.due = Some(now);
+        }
     }
 
     /// A spinning run's idle pass: a spin, while the run is on.
@@ -529,6 +605,15 @@ impl DirectClient {
             self.fail(ctx, why);
         }
     }
+}
+
+/// The answer of an iteration started at `started_at` is in: its sample,
+/// and the reading (which starts the next iteration).
+#[inline(always)]
+fn stamp(clock: &Clock, samples: &mut Vec<u64>, started_at: u64) -> u64 {
+    let now = clock.now();
+    samples.push(now.saturating_sub(started_at));
+    now
 }
 
 /// Iteration `seq`'s marker: never 0, so a fresh buffer differs.

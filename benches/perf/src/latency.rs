@@ -6,7 +6,7 @@ use rdma_comm_core::reactor::{ConnId, Ctx, Handler, SendError};
 use rdma_comm_core::verbs::{MemoryRegion, RemoteSlice};
 
 use crate::run_end::RunEnd;
-use crate::{Clock, DONE_MARKER, PerfBuffers, PerfOp, PerfSpec};
+use crate::{Clock, DONE_MARKER, LatencyStats, PerfBuffers, PerfOp, PerfSpec};
 
 /// Measures round trips (or READs) and keeps one sample per iteration.
 #[derive(Debug)]
@@ -34,6 +34,25 @@ fn latency_ns(clock: &Clock, whole: bool, ticks: u64) -> u64 {
     if whole { ns } else { ns / 2 }
 }
 
+/// Where the samples a client reports begin: after the warmup's (a
+/// client keeps them all, so its loop asks nothing per iteration).
+pub(crate) fn first_measured(spec: &PerfSpec, samples: &[u64]) -> usize {
+    usize::try_from(spec.warmup).map_or(samples.len(), |warmup| warmup.min(samples.len()))
+}
+
+/// The latency columns of a client's samples (ticks of `clock`): whole
+/// READs, half SEND and WRITE round trips.
+pub(crate) fn latency_stats(
+    spec: &PerfSpec,
+    clock: &Clock,
+    samples: &mut [u64],
+) -> Option<LatencyStats> {
+    let whole = spec.op == PerfOp::Read;
+    let ns_per_tick = clock.ns_per_tick() / if whole { 1.0 } else { 2.0 };
+    let first = first_measured(spec, samples);
+    LatencyStats::from_ticks(spec.size, &mut samples[first..], ns_per_tick)
+}
+
 impl LatencyClient {
     /// A client for `spec` with preallocated sample storage.
     pub fn new(spec: PerfSpec, buffers: PerfBuffers) -> Self {
@@ -46,30 +65,26 @@ impl LatencyClient {
             started_at: 0,
             in_flight: false,
             clock: Clock::new(),
-            samples: Vec::with_capacity(spec.iters as usize),
+            samples: Vec::with_capacity((spec.warmup + spec.iters) as usize),
             failed: None,
             end: RunEnd::default(),
         }
     }
 
     /// Per-iteration latencies in nanoseconds (half round trips for SEND and
-    /// WRITE, full READs), once finished.
+    /// WRITE, full READs) after the warmup, once finished.
     pub fn latencies_ns(&self) -> Vec<u64> {
         let whole = self.spec.op == PerfOp::Read;
-        self.samples
+        self.samples[first_measured(&self.spec, &self.samples)..]
             .iter()
             .map(|&ticks| latency_ns(&self.clock, whole, ticks))
             .collect()
     }
 
-    /// As [`latencies_ns`](Self::latencies_ns), converting the samples in
-    /// place (a report at the end of a run: no second array).
-    pub fn into_latencies_ns(mut self) -> Vec<u64> {
-        let whole = self.spec.op == PerfOp::Read;
-        for sample in &mut self.samples {
-            *sample = latency_ns(&self.clock, whole, *sample);
-        }
-        self.samples
+    /// The run's latency columns (its samples after the warmup), once
+    /// finished; `None` without any.
+    pub fn into_latency_stats(mut self) -> Option<LatencyStats> {
+        latency_stats(&self.spec, &self.clock, &mut self.samples)
     }
 
     /// The error that ended the run early, if any.
@@ -150,9 +165,7 @@ impl LatencyClient {
         let now = self.clock.now();
         let elapsed = now.saturating_sub(self.started_at);
         self.in_flight = false;
-        if self.seq >= self.spec.warmup {
-            self.samples.push(elapsed);
-        }
+        self.samples.push(elapsed);
         self.seq += 1;
         if self.seq == self.spec.warmup + self.spec.iters {
             self.end.begin(ctx, self.conn);

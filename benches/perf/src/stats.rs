@@ -30,21 +30,29 @@ pub const LATENCY_HEADER: &str = " #bytes #iterations    t_min[usec]    t_max[us
 impl LatencyStats {
     /// Computes the columns from per-iteration latencies in nanoseconds.
     pub fn from_ns(bytes: usize, samples_ns: &[u64]) -> Option<Self> {
-        if samples_ns.is_empty() {
+        Self::from_ticks(bytes, &mut samples_ns.to_vec(), 1.0)
+    }
+
+    /// Computes the columns from per-iteration clock readings, `ticks`
+    /// (sorted in place), of `ns_per_tick` nanoseconds each. Only the
+    /// columns are converted: a tick count orders as its latency does, so
+    /// the samples are never converted one by one before the sort.
+    pub fn from_ticks(bytes: usize, ticks: &mut [u64], ns_per_tick: f64) -> Option<Self> {
+        if ticks.is_empty() {
             return None;
         }
-        let mut us: Vec<f64> = samples_ns.iter().map(|&ns| ns as f64 / 1000.0).collect();
-        us.sort_by(f64::total_cmp);
-        let n = us.len();
-        let avg = us.iter().sum::<f64>() / n as f64;
-        let var = us.iter().map(|v| (v - avg).powi(2)).sum::<f64>() / n as f64;
-        let pct = |p: f64| us[(((n as f64) * p).ceil() as usize).clamp(1, n) - 1];
+        ticks.sort_unstable();
+        let us = |ticks: u64| ticks as f64 * ns_per_tick / 1000.0;
+        let n = ticks.len();
+        let avg = ticks.iter().map(|&t| us(t)).sum::<f64>() / n as f64;
+        let var = ticks.iter().map(|&t| (us(t) - avg).powi(2)).sum::<f64>() / n as f64;
+        let pct = |p: f64| us(ticks[(((n as f64) * p).ceil() as usize).clamp(1, n) - 1]);
         Some(Self {
             bytes,
             iters: n,
-            min_us: us[0],
-            max_us: us[n - 1],
-            typical_us: us[n / 2],
+            min_us: us(ticks[0]),
+            max_us: us(ticks[n - 1]),
+            typical_us: us(ticks[n / 2]),
             avg_us: avg,
             stdev_us: var.sqrt(),
             p99_us: pct(0.99),
@@ -125,6 +133,32 @@ mod tests {
         assert!((stats.avg_us - 500.5).abs() < 1e-9);
         assert!(stats.row().starts_with(" 8       1000"));
         assert!(LatencyStats::from_ns(8, &[]).is_none());
+    }
+
+    #[test]
+    fn ticks_convert_only_the_columns() {
+        // Shuffled, at 0.5 ns a tick: the same columns as the nanoseconds.
+        let mut ticks: Vec<u64> = (1..=1000).rev().map(|i| i * 2000).collect();
+        ticks.swap(3, 700);
+        let stats = LatencyStats::from_ticks(8, &mut ticks, 0.5).unwrap();
+        let samples: Vec<u64> = (1..=1000).map(|i| i * 1000).collect();
+        let want = LatencyStats::from_ns(8, &samples).unwrap();
+        let columns = |s: &LatencyStats| {
+            [
+                s.min_us,
+                s.max_us,
+                s.typical_us,
+                s.avg_us,
+                s.stdev_us,
+                s.p99_us,
+                s.p999_us,
+            ]
+        };
+        for (got, want) in columns(&stats).into_iter().zip(columns(&want)) {
+            assert!((got - want).abs() < 1e-9, "{got} against {want}");
+        }
+        assert_eq!((stats.bytes, stats.iters), (8, 1000));
+        assert!(LatencyStats::from_ticks(8, &mut [], 0.5).is_none());
     }
 
     #[test]
