@@ -19,8 +19,8 @@
 pub struct Clock {
     reference: quanta::Clock,
     /// Nanoseconds per tick in 32.32 fixed point: a conversion is one
-    /// multiply and a shift, where a float one converts twice (a latency
-    /// report converts every sample, the submission trace every request).
+    /// multiply and a shift, where a float one converts twice (the
+    /// submission trace converts every request).
     ns_per_tick_fixed: u64,
 }
 

@@ -19,7 +19,7 @@ use rdma_comm_core::verbs::{
     KeptBatch, KeptRecv, KeptRequest, RecvRequest, SendFlags, WcOpcode, WorkCompletion, WorkRequest,
 };
 
-use crate::latency::{latency_stats, poll_byte};
+use crate::latency::{latency_stats, poll_byte, sample_capacity};
 use crate::rate::RateMarks;
 use crate::{BandwidthStats, Clock, DONE_MARKER, LatencyStats, PerfBuffers, PerfOp, PerfSpec};
 
@@ -241,6 +241,9 @@ pub struct DirectClient {
     spin: bool,
     hold: bool,
     due: Option<u64>,
+    /// Spinning WRITE ping-pong: a signaled WRITE whose completion no
+    /// poll has taken yet.
+    unreaped: bool,
     pub(crate) failed: Option<String>,
 }
 
@@ -256,11 +259,7 @@ impl DirectClient {
     }
 
     fn new(spec: PerfSpec, buffers: PerfBuffers, bandwidth: bool) -> Self {
-        let samples = if bandwidth {
-            0
-        } else {
-            (spec.warmup + spec.iters) as usize
-        };
+        let samples = if bandwidth { 0 } else { sample_capacity(&spec) };
         let clock = Clock::new();
         Self {
             spec,
@@ -282,6 +281,7 @@ impl DirectClient {
             spin: false,
             hold: false,
             due: None,
+            unreaped: false,
             failed: None,
         }
     }
@@ -425,7 +425,7 @@ impl DirectClient {
     /// stamps it; a WRITE ping-pong polls the CQ only to reap a signaled
     /// request, or when the answer is slow, as perftest's loop does).
     fn spin_run(&mut self, spin: &mut Spin<'_>) {
-        let total = self.spec.warmup + self.spec.iters;
+        let total = self.spec.warmup.saturating_add(self.spec.iters);
         let (op, size) = (self.spec.op, self.spec.size);
         let Some(requests) = self.requests.as_mut() else {
             return;
@@ -435,6 +435,7 @@ impl DirectClient {
         let mut started_at = self.started_at;
         let mut in_flight = self.in_flight;
         let mut unsignaled = self.unsignaled;
+        let mut unreaped = self.unreaped;
         // A request the reactor's dispatch answered waits for this spin,
         // timed from that answer.
         let mut now = match self.due.take() {
@@ -456,29 +457,33 @@ impl DirectClient {
                     break;
                 }
                 in_flight = true;
+                unreaped |= unsignaled == 0 && op == PerfOp::Write;
             }
             if op == PerfOp::Write {
                 let want = marker(seq);
                 while !poll_byte(buffer, size - 1, |b| b == want) {
                     // Slow: the CQ, for a failure or the spin's end.
-                    if let Spun::Ended = spin.poll() {
-                        break 'run;
+                    match spin.poll() {
+                        Spun::Completion(SIGNAL_EVERY, _) => unreaped = false,
+                        Spun::Ended => break 'run,
+                        Spun::Completion(..) | Spun::Empty => {}
                     }
                 }
-                // The request just answered was signaled: reap it.
-                if unsignaled == 0 {
-                    loop {
-                        match spin.poll() {
-                            Spun::Completion(id, _) if id == SIGNAL_EVERY => break,
-                            Spun::Ended => {
-                                // Reaped later; the answer is in.
-                                now = stamp(clock, samples, started_at);
-                                in_flight = false;
-                                seq += 1;
-                                break 'run;
-                            }
-                            Spun::Completion(..) | Spun::Empty => {}
+                // A signaled WRITE not reaped yet: one poll an iteration
+                // until it is. Not a wait: its completion may come after
+                // the answer (Soft-RoCE completes it from deferred work,
+                // which a spinning thread can hold off for milliseconds).
+                if unreaped {
+                    match spin.poll() {
+                        Spun::Completion(SIGNAL_EVERY, _) => unreaped = false,
+                        Spun::Ended => {
+                            // The answer is in: its sample stands.
+                            now = stamp(clock, samples, started_at);
+                            in_flight = false;
+                            seq += 1;
+                            break 'run;
                         }
+                        Spun::Completion(..) | Spun::Empty => {}
                     }
                 }
             } else {
@@ -508,6 +513,7 @@ impl DirectClient {
         self.started_at = started_at;
         self.in_flight = in_flight;
         self.unsignaled = unsignaled;
+        self.unreaped = unreaped;
         if let Some(err) = failed {
             return self.fail_with(spin, err);
         }
@@ -658,7 +664,7 @@ impl Handler for DirectClient {
             retired if self.bandwidth => self.retired(ctx, conn, retired),
             _ if wc.opcode() == WcOpcode::RDMA_READ && self.in_flight => self.answered(ctx),
             // Signaled SENDs and WRITEs retire the unsignaled ones before them.
-            _ => {}
+            _ => self.unreaped = false,
         }
     }
 

@@ -40,6 +40,11 @@ pub(crate) fn first_measured(spec: &PerfSpec, samples: &[u64]) -> usize {
     usize::try_from(spec.warmup).map_or(samples.len(), |warmup| warmup.min(samples.len()))
 }
 
+/// Room for every iteration's sample, the warmup's too.
+pub(crate) fn sample_capacity(spec: &PerfSpec) -> usize {
+    usize::try_from(spec.warmup.saturating_add(spec.iters)).unwrap_or(usize::MAX)
+}
+
 /// The latency columns of a client's samples (ticks of `clock`): whole
 /// READs, half SEND and WRITE round trips.
 pub(crate) fn latency_stats(
@@ -65,7 +70,7 @@ impl LatencyClient {
             started_at: 0,
             in_flight: false,
             clock: Clock::new(),
-            samples: Vec::with_capacity((spec.warmup + spec.iters) as usize),
+            samples: Vec::with_capacity(sample_capacity(&spec)),
             failed: None,
             end: RunEnd::default(),
         }
@@ -158,8 +163,8 @@ impl LatencyClient {
     }
 
     fn answered(&mut self, ctx: &mut Ctx<'_>) {
-        // Raw ticks now, nanoseconds after the run (as perftest converts its
-        // cycle counts at the end): no float work inside the measured loop.
+        // Raw ticks now; the report converts only the columns it prints,
+        // after the run: no float work inside the measured loop.
         // One reading ends this round trip and starts the next, as perftest
         // times from post to post.
         let now = self.clock.now();

@@ -37,6 +37,8 @@ impl LatencyStats {
     /// (sorted in place), of `ns_per_tick` nanoseconds each. Only the
     /// columns are converted: a tick count orders as its latency does, so
     /// the samples are never converted one by one before the sort.
+    // Never inlined: tools/instr-count finds the report's sort by this name.
+    #[inline(never)]
     pub fn from_ticks(bytes: usize, ticks: &mut [u64], ns_per_tick: f64) -> Option<Self> {
         if ticks.is_empty() {
             return None;
