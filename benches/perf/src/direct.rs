@@ -457,9 +457,14 @@ impl DirectClient {
                     break;
                 }
                 in_flight = true;
-                unreaped |= unsignaled == 0 && op == PerfOp::Write;
             }
             if op == PerfOp::Write {
+                // The WRITE in flight was signaled (`unsignaled` changes
+                // only with a post). Set again when a spin returns to a
+                // WRITE still in flight: if an earlier spin took its
+                // completion, that costs a poll an iteration until the
+                // next signaled one, 16 iterations at most.
+                unreaped |= unsignaled == 0;
                 let want = marker(seq);
                 while !poll_byte(buffer, size - 1, |b| b == want) {
                     // Slow: the CQ, for a failure or the spin's end.
@@ -469,10 +474,9 @@ impl DirectClient {
                         Spun::Completion(..) | Spun::Empty => {}
                     }
                 }
-                // A signaled WRITE not reaped yet: one poll an iteration
-                // until it is. Not a wait: its completion may come after
-                // the answer (Soft-RoCE completes it from deferred work,
-                // which a spinning thread can hold off for milliseconds).
+                // A signaled WRITE the byte wait's polls did not take:
+                // one poll an iteration until one is taken, never a wait
+                // (a completion taken once is not polled again).
                 if unreaped {
                     match spin.poll() {
                         Spun::Completion(SIGNAL_EVERY, _) => unreaped = false,
