@@ -425,7 +425,7 @@ impl DirectClient {
     /// stamps it; a WRITE ping-pong polls the CQ only to reap a signaled
     /// request, or when the answer is slow, as perftest's loop does).
     fn spin_run(&mut self, spin: &mut Spin<'_>) {
-        let total = self.spec.warmup.saturating_add(self.spec.iters);
+        let total = self.spec.warmup + self.spec.iters;
         let (op, size) = (self.spec.op, self.spec.size);
         let Some(requests) = self.requests.as_mut() else {
             return;
@@ -447,6 +447,9 @@ impl DirectClient {
             if !in_flight {
                 started_at = now;
                 let posted = if op == PerfOp::Write {
+                    // `post_op` signals the SIGNAL_EVERYth request: this
+                    // one's completion is to be reaped.
+                    unreaped |= unsignaled == SIGNAL_EVERY - 1;
                     buffer.write(2 * size - 1, &[marker(seq)])
                 } else {
                     Ok(())
@@ -459,18 +462,21 @@ impl DirectClient {
                 in_flight = true;
             }
             if op == PerfOp::Write {
-                // The WRITE in flight was signaled (`unsignaled` changes
-                // only with a post). Set again when a spin returns to a
-                // WRITE still in flight: if an earlier spin took its
-                // completion, that costs a poll an iteration until the
-                // next signaled one, 16 iterations at most.
-                unreaped |= unsignaled == 0;
                 let want = marker(seq);
                 while !poll_byte(buffer, size - 1, |b| b == want) {
                     // Slow: the CQ, for a failure or the spin's end.
                     match spin.poll() {
                         Spun::Completion(SIGNAL_EVERY, _) => unreaped = false,
-                        Spun::Ended => break 'run,
+                        Spun::Ended => {
+                            // An answer in by now is stamped now, not
+                            // after the reactor's pass.
+                            if poll_byte(buffer, size - 1, |b| b == want) {
+                                now = stamp(clock, samples, started_at);
+                                in_flight = false;
+                                seq += 1;
+                            }
+                            break 'run;
+                        }
                         Spun::Completion(..) | Spun::Empty => {}
                     }
                 }
