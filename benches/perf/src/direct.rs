@@ -422,8 +422,9 @@ impl DirectClient {
     /// The latency run's loop on the CQs `spin` lends, until the run is
     /// over or the spin ends: perftest's loop, its state in locals for the
     /// spin's length (each iteration posts, waits for its answer and
-    /// stamps it; a WRITE ping-pong polls the CQ only to reap a signaled
-    /// request, or when the answer is slow, as perftest's loop does).
+    /// stamps it; a WRITE ping-pong polls the CQ only to reap the one
+    /// WRITE in SIGNAL_EVERY it signals, or when the answer is slow, where
+    /// perftest signals and reaps every WRITE).
     fn spin_run(&mut self, spin: &mut Spin<'_>) {
         let total = self.spec.warmup + self.spec.iters;
         let (op, size) = (self.spec.op, self.spec.size);
