@@ -236,10 +236,9 @@ pub struct DirectClient {
     /// Send-queue entries the run may use.
     depth: u64,
     /// Latency: the run's loop spins on the reactor's CQs from `on_idle`
-    /// (`Ctx::spin`); between spins, the next request waits for the next
-    /// one (`hold`), due from this time.
+    /// (`Ctx::spin`); a request answered between spins waits for the next
+    /// one, due from this time.
     spin: bool,
-    hold: bool,
     due: Option<u64>,
     /// Spinning WRITE ping-pong: a signaled WRITE whose completion no
     /// poll has taken yet.
@@ -279,7 +278,6 @@ impl DirectClient {
             marks: RateMarks::new(if bandwidth { spec.iters } else { 0 }, 1, clock),
             depth: 0,
             spin: false,
-            hold: false,
             due: None,
             unreaped: false,
             failed: None,
@@ -290,7 +288,6 @@ impl DirectClient {
     /// (`Ctx::spin`): perftest's loop inside the reactor's ownership.
     pub fn spinning(mut self) -> Self {
         self.spin = !self.bandwidth;
-        self.hold = self.spin;
         self
     }
 
@@ -374,7 +371,7 @@ impl DirectClient {
         self.seq += 1;
         if self.seq == self.spec.warmup + self.spec.iters {
             self.end(ctx);
-        } else if self.hold {
+        } else if self.spin {
             // Spinning, every request goes out from the spin: the next
             // idle pass lends one.
             self.due = Some(now);
