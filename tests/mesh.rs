@@ -21,8 +21,9 @@ fn mesh_tool() -> PathBuf {
 /// core: the mesh pins its reactors itself, unless `--no-pin` is among
 /// `flags`); returns its output and rank 0's JSON.
 fn mpirun_mesh(flags: &[&str]) -> (Output, serde_json::Value) {
-    let json = std::env::temp_dir().join(format!("mesh-{}.json", free_port()));
-    let base_port = free_port().saturating_sub(8).max(1024).to_string();
+    let base_port = free_ports(4);
+    let json = std::env::temp_dir().join(format!("mesh-{base_port}.json"));
+    let base_port = base_port.to_string();
     let mut command = Command::new("mpirun");
     // Open MPI refuses root unless told; the guest runs tests as root.
     // SAFETY: geteuid has no preconditions.
@@ -133,7 +134,7 @@ verbs_test! {
 
 verbs_test! {
     fn a_rank_killed_mid_stream_is_reported_by_the_others() {
-        let base_port = free_port().saturating_sub(8).max(1024).to_string();
+        let base_port = free_ports(3).to_string();
         let spawn = |rank: usize| {
             let mut command = Command::new(workspace_binary("mesh"));
             command

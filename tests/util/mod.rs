@@ -177,12 +177,48 @@ fn profile_dir() -> PathBuf {
     exe.parent().unwrap().parent().unwrap().to_path_buf()
 }
 
-/// A TCP port that was free a moment ago.
+/// A TCP port that was free a moment ago (see [`free_ports`]).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("a free port")
+    free_ports(1)
+}
+
+/// The first of `count` consecutive TCP ports that were free a moment ago.
+///
+/// The ports lie below the kernel's ephemeral range, and each call of this
+/// process gets a block no earlier call got. A port from `bind(":0")` or a
+/// neighbour of one is an ephemeral port: a connection that a test running
+/// alongside makes can take it between this check and the server's bind,
+/// which once failed a mesh test with `EADDRINUSE`.
+pub fn free_ports(count: u16) -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    // Blocks handed out by this process, counted from its own start offset.
+    static HANDED_OUT: AtomicU32 = AtomicU32::new(0);
+    const FLOOR: u32 = 10_000;
+    let ceiling = ephemeral_range_start().max(FLOOR + 1_000);
+    let span = ceiling - FLOOR - u32::from(count);
+    // Test binaries run one after another, but a pid-derived start keeps
+    // two that overlap from walking the same ports.
+    let start = std::process::id().wrapping_mul(7_919) % span;
+    for _ in 0..span / u32::from(count.max(1)) {
+        let taken = HANDED_OUT.fetch_add(u32::from(count), Ordering::Relaxed);
+        let base = FLOOR + (start + taken) % span;
+        // Every port at once, on the wildcard address the tools bind.
+        let all_free: Result<Vec<_>, _> = (0..u32::from(count))
+            .map(|offset| std::net::TcpListener::bind(("0.0.0.0", (base + offset) as u16)))
+            .collect();
+        if all_free.is_ok() {
+            return base as u16;
+        }
+    }
+    panic!("no {count} consecutive free TCP ports in {FLOOR}..{ceiling}");
+}
+
+/// The first port of the kernel's ephemeral range (32768 unless tuned).
+fn ephemeral_range_start() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// One SEND from `from` to `to` on channel 0, verified.
