@@ -262,6 +262,53 @@ fn a_failed_completion_ends_the_spin_and_fails_the_connection_once() {
     ));
 }
 
+/// A CQ poll that fails inside a spin ends it, and the pass returns the
+/// error with the verb and the device; what that poll left queued (the
+/// loopback device drops nothing) reaches the handler at the next pass,
+/// once, and the connection spins on.
+#[test]
+fn a_failed_cq_poll_ends_the_spin_and_the_pass_reports_it() {
+    let (_pd, mut reactor, a, b) = lean_pair();
+    let read = read_request(&a, &b, 4);
+    let (conn, seen) = (a.conn, Seen::default());
+    let seen_in = Rc::clone(&seen);
+    let mut read_in = Some(read);
+    plan(&a, move |ctx| {
+        let Some(mut read) = read_in.take() else {
+            return false;
+        };
+        let mut spin = ctx.spin(conn).expect("a spin");
+        spin.qp().post_kept(&mut read).expect("a READ");
+        crate::verbs::fail_next_polls(1);
+        drain(&mut spin, &seen_in, 1);
+        assert!(matches!(spin.poll(), Spun::Ended), "ended for good");
+        false
+    });
+    let error = reactor
+        .poll_once()
+        .expect_err("the pass reports the failed poll");
+    crate::verbs::fail_next_polls(0);
+    assert_eq!(error.errno(), Some(libc::EIO), "{error}");
+    let shown = error.to_string();
+    assert!(
+        shown.contains("ibv_poll_cq") && shown.contains("loopback"),
+        "names the verb and the device: {shown}"
+    );
+    assert!(seen.borrow().ended && seen.borrow().taken.is_empty());
+    assert!(a.log.borrow().completions.is_empty(), "not told yet");
+    for _ in 0..10 {
+        reactor.turn().unwrap();
+    }
+    assert_eq!(
+        a.log.borrow().completions,
+        [(4, WcOpcode::RDMA_READ, 8)],
+        "the READ the failed poll left, once, the usual way"
+    );
+    assert!(a.log.borrow().errors.is_empty() && b.log.borrow().errors.is_empty());
+    let seen = post_in_a_spin(&mut reactor, &a, read_request(&a, &b, 5), 1);
+    assert_eq!(seen.borrow().taken, [(5, WcOpcode::RDMA_READ)], "spins on");
+}
+
 /// A spin is lent only in `on_idle`, and only for a direct connection.
 #[test]
 fn a_spin_is_lent_only_in_on_idle_for_a_direct_connection() {

@@ -146,11 +146,31 @@ pub(super) unsafe fn ring_of<'a>(cq: *mut sys::ibv_cq) -> &'a Arc<CqRing> {
     unsafe { &(*cq.cast::<CqObj>()).ring }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Test-only fault: how many of this thread's next CQ polls fail.
+    static FAILING_POLLS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Makes this thread's next `count` polls of any loopback CQ fail with
+/// `EIO`, as a provider's poll that fails does, leaving what they would
+/// have found queued (tests of a failed poll). Per thread, so tests that
+/// run alongside are not hit.
+#[cfg(test)]
+pub(crate) fn fail_next_polls(count: u32) {
+    FAILING_POLLS.set(count);
+}
+
 pub(super) unsafe extern "C" fn poll_cq(
     cq: *mut sys::ibv_cq,
     num: c_int,
     wc: *mut sys::ibv_wc,
 ) -> c_int {
+    #[cfg(test)]
+    if let Some(left) = FAILING_POLLS.get().checked_sub(1) {
+        FAILING_POLLS.set(left);
+        return -libc::EIO;
+    }
     // SAFETY: libibverbs' contract: `cq` is a live CQ of this context (one
     // of ours) and `wc` has room for `num` entries.
     unsafe { ring_of(cq).poll(num.max(0) as usize, wc) }

@@ -83,6 +83,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use crate::error::Error;
 use crate::sys;
 
+#[cfg(test)]
+pub(crate) use cq::fail_next_polls;
 pub(crate) use cq::{create_cq, destroy_cq};
 use cq::{poll_cq, req_notify_cq};
 pub(crate) use pd_mr::{alloc_pd, dealloc_pd, dereg_mr, reg_mr};
