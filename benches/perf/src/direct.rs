@@ -258,6 +258,7 @@ impl DirectClient {
     }
 
     fn new(spec: PerfSpec, buffers: PerfBuffers, bandwidth: bool) -> Self {
+        let spec = spec.at_least_one_iteration();
         let samples = if bandwidth { 0 } else { sample_capacity(&spec) };
         let clock = Clock::new();
         Self {

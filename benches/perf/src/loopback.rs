@@ -130,3 +130,96 @@ pub fn perf_pair_on(
         exports,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{direct_perf_pair, perf_pair};
+    use crate::{
+        DirectClient, DirectServer, LatencyClient, PerfHandler, PerfOp, PerfSpec, RateSender,
+        RateSink, Reflector,
+    };
+
+    /// A spec of no iterations at all, warmup included.
+    fn no_iterations(op: PerfOp, batch: usize) -> PerfSpec {
+        PerfSpec {
+            op,
+            size: 8,
+            iters: 0,
+            warmup: 0,
+            batch,
+            tx_depth: 0,
+        }
+    }
+
+    /// Every client asked for 0 iterations runs one and stops its reactor
+    /// (a latency client counted to `warmup + iters` and never met 0).
+    #[test]
+    fn every_client_asked_for_no_iterations_ends() {
+        type Build = fn(PerfSpec) -> super::Result<super::PerfPair>;
+        let cases: [(&str, PerfOp, Build); 7] = [
+            ("protocol send latency", PerfOp::Send, |spec| {
+                perf_pair(
+                    1,
+                    8,
+                    |b| PerfHandler::Latency(LatencyClient::new(spec, b)),
+                    |b| PerfHandler::Reflect(Reflector::new(spec, b)),
+                )
+            }),
+            ("protocol read latency", PerfOp::Read, |spec| {
+                perf_pair(
+                    1,
+                    8,
+                    |b| PerfHandler::Latency(LatencyClient::new(spec, b)),
+                    |b| PerfHandler::Reflect(Reflector::new(spec, b)),
+                )
+            }),
+            ("protocol send rate", PerfOp::Send, |spec| {
+                perf_pair(
+                    16,
+                    8,
+                    |b| PerfHandler::Rate(RateSender::new(spec, b)),
+                    |_| PerfHandler::Sink(RateSink::default()),
+                )
+            }),
+            ("direct send latency", PerfOp::Send, |spec| {
+                direct_perf_pair(
+                    8,
+                    |b| PerfHandler::DirectClient(DirectClient::latency(spec, b)),
+                    |b| PerfHandler::DirectServer(DirectServer::new(spec, b, false)),
+                )
+            }),
+            ("direct read latency", PerfOp::Read, |spec| {
+                direct_perf_pair(
+                    8,
+                    |b| PerfHandler::DirectClient(DirectClient::latency(spec, b)),
+                    |b| PerfHandler::DirectServer(DirectServer::new(spec, b, false)),
+                )
+            }),
+            ("spinning read latency", PerfOp::Read, |spec| {
+                direct_perf_pair(
+                    8,
+                    |b| PerfHandler::DirectClient(DirectClient::latency(spec, b).spinning()),
+                    |b| PerfHandler::DirectServer(DirectServer::new(spec, b, false)),
+                )
+            }),
+            ("direct write rate", PerfOp::Write, |spec| {
+                direct_perf_pair(
+                    8,
+                    |b| PerfHandler::DirectClient(DirectClient::bandwidth(spec, b)),
+                    |b| PerfHandler::DirectServer(DirectServer::new(spec, b, true)),
+                )
+            }),
+        ];
+        for (name, op, build) in cases {
+            let batch = if name.ends_with("rate") { 16 } else { 1 };
+            let mut pair = build(no_iterations(op, batch)).expect("a loopback pair");
+            let stopped = pair
+                .reactor
+                .run_for(Duration::from_secs(10))
+                .expect("passes");
+            assert!(stopped, "{name}: a client of 0 iterations never ended");
+        }
+    }
+}

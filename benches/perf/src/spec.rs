@@ -39,7 +39,8 @@ pub struct PerfSpec {
     pub op: PerfOp,
     /// Message size in bytes.
     pub size: usize,
-    /// Measured iterations.
+    /// Measured iterations (a client runs at least one: see
+    /// [`PerfSpec::at_least_one_iteration`]).
     pub iters: u64,
     /// Unmeasured iterations first.
     pub warmup: u64,
@@ -50,6 +51,16 @@ pub struct PerfSpec {
     /// credits. Without a bound, a fast sender keeps hundreds of large
     /// WRITEs queued at once, which no NIC needs to stay busy.
     pub tx_depth: u64,
+}
+
+impl PerfSpec {
+    /// The same spec with at least one measured iteration: every client
+    /// ends when its count of iterations reaches `warmup + iters` (or
+    /// `iters` messages retire), a count that 0 would never be reached by.
+    pub fn at_least_one_iteration(mut self) -> Self {
+        self.iters = self.iters.max(1);
+        self
+    }
 }
 
 /// Buffers one side needs. `buffer` holds `2 × size` bytes and is exported:
