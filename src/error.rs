@@ -44,6 +44,19 @@ pub enum Error {
         /// How many requests of the list were accepted before the failing one.
         posted: usize,
     },
+    /// Polling a completion queue failed: the CQ overran or the device
+    /// failed, and it cannot be polled on. `ibv_poll_cq` returns a negative
+    /// value then, not an errno (mlx4 and mlx5 return -2 whatever the
+    /// cause, others `-errno`), so the provider's value is kept as it is.
+    #[error(
+        "ibv_poll_cq failed on {device}: the provider returned {code} (a CQ overrun or a device error)"
+    )]
+    CqPoll {
+        /// The device.
+        device: Arc<str>,
+        /// What the provider's poll returned (negative).
+        code: i32,
+    },
     /// The device or provider does not implement a verb.
     #[error("{verb} is not supported by {device}")]
     Unsupported {
@@ -605,6 +618,7 @@ impl Error {
             // name, perhaps), not a peer that answered.
             Error::Verbs { .. }
             | Error::Post { .. }
+            | Error::CqPoll { .. }
             | Error::Unsupported { .. }
             | Error::NoDevice(_)
             | Error::Port { .. }

@@ -89,7 +89,7 @@ impl<T> Slab<T> {
     }
 
     /// Whether entry `index` is on list `list` (always, when the slab does
-    /// not track): for the checks of debug builds.
+    /// not track): for the checks of debug builds and for tests.
     #[cfg(any(test, debug_assertions))]
     pub(crate) fn is_listed(&self, list: usize, index: u32) -> bool {
         !self.tracking

@@ -277,6 +277,10 @@ impl CompletionQueue {
     /// Polls up to `out.len()` completions into `out` and returns the filled
     /// prefix. Never allocates and never blocks; an empty slice means nothing
     /// was ready.
+    ///
+    /// # Errors
+    /// [`Error::CqPoll`] when the provider's poll fails (the CQ overran or
+    /// the device failed): the CQ cannot be polled on.
     #[inline]
     pub fn poll<'a>(&mut self, out: &'a mut [WorkCompletion]) -> Result<&'a [WorkCompletion]> {
         let max = out.len().min(c_int::MAX as usize) as c_int;
@@ -284,9 +288,9 @@ impl CompletionQueue {
         // transparent ibv_wc; the function pointer came from this CQ's context.
         let n = unsafe { (self.poll_fn)(self.inner.cq.as_ptr(), max, out.as_mut_ptr().cast()) };
         if n < 0 {
-            check_rc(n, "ibv_poll_cq", &self.inner.ctx.name, None)?;
+            return Err(self.poll_error(PollFailed(n)));
         }
-        Ok(&out[..n.max(0) as usize])
+        Ok(&out[..n as usize])
     }
 
     /// As [`poll`](Self::poll), for a hot loop: how many completions it
@@ -310,14 +314,15 @@ impl CompletionQueue {
         Ok(n as usize)
     }
 
-    /// The error of a failed [`poll_count`](Self::poll_count), naming the
-    /// verb and the device (read `errno` before any other call).
+    /// The error of a failed [`poll_count`](Self::poll_count):
+    /// [`Error::CqPoll`], naming the device, with what the provider
+    /// returned.
     #[cold]
     #[inline(never)]
     pub fn poll_error(&self, failed: PollFailed) -> Error {
-        match check_rc(failed.0, "ibv_poll_cq", &self.inner.ctx.name, None) {
-            Err(error) => error,
-            Ok(()) => Error::InvalidArgument("ibv_poll_cq failed without an error code"),
+        Error::CqPoll {
+            device: Arc::clone(&self.inner.ctx.name),
+            code: failed.0,
         }
     }
 

@@ -182,43 +182,71 @@ pub fn free_port() -> u16 {
     free_ports(1)
 }
 
-/// The first of `count` consecutive TCP ports that were free a moment ago.
+/// The first of `count` (1 to [`PORT_BLOCK`]) consecutive TCP ports that
+/// were free a moment ago.
 ///
-/// The ports lie below the kernel's ephemeral range, and each call of this
-/// process gets a block no earlier call got. A port from `bind(":0")` or a
-/// neighbour of one is an ephemeral port: a connection that a test running
-/// alongside makes can take it between this check and the server's bind,
-/// which once failed a mesh test with `EADDRINUSE`.
+/// The ports lie outside the kernel's ephemeral range, in blocks of
+/// [`PORT_BLOCK`], and each call of this process gets a block no earlier
+/// call got, whatever the counts. A port from `bind(":0")`, or a
+/// neighbour of one, is an ephemeral port: a connection that a test
+/// running alongside makes can take it between this check and the
+/// server's bind, which once failed a mesh test with `EADDRINUSE`.
 pub fn free_ports(count: u16) -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
-    // Blocks handed out by this process, counted from its own start offset.
+    // Blocks handed out by this process, counted from its own start.
     static HANDED_OUT: AtomicU32 = AtomicU32::new(0);
-    const FLOOR: u32 = 10_000;
-    let ceiling = ephemeral_range_start().max(FLOOR + 1_000);
-    let span = ceiling - FLOOR - u32::from(count);
+    assert!(
+        (1..=PORT_BLOCK).contains(&count),
+        "free_ports hands out 1 to {PORT_BLOCK} ports, not {count}"
+    );
+    let (floor, ceiling) = ports_outside_the_ephemeral_range();
+    let blocks = (ceiling - floor) / u32::from(PORT_BLOCK);
+    assert!(
+        blocks > 0,
+        "no block of {PORT_BLOCK} ports in {floor}..{ceiling}"
+    );
     // Test binaries run one after another, but a pid-derived start keeps
-    // two that overlap from walking the same ports.
-    let start = std::process::id().wrapping_mul(7_919) % span;
-    for _ in 0..span / u32::from(count.max(1)) {
-        let taken = HANDED_OUT.fetch_add(u32::from(count), Ordering::Relaxed);
-        let base = FLOOR + (start + taken) % span;
+    // two that overlap from walking the same blocks.
+    let start = std::process::id().wrapping_mul(7_919) % blocks;
+    for _ in 0..blocks {
+        let taken = HANDED_OUT.fetch_add(1, Ordering::Relaxed);
+        let base = floor + (start.wrapping_add(taken) % blocks) * u32::from(PORT_BLOCK);
         // Every port at once, on the wildcard address the tools bind.
-        let all_free: Result<Vec<_>, _> = (0..u32::from(count))
-            .map(|offset| std::net::TcpListener::bind(("0.0.0.0", (base + offset) as u16)))
+        let all_free: Result<Vec<_>, _> = (base..base + u32::from(count))
+            .map(|port| std::net::TcpListener::bind(("0.0.0.0", port as u16)))
             .collect();
         if all_free.is_ok() {
             return base as u16;
         }
     }
-    panic!("no {count} consecutive free TCP ports in {FLOOR}..{ceiling}");
+    panic!("no {count} consecutive free TCP ports in {floor}..{ceiling}");
 }
 
-/// The first port of the kernel's ephemeral range (32768 unless tuned).
-fn ephemeral_range_start() -> u32 {
-    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|range| range.split_whitespace().next()?.parse().ok())
-        .unwrap_or(32_768)
+/// The most ports one [`free_ports`] call hands out.
+pub const PORT_BLOCK: u16 = 8;
+
+/// The larger run of ports, `floor..ceiling`, that the kernel's ephemeral
+/// range (`ip_local_port_range`, 32768–60999 unless tuned) leaves: below
+/// it from 10000 (clear of the well-known and usual service ports), or
+/// above it.
+fn ports_outside_the_ephemeral_range() -> (u32, u32) {
+    const FLOOR: u32 = 10_000;
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok();
+    let mut bounds = range
+        .iter()
+        .flat_map(|range| range.split_whitespace())
+        .map(|bound| bound.parse::<u32>().ok());
+    let (low, high) = match (bounds.next().flatten(), bounds.next().flatten()) {
+        (Some(low), Some(high)) if low <= high && high < 65_536 => (low, high),
+        _ => (32_768, 60_999),
+    };
+    let below = (FLOOR, low.max(FLOOR));
+    let above = (high + 1, 65_536);
+    if below.1 - below.0 >= above.1 - above.0 {
+        below
+    } else {
+        above
+    }
 }
 
 /// One SEND from `from` to `to` on channel 0, verified.

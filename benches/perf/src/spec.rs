@@ -54,9 +54,13 @@ pub struct PerfSpec {
 }
 
 impl PerfSpec {
-    /// The same spec with at least one measured iteration: every client
-    /// ends when its count of iterations reaches `warmup + iters` (or
-    /// `iters` messages retire), a count that 0 would never be reached by.
+    /// The same spec with at least one measured iteration, as every
+    /// client runs it: a latency client ends when its count of iterations
+    /// reaches `warmup + iters`, which with no warmup and 0 iterations it
+    /// passed at the first answer and never met; a sender of 0 messages
+    /// would wait for a completion that never comes. With a warmup and
+    /// 0 iterations, one is measured after the warmup.
+    #[must_use]
     pub fn at_least_one_iteration(mut self) -> Self {
         self.iters = self.iters.max(1);
         self

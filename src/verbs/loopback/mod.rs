@@ -44,8 +44,8 @@
 //! - A CQ is a bounded ring of `ibv_wc` allocated at creation. A completion
 //!   that does not fit is dropped, the QP it belonged to goes to the error
 //!   state, and once the entries queued before it are polled every poll of
-//!   that CQ fails with `EOVERFLOW` (the CQ is dead, as after a hardware CQ
-//!   overrun).
+//!   that CQ returns `-EOVERFLOW` (`Error::CqPoll`: the CQ is dead, as
+//!   after a hardware CQ overrun).
 //! - Not supported (the verbs return `Error::Unsupported`): completion
 //!   channels and `req_notify` (busy polling only), memory windows,
 //!   atomics, and QP types other than RC. An SRQ has no limit event.

@@ -230,7 +230,7 @@ fn a_full_cq_fails_the_qp_and_then_reports_the_overflow() {
     assert_eq!(ids, [70, 1]);
     let err = cq.poll(&mut wcs).unwrap_err();
     assert!(
-        matches!(err, Error::Verbs { errno, .. } if errno == libc::EOVERFLOW),
+        matches!(err, Error::CqPoll { code, .. } if code == -libc::EOVERFLOW),
         "{err}"
     );
 }
