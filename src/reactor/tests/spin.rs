@@ -263,9 +263,9 @@ fn a_failed_completion_ends_the_spin_and_fails_the_connection_once() {
 }
 
 /// A CQ poll that fails inside a spin ends it, and the pass returns the
-/// error with the device and the provider's code; what that poll left queued (the
-/// loopback device drops nothing) reaches the handler at the next pass,
-/// once, and the connection spins on.
+/// error with the device and the provider's code; what that poll left
+/// queued (the loopback device drops nothing) reaches the handler at the
+/// next pass, once, and the connection spins on.
 #[test]
 fn a_failed_cq_poll_ends_the_spin_and_the_pass_reports_it() {
     let (_pd, mut reactor, a, b) = lean_pair();
