@@ -323,10 +323,7 @@ impl CompletionQueue {
     #[cold]
     #[inline(never)]
     pub fn poll_error(&self, failed: PollFailed) -> Error {
-        Error::CqPoll {
-            device: Arc::clone(&self.inner.ctx.name),
-            code: failed.0,
-        }
+        cq_poll_error(failed.0, &self.inner.ctx.name)
     }
 
     /// Arms the CQ: the channel gets an event for the next completion (or the
@@ -340,13 +337,17 @@ impl CompletionQueue {
     }
 }
 
-/// [`Error::CqPoll`] for a poll of `device`'s CQ that returned `code`
-/// (for [`CompletionQueue::poll`]).
+/// The error of [`CompletionQueue::poll`] when its poll returned `code`.
 fn poll_failed(code: c_int, device: &Arc<str>) -> Result<()> {
-    Err(Error::CqPoll {
+    Err(cq_poll_error(code, device))
+}
+
+/// [`Error::CqPoll`] for a poll of `device`'s CQ that returned `code`.
+fn cq_poll_error(code: c_int, device: &Arc<str>) -> Error {
+    Error::CqPoll {
         device: Arc::clone(device),
         code,
-    })
+    }
 }
 
 pub(crate) struct ChannelInner {
