@@ -258,7 +258,7 @@ impl DirectClient {
     }
 
     fn new(spec: PerfSpec, buffers: PerfBuffers, bandwidth: bool) -> Self {
-        let spec = spec.at_least_one_iteration();
+        let spec = spec.runnable();
         let samples = if bandwidth { 0 } else { sample_capacity(&spec) };
         let clock = Clock::new();
         Self {

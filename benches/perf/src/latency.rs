@@ -61,7 +61,7 @@ pub(crate) fn latency_stats(
 impl LatencyClient {
     /// A client for `spec` with preallocated sample storage.
     pub fn new(spec: PerfSpec, buffers: PerfBuffers) -> Self {
-        let spec = spec.at_least_one_iteration();
+        let spec = spec.runnable();
         Self {
             spec,
             remote: buffers.peer.slice(0, spec.size as u64).ok(),

@@ -112,7 +112,7 @@ const PEAK_FRACTION: u64 = 4;
 impl RateSender {
     /// A sender for `spec`.
     pub fn new(spec: PerfSpec, buffers: PerfBuffers) -> Self {
-        let spec = spec.at_least_one_iteration();
+        let spec = spec.runnable();
         Self {
             spec,
             buffers,

@@ -40,7 +40,7 @@ pub struct PerfSpec {
     /// Message size in bytes.
     pub size: usize,
     /// Measured iterations (a client runs at least one: see
-    /// [`PerfSpec::at_least_one_iteration`]).
+    /// [`PerfSpec::runnable`]).
     pub iters: u64,
     /// Unmeasured iterations first.
     pub warmup: u64,
@@ -54,15 +54,17 @@ pub struct PerfSpec {
 }
 
 impl PerfSpec {
-    /// The same spec with at least one measured iteration, as every
-    /// client runs it: a latency client ends when its count of iterations
-    /// reaches `warmup + iters`, which with no warmup and 0 iterations it
-    /// passed at the first answer and never met; a sender of 0 messages
-    /// would wait for a completion that never comes. With a warmup and
-    /// 0 iterations, one is measured after the warmup.
+    /// The spec as every client runs it: at least one measured iteration,
+    /// and a warmup short enough that `warmup + iters` fits in a `u64`, so
+    /// the clients' plain sums cannot wrap. A latency client ends when its
+    /// count of iterations reaches `warmup + iters`, which with no warmup
+    /// and 0 iterations it passed at the first answer and never met; a
+    /// sender of 0 messages would wait for a completion that never comes.
+    /// With a warmup and 0 iterations, one is measured after the warmup.
     #[must_use]
-    pub fn at_least_one_iteration(mut self) -> Self {
+    pub fn runnable(mut self) -> Self {
         self.iters = self.iters.max(1);
+        self.warmup = self.warmup.min(u64::MAX - self.iters);
         self
     }
 }
@@ -77,4 +79,32 @@ pub struct PerfBuffers {
     pub buffer: MemoryRegion,
     /// The peer's exported buffer.
     pub peer: RemoteRegion,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PerfOp, PerfSpec};
+
+    fn spec(iters: u64, warmup: u64) -> PerfSpec {
+        PerfSpec {
+            op: PerfOp::Send,
+            size: 8,
+            iters,
+            warmup,
+            batch: 1,
+            tx_depth: 0,
+        }
+    }
+
+    /// A runnable spec measures at least one iteration and its total
+    /// count fits in a `u64`; one that already did is left as it was.
+    #[test]
+    fn a_runnable_spec_measures_one_and_its_total_fits() {
+        let zero = spec(0, 0).runnable();
+        assert_eq!((zero.iters, zero.warmup), (1, 0));
+        let huge = spec(u64::MAX - 3, u64::MAX).runnable();
+        assert_eq!(huge.warmup, 3, "warmup + iters must not wrap");
+        assert_eq!(huge.warmup.checked_add(huge.iters), Some(u64::MAX));
+        assert_eq!(spec(20_000, 2_000).runnable(), spec(20_000, 2_000));
+    }
 }
