@@ -8,6 +8,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use super::Export;
+use super::peer_places::PeerPlace;
 use super::wire::{FrameReader, Message, RegionInfo, WireError};
 use crate::error::{Error, Result};
 use crate::verbs::{BoundWindow, CompletionQueue, QueuePair, RemoteRegion, WorkCompletion};
@@ -164,6 +165,9 @@ pub struct SessionLink {
     /// Set once the disconnect message went out: whether it reached the
     /// socket (see [`SessionLink::send_disconnect`]).
     disconnect_sent: Option<bool>,
+    /// The peer's place in its server's peer limit, given back with the
+    /// link (none on the client's side).
+    place: Option<PeerPlace>,
 }
 
 impl fmt::Debug for Endpoint {
@@ -206,6 +210,7 @@ impl Endpoint {
                 control,
                 closed: false,
                 disconnect_sent: None,
+                place: None,
             },
             home_token: None,
         }
@@ -216,6 +221,11 @@ impl Endpoint {
     pub fn into_parts(self) -> (Vec<QueuePair>, SessionLink) {
         let Endpoint { qps, link, .. } = self;
         (qps.into_iter().map(|c| c.qp).collect(), link)
+    }
+
+    /// Gives the endpoint its peer's place in the server's peer limit.
+    pub(super) fn hold_place(&mut self, place: PeerPlace) {
+        self.link.place = Some(place);
     }
 
     /// Takes what the server's [`place`](super::ServerConfig::place)

@@ -29,6 +29,7 @@ mod client;
 mod cm;
 mod endpoint;
 mod handshake;
+mod peer_places;
 pub(crate) mod net;
 mod server;
 pub mod wire;
@@ -239,8 +240,8 @@ const WINDOW_RIGHTS: AccessFlags = AccessFlags::REMOTE_WRITE
 /// Default time a handshake may take end to end.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Default time a server gives a connection to say hello and prove its key
-/// before it is admitted (see [`ServerConfig::hello_timeout`]).
+/// Default time a server gives a connection to prove itself (see
+/// [`ServerConfig::hello_timeout`]).
 pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Largest frame payload before admission: a hello with the most QPs and
@@ -272,8 +273,9 @@ const LAST_FRAME_WAIT: Duration = Duration::from_millis(200);
 
 /// The TCP control connection during a handshake. One absolute deadline
 /// bounds the whole handshake: every read and write waits at most until
-/// then, however the peer drips its bytes. Before admission a shorter one
-/// applies, and frames are capped at what a hello needs.
+/// then, however the peer drips its bytes. Until the peer has proven
+/// itself a shorter one applies, and until admission frames are capped at
+/// what a hello needs.
 struct Control {
     stream: TcpStream,
     peer: SocketAddr,
@@ -377,8 +379,11 @@ impl FrameIo for Control {
     }
 
     fn admitted(&mut self) {
-        self.deadline = self.final_deadline;
         self.reader.set_max_payload(wire::MAX_PAYLOAD);
+    }
+
+    fn proven(&mut self) {
+        self.deadline = self.final_deadline;
     }
 
     fn send_last(&mut self, frame: &[u8]) {

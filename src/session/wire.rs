@@ -145,7 +145,9 @@ pub enum Message {
     Reject {
         /// Reason code ([`reject_code`](super::reject_code)).
         code: u16,
-        /// Human-readable reason (at most [`MAX_NAME_LEN`] bytes).
+        /// Human-readable reason (at most [`MAX_NAME_LEN`] bytes on the
+        /// wire). Decoded with control and bidirectional formatting
+        /// characters escaped, so a peer's reason prints as one plain line.
         reason: String,
     },
     /// Either side: my QPs are ready; with authentication, a proof over the
@@ -188,7 +190,7 @@ impl Message {
                 hello.qps.iter().try_for_each(|name| check_name(name))
             }
             Message::Offer(h) | Message::Accept(h) => check_handshake(h),
-            Message::Reject { reason, .. } => check_name(reason),
+            Message::Reject { reason, .. } => check_len(reason),
             Message::Challenge { .. }
             | Message::Admit
             | Message::Proof(_)
@@ -277,11 +279,52 @@ impl Message {
     }
 }
 
-fn check_name(name: &str) -> Result<(), WireError> {
-    if name.len() > MAX_NAME_LEN {
+fn check_len(text: &str) -> Result<(), WireError> {
+    if text.len() > MAX_NAME_LEN {
         return Err(WireError::Malformed("a name is longer than 255 bytes"));
     }
     Ok(())
+}
+
+/// Names (identities, QPs, regions) are at most 255 bytes and carry no
+/// character that [`is_unprintable`] refuses: they end up in logs.
+fn check_name(name: &str) -> Result<(), WireError> {
+    check_len(name)?;
+    if name.chars().any(is_unprintable) {
+        return Err(WireError::Malformed(
+            "a name holds a control or bidirectional formatting character",
+        ));
+    }
+    Ok(())
+}
+
+/// Characters a peer's text may not carry into a log or a terminal as they
+/// are: controls (newlines, escape sequences) and the bidirectional
+/// formatting characters that reorder what a terminal shows.
+fn is_unprintable(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
+        )
+}
+
+/// `text` with every character [`is_unprintable`] refuses written as its
+/// escape (`\n`, `\u{1b}`): a peer's free text (a reject reason) is kept,
+/// but cannot forge log lines or terminal output.
+fn printable(text: String) -> String {
+    if !text.chars().any(is_unprintable) {
+        return text;
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if is_unprintable(c) {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn check_handshake(h: &Handshake) -> Result<(), WireError> {
@@ -348,12 +391,12 @@ fn decode_payload(kind: u16, payload: &[u8]) -> Result<Message, WireError> {
     let message = match kind {
         KIND_HELLO => {
             let nonce = r.array()?;
-            let identity = r.str()?;
+            let identity = r.name()?;
             let n = r.u16()? as usize;
             if n > MAX_QPS {
                 return Err(WireError::Malformed("too many QPs"));
             }
-            let qps = (0..n).map(|_| r.str()).collect::<Result<_, _>>()?;
+            let qps = (0..n).map(|_| r.name()).collect::<Result<_, _>>()?;
             Message::Hello(Hello {
                 nonce,
                 identity,
@@ -374,7 +417,7 @@ fn decode_payload(kind: u16, payload: &[u8]) -> Result<Message, WireError> {
         KIND_ACCEPT => Message::Accept(decode_handshake(&mut r)?),
         KIND_REJECT => Message::Reject {
             code: r.u16()?,
-            reason: r.str()?,
+            reason: printable(r.str()?),
         },
         KIND_READY => Message::Ready {
             proof: match r.0.len() {
@@ -428,7 +471,7 @@ fn decode_handshake(r: &mut Reader<'_>) -> Result<Handshake, WireError> {
             gid: r.array()?,
             lid: r.u16()?,
             mtu: r.u16()?,
-            name: r.str()?,
+            name: r.name()?,
         });
     }
     let n_regions = r.u16()? as usize;
@@ -441,7 +484,7 @@ fn decode_handshake(r: &mut Reader<'_>) -> Result<Handshake, WireError> {
             id: r.u32()?,
             addr: r.u64()?,
             len: r.u64()?,
-            name: r.str()?,
+            name: r.name()?,
             rkeys: (0..n_qps).map(|_| r.u32()).collect::<Result<_, _>>()?,
         });
     }
@@ -489,6 +532,13 @@ impl Reader<'_> {
         let len = self.take(1)?[0] as usize;
         let bytes = self.take(len)?;
         String::from_utf8(bytes.to_vec()).map_err(|_| WireError::Malformed("name is not UTF-8"))
+    }
+
+    /// A name (see [`check_name`]).
+    fn name(&mut self) -> Result<String, WireError> {
+        let name = self.str()?;
+        check_name(&name)?;
+        Ok(name)
     }
 }
 

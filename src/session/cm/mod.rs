@@ -453,8 +453,11 @@ impl FrameIo for ControlQp {
     }
 
     fn admitted(&mut self) {
-        self.deadline = self.final_deadline;
         self.reader.set_max_payload(wire::MAX_PAYLOAD);
+    }
+
+    fn proven(&mut self) {
+        self.deadline = self.final_deadline;
     }
 
     fn recv_frame(&mut self) -> std::result::Result<Vec<u8>, WireError> {

@@ -42,9 +42,13 @@ pub(crate) trait FrameIo {
     fn send_last(&mut self, frame: &[u8]) {
         let _ = self.send_frame(frame);
     }
-    /// The peer was admitted: the handshake's full deadline and frame size
-    /// apply from now on.
+    /// The peer was admitted: frames up to the full size are read from now
+    /// on.
     fn admitted(&mut self) {}
+    /// The peer proved itself (its key, or on an open server its offer):
+    /// the handshake's full deadline applies from now on, where until now
+    /// the hello deadline did.
+    fn proven(&mut self) {}
 }
 
 /// What a server's admission policy and authorize callback see of a peer
@@ -315,6 +319,9 @@ pub(crate) fn serve(
         });
     }
     x.io.admitted();
+    if key.is_some() {
+        x.io.proven();
+    }
     x.send(&Message::Admit)?;
 
     let offer = match x.recv()? {
@@ -322,6 +329,9 @@ pub(crate) fn serve(
         other => return Err(x.unexpected("Offer", &other)),
     };
     x.recv_proof(key, label::CLIENT_OFFER, "client's offer")?;
+    // An open server has no proof of the peer: a stranger that stops
+    // after the hello holds its slot only until the hello deadline.
+    x.io.proven();
     if !offer.qps.iter().map(|qp| &qp.name).eq(&hello.qps) {
         let what = "the offer's QPs differ from the hello's".to_string();
         return Err(x.refuse_protocol(reject_code::BAD_REQUEST, what));
@@ -401,7 +411,10 @@ pub(crate) fn connect(
         }
     }
     match x.recv()? {
-        Message::Admit => x.io.admitted(),
+        Message::Admit => {
+            x.io.admitted();
+            x.io.proven();
+        }
         other => return Err(x.unexpected("Admit", &other)),
     }
 

@@ -17,6 +17,10 @@ fn addr() -> SocketAddr {
 struct Script {
     incoming: std::vec::IntoIter<Vec<u8>>,
     sent: Vec<Message>,
+    /// Frames received when the handshake called `admitted` and `proven`.
+    admitted_after: Option<usize>,
+    proven_after: Option<usize>,
+    received: usize,
 }
 
 impl Script {
@@ -24,6 +28,9 @@ impl Script {
         Self {
             incoming: frames.into_iter(),
             sent: Vec::new(),
+            admitted_after: None,
+            proven_after: None,
+            received: 0,
         }
     }
 }
@@ -38,7 +45,14 @@ impl FrameIo for Script {
         self.sent.push(message);
         Ok(())
     }
+    fn admitted(&mut self) {
+        self.admitted_after.get_or_insert(self.received);
+    }
+    fn proven(&mut self) {
+        self.proven_after.get_or_insert(self.received);
+    }
     fn recv_frame(&mut self) -> std::result::Result<Vec<u8>, WireError> {
+        self.received += 1;
         self.incoming.next().ok_or_else(|| {
             WireError::Io(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
@@ -514,4 +528,88 @@ proptest! {
         prop_assert_eq!(resources.built, 0);
         prop_assert!(!io.sent.iter().any(|m| matches!(m, Message::Offer(_))), "revealed {:?}", io.sent);
     }
+}
+
+/// The frames an honest client sends an open server: hello, then its offer.
+fn open_client_frames(stop_after_hello: bool) -> Vec<Vec<u8>> {
+    let hello = Message::Hello(Hello {
+        nonce: [1; PROOF_LEN],
+        identity: "c".into(),
+        qps: names(1),
+    });
+    let mut offer = Counted {
+        qps: 1,
+        ..Counted::default()
+    }
+    .build(None)
+    .unwrap();
+    offer.qps[0].name = "qp0".into();
+    let mut frames = vec![frame(&hello)];
+    if !stop_after_hello {
+        frames.push(frame(&Message::Offer(offer)));
+        frames.push(frame(&Message::Ready { proof: None }));
+    }
+    frames
+}
+
+#[test]
+fn an_open_server_keeps_the_hello_deadline_until_the_offer_arrives() {
+    // Admitted, then silent: the full deadline never applies.
+    let mut io = Script::new(open_client_frames(true));
+    let mut resources = Counted::default();
+    let result = serve(&mut io, None, 4, |_| Ok(()), &mut resources);
+    assert!(result.is_err());
+    assert_eq!(io.admitted_after, Some(1), "admitted after the hello");
+    assert_eq!(io.proven_after, None, "a silent stranger is never proven");
+    assert_eq!(resources.built, 0);
+
+    // An offer proves an open server's peer (there is nothing else to
+    // prove): the full deadline applies from the second frame on.
+    let mut io = Script::new(open_client_frames(false));
+    let mut resources = Counted::default();
+    serve(&mut io, None, 4, |_| Ok(()), &mut resources).unwrap();
+    assert_eq!(io.admitted_after, Some(1));
+    assert_eq!(io.proven_after, Some(2), "proven once the offer is in");
+}
+
+#[test]
+fn a_keyed_server_gives_the_full_deadline_only_after_the_key_is_proven() {
+    let (server_io, client_io) = pipe();
+    let client = std::thread::spawn(move || {
+        let mut io = client_io;
+        let mut resources = Counted {
+            qps: 1,
+            ..Counted::default()
+        };
+        connect(&mut io, Some(&key(1)), "c", names(1), &mut resources)
+    });
+    struct Watch {
+        io: Pipe,
+        received: usize,
+        proven_after: Option<usize>,
+    }
+    impl FrameIo for Watch {
+        fn peer(&self) -> SocketAddr {
+            addr()
+        }
+        fn send_frame(&mut self, frame: &[u8]) -> std::result::Result<(), WireError> {
+            self.io.send_frame(frame)
+        }
+        fn recv_frame(&mut self) -> std::result::Result<Vec<u8>, WireError> {
+            self.received += 1;
+            self.io.recv_frame()
+        }
+        fn proven(&mut self) {
+            self.proven_after.get_or_insert(self.received);
+        }
+    }
+    let mut io = Watch {
+        io: server_io,
+        received: 0,
+        proven_after: None,
+    };
+    let mut resources = Counted::default();
+    serve(&mut io, Some(&key(1)), 4, |_| Ok(()), &mut resources).unwrap();
+    client.join().unwrap().unwrap();
+    assert_eq!(io.proven_after, Some(2), "proven by the hello and the proof");
 }

@@ -18,7 +18,7 @@ pub(super) fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc
     let state = Arc::clone(&worker.state);
     let mut threads: Vec<JoinHandle<()>> = Vec::new();
     let mut accept_errors = 0u64;
-    while !state.shutdown.load(Ordering::Acquire) && !state.max_peers_reached(&worker.config) {
+    while !state.shutdown.load(Ordering::Acquire) {
         let (stream, peer) = match listener.accept() {
             Ok(conn) => conn,
             Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
@@ -43,9 +43,10 @@ pub(super) fn accept_loop(listener: TcpListener, wake: WakeReceiver, worker: Arc
         if stream.set_nonblocking(false).is_err() {
             continue;
         }
-        if state.admitted.load(Ordering::Acquire) >= worker.config.max_peers.unwrap_or(usize::MAX) {
-            // Every peer slot is taken, some perhaps by handshakes that may
-            // still fail: "busy" (come back) rather than "no".
+        if state.places.full() {
+            // Every place is taken, some perhaps by handshakes that may
+            // still fail or by peers about to leave: "busy" (come back)
+            // rather than "no".
             refuse_at_once(stream, reject_code::BUSY, "the server is busy");
             continue;
         }
@@ -112,7 +113,7 @@ pub(super) fn cm_accept_loop(
     let state = Arc::clone(&worker.state);
     let mut threads: Vec<JoinHandle<()>> = Vec::new();
     let mut errors = 0u64;
-    while !state.shutdown.load(Ordering::Acquire) && !state.max_peers_reached(&worker.config) {
+    while !state.shutdown.load(Ordering::Acquire) {
         let request = match channel.try_get_event() {
             // Anything but a request (the listener's own news) is
             // acknowledged; a removed device ends the listener.
@@ -153,7 +154,7 @@ pub(super) fn cm_accept_loop(
             cm::refuse(request, reject_code::BAD_REQUEST);
             continue;
         }
-        if state.admitted.load(Ordering::Acquire) >= worker.config.max_peers.unwrap_or(usize::MAX) {
+        if state.places.full() {
             cm::refuse(request, reject_code::BUSY);
             continue;
         }

@@ -19,6 +19,7 @@ mod accept;
 use accept::{accept_loop, cm_accept_loop};
 
 use super::net::{self, WakeReceiver, Waker};
+use super::peer_places::{PeerPlace, PeerPlaces};
 
 use super::endpoint::ControlLink;
 use super::handshake::{self, FrameIo, PeerHello, Refusal, Resources};
@@ -96,7 +97,11 @@ pub struct ServerConfig {
     pub srq: Option<SrqAttachment>,
     /// Most QPs one client may ask for (at most [`MAX_QPS`]).
     pub max_qps: usize,
-    /// Admit at most this many peers, then stop listening (`None`: no limit).
+    /// Most peers connected at once (`None`: no limit). A peer holds its
+    /// place from admission until its endpoint, or the reactor session
+    /// made of it, is dropped, or until its handshake fails; while every
+    /// place is taken, newcomers are refused as busy and the listener
+    /// keeps listening.
     pub max_peers: Option<usize>,
     /// Time one handshake may take from accept to ready, whatever the peer
     /// sends and however slowly. The deadline is absolute: time in this
@@ -106,10 +111,11 @@ pub struct ServerConfig {
     /// caught, `on_failure`, and up to 200 ms for a frame in flight or a
     /// refusal to go out.
     pub handshake_timeout: Duration,
-    /// Time a connection has, within `handshake_timeout`, to say hello and
-    /// (with a key) prove it: a stranger holds a pending slot at most this
-    /// long, plus what `authorize` takes and up to 200 ms for a frame in
-    /// flight or a refusal.
+    /// Time a connection has, within `handshake_timeout`, to prove itself:
+    /// with a key, to say hello and prove the key; on an open server, to
+    /// say hello and send its offer. A stranger holds a pending slot at
+    /// most this long, plus what `authorize` takes and up to 200 ms for a
+    /// frame in flight or a refusal.
     pub hello_timeout: Duration,
     /// Handshakes in progress at once; connections beyond it are refused at
     /// once as busy (clients retry within their connect deadline). The
@@ -123,8 +129,14 @@ pub struct ServerConfig {
     /// that would exceed it is refused before anything is created for it.
     pub accept_backlog: usize,
     /// The shared key clients must prove (and that this server proves to
-    /// them). `None`: no authentication.
+    /// them). A server without one refuses to start unless
+    /// `insecure_open` says so.
     pub auth_key: Option<AuthKey>,
+    /// Serve without a key: anyone who reaches the port is admitted (to
+    /// `authorize`, the limits and the exports). Exclusive with
+    /// `auth_key`; a server bound so logs a warning. Meant for tests and
+    /// closed networks ([`ServerConfig::insecure_open()`]).
+    pub insecure_open: bool,
     /// Admission callback (none: everyone who authenticates is admitted).
     pub authorize: Option<Arc<AuthorizeFn>>,
     /// Regions to export to each peer (none by default).
@@ -156,6 +168,7 @@ impl fmt::Debug for ServerConfig {
             .field("max_pending_per_address", &self.max_pending_per_address)
             .field("accept_backlog", &self.accept_backlog)
             .field("auth_key", &self.auth_key)
+            .field("insecure_open", &self.insecure_open)
             .field("authorize", &self.authorize.is_some())
             .field("exports", &self.exports.is_some())
             .field("place", &self.place.is_some())
@@ -178,11 +191,44 @@ impl Default for ServerConfig {
             max_pending_per_address: 8,
             accept_backlog: 64,
             auth_key: None,
+            insecure_open: false,
             authorize: None,
             exports: None,
             place: None,
             on_failure: None,
             transport: Transport::Tcp,
+        }
+    }
+}
+
+impl ServerConfig {
+    /// The defaults, with clients required to prove `key`.
+    pub fn with_key(key: AuthKey) -> Self {
+        Self {
+            auth_key: Some(key),
+            ..Self::default()
+        }
+    }
+
+    /// The defaults, open to anyone who reaches the port: no key, every
+    /// hello admitted (see the `insecure_open` field).
+    pub fn insecure_open() -> Self {
+        Self {
+            insecure_open: true,
+            ..Self::default()
+        }
+    }
+
+    /// Refuses a server that would be open without having been told to.
+    fn check_access(&self) -> Result<()> {
+        match (&self.auth_key, self.insecure_open) {
+            (Some(_), false) | (None, true) => Ok(()),
+            (None, false) => Err(Error::InvalidArgument(
+                "a server needs an auth_key; ServerConfig::insecure_open() serves anyone without one",
+            )),
+            (Some(_), true) => Err(Error::InvalidArgument(
+                "a server has either an auth_key or insecure_open, not both",
+            )),
         }
     }
 }
@@ -227,14 +273,12 @@ struct State {
     pending: Mutex<Pending>,
     /// Peers admitted whose endpoint accept() has not taken yet.
     reserved: AtomicUsize,
-    /// Peers admitted in all (for `max_peers`), less those that failed after.
-    admitted: AtomicUsize,
-    /// Handshakes that produced an endpoint.
-    established: AtomicUsize,
+    /// Peers connected now (for `max_peers`).
+    places: Arc<PeerPlaces>,
     shutdown: AtomicBool,
     /// Set when the accept thread stops: handshakes still in progress end.
     cut: AtomicBool,
-    /// Wakes the accept thread (shutdown, or `max_peers` reached).
+    /// Wakes the accept thread (shutdown).
     waker: Waker,
     /// [`ServerConfig::on_failure`].
     on_failure: Option<Arc<FailureFn>>,
@@ -291,6 +335,7 @@ impl ServerSession {
         pd: &ProtectionDomain,
         config: ServerConfig,
     ) -> Result<Self> {
+        config.check_access()?;
         if config.max_pending_handshakes == 0
             || config.max_pending_per_address == 0
             || config.accept_backlog == 0
@@ -332,6 +377,11 @@ impl ServerSession {
                 (Listener::Cm(channel, id), local_addr)
             }
         };
+        if config.insecure_open {
+            log::warn!(
+                "session server on {local_addr}: open to anyone who reaches it (no auth_key: insecure_open)"
+            );
+        }
         let (waker, wake_receiver) = net::wake_pair().map_err(os("creating the accept wake-up"))?;
         let (tx, rx) = mpsc::sync_channel(config.accept_backlog);
         let state = Arc::new(State {
@@ -339,8 +389,7 @@ impl ServerSession {
             failed: AtomicU64::new(0),
             pending: Mutex::new(pending),
             reserved: AtomicUsize::new(0),
-            admitted: AtomicUsize::new(0),
-            established: AtomicUsize::new(0),
+            places: PeerPlaces::new(config.max_peers),
             shutdown: AtomicBool::new(false),
             cut: AtomicBool::new(false),
             waker,
@@ -372,8 +421,8 @@ impl ServerSession {
         self.local_addr
     }
 
-    /// Blocks until the next peer is connected. `None` once no more will come
-    /// (`max_peers` reached, or the listener failed).
+    /// Blocks until the next peer is connected. `None` once no more will
+    /// come (the server was shut down, or its listener failed).
     pub fn accept(&self) -> Option<Endpoint> {
         self.taken(self.accepted.recv().ok())
     }
@@ -398,6 +447,12 @@ impl ServerSession {
     /// Handshakes in progress right now (each ends within the handshake timeout).
     pub fn pending_handshakes(&self) -> usize {
         self.state.pending().total
+    }
+
+    /// Peers connected now: admitted, and their endpoint (or the reactor
+    /// session made of it) not yet dropped. At most `max_peers`.
+    pub fn connected_peers(&self) -> usize {
+        self.state.places.taken()
     }
 
     /// Handshakes that failed or were refused since the server started.
@@ -507,12 +562,6 @@ impl State {
         });
     }
 
-    fn max_peers_reached(&self, config: &ServerConfig) -> bool {
-        config
-            .max_peers
-            .is_some_and(|max| self.established.load(Ordering::Acquire) >= max)
-    }
-
     /// Takes a pending slot for `peer`, or says why not.
     fn register(
         self: &Arc<Self>,
@@ -579,17 +628,18 @@ impl Drop for PendingSlot {
     }
 }
 
-/// An admitted peer's `max_peers` and backlog reservations, given back when
+/// An admitted peer's place (see [`ServerConfig::max_peers`]), which its
+/// endpoint takes over, and its backlog reservation, given back when
 /// dropped unless its endpoint reached the accept queue.
 struct Admission<'a> {
     state: &'a State,
+    place: Option<PeerPlace>,
     kept: bool,
 }
 
 impl Drop for Admission<'_> {
     fn drop(&mut self) {
         if !self.kept {
-            self.state.admitted.fetch_sub(1, Ordering::AcqRel);
             self.state.reserved.fetch_sub(1, Ordering::AcqRel);
         }
     }
@@ -597,8 +647,7 @@ impl Drop for Admission<'_> {
 
 /// Runs one handshake on its thread; `slot` (released on every way out, a
 /// panic included) is given back as soon as the handshake is over, before
-/// the endpoint is queued: a server that stops once `max_peers` endpoints
-/// exist cuts the sockets still pending, and this one is no longer.
+/// the endpoint is queued.
 fn run_handshake<'a>(
     worker: &'a Worker,
     slot: PendingSlot,
@@ -614,24 +663,24 @@ fn run_handshake<'a>(
         })
     });
     drop(slot);
-    let endpoint = match result {
+    let mut endpoint = match result {
         Ok(endpoint) => endpoint,
         Err(error) => {
             state.record_failure(peer, error, admission.is_some());
             return;
         }
     };
+    // The peer's place goes with its endpoint from now on.
+    if let Some(place) = admission.as_mut().and_then(|admission| admission.place.take()) {
+        endpoint.hold_place(place);
+    }
     // Admission reserved room in the queue, so it is full only if the server
-    // is gone (then the endpoint goes with its QPs, and the reservation with
-    // the admission guard).
-    if worker.accepted.try_send(endpoint).is_ok() {
-        if let Some(admission) = admission.as_mut() {
-            admission.kept = true;
-        }
-        state.established.fetch_add(1, Ordering::AcqRel);
-        if state.max_peers_reached(&worker.config) {
-            state.waker.wake();
-        }
+    // is gone (then the endpoint goes with its QPs and its place, and the
+    // reservation with the admission guard).
+    if worker.accepted.try_send(endpoint).is_ok()
+        && let Some(admission) = admission.as_mut()
+    {
+        admission.kept = true;
     }
 }
 
@@ -642,20 +691,14 @@ fn admit<'a>(worker: &'a Worker, hello: &PeerHello) -> std::result::Result<Admis
     if state.shutdown.load(Ordering::Acquire) {
         return Err(Refusal::unauthorized("the server is shutting down"));
     }
-    let max_peers = config.max_peers.unwrap_or(usize::MAX);
-    if state
-        .admitted
-        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-            (n < max_peers).then_some(n + 1)
-        })
-        .is_err()
-    {
-        // Reserved by handshakes still in progress, which may fail yet.
+    // Taken by peers connected now or by handshakes still in progress,
+    // which may fail yet: "busy" (come back) rather than "no".
+    let Some(place) = state.places.take() else {
         return Err(Refusal {
             code: reject_code::BUSY,
             reason: "the server is busy".into(),
         });
-    }
+    };
     if state
         .reserved
         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -663,14 +706,17 @@ fn admit<'a>(worker: &'a Worker, hello: &PeerHello) -> std::result::Result<Admis
         })
         .is_err()
     {
-        state.admitted.fetch_sub(1, Ordering::AcqRel);
         return Err(Refusal {
             code: reject_code::BUSY,
             reason: "the server is busy".into(),
         });
     }
     // From here on the guard gives both back on any failure.
-    let admission = Admission { state, kept: false };
+    let admission = Admission {
+        state,
+        place: Some(place),
+        kept: false,
+    };
     if let Some(authorize) = &config.authorize {
         authorize(hello)?;
     }

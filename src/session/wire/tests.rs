@@ -218,3 +218,65 @@ fn a_frame_dripped_byte_by_byte_arrives_whole_and_eof_is_typed() {
         Err(WireError::Truncated("header"))
     ));
 }
+
+/// A frame of `kind` whose payload is `payload`, built by hand (the
+/// encoder refuses what these tests send).
+fn raw_frame(kind: u16, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&MAGIC.to_le_bytes());
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&kind.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+#[test]
+fn a_peers_reject_reason_is_decoded_with_its_control_characters_escaped() {
+    let hostile = "no\nINFO forged line \u{1b}[2J \u{202e}desrever";
+    let mut payload = 4u16.to_le_bytes().to_vec();
+    payload.push(hostile.len() as u8);
+    payload.extend_from_slice(hostile.as_bytes());
+    let (message, _) = Message::decode(&raw_frame(KIND_REJECT, &payload)).unwrap();
+    let Message::Reject { code, reason } = message else {
+        panic!("not a reject: {message:?}");
+    };
+    assert_eq!(code, 4);
+    assert_eq!(
+        reason,
+        "no\\nINFO forged line \\u{1b}[2J \\u{202e}desrever"
+    );
+    assert!(!reason.chars().any(is_unprintable));
+    // Plain text, quotes and non-ASCII letters included, is kept as sent.
+    let plain = Message::reject(5, "busy: \"später\" \\ retry");
+    let (decoded, _) = Message::decode(&plain.encode().unwrap()).unwrap();
+    assert_eq!(decoded, plain);
+}
+
+#[test]
+fn names_with_control_or_bidi_characters_are_refused_both_ways() {
+    for bad in ["a\nb", "tab\there", "\u{1b}[31m", "x\u{202e}y", "\u{2066}"] {
+        let hello = Message::Hello(Hello {
+            nonce: [1; PROOF_LEN],
+            identity: bad.into(),
+            qps: vec!["data".into()],
+        });
+        assert!(
+            matches!(hello.encode(), Err(WireError::Malformed(_))),
+            "{bad:?} encoded"
+        );
+        let mut payload = vec![1; PROOF_LEN];
+        payload.push(bad.len() as u8);
+        payload.extend_from_slice(bad.as_bytes());
+        payload.extend_from_slice(&1u16.to_le_bytes());
+        payload.push(4);
+        payload.extend_from_slice(b"data");
+        assert!(
+            matches!(
+                Message::decode(&raw_frame(KIND_HELLO, &payload)),
+                Err(WireError::Malformed(_))
+            ),
+            "{bad:?} decoded"
+        );
+    }
+}
