@@ -44,19 +44,18 @@ fn pair(
     let exported = AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND;
     let server_buf = pd.alloc_mr(2 * SIZE, exported).unwrap();
     let client_buf = pd.alloc_mr(2 * SIZE, exported).unwrap();
+    let key = AuthKey::random().unwrap();
     let mut server_config = reactor.server_config(access);
+    server_config.auth_key = Some(key.clone());
     let export = server_buf.registration().clone();
     server_config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
         Ok(vec![Export::new(1, "perf", export.clone(), access)])
     }));
     let listener = ServerSession::bind("127.0.0.1:0", pd, server_config).unwrap();
     let spec = reactor.qp_spec_with_access("perf", access);
-    let client_config = ClientConfig::new(vec![spec]).with_exports(vec![Export::new(
-        1,
-        "perf",
-        &client_buf,
-        access,
-    )]);
+    let client_config = ClientConfig::new(vec![spec])
+        .with_auth_key(Some(key))
+        .with_exports(vec![Export::new(1, "perf", &client_buf, access)]);
     let client_ep = ClientSession::connect(listener.local_addr(), pd, &client_config).unwrap();
     let server_ep = listener.accept().unwrap();
     let to_server = client_ep.remote_region("perf").unwrap();

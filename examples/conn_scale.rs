@@ -207,6 +207,9 @@ fn measure(args: &Args, conns: u32, srq: bool, largest: u32) -> Result<Point> {
     let receiver_config = config(args, srq, largest, conns);
     let expected = quota(args, conns) * u64::from(conns);
     let dev = args.dev.clone();
+    // Receiver and senders share one process, and a key made for this run.
+    let key = AuthKey::random()?;
+    let receiver_key = key.clone();
     let receiver = std::thread::spawn(move || -> Result<u64> {
         pin(0);
         let ctx = Context::open_default(dev.device.as_deref())?;
@@ -214,6 +217,7 @@ fn measure(args: &Args, conns: u32, srq: bool, largest: u32) -> Result<Point> {
         let mut reactor: Reactor<Sink> = Reactor::new(&pd, receiver_config)?;
         let received = Rc::new(Cell::new(0));
         let mut server = reactor.server_config(AccessFlags::empty());
+        server.auth_key = Some(receiver_key);
         dev.apply(&mut server.qp);
         server.max_peers = Some(conns as usize);
         let listener = match ServerSession::bind("127.0.0.1:0", &pd, server) {
@@ -254,7 +258,7 @@ fn measure(args: &Args, conns: u32, srq: bool, largest: u32) -> Result<Point> {
             });
         }
     };
-    let sent = send_all(args, conns, addr, &memory_rx);
+    let sent = send_all(args, conns, addr, &key, &memory_rx);
     if sent.is_err() {
         stopper.stop();
     }
@@ -295,6 +299,7 @@ fn send_all(
     args: &Args,
     conns: u32,
     addr: std::net::SocketAddr,
+    key: &AuthKey,
     memory: &mpsc::Receiver<MemoryUse>,
 ) -> Result<(f64, usize, Option<u64>, u64)> {
     pin(1);
@@ -307,7 +312,7 @@ fn send_all(
     for _ in 0..conns {
         let mut spec = reactor.qp_spec("scale");
         args.dev.apply(&mut spec.qp);
-        let mut client = ClientConfig::new(vec![spec]);
+        let mut client = ClientConfig::new(vec![spec]).with_auth_key(Some(key.clone()));
         client.connect_deadline = Duration::from_secs(60);
         let endpoint = ClientSession::connect(addr, &pd, &client)?;
         reactor.add(endpoint, Sender::new(&shared, quota, args))?;

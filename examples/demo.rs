@@ -265,7 +265,10 @@ fn run(args: &Args) -> rdma_comm_core::Result<bool> {
         ctx.name(),
         server.plan()
     );
+    // Server and clients share one process, and a key made for this run.
+    let key = AuthKey::random()?;
     let mut config = server.server_config(AccessFlags::empty());
+    config.auth_key = Some(key.clone());
     args.dev.apply(&mut config.qp);
     let addr: SocketAddr = server.serve("127.0.0.1:0", config)?;
 
@@ -316,7 +319,9 @@ fn run(args: &Args) -> rdma_comm_core::Result<bool> {
     for client in 0..clients {
         let mut spec = client_runtime.qp_spec(0, "demo", AccessFlags::empty())?;
         args.dev.apply(&mut spec.qp);
-        let config = ClientConfig::new(vec![spec]).with_identity(format!("client-{client}"));
+        let config = ClientConfig::new(vec![spec])
+            .with_identity(format!("client-{client}"))
+            .with_auth_key(Some(key.clone()));
         let endpoint = ClientSession::connect(addr, &pd, &config)?;
         client_runtime.adopt(0, endpoint)?;
     }

@@ -464,7 +464,9 @@ fn accept_one<H: Handler>(
     let mut config = reactor.server_config(AccessFlags::empty());
     opts.dev.apply(&mut config.qp);
     config.max_peers = Some(1);
-    config.auth_key = opts.auth.key().map_err(|err| err.to_string())?;
+    opts.auth
+        .secure(&mut config)
+        .map_err(|err| err.to_string())?;
     common::report_refusals("rdma_cat", &mut config);
     let server = ServerSession::bind(listen_addr(listen).as_str(), pd, config)
         .map_err(|err| format!("listening on {listen}: {err}"))?;

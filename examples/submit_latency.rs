@@ -119,7 +119,10 @@ fn pattern(
         Ok(Sender(tx))
     };
     let mut runtime = Runtime::start(pd, config, factory)?;
+    // Server and peer share one process, and a key made for this run.
+    let key = AuthKey::random()?;
     let mut server = runtime.server_config(AccessFlags::empty());
+    server.auth_key = Some(key.clone());
     args.dev.apply(&mut server.qp);
     let addr = runtime.serve("127.0.0.1:0", server)?;
 
@@ -139,7 +142,8 @@ fn pattern(
             let mut reactor: Reactor<Sink> = Reactor::new(&pd, config)?;
             let mut spec = reactor.qp_spec("sink");
             dev.apply(&mut spec.qp);
-            let endpoint = ClientSession::connect(addr, &pd, &ClientConfig::new(vec![spec]))?;
+            let client = ClientConfig::new(vec![spec]).with_auth_key(Some(key));
+            let endpoint = ClientSession::connect(addr, &pd, &client)?;
             reactor.add(endpoint, Sink(arrived))?;
             while !quit.load(Ordering::Acquire) {
                 reactor.turn()?;

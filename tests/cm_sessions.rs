@@ -30,7 +30,7 @@ fn addr() -> SocketAddr {
 fn server_config() -> ServerConfig {
     ServerConfig {
         transport: Transport::RdmaCm,
-        ..ServerConfig::default()
+        ..ServerConfig::insecure_open()
     }
 }
 
@@ -67,6 +67,7 @@ verbs_test! {
         let mut config = server_config();
         config.qp.remote_access = AccessFlags::REMOTE_WRITE;
         config.auth_key = Some(key(7));
+        config.insecure_open = false;
         config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
             Ok(vec![Export::new(1, "inbox", export.clone(), AccessFlags::REMOTE_WRITE)])
         }));
@@ -113,6 +114,7 @@ verbs_test! {
         let pd = ctx.alloc_pd().unwrap();
         let mut config = server_config();
         config.auth_key = Some(key(1));
+        config.insecure_open = false;
         let server = ServerSession::bind(addr(), &pd, config).unwrap();
         let at = server.local_addr();
 
@@ -194,7 +196,7 @@ fn slow_admitting_server(
             }
             Ok(())
         })),
-        ..ServerConfig::default()
+        ..ServerConfig::insecure_open()
     };
     let at = match transport {
         Transport::Tcp => "127.0.0.1:0".parse().unwrap(),

@@ -328,7 +328,7 @@ impl RawPeer {
             pd,
             ServerConfig {
                 max_peers: Some(1),
-                ..Default::default()
+                ..ServerConfig::insecure_open()
             },
         )
         .expect("bind");

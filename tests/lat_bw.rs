@@ -6,7 +6,7 @@
 
 mod util;
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,7 @@ use util::*;
 const DEADLINE: Duration = Duration::from_secs(120);
 
 fn spawn(example: &str, args: &[&str]) -> Child {
-    Command::new(example_binary(example))
+    keyed(example_binary(example))
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -352,7 +352,7 @@ verbs_test! {
         // Ten million READs: minutes under TCG, where the kill comes after
         // seconds (and 80 MB of samples reserved).
         let mut server = Proc::spawn("verbs_perf", &["--server", "--listen", &listen, "--op", "read", "-s", "8", "-n", "10000000"]);
-        let mut command = Command::new(example_binary("verbs_perf"));
+        let mut command = keyed(example_binary("verbs_perf"));
         // rxe retries for ever at the default retry count (7).
         command.args(["--connect", &listen, "--op", "read", "-s", "8", "-n", "10000000", "--retry-cnt", "2"]);
         let mut client = Proc::spawn_reading_both(command);

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use rdma_comm_core::session::AUTH_KEY_ENV;
 use util::process::Proc;
 use util::*;
 
@@ -32,13 +33,14 @@ fn mpirun_mesh(flags: &[&str]) -> (Output, serde_json::Value) {
     }
     let output = command
         .args(["--oversubscribe", "--bind-to", "none"])
-        .args(["-np", "4", "-x", "MESH_BIN"])
+        .args(["-np", "4", "-x", "MESH_BIN", "-x", AUTH_KEY_ENV])
         .arg(mesh_tool())
         .args(["--event-mode", "blocking", "--lat-iters", "200"])
         .args(["--base-port", &base_port, "--json"])
         .arg(&json)
         .args(flags)
         .env("MESH_BIN", workspace_binary("mesh"))
+        .env(AUTH_KEY_ENV, TEST_KEY)
         .stdin(Stdio::null())
         .output()
         .expect("mpirun (openmpi-bin) runs");
@@ -136,7 +138,7 @@ verbs_test! {
     fn a_rank_killed_mid_stream_is_reported_by_the_others() {
         let base_port = free_ports(3).to_string();
         let spawn = |rank: usize| {
-            let mut command = Command::new(workspace_binary("mesh"));
+            let mut command = keyed(workspace_binary("mesh"));
             command
                 .args(["--rank", &rank.to_string(), "--size", "3", "--hosts", "127.0.0.1"])
                 .args(["--base-port", &base_port, "--no-pin", "--event-mode", "blocking"])
@@ -172,5 +174,78 @@ verbs_test! {
                 "rank {rank} did not name the lost rank: {lines:#?}"
             );
         }
+    }
+}
+
+/// Waits until something listens on `port` of 127.0.0.1.
+fn wait_listening(port: u16) {
+    let start = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "nothing listens on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+verbs_test! {
+    fn a_stranger_posing_as_a_rank_is_refused_and_the_mesh_runs_on() {
+        use std::io::Write;
+        use rdma_comm_core::session::reject_code;
+        use rdma_comm_core::session::wire::{FrameReader, Hello, MAX_PAYLOAD, Message, PROOF_LEN};
+
+        let base_port = free_ports(2);
+        let base = base_port.to_string();
+        let spawn = |rank: usize| {
+            let mut command = keyed(workspace_binary("mesh"));
+            command
+                .args(["--rank", &rank.to_string(), "--size", "2", "--hosts", "127.0.0.1"])
+                .args(["--base-port", &base, "--no-pin", "--event-mode", "blocking"])
+                .args(["--lat-iters", "50", "--duration", "1"]);
+            Proc::spawn_reading_stderr(command)
+        };
+        let rank0 = spawn(0);
+        wait_listening(base_port);
+
+        // A raw socket that names itself rank 1 and guesses a proof.
+        let mut stranger = std::net::TcpStream::connect(("127.0.0.1", base_port)).unwrap();
+        stranger.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut reader = FrameReader::new(MAX_PAYLOAD);
+        let mut next = |stream: &mut std::net::TcpStream| loop {
+            if let Some(frame) = reader.read_from(stream).expect("a frame from rank 0") {
+                break Message::decode(frame).unwrap().0;
+            }
+        };
+        let hello = Message::Hello(Hello {
+            nonce: [9; PROOF_LEN],
+            identity: "rank 1".into(),
+            qps: vec!["rank-1".into()],
+        });
+        stranger.write_all(&hello.encode().unwrap()).unwrap();
+        assert!(matches!(next(&mut stranger), Message::Challenge { auth: true, .. }));
+        stranger.write_all(&Message::Proof([0; PROOF_LEN]).encode().unwrap()).unwrap();
+        match next(&mut stranger) {
+            Message::Reject { code, .. } => assert_eq!(code, reject_code::UNAUTHENTICATED),
+            other => panic!("a stranger without the key got {other:?}"),
+        }
+
+        // The real rank 1 still gets its place, and the run succeeds.
+        let rank1 = spawn(1);
+        for (rank, proc) in [(0, rank0), (1, rank1)] {
+            let (success, lines) = proc.finish();
+            assert!(success, "rank {rank} failed: {lines:#?}");
+        }
+
+        // Without a key (and without --insecure) a rank refuses to start,
+        // naming both ways out.
+        let out = std::process::Command::new(workspace_binary("mesh"))
+            .args(["--rank", "0", "--size", "2", "--hosts", "127.0.0.1", "--base-port", &base])
+            .env_remove(AUTH_KEY_ENV)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(text.contains("--auth-key-file") && text.contains("--insecure"), "{text}");
     }
 }

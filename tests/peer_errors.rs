@@ -109,7 +109,7 @@ verbs_test! {
             &pd,
             ServerConfig {
                 max_peers: Some(1),
-                ..Default::default()
+                ..ServerConfig::insecure_open()
             },
         )
         .expect("bind");

@@ -6,7 +6,7 @@
 mod util;
 
 use std::io::{Read, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,7 @@ use util::*;
 const DEADLINE: Duration = Duration::from_secs(600);
 
 fn rdma_cat(args: &[&str]) -> Child {
-    Command::new(example_binary("rdma_cat"))
+    keyed(example_binary("rdma_cat"))
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

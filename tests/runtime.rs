@@ -57,7 +57,7 @@ verbs_test! {
         let cores = runtime.plan().cores.clone();
         assert_eq!(cores.len(), 2);
         assert!(cores[0].is_some() && cores[0] != cores[1], "one core each: {cores:?}");
-        let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty())).unwrap();
+        let addr = runtime.serve("127.0.0.1:0", insecure(runtime.server_config(AccessFlags::empty()))).unwrap();
 
         let clients: Vec<_> = (0..CLIENTS)
             .map(|i| ping_client(addr, &format!("client-{i}"), ROUND_TRIPS, Duration::from_millis(300)))
@@ -105,7 +105,7 @@ verbs_test! {
             Some(usize::from(hello.identity.starts_with("bulk")))
         });
         let mut runtime = Runtime::start(&pd, two_reactors(PlacementPolicy::Custom(by_identity)), echo_factory(tx)).unwrap();
-        let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty())).unwrap();
+        let addr = runtime.serve("127.0.0.1:0", insecure(runtime.server_config(AccessFlags::empty()))).unwrap();
         let names = ["bulk-a", "rpc-a", "bulk-b", "rpc-b"];
         let clients: Vec<_> = names
             .iter()
@@ -140,7 +140,7 @@ verbs_test! {
         let pd = ctx.alloc_pd().unwrap();
         let (tx, events) = mpsc::channel();
         let mut server = Runtime::start(&pd, two_reactors(PlacementPolicy::RoundRobin), echo_factory(tx)).unwrap();
-        let addr = server.serve("127.0.0.1:0", server.server_config(AccessFlags::empty())).unwrap();
+        let addr = server.serve("127.0.0.1:0", insecure(server.server_config(AccessFlags::empty()))).unwrap();
 
         // A client runtime whose sessions the application connects itself.
         let (client_tx, client_events) = mpsc::channel();
@@ -235,7 +235,7 @@ verbs_test! {
         let stopped = Arc::new(AtomicUsize::new(0));
         let factory = HandsBack { inner: echo_factory(tx), stopped: Arc::clone(&stopped) };
         let mut runtime = Runtime::start(&pd, two_reactors(PlacementPolicy::RoundRobin), factory).unwrap();
-        let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty())).unwrap();
+        let addr = runtime.serve("127.0.0.1:0", insecure(runtime.server_config(AccessFlags::empty()))).unwrap();
         // Two clients that stay connected while the runtime stops.
         let clients: Vec<_> = ["a", "b"]
             .iter()

@@ -86,7 +86,7 @@ verbs_test! {
         let (tx, events) = mpsc::channel();
         let mut runtime = Runtime::start(&pd, four_reactors(PlacementPolicy::RoundRobin, 8), echo_factory(tx)).unwrap();
         println!("{}", runtime.plan());
-        let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty())).unwrap();
+        let addr = runtime.serve("127.0.0.1:0", insecure(runtime.server_config(AccessFlags::empty()))).unwrap();
         let clients: Vec<_> = (0..8)
             .map(|i| ping_client(addr, &format!("client-{i}"), 500, Duration::from_millis(500)))
             .collect();
@@ -233,7 +233,7 @@ verbs_test! {
         let (fds, tasks, qps) = (open_fds(), threads(), rc_qps());
         let (tx, events) = mpsc::channel();
         let mut runtime = Runtime::start(&pd, four_reactors(PlacementPolicy::FewestSessions, 8), echo_factory(tx)).unwrap();
-        let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty())).unwrap();
+        let addr = runtime.serve("127.0.0.1:0", insecure(runtime.server_config(AccessFlags::empty()))).unwrap();
         // Eight clients that stay connected while the runtime stops.
         let clients: Vec<_> = (0..8)
             .map(|i| ping_client(addr, &format!("open-{i}"), 20, Duration::from_secs(3)))

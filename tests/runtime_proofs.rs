@@ -224,7 +224,7 @@ verbs_test! {
             ..RuntimeConfig::default()
         };
         let mut runtime = Runtime::start(&pd, config, echo_factory(tx)).unwrap();
-        let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty())).unwrap();
+        let addr = runtime.serve("127.0.0.1:0", insecure(runtime.server_config(AccessFlags::empty()))).unwrap();
 
         // The peer: a sink on a reactor of its own, in a thread.
         let (bad, got) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
@@ -462,7 +462,10 @@ fn idle_runtime(mode: EventMode) {
     };
     let mut runtime = Runtime::start(&pd, config, echo_factory(tx)).unwrap();
     let addr = runtime
-        .serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty()))
+        .serve(
+            "127.0.0.1:0",
+            insecure(runtime.server_config(AccessFlags::empty())),
+        )
         .unwrap();
     // Threads name themselves once they run.
     wait_until("the runtime's threads", || runtime_threads().len() == 4);
@@ -618,7 +621,7 @@ verbs_test! {
         // Blocking: the runtime's reactor sleeps with no timeout.
         let config = RuntimeConfig { reactors: 1, reactor: blocking(1), ..RuntimeConfig::default() };
         let mut runtime = Runtime::start(&pd, config, echo_factory(tx)).unwrap();
-        let addr = runtime.serve("127.0.0.1:0", runtime.server_config(AccessFlags::empty())).unwrap();
+        let addr = runtime.serve("127.0.0.1:0", insecure(runtime.server_config(AccessFlags::empty()))).unwrap();
         let (bad, got) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let release = Arc::new(AtomicBool::new(false));
         let stall = Arc::new(AtomicBool::new(false));
@@ -693,7 +696,7 @@ verbs_test! {
         let config = ReactorConfig { event_mode: EventMode::Blocking, ..ReactorConfig::for_traffic(64, 16, 1) }
             .sleeping_until_woken();
         let mut server_side: Reactor<Watcher> = Reactor::new(&pd, config.clone()).unwrap();
-        let server = ServerSession::bind("127.0.0.1:0", &pd, server_side.server_config(AccessFlags::empty())).unwrap();
+        let server = ServerSession::bind("127.0.0.1:0", &pd, insecure(server_side.server_config(AccessFlags::empty()))).unwrap();
         let addr = server.local_addr();
         let client = std::thread::spawn(move || {
             let ctx = open_device();

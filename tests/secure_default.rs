@@ -69,9 +69,7 @@ fn client_config(deadline: Duration) -> ClientConfig {
 /// A TCP connection from `source` (any 127/8 address is loopback on Linux).
 fn connect_from(source: [u8; 4], to: SocketAddr) -> TcpStream {
     let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    socket
-        .bind(&SocketAddr::from((source, 0)).into())
-        .unwrap();
+    socket.bind(&SocketAddr::from((source, 0)).into()).unwrap();
     socket.connect(&to.into()).unwrap();
     socket.into()
 }
@@ -152,7 +150,11 @@ fn a_server_without_a_key_refuses_to_start_unless_told_to_serve_anyone() {
             .filter(|line| line.contains(&addr.to_string()) && line.contains("open to anyone"))
             .count()
     };
-    assert_eq!(warned(open.local_addr()), 1, "one warning for the open server");
+    assert_eq!(
+        warned(open.local_addr()),
+        1,
+        "one warning for the open server"
+    );
     assert_eq!(warned(keyed.local_addr()), 0, "none for the keyed one");
 }
 
@@ -210,10 +212,16 @@ fn the_peer_limit_counts_the_peers_connected_now_and_strangers_never_close_the_l
         .collect();
     assert_eq!(server.connected_peers(), 2);
     drop(strangers);
-    wait_until(Duration::from_secs(5), "the strangers' handshakes end", || {
-        server.pending_handshakes() == 0
-    });
-    assert_eq!(server.connected_peers(), 0, "departed strangers hold no place");
+    wait_until(
+        Duration::from_secs(5),
+        "the strangers' handshakes end",
+        || server.pending_handshakes() == 0,
+    );
+    assert_eq!(
+        server.connected_peers(),
+        0,
+        "departed strangers hold no place"
+    );
 
     // Two real peers fill the limit; a third is refused as busy while
     // they stay, and the listener stays open.
@@ -261,7 +269,10 @@ fn a_peers_reject_reason_reaches_our_errors_escaped() {
     let err = ClientSession::connect(addr, &pd, &client_config(Duration::from_secs(5)))
         .expect_err("the rogue refuses");
     let shown = err.to_string();
-    assert!(!shown.contains('\n') && !shown.contains('\u{1b}'), "{shown:?}");
+    assert!(
+        !shown.contains('\n') && !shown.contains('\u{1b}'),
+        "{shown:?}"
+    );
     assert!(shown.contains("no\\nERROR forged \\u{1b}[2J"), "{shown:?}");
     rogue.join().unwrap();
 }

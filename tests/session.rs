@@ -51,7 +51,7 @@ verbs_test! {
     fn stray_and_broken_clients_are_rejected_while_real_clients_connect() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let srv = server(&pd, ServerConfig { handshake_timeout: Duration::from_secs(3), ..Default::default() });
+        let srv = server(&pd, ServerConfig { handshake_timeout: Duration::from_secs(3), ..ServerConfig::insecure_open() });
         let addr = srv.local_addr();
 
         // A silent client connects first and says nothing.
@@ -116,7 +116,7 @@ verbs_test! {
         let client_pd = pd.clone();
         let client = thread::spawn(move || ClientSession::connect(("::1", port), &client_pd, &client_config(&["a"])));
         thread::sleep(Duration::from_millis(300));
-        let srv = ServerSession::bind(("::1", port), &pd, ServerConfig::default()).unwrap();
+        let srv = ServerSession::bind(("::1", port), &pd, ServerConfig::insecure_open()).unwrap();
         let mut served = srv.accept_timeout(DEADLINE).expect("accepted after retries");
         let mut endpoint = client.join().unwrap().expect("client connected after retries");
         assert!(endpoint.peer().is_ipv6());
@@ -166,7 +166,7 @@ verbs_test! {
     fn a_handshake_the_server_cut_is_tried_again() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let srv = server(&pd, ServerConfig::default());
+        let srv = server(&pd, ServerConfig::insecure_open());
         let relay = cutting_relay(srv.local_addr(), 2, false);
         let mut endpoint = ClientSession::connect(relay, &pd, &client_config(&["a"])).expect("connected on the third try");
         let mut served = srv.accept_timeout(DEADLINE).expect("the server's side");
@@ -223,7 +223,7 @@ verbs_test! {
     fn server_rejects_a_request_it_cannot_serve() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let srv = server(&pd, ServerConfig { max_qps: 2, ..Default::default() });
+        let srv = server(&pd, ServerConfig { max_qps: 2, ..ServerConfig::insecure_open() });
         let err = ClientSession::connect(srv.local_addr(), &pd, &client_config(&["a", "b", "c"])).unwrap_err();
         assert!(matches!(&err, Error::Rejected { code: 1, reason, .. } if reason.contains("3 QPs")), "{err}");
         // Duplicate names are refused before anything is sent.
@@ -241,7 +241,7 @@ verbs_test! {
     fn graceful_close_drains_outstanding_work_and_tells_the_peer() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let srv = server(&pd, ServerConfig::default());
+        let srv = server(&pd, ServerConfig::insecure_open());
         let mut client = ClientSession::connect(srv.local_addr(), &pd, &client_config(&["a"])).unwrap();
         let mut served = srv.accept_timeout(DEADLINE).unwrap();
         assert!(matches!(served.check_peer(), PeerStatus::Alive));
@@ -269,7 +269,7 @@ verbs_test! {
     fn a_reason_code_sent_before_an_abort_reaches_the_peer_once() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let srv = server(&pd, ServerConfig::default());
+        let srv = server(&pd, ServerConfig::insecure_open());
         let mut client = ClientSession::connect(srv.local_addr(), &pd, &client_config(&["a"])).unwrap();
         let mut served = srv.accept_timeout(DEADLINE).unwrap();
         assert!(client.send_disconnect(0x8002));
@@ -295,7 +295,7 @@ verbs_test! {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
         let mut shared = ctx.create_cq(256, None).unwrap();
-        let srv = server(&pd, ServerConfig::default());
+        let srv = server(&pd, ServerConfig::insecure_open());
         let specs = ["control", "bulk"]
             .iter()
             .map(|name| QpSpec { cq: CqChoice::Shared(shared.shared()), ..QpSpec::new(*name) })
@@ -336,7 +336,7 @@ verbs_test! {
         let pd = ctx.alloc_pd().unwrap();
         let server_inbox = Arc::new(pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND).unwrap());
         let inbox_for_server = Arc::clone(&server_inbox);
-        let mut config = ServerConfig::default();
+        let mut config = ServerConfig::insecure_open();
         config.qp.remote_access = AccessFlags::REMOTE_WRITE;
         config.exports = Some(Arc::new(move |_peer, _pd: &ProtectionDomain| Ok(vec![Export::new(7, "inbox", &inbox_for_server, AccessFlags::REMOTE_WRITE)])));
         let srv = server(&pd, config);
@@ -419,7 +419,7 @@ verbs_test! {
     fn waiting_for_a_peer_sleeps_until_it_says_goodbye() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let srv = server(&pd, ServerConfig::default());
+        let srv = server(&pd, ServerConfig::insecure_open());
         let mut client = ClientSession::connect(srv.local_addr(), &pd, &client_config(&["a"])).unwrap();
         let mut served = srv.accept_timeout(DEADLINE).unwrap();
 
@@ -452,7 +452,7 @@ verbs_test! {
         // The server reserves its tables of handshakes in progress for a
         // capped number of them, so "no limit" is not a reservation that
         // cannot be had.
-        let config = ServerConfig { max_pending_handshakes: usize::MAX, ..Default::default() };
+        let config = ServerConfig { max_pending_handshakes: usize::MAX, ..ServerConfig::insecure_open() };
         let srv = server(&pd, config);
         let addr = srv.local_addr();
         let (client, accepted) = thread::scope(|scope| {

@@ -355,7 +355,7 @@ fn foreign_qp_with(
 ) -> (Endpoint, Endpoint) {
     let config = ServerConfig {
         max_peers: Some(1),
-        ..Default::default()
+        ..ServerConfig::insecure_open()
     };
     let listener = ServerSession::bind("127.0.0.1:0", pd, config).expect("bind");
     let mut spec = reactor.qp_spec("foreign");

@@ -109,7 +109,7 @@ verbs_test! {
         let config = ServerConfig {
             hello_timeout: TIMEOUT,
             handshake_timeout: Duration::from_secs(30),
-            ..ServerConfig::default()
+            ..ServerConfig::insecure_open()
         };
         let per_address = config.max_pending_handshakes.min(config.max_pending_per_address);
         let srv = ServerSession::bind("127.0.0.1:0", &pd, config).unwrap();
@@ -226,7 +226,7 @@ verbs_test! {
         let srv = ServerSession::bind(
             "127.0.0.1:0",
             &pd,
-            ServerConfig { auth_key: Some(key(1)), ..ServerConfig::default() },
+            ServerConfig::with_key(key(1)),
         )
         .unwrap();
         let addr = srv.local_addr();
@@ -249,7 +249,7 @@ verbs_test! {
         assert!(srv.accept_timeout(Duration::from_millis(200)).is_none(), "nothing was admitted");
 
         // A client with a key refuses a server without one, revealing nothing.
-        let open = ServerSession::bind("127.0.0.1:0", &pd, ServerConfig::default()).unwrap();
+        let open = ServerSession::bind("127.0.0.1:0", &pd, ServerConfig::insecure_open()).unwrap();
         let err = ClientSession::connect(open.local_addr(), &pd, &client_config(Some(&key(1)))).unwrap_err();
         assert!(matches!(&err, Error::Unauthenticated { peer, .. } if *peer == open.local_addr()), "{err}");
         assert!(err.to_string().contains("does not authenticate"), "{err}");
@@ -288,7 +288,7 @@ verbs_test! {
         let srv = ServerSession::bind(
             "127.0.0.1:0",
             &pd,
-            ServerConfig { auth_key: Some(key(1)), authorize: Some(authorize), ..ServerConfig::default() },
+            ServerConfig { authorize: Some(authorize), ..ServerConfig::with_key(key(1)) },
         )
         .unwrap();
         let addr = srv.local_addr();
@@ -315,7 +315,7 @@ verbs_test! {
         let srv = ServerSession::bind(
             "127.0.0.1:0",
             &pd,
-            ServerConfig { accept_backlog: 2, ..ServerConfig::default() },
+            ServerConfig { accept_backlog: 2, ..ServerConfig::insecure_open() },
         )
         .unwrap();
         let addr = srv.local_addr();
@@ -333,7 +333,7 @@ verbs_test! {
         let limited = ServerSession::bind(
             "127.0.0.1:0",
             &pd,
-            ServerConfig { max_peers: Some(2), ..ServerConfig::default() },
+            ServerConfig { max_peers: Some(2), ..ServerConfig::insecure_open() },
         )
         .unwrap();
         let results = connect_at_once(limited.local_addr(), &pd, 6);
@@ -529,7 +529,7 @@ verbs_test! {
             ServerConfig {
                 handshake_timeout: Duration::from_secs(60),
                 hello_timeout: Duration::from_secs(60),
-                ..ServerConfig::default()
+                ..ServerConfig::insecure_open()
             },
         )
         .unwrap();
@@ -637,7 +637,7 @@ verbs_test! {
     fn check_peer_never_blocks_on_a_control_frame_that_arrives_in_pieces() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let srv = ServerSession::bind("127.0.0.1:0", &pd, ServerConfig::default()).unwrap();
+        let srv = ServerSession::bind("127.0.0.1:0", &pd, ServerConfig::insecure_open()).unwrap();
         let mut raw = RawClient::connect(srv.local_addr(), &pd);
         let mut served = srv.accept_timeout(DEADLINE).expect("server side");
         let goodbye = Message::Disconnect { code: 42 }.encode().unwrap();
@@ -703,6 +703,7 @@ verbs_test! {
             let out = std::process::Command::new(example_binary("ping_pong"))
                 .args(["--connect", &addr.to_string(), "--iters", "50"])
                 .args(extra)
+                .env_remove(AUTH_KEY_ENV)
                 .output()
                 .unwrap();
             let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
@@ -716,10 +717,21 @@ verbs_test! {
         assert!(!ok, "a wrong key connected: {out}");
         assert!(out.contains("authentication with") && out.contains(&addr.to_string()), "{out}");
 
-        let (ok, out) = run(&[]);
+        let (ok, out) = run(&["--insecure"]);
         assert!(!ok, "a client without a key connected: {out}");
         assert!(out.contains("requires authentication"), "{out}");
         server.expect_lines("authentication", 2);
+
+        // Neither a key nor --insecure: refused before anything is opened,
+        // with the ways out named.
+        let out = std::process::Command::new(example_binary("ping_pong"))
+            .args(["--connect", &addr.to_string(), "--iters", "50"])
+            .env_remove(AUTH_KEY_ENV)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(text.contains("--auth-key-file") && text.contains("--insecure"), "{text}");
     }
 }
 
@@ -752,7 +764,7 @@ verbs_test! {
     fn a_peer_reaches_only_the_memory_exported_to_it() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
-        let mut config = ServerConfig::default();
+        let mut config = ServerConfig::insecure_open();
         config.qp.remote_access = AccessFlags::REMOTE_WRITE;
         // Each peer gets an inbox of its own, in the one PD all peers share.
         let inboxes = Arc::new(Mutex::new(Vec::new()));

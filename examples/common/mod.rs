@@ -55,21 +55,55 @@ impl DeviceArgs {
 }
 
 /// The shared key both ends must prove (`--auth-key-file`, or the
-/// `RDMA_COMM_AUTH_KEY` environment variable when no file is given).
+/// `RDMA_COMM_AUTH_KEY` environment variable when no file is given), or
+/// `--insecure` to run without one.
 #[derive(Args, Debug, Clone, Default)]
 pub struct AuthArgs {
-    /// File holding the shared key (at least 16 bytes; one trailing newline
-    /// is ignored). Both ends need the same key; with none, the
-    /// RDMA_COMM_AUTH_KEY environment variable is used when set.
+    /// File holding the shared key (at least 32 bytes, say from `head -c 32
+    /// /dev/urandom`; mode 600; one trailing newline is ignored). Both ends
+    /// need the same key. Without it, the RDMA_COMM_AUTH_KEY environment
+    /// variable is used when set.
     #[arg(long, value_name = "PATH")]
     pub auth_key_file: Option<std::path::PathBuf>,
+    /// Run without a key: a server admits anyone who reaches its port, and
+    /// a client talks to such servers. Only for closed networks and tests.
+    #[arg(long, conflicts_with = "auth_key_file")]
+    pub insecure: bool,
 }
 
 impl AuthArgs {
-    /// The key to use, if any.
+    /// The key to use: `None` only with `--insecure`. Without a key and
+    /// without `--insecure`, an error that names both ways out.
     #[allow(dead_code)]
     pub fn key(&self) -> Result<Option<rdma_comm_core::session::AuthKey>, rdma_comm_core::Error> {
-        rdma_comm_core::session::AuthKey::from_file_or_env(self.auth_key_file.as_deref())
+        use rdma_comm_core::Error;
+        use rdma_comm_core::session::{AUTH_KEY_ENV, AuthKey};
+        if self.insecure {
+            if std::env::var_os(AUTH_KEY_ENV).is_some() {
+                return Err(Error::InvalidArgument(
+                    "--insecure: RDMA_COMM_AUTH_KEY is set too; use the key or unset it",
+                ));
+            }
+            return Ok(None);
+        }
+        match AuthKey::from_file_or_env(self.auth_key_file.as_deref())? {
+            Some(key) => Ok(Some(key)),
+            None => Err(Error::InvalidArgument(
+                "no authentication key: give --auth-key-file PATH or set RDMA_COMM_AUTH_KEY \
+                 (--insecure runs without one, open to anyone)",
+            )),
+        }
+    }
+
+    /// Sets a server's key, or opens it to anyone with `--insecure`.
+    #[allow(dead_code)]
+    pub fn secure(
+        &self,
+        config: &mut rdma_comm_core::session::ServerConfig,
+    ) -> Result<(), rdma_comm_core::Error> {
+        config.auth_key = self.key()?;
+        config.insecure_open = config.auth_key.is_none();
+        Ok(())
     }
 }
 

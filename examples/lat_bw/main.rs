@@ -424,7 +424,7 @@ fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Re
             let mut config = reactor.server_config(access);
             args.dev.apply(&mut config.qp);
             config.max_peers = Some(1);
-            config.auth_key = args.auth.key()?;
+            args.auth.secure(&mut config)?;
             config.transport = args.transport.transport();
             let export = buffer.registration().clone();
             config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {

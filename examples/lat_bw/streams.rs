@@ -136,7 +136,7 @@ pub(crate) fn measure_on_runtime(
         let mut config = runtime.server_config(access);
         args.dev.apply(&mut config.qp);
         config.max_peers = Some(streams);
-        config.auth_key = args.auth.key()?;
+        args.auth.secure(&mut config)?;
         config.transport = args.transport.transport();
         crate::common::report_refusals("lat_bw", &mut config);
         config.exports = Some(Arc::new(move |peer, _: &ProtectionDomain| {

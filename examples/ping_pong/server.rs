@@ -301,7 +301,7 @@ pub(crate) fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     args.dev.apply(&mut config.qp);
     config.max_peers = args.max_peers;
     config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
-    config.auth_key = args.auth.key()?;
+    args.auth.secure(&mut config)?;
     config.transport = args.transport.transport();
     config.exports = Some(Arc::new(move |_peer: SocketAddr, pd: &ProtectionDomain| {
         // Each peer writes into its own inbox, through a window bound to its

@@ -285,18 +285,13 @@ fn meet(
     let name = export_name(args);
     if args.server {
         let auth_key = args.auth.key()?;
-        if auth_key.is_none() {
-            eprintln!(
-                "verbs_perf: no --auth-key-file (or RDMA_COMM_AUTH_KEY): the first client to \
-                 connect gets the QP and the buffer"
-            );
-        }
         let export = buffer.registration().clone();
         let mut config = ServerConfig {
             qp,
             cq: CqChoice::Shared(cq.shared()),
             max_peers: Some(1),
             max_qps: 1,
+            insecure_open: auth_key.is_none(),
             auth_key,
             exports: Some(Arc::new(move |_, _: &ProtectionDomain| {
                 Ok(vec![Export::new(

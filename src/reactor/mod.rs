@@ -381,6 +381,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// A server configuration whose QPs report to this reactor (spread
     /// over its CQs, peer by peer), with `remote_access` granted to peers.
+    /// Like [`ServerConfig::default`] it has no key: set `auth_key` (or
+    /// `insecure_open`) before binding.
     pub fn server_config(&mut self, remote_access: AccessFlags) -> ServerConfig {
         let spec = self.qp_spec_with_access("", remote_access);
         // Accepted peers take the reactor's CQs in turn, as `qp_spec`

@@ -25,6 +25,7 @@
 //! ```no_run
 //! use rdma_comm_core::reactor::*;
 //! use rdma_comm_core::runtime::*;
+//! use rdma_comm_core::session::AuthKey;
 //! use rdma_comm_core::verbs::*;
 //!
 //! struct Echo;
@@ -39,7 +40,8 @@
 //! let config = RuntimeConfig { reactors: 2, ..RuntimeConfig::default() };
 //! let mut runtime = Runtime::start(&pd, config, |_: &NewSession<'_>| Ok(Echo))?;
 //! println!("{}", runtime.plan());
-//! let server = runtime.server_config(AccessFlags::empty());
+//! let mut server = runtime.server_config(AccessFlags::empty());
+//! server.auth_key = Some(AuthKey::from_file("/etc/myservice/rdma.key")?);
 //! runtime.serve("0.0.0.0:7471", server)?;
 //! runtime.join()?; // until a RuntimeHandle stops it
 //! # Ok::<(), rdma_comm_core::Error>(())
@@ -584,7 +586,8 @@ impl RuntimeHandle {
 
     /// A server configuration with the reactors' QP settings and
     /// `remote_access` granted to peers; pass it to [`Runtime::serve`]
-    /// after setting exports, keys and limits.
+    /// after setting exports, limits and the key (it has none: a server
+    /// without one refuses to start unless `insecure_open` says so).
     pub fn server_config(&self, remote_access: AccessFlags) -> ServerConfig {
         let mut qp = self.shared.ports[0]
             .setup

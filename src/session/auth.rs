@@ -55,6 +55,17 @@ impl AuthKey {
         Ok(Self(bytes.into()))
     }
 
+    /// A fresh random key of [`MIN_KEY_LEN`] bytes: for a server and its
+    /// clients in one process, or to write a key file from.
+    pub fn random() -> Result<Self> {
+        let mut bytes = [0; MIN_KEY_LEN];
+        getrandom::fill(&mut bytes).map_err(|err| Error::Os {
+            what: "reading random bytes for a key",
+            source: std::io::Error::other(err.to_string()),
+        })?;
+        Self::new(&bytes)
+    }
+
     /// Reads a key file: its bytes, without one trailing newline. The file
     /// must not be readable or writable by group or others (`chmod 600`),
     /// and at most 4 KiB.

@@ -14,10 +14,12 @@
 //!
 //! let ctx = Context::open_default(None)?;
 //! let pd = ctx.alloc_pd()?;
+//! // Both sides hold the same key (a file of 32 random bytes, mode 600).
+//! let key = AuthKey::from_file("/etc/myservice/rdma.key")?;
 //! // Server side:
-//! let server = ServerSession::bind("0.0.0.0:7471", &pd, ServerConfig::default())?;
+//! let server = ServerSession::bind("0.0.0.0:7471", &pd, ServerConfig::with_key(key.clone()))?;
 //! // Client side (elsewhere):
-//! let config = ClientConfig::new(vec![QpSpec::new("data")]);
+//! let config = ClientConfig::new(vec![QpSpec::new("data")]).with_auth_key(Some(key));
 //! let mut endpoint = ClientSession::connect("server:7471", &pd, &config)?;
 //! let data = endpoint.qp_by_name("data").unwrap();
 //! println!("connected QP {} to {}", data.qp().qpn(), endpoint.peer());
@@ -29,8 +31,8 @@ mod client;
 mod cm;
 mod endpoint;
 mod handshake;
-mod peer_places;
 pub(crate) mod net;
+mod peer_places;
 mod server;
 pub mod wire;
 

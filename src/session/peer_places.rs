@@ -74,7 +74,9 @@ mod tests {
         assert!(places.take().is_none(), "no third place");
         drop(a);
         assert_eq!(places.taken(), 1);
-        let c = places.take().expect("a departed peer's place is free again");
+        let c = places
+            .take()
+            .expect("a departed peer's place is free again");
         drop((b, c));
         assert_eq!(places.taken(), 0);
         assert!(!places.full());

@@ -30,6 +30,15 @@ macro_rules! verbs_test {
     };
 }
 
+/// `config` open to anyone without a key: the tests whose subject is not
+/// authentication serve so (each `bind` logs that it is open).
+pub fn insecure(
+    mut config: rdma_comm_core::session::ServerConfig,
+) -> rdma_comm_core::session::ServerConfig {
+    config.insecure_open = true;
+    config
+}
+
 /// How long a test waits for completions before failing.
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
@@ -156,6 +165,18 @@ pub fn example_binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// The key every tool a test starts is given, through
+/// [`AUTH_KEY_ENV`](rdma_comm_core::session::AUTH_KEY_ENV): the tools
+/// refuse to run without one (or `--insecure`).
+pub const TEST_KEY: &str = "a key for the tools the tests start, 32+ bytes";
+
+/// A command for `program` with [`TEST_KEY`] in its environment.
+pub fn keyed(program: impl AsRef<std::ffi::OsStr>) -> std::process::Command {
+    let mut command = std::process::Command::new(program);
+    command.env(rdma_comm_core::session::AUTH_KEY_ENV, TEST_KEY);
+    command
 }
 
 /// The path of binary `name` of a workspace member (`mesh` from tools/mesh),

@@ -52,7 +52,7 @@ impl Proc {
     /// [`spawn`](Self::spawn) with `env` added to the environment.
     #[track_caller]
     pub fn spawn_with_env(example: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(example_binary(example))
+        let mut child = super::keyed(example_binary(example))
             .args(args)
             .envs(env.iter().copied())
             .stdout(Stdio::piped())

@@ -13,6 +13,8 @@ use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
 
+use super::insecure;
+
 pub type BoxedHandler = Box<dyn Handler + Send>;
 
 /// The byte at `i` of message `seq`.
@@ -383,7 +385,7 @@ pub fn connect(
     server_inbox: &Arc<MemoryRegion>,
     client_inbox: &Arc<MemoryRegion>,
 ) -> (Endpoint, Endpoint) {
-    let mut config = sides.server().server_config(AccessFlags::REMOTE_WRITE);
+    let mut config = insecure(sides.server().server_config(AccessFlags::REMOTE_WRITE));
     let export = Arc::clone(server_inbox);
     config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
         Ok(vec![Export::new(

@@ -611,5 +611,9 @@ fn a_keyed_server_gives_the_full_deadline_only_after_the_key_is_proven() {
     let mut resources = Counted::default();
     serve(&mut io, Some(&key(1)), 4, |_| Ok(()), &mut resources).unwrap();
     client.join().unwrap().unwrap();
-    assert_eq!(io.proven_after, Some(2), "proven by the hello and the proof");
+    assert_eq!(
+        io.proven_after,
+        Some(2),
+        "proven by the hello and the proof"
+    );
 }

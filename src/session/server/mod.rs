@@ -671,7 +671,10 @@ fn run_handshake<'a>(
         }
     };
     // The peer's place goes with its endpoint from now on.
-    if let Some(place) = admission.as_mut().and_then(|admission| admission.place.take()) {
+    if let Some(place) = admission
+        .as_mut()
+        .and_then(|admission| admission.place.take())
+    {
         endpoint.hold_place(place);
     }
     // Admission reserved room in the queue, so it is full only if the server

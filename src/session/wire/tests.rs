@@ -242,10 +242,7 @@ fn a_peers_reject_reason_is_decoded_with_its_control_characters_escaped() {
         panic!("not a reject: {message:?}");
     };
     assert_eq!(code, 4);
-    assert_eq!(
-        reason,
-        "no\\nINFO forged line \\u{1b}[2J \\u{202e}desrever"
-    );
+    assert_eq!(reason, "no\\nINFO forged line \\u{1b}[2J \\u{202e}desrever");
     assert!(!reason.chars().any(is_unprintable));
     // Plain text, quotes and non-ASCII letters included, is kept as sent.
     let plain = Message::reject(5, "busy: \"später\" \\ retry");

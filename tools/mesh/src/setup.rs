@@ -277,7 +277,9 @@ pub fn start(
     let mut config = runtime.server_config(access);
     args.dev.apply(&mut config.qp);
     config.max_peers = Some(world.size - 1 - world.rank);
-    config.auth_key = args.auth.key().map_err(|err| err.to_string())?;
+    args.auth
+        .secure(&mut config)
+        .map_err(|err| err.to_string())?;
     let ring_len = ring_len(args);
     if !access.is_empty() {
         config.exports = Some(Arc::new(move |_, pd: &ProtectionDomain| {
