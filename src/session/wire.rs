@@ -145,9 +145,9 @@ pub enum Message {
     Reject {
         /// Reason code ([`reject_code`](super::reject_code)).
         code: u16,
-        /// Human-readable reason (at most [`MAX_NAME_LEN`] bytes on the
-        /// wire). Decoded with control and bidirectional formatting
-        /// characters escaped, so a peer's reason prints as one plain line.
+        /// Human-readable reason: at most [`MAX_NAME_LEN`] bytes, without
+        /// control or bidirectional formatting characters (a peer's reason
+        /// prints as one plain line; [`Message::reject`] escapes them).
         reason: String,
     },
     /// Either side: my QPs are ready; with authentication, a proof over the
@@ -164,9 +164,11 @@ pub enum Message {
 }
 
 impl Message {
-    /// A rejection whose reason is cut (at a character boundary) to what
-    /// the wire carries.
+    /// A rejection whose reason has its control and bidirectional
+    /// formatting characters escaped and is cut (at a character boundary)
+    /// to what the wire carries.
     pub fn reject(code: u16, reason: &str) -> Self {
+        let reason = printable(reason);
         let mut end = reason.len().min(MAX_NAME_LEN);
         while !reason.is_char_boundary(end) {
             end -= 1;
@@ -190,7 +192,7 @@ impl Message {
                 hello.qps.iter().try_for_each(|name| check_name(name))
             }
             Message::Offer(h) | Message::Accept(h) => check_handshake(h),
-            Message::Reject { reason, .. } => check_len(reason),
+            Message::Reject { reason, .. } => check_name(reason),
             Message::Challenge { .. }
             | Message::Admit
             | Message::Proof(_)
@@ -279,17 +281,13 @@ impl Message {
     }
 }
 
-fn check_len(text: &str) -> Result<(), WireError> {
-    if text.len() > MAX_NAME_LEN {
+/// Names (identities, QPs, regions) and reject reasons are at most 255
+/// bytes and carry no character that [`is_unprintable`] refuses: a peer's
+/// text ends up in logs and on terminals.
+fn check_name(name: &str) -> Result<(), WireError> {
+    if name.len() > MAX_NAME_LEN {
         return Err(WireError::Malformed("a name is longer than 255 bytes"));
     }
-    Ok(())
-}
-
-/// Names (identities, QPs, regions) are at most 255 bytes and carry no
-/// character that [`is_unprintable`] refuses: they end up in logs.
-fn check_name(name: &str) -> Result<(), WireError> {
-    check_len(name)?;
     if name.chars().any(is_unprintable) {
         return Err(WireError::Malformed(
             "a name holds a control or bidirectional formatting character",
@@ -310,12 +308,8 @@ fn is_unprintable(c: char) -> bool {
 }
 
 /// `text` with every character [`is_unprintable`] refuses written as its
-/// escape (`\n`, `\u{1b}`): a peer's free text (a reject reason) is kept,
-/// but cannot forge log lines or terminal output.
-fn printable(text: String) -> String {
-    if !text.chars().any(is_unprintable) {
-        return text;
-    }
+/// escape (`\n`, `\u{1b}`).
+fn printable(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 8);
     for c in text.chars() {
         if is_unprintable(c) {
@@ -417,7 +411,7 @@ fn decode_payload(kind: u16, payload: &[u8]) -> Result<Message, WireError> {
         KIND_ACCEPT => Message::Accept(decode_handshake(&mut r)?),
         KIND_REJECT => Message::Reject {
             code: r.u16()?,
-            reason: printable(r.str()?),
+            reason: r.name()?,
         },
         KIND_READY => Message::Ready {
             proof: match r.0.len() {

@@ -232,18 +232,20 @@ fn raw_frame(kind: u16, payload: &[u8]) -> Vec<u8> {
 }
 
 #[test]
-fn a_peers_reject_reason_is_decoded_with_its_control_characters_escaped() {
+fn a_reject_reason_with_control_characters_is_escaped_when_sent_and_refused_when_received() {
     let hostile = "no\nINFO forged line \u{1b}[2J \u{202e}desrever";
     let mut payload = 4u16.to_le_bytes().to_vec();
     payload.push(hostile.len() as u8);
     payload.extend_from_slice(hostile.as_bytes());
-    let (message, _) = Message::decode(&raw_frame(KIND_REJECT, &payload)).unwrap();
-    let Message::Reject { code, reason } = message else {
-        panic!("not a reject: {message:?}");
+    assert!(matches!(
+        Message::decode(&raw_frame(KIND_REJECT, &payload)),
+        Err(WireError::Malformed(_))
+    ));
+    // Our own reasons (an authorize callback's, say) go out escaped.
+    let Message::Reject { reason, .. } = Message::reject(4, hostile) else {
+        unreachable!()
     };
-    assert_eq!(code, 4);
     assert_eq!(reason, "no\\nINFO forged line \\u{1b}[2J \\u{202e}desrever");
-    assert!(!reason.chars().any(is_unprintable));
     // Plain text, quotes and non-ASCII letters included, is kept as sent.
     let plain = Message::reject(5, "busy: \"später\" \\ retry");
     let (decoded, _) = Message::decode(&plain.encode().unwrap()).unwrap();
