@@ -383,7 +383,7 @@ impl Runtime {
     /// and its endpoint goes to that reactor's queue. `config` comes from
     /// [`RuntimeHandle::server_config`] (its `cq`, `srq` and `place` are
     /// the runtime's). Returns the address it listens on. The listener
-    /// stops with the runtime, or after `config.max_peers` peers.
+    /// stops with the runtime.
     ///
     /// # Errors
     /// Binding the listener; spawning its thread.
