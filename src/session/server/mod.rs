@@ -101,7 +101,9 @@ pub struct ServerConfig {
     /// place from admission until its endpoint, or the reactor session
     /// made of it, is dropped, or until its handshake fails; while every
     /// place is taken, newcomers are refused as busy and the listener
-    /// keeps listening.
+    /// keeps listening. A reactor that serves the peers frees a departed
+    /// peer's place when its handler removes the session
+    /// (`Ctx::remove_session`, from `on_peer_gone`).
     pub max_peers: Option<usize>,
     /// Time one handshake may take from accept to ready, whatever the peer
     /// sends and however slowly. The deadline is absolute: time in this
