@@ -3,7 +3,14 @@
 //! another, a reactor takes only QPs nothing was posted on and ignores
 //! completions it did not post, and in-flight requests keep their memory.
 //! (What the types rule out at compile time: `tests/compile_fail.rs`.)
-//! Gated as described in `tests/util/mod.rs`.
+//!
+//! Runs on the in-process loopback device ([`Context::loopback`]) in every
+//! `cargo test`: pools over a loopback [`Pair`], reactors whose sessions
+//! are loopback QPs connected to each other directly (a session's exports
+//! need memory windows, which loopback lacks), and foreign QPs that come
+//! from sessions over TCP on 127.0.0.1. The few tests that need a NIC are
+//! declared with `verbs_test!` and run only in the Soft-RoCE guest (see
+//! `tests/util/mod.rs`); each says why.
 
 mod util;
 
@@ -16,11 +23,29 @@ use rdma_comm_core::pool::BufferPool;
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
+use rdma_perf::loopback::connected_pair;
 use util::reactor::*;
 use util::*;
 
 /// How long a reactor test may turn its reactors before it fails.
 const RUN_DEADLINE: Duration = Duration::from_secs(60);
+
+/// A PD of a new loopback device.
+fn loopback_pd() -> ProtectionDomain {
+    // SAFETY: each test posts every request and touches every byte of its
+    // device's memory on its own thread: its reactors turn there, its raw
+    // posts are made there, and the session threads that make a foreign
+    // QP only create and connect QPs.
+    let ctx = unsafe { Context::loopback() };
+    ctx.alloc_pd().expect("a PD on the loopback device")
+}
+
+/// Two QPs of a new loopback device, connected to each other.
+fn loopback_pair() -> Pair {
+    // SAFETY: as in `loopback_pd`: the test's thread posts to both QPs,
+    // polls both CQs and touches every byte.
+    Pair::on(unsafe { Context::loopback() }, &QpConfig::default())
+}
 
 fn reactor_config(srq: bool) -> ReactorConfig {
     ReactorConfig {
@@ -33,13 +58,19 @@ fn reactor_config(srq: bool) -> ReactorConfig {
     }
 }
 
+/// A reactor with `reactor_config(srq)` whose sessions are QPs handed to
+/// it directly.
+fn new_reactor(pd: &ProtectionDomain, srq: bool) -> Reactor<BoxedHandler, ()> {
+    Reactor::new(pd, reactor_config(srq)).expect("a reactor")
+}
+
 /// Turns every reactor in `reactors` until `done` (which may look at
 /// them) says so, failing the test at [`RUN_DEADLINE`].
 #[track_caller]
-fn turn_until(
-    reactors: &mut [&mut Reactor<BoxedHandler>],
+fn turn_until<L: PeerLink>(
+    reactors: &mut [&mut Reactor<BoxedHandler, L>],
     what: &str,
-    mut done: impl FnMut(&[&mut Reactor<BoxedHandler>]) -> bool,
+    mut done: impl FnMut(&[&mut Reactor<BoxedHandler, L>]) -> bool,
 ) {
     let start = Instant::now();
     while !done(reactors) {
@@ -55,8 +86,8 @@ fn turn_until(
 
 /// Receives a message a callback sent, turning `reactors` meanwhile.
 #[track_caller]
-fn turn_until_received<T>(
-    reactors: &mut [&mut Reactor<BoxedHandler>],
+fn turn_until_received<T, L: PeerLink>(
+    reactors: &mut [&mut Reactor<BoxedHandler, L>],
     what: &str,
     rx: &mpsc::Receiver<T>,
 ) -> T {
@@ -106,22 +137,26 @@ fn on_established(check: impl FnOnce(&mut Ctx<'_>, ConnId) + Send + 'static) -> 
     Box::new(OnEstablished(Some(check)))
 }
 
-/// Connects two endpoints built on `reactor` (each exporting a small inbox)
-/// and adds them with `server` and `client` as handlers.
+/// Connects two QPs on `reactor`'s CQ (and its SRQ, if it has one) and
+/// adds them as sessions with `server` and `client` as handlers.
 fn add_pair(
     pd: &ProtectionDomain,
-    reactor: &mut Reactor<BoxedHandler>,
+    reactor: &mut Reactor<BoxedHandler, ()>,
     server: BoxedHandler,
     client: BoxedHandler,
 ) -> (SessionId, SessionId) {
-    let (inbox, _) = regions(pd, 64);
-    let (server_ep, client_ep) = connect(pd, &mut Sides::One(reactor), &inbox, &inbox);
-    let server = reactor.add(server_ep, server).expect("add server side");
-    let client = reactor.add(client_ep, client).expect("add client side");
+    let (server_qp, client_qp) =
+        connected_pair(reactor, pd, AccessFlags::empty()).expect("two connected QPs");
+    let server = reactor
+        .add(vec![server_qp], server)
+        .expect("add server side");
+    let client = reactor
+        .add(vec![client_qp], client)
+        .expect("add client side");
     (server, client)
 }
 
-fn conns_of(reactor: &Reactor<BoxedHandler>) -> Vec<ConnId> {
+fn conns_of<L: PeerLink>(reactor: &Reactor<BoxedHandler, L>) -> Vec<ConnId> {
     reactor
         .sessions()
         .flat_map(|session| reactor.conns(session).collect::<Vec<_>>())
@@ -130,163 +165,209 @@ fn conns_of(reactor: &Reactor<BoxedHandler>) -> Vec<ConnId> {
 
 // ---------------------------------------------------------------- pools
 
-verbs_test! {
-    fn a_pool_refuses_remote_access() {
-        let ctx = open_device();
-        let pd = ctx.alloc_pd().unwrap();
-        for access in [
-            AccessFlags::REMOTE_WRITE,
-            AccessFlags::REMOTE_READ,
-            AccessFlags::REMOTE_ATOMIC,
-            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
-        ] {
-            let refused = BufferPool::new(&pd, 256, 4, access);
-            assert!(matches!(refused, Err(Error::InvalidArgument(_))), "{access:?}: {refused:?}");
-        }
-        BufferPool::new(&pd, 256, 4, AccessFlags::LOCAL_WRITE).expect("local access is fine");
+#[test]
+fn a_pool_refuses_remote_access() {
+    let pd = loopback_pd();
+    for access in [
+        AccessFlags::REMOTE_WRITE,
+        AccessFlags::REMOTE_READ,
+        AccessFlags::REMOTE_ATOMIC,
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+    ] {
+        let refused = BufferPool::new(&pd, 256, 4, access);
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument(_))),
+            "{access:?}: {refused:?}"
+        );
     }
+    BufferPool::new(&pd, 256, 4, AccessFlags::LOCAL_WRITE).expect("local access is fine");
 }
 
-verbs_test! {
-    fn a_pool_refuses_slots_of_another_pool() {
-        let mut p = Pair::new(&QpConfig::default());
-        // `a` has more slots than `b`: its last slot's index is out of `b`'s range.
-        let mut a = BufferPool::new(&p.pd, 64, 8, AccessFlags::LOCAL_WRITE).unwrap();
-        let mut b = BufferPool::new(&p.pd, 64, 4, AccessFlags::LOCAL_WRITE).unwrap();
-        let mut slots: Vec<_> = std::iter::from_fn(|| a.acquire()).collect();
-        let held_by_b = b.acquire().unwrap();
-        for slot in &mut slots {
-            assert!(matches!(b.bytes(slot), Err(Error::ForeignHandle(_))), "bytes of {slot:?}");
-            let refused = b.bytes_mut(slot).map(|_| ());
-            assert!(matches!(refused, Err(Error::ForeignHandle(_))), "bytes_mut of {slot:?}");
-        }
-        // Posting a foreign slot hands it back untouched.
-        let slot = slots.pop().unwrap();
-        let refused = b.post_send(&mut p.a, slot, 8, None).expect_err("a foreign slot");
-        assert!(matches!(refused.error, Error::ForeignHandle(_)), "{}", refused.error);
-        assert!(!p.a.has_posted(), "nothing reached the QP");
-        let slot = refused.slot;
-        let refused = b.post_recv(&mut p.b, slot).expect_err("a foreign slot");
-        assert!(matches!(refused.error, Error::ForeignHandle(_)), "{}", refused.error);
-        assert!(!p.b.has_posted(), "nothing reached the QP");
-        // Releasing into the wrong pool is refused (the handle is gone with it).
-        assert!(matches!(b.release(refused.slot), Err(Error::ForeignHandle(_))));
-        assert_eq!((b.available(), b.in_flight()), (3, 0), "b's free list is untouched");
-        // The rest still work in their own pool.
-        for mut slot in slots {
-            a.bytes_mut(&mut slot).unwrap().fill(1);
-            a.release(slot).unwrap();
-        }
-        assert_eq!(a.available(), 7);
-        b.release(held_by_b).unwrap();
-        assert_eq!(b.available(), 4);
+#[test]
+fn a_pool_refuses_slots_of_another_pool() {
+    let mut p = loopback_pair();
+    // `a` has more slots than `b`: its last slot's index is out of `b`'s range.
+    let mut a = BufferPool::new(&p.pd, 64, 8, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut b = BufferPool::new(&p.pd, 64, 4, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut slots: Vec<_> = std::iter::from_fn(|| a.acquire()).collect();
+    let held_by_b = b.acquire().unwrap();
+    for slot in &mut slots {
+        assert!(
+            matches!(b.bytes(slot), Err(Error::ForeignHandle(_))),
+            "bytes of {slot:?}"
+        );
+        let refused = b.bytes_mut(slot).map(|_| ());
+        assert!(
+            matches!(refused, Err(Error::ForeignHandle(_))),
+            "bytes_mut of {slot:?}"
+        );
     }
+    // Posting a foreign slot hands it back untouched.
+    let slot = slots.pop().unwrap();
+    let refused = b
+        .post_send(&mut p.a, slot, 8, None)
+        .expect_err("a foreign slot");
+    assert!(
+        matches!(refused.error, Error::ForeignHandle(_)),
+        "{}",
+        refused.error
+    );
+    assert!(!p.a.has_posted(), "nothing reached the QP");
+    let slot = refused.slot;
+    let refused = b.post_recv(&mut p.b, slot).expect_err("a foreign slot");
+    assert!(
+        matches!(refused.error, Error::ForeignHandle(_)),
+        "{}",
+        refused.error
+    );
+    assert!(!p.b.has_posted(), "nothing reached the QP");
+    // Releasing into the wrong pool is refused (the handle is gone with it).
+    assert!(matches!(
+        b.release(refused.slot),
+        Err(Error::ForeignHandle(_))
+    ));
+    assert_eq!(
+        (b.available(), b.in_flight()),
+        (3, 0),
+        "b's free list is untouched"
+    );
+    // The rest still work in their own pool.
+    for mut slot in slots {
+        a.bytes_mut(&mut slot).unwrap().fill(1);
+        a.release(slot).unwrap();
+    }
+    assert_eq!(a.available(), 7);
+    b.release(held_by_b).unwrap();
+    assert_eq!(b.available(), 4);
 }
 
-verbs_test! {
-    fn a_pool_ignores_completions_of_another_pool() {
-        let mut p = Pair::new(&QpConfig::default());
-        let mut a = BufferPool::new(&p.pd, 64, 4, AccessFlags::LOCAL_WRITE).unwrap();
-        let mut b = BufferPool::new(&p.pd, 64, 4, AccessFlags::LOCAL_WRITE).unwrap();
-        let mut recvs = BufferPool::new(&p.pd, 64, 4, AccessFlags::LOCAL_WRITE).unwrap();
-        while let Some(slot) = recvs.acquire() {
-            recvs.post_recv(&mut p.b, slot).unwrap();
-        }
-        // Both pools send from their slot 0, so the completions name the same index.
-        let (slot_a, slot_b) = (a.acquire().unwrap(), b.acquire().unwrap());
-        assert_eq!(slot_a.index(), slot_b.index());
-        a.post_send(&mut p.a, slot_a, 8, None).unwrap();
-        b.post_send(&mut p.a, slot_b, 8, None).unwrap();
-        let done = wait_for(&mut p.cq_a, 2);
-        for wc in &done {
-            wc.ok().unwrap();
-            let (mine, other) = if a.owns(wc) { (&mut a, &mut b) } else { (&mut b, &mut a) };
-            assert!(!other.owns(wc), "{wc:?} is claimed by both pools");
-            let in_flight = other.in_flight();
-            assert!(other.complete(wc).is_none(), "the other pool's completion gave a slot back");
-            assert_eq!(other.in_flight(), in_flight, "the other pool's slots stay as they were");
-            let slot = mine.complete(wc).expect("its own pool takes it back");
-            mine.release(slot).unwrap();
-        }
-        assert_eq!((a.in_flight(), b.in_flight()), (0, 0));
-        assert!(a.complete(&WorkCompletion::default()).is_none(), "an all-zero completion");
-    }
-}
-
-verbs_test! {
-    fn a_forged_completion_does_not_free_an_in_flight_slot() {
-        let mut p = Pair::new(&QpConfig::default());
-        let mut recvs = BufferPool::new(&p.pd, 64, 1, AccessFlags::LOCAL_WRITE).unwrap();
-        // Bytes 0..64 are the source of the SENDs, then one 64-byte buffer
-        // per forged receive.
-        let mut own = p.pd.alloc_mr(64 * 8, AccessFlags::LOCAL_WRITE).unwrap();
-        // Receives of our own on the pool's QP, posted first so they complete
-        // first, while the pool's slot 0 is in flight behind them. Their ids
-        // carry slot index 0 with every tag a guess might try.
-        let forged: [u64; 6] = [
-            0,
-            1 << 20,
-            42 << 20,
-            0x0123_4567_89a0_0000,
-            0x5555_5555_5550_0000,
-            0xffff_ffff_fff0_0000,
-        ];
-        for (i, &wr_id) in forged.iter().enumerate() {
-            let local = own.slice((i + 1) * 64, 64).unwrap();
-            p.b.post_recv(RecvRequest::new(wr_id, local).unwrap()).unwrap();
-        }
-        let slot = recvs.acquire().unwrap();
-        assert_eq!(slot.index(), 0);
+#[test]
+fn a_pool_ignores_completions_of_another_pool() {
+    let mut p = loopback_pair();
+    let mut a = BufferPool::new(&p.pd, 64, 4, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut b = BufferPool::new(&p.pd, 64, 4, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut recvs = BufferPool::new(&p.pd, 64, 4, AccessFlags::LOCAL_WRITE).unwrap();
+    while let Some(slot) = recvs.acquire() {
         recvs.post_recv(&mut p.b, slot).unwrap();
-        assert!(recvs.acquire().is_none());
-
-        own.write(0, &pattern(1, 64)).unwrap();
-        for _ in 0..=forged.len() {
-            p.a.post_send(WorkRequest::send(0, own.slice(0, 64).unwrap()).signaled()).unwrap();
-        }
-        for wc in wait_for(&mut p.cq_a, forged.len() + 1) {
-            wc.ok().unwrap();
-        }
-        let received = wait_for(&mut p.cq_b, forged.len() + 1);
-        for wc in &received[..forged.len()] {
-            wc.ok().unwrap();
-            assert!(!recvs.owns(wc), "forged {:#x} claimed", wc.wr_id());
-            assert!(recvs.complete(wc).is_none(), "forged {:#x} freed the slot", wc.wr_id());
-            assert_eq!(recvs.in_flight(), 1, "the slot stays in flight");
-        }
-        let real = received[forged.len()];
-        let slot = recvs.complete(&real).expect("the real completion gives the slot back");
-        assert_eq!(recvs.bytes(&slot).unwrap(), pattern(1, 64));
-        assert!(recvs.complete(&real).is_none(), "and only once");
-        recvs.release(slot).unwrap();
     }
+    // Both pools send from their slot 0, so the completions name the same index.
+    let (slot_a, slot_b) = (a.acquire().unwrap(), b.acquire().unwrap());
+    assert_eq!(slot_a.index(), slot_b.index());
+    a.post_send(&mut p.a, slot_a, 8, None).unwrap();
+    b.post_send(&mut p.a, slot_b, 8, None).unwrap();
+    let done = wait_for(&mut p.cq_a, 2);
+    for wc in &done {
+        wc.ok().unwrap();
+        let (mine, other) = if a.owns(wc) {
+            (&mut a, &mut b)
+        } else {
+            (&mut b, &mut a)
+        };
+        assert!(!other.owns(wc), "{wc:?} is claimed by both pools");
+        let in_flight = other.in_flight();
+        assert!(
+            other.complete(wc).is_none(),
+            "the other pool's completion gave a slot back"
+        );
+        assert_eq!(
+            other.in_flight(),
+            in_flight,
+            "the other pool's slots stay as they were"
+        );
+        let slot = mine.complete(wc).expect("its own pool takes it back");
+        mine.release(slot).unwrap();
+    }
+    assert_eq!((a.in_flight(), b.in_flight()), (0, 0));
+    assert!(
+        a.complete(&WorkCompletion::default()).is_none(),
+        "an all-zero completion"
+    );
+}
+
+#[test]
+fn a_forged_completion_does_not_free_an_in_flight_slot() {
+    let mut p = loopback_pair();
+    let mut recvs = BufferPool::new(&p.pd, 64, 1, AccessFlags::LOCAL_WRITE).unwrap();
+    // Bytes 0..64 are the source of the SENDs, then one 64-byte buffer
+    // per forged receive.
+    let mut own = p.pd.alloc_mr(64 * 8, AccessFlags::LOCAL_WRITE).unwrap();
+    // Receives of our own on the pool's QP, posted first so they complete
+    // first, while the pool's slot 0 is in flight behind them. Their ids
+    // carry slot index 0 with every tag a guess might try.
+    let forged: [u64; 6] = [
+        0,
+        1 << 20,
+        42 << 20,
+        0x0123_4567_89a0_0000,
+        0x5555_5555_5550_0000,
+        0xffff_ffff_fff0_0000,
+    ];
+    for (i, &wr_id) in forged.iter().enumerate() {
+        let local = own.slice((i + 1) * 64, 64).unwrap();
+        p.b.post_recv(RecvRequest::new(wr_id, local).unwrap())
+            .unwrap();
+    }
+    let slot = recvs.acquire().unwrap();
+    assert_eq!(slot.index(), 0);
+    recvs.post_recv(&mut p.b, slot).unwrap();
+    assert!(recvs.acquire().is_none());
+
+    own.write(0, &pattern(1, 64)).unwrap();
+    for _ in 0..=forged.len() {
+        p.a.post_send(WorkRequest::send(0, own.slice(0, 64).unwrap()).signaled())
+            .unwrap();
+    }
+    for wc in wait_for(&mut p.cq_a, forged.len() + 1) {
+        wc.ok().unwrap();
+    }
+    let received = wait_for(&mut p.cq_b, forged.len() + 1);
+    for wc in &received[..forged.len()] {
+        wc.ok().unwrap();
+        assert!(!recvs.owns(wc), "forged {:#x} claimed", wc.wr_id());
+        assert!(
+            recvs.complete(wc).is_none(),
+            "forged {:#x} freed the slot",
+            wc.wr_id()
+        );
+        assert_eq!(recvs.in_flight(), 1, "the slot stays in flight");
+    }
+    let real = received[forged.len()];
+    let slot = recvs
+        .complete(&real)
+        .expect("the real completion gives the slot back");
+    assert_eq!(recvs.bytes(&slot).unwrap(), pattern(1, 64));
+    assert!(recvs.complete(&real).is_none(), "and only once");
+    recvs.release(slot).unwrap();
 }
 
 // ---------------------------------------------------------------- reactor
 
-verbs_test! {
-    fn add_refuses_a_qp_something_was_posted_on() {
-        let ctx = open_device();
-        let pd = ctx.alloc_pd().unwrap();
-        let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, reactor_config(false)).unwrap();
-        let (inbox, _) = regions(&pd, 64);
-        let (server_ep, mut client_ep) =
-            connect(&pd, &mut Sides::One(&mut reactor), &inbox, &inbox);
-        let own = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-        let qp = client_ep.qps_mut()[0].qp_mut();
-        assert!(!qp.has_posted());
-        qp.post_recv(RecvRequest::new(7, own.whole().unwrap()).unwrap()).unwrap();
-        assert!(client_ep.qps()[0].qp().has_posted());
+#[test]
+fn add_refuses_a_qp_something_was_posted_on() {
+    let pd = loopback_pd();
+    let mut reactor = new_reactor(&pd, false);
+    let (server_qp, mut client_qp) =
+        connected_pair(&mut reactor, &pd, AccessFlags::empty()).expect("two connected QPs");
+    let own = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    assert!(!client_qp.has_posted());
+    client_qp
+        .post_recv(RecvRequest::new(7, own.whole().unwrap()).unwrap())
+        .unwrap();
+    assert!(client_qp.has_posted());
 
-        let refused = reactor.add(client_ep, quiet()).expect_err("a QP with a posted receive");
-        assert!(matches!(refused, Error::InvalidArgument(_)), "{refused}");
-        assert!(refused.to_string().contains("posted"), "{refused}");
-        assert_eq!(reactor.sessions().count(), 0, "the reactor is as it was");
-        reactor.add(server_ep, quiet()).expect("an endpoint nothing was posted on");
-        assert_eq!(reactor.ignored_completions(), (0, 0));
-    }
+    let refused = reactor
+        .add(vec![client_qp], quiet())
+        .expect_err("a QP with a posted receive");
+    assert!(matches!(refused, Error::InvalidArgument(_)), "{refused}");
+    assert!(refused.to_string().contains("posted"), "{refused}");
+    assert_eq!(reactor.sessions().count(), 0, "the reactor is as it was");
+    reactor
+        .add(vec![server_qp], quiet())
+        .expect("a QP nothing was posted on");
+    assert_eq!(reactor.ignored_completions(), (0, 0));
 }
 
+// Guest only: CQ ids are a kernel's per-context handles; loopback's are process-wide (no twin).
 verbs_test! {
     fn add_refuses_a_qp_on_another_contexts_cq_with_the_same_id() {
         // CQ ids are the kernel's handles, numbered per device context: a CQ
@@ -342,7 +423,10 @@ const KIND_SEND: u64 = 2;
 /// A QP on `reactor`'s CQ (and SRQ, if it has one) that the reactor never
 /// takes, connected to a peer with a private CQ: (that QP's endpoint, the
 /// peer's endpoint).
-fn foreign_qp(pd: &ProtectionDomain, reactor: &mut Reactor<BoxedHandler>) -> (Endpoint, Endpoint) {
+fn foreign_qp(
+    pd: &ProtectionDomain,
+    reactor: &mut Reactor<BoxedHandler, ()>,
+) -> (Endpoint, Endpoint) {
     foreign_qp_with(pd, reactor, true)
 }
 
@@ -350,7 +434,7 @@ fn foreign_qp(pd: &ProtectionDomain, reactor: &mut Reactor<BoxedHandler>) -> (En
 /// posts receives of its own).
 fn foreign_qp_with(
     pd: &ProtectionDomain,
-    reactor: &mut Reactor<BoxedHandler>,
+    reactor: &mut Reactor<BoxedHandler, ()>,
     on_srq: bool,
 ) -> (Endpoint, Endpoint) {
     let config = ServerConfig {
@@ -371,10 +455,9 @@ fn foreign_qp_with(
 fn foreign_completions_are_ignored(srq: bool) {
     const RECVS: usize = 8;
     const SENDS: usize = 4;
-    let ctx = open_device();
-    let pd = ctx.alloc_pd().unwrap();
-    let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, reactor_config(srq)).unwrap();
-    let (ping, echo) = add_ping_pong(&pd, Sides::One(&mut reactor), u64::MAX, 64, true);
+    let pd = loopback_pd();
+    let mut reactor = new_reactor(&pd, srq);
+    let (ping, echo) = add_ping_pong_on_qps(&pd, &mut reactor, u64::MAX, 64, true);
     let conns = conns_of(&reactor);
     let (mut foreign, mut peer) = foreign_qp(&pd, &mut reactor);
     turn_until(&mut [&mut reactor], "the ping-pong to get going", |_| {
@@ -483,57 +566,59 @@ fn foreign_completions_are_ignored(srq: bool) {
     }
 }
 
-verbs_test! {
-    fn completions_the_reactor_did_not_post_are_ignored_and_counted() {
-        foreign_completions_are_ignored(false);
+#[test]
+fn completions_the_reactor_did_not_post_are_ignored_and_counted() {
+    foreign_completions_are_ignored(false);
+}
+
+#[test]
+fn receives_shaped_like_srq_receives_are_ignored_unless_their_tag_matches() {
+    const RECVS: usize = 8;
+    let pd = loopback_pd();
+    let mut reactor = new_reactor(&pd, true);
+    let (ping, echo) = add_ping_pong_on_qps(&pd, &mut reactor, u64::MAX, 64, true);
+    // On the reactor's CQ but not its SRQ: it posts receives of its own,
+    // with ids of the SRQ's shape (kind 3, slots 0..8, made-up tags).
+    let (mut foreign, mut peer) = foreign_qp_with(&pd, &mut reactor, false);
+    turn_until(&mut [&mut reactor], "the ping-pong to get going", |_| {
+        ping.done.load(Ordering::Relaxed) >= 50
+    });
+    let inbox = pd.alloc_mr(1024 * RECVS, AccessFlags::LOCAL_WRITE).unwrap();
+    let payload = pd.alloc_mr(64, AccessFlags::empty()).unwrap();
+    let foreign_qp = foreign.qps_mut()[0].qp_mut();
+    for i in 0..RECVS {
+        let tag = 0x2545_f491_4f6c_dd1d_u64.wrapping_mul(i as u64 + 1);
+        let wr_id = (tag << 34) | (3 << 32) | i as u64;
+        let local = inbox.slice(i * 1024, 1024).unwrap();
+        foreign_qp
+            .post_recv(RecvRequest::new(wr_id, local).unwrap())
+            .unwrap();
+    }
+    for i in 0..RECVS {
+        let wr = WorkRequest::send(i as u64, payload.whole().unwrap()).signaled();
+        peer.qps_mut()[0].qp_mut().post_send(wr).unwrap();
+    }
+    turn_until(&mut [&mut reactor], "the forged completions", |reactors| {
+        reactors[0].ignored_completions().0 >= RECVS as u64
+    });
+    let start = ping.done.load(Ordering::Relaxed);
+    turn_until(&mut [&mut reactor], "the ping-pong to go on", |_| {
+        ping.done.load(Ordering::Relaxed) >= start + 50
+    });
+    assert_eq!(
+        reactor.ignored_completions(),
+        (RECVS as u64, 0),
+        "(foreign, reclaimed)"
+    );
+    for outcome in [&ping, &echo] {
+        assert_eq!(outcome.errors.load(Ordering::Relaxed), 0);
+        assert_eq!(outcome.bad.load(Ordering::Relaxed), 0);
     }
 }
 
-verbs_test! {
-    fn receives_shaped_like_srq_receives_are_ignored_unless_their_tag_matches() {
-        const RECVS: usize = 8;
-        let ctx = open_device();
-        let pd = ctx.alloc_pd().unwrap();
-        let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, reactor_config(true)).unwrap();
-        let (ping, echo) = add_ping_pong(&pd, Sides::One(&mut reactor), u64::MAX, 64, true);
-        // On the reactor's CQ but not its SRQ: it posts receives of its own,
-        // with ids of the SRQ's shape (kind 3, slots 0..8, made-up tags).
-        let (mut foreign, mut peer) = foreign_qp_with(&pd, &mut reactor, false);
-        turn_until(&mut [&mut reactor], "the ping-pong to get going", |_| {
-            ping.done.load(Ordering::Relaxed) >= 50
-        });
-        let inbox = pd.alloc_mr(1024 * RECVS, AccessFlags::LOCAL_WRITE).unwrap();
-        let payload = pd.alloc_mr(64, AccessFlags::empty()).unwrap();
-        let foreign_qp = foreign.qps_mut()[0].qp_mut();
-        for i in 0..RECVS {
-            let tag = 0x2545_f491_4f6c_dd1d_u64.wrapping_mul(i as u64 + 1);
-            let wr_id = (tag << 34) | (3 << 32) | i as u64;
-            let local = inbox.slice(i * 1024, 1024).unwrap();
-            foreign_qp.post_recv(RecvRequest::new(wr_id, local).unwrap()).unwrap();
-        }
-        for i in 0..RECVS {
-            let wr = WorkRequest::send(i as u64, payload.whole().unwrap()).signaled();
-            peer.qps_mut()[0].qp_mut().post_send(wr).unwrap();
-        }
-        turn_until(&mut [&mut reactor], "the forged completions", |reactors| {
-            reactors[0].ignored_completions().0 >= RECVS as u64
-        });
-        let start = ping.done.load(Ordering::Relaxed);
-        turn_until(&mut [&mut reactor], "the ping-pong to go on", |_| {
-            ping.done.load(Ordering::Relaxed) >= start + 50
-        });
-        assert_eq!(reactor.ignored_completions(), (RECVS as u64, 0), "(foreign, reclaimed)");
-        for outcome in [&ping, &echo] {
-            assert_eq!(outcome.errors.load(Ordering::Relaxed), 0);
-            assert_eq!(outcome.bad.load(Ordering::Relaxed), 0);
-        }
-    }
-}
-
-verbs_test! {
-    fn srq_receives_consumed_by_a_foreign_qp_are_counted_and_never_dispatched() {
-        foreign_completions_are_ignored(true);
-    }
+#[test]
+fn srq_receives_consumed_by_a_foreign_qp_are_counted_and_never_dispatched() {
+    foreign_completions_are_ignored(true);
 }
 
 /// What the holder and the thief of `a_held_receive_is_refused_by_another_reactor` saw.
@@ -629,50 +714,58 @@ impl Handler for Thief {
     }
 }
 
-verbs_test! {
-    fn a_held_receive_is_refused_by_another_reactor() {
-        const MAX: usize = 256;
-        let ctx = open_device();
-        let pd = ctx.alloc_pd().unwrap();
-        let mut a: Reactor<BoxedHandler> = Reactor::new(&pd, reactor_config(false)).unwrap();
-        let mut b: Reactor<BoxedHandler> = Reactor::new(&pd, reactor_config(false)).unwrap();
-        let stash = Arc::new(Mutex::new(Stash::default()));
-        let holder = Holder::new(&stash, MAX);
-        let streamer = Streamer::new(4, MAX, Arc::default());
-        add_pair(&pd, &mut a, Box::new(holder), Box::new(streamer));
-        // B's first connection has the same slot and generation as A's.
-        let thief = Thief { stash: Arc::clone(&stash), to: None };
-        add_pair(&pd, &mut b, Box::new(thief), quiet());
-        // Same slot and generation (what Debug shows), yet different ids.
-        let shown = |r: &Reactor<BoxedHandler>| format!("{:?}", conns_of(r));
-        assert_eq!(shown(&a), shown(&b), "the two reactors' ids look alike");
-        assert_ne!(conns_of(&a), conns_of(&b), "ids name their reactor");
+#[test]
+fn a_held_receive_is_refused_by_another_reactor() {
+    const MAX: usize = 256;
+    let pd = loopback_pd();
+    let mut a = new_reactor(&pd, false);
+    let mut b = new_reactor(&pd, false);
+    let stash = Arc::new(Mutex::new(Stash::default()));
+    let holder = Holder::new(&stash, MAX);
+    let streamer = Streamer::new(4, MAX, Arc::default());
+    add_pair(&pd, &mut a, Box::new(holder), Box::new(streamer));
+    // B's first connection has the same slot and generation as A's.
+    let thief = Thief {
+        stash: Arc::clone(&stash),
+        to: None,
+    };
+    add_pair(&pd, &mut b, Box::new(thief), quiet());
+    // Same slot and generation (what Debug shows), yet different ids.
+    let shown = |r: &Reactor<BoxedHandler, ()>| format!("{:?}", conns_of(r));
+    assert_eq!(shown(&a), shown(&b), "the two reactors' ids look alike");
+    assert_ne!(conns_of(&a), conns_of(&b), "ids name their reactor");
 
-        turn_until(&mut [&mut a, &mut b], "B to try A's held messages", |_| {
-            stash.lock().unwrap().on_b.is_some()
-        });
-        let on_b = stash.lock().unwrap().on_b.clone();
-        let (bytes_refused, forward, release, to_established) = on_b.unwrap();
-        assert!(to_established, "B's own connection was fine");
-        assert!(bytes_refused, "B's held_bytes gave A's receive slot");
-        assert_eq!(forward, "Foreign", "B's forward");
-        assert!(release.starts_with("Err((Foreign, HeldRecv"), "B's release hands it back: {release}");
+    turn_until(&mut [&mut a, &mut b], "B to try A's held messages", |_| {
+        stash.lock().unwrap().on_b.is_some()
+    });
+    let on_b = stash.lock().unwrap().on_b.clone();
+    let (bytes_refused, forward, release, to_established) = on_b.unwrap();
+    assert!(to_established, "B's own connection was fine");
+    assert!(bytes_refused, "B's held_bytes gave A's receive slot");
+    assert_eq!(forward, "Foreign", "B's forward");
+    assert!(
+        release.starts_with("Err((Foreign, HeldRecv"),
+        "B's release hands it back: {release}"
+    );
 
-        turn_until(&mut [&mut a, &mut b], "A to release the message B gave back", |_| {
-            stash.lock().unwrap().on_a.is_some()
-        });
-        let (intact, release) = stash.lock().unwrap().on_a.clone().unwrap();
-        assert!(intact, "A still reads the message B tried");
-        assert_eq!(release, "Ok(())", "A releases it");
-        assert_eq!((a.ignored_completions(), b.ignored_completions()), ((0, 0), (0, 0)));
-    }
+    turn_until(
+        &mut [&mut a, &mut b],
+        "A to release the message B gave back",
+        |_| stash.lock().unwrap().on_a.is_some(),
+    );
+    let (intact, release) = stash.lock().unwrap().on_a.clone().unwrap();
+    assert!(intact, "A still reads the message B tried");
+    assert_eq!(release, "Ok(())", "A releases it");
+    assert_eq!(
+        (a.ignored_completions(), b.ignored_completions()),
+        ((0, 0), (0, 0))
+    );
 }
 
 fn held_receive_after_removal(srq: bool) {
     const MAX: usize = 256;
-    let ctx = open_device();
-    let pd = ctx.alloc_pd().unwrap();
-    let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, reactor_config(srq)).unwrap();
+    let pd = loopback_pd();
+    let mut reactor = new_reactor(&pd, srq);
     let stash = Arc::new(Mutex::new(Stash::default()));
     let holder = Holder::new(&stash, MAX);
     let (first, second) = add_pair(
@@ -720,16 +813,14 @@ fn held_receive_after_removal(srq: bool) {
     assert_eq!(release, "Ok(())");
 }
 
-verbs_test! {
-    fn a_held_receive_is_refused_after_its_session_is_removed_and_its_slot_reused() {
-        held_receive_after_removal(false);
-    }
+#[test]
+fn a_held_receive_is_refused_after_its_session_is_removed_and_its_slot_reused() {
+    held_receive_after_removal(false);
 }
 
-verbs_test! {
-    fn a_held_srq_receive_is_refused_after_its_session_is_removed_and_its_slot_reused() {
-        held_receive_after_removal(true);
-    }
+#[test]
+fn a_held_srq_receive_is_refused_after_its_session_is_removed_and_its_slot_reused() {
+    held_receive_after_removal(true);
 }
 
 /// Stages WRITEs from regions it drops right after staging.
@@ -770,6 +861,7 @@ impl Handler for DroppingWriter {
     }
 }
 
+// Guest only: a NIC reads the source after the post returns; loopback copies inside it.
 verbs_test! {
     fn a_write_completes_after_its_region_is_dropped() {
         let ctx = open_device();
@@ -799,102 +891,117 @@ verbs_test! {
     }
 }
 
-verbs_test! {
-    fn session_ids_are_reused_and_stale_conn_ids_are_closed() {
-        let ctx = open_device();
-        let pd = ctx.alloc_pd().unwrap();
-        let mut reactor: Reactor<BoxedHandler> = Reactor::new(&pd, reactor_config(false)).unwrap();
-        let old_sessions = add_pair(&pd, &mut reactor, quiet(), quiet());
-        let old_conns = conns_of(&reactor);
-        for session in [old_sessions.0, old_sessions.1] {
-            assert!(reactor.remove(session).is_some());
-            assert!(reactor.remove(session).is_none(), "removed twice");
-            assert!(reactor.handler(session).is_none() && reactor.link(session).is_none());
-            assert_eq!(reactor.conns(session).count(), 0);
-        }
-        for &conn in &old_conns {
-            assert!(reactor.conn_stats(conn).is_none(), "{conn:?}");
-        }
-        // The removed connections' entries wait in quarantine until a pass
-        // has polled every CQ empty.
-        reactor.poll_once().unwrap();
-
-        let (tx, rx) = mpsc::channel();
-        let stale = (old_conns.clone(), old_sessions.0);
-        let probe = on_established(move |ctx, conn| {
-            let mut seen = Vec::new();
-            for &old in &stale.0 {
-                seen.push((
-                    format!("{:?}", ctx.send(old, b"to a removed connection", None)),
-                    ctx.session_of(old),
-                    ctx.is_established(old),
-                    ctx.max_payload(old),
-                ));
-            }
-            // Asks for a removal the reactor must ignore: that session is gone.
-            ctx.remove_session(stale.1);
-            let len = stream_len(0, 64);
-            let sent = ctx.send_with(conn, len, Some(0), |buf| fill(buf, 0)).is_ok();
-            tx.send((seen, sent)).unwrap();
-        });
-        let sink_outcome = Arc::new(Outcome::default());
-        let sink = Box::new(Sink::new(1, 64, Arc::clone(&sink_outcome)));
-        let new_sessions = add_pair(&pd, &mut reactor, probe, sink);
-        for (old, new) in [(old_sessions.0, new_sessions.0), (old_sessions.1, new_sessions.1)] {
-            assert_ne!(old, new, "a new session gets a new id");
-        }
-        let slots = |(a, b): (SessionId, SessionId)| {
-            let mut slots = [a.slot(), b.slot()];
-            slots.sort_unstable();
-            slots
-        };
-        let (old_slots, new_slots) = (slots(old_sessions), slots(new_sessions));
-        assert_eq!(old_slots, new_slots, "session slots are reused");
-        let new_conns = conns_of(&reactor);
-        for old in &old_conns {
-            let successor = new_conns.iter().any(|new| new.slot() == old.slot() && new != old);
-            assert!(successor, "{old:?} has a successor among {new_conns:?}");
-        }
-
-        let (seen, sent) = turn_until_received(&mut [&mut reactor], "the probe", &rx);
-        for (old, (send, session, established, max_payload)) in old_conns.iter().zip(seen) {
-            assert_eq!(send, "Err(Closed)", "send on stale {old:?}");
-            assert_eq!((session, established, max_payload), (None, false, 0), "{old:?}");
-        }
-        assert!(sent, "the new connection sends");
-        turn_until(&mut [&mut reactor], "the new session's message", |_| {
-            sink_outcome.finished.load(Ordering::Acquire)
-        });
-        assert_eq!(sink_outcome.bad.load(Ordering::Relaxed), 0);
-        assert_eq!(reactor.sessions().count(), 2, "the stale removal request was ignored");
+#[test]
+fn session_ids_are_reused_and_stale_conn_ids_are_closed() {
+    let pd = loopback_pd();
+    let mut reactor = new_reactor(&pd, false);
+    let old_sessions = add_pair(&pd, &mut reactor, quiet(), quiet());
+    let old_conns = conns_of(&reactor);
+    for session in [old_sessions.0, old_sessions.1] {
+        assert!(reactor.remove(session).is_some());
+        assert!(reactor.remove(session).is_none(), "removed twice");
+        assert!(reactor.handler(session).is_none() && reactor.link(session).is_none());
+        assert_eq!(reactor.conns(session).count(), 0);
     }
+    for &conn in &old_conns {
+        assert!(reactor.conn_stats(conn).is_none(), "{conn:?}");
+    }
+    // The removed connections' entries wait in quarantine until a pass
+    // has polled every CQ empty.
+    reactor.poll_once().unwrap();
+
+    let (tx, rx) = mpsc::channel();
+    let stale = (old_conns.clone(), old_sessions.0);
+    let probe = on_established(move |ctx, conn| {
+        let mut seen = Vec::new();
+        for &old in &stale.0 {
+            seen.push((
+                format!("{:?}", ctx.send(old, b"to a removed connection", None)),
+                ctx.session_of(old),
+                ctx.is_established(old),
+                ctx.max_payload(old),
+            ));
+        }
+        // Asks for a removal the reactor must ignore: that session is gone.
+        ctx.remove_session(stale.1);
+        let len = stream_len(0, 64);
+        let sent = ctx
+            .send_with(conn, len, Some(0), |buf| fill(buf, 0))
+            .is_ok();
+        tx.send((seen, sent)).unwrap();
+    });
+    let sink_outcome = Arc::new(Outcome::default());
+    let sink = Box::new(Sink::new(1, 64, Arc::clone(&sink_outcome)));
+    let new_sessions = add_pair(&pd, &mut reactor, probe, sink);
+    for (old, new) in [
+        (old_sessions.0, new_sessions.0),
+        (old_sessions.1, new_sessions.1),
+    ] {
+        assert_ne!(old, new, "a new session gets a new id");
+    }
+    let slots = |(a, b): (SessionId, SessionId)| {
+        let mut slots = [a.slot(), b.slot()];
+        slots.sort_unstable();
+        slots
+    };
+    let (old_slots, new_slots) = (slots(old_sessions), slots(new_sessions));
+    assert_eq!(old_slots, new_slots, "session slots are reused");
+    let new_conns = conns_of(&reactor);
+    for old in &old_conns {
+        let successor = new_conns
+            .iter()
+            .any(|new| new.slot() == old.slot() && new != old);
+        assert!(successor, "{old:?} has a successor among {new_conns:?}");
+    }
+
+    let (seen, sent) = turn_until_received(&mut [&mut reactor], "the probe", &rx);
+    for (old, (send, session, established, max_payload)) in old_conns.iter().zip(seen) {
+        assert_eq!(send, "Err(Closed)", "send on stale {old:?}");
+        assert_eq!(
+            (session, established, max_payload),
+            (None, false, 0),
+            "{old:?}"
+        );
+    }
+    assert!(sent, "the new connection sends");
+    turn_until(&mut [&mut reactor], "the new session's message", |_| {
+        sink_outcome.finished.load(Ordering::Acquire)
+    });
+    assert_eq!(sink_outcome.bad.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        reactor.sessions().count(),
+        2,
+        "the stale removal request was ignored"
+    );
 }
 
-verbs_test! {
-    fn ids_of_one_reactor_are_refused_by_another() {
-        let ctx = open_device();
-        let pd = ctx.alloc_pd().unwrap();
-        let mut a: Reactor<BoxedHandler> = Reactor::new(&pd, reactor_config(false)).unwrap();
-        let mut b: Reactor<BoxedHandler> = Reactor::new(&pd, reactor_config(false)).unwrap();
-        let (a_session, _) = add_pair(&pd, &mut a, quiet(), quiet());
-        let (b_session, _) = add_pair(&pd, &mut b, quiet(), quiet());
-        let a_conn = a.conns(a_session).next().unwrap();
-        let b_conn = b.conns(b_session).next().unwrap();
-        assert_eq!(a_conn.slot(), b_conn.slot(), "both reactors use the same slots");
-        // B knows nothing of A's ids, however alike they look.
-        assert!(b.conn_stats(a_conn).is_none());
-        assert!(b.handler(a_session).is_none() && b.link(a_session).is_none());
-        assert_eq!(b.conns(a_session).count(), 0);
-        assert!(b.remove(a_session).is_none(), "B removed nothing");
-        assert!(b.conn_stats(b_conn).is_some() && a.conn_stats(a_conn).is_some());
-        // Nor does a callback of B reach B's connection through A's id.
-        let (tx, rx) = mpsc::channel();
-        let probe = on_established(move |ctx, _| {
-            let sent = ctx.send(a_conn, b"to the wrong peer", None);
-            tx.send(format!("{sent:?}")).unwrap();
-        });
-        add_pair(&pd, &mut b, probe, quiet());
-        let sent = turn_until_received(&mut [&mut b], "the probe", &rx);
-        assert_eq!(sent, "Err(Closed)");
-    }
+#[test]
+fn ids_of_one_reactor_are_refused_by_another() {
+    let pd = loopback_pd();
+    let mut a = new_reactor(&pd, false);
+    let mut b = new_reactor(&pd, false);
+    let (a_session, _) = add_pair(&pd, &mut a, quiet(), quiet());
+    let (b_session, _) = add_pair(&pd, &mut b, quiet(), quiet());
+    let a_conn = a.conns(a_session).next().unwrap();
+    let b_conn = b.conns(b_session).next().unwrap();
+    assert_eq!(
+        a_conn.slot(),
+        b_conn.slot(),
+        "both reactors use the same slots"
+    );
+    // B knows nothing of A's ids, however alike they look.
+    assert!(b.conn_stats(a_conn).is_none());
+    assert!(b.handler(a_session).is_none() && b.link(a_session).is_none());
+    assert_eq!(b.conns(a_session).count(), 0);
+    assert!(b.remove(a_session).is_none(), "B removed nothing");
+    assert!(b.conn_stats(b_conn).is_some() && a.conn_stats(a_conn).is_some());
+    // Nor does a callback of B reach B's connection through A's id.
+    let (tx, rx) = mpsc::channel();
+    let probe = on_established(move |ctx, _| {
+        let sent = ctx.send(a_conn, b"to the wrong peer", None);
+        tx.send(format!("{sent:?}")).unwrap();
+    });
+    add_pair(&pd, &mut b, probe, quiet());
+    let sent = turn_until_received(&mut [&mut b], "the probe", &rx);
+    assert_eq!(sent, "Err(Closed)");
 }

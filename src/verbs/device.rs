@@ -253,9 +253,10 @@ impl Context {
     /// region's bytes only after the completions that end the requests
     /// using it (a completion polled from a CQ follows its copy).
     ///
-    /// Not supported ([`Error::Unsupported`]): completion channels and
-    /// `req_notify` (busy polling only), shared receive queues, memory
-    /// windows and the connection manager. Where it differs from a NIC: a
+    /// Shared receive queues are served (an SRQ has no limit event). Not
+    /// supported ([`Error::Unsupported`]): completion channels and
+    /// `req_notify` (busy polling only), memory windows and the connection
+    /// manager. Where it differs from a NIC: a
     /// request to a QP that is not connected back to the sender (not yet,
     /// or to another QP) fails at once with `IBV_WC_RETRY_EXC_ERR`, where a
     /// NIC would retry for `timeout` × `retry_cnt` first, so connect both

@@ -80,7 +80,13 @@ impl Pair {
     /// Connects two QPs built with `config`.
     #[track_caller]
     pub fn new(config: &QpConfig) -> Self {
-        let ctx = open_device();
+        Self::on(open_device(), config)
+    }
+
+    /// Connects two QPs of `ctx` (a device or [`Context::loopback`]) built
+    /// with `config`.
+    #[track_caller]
+    pub fn on(ctx: Context, config: &QpConfig) -> Self {
         let pd = ctx.alloc_pd().expect("alloc_pd");
         let cq_a = ctx.create_cq(1024, None).expect("create_cq a");
         let cq_b = ctx.create_cq(1024, None).expect("create_cq b");

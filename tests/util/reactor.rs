@@ -12,6 +12,7 @@ use rdma_comm_core::Error;
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
+use rdma_perf::loopback::connected_pair;
 
 use super::insecure;
 
@@ -465,6 +466,52 @@ pub fn add_ping_pong(
     sides
         .client()
         .add(client_ep, Box::new(pinger))
+        .expect("add pinger");
+    (ping, echo)
+}
+
+/// Builds a ping-pong on one reactor over two of its QPs connected to each
+/// other directly ([`connected_pair`]), with no session: each side's
+/// inbox is registered for the other's WRITEs instead of exported through
+/// memory windows, so it runs on the loopback device too. Returns the
+/// outcomes (pinger, echoer).
+pub fn add_ping_pong_on_qps(
+    pd: &ProtectionDomain,
+    reactor: &mut Reactor<BoxedHandler, ()>,
+    iters: u64,
+    size: usize,
+    use_write_imm: bool,
+) -> (Arc<Outcome>, Arc<Outcome>) {
+    let inbox = || {
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+        Arc::new(pd.alloc_mr(size.max(64), access).unwrap())
+    };
+    let (server_inbox, client_inbox) = (inbox(), inbox());
+    let client_source = pd.alloc_mr(size.max(64), AccessFlags::LOCAL_WRITE).unwrap();
+    let (server_qp, client_qp) =
+        connected_pair(reactor, pd, AccessFlags::REMOTE_WRITE).expect("two connected QPs");
+    let ping = Arc::new(Outcome::default());
+    let echo = Arc::new(Outcome::default());
+    let mut pinger = Pinger::new(
+        iters,
+        size,
+        client_source,
+        Arc::clone(&client_inbox),
+        server_inbox.remote().expect("the echoer's inbox"),
+        Arc::clone(&ping),
+    );
+    pinger.use_write_imm = use_write_imm;
+    let echoer = Echoer::new(
+        Arc::clone(&server_inbox),
+        Some(client_inbox.remote().expect("the pinger's inbox")),
+        size,
+        Arc::clone(&echo),
+    );
+    reactor
+        .add(vec![server_qp], Box::new(echoer))
+        .expect("add echoer");
+    reactor
+        .add(vec![client_qp], Box::new(pinger))
         .expect("add pinger");
     (ping, echo)
 }

@@ -10,9 +10,10 @@ use rdma_comm_core::{Error, Result};
 
 use crate::{PerfBuffers, PerfHandler};
 
-/// Two QPs of `pd` on `reactor`'s CQs (as [`Reactor::qp_spec_with_access`]
-/// gives them), granting `access`, connected to each other: ready for
-/// [`Reactor::add`] as `vec![qp]` sources.
+/// Two QPs of `pd` on `reactor`'s CQs and, if it has one, its shared
+/// receive queue (as [`Reactor::qp_spec_with_access`] gives them),
+/// granting `access`, connected to each other: ready for [`Reactor::add`]
+/// as `vec![qp]` sources.
 pub fn connected_pair<H: Handler, L: PeerLink>(
     reactor: &mut Reactor<H, L>,
     pd: &ProtectionDomain,
@@ -25,7 +26,10 @@ pub fn connected_pair<H: Handler, L: PeerLink>(
                 "qp_spec did not share the reactor's CQ",
             ));
         };
-        pd.create_qp(&cq, &cq, &spec.qp)
+        match &spec.srq {
+            Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
+            None => pd.create_qp(&cq, &cq, &spec.qp),
+        }
     };
     let (mut a, mut b) = (qp("a")?, qp("b")?);
     let (to_a, to_b) = (a.endpoint(), b.endpoint());
