@@ -242,6 +242,7 @@ fn send(reactor: &mut Reactor<Probe, ()>, conn: ConnId, data: &[u8]) {
 }
 
 mod direct;
+mod ids;
 mod now;
 mod ring;
 mod sparse;
