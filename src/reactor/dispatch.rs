@@ -161,7 +161,21 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 .then_some(!matches!(kind, WrKind::Send { .. }))
             };
             match self.conns.get_by_index_if(index, ours) {
-                Some((key, conn)) => (key, kind, conn),
+                Some((key, conn)) => {
+                    // A receive into a slot of the connection's own ring
+                    // that is not posted (or not any more) is none the
+                    // device can have filled through it: refused as a
+                    // stranger's, before a byte of the slot is read or the
+                    // slot goes back.
+                    if let WrKind::Recv { slot } = kind
+                        && !conn.consume_recv(slot)
+                    {
+                        let wc = self.polling.wcs[at];
+                        self.foreign(&wc);
+                        return;
+                    }
+                    (key, kind, conn)
+                }
                 None => {
                     let wc = self.polling.wcs[at];
                     self.foreign(&wc);

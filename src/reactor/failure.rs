@@ -27,9 +27,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
-    /// A completion no connection of ours posted: a window bind of a QP
-    /// we serve (posted before we took it), which fails its connection if
-    /// the bind failed; anything else is ignored and counted.
+    /// A completion no connection of ours posted (or a receive naming a
+    /// slot of a connection's own ring that is not posted): a window bind
+    /// of a QP we serve (posted before we took it), which fails its
+    /// connection if the bind failed; anything else is ignored and counted.
     #[cold]
     #[inline(never)]
     pub(super) fn foreign(&mut self, wc: &WorkCompletion) {
