@@ -198,10 +198,11 @@ impl<T> Slab<T> {
         }
     }
 
-    /// Freed entries wait in quarantine until [`release_quarantine`]
-    /// (Self::release_quarantine) says nothing can name them any more: for
-    /// records whose ids also travel outside (in `wr_id`s of completions
-    /// still queued), so a newcomer in the entry never sees them.
+    /// Freed entries wait in quarantine until
+    /// [`release_quarantine`](Self::release_quarantine) says nothing can
+    /// name them any more: for records whose ids also travel outside (in
+    /// `wr_id`s of completions still queued), so a newcomer in the entry
+    /// never sees them.
     pub(crate) fn quarantining(mut self) -> Self {
         self.quarantining = true;
         self

@@ -460,6 +460,11 @@ impl Conn {
     pub(crate) fn receives_outstanding(&self) -> u32 {
         self.posted.wrapping_sub(self.received)
     }
+
+    /// Receives the peer was granted so far (the highest count announced).
+    pub(crate) fn granted(&self) -> u32 {
+        self.advertised
+    }
 }
 
 /// The fewest send-queue entries a connection works with.

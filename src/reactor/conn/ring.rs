@@ -223,7 +223,8 @@ impl Conn {
 
     /// Reposts every queued slot of the connection's own ring,
     /// `MAX_REPOST` per `ibv_post_recv`, and counts them as credits for the
-    /// peer. (SRQ slots go back through [`take_shared_reposts`].)
+    /// peer. (SRQ slots go back through
+    /// [`take_shared_reposts`](Self::take_shared_reposts).)
     #[inline]
     pub(crate) fn flush_reposts(&mut self) -> crate::Result<()> {
         if self.shared_recv {

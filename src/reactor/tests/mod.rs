@@ -251,6 +251,8 @@ struct RawPeer {
     /// Its SENDs' payload and its receives' buffer (the reactor sends it
     /// only credit updates, which carry none).
     buf: MemoryRegion,
+    /// Its SENDs posted.
+    posted: u64,
     /// Its SENDs that completed: each consumed a receive of the reactor's.
     delivered: u64,
     /// Its SENDs that failed (the reactor's end stopped taking them).
@@ -300,6 +302,7 @@ impl RawPeer {
             qp,
             cq,
             buf,
+            posted: 0,
             delivered: 0,
             failed: 0,
             updates: 0,
@@ -314,6 +317,7 @@ impl RawPeer {
         let local = self.buf.slice(0, len).expect("a slice");
         let request = WorkRequest::send_with_imm(0, local, imm).signaled();
         self.qp.post_send(request).expect("a SEND posted");
+        self.posted += 1;
     }
 
     /// Counts what completed since the last call.
