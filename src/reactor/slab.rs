@@ -407,11 +407,13 @@ impl<T> Slab<T> {
     /// (`Some`); listed as touched only then, and only if `accept` says
     /// so (`Some(true)`). One lookup for a caller that must vet a record
     /// (a completion's claim to be its) before it counts as changed.
+    /// `accept` may change the record only as it takes it (a receive
+    /// completion's slot marked consumed), since a refusal lists nothing.
     #[inline]
     pub(crate) fn get_by_index_if(
         &mut self,
         index: u32,
-        accept: impl FnOnce(Key, &T) -> Option<bool>,
+        accept: impl FnOnce(Key, &mut T) -> Option<bool>,
     ) -> Option<(Key, &mut T)> {
         let entry = self.entries.get_mut(index as usize)?;
         let key = Key {
