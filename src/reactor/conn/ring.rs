@@ -173,18 +173,25 @@ impl Conn {
     /// pool's to check.)
     #[inline]
     pub(crate) fn queue_repost(&mut self, slot: u32) {
-        // A closed connection's own ring is dead, but SRQ slots belong to
-        // every connection and must go back.
-        let dead = self.is_closed() && !self.shared_recv;
-        if dead || self.pending_len == self.pending_reposts.len() || slot >= self.recv_slots {
+        if self.shared_recv {
+            // SRQ slots belong to every connection and must go back, even
+            // from a closed one.
+            if self.pending_len == self.pending_reposts.len() || slot >= self.recv_slots {
+                return;
+            }
+        } else if self.is_closed() {
+            // A closed connection's own ring is dead.
             return;
-        }
-        if !self.shared_recv && !self.ring_slots.queue(slot) {
+        } else if !self.ring_slots.queue(slot) {
+            // Posted or queued already (or outside the ring): each slot is
+            // queued once, so the list (one entry a slot) has room.
             refuse_repost(self.qpn, slot);
             return;
         }
-        self.pending_reposts[self.pending_len] = slot;
-        self.pending_len += 1;
+        if let Some(entry) = self.pending_reposts.get_mut(self.pending_len) {
+            *entry = slot;
+            self.pending_len += 1;
+        }
     }
 
     /// A receive completion names slot `slot` of the connection's own
