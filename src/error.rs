@@ -223,7 +223,9 @@ pub enum Error {
     /// state, the receive is not delivered, and the handler's `on_error`
     /// gets this. Both counts are cumulative over the connection's life
     /// (and wrap at 2^32); a peer that keeps to its credits never has
-    /// `consumed > granted`.
+    /// `consumed > granted`. How many shared receives such a peer can take
+    /// beyond its grant before it is cut off, and for how long, is told at
+    /// [`ReactorConfig::srq_depth`](crate::reactor::ReactorConfig::srq_depth).
     #[error(
         "the peer{} of QP {qpn} ignored its credits: it consumed {consumed} receives but was granted {granted} (a share of {share}); connection cut off",
         peer.map(|p| format!(" {p}")).unwrap_or_default()

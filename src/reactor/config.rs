@@ -52,12 +52,28 @@ pub struct ReactorConfig {
     /// it, so credit flow control still rules out RNR.
     ///
     /// A peer that ignores its credits is cut off
-    /// ([`Error::CreditOverrun`]) when the reactor polls its first receive
-    /// beyond its grant. Until its QP is in the error state the NIC hands
-    /// its SENDs in flight whatever receives are free, and other peers may
-    /// meet RNR NAKs for that moment: their NIC retries them (keep their
-    /// `rnr_retry` at 7, the default), and headroom above the sum of the
-    /// shares (at least a peer's send-queue depth) absorbs the burst.
+    /// ([`Error::CreditOverrun`]) by the pass that polls its first receive
+    /// beyond its grant (the highest receive count announced to it): the
+    /// pass under way when that receive lands, or the next one, since
+    /// every pass polls every CQ empty. That pass moves the peer's QP to
+    /// the error state at once, before any other completion is handled,
+    /// so it takes no receive after; delivers nothing of it past the grant
+    /// (its later completions in the same poll are given back, not
+    /// delivered); and gives back with its flush every SRQ receive the
+    /// peer took (any a NIC reports only after that pass go back with the
+    /// pass that polls them).
+    ///
+    /// Until then the peer takes whatever SRQ receives are posted, but at
+    /// most `srq_depth` beyond its grant, all told: what it takes from the
+    /// landing of its first receive beyond the grant to the cut-off is
+    /// distinct slots, since a slot goes back to the SRQ only once the
+    /// reactor has polled its completion, and those completions queue on
+    /// the peer's QP behind that first one. In practice it is the SRQ
+    /// receives posted when that first one lands, and any a flush reposts
+    /// before the next pass polls it. Other peers may meet RNR NAKs for
+    /// that moment: their NIC retries them (keep their `rnr_retry` at 7,
+    /// the default), and headroom above the sum of the shares (at least a
+    /// peer's send-queue depth) absorbs the burst.
     pub srq_depth: u32,
     /// Consumed receives are reposted in batches of this many (fewer after
     /// a few empty busy-poll passes, or before the reactor sleeps).

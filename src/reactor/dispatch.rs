@@ -151,13 +151,21 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             // post it listed it again), as is one whose handler stages
             // more from the completion callback. (A flush visit was about
             // 60 Ir per signaled send on the host.)
-            let ours = |key: Key, conn: &Conn| {
+            // A receive into a slot of the connection's own ring that is
+            // not posted (or not any more) is none the device can have
+            // filled through it: a stranger's too, refused before a byte
+            // of the slot is read or the slot goes back. (Checked last,
+            // as it marks a posted slot consumed.)
+            let ours = |key: Key, conn: &mut Conn| {
                 // (Bar a window bind's completion: `BIND_WR_ID` decodes
                 // to an index too, and its QP may be a direct one's.)
                 debug_assert!(!conn.direct || conn.qpn != qpn || wc.wr_id() == BIND_WR_ID);
                 (same_generation(key, generation)
                     && conn.qpn == qpn
-                    && !(conn.uses_srq() && matches!(kind, WrKind::Recv { .. })))
+                    && match kind {
+                        WrKind::Recv { slot } => !conn.uses_srq() && conn.consume_recv(slot),
+                        _ => true,
+                    })
                 .then_some(!matches!(kind, WrKind::Send { .. }))
             };
             match self.conns.get_by_index_if(index, ours) {
@@ -323,7 +331,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let qpn = wc.qp_num();
         // A direct connection's completions leave the flush nothing to do:
         // it is not listed.
-        let ours = |key: Key, conn: &Conn| {
+        let ours = |key: Key, conn: &mut Conn| {
             (same_generation(key, generation) && conn.qpn == qpn && conn.direct).then_some(false)
         };
         let Some((key, conn)) = self.conns.get_by_index_if(index, ours) else {

@@ -27,9 +27,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
-    /// A completion no connection of ours posted: a window bind of a QP
-    /// we serve (posted before we took it), which fails its connection if
-    /// the bind failed; anything else is ignored and counted.
+    /// A completion no connection of ours posted (or a receive naming a
+    /// slot of a connection's own ring that is not posted): a window bind
+    /// of a QP we serve (posted before we took it), which fails its
+    /// connection if the bind failed; anything else is ignored and counted.
     #[cold]
     #[inline(never)]
     pub(super) fn foreign(&mut self, wc: &WorkCompletion) {
@@ -108,12 +109,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// A peer consumed a receive beyond its grant (see
     /// [`Error::CreditOverrun`]): the receive is not delivered, its slot
     /// goes back (to the SRQ, where it belongs to everyone), and the
-    /// connection fails like any other: its QP goes to the error state, so
-    /// the peer can take no more SRQ receives, and the handler is told.
-    /// Receives the peer consumed meanwhile still complete on its QP; they
-    /// reach the closed connection and their slots go back too
-    /// (`dispatch_unusual`), or, once the session is removed, the SRQ pool
-    /// reclaims them.
+    /// connection fails like any other: its QP goes to the error state
+    /// here, before the next completion is routed, so the peer can take no
+    /// more SRQ receives, and the handler is told. Receives the peer
+    /// consumed meanwhile still complete on its QP; they reach the closed
+    /// connection, undelivered, and their slots go back too
+    /// (`dispatch_unusual`), with this pass's flush for those this pass
+    /// polls, or, once the session is removed, the SRQ pool reclaims them.
+    /// (How many that can be: `ReactorConfig::srq_depth`.)
     #[cold]
     #[inline(never)]
     pub(super) fn overrun(&mut self, key: Key, slot: u32) {

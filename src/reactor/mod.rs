@@ -286,8 +286,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let reserve = config.reserve_connections as usize;
         // Quarantined: completions of a removed connection's QP may still
         // be queued, naming its index; a pass that drained every CQ after
-        // the removal releases it (`poll_once`).
+        // the removal releases it (`poll_once`). Indexed below MAX_CONNS,
+        // as a `wr_id` carries the index: an entry retired after 2^32
+        // tenants (see `Slab::remove`) takes one index of that space for
+        // good.
         let conns = Slab::new(MAX_CONNS, id.0)
+            .indexed_below(MAX_CONNS as u32)
             .quarantining()
             .tracking()
             .reserving(reserve)

@@ -3,6 +3,12 @@
 //! generation, so an id kept past removal never reaches the newcomer. Every
 //! key also names the slab's owner (its reactor), so a key of another
 //! reactor's slab never reaches a record here either.
+//!
+//! Generations never repeat: an entry whose generation would wrap (its
+//! 2^32nd tenant is removed) is retired for good instead of being reused,
+//! so a key kept for however long never matches a later tenant. Each
+//! retirement leaks one entry (a few bytes, and one index of the slab's
+//! index space) after at least 2^32 removals at that index.
 
 use std::collections::TryReserveError;
 
@@ -22,7 +28,7 @@ struct Entry<T> {
     value: Option<T>,
 }
 
-/// A slab of at most `limit` live records.
+/// A slab of at most `limit` records, live or waiting for reuse.
 pub(crate) struct Slab<T> {
     entries: Vec<Entry<T>>,
     free: Vec<u32>,
@@ -30,7 +36,17 @@ pub(crate) struct Slab<T> {
     quarantine: Vec<u32>,
     quarantining: bool,
     live: usize,
+    /// Most entries live, free or quarantined at once (retired ones are not
+    /// counted: see [`Slab::remove`]).
     limit: usize,
+    /// Entries ever used, retired ones included, stay below this: the
+    /// index space of the keys (see [`Slab::indexed_below`]).
+    index_bound: u32,
+    /// Entries retired for good, their generations spent.
+    retired: usize,
+    /// The count of the last [`Slab::reserving`] (at most `limit`), which
+    /// a retirement keeps good.
+    reserved: usize,
     owner: u64,
     /// Whether mutable access lists the entry as touched.
     tracking: bool,
@@ -62,11 +78,23 @@ impl<T> Slab<T> {
             quarantining: false,
             live: 0,
             limit,
+            index_bound: u32::MAX,
+            retired: 0,
+            reserved: 0,
             owner,
             tracking: false,
             lists: [Vec::new(), Vec::new()],
             walked: [0; LISTS],
         }
+    }
+
+    /// Keeps every index below `bound`, for keys whose index travels in
+    /// fewer bits than a `u32` (a `wr_id`'s): an insert is refused once
+    /// every index below it is used, retired entries included. By default
+    /// the whole `u32` range.
+    pub(crate) fn indexed_below(mut self, bound: u32) -> Self {
+        self.index_bound = bound;
+        self
     }
 
     /// Every mutable access lists its entry until a walk of the
@@ -170,10 +198,11 @@ impl<T> Slab<T> {
         }
     }
 
-    /// Freed entries wait in quarantine until [`release_quarantine`]
-    /// (Self::release_quarantine) says nothing can name them any more: for
-    /// records whose ids also travel outside (in `wr_id`s of completions
-    /// still queued), so a newcomer in the entry never sees them.
+    /// Freed entries wait in quarantine until
+    /// [`release_quarantine`](Self::release_quarantine) says nothing can
+    /// name them any more: for records whose ids also travel outside (in
+    /// `wr_id`s of completions still queued), so a newcomer in the entry
+    /// never sees them.
     pub(crate) fn quarantining(mut self) -> Self {
         self.quarantining = true;
         self
@@ -185,9 +214,12 @@ impl<T> Slab<T> {
     /// nothing is allocated. The quarantine and the lists are sized whether
     /// or not the slab uses them (a few bytes an entry), so the order of
     /// the builder calls does not matter. An allocation refused is an error,
-    /// not an abort.
+    /// not an abort. An entry retired later (see [`remove`](Self::remove))
+    /// does not eat into the reservation: the removal that retires it
+    /// reserves room for one more entry.
     pub(crate) fn reserving(mut self, count: usize) -> Result<Self, TryReserveError> {
         let count = count.min(self.limit);
+        self.reserved = count;
         self.entries.try_reserve_exact(count)?;
         self.free.try_reserve_exact(count)?;
         self.quarantine.try_reserve_exact(count)?;
@@ -237,13 +269,17 @@ impl<T> Slab<T> {
         self.live
     }
 
-    /// The key the next `insert` will use, or `None` when full.
+    /// The key the next `insert` will use, or `None` when full: `limit`
+    /// entries are live, free or quarantined, or every index below the
+    /// bound is used.
     pub(crate) fn vacant_key(&self) -> Option<Key> {
         if let Some(&index) = self.free.last() {
             let generation = self.entries[index as usize].generation;
             return Some(self.key(index, generation));
         }
-        (self.entries.len() < self.limit).then(|| self.key(self.entries.len() as u32, 0))
+        let used = self.entries.len();
+        (used - self.retired < self.limit && used < self.index_bound as usize)
+            .then(|| self.key(used as u32, 0))
     }
 
     /// Stores `value` under [`vacant_key`](Self::vacant_key); `None` when full.
@@ -276,18 +312,61 @@ impl<T> Slab<T> {
         Some(key)
     }
 
-    /// Takes the record out; its entry is reused with the next generation.
+    /// Takes the record out; its entry is reused with the next generation,
+    /// or, if its generation is the last (`u32::MAX`), retired: never
+    /// reused, so no generation of it comes back. A retired entry keeps its
+    /// index (no later entry takes it) but does not count against `limit`:
+    /// the slab still holds `limit` records, in fresh entries, until the
+    /// index space (see [`indexed_below`](Self::indexed_below)) runs out.
     pub(crate) fn remove(&mut self, key: Key) -> Option<T> {
         let entry = self.entry_mut(key)?;
         let value = entry.value.take()?;
-        entry.generation = entry.generation.wrapping_add(1);
-        if self.quarantining {
-            self.quarantine.push(key.index);
-        } else {
-            self.free.push(key.index);
+        let next = entry.generation.checked_add(1);
+        if let Some(next) = next {
+            entry.generation = next;
         }
         self.live -= 1;
+        match next {
+            Some(_) if self.quarantining => self.quarantine.push(key.index),
+            Some(_) => self.free.push(key.index),
+            None => self.retire(),
+        }
         Some(value)
+    }
+
+    /// For tests: the entry the next insert reuses (the last freed one)
+    /// takes generation `generation`, so a test reaches the end of its
+    /// generations without 2^32 removals. False if no freed entry waits.
+    #[cfg(test)]
+    pub(crate) fn age_vacant(&mut self, generation: u32) -> bool {
+        let Some(&index) = self.free.last() else {
+            return false;
+        };
+        self.entries[index as usize].generation = generation;
+        true
+    }
+
+    /// Entries retired for good (tests and diagnostics).
+    #[cfg(test)]
+    pub(crate) fn retired(&self) -> usize {
+        self.retired
+    }
+
+    /// Notes an entry retired (its generations spent: it is on no list of
+    /// reusable entries, empty for good), and keeps the reservation good:
+    /// room for one more entry, as the retired one holds its place. (A
+    /// refused allocation only means a later insert beyond the reservation
+    /// may grow the tables, as any insert beyond it does.)
+    #[cold]
+    fn retire(&mut self) {
+        self.retired += 1;
+        let wanted = self.reserved.saturating_add(self.retired);
+        let _ = self
+            .entries
+            .try_reserve_exact(wanted.saturating_sub(self.entries.len()));
+        for list in self.lists.iter_mut() {
+            let _ = list.try_reserve_exact(wanted.saturating_mul(2).saturating_sub(list.len()));
+        }
     }
 
     #[inline]
@@ -328,11 +407,13 @@ impl<T> Slab<T> {
     /// (`Some`); listed as touched only then, and only if `accept` says
     /// so (`Some(true)`). One lookup for a caller that must vet a record
     /// (a completion's claim to be its) before it counts as changed.
+    /// `accept` may change the record only as it takes it (a receive
+    /// completion's slot marked consumed), since a refusal lists nothing.
     #[inline]
     pub(crate) fn get_by_index_if(
         &mut self,
         index: u32,
-        accept: impl FnOnce(Key, &T) -> Option<bool>,
+        accept: impl FnOnce(Key, &mut T) -> Option<bool>,
     ) -> Option<(Key, &mut T)> {
         let entry = self.entries.get_mut(index as usize)?;
         let key = Key {
@@ -370,7 +451,7 @@ impl<T> Slab<T> {
         entry.value.as_mut().map(|value| (key, value))
     }
 
-    /// Entries ever used (live or free): bounds for index loops.
+    /// Entries ever used (live, free or retired): bounds for index loops.
     #[inline]
     pub(crate) fn capacity_used(&self) -> u32 {
         self.entries.len() as u32
@@ -661,6 +742,137 @@ mod tests {
         let key = slab.insert(1).unwrap();
         slab.get_mut(key);
         assert!(!slab.has_touched());
+    }
+
+    /// Brings the entry the next insert reuses to generation `generation`
+    /// (inserting and removing once first, if no freed entry waits) and
+    /// churns it through its last tenants: returns each tenant's key,
+    /// the last one's generation `u32::MAX`, all removed.
+    fn churn_to_the_end(slab: &mut Slab<i32>, generation: u32) -> Vec<Key> {
+        if !slab.age_vacant(generation) {
+            let key = slab.insert(-1).unwrap();
+            slab.remove(key);
+            slab.release_quarantine(slab.quarantined());
+            assert!(slab.age_vacant(generation));
+        }
+        let mut keys = Vec::new();
+        loop {
+            let key = slab.insert(keys.len() as i32).unwrap();
+            keys.push(key);
+            assert_eq!(slab.remove(key), Some(keys.len() as i32 - 1));
+            slab.release_quarantine(slab.quarantined());
+            if key.generation == u32::MAX {
+                return keys;
+            }
+        }
+    }
+
+    #[test]
+    fn an_entry_whose_generations_are_spent_is_retired_and_its_keys_stay_stale() {
+        let mut slab = Slab::new(2, 1);
+        let keys = churn_to_the_end(&mut slab, u32::MAX - 2);
+        assert_eq!(keys.len(), 3, "generations MAX - 2, MAX - 1 and MAX");
+        assert!(keys.iter().all(|key| key.index == 0));
+        let a = slab.insert(10).unwrap();
+        let b = slab.insert(11).unwrap();
+        // Every key of index 0, of any generation (0 included, which a
+        // wrapping generation would come back to), misses the newcomers.
+        for generation in [0, 1, u32::MAX - 2, u32::MAX - 1, u32::MAX] {
+            let stale = Key {
+                index: 0,
+                generation,
+                owner: 1,
+            };
+            assert_eq!(slab.get(stale), None);
+            assert_eq!(slab.get_mut(stale), None);
+            assert_eq!(slab.remove(stale), None);
+        }
+        assert!(slab.get_by_index_mut(0).is_none());
+        assert_eq!(slab.get(a), Some(&10));
+        // Newcomers took fresh entries; the retired index is never reused.
+        assert_eq!((a.index, b.index), (1, 2));
+        assert_eq!(a.generation, 0, "a fresh entry starts over");
+        assert_eq!(slab.retired(), 1);
+        assert_eq!(slab.free.len(), 0, "a retired entry is not free");
+        // Capacity: the retired entry does not count against the limit:
+        // two live records, as before it; a third is refused.
+        assert_eq!(slab.len(), 2);
+        assert!(slab.insert(12).is_none(), "full at the limit");
+        assert_eq!(slab.vacant_key(), None);
+        assert_eq!(slab.capacity_used(), 3, "live, live, retired");
+        let live: Vec<i32> = slab.iter().map(|(_, v)| *v).collect();
+        assert_eq!(live, vec![10, 11]);
+        // Churn on the fresh entries goes on as before.
+        slab.remove(a);
+        let c = slab.insert(13).unwrap();
+        assert_eq!((c.index, c.generation), (1, 1));
+        assert_eq!(slab.get(a), None);
+    }
+
+    #[test]
+    fn a_retired_entry_is_never_quarantined_nor_released() {
+        let mut slab = Slab::new(4, 1).quarantining();
+        let key = slab.insert(1).unwrap();
+        slab.remove(key);
+        slab.release_quarantine(1);
+        assert!(slab.age_vacant(u32::MAX));
+        let last = slab.insert(2).unwrap();
+        assert_eq!((last.index, last.generation), (key.index, u32::MAX));
+        assert_eq!(slab.remove(last), Some(2));
+        assert_eq!(slab.quarantined(), 0, "retired, not quarantined");
+        slab.release_quarantine(usize::MAX);
+        let next = slab.insert(3).unwrap();
+        assert_ne!(next.index, last.index);
+        assert_eq!(slab.get(last), None);
+    }
+
+    #[test]
+    fn a_retired_entry_keeps_the_reservation_good() {
+        let mut slab = Slab::new(16, 1)
+            .quarantining()
+            .tracking()
+            .reserving(4)
+            .unwrap();
+        churn_to_the_end(&mut slab, u32::MAX - 1);
+        walk(&mut slab, TOUCHED);
+        assert_eq!(slab.retired(), 1);
+        let (before, records) = (room(&slab), slab.entries.as_ptr());
+        // Four live, as reserved, listed, churned and quarantined as a
+        // pass would: the fifth entry they need (the retired one holds its
+        // place) grows nothing, and no record moves.
+        for _ in 0..2 {
+            let keys: Vec<Key> = (0..4).map(|i| slab.insert(i).unwrap()).collect();
+            assert!(keys.iter().all(|key| key.index != 0));
+            keys.iter().for_each(|key| slab.park(key.index));
+            slab.touch(0);
+            walk(&mut slab, TOUCHED);
+            walk(&mut slab, PARKED);
+            for &key in &keys {
+                slab.remove(key);
+            }
+            slab.release_quarantine(slab.quarantined());
+        }
+        assert_eq!(slab.capacity_used(), 5);
+        assert_eq!(room(&slab), before, "nothing grew");
+        assert_eq!(slab.entries.as_ptr(), records, "no record moved");
+    }
+
+    #[test]
+    fn retired_entries_use_up_the_index_space() {
+        // Indices below 2: after one retirement, one entry is left to use.
+        let mut slab = Slab::new(2, 1).indexed_below(2);
+        churn_to_the_end(&mut slab, u32::MAX);
+        let a = slab.insert(1).unwrap();
+        assert_eq!(a.index, 1);
+        assert_eq!(slab.len(), 1);
+        assert!(
+            slab.insert(2).is_none(),
+            "below the limit, but no index is left"
+        );
+        // Churn goes on in the entry left.
+        slab.remove(a);
+        let b = slab.insert(3).unwrap();
+        assert_eq!((b.index, b.generation), (1, 1));
     }
 
     #[test]

@@ -7,9 +7,10 @@
 //! keeps the exact `wr_id` of every posted slot: a completion that matches
 //! it is a genuine consumption of that slot, whichever QP reports it, and
 //! one that does not (a request some other QP posted with a made-up id) is
-//! ignored. So a slot is never reposted while it is still posted, and a
-//! slot consumed by a QP the reactor does not serve (not yet added, or
-//! removed) goes back to the SRQ instead of being lost.
+//! ignored. A slot given back while it is posted, queued to be posted or
+//! stranded is refused, so it is never posted twice; and a slot consumed
+//! by a QP the reactor does not serve (not yet added, or removed) goes back
+//! to the SRQ instead of being lost.
 
 use std::hash::{BuildHasher, RandomState};
 
@@ -43,7 +44,9 @@ pub(super) struct SrqPool {
     /// Room for every slot, reserved at creation.
     stranded: Vec<u32>,
     slot_size: usize,
-    /// The `wr_id` each slot was last posted with (0: not posted).
+    /// The `wr_id` each slot was last posted (or queued to be posted)
+    /// with; 0 while the slot is consumed, [`STRANDED`] while it waits in
+    /// `stranded`.
     posted_ids: Vec<u64>,
     tag_key: RandomState,
     posts: u64,
@@ -58,6 +61,10 @@ pub(super) struct SrqPool {
     /// batch filled, so it is logged once per pass, not once per slot.
     refusals: Option<(Error, u32)>,
 }
+
+/// The mark in `SrqPool::posted_ids` of a stranded slot: no posted slot's
+/// `wr_id` (whose kind bits are set) and not 0.
+const STRANDED: u64 = 1;
 
 // SAFETY: the ring pointer and the batch point into `region`, which the
 // pool owns; moving the pool to another thread moves their owner too.
@@ -168,7 +175,7 @@ impl SrqPool {
     pub(super) fn claim(&mut self, wr_id: u64) -> Option<u32> {
         let slot = srq_slot(wr_id);
         let posted = self.posted_ids.get_mut(slot as usize)?;
-        if *posted != wr_id || wr_id == 0 {
+        if *posted != wr_id || wr_id <= STRANDED {
             return None;
         }
         *posted = 0;
@@ -188,11 +195,19 @@ impl SrqPool {
     /// Queues SRQ slot `slot` (claimed or held, not posted) to be posted
     /// again with a fresh tag; posts when a batch fills. If a full batch
     /// cannot be posted, the slot waits in `stranded` for the next flush
-    /// (and the error is returned): a slot is never dropped.
+    /// (and the error is returned): a slot is never dropped. A slot that is
+    /// not consumed (posted, queued or stranded already) is refused: it
+    /// would be posted twice, two receives landing in one buffer, one of
+    /// them maybe under a handler's view of the bytes.
     #[inline]
     pub(super) fn give_back(&mut self, slot: u32) -> Result<()> {
-        if slot as usize >= self.posted_ids.len() {
-            return Ok(());
+        match self.posted_ids.get(slot as usize) {
+            Some(0) => {}
+            Some(_) => {
+                refuse_give_back(slot);
+                return Ok(());
+            }
+            None => return Ok(()),
         }
         if self.returning.is_full()
             && let Err(err) = self.srq.post_recv_batch(&mut self.returning)
@@ -222,17 +237,15 @@ impl SrqPool {
         }
     }
 
-    /// Puts `slot` in the batch with a fresh tag (the batch has room).
+    /// Puts `slot` (consumed, or stranded) in the batch with a fresh tag
+    /// (the batch has room).
     #[inline]
     fn queue(&mut self, slot: u32) {
-        // A slot still posted, queued again, would be posted twice: two
-        // receives landing in one buffer, one of them maybe under a
-        // handler's view of the bytes. No path does it; if one ever did,
-        // the slot stays posted once.
+        // `give_back` refused a slot posted already; a stranded one comes
+        // here once, from `unstrand`.
         let posted = self.posted_ids[slot as usize];
-        debug_assert_eq!(posted, 0, "SRQ slot {slot} given back while posted");
-        if posted != 0 {
-            log::error!("SRQ slot {slot} given back while still posted: not posted twice");
+        if posted > STRANDED {
+            refuse_give_back(slot);
             return;
         }
         self.posts = self.posts.wrapping_add(1);
@@ -247,10 +260,12 @@ impl SrqPool {
 
     #[cold]
     fn strand(&mut self, slot: u32) {
-        // Each slot is given back once before it is posted again, so the
-        // room reserved for every slot suffices.
+        // Each slot is stranded once before it is posted again (a
+        // stranded one given back is refused), so the room reserved for
+        // every slot suffices.
         if self.stranded.len() < self.stranded.capacity() {
             self.stranded.push(slot);
+            self.posted_ids[slot as usize] = STRANDED;
         }
     }
 
@@ -291,6 +306,15 @@ impl SrqPool {
     }
 }
 
+/// An SRQ slot given back while posted, queued or stranded: refused, so it
+/// is not posted twice. No path of the reactor does it; one that did is a
+/// bug, logged here.
+#[cold]
+#[inline(never)]
+fn refuse_give_back(slot: u32) {
+    log::error!("SRQ slot {slot} given back while posted or waiting to be: not posted twice");
+}
+
 #[cfg(test)]
 impl SrqPool {
     /// The SRQ, for tests that make the device refuse its posts.
@@ -326,5 +350,101 @@ impl SrqPool {
             .map(|request| srq_slot(request.wr_id()))
             .collect();
         (queued, self.stranded.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::{Context, QpConfig, WorkCompletion, WorkRequest, refuse_srq_recvs_after};
+
+    /// Every slot of `pool` given back with `give`, each exactly once
+    /// (whatever the order), once the pool's batch and stranded slots are
+    /// posted.
+    #[track_caller]
+    fn assert_posted_once(pool: &mut SrqPool, slots: u32) {
+        pool.flush().expect("the pool's posts");
+        let mut on_device = pool.on_device();
+        on_device.sort_unstable();
+        assert_eq!(on_device, (0..slots).collect::<Vec<_>>(), "each once");
+        assert_eq!(pool.available, slots);
+    }
+
+    #[test]
+    fn a_slot_given_back_while_posted_queued_or_stranded_is_refused() {
+        // SAFETY: every QP of the device is served from this thread.
+        let ctx = unsafe { Context::loopback() };
+        let pd = ctx.alloc_pd().expect("a PD");
+        // Two batches' worth, so a full batch whose post is refused
+        // strands what comes after it.
+        let slots = 2 * MAX_REPOST as u32;
+        let config = ReactorConfig {
+            srq_depth: slots,
+            slot_size: 64,
+            ..ReactorConfig::default()
+        };
+        let mut pool = SrqPool::new(&pd, &config).expect("an SRQ pool");
+        assert_posted_once(&mut pool, slots);
+
+        // Posted: refused.
+        pool.give_back(3).expect("refused quietly");
+        assert_eq!(pool.unposted(), (vec![], vec![]), "not queued again");
+        assert_posted_once(&mut pool, slots);
+
+        // Every slot consumed by a QP on the SRQ, and claimed.
+        let mut cq = ctx.create_cq(2 * slots, None).expect("a CQ");
+        let mut qp = pd
+            .create_qp_with_srq(&cq, &cq, &pool.attachment(), &QpConfig::default())
+            .expect("a QP on the SRQ");
+        let peer_cq = ctx.create_cq(16, None).expect("a CQ");
+        let mut peer = pd
+            .create_qp(&peer_cq, &peer_cq, &QpConfig::default())
+            .expect("its peer");
+        let (to_qp, to_peer) = (qp.endpoint(), peer.endpoint());
+        qp.connect(&to_peer).expect("connect");
+        peer.connect(&to_qp).expect("connect");
+        for _ in 0..slots {
+            peer.post_send(WorkRequest::send_inline(0, b"x"))
+                .expect("a SEND");
+        }
+        let mut wcs = [WorkCompletion::default(); 32];
+        let mut claimed = 0;
+        while claimed < slots {
+            let polled = cq.poll(&mut wcs).expect("a poll");
+            assert!(!polled.is_empty(), "{claimed} of {slots} consumed");
+            for wc in polled {
+                assert!(pool.claim(wc.wr_id()).is_some(), "a slot of ours");
+                assert!(pool.claim(wc.wr_id()).is_none(), "claimed once");
+                claimed += 1;
+            }
+        }
+        assert_eq!(pool.available, 0);
+
+        // Queued: given back twice, queued once.
+        pool.give_back(0).expect("queued");
+        pool.give_back(0).expect("refused quietly");
+        assert_eq!(pool.unposted(), (vec![0], vec![]));
+
+        // Stranded: the batch fills (slots 0 to 63) and its post is
+        // refused, then again when slot 64 comes: it is stranded. Given
+        // back again, it is refused, as is slot 0, still in the batch.
+        refuse_srq_recvs_after(pool.srq(), 0);
+        refuse_srq_recvs_after(pool.srq(), 0);
+        for slot in 1..MAX_REPOST as u32 {
+            pool.give_back_noting(slot);
+        }
+        assert!(pool.give_back(64).is_err(), "the second refusal");
+        pool.give_back(64).expect("refused quietly");
+        pool.give_back(0).expect("refused quietly");
+        let (queued, stranded) = pool.unposted();
+        assert_eq!(queued, (0..MAX_REPOST as u32).collect::<Vec<_>>());
+        assert_eq!(stranded, vec![64], "stranded once");
+
+        // The rest, and everything twice more: each posted once.
+        for slot in (0..slots).chain(0..slots) {
+            pool.give_back_noting(slot);
+        }
+        assert_posted_once(&mut pool, slots);
+        drop(qp);
     }
 }

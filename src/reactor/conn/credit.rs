@@ -1,6 +1,9 @@
 //! Credits: how many receives the peer has posted for us, and telling the
 //! peer how many we have posted (in the immediate of every SEND, or of a
-//! zero-length one when there is nothing to send).
+//! zero-length one when there is nothing to send); and the grant a peer
+//! must keep to: its first receive beyond it cuts it off (see
+//! [`Conn::count_receive`] and, for how many SRQ receives such a peer can
+//! take before, and for how long, `ReactorConfig::srq_depth`).
 
 use crate::error::Error;
 use crate::verbs::{SendDescriptor, Sge};
@@ -144,6 +147,12 @@ impl Conn {
     /// what it has consumed) never gets past it. Receives the handler holds
     /// or forwards are not reposted, so they do not raise the count until
     /// they come back. One add and one compare per receive.
+    ///
+    /// Called in completion order, so the first receive beyond the grant
+    /// is found by the pass that polls it, and the caller fails the
+    /// connection there: the peer's later receives are neither counted nor
+    /// delivered. With an SRQ, a peer takes at most `srq_depth` receives
+    /// beyond its grant before that (see `ReactorConfig::srq_depth`).
     #[inline]
     pub(crate) fn count_receive(&mut self) -> bool {
         self.received = self.received.wrapping_add(1);
@@ -151,7 +160,9 @@ impl Conn {
     }
 
     /// The error that cuts off a peer that consumed more receives than it
-    /// was granted (see [`count_receive`](Self::count_receive)).
+    /// was granted (see [`count_receive`](Self::count_receive)): `consumed`
+    /// is one past `granted`, the receive that overran. What it took
+    /// beyond, on an SRQ, is bounded by `ReactorConfig::srq_depth`.
     #[cold]
     pub(crate) fn overrun_error(&self) -> Error {
         Error::CreditOverrun {

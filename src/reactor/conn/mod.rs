@@ -18,6 +18,7 @@ use crate::verbs::{
 use super::{ConnId, DirectQp, ReactorConfig, SendError, SessionId};
 
 pub(crate) use credit::Arrival;
+use ring::RingSlots;
 pub(crate) use ring::{Ring, SharedRing, recv_request};
 pub(crate) use staging::{ForwardOrigin, OpKind};
 use staging::{Keep, SqOp};
@@ -96,6 +97,8 @@ pub(crate) struct Conn {
     pub(crate) recv_depth: u32,
     /// Slots in the ring receives land in (bounds for slot indices).
     recv_slots: u32,
+    /// Where each slot of the own ring is (none with an SRQ).
+    ring_slots: RingSlots,
     send_slots: u32,
     // Send-slot ring: slots are used and released in SQ order.
     send_head: u32,
@@ -231,6 +234,7 @@ impl Conn {
             slot_size,
             recv_depth,
             recv_slots,
+            ring_slots: RingSlots::new(if shared_recv { 0 } else { recv_slots }),
             send_slots,
             send_head: 0,
             send_in_use: 0,
@@ -455,6 +459,11 @@ impl Conn {
     /// Receives posted on the QP and not yet consumed.
     pub(crate) fn receives_outstanding(&self) -> u32 {
         self.posted.wrapping_sub(self.received)
+    }
+
+    /// Receives the peer was granted so far (the highest count announced).
+    pub(crate) fn granted(&self) -> u32 {
+        self.advertised
     }
 }
 

@@ -9,8 +9,8 @@ use std::rc::Rc;
 use crate::error::Error;
 use crate::session::CqChoice;
 use crate::verbs::{
-    AccessFlags, Context, ProtectionDomain, QpConfig, QueuePair, WorkRequest, refuse_sends_after,
-    refuse_srq_recvs_after,
+    AccessFlags, CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpConfig, QueuePair,
+    RecvRequest, WorkCompletion, WorkRequest, refuse_sends_after, refuse_srq_recvs_after,
 };
 
 use super::{ConnId, Ctx, Handler, HeldRecv, Reactor, ReactorConfig, SessionId};
@@ -241,7 +241,107 @@ fn send(reactor: &mut Reactor<Probe, ()>, conn: ConnId, data: &[u8]) {
     panic!("no credit within {MAX_PASSES} passes");
 }
 
+/// A QP of the test's own, on a CQ of its own, connected to a reactor
+/// connection: it speaks the reactor's protocol by hand (every SEND a
+/// SEND_WITH_IMM whose immediate carries a kind and a receive count), and
+/// keeps to its credits only if the test does.
+struct RawPeer {
+    qp: QueuePair,
+    cq: CompletionQueue,
+    /// Its SENDs' payload and its receives' buffer (the reactor sends it
+    /// only credit updates, which carry none).
+    buf: MemoryRegion,
+    /// Its SENDs posted.
+    posted: u64,
+    /// Its SENDs that completed: each consumed a receive of the reactor's.
+    delivered: u64,
+    /// Its SENDs that failed (the reactor's end stopped taking them).
+    failed: u64,
+    /// Credit updates of the reactor's that it received.
+    updates: u64,
+}
+
+/// The `wr_id` bit of a raw peer's receives.
+const RAW_RECV: u64 = 1 << 63;
+
+impl RawPeer {
+    /// Receives it posts for the reactor's credit updates, and claims in
+    /// its SENDs (it never needs to repost them).
+    const RECVS: u32 = 200;
+    /// Immediate kinds (`credit::send_imm`): a message, a credit update.
+    const MESSAGE: u32 = 0;
+    const CREDIT: u32 = 1;
+
+    /// A raw peer connected to a new session of one connection on
+    /// `reactor` (its QP on the reactor's CQ, and SRQ if it has one).
+    fn connect(
+        reactor: &mut Reactor<Probe, ()>,
+        ctx: &Context,
+        pd: &ProtectionDomain,
+    ) -> (End, Self) {
+        let mut ours = loopback_qp(reactor, pd, "reactor end", AccessFlags::empty());
+        let cq = ctx.create_cq(8192, None).expect("the raw peer's CQ");
+        let config = QpConfig {
+            max_send_wr: 4096,
+            ..QpConfig::default()
+        };
+        let mut qp = pd.create_qp(&cq, &cq, &config).expect("the raw peer's QP");
+        let (to_ours, to_raw) = (ours.endpoint(), qp.endpoint());
+        ours.connect(&to_raw).expect("connect");
+        qp.connect(&to_ours).expect("connect");
+        let buf = pd
+            .alloc_mr(64, AccessFlags::LOCAL_WRITE)
+            .expect("the raw peer's buffer");
+        for i in 0..u64::from(Self::RECVS) {
+            let request = RecvRequest::new(RAW_RECV | i, buf.slice(0, 64).expect("a slice"))
+                .expect("a receive");
+            qp.post_recv(request).expect("a receive posted");
+        }
+        let end = add_end(reactor, ours);
+        let peer = Self {
+            qp,
+            cq,
+            buf,
+            posted: 0,
+            delivered: 0,
+            failed: 0,
+            updates: 0,
+        };
+        (end, peer)
+    }
+
+    /// Posts a signaled SEND of `len` bytes whose immediate says `kind`
+    /// and claims all its receives (whatever its credits).
+    fn send(&mut self, kind: u32, len: usize) {
+        let imm = (kind << 30) | Self::RECVS;
+        let local = self.buf.slice(0, len).expect("a slice");
+        let request = WorkRequest::send_with_imm(0, local, imm).signaled();
+        self.qp.post_send(request).expect("a SEND posted");
+        self.posted += 1;
+    }
+
+    /// Counts what completed since the last call.
+    fn reap(&mut self) {
+        let mut wcs = [WorkCompletion::default(); 32];
+        loop {
+            let polled = self.cq.poll(&mut wcs).expect("a poll");
+            for wc in polled.iter() {
+                match (wc.wr_id() & RAW_RECV != 0, wc.is_success()) {
+                    (true, true) => self.updates += 1,
+                    (true, false) => {}
+                    (false, true) => self.delivered += 1,
+                    (false, false) => self.failed += 1,
+                }
+            }
+            if polled.len() < wcs.len() {
+                return;
+            }
+        }
+    }
+}
+
 mod direct;
+mod ids;
 mod now;
 mod ring;
 mod sparse;

@@ -5,8 +5,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use super::*;
+use crate::reactor::conn::Conn;
 use crate::reactor::pass::{REPOST_IDLE_PASSES, TAIL_SIGNAL_IDLE_PASSES};
-use crate::reactor::slab::{PARKED, TOUCHED};
+use crate::reactor::slab::{Key, PARKED, TOUCHED};
 
 /// How many receives of `conn`'s own ring are posted, and the slots
 /// queued for reposting, each of which must be queued once.
@@ -339,4 +340,140 @@ fn a_slot_given_back_during_the_parked_walk_is_reposted_by_the_next_idle_flush()
         "the slot reposted by the next idle flush",
         whole,
     );
+}
+
+/// A receive slot given back twice (by some path that did, then by the
+/// handler's release), and every slot given back while posted: each is
+/// posted once, never twice, and the ring serves traffic after.
+#[test]
+fn a_slot_given_back_twice_or_while_posted_is_posted_once() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    origin.seen.borrow_mut().hold = true;
+    send(&mut reactor, source.conn, &[1; 8]);
+    run_until(&mut reactor, "one message held", |_| {
+        origin.seen.borrow().held.len() == 1
+    });
+    origin.seen.borrow_mut().hold = false;
+    let held = origin.seen.borrow_mut().held.pop().expect("one held");
+    let slot = held.slot();
+    let key = origin.conn.key();
+    fn conn(reactor: &mut Reactor<Probe, ()>, key: Key) -> &mut Conn {
+        reactor.conns.get_mut(key).expect("origin")
+    }
+    assert!(!conn(&mut reactor, key).recv_slot_posted(slot), "held");
+
+    conn(&mut reactor, key).queue_repost(slot);
+    reactor
+        .with_ctx(|ctx| ctx.release(held).map_err(|(err, _)| err))
+        .expect("released");
+    let (_, queued) = ring_account(&reactor, origin.conn);
+    assert!(queued.contains(&slot), "queued once (ring_account checks)");
+    let whole = |reactor: &Reactor<Probe, ()>| ring_whole(reactor, origin.conn);
+    run_until(&mut reactor, "the ring whole", whole);
+
+    // Every slot is posted: none goes back again.
+    for slot in 0..RECV_DEPTH {
+        assert!(conn(&mut reactor, key).recv_slot_posted(slot));
+        conn(&mut reactor, key).queue_repost(slot);
+    }
+    let (posted, queued) = ring_account(&reactor, origin.conn);
+    assert_eq!((posted, queued.len()), (RECV_DEPTH, 0), "nothing queued");
+    idle_until_tails_signaled(&mut reactor);
+    assert!(whole(&reactor), "{:?}", ring_account(&reactor, origin.conn));
+
+    // Three rings' worth, in order.
+    for i in 0..3 * RECV_DEPTH {
+        send(&mut reactor, source.conn, &i.to_le_bytes());
+    }
+    run_until(&mut reactor, "three rings' worth", |_| {
+        origin.seen.borrow().messages.len() == 1 + 3 * RECV_DEPTH as usize
+    });
+    let seen = origin.seen.borrow();
+    for (i, message) in seen.messages[1..].iter().enumerate() {
+        assert_eq!(message, &(i as u32).to_le_bytes(), "message {i}");
+    }
+    assert!(seen.errors.is_empty() && source.seen.borrow().errors.is_empty());
+}
+
+/// A receive completion for a slot that is not posted: a slot posted a
+/// second time behind the ring (as a double post would leave it) is
+/// filled after the handler took the first message from it. The second
+/// completion is refused as a stranger's: not delivered, not counted as
+/// a receive of the peer's (no overrun), the held message's slot not
+/// given back; the connection keeps going.
+#[test]
+fn a_receive_completion_for_a_slot_not_posted_is_refused() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (end, mut raw) = RawPeer::connect(&mut reactor, &ctx, &pd);
+    end.seen.borrow_mut().hold = true;
+    // The ring, slots 0 to 15 posted in order, takes the peer's credit
+    // update in slot 0; behind slot 15, in the room that leaves (the QP
+    // takes no more receives than the ring's), slot 5 is posted again.
+    const TWICE: u32 = 5;
+    raw.send(RawPeer::CREDIT, 0);
+    reactor
+        .conns
+        .get_mut(end.conn.key())
+        .expect("the connection")
+        .post_recv_bypassing_the_guard(TWICE)
+        .expect("the second post");
+    // 15 messages (slots 1 to 15) and one more into slot 5's second
+    // receive: 17 receives, one past the grant.
+    for _ in 0..RECV_DEPTH {
+        raw.send(RawPeer::MESSAGE, 8);
+    }
+    raw.reap();
+    assert_eq!(raw.delivered, u64::from(RECV_DEPTH) + 1, "all landed");
+    let before = reactor.ignored_completions().0;
+    run_until(&mut reactor, "the messages held", |_| {
+        end.seen.borrow().held.len() == RECV_DEPTH as usize - 1
+    });
+    for _ in 0..2 * REPOST_IDLE_PASSES {
+        reactor.turn().expect("a pass");
+    }
+    let seen = end.seen.borrow();
+    assert!(seen.established);
+    assert!(seen.errors.is_empty(), "not cut off: {:?}", seen.errors);
+    assert_eq!(seen.messages.len(), RECV_DEPTH as usize - 1, "none twice");
+    let slots: BTreeSet<u32> = seen.held.iter().map(HeldRecv::slot).collect();
+    assert_eq!(slots, (1..RECV_DEPTH).collect(), "each held once");
+    assert_eq!(
+        reactor.ignored_completions().0 - before,
+        1,
+        "the second completion of slot 5 refused"
+    );
+    let conn = reactor.conns.get(end.conn.key()).expect("the connection");
+    assert!(!conn.recv_slot_posted(TWICE), "still held");
+    assert!(!conn.pending_slots().contains(&TWICE), "not given back");
+    drop(seen);
+
+    // Released, the held slots go back once each; the peer's messages
+    // keep landing.
+    let held = std::mem::take(&mut end.seen.borrow_mut().held);
+    end.seen.borrow_mut().hold = false;
+    reactor.with_ctx(|ctx| {
+        for message in held {
+            ctx.release(message)
+                .map_err(|(err, _)| err)
+                .expect("released");
+        }
+    });
+    raw.reap();
+    let updates = raw.updates;
+    run_until(&mut reactor, "the ring whole, and announced", |reactor| {
+        raw.reap();
+        ring_whole(reactor, end.conn) && raw.updates > updates
+    });
+    raw.send(RawPeer::MESSAGE, 8);
+    run_until(&mut reactor, "one more message", |_| {
+        end.seen.borrow().messages.len() == RECV_DEPTH as usize
+    });
+    assert!(end.seen.borrow().errors.is_empty());
 }

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use super::*;
+use crate::reactor::SendError;
 use crate::reactor::pass::SRQ_RETRY;
 
 /// Where each slot of the reactor's SRQ is that the pool or a connection
@@ -578,4 +579,120 @@ fn forwarded_slots_of_a_removed_origin_are_posted_by_the_pass_that_retires_them(
         sink.seen.borrow().messages.len() == 2
     });
     assert_eq!(sink.seen.borrow().messages, [vec![1; 8], vec![2; 8]]);
+}
+
+/// A peer that ignores its credits (a raw QP on one connection of the SRQ
+/// reactor) while an honest one keeps to its own (another connection, at
+/// its credit limit). The flooder first sends just what it was granted,
+/// pass after pass, and is not cut off; then twice the SRQ at once: it
+/// takes every SRQ receive posted at that moment and no more (the rest of
+/// its SENDs wait, as for an RNR), never more than `srq_depth` beyond its
+/// grant. The very next pass cuts it off (its connection is told of the
+/// overrun), fails every SEND it had waiting (its peer's QP is in the
+/// error state), and gives back every SRQ receive it took; it takes none
+/// after. The honest peer's messages all arrive, in order, with no failed
+/// completion.
+#[test]
+fn a_flooding_peer_takes_at_most_the_srq_beyond_its_grant_and_is_cut_off_within_a_pass() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let (honest, sink) = add_pair(&mut reactor, &pd);
+    let (victim, mut flooder) = RawPeer::connect(&mut reactor, &ctx, &pd);
+    flooder.send(RawPeer::CREDIT, 0);
+    run_until(&mut reactor, "the flooder's connection established", |_| {
+        victim.seen.borrow().established
+    });
+    run_until_srq_whole(&mut reactor, "settled");
+    let granted = |reactor: &Reactor<Probe, ()>| {
+        let conn = reactor.conns.get(victim.conn.key()).expect("the victim");
+        u64::from(conn.granted())
+    };
+    const HONEST: u32 = 6 * SRQ_SHARE;
+    /// Passes the flooder keeps to its grant before it floods.
+    const POLITE_PASSES: usize = 20;
+    const FLOOD: u32 = 2 * SRQ_DEPTH;
+    let mut sent = 0u32;
+    let mut cut_off = false;
+    for pass in 0..MAX_PASSES {
+        if cut_off && numbers(&sink).len() == HONEST as usize {
+            break;
+        }
+        reactor.with_ctx(|ctx| {
+            while sent < HONEST {
+                match ctx.send(honest.conn, &sent.to_le_bytes(), None) {
+                    Ok(_) => sent += 1,
+                    Err(SendError::WouldBlock) => break,
+                    Err(err) => panic!("the honest peer: {err}"),
+                }
+            }
+        });
+        flooder.reap();
+        let took_before = flooder.delivered;
+        if pass < POLITE_PASSES {
+            for _ in took_before..granted(&reactor) {
+                flooder.send(RawPeer::MESSAGE, 8);
+            }
+        } else if pass == POLITE_PASSES {
+            let posted = srq_account(&reactor).posted.len() as u64;
+            for _ in 0..FLOOD {
+                flooder.send(RawPeer::MESSAGE, 8);
+            }
+            flooder.reap();
+            assert_eq!(
+                flooder.delivered - took_before,
+                posted,
+                "it takes every SRQ receive posted, and no more"
+            );
+        }
+        flooder.reap();
+        let took = flooder.delivered;
+        let beyond = took.saturating_sub(granted(&reactor));
+        assert!(
+            beyond <= u64::from(SRQ_DEPTH),
+            "{beyond} receives beyond the grant"
+        );
+        reactor.turn().expect("a pass");
+        let told = victim.seen.borrow().errors.clone();
+        flooder.reap();
+        assert!(
+            flooder.delivered == took || !cut_off && beyond == 0,
+            "a receive after its first beyond the grant"
+        );
+        if cut_off || beyond == 0 {
+            assert!(
+                cut_off || told.is_empty(),
+                "cut off within its grant: {told:?}"
+            );
+            continue;
+        }
+        // The pass right after its first receive beyond the grant.
+        assert_eq!(told.len(), 1, "cut off by this pass, told once");
+        assert!(told[0].1.contains("ignored its credits"), "{told:?}");
+        cut_off = true;
+        assert_eq!(
+            flooder.failed,
+            flooder.posted - took,
+            "every SEND it had waiting failed"
+        );
+        assert_eq!(
+            victim.seen.borrow().messages.len() as u64,
+            granted(&reactor) - 1,
+            "delivered: every message within the grant (its first SEND was a credit update), none beyond"
+        );
+        let account = srq_account(&reactor);
+        assert_eq!(
+            account.count() + account.unpolled,
+            SRQ_DEPTH as usize,
+            "every slot back (or consumed anew by the honest peer): {account:?}"
+        );
+        let conn = reactor.conns.get(victim.conn.key()).expect("the victim");
+        assert!(!conn.owes_shared_slots(), "the victim holds none");
+    }
+    assert!(cut_off, "never cut off");
+    assert_eq!(numbers(&sink), (0..HONEST).collect::<Vec<_>>());
+    let ends = [("honest", &honest), ("sink", &sink)];
+    assert!(errors_of(&ends).is_empty(), "{:?}", errors_of(&ends));
+    run_until_srq_whole(&mut reactor, "every SRQ slot posted again");
 }
