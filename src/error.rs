@@ -33,7 +33,8 @@ pub enum Error {
     /// Posting work requests failed; the first `posted` of the list went out.
     #[error("{verb} failed on {device} (QP {qpn}) after {posted} work request(s) were posted: {}", io::Error::from_raw_os_error(*.errno))]
     Post {
-        /// `ibv_post_send` or `ibv_post_recv`.
+        /// `ibv_post_send` or `ibv_post_recv`; a window bind's is
+        /// `ibv_post_send(IBV_WR_BIND_MW, IBV_ACCESS_ZERO_BASED)`.
         verb: &'static str,
         /// The errno it reported (`ENOMEM`: the queue is full).
         errno: i32,

@@ -808,3 +808,78 @@ verbs_test! {
         assert_eq!(read_back(&a_inbox, 64, 8), [19u8; 8]);
     }
 }
+
+/// Posts `request` (signaled) on `endpoint`'s QP `index` (private CQ); the
+/// completion.
+fn post_through(endpoint: &mut Endpoint, index: usize, request: WorkRequest<'_>) -> WorkCompletion {
+    let qp = endpoint.qp_at(index).unwrap();
+    qp.qp_mut().post_send(request.signaled()).unwrap();
+    wait_for(qp.cq_mut().unwrap(), 1)[0]
+}
+
+verbs_test! {
+    fn a_peer_addresses_offsets_into_its_window_and_never_learns_our_addresses() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let rw = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        let mut config = ServerConfig::default();
+        config.qp.remote_access = rw;
+        let inbox = Arc::new(pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND).unwrap());
+        let exported = Arc::clone(&inbox);
+        config.exports = Some(Arc::new(move |_, _: &ProtectionDomain| {
+            Ok(vec![Export::new(1, "inbox", &*exported, rw)])
+        }));
+        let srv = ServerSession::bind("127.0.0.1:0", &pd, config).unwrap();
+        // A refused access ends its QP: one QP for the accesses inside the
+        // window, one each for a WRITE and a READ past its end.
+        let specs = vec![QpSpec::new("inside"), QpSpec::new("write-past"), QpSpec::new("read-past")];
+        let mut client = ClientSession::connect(srv.local_addr(), &pd, &ClientConfig::new(specs)).unwrap();
+        let _served = srv.accept_timeout(DEADLINE).unwrap();
+
+        // What the peer received: a base of 0 on every QP, not the
+        // inbox's virtual address.
+        let named = client.remote_regions()[0].clone();
+        assert_ne!(inbox.addr(), 0);
+        assert_eq!(
+            (named.region.addr(), named.region.len()),
+            (0, 4096),
+            "the peer was told our address {:#x}",
+            inbox.addr()
+        );
+        for qp in 0..3 {
+            assert_eq!(named.on_qp(qp).unwrap().addr(), 0, "QP {qp}");
+        }
+        let target = named.region;
+
+        // WRITE and READ at offsets inside the window, up to its last byte.
+        let mut src = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+        let dst = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+        src.write(0, &pattern(11, 64)).unwrap();
+        src.write(64, &pattern(12, 8)).unwrap();
+        let write = WorkRequest::write(1, src.slice(0, 64).unwrap(), target.slice(100, 64).unwrap()).unwrap();
+        assert!(post_through(&mut client, 0, write).ok().is_ok(), "WRITE at offset 100");
+        let write = WorkRequest::write(2, src.slice(64, 8).unwrap(), target.slice(4088, 8).unwrap()).unwrap();
+        assert!(post_through(&mut client, 0, write).ok().is_ok(), "WRITE of the last 8 bytes");
+        assert_eq!(read_back(&inbox, 100, 64), pattern(11, 64));
+        assert_eq!(read_back(&inbox, 4088, 8), pattern(12, 8));
+        let read = WorkRequest::read(3, dst.slice(0, 64).unwrap(), target.slice(100, 64).unwrap()).unwrap();
+        assert!(post_through(&mut client, 0, read).ok().is_ok(), "READ at offset 100");
+        let read = WorkRequest::read(4, dst.slice(64, 8).unwrap(), target.slice(4088, 8).unwrap()).unwrap();
+        assert!(post_through(&mut client, 0, read).ok().is_ok(), "READ of the last 8 bytes");
+        assert_eq!(read_back(&dst, 0, 64), pattern(11, 64));
+        assert_eq!(read_back(&dst, 64, 8), pattern(12, 8));
+
+        // Past the window's end, with the local bounds check out of the way
+        // (a descriptor claiming twice the length): the device refuses.
+        let forged = |qp: usize| RemoteRegion::new(0, 8192, named.rkeys[qp]);
+        src.write(128, &[0xee; 8]).unwrap();
+        let write = WorkRequest::write(5, src.slice(128, 8).unwrap(), forged(1).slice(4092, 8).unwrap()).unwrap();
+        let wc = post_through(&mut client, 1, write);
+        assert_eq!(wc.status(), WcStatus::REM_ACCESS_ERR, "WRITE across the window's end: {wc:?}");
+        assert_eq!(read_back(&inbox, 4088, 8), pattern(12, 8), "nothing was written");
+        let read = WorkRequest::read(6, dst.slice(128, 8).unwrap(), forged(2).slice(4096, 8).unwrap()).unwrap();
+        let wc = post_through(&mut client, 2, read);
+        assert_eq!(wc.status(), WcStatus::REM_ACCESS_ERR, "READ past the window's end: {wc:?}");
+        assert_eq!(read_back(&dst, 128, 8), vec![0; 8], "nothing was read");
+    }
+}

@@ -81,7 +81,8 @@ pub struct NamedRegion {
     /// The peer's name for it.
     pub name: String,
     /// The bounds-checked descriptor for WRITE and READ through the
-    /// session's first QP.
+    /// session's first QP. Its address is 0 (the peer's windows are
+    /// zero-based): offsets from 0 to its length reach the memory.
     pub region: RemoteRegion,
     /// The region's key for each QP of the session, in QP order: the peer
     /// may grant access through each QP separately.

@@ -168,7 +168,9 @@ impl QpSpec {
 /// that learns another peer's descriptor reaches nothing with it, and the
 /// access ends when the session does. So the memory is registered with
 /// `LOCAL_WRITE | MW_BIND` and no `REMOTE_*` flag (its own rkey then
-/// reaches nothing), and `access` says what the peer may do.
+/// reaches nothing), and `access` says what the peer may do. The windows
+/// are zero-based: the peer is told address 0 and addresses offsets into
+/// the region, never where it is in this process.
 ///
 /// ```no_run
 /// # use std::sync::Arc;
@@ -513,15 +515,13 @@ fn local_handshake(
     let regions = exports
         .iter()
         .zip(&windows.0)
-        .map(|(e, windows)| {
-            let (addr, len) = (e.region.addr(), e.region.len() as u64);
-            RegionInfo {
-                id: e.id,
-                name: e.name.clone(),
-                addr,
-                len,
-                rkeys: windows.iter().map(MemoryWindow::rkey_when_bound).collect(),
-            }
+        .map(|(e, windows)| RegionInfo {
+            id: e.id,
+            name: e.name.clone(),
+            // The windows are bound zero-based: the peer addresses offsets.
+            addr: 0,
+            len: e.region.len() as u64,
+            rkeys: windows.iter().map(MemoryWindow::rkey_when_bound).collect(),
         })
         .collect();
     Ok(Handshake {

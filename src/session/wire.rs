@@ -18,8 +18,12 @@
 //!
 //! handshake  u16 n_qps, n_qps × qp, u16 n_regions, n_regions × region
 //!   qp       qpn u32, psn u32, gid [16], lid u16, mtu u16 (bytes), name str
-//!   region   id u32, addr u64, len u64, name str, n_qps × rkey u32 (one per QP)
+//!   region   id u32, addr u64 = 0, len u64, name str, n_qps × rkey u32 (one per QP)
 //! ```
+//!
+//! A region's `addr` is always 0: exports are reached through zero-based
+//! memory windows, so the peer addresses offsets `0..len` and never learns
+//! where the memory is. A handshake with any other address is refused.
 //!
 //! The order of a handshake, and why, is in [`crate::session`]'s docs.
 //!
@@ -90,7 +94,10 @@ pub struct RegionInfo {
     pub id: u32,
     /// Caller-chosen name.
     pub name: String,
-    /// Remote address.
+    /// The address the peer's offsets start from: always 0, since
+    /// exports are reached through zero-based windows ([`Message::check`]
+    /// refuses anything else, so no virtual address is ever sent or
+    /// accepted).
     pub addr: u64,
     /// Length in bytes.
     pub len: u64,
@@ -180,8 +187,8 @@ impl Message {
     }
 
     /// Checks every rule the decoder enforces: limits on counts and
-    /// lengths, 24-bit QP numbers and PSNs, valid MTUs, regions that do not
-    /// wrap, one key per QP.
+    /// lengths, 24-bit QP numbers and PSNs, valid MTUs, regions at address
+    /// 0, one key per QP.
     pub fn check(&self) -> Result<(), WireError> {
         match self {
             Message::Hello(hello) => {
@@ -341,9 +348,9 @@ fn check_handshake(h: &Handshake) -> Result<(), WireError> {
     }
     for region in &h.regions {
         check_name(&region.name)?;
-        if region.addr.checked_add(region.len).is_none() {
+        if region.addr != 0 {
             return Err(WireError::Malformed(
-                "region wraps around the address space",
+                "a region's address is not 0 (exports are zero-based windows: peers address offsets)",
             ));
         }
         if region.rkeys.len() != h.qps.len() {

@@ -386,7 +386,10 @@ impl Registration {
         Arc::as_ptr(&self.inner) as usize
     }
 
-    /// The descriptor a peer needs to WRITE or READ this memory.
+    /// The descriptor a peer needs to WRITE or READ this memory with the
+    /// MR's own rkey. It carries the memory's virtual address, and the key
+    /// works from every QP of the PD: sessions never send it, and export
+    /// through zero-based windows instead (see `session::Export`).
     ///
     /// Fails unless it was registered with a `REMOTE_*` flag: only regions
     /// the user exports get an rkey worth sending.
@@ -484,7 +487,8 @@ impl MemoryRegion {
         self.slice(0, self.len())
     }
 
-    /// The descriptor a peer needs to WRITE or READ this region.
+    /// The descriptor a peer needs to WRITE or READ this region, with its
+    /// virtual address (see [`Registration::remote`]).
     ///
     /// Fails unless the region was registered with a `REMOTE_*` flag: only
     /// regions the user exports get an rkey worth sending.
@@ -616,6 +620,9 @@ impl LocalSlice<'_> {
 }
 
 /// A peer's exported region: `{addr, len, rkey}` as received out of band.
+/// A remote operation at `offset` targets `addr + offset`. A session's
+/// exports arrive with `addr` 0: they are zero-based memory windows, so
+/// offsets are all the peer needs.
 ///
 /// Every WRITE or READ against it goes through [`RemoteRegion::slice`], so an
 /// out-of-range access is refused locally instead of faulting the QP.

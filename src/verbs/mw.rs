@@ -11,6 +11,11 @@
 //! peer ([`QueuePair::bind_window`]), and hand each peer its own window's
 //! descriptor ([`BoundWindow::remote`]).
 //!
+//! Windows are bound zero-based (`IBV_ACCESS_ZERO_BASED`): the peer
+//! addresses its window from 0 to its length, and the device adds where the
+//! memory starts. So a window's descriptor carries address 0, and no
+//! virtual address of ours reaches a peer.
+//!
 //! Lifecycle: [`ProtectionDomain::alloc_mw`] gives an unbound
 //! [`MemoryWindow`]; binding consumes it and gives a [`BoundWindow`], which
 //! keeps the bound memory's [`Registration`] (so the memory stays
@@ -41,6 +46,11 @@ use super::{check_ptr, check_rc, loopback};
 /// successful, or any failure) carries it. No id the reactor gives its own
 /// requests has this value, so it recognises the binds of a QP it serves.
 pub const BIND_WR_ID: u64 = 0x4249_4e44_0000_0000; // "BIND"
+
+/// The verb a bind refused when it is posted names in its
+/// [`Error::Post`] (a provider without zero-based type-2 windows refuses
+/// there): nothing falls back to a window at our virtual address.
+pub(super) const ZERO_BASED_BIND: &str = "ibv_post_send(IBV_WR_BIND_MW, IBV_ACCESS_ZERO_BASED)";
 
 /// The verbs window and the memory it may be bound to.
 struct WindowHandle {
@@ -193,8 +203,10 @@ impl fmt::Debug for BoundWindow {
 }
 
 impl BoundWindow {
-    /// The descriptor to give the peer: the memory's address and length,
-    /// and the window's rkey (valid only on the QP it was bound on).
+    /// The descriptor to give the peer: address 0 (the window is
+    /// zero-based: the peer addresses offsets into it), the memory's
+    /// length, and the window's rkey (valid only on the QP it was bound
+    /// on).
     pub fn remote(&self) -> RemoteRegion {
         self.remote
     }
@@ -249,6 +261,10 @@ impl QueuePair {
     /// bounds of the MR, not of the window, so a window on part of a region
     /// would grant all of it there. Register each exported range on its own.
     ///
+    /// The window is zero-based: the peer's remote address is an offset
+    /// into it (0 up to the region's length), and the descriptor carries
+    /// address 0, never where the memory is in this process.
+    ///
     /// # Signaled or not
     /// `flags` may hold [`SendFlags::SIGNALED`] and [`SendFlags::FENCE`].
     /// The request's `wr_id` is [`BIND_WR_ID`]. A failed bind always
@@ -268,8 +284,12 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for anything above that is not so (the
-    /// window is dropped then); [`Error::Post`] when the send queue is
-    /// full or the provider refuses the request.
+    /// window is dropped then); [`Error::Post`] (its verb
+    /// `ibv_post_send(IBV_WR_BIND_MW, IBV_ACCESS_ZERO_BASED)`) when the
+    /// send queue is full or the provider refuses the request, a device
+    /// without zero-based windows among them. A device that takes the
+    /// request and then refuses the bind fails it like any bind: its
+    /// completion carries an error and the QP goes to the error state.
     pub fn bind_window(
         &mut self,
         window: MemoryWindow,
@@ -326,7 +346,7 @@ impl QueuePair {
                 mr: region.mr_ptr(),
                 addr: region.addr(),
                 length: region.len() as u64,
-                mw_access_flags: access.bits(),
+                mw_access_flags: access.bits() | sys::IBV_ACCESS_ZERO_BASED,
             },
         };
         // Kept before posting: from the post on, the device may bind.
@@ -346,7 +366,7 @@ impl QueuePair {
         Ok(BoundWindow {
             slot,
             registration: region.clone(),
-            remote: RemoteRegion::new(region.addr(), region.len() as u64, rkey),
+            remote: RemoteRegion::new(0, region.len() as u64, rkey),
             qpn: self.qpn(),
             access,
         })

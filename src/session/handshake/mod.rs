@@ -126,11 +126,21 @@ impl<'a, F: FrameIo> Exchange<'a, F> {
             .map_err(|err| self.wire_error(err))
     }
 
+    /// Receives one message. A whole frame whose content breaks a rule (a
+    /// region with an address, say) is refused with the rule, so the peer
+    /// hears why.
     fn recv(&mut self) -> Result<Message> {
         let frame = self.io.recv_frame().map_err(|err| self.wire_error(err))?;
         self.transcript.add(&frame);
-        let (message, _) = Message::decode(&frame).map_err(|err| self.wire_error(err))?;
-        Ok(message)
+        match Message::decode(&frame) {
+            Ok((message, _)) => Ok(message),
+            Err(err) => {
+                if let WireError::Malformed(rule) = err {
+                    self.refuse(reject_code::BAD_REQUEST, rule);
+                }
+                Err(self.wire_error(err))
+            }
+        }
     }
 
     /// Tells the peer why we stop (best effort).

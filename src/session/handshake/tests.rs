@@ -119,7 +119,7 @@ impl Resources for Counted {
             regions: vec![RegionInfo {
                 id: 1,
                 name: "secret".into(),
-                addr: 0x1000,
+                addr: 0,
                 len: 64,
                 rkeys: vec![0x77; qps],
             }],
@@ -616,4 +616,81 @@ fn a_keyed_server_gives_the_full_deadline_only_after_the_key_is_proven() {
         Some(2),
         "proven by the hello and the proof"
     );
+}
+
+/// `message`'s frame with its first region's address set to `addr`, as a
+/// peer that sends its virtual addresses would (the encoder refuses it).
+fn with_region_address(message: &Message, addr: u64) -> Vec<u8> {
+    let (Message::Offer(h) | Message::Accept(h)) = message else {
+        unreachable!()
+    };
+    let mut bytes = frame(message);
+    let len = h.regions[0].len.to_le_bytes();
+    let at = bytes.windows(8).position(|w| w == len).unwrap() - 8;
+    assert_eq!(
+        &bytes[at..at + 8],
+        &[0; 8],
+        "the address precedes the length"
+    );
+    bytes[at..at + 8].copy_from_slice(&addr.to_le_bytes());
+    bytes
+}
+
+#[track_caller]
+fn assert_refused_for_an_address(result: Result<impl std::fmt::Debug>, sent: &[Message]) {
+    let err = result.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Handshake {
+                source: WireError::Malformed(_),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        matches!(
+            sent.last(),
+            Some(Message::Reject { code: reject_code::BAD_REQUEST, reason }) if reason.contains("address is not 0")
+        ),
+        "the peer is told why: {sent:?}"
+    );
+}
+
+#[test]
+fn a_peer_that_sends_a_region_address_is_refused_and_told_why() {
+    let mut counted = Counted {
+        qps: 1,
+        ..Counted::default()
+    };
+    let theirs = counted.build(None).unwrap();
+
+    // A client's offer with an address: the server builds nothing.
+    let hello = Message::Hello(Hello {
+        nonce: [1; PROOF_LEN],
+        identity: "x".into(),
+        qps: vec!["qp0".into()],
+    });
+    let offer = with_region_address(&Message::Offer(theirs.clone()), 0x7f12_3456_7000);
+    let mut io = Script::new(vec![frame(&hello), offer]);
+    let mut resources = Counted::default();
+    let result = serve(&mut io, None, 4, |_| Ok(()), &mut resources);
+    assert_refused_for_an_address(result, &io.sent);
+    assert_eq!(resources.built, 0);
+
+    // A server's accept with an address: the client connects nothing.
+    let challenge = Message::Challenge {
+        nonce: [2; PROOF_LEN],
+        auth: false,
+    };
+    let accept = with_region_address(&Message::Accept(theirs), 0x7f12_3456_7000);
+    let mut io = Script::new(vec![frame(&challenge), frame(&Message::Admit), accept]);
+    let mut resources = Counted {
+        qps: 1,
+        ..Counted::default()
+    };
+    let result = connect(&mut io, None, "c", names(1), &mut resources);
+    assert_refused_for_an_address(result, &io.sent);
+    assert_eq!((resources.built, resources.connected), (1, 0));
 }

@@ -16,7 +16,7 @@ fn sample() -> Message {
         regions: vec![RegionInfo {
             id: 9,
             name: "inbox".into(),
-            addr: 0x7f00_0000_1000,
+            addr: 0,
             len: 4096,
             rkeys: vec![0x1234],
         }],
@@ -102,6 +102,33 @@ fn the_encoder_refuses_what_the_decoder_would() {
         assert!(message.encode().is_err(), "{message:?}");
     }
     assert_eq!(Message::reject(1, &long), Message::reject(1, &long[..255]));
+}
+
+#[test]
+fn a_region_with_an_address_is_refused_both_ways() {
+    let Message::Offer(mut offer) = sample() else {
+        unreachable!()
+    };
+    offer.regions[0].addr = 0x7f00_0000_1000;
+    let refused = Message::Offer(offer.clone()).encode().unwrap_err();
+    assert!(matches!(refused, WireError::Malformed(_)), "{refused}");
+
+    // The same frame with the address patched in, as a peer would send it.
+    offer.regions[0].addr = 0;
+    let mut bytes = Message::Offer(offer).encode().unwrap();
+    let len = 4096u64.to_le_bytes();
+    let at = bytes.windows(8).position(|w| w == len).unwrap() - 8;
+    assert_eq!(
+        &bytes[at..at + 8],
+        &[0; 8],
+        "the address precedes the length"
+    );
+    bytes[at..at + 8].copy_from_slice(&0x7f00_0000_1000u64.to_le_bytes());
+    let err = Message::decode(&bytes).unwrap_err();
+    assert!(
+        matches!(err, WireError::Malformed(why) if why.contains("address is not 0")),
+        "{err}"
+    );
 }
 
 #[test]

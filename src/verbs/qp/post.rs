@@ -12,7 +12,7 @@ use crate::sys;
 use super::super::BIND_WR_ID;
 use super::super::kept::{KeptBatch, KeptRecv, KeptRequest};
 use super::super::list::{self, SendList};
-use super::super::mw::WindowSlot;
+use super::super::mw::{WindowSlot, ZERO_BASED_BIND};
 use super::super::wr::{self, RecvBatch, RecvRequest, SendBatch, WorkRequest};
 use super::QueuePair;
 
@@ -147,7 +147,7 @@ impl QueuePair {
     unsafe fn post_send_raw(&mut self, head: *mut sys::ibv_send_wr, len: usize) -> Result<()> {
         self.posted = true;
         // SAFETY: as the caller vouches.
-        unsafe { self.post_send_unrecorded(head, len) }
+        unsafe { self.post_send_unrecorded(head, len, "ibv_post_send") }
     }
 
     /// Posts one window bind, counted in [`bound_windows`](Self::bound_windows)
@@ -166,7 +166,7 @@ impl QueuePair {
         debug_assert_eq!(wr.wr_id, BIND_WR_ID);
         wr.next = ptr::null_mut();
         // SAFETY: as the caller vouches; one request.
-        unsafe { self.post_send_unrecorded(wr, 1) }?;
+        unsafe { self.post_send_unrecorded(wr, 1, ZERO_BASED_BIND) }?;
         self.binds += 1;
         // Windows dropped since then need no tracking.
         self.windows.retain(|w| w.strong_count() > 0);
@@ -174,7 +174,8 @@ impl QueuePair {
         Ok(())
     }
 
-    /// Posts a list of send requests without noting it.
+    /// Posts a list of send requests without noting it; a refusal names
+    /// `verb`.
     ///
     /// # Safety
     /// As for `post_send_raw`.
@@ -183,6 +184,7 @@ impl QueuePair {
         &mut self,
         head: *mut sys::ibv_send_wr,
         len: usize,
+        verb: &'static str,
     ) -> Result<()> {
         let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
         // SAFETY: the caller vouches for the list; the provider copies the
@@ -191,7 +193,7 @@ impl QueuePair {
         if rc == 0 {
             Ok(())
         } else {
-            Err(self.post_error("ibv_post_send", rc, list::count_before(head, bad, len)))
+            Err(self.post_error(verb, rc, list::count_before(head, bad, len)))
         }
     }
 
