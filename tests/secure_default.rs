@@ -279,3 +279,76 @@ fn a_peers_control_characters_never_reach_our_errors() {
     assert!(shown.contains("control"), "{shown:?}");
     rogue.join().unwrap();
 }
+
+/// A handler that only serves messages: it never removes a session, so
+/// only the peer watch can see its peer leave.
+struct OnlyMessages;
+
+impl rdma_comm_core::reactor::Handler for OnlyMessages {
+    fn on_message(
+        &mut self,
+        _: &mut rdma_comm_core::reactor::Ctx<'_>,
+        _: rdma_comm_core::reactor::ConnId,
+        _: &[u8],
+        _: Option<u32>,
+    ) {
+    }
+}
+
+#[test]
+fn a_departed_peer_frees_its_place_once_the_reactor_sees_it_leave() {
+    use rdma_comm_core::reactor::{Reactor, ReactorConfig};
+    let pd = loopback_pd();
+    let config = ReactorConfig::default().watching_peers(Duration::from_millis(20));
+    let mut reactor: Reactor<OnlyMessages> = Reactor::new(&pd, config).expect("a reactor");
+    let mut config = reactor.server_config(AccessFlags::empty());
+    config.insecure_open = true;
+    config.max_peers = Some(1);
+    let server = ServerSession::bind("127.0.0.1:0", &pd, config).expect("bind");
+    let addr = server.local_addr();
+
+    let client_config = ClientConfig::new(vec![reactor.qp_spec("data")]);
+    let client = ClientSession::connect(addr, &pd, &client_config).expect("first peer");
+    let served = server
+        .accept_timeout(Duration::from_secs(5))
+        .expect("the endpoint");
+    reactor
+        .add(served, OnlyMessages)
+        .expect("served by the reactor");
+    assert_eq!(server.connected_peers(), 1);
+
+    // The peer leaves; the handler keeps the session, the watch frees the
+    // place, and a newcomer gets in.
+    drop(client);
+    let start = Instant::now();
+    while server.connected_peers() != 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the departed peer still holds the only place"
+        );
+        reactor.run_for(Duration::from_millis(20)).expect("passes");
+    }
+    let newcomer = ClientSession::connect(addr, &pd, &client_config).expect("a newcomer");
+    drop(newcomer);
+}
+
+#[test]
+fn a_runtime_that_cannot_see_peers_leave_refuses_a_peer_limit() {
+    use rdma_comm_core::runtime::{NewSession, Runtime, RuntimeConfig};
+    let pd = loopback_pd();
+    let config = RuntimeConfig {
+        reactors: 1,
+        ..RuntimeConfig::default()
+    };
+    let mut runtime =
+        Runtime::start(&pd, config, |_: &NewSession<'_>| Ok(OnlyMessages)).expect("a runtime");
+    let mut config = runtime.server_config(AccessFlags::empty());
+    config.insecure_open = true;
+    config.max_peers = Some(2);
+    match runtime.serve("127.0.0.1:0", config) {
+        Err(Error::InvalidArgument(why)) => assert!(why.contains("watching_peers"), "{why}"),
+        other => panic!("a peer limit nobody can free was accepted: {other:?}"),
+    }
+    runtime.handle().stop();
+    runtime.join().expect("the runtime stops");
+}

@@ -211,6 +211,9 @@ struct Shared {
     /// The clock submissions are stamped with, when traced.
     trace_clock: Option<crate::clock::Clock>,
     listeners: std::sync::Mutex<Vec<ServerShutdown>>,
+    /// Whether the reactors notice a peer that left without its handler's
+    /// help (they watch peers, or sleep on the control connections).
+    sees_peers_leave: bool,
 }
 
 type RefusedFn = dyn Fn(usize, SocketAddr, &Error) + Send + Sync;
@@ -327,6 +330,8 @@ impl Runtime {
             submit_slot_size: config.submit_slot_size,
             trace_clock: config.trace_submissions.then(crate::clock::Clock::new),
             listeners: std::sync::Mutex::new(Vec::new()),
+            sees_peers_leave: config.reactor.peer_check_interval.is_some()
+                || config.reactor.event_mode != crate::reactor::EventMode::BusyPoll,
         });
         let mut runtime = Runtime {
             handle: RuntimeHandle {
@@ -386,12 +391,20 @@ impl Runtime {
     /// stops with the runtime.
     ///
     /// # Errors
-    /// Binding the listener; spawning its thread.
+    /// Binding the listener; spawning its thread; a `max_peers` the
+    /// reactors could never free a place of (busy-polling reactors that do
+    /// not watch peers never see one leave: see
+    /// [`ReactorConfig::watching_peers`](crate::reactor::ReactorConfig::watching_peers)).
     pub fn serve(
         &mut self,
         addr: impl ToSocketAddrs,
         mut config: ServerConfig,
     ) -> Result<SocketAddr> {
+        if config.max_peers.is_some() && !self.handle.shared.sees_peers_leave {
+            return Err(Error::InvalidArgument(
+                "max_peers needs reactors that see a peer leave: ReactorConfig::watching_peers, or a Blocking or Epoll event mode",
+            ));
+        }
         let shared = Arc::clone(&self.handle.shared);
         config.place = Some(Arc::new(move |hello: &crate::session::PeerHello| {
             let reactor = shared.choose(Some(hello)).map_err(|reason| {

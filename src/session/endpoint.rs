@@ -397,10 +397,17 @@ impl SessionLink {
     /// nothing. Over the connection manager: the peer's goodbye, or its
     /// `Disconnected` event (see [`Transport::RdmaCm`](super::Transport::RdmaCm)).
     pub fn check_peer(&mut self) -> PeerStatus {
-        match &mut self.control {
+        let status = match &mut self.control {
             ControlLink::Tcp(tcp) => tcp.check(self.peer),
             ControlLink::Cm(cm) => cm.check(),
+        };
+        if !matches!(status, PeerStatus::Alive) {
+            // A peer seen gone is no longer connected: its place under the
+            // server's `max_peers` is free for a newcomer, whenever the
+            // session itself is let go.
+            self.place = None;
         }
+        status
     }
 
     /// As [`check_peer`](Self::check_peer), after sleeping until the

@@ -304,13 +304,23 @@ fn check_name(name: &str) -> Result<(), WireError> {
 }
 
 /// Characters a peer's text may not carry into a log or a terminal as they
-/// are: controls (newlines, escape sequences) and the bidirectional
-/// formatting characters that reorder what a terminal shows.
+/// are: controls (newlines, escape sequences), the line and paragraph
+/// separators some viewers break lines at, and the invisible formatting
+/// characters (bidirectional overrides that reorder what a terminal shows,
+/// zero-width and tag characters that make look-alike names).
 fn is_unprintable(c: char) -> bool {
     c.is_control()
         || matches!(
             c,
-            '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
+            '\u{00ad}'
+                | '\u{061c}'
+                | '\u{180e}'
+                | '\u{200b}'..='\u{200f}'
+                | '\u{2028}'..='\u{202e}'
+                | '\u{2060}'..='\u{206f}'
+                | '\u{feff}'
+                | '\u{fff9}'..='\u{fffb}'
+                | '\u{e0000}'..='\u{e007f}'
         )
 }
 

@@ -98,12 +98,12 @@ pub struct ServerConfig {
     /// Most QPs one client may ask for (at most [`MAX_QPS`]).
     pub max_qps: usize,
     /// Most peers connected at once (`None`: no limit). A peer holds its
-    /// place from admission until its endpoint, or the reactor session
-    /// made of it, is dropped, or until its handshake fails; while every
-    /// place is taken, newcomers are refused as busy and the listener
-    /// keeps listening. A reactor that serves the peers frees a departed
-    /// peer's place when its handler removes the session
-    /// (`Ctx::remove_session`, from `on_peer_gone`).
+    /// place from admission until its handshake fails, its endpoint (or
+    /// the reactor session made of it) is dropped, or its endpoint's
+    /// `check_peer` finds it gone, which a reactor's peer watch does
+    /// (`ReactorConfig::watching_peers`; a Blocking or Epoll reactor also
+    /// wakes on a peer's leaving). While every place is taken, newcomers
+    /// are refused as busy and the listener keeps listening.
     pub max_peers: Option<usize>,
     /// Time one handshake may take from accept to ready, whatever the peer
     /// sends and however slowly. The deadline is absolute: time in this
@@ -115,9 +115,10 @@ pub struct ServerConfig {
     pub handshake_timeout: Duration,
     /// Time a connection has, within `handshake_timeout`, to prove itself:
     /// with a key, to say hello and prove the key; on an open server, to
-    /// say hello and send its offer. A stranger holds a pending slot at
-    /// most this long, plus what `authorize` takes and up to 200 ms for a
-    /// frame in flight or a refusal.
+    /// say hello and send its offer. On a keyed server a stranger holds a
+    /// pending slot at most this long, plus up to 200 ms for a frame in
+    /// flight or a refusal; on an open server one that sent an offer is
+    /// given the rest of `handshake_timeout` to finish.
     pub hello_timeout: Duration,
     /// Handshakes in progress at once; connections beyond it are refused at
     /// once as busy (clients retry within their connect deadline). The

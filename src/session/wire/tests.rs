@@ -281,7 +281,17 @@ fn a_reject_reason_with_control_characters_is_escaped_when_sent_and_refused_when
 
 #[test]
 fn names_with_control_or_bidi_characters_are_refused_both_ways() {
-    for bad in ["a\nb", "tab\there", "\u{1b}[31m", "x\u{202e}y", "\u{2066}"] {
+    for bad in [
+        "a\nb",
+        "tab\there",
+        "\u{1b}[31m",
+        "x\u{202e}y",
+        "\u{2066}",
+        "line\u{2028}break",
+        "zero\u{200b}width",
+        "\u{feff}bom",
+        "tag\u{e0041}",
+    ] {
         let hello = Message::Hello(Hello {
             nonce: [1; PROOF_LEN],
             identity: bad.into(),
