@@ -11,7 +11,10 @@ use rdma_comm_core::verbs::QpConfig;
 
 mod refusal;
 #[allow(unused_imports)] // Each tool uses some of them.
-pub use refusal::{Refusal, address, at_least, core_list, parse, range, reason};
+pub use refusal::{
+    Refusal, address, at_least, core_list, distinct_usable_cores, parse, parse_adjusted, range,
+    reason,
+};
 
 /// Starts the logger before anything else: the library's warnings and
 /// errors show (level warn), and `RUST_LOG` says more or less
@@ -190,8 +193,7 @@ pub struct ReactorArgs {
     /// it to half a connection's send-queue depth.
     #[arg(long = "signal", default_value_t = 16, value_parser = range(1u32, MAX_BATCH as u32))]
     pub signal_interval: u32,
-    /// Most requests per doorbell, 1 to 4096 (default: per tool;
-    /// ping_pong: pings in flight, 1 to 64).
+    /// Most requests per doorbell, 1 to 4096 (default: per tool).
     #[arg(long, value_parser = range(1usize, MAX_BATCH))]
     pub batch: Option<usize>,
     /// Repost consumed receives in batches of N, 1 to 64 (default: per

@@ -53,7 +53,19 @@ impl fmt::Display for Refusal {
 /// errors (an unknown flag, a missing one) are clap's own, with its usage
 /// line, and the same status; `--help` and `--version` print and exit 0.
 pub fn parse<P: clap::Parser>(tool: &str) -> P {
-    match P::try_parse() {
+    parse_adjusted(tool, |command| command)
+}
+
+/// [`parse`], with the tool's own changes to the flags it shares (a
+/// narrower range, say).
+pub fn parse_adjusted<P: clap::Parser>(
+    tool: &str,
+    adjust: impl FnOnce(clap::Command) -> clap::Command,
+) -> P {
+    let parsed = adjust(P::command())
+        .try_get_matches()
+        .and_then(|matches| P::from_arg_matches(&matches));
+    match parsed {
         Ok(parsed) => parsed,
         Err(err) => match one_line(&err) {
             Some(line) => {
@@ -135,12 +147,27 @@ pub fn address(argument: &str, text: &str) -> Result<Vec<SocketAddr>, Refusal> {
 /// no core twice, only cores this process may run on, and at least
 /// `needed` of them. The cores, in order.
 pub fn core_list(argument: &str, text: &str, needed: usize) -> Result<Vec<usize>, Refusal> {
-    use rdma_comm_core::runtime::{CoreChoice, CorePlan, parse_core_list};
+    use rdma_comm_core::runtime::parse_core_list;
     let refuse = |why: String| Refusal::new(argument, text, why);
     let cores = parse_core_list(text).map_err(|err| refuse(reason(&err)))?;
     if cores.is_empty() {
         return Err(refuse("names no core".into()));
     }
+    distinct_usable_cores(argument, text, &cores)?;
+    if cores.len() < needed {
+        return Err(refuse(format!(
+            "names {} core(s), and {needed} are needed (one per reactor)",
+            cores.len()
+        )));
+    }
+    Ok(cores)
+}
+
+/// Checks `cores`, from the list `text` given as `argument`: none twice,
+/// and each one this process may run on.
+pub fn distinct_usable_cores(argument: &str, text: &str, cores: &[usize]) -> Result<(), Refusal> {
+    use rdma_comm_core::runtime::{CoreChoice, CorePlan};
+    let refuse = |why: String| Refusal::new(argument, text, why);
     if let Some(core) = cores
         .iter()
         .enumerate()
@@ -152,15 +179,9 @@ pub fn core_list(argument: &str, text: &str, needed: usize) -> Result<Vec<usize>
     }
     // The library's own check of a list, with no device involved: every
     // core is one this process may run on.
-    CorePlan::choose("", cores.len(), &CoreChoice::List(cores.clone()))
-        .map_err(|err| refuse(reason(&err)))?;
-    if cores.len() < needed {
-        return Err(refuse(format!(
-            "names {} core(s), and {needed} are needed (one per reactor)",
-            cores.len()
-        )));
-    }
-    Ok(cores)
+    CorePlan::choose("", cores.len(), &CoreChoice::List(cores.to_vec()))
+        .map(drop)
+        .map_err(|err| refuse(reason(&err)))
 }
 
 /// What an error of the library says, without the kind's prefix.

@@ -102,7 +102,14 @@ const MAX_MESSAGE: usize = 16 << 20;
 
 fn main() -> ExitCode {
     common::init_logging();
-    let mut args: Args = common::parse("ping_pong");
+    // --batch is the window here: at most MAX_WINDOW pings in flight.
+    let mut args: Args = common::parse_adjusted("ping_pong", |command| {
+        command.mut_arg("batch", |batch| {
+            batch
+                .value_parser(common::range(1usize, MAX_WINDOW))
+                .help("Pings in flight (client), 1 to 64, staged in one pass [default: 1]")
+        })
+    });
     if let Err(refusal) = check(&mut args) {
         return refusal.exit("ping_pong");
     }
@@ -122,20 +129,13 @@ fn main() -> ExitCode {
 }
 
 /// Checks what clap cannot before anything is opened: the addresses
-/// resolve, the key is read, the core list and the window fit.
+/// resolve, the key is read, the core list fits.
 fn check(args: &mut Args) -> Result<(), common::Refusal> {
     if args.server {
         common::address("--listen", &args.listen)?;
         args.runtime.check(false)?;
     } else {
         common::address("--connect", args.connect.as_deref().unwrap_or_default())?;
-        if let Some(batch) = args.reactor.batch.filter(|&batch| batch > MAX_WINDOW) {
-            return Err(common::Refusal::new(
-                "--batch",
-                batch,
-                format!("must be 1 to {MAX_WINDOW} (pings in flight)"),
-            ));
-        }
     }
     args.auth.load()
 }
