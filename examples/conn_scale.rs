@@ -42,20 +42,21 @@ use rdma_comm_core::{Error, Result};
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Args {
-    /// Connection counts to measure, in order.
-    #[arg(long, value_delimiter = ',', default_value = "1,16,256,1024")]
+    /// Connection counts to measure, in order, each 1 to 65536.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,256,1024", value_parser = common::range(1u32, MAX_CONNS))]
     conns: Vec<u32>,
-    /// Messages per measurement, spread over the connections.
-    #[arg(long, default_value_t = 200_000)]
+    /// Messages per measurement, spread over the connections (at least 1).
+    #[arg(long, default_value_t = 200_000, value_parser = common::at_least(1u64))]
     messages: u64,
-    /// SEND payload in bytes.
-    #[arg(short = 's', long, default_value_t = 64)]
+    /// SEND payload in bytes, 0 to 1 MiB.
+    #[arg(short = 's', long, default_value_t = 64, value_parser = common::range(0usize, MAX_SIZE))]
     size: usize,
-    /// Credits per connection: receives of its own, or its share of the SRQ.
-    #[arg(long, default_value_t = 16)]
+    /// Credits per connection: receives of its own, or its share of the
+    /// SRQ; 1 to 4096.
+    #[arg(long, default_value_t = 16, value_parser = common::range(1u32, 4096))]
     window: u32,
-    /// Most requests per doorbell per connection.
-    #[arg(long, default_value_t = 16)]
+    /// Most requests per doorbell per connection, 1 to 4096.
+    #[arg(long, default_value_t = 16, value_parser = common::range(1usize, common::MAX_BATCH))]
     batch: usize,
     /// Most SENDs in flight over all connections together (0: only the
     /// per-connection windows limit them). The same offered load at every
@@ -91,8 +92,14 @@ struct Point {
     rss_growth: Option<u64>,
 }
 
+/// Most connections of one count (`--conns`).
+const MAX_CONNS: u32 = 1 << 16;
+/// Largest SEND (`--size`): 1 MiB.
+const MAX_SIZE: usize = 1 << 20;
+
 fn main() -> ExitCode {
-    let args = Args::parse();
+    common::init_logging();
+    let args: Args = common::parse("conn_scale");
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
@@ -105,10 +112,8 @@ fn main() -> ExitCode {
 fn run(args: &Args) -> Result<()> {
     // The process's cores, looked at before anything is pinned.
     usable_cores();
+    // Each count is 1 or more, and there is one at least (clap's checks).
     let largest = args.conns.iter().copied().max().unwrap_or(1);
-    if args.conns.is_empty() || args.conns.contains(&0) {
-        return Err(Error::InvalidArgument("--conns takes counts of 1 or more"));
-    }
     // Each session holds a TCP control connection at both ends.
     raise_fd_limit(u64::from(largest) * 2 + 64)?;
     let modes: &[bool] = match args.srq {

@@ -17,6 +17,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 mod common;
+#[path = "common/rtt.rs"]
+mod rtt;
 
 use clap::Parser;
 use rdma_comm_core::Error;
@@ -25,38 +27,51 @@ use rdma_comm_core::runtime::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
 use rdma_perf::Clock;
+use rtt::RttRecorder;
 
 /// A runtime of pinned reactors serving verified traffic from several clients.
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Args {
-    /// Client sessions.
-    #[arg(long, default_value_t = 4)]
+    /// Client sessions, 1 to 1024.
+    #[arg(long, default_value_t = 4, value_parser = common::range(1usize, MAX_CLIENTS))]
     clients: usize,
-    /// How long the clients send.
-    #[arg(long, default_value_t = 5)]
+    /// How long the clients send, 1 s to a day.
+    #[arg(long, default_value_t = 5, value_parser = common::range(1u64, 86_400))]
     seconds: u64,
-    /// Payload bytes per message.
-    #[arg(long, default_value_t = 256)]
+    /// Payload bytes per message, 1 B to 1 MiB.
+    #[arg(long, default_value_t = 256, value_parser = common::range(1usize, MAX_SIZE))]
     size: usize,
-    /// Messages each client keeps in flight.
-    #[arg(long, default_value_t = 8)]
+    /// Messages each client keeps in flight, 1 to 64.
+    #[arg(long, default_value_t = 8, value_parser = common::range(1usize, MAX_WINDOW))]
     window: usize,
     #[command(flatten)]
     dev: common::DeviceArgs,
     /// How the reactors wait (blocking leaves cores to the clients).
     #[arg(long, value_enum, default_value_t = common::EventArg::Blocking)]
     event_mode: common::EventArg,
-    /// Server reactors (default: 2, or 1 on a one-core machine).
-    #[arg(long)]
+    /// Server reactors, one core each (default: 2, or 1 on a one-core
+    /// machine).
+    #[arg(long, value_parser = common::range(1u16, u16::MAX))]
     reactors: Option<u16>,
     /// Pin the server's reactor i to the i-th core of this list.
     #[arg(long, value_name = "LIST")]
     cores: Option<String>,
 }
 
+/// Most client sessions (`--clients`).
+const MAX_CLIENTS: usize = 1024;
+/// Largest message (`--size`): 1 MiB.
+const MAX_SIZE: usize = 1 << 20;
+/// Most messages in flight per client (`--window`).
+const MAX_WINDOW: usize = 64;
+
 fn main() -> ExitCode {
-    let args = Args::parse();
+    common::init_logging();
+    let args: Args = common::parse("demo");
+    if let Err(refusal) = check(&args) {
+        return refusal.exit("demo");
+    }
     match run(&args) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
@@ -64,6 +79,23 @@ fn main() -> ExitCode {
             eprintln!("demo: {err}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The server's reactors: as asked, else 2 (1 on a one-core machine).
+fn server_reactors(args: &Args) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    args.reactors.map_or(cores.min(2), usize::from)
+}
+
+/// Checks what clap cannot before anything is opened: the core list
+/// names a usable core for each server reactor, or there are cores
+/// enough for them.
+fn check(args: &Args) -> Result<(), common::Refusal> {
+    let reactors = server_reactors(args);
+    match &args.cores {
+        Some(list) => common::core_list("--cores", list, reactors).map(drop),
+        None => common::check_reactor_count("--reactors", reactors),
     }
 }
 
@@ -122,7 +154,7 @@ impl Handler for Echo {
 /// What a client reports when it is done.
 struct Report {
     client: usize,
-    rtts_ns: Vec<u64>,
+    rtts: RttRecorder,
     mismatches: u64,
     failure: Option<String>,
 }
@@ -138,7 +170,7 @@ struct Pinger {
     sent_at: Vec<u64>,
     next: u64,
     answered: u64,
-    rtts_ns: Vec<u64>,
+    rtts: RttRecorder,
     mismatches: u64,
     conn: Option<ConnId>,
     stopping: bool,
@@ -169,7 +201,7 @@ impl Pinger {
         if let Some(report) = self.report.take() {
             let _ = report.send(Report {
                 client: self.client,
-                rtts_ns: std::mem::take(&mut self.rtts_ns),
+                rtts: std::mem::take(&mut self.rtts),
                 mismatches: self.mismatches,
                 failure: failure.or(self.failure.take()),
             });
@@ -186,7 +218,7 @@ impl Handler for Pinger {
     fn on_message(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId, data: &[u8], imm: Option<u32>) {
         let seq = self.answered;
         let sent = self.sent_at[(seq % self.window) as usize];
-        self.rtts_ns.push(self.clock.nanos(sent, self.clock.now()));
+        self.rtts.record(self.clock.nanos(sent, self.clock.now()));
         if imm.is_some() || data.len() != self.size || !intact(data, self.client, seq) {
             self.mismatches += 1;
         }
@@ -217,18 +249,12 @@ impl Handler for Pinger {
     }
 }
 
-fn percentile(sorted: &[u64], q: f64) -> f64 {
-    let at = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted.get(at).copied().unwrap_or(0) as f64 / 1e3
-}
-
 fn run(args: &Args) -> rdma_comm_core::Result<bool> {
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let reactors = args.reactors.map_or(cores.clamp(1, 2), usize::from).max(1);
-    let (clients, size) = (args.clients.max(1), args.size.max(1));
-    let window = args.window.clamp(1, 64);
+    // Each in its range, checked before the device was opened.
+    let reactors = server_reactors(args);
+    let (clients, size, window) = (args.clients, args.size, args.window);
     let per_reactor = clients.div_ceil(reactors) as u32;
     let depth = (2 * window as u32).max(16);
     let mode: EventMode = args.event_mode.into();
@@ -275,7 +301,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<bool> {
     // The clients: one more runtime, unpinned, whose sessions the
     // application connects itself; each handler is built on its reactor.
     let (report_tx, reports) = mpsc::channel::<Report>();
-    let until = Instant::now() + Duration::from_secs(args.seconds.max(1));
+    let until = Instant::now() + Duration::from_secs(args.seconds);
     let client_factory = {
         let report_tx = report_tx.clone();
         let next_client = std::sync::atomic::AtomicUsize::new(0);
@@ -290,7 +316,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<bool> {
                 sent_at: vec![0; window],
                 next: 0,
                 answered: 0,
-                rtts_ns: Vec::with_capacity(1 << 16),
+                rtts: RttRecorder::new(),
                 mismatches: 0,
                 conn: None,
                 stopping: false,
@@ -313,7 +339,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<bool> {
     )?;
     println!(
         "{clients} clients: verified SENDs of {size} B, {window} in flight each, for {} s",
-        args.seconds.max(1)
+        args.seconds
     );
     let started = Instant::now();
     for client in 0..clients {
@@ -326,7 +352,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<bool> {
         client_runtime.adopt(0, endpoint)?;
     }
     let placed: Vec<usize> = server.loads().iter().map(|l| l.sessions).collect();
-    let mut all = Vec::new();
+    let mut all = RttRecorder::new();
     let (mut mismatches, mut ok) = (0, true);
     for _ in 0..clients {
         let Ok(report) = reports.recv_timeout(Duration::from_secs(args.seconds + 30)) else {
@@ -339,7 +365,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<bool> {
             ok = false;
         }
         mismatches += report.mismatches;
-        all.extend_from_slice(&report.rtts_ns);
+        all.merge(&report.rtts);
     }
     let elapsed = started.elapsed();
     client_runtime.stop();
@@ -349,17 +375,16 @@ fn run(args: &Args) -> rdma_comm_core::Result<bool> {
     server.stop();
     let stats = server.join()?;
 
-    all.sort_unstable();
-    let rate = all.len() as f64 / elapsed.as_secs_f64();
+    let rate = all.count() as f64 / elapsed.as_secs_f64();
     println!("placement: sessions per reactor {placed:?} (fewest sessions first)");
     println!(
         "{} round trips, {mismatches} mismatches; RTT usec: p50 {:.1}  p90 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1}",
-        all.len(),
-        percentile(&all, 0.5),
-        percentile(&all, 0.9),
-        percentile(&all, 0.99),
-        percentile(&all, 0.999),
-        percentile(&all, 1.0)
+        all.count(),
+        all.quantile_us(0.5),
+        all.quantile_us(0.9),
+        all.quantile_us(0.99),
+        all.quantile_us(0.999),
+        all.quantile_us(1.0)
     );
     println!(
         "message rate: {:.0} round trips/s ({:.0} messages/s both ways, {:.1} MiB/s of payload)",
@@ -371,7 +396,7 @@ fn run(args: &Args) -> rdma_comm_core::Result<bool> {
         println!("server {reactor}");
     }
     println!("{}", device_line(&ctx)?);
-    Ok(ok && mismatches == 0 && !all.is_empty())
+    Ok(ok && mismatches == 0 && all.count() > 0)
 }
 
 /// devinfo's device line: the port, its link and MTU, the GID we would pick.

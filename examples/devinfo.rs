@@ -7,6 +7,8 @@
 
 use std::process::ExitCode;
 
+mod common;
+
 use clap::Parser;
 use rdma_comm_core::verbs::{Context, LinkLayer, devices};
 
@@ -23,7 +25,8 @@ struct Args {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    common::init_logging();
+    let args: Args = common::parse("devinfo");
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

@@ -18,6 +18,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, IsTerminal, Read, Write};
+use std::net::ToSocketAddrs;
 use std::os::fd::AsFd;
 use std::process::ExitCode;
 use std::rc::Rc;
@@ -78,14 +79,14 @@ struct Opts {
     auth: common::AuthArgs,
     #[command(flatten)]
     reactor: common::ReactorArgs,
-    /// Payload bytes per block.
-    #[arg(long, default_value_t = 64 * 1024)]
+    /// Payload bytes per block, 1 B to 16 MiB.
+    #[arg(long, default_value_t = 64 * 1024, value_parser = common::range(1usize, MAX_BLOCK))]
     block_size: usize,
-    /// Blocks in flight per hop (receive ring and send slots).
-    #[arg(long, default_value_t = 32)]
+    /// Blocks in flight per hop (receive ring and send slots), 4 to 4096.
+    #[arg(long, default_value_t = 32, value_parser = common::range(4u32, 4096))]
     depth: u32,
-    /// Seconds to keep trying to reach the next hop.
-    #[arg(long, default_value_t = 10)]
+    /// Seconds to keep trying to reach the next hop, at least 1.
+    #[arg(long, default_value_t = 10, value_parser = common::at_least(1u64))]
     connect_timeout: u64,
     /// No progress line.
     #[arg(short, long)]
@@ -105,10 +106,17 @@ const LAST_WORDS: Duration = Duration::from_millis(200);
 /// sender's QP is gone by then, so only a retry timeout would end it).
 const STREAM_DONE: u16 = u16::from_be_bytes(*b"OK");
 
+/// Largest block (`--block-size`): 16 MiB.
+const MAX_BLOCK: usize = 16 << 20;
+
 type Failure = String;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    common::init_logging();
+    let mut cli: Cli = common::parse("rdma_cat");
+    if let Err(refusal) = check(&mut cli.command) {
+        return refusal.exit("rdma_cat");
+    }
     let result = match &cli.command {
         Command::Send { peer, opts } => send(peer, opts),
         Command::Recv { listen, opts } => recv(listen, opts),
@@ -120,6 +128,47 @@ fn main() -> ExitCode {
             eprintln!("rdma_cat: {failure}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Checks what clap cannot before anything is opened: the addresses
+/// resolve and the key is read.
+fn check(command: &mut Command) -> Result<(), common::Refusal> {
+    let opts = match command {
+        Command::Send { peer, opts } => {
+            common::address("peer", peer)?;
+            opts
+        }
+        Command::Recv { listen, opts } => {
+            check_listen(listen)?;
+            opts
+        }
+        Command::Relay { listen, to, opts } => {
+            check_listen(listen)?;
+            common::address("--to", to)?;
+            opts
+        }
+    };
+    opts.auth.load()
+}
+
+/// `--listen`: a port, or an address and port that resolve.
+fn check_listen(listen: &str) -> Result<(), common::Refusal> {
+    match listen_addr(listen)
+        .to_socket_addrs()
+        .map(|mut addrs| addrs.next())
+    {
+        Ok(Some(_)) => Ok(()),
+        Ok(None) => Err(common::Refusal::new(
+            "--listen",
+            listen,
+            "must be PORT or ADDR:PORT (the address has none)",
+        )),
+        Err(err) => Err(common::Refusal::new(
+            "--listen",
+            listen,
+            format!("must be PORT or ADDR:PORT ({err})"),
+        )),
     }
 }
 
@@ -430,13 +479,14 @@ impl Handler for Relay {
 }
 
 fn reactor_config(opts: &Opts) -> ReactorConfig {
-    let depth = opts.depth.clamp(4, 4096);
+    // 4 to 4096, as the flag takes.
+    let depth = opts.depth;
     ReactorConfig {
         event_mode: opts
             .reactor
             .event_mode_or(common::EventArg::Blocking)
             .into(),
-        slot_size: opts.block_size.max(1) + SLOT_RESERVE,
+        slot_size: opts.block_size + SLOT_RESERVE,
         recv_depth: depth,
         repost_batch: opts.reactor.repost_batch_or((depth / 4).max(1)),
         send_slots: depth,
@@ -582,13 +632,10 @@ fn send(peer: &str, opts: &Opts) -> Result<(), Failure> {
         .map(|meta| meta.len());
     let mut reactor = new_reactor::<Sender>(&pd, opts)?;
     let endpoint = connect(peer, &pd, &mut reactor, opts)?;
-    let block = opts
-        .block_size
-        .clamp(1, reactor.config().slot_size - SLOT_RESERVE);
     let sender = Sender {
         input,
         conn: None,
-        block,
+        block: opts.block_size,
         batch: opts.reactor.batch_or(16),
         end_staged: false,
         status: Status::default(),

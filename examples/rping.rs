@@ -27,6 +27,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
+
+mod common;
 use rdma_comm_core::error::CmFailure;
 use rdma_comm_core::verbs::cm::{CmEvent, CmEventKind, CmId, EventChannel};
 use rdma_comm_core::verbs::{
@@ -74,7 +76,7 @@ struct Args {
     #[arg(short = 'C', default_value_t = 0)]
     count: u32,
     /// Ping data size (23 to 65535, as rping allows).
-    #[arg(short = 'S', default_value_t = 64, value_parser = clap::value_parser!(u32).range(i64::from(MIN_SIZE)..=i64::from(MAX_SIZE)))]
+    #[arg(short = 'S', default_value_t = 64, value_parser = common::range(MIN_SIZE, MAX_SIZE))]
     size: u32,
     /// Print the ping data.
     #[arg(short = 'v')]
@@ -91,11 +93,16 @@ struct Args {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    common::init_logging();
+    let args: Args = common::parse("rping");
+    let addrs = match check(&args) {
+        Ok(addrs) => addrs,
+        Err(refusal) => return refusal.exit("rping"),
+    };
     let result = if args.server {
-        server(&args)
+        server(&args, addrs.target)
     } else {
-        client(&args)
+        client(&args, addrs)
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -106,21 +113,54 @@ fn main() -> ExitCode {
     }
 }
 
-/// `-a ADDR` (a name or an address) with `-p PORT`.
-fn socket_addr(host: &str, port: u16) -> Result<SocketAddr> {
-    let not_found = || {
-        std::io::Error::new(
-            std::io::ErrorKind::NotFound,
-            format!("{host:?} has no address"),
+/// The addresses the flags name, resolved before anything is opened.
+struct Addrs {
+    /// The client's server, or the address the server binds (`-a`, `-p`).
+    target: SocketAddr,
+    /// The client's source address (`-I`).
+    source: Option<SocketAddr>,
+}
+
+/// Resolves `-a` (a client needs one) and `-I`.
+fn check(args: &Args) -> std::result::Result<Addrs, common::Refusal> {
+    let host = match (&args.addr, args.server) {
+        (Some(host), _) => host.as_str(),
+        (None, true) => "0.0.0.0",
+        (None, false) => {
+            return Err(common::Refusal::of(
+                "-a",
+                "the client needs the server's address",
+            ));
+        }
+    };
+    Ok(Addrs {
+        target: socket_addr("-a", host, args.port)?,
+        source: args
+            .source
+            .as_deref()
+            .map(|source| socket_addr("-I", source, 0))
+            .transpose()?,
+    })
+}
+
+/// `flag`'s ADDR (a name or an address) with `port`.
+fn socket_addr(
+    flag: &str,
+    host: &str,
+    port: u16,
+) -> std::result::Result<SocketAddr, common::Refusal> {
+    let refuse = |why: String| {
+        common::Refusal::new(
+            flag,
+            host,
+            format!("must be a host name or address ({why})"),
         )
     };
     (host, port)
         .to_socket_addrs()
-        .and_then(|mut addrs| addrs.next().ok_or_else(not_found))
-        .map_err(|source| Error::Os {
-            what: "resolving -a/-I",
-            source,
-        })
+        .map_err(|err| refuse(err.to_string()))?
+        .next()
+        .ok_or_else(|| refuse("it has no address".into()))
 }
 
 /// The client's ping data, exactly as rping writes it: `rdma-ping-N: `,
@@ -472,17 +512,8 @@ fn is_disconnect(err: &Error) -> bool {
     )
 }
 
-fn client(args: &Args) -> Result<()> {
-    let host = args
-        .addr
-        .as_deref()
-        .ok_or(Error::InvalidArgument("the client needs -a ADDR"))?;
-    let dst = socket_addr(host, args.port)?;
-    let src = args
-        .source
-        .as_deref()
-        .map(|s| socket_addr(s, 0))
-        .transpose()?;
+fn client(args: &Args, addrs: Addrs) -> Result<()> {
+    let (dst, src) = (addrs.target, addrs.source);
     let channel = EventChannel::new()?;
     let mut id = channel.create_id()?;
     id.resolve_addr(src, dst, RESOLVE_TIMEOUT)?;
@@ -516,8 +547,7 @@ fn client(args: &Args) -> Result<()> {
     Ok(())
 }
 
-fn server(args: &Args) -> Result<()> {
-    let bind = socket_addr(args.addr.as_deref().unwrap_or("0.0.0.0"), args.port)?;
+fn server(args: &Args, bind: SocketAddr) -> Result<()> {
     let channel = EventChannel::new()?;
     let mut listener = channel.create_id()?;
     listener.bind(bind)?;

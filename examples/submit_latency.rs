@@ -35,11 +35,11 @@ use rdma_comm_core::verbs::*;
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Args {
-    /// Commands per pattern.
-    #[arg(long, default_value_t = 100_000)]
+    /// Commands per pattern (at least 1).
+    #[arg(long, default_value_t = 100_000, value_parser = common::at_least(1u64))]
     commands: u64,
-    /// Payload bytes per command.
-    #[arg(long, default_value_t = 64)]
+    /// Payload bytes per command, 1 B to 1 MiB (a submission slot's most).
+    #[arg(long, default_value_t = 64, value_parser = common::range(1usize, MAX_SUBMIT_SLOT))]
     size: usize,
     /// How the runtime's reactor waits.
     #[arg(long, value_enum, default_value_t = common::EventArg::Busy)]
@@ -49,7 +49,8 @@ struct Args {
 }
 
 fn main() -> ExitCode {
-    match run(&Args::parse()) {
+    common::init_logging();
+    match run(&common::parse::<Args>("submit_latency")) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("submit_latency: {err}");

@@ -1,8 +1,27 @@
 //! Flags every example shares (each example includes this with `mod common;`,
-//! and tools/mesh's `src/main.rs` with a `#[path]` to this file).
+//! and tools/mesh's `src/main.rs` with a `#[path]` to this file), the
+//! checks that refuse a bad value before anything is opened ([`refusal`]),
+//! and the logger every tool starts with.
+
+// Each tool uses some of these.
+#![allow(dead_code)]
 
 use clap::Args;
 use rdma_comm_core::verbs::QpConfig;
+
+mod refusal;
+#[allow(unused_imports)] // Each tool uses some of them.
+pub use refusal::{
+    Refusal, address, at_least, core_list, distinct_usable_cores, parse, parse_adjusted, range,
+    reason,
+};
+
+/// Starts the logger before anything else: the library's warnings and
+/// errors show (level warn), and `RUST_LOG` says more or less
+/// (`RUST_LOG=debug`, `RUST_LOG=rdma_comm_core=info`).
+pub fn init_logging() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+}
 
 /// Which device, port and GID to use; everything is detected by default.
 #[derive(Args, Debug, Clone)]
@@ -21,24 +40,23 @@ pub struct DeviceArgs {
     /// --retry-cnt it bounds how long a dead peer takes to be noticed
     /// while requests are in flight: at least (retry-cnt + 1) x the
     /// timeout, up to about 4 times that.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=31))]
+    #[arg(long, value_name = "N", value_parser = range(0u8, 31))]
     pub qp_timeout: Option<u8>,
     /// RC transport retries before a request fails with
     /// IBV_WC_RETRY_EXC_ERR (default 7). Soft-RoCE (rxe) treats 7 as
     /// "retry forever", so there a QP notices a dead peer only with 6 or
     /// less (the InfiniBand specification makes 7 a count).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=7))]
+    #[arg(long, value_name = "N", value_parser = range(0u8, 7))]
     pub retry_cnt: Option<u8>,
     /// RNR retries before a SEND the peer had no receive for fails with
     /// IBV_WC_RNR_RETRY_EXC_ERR (default 7: forever).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=7))]
+    #[arg(long, value_name = "N", value_parser = range(0u8, 7))]
     pub rnr_retry: Option<u8>,
 }
 
 impl DeviceArgs {
     /// Applies the port and GID choice and the fault settings given to a
     /// QP configuration (the others keep `QpConfig`'s defaults).
-    #[allow(dead_code)]
     pub fn apply(&self, qp: &mut QpConfig) {
         qp.port = self.ib_port;
         qp.gid_index = self.gid_index;
@@ -59,44 +77,77 @@ impl DeviceArgs {
 /// `--insecure` to run without one.
 #[derive(Args, Debug, Clone, Default)]
 pub struct AuthArgs {
-    /// File holding the shared key (at least 32 bytes, say from `head -c 32
-    /// /dev/urandom`; mode 600; one trailing newline is ignored). Both ends
-    /// need the same key. Without it, the RDMA_COMM_AUTH_KEY environment
-    /// variable is used when set.
+    /// File holding the shared key: at least 32 bytes (say from `head -c
+    /// 32 /dev/urandom`), mode 600, one trailing newline ignored. Both
+    /// ends need the same key. Without it, the RDMA_COMM_AUTH_KEY
+    /// environment variable (also at least 32 bytes) is used when set.
     #[arg(long, value_name = "PATH")]
     pub auth_key_file: Option<std::path::PathBuf>,
     /// Run without a key: a server admits anyone who reaches its port, and
     /// a client talks to such servers. Only for closed networks and tests.
     #[arg(long, conflicts_with = "auth_key_file")]
     pub insecure: bool,
+    /// The key [`load`](Self::load) read (`Some(None)`: `--insecure`).
+    #[arg(skip)]
+    loaded: Option<Option<rdma_comm_core::session::AuthKey>>,
 }
 
 impl AuthArgs {
-    /// The key to use: `None` only with `--insecure`. Without a key and
-    /// without `--insecure`, an error that names both ways out.
-    #[allow(dead_code)]
-    pub fn key(&self) -> Result<Option<rdma_comm_core::session::AuthKey>, rdma_comm_core::Error> {
-        use rdma_comm_core::Error;
+    /// Reads the key (or takes `--insecure`) once, before anything is
+    /// opened: a missing, unreadable or short key is refused naming the
+    /// file or the variable. [`key`](Self::key) returns it from then on.
+    pub fn load(&mut self) -> Result<(), Refusal> {
         use rdma_comm_core::session::{AUTH_KEY_ENV, AuthKey};
         if self.insecure {
             if std::env::var_os(AUTH_KEY_ENV).is_some() {
-                return Err(Error::InvalidArgument(
-                    "--insecure: RDMA_COMM_AUTH_KEY is set too; use the key or unset it",
+                return Err(Refusal::of(
+                    "--insecure",
+                    format!("{AUTH_KEY_ENV} is set too; use the key or unset it"),
                 ));
             }
-            return Ok(None);
+            self.loaded = Some(None);
+            return Ok(());
         }
-        match AuthKey::from_file_or_env(self.auth_key_file.as_deref())? {
-            Some(key) => Ok(Some(key)),
-            None => Err(Error::InvalidArgument(
-                "no authentication key: give --auth-key-file PATH or set RDMA_COMM_AUTH_KEY \
-                 (--insecure runs without one, open to anyone)",
-            )),
+        let key = match &self.auth_key_file {
+            Some(path) => AuthKey::from_file(path).map_err(|err| {
+                let why = match &err {
+                    rdma_comm_core::Error::Os { source, .. } => format!(
+                        "cannot be read ({source}); it must hold a key of at least 32 bytes"
+                    ),
+                    other => reason(other),
+                };
+                Refusal::new("--auth-key-file", path.display(), why)
+            })?,
+            None => AuthKey::from_env(AUTH_KEY_ENV)
+                .map_err(|err| Refusal::of(AUTH_KEY_ENV, reason(&err)))?
+                .ok_or_else(|| {
+                    Refusal::of(
+                        "--auth-key-file",
+                        format!(
+                            "no key given: name a file of at least 32 bytes, or set \
+                             {AUTH_KEY_ENV} (--insecure runs without a key, open to anyone)"
+                        ),
+                    )
+                })?,
+        };
+        self.loaded = Some(Some(key));
+        Ok(())
+    }
+
+    /// The key to use: `None` only with `--insecure`. The one
+    /// [`load`](Self::load) read; read now if it was not called.
+    pub fn key(&self) -> Result<Option<rdma_comm_core::session::AuthKey>, rdma_comm_core::Error> {
+        if let Some(loaded) = &self.loaded {
+            return Ok(loaded.clone());
         }
+        let mut fresh = self.clone();
+        fresh.load().map_err(|refusal| {
+            rdma_comm_core::Error::Runtime(format!("authentication key: {refusal}"))
+        })?;
+        Ok(fresh.loaded.flatten())
     }
 
     /// Sets a server's key, or opens it to anyone with `--insecure`.
-    #[allow(dead_code)]
     pub fn secure(
         &self,
         config: &mut rdma_comm_core::session::ServerConfig,
@@ -128,42 +179,44 @@ impl From<EventArg> for rdma_comm_core::reactor::EventMode {
     }
 }
 
+/// The most `--batch` and `--signal` take: a doorbell's requests and a
+/// signaling interval longer than any queue a tool makes.
+pub const MAX_BATCH: usize = 4096;
+
 /// Reactor flags every tool shares.
 #[derive(Args, Debug, Clone)]
 pub struct ReactorArgs {
     /// How the reactor waits for completions (default: per tool).
     #[arg(long, value_enum)]
     pub event_mode: Option<EventArg>,
-    /// Signal every Nth send-queue request.
-    #[arg(long = "signal", default_value_t = 16)]
+    /// Signal every Nth send-queue request, 1 to 4096. The reactor lowers
+    /// it to half a connection's send-queue depth.
+    #[arg(long = "signal", default_value_t = 16, value_parser = range(1u32, MAX_BATCH as u32))]
     pub signal_interval: u32,
-    /// Most requests per doorbell (default: per tool; ping_pong: pings in flight).
-    #[arg(long)]
+    /// Most requests per doorbell, 1 to 4096 (default: per tool).
+    #[arg(long, value_parser = range(1usize, MAX_BATCH))]
     pub batch: Option<usize>,
     /// Repost consumed receives in batches of N, 1 to 64 (default: per
     /// tool). 1 reposts each at the end of the pass that consumed it. The
     /// reactor lowers it to half a connection's receive depth.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
+    #[arg(long, value_name = "N", value_parser = range(1u32, 64))]
     pub repost_batch: Option<u32>,
 }
 
 impl ReactorArgs {
     /// The chosen event mode, or the tool's default.
-    #[allow(dead_code)]
     pub fn event_mode_or(&self, default: EventArg) -> EventArg {
         self.event_mode.unwrap_or(default)
     }
 
     /// The chosen repost batch, or the tool's default.
-    #[allow(dead_code)]
     pub fn repost_batch_or(&self, default: u32) -> u32 {
         self.repost_batch.unwrap_or(default)
     }
 
-    /// The chosen batch size (at least 1), or the tool's default.
-    #[allow(dead_code)]
+    /// The chosen batch size, or the tool's default.
     pub fn batch_or(&self, default: usize) -> usize {
-        self.batch.unwrap_or(default).max(1)
+        self.batch.unwrap_or(default)
     }
 }
 
@@ -172,7 +225,7 @@ impl ReactorArgs {
 pub struct RuntimeArgs {
     /// Reactor threads, each pinned to a core of its own (the NIC's NUMA
     /// node first).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, default_value_t = 1, value_parser = range(1u16, u16::MAX))]
     pub reactors: u16,
     /// Pin reactor i to the i-th core of this list (e.g. 0,2 or 4-7)
     /// instead of choosing cores near the NIC.
@@ -181,8 +234,20 @@ pub struct RuntimeArgs {
 }
 
 impl RuntimeArgs {
+    /// Checks the flags before anything is opened: `--cores` names at
+    /// least one usable core per reactor, each once; pinned reactors
+    /// (`unpinned` false) have a core each.
+    pub fn check(&self, unpinned: bool) -> Result<(), Refusal> {
+        let reactors = usize::from(self.reactors);
+        if let Some(list) = &self.cores {
+            core_list("--cores", list, reactors)?;
+        } else if !unpinned {
+            check_reactor_count("--reactors", reactors)?;
+        }
+        Ok(())
+    }
+
     /// The core choice these flags make (`unpinned` when asked not to pin).
-    #[allow(dead_code)]
     pub fn core_choice(
         &self,
         unpinned: bool,
@@ -194,6 +259,22 @@ impl RuntimeArgs {
             (None, false) => CoreChoice::NearDevice,
         })
     }
+}
+
+/// Checks that `reactors` pinned reactors (given as `argument`) have a
+/// core each among those this process may run on.
+pub fn check_reactor_count(argument: &str, reactors: usize) -> Result<(), Refusal> {
+    let usable = rdma_comm_core::reactor::usable_cores().len();
+    if usable > 0 && reactors > usable {
+        return Err(Refusal::new(
+            argument,
+            reactors,
+            format!(
+                "must be 1 to {usable}: each pinned reactor needs a core of its own, and this process may use {usable}"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// How sessions connect (the `--cm` flag).
@@ -208,7 +289,6 @@ pub struct TransportArgs {
 
 impl TransportArgs {
     /// The session transport chosen.
-    #[allow(dead_code)]
     pub fn transport(&self) -> rdma_comm_core::session::Transport {
         if self.cm {
             rdma_comm_core::session::Transport::RdmaCm
@@ -223,7 +303,6 @@ impl TransportArgs {
 /// it): a client that gave up is explained on the server's side at once,
 /// not only once (and if) the right peer arrives. A client whose handshake
 /// was cut tries again, so a line here need not mean a failed run.
-#[allow(dead_code)]
 pub fn report_refusals(tool: &'static str, config: &mut rdma_comm_core::session::ServerConfig) {
     config.on_failure = Some(std::sync::Arc::new(move |failure| {
         eprintln!(

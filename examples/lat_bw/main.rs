@@ -58,14 +58,16 @@ struct Args {
     /// Latency or bandwidth.
     #[arg(long = "test", value_enum, default_value_t = TestArg::Lat)]
     test: TestArg,
-    /// Message size in bytes.
-    #[arg(short = 's', long, default_value_t = 2)]
+    /// Message size in bytes, 1 B to 8 MiB.
+    #[arg(short = 's', long, default_value_t = 2, value_parser = common::range(1usize, MAX_SIZE))]
     size: usize,
     /// Every power of two from 1 B to 8 MiB (perftest's -a, which starts at 2 B, plus 1 B).
     #[arg(short = 'a', long)]
     all: bool,
-    /// Measured iterations per size.
-    #[arg(short = 'n', long, default_value_t = 1000)]
+    /// Measured iterations per size, at least 1. A latency client keeps
+    /// every sample (8 B each) for perftest's columns: with --warmup, over
+    /// all streams, at most 33554432 (256 MiB).
+    #[arg(short = 'n', long, default_value_t = 1000, value_parser = common::at_least(1u64))]
     iters: u64,
     /// Bandwidth: most requests outstanding at once (perftest's -t, whose
     /// default for bandwidth tests is 128); 0: as many as the send queue
@@ -130,6 +132,12 @@ enum TestArg {
 
 const MAX_SIZE: usize = 8 << 20;
 
+/// Most latency samples a client holds at once, warmups included, over
+/// all its streams: 8 B each, 256 MiB in all. perftest's columns (the
+/// typical value, the standard deviation) come from every sample, so a
+/// longer run is refused rather than summarised.
+const MAX_LATENCY_SAMPLES: u64 = 32 << 20;
+
 /// Messages from this size up are far apart even at line rate (an 8 MiB
 /// message is about 0.7 ms at 100 Gb/s) with many queued behind each, so a
 /// bandwidth client that sleeps between completions loses nothing.
@@ -163,7 +171,12 @@ fn event_mode_label(args: &Args) -> String {
 }
 
 fn main() -> ExitCode {
-    let args = args_of();
+    common::init_logging();
+    let mut args: Args = common::parse("lat_bw");
+    if let Err(refusal) = check(&mut args) {
+        return refusal.exit("lat_bw");
+    }
+    let args = args_of(args);
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
@@ -173,11 +186,53 @@ fn main() -> ExitCode {
     }
 }
 
+/// Checks what clap cannot before anything is opened: the address
+/// resolves, the key is read, the cores are usable, the flags go together
+/// and a latency client can hold its samples.
+fn check(args: &mut Args) -> Result<(), common::Refusal> {
+    use common::Refusal;
+    let streams = u64::from(args.runtime.reactors);
+    if args.spin && args.test == TestArg::Bw {
+        return Err(Refusal::of(
+            "--spin",
+            "runs latency tests: a bandwidth run keeps its queue full from its completions",
+        ));
+    }
+    if args.direct && (streams > 1 || args.op == OpArg::WriteImm) {
+        return Err(Refusal::of(
+            "--direct",
+            "measures send, write and read on one stream",
+        ));
+    }
+    if args.server {
+        common::address("--listen", &args.listen)?;
+    } else {
+        common::address("--connect", args.connect.as_deref().unwrap_or_default())?;
+        let per_stream = args.iters.saturating_add(args.warmup);
+        if args.test == TestArg::Lat && per_stream.saturating_mul(streams) > MAX_LATENCY_SAMPLES {
+            return Err(Refusal::new(
+                "--iters",
+                args.iters,
+                format!(
+                    "a latency client keeps every sample: --iters plus --warmup ({}), times \
+                     the streams ({streams}), must be at most {MAX_LATENCY_SAMPLES}",
+                    args.warmup
+                ),
+            ));
+        }
+    }
+    if let Some(core) = args.core {
+        common::core_list("--core", &core.to_string(), 1)?;
+    }
+    args.runtime.check(args.no_pin)?;
+    args.auth.load()
+}
+
 fn sizes(args: &Args) -> Vec<usize> {
     if args.all {
         (0..=23).map(|shift| 1usize << shift).collect()
     } else {
-        vec![args.size.clamp(1, MAX_SIZE)]
+        vec![args.size]
     }
 }
 
@@ -191,7 +246,7 @@ fn spec(args: &Args, size: usize) -> PerfSpec {
     PerfSpec {
         op,
         size,
-        iters: args.iters.max(1),
+        iters: args.iters,
         warmup: args.warmup,
         batch: args.reactor.batch_or(16),
         tx_depth: args.tx_depth,
@@ -254,16 +309,6 @@ fn run(args: &'static Args) -> rdma_comm_core::Result<()> {
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
     let streams = usize::from(args.runtime.reactors);
-    if args.spin && args.test == TestArg::Bw {
-        return Err(rdma_comm_core::Error::InvalidArgument(
-            "--spin runs latency tests: a bandwidth run keeps its queue full from its completions",
-        ));
-    }
-    if args.direct && (streams > 1 || args.op == OpArg::WriteImm) {
-        return Err(rdma_comm_core::Error::InvalidArgument(
-            "--direct measures send, write and read on one stream",
-        ));
-    }
     let rows: Vec<Vec<Row>> = if streams == 1 {
         pin_one(args, &ctx)?;
         if !args.server {
@@ -367,11 +412,11 @@ fn run(args: &'static Args) -> rdma_comm_core::Result<()> {
     Ok(())
 }
 
-/// The arguments, for stream threads (parsed once; they live as long as
-/// the process).
-fn args_of() -> &'static Args {
+/// The arguments, for stream threads (parsed and checked once; they live
+/// as long as the process).
+fn args_of(args: Args) -> &'static Args {
     static ARGS: std::sync::OnceLock<Args> = std::sync::OnceLock::new();
-    ARGS.get_or_init(Args::parse)
+    ARGS.get_or_init(|| args)
 }
 
 /// Pins the one reactor thread: `--no-pin`, `--core`, the first of

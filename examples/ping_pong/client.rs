@@ -10,9 +10,10 @@ use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
 use rdma_perf::Clock;
 
+use crate::rtt::RttRecorder;
 use crate::{
-    Args, MAX_WINDOW, Op, PEER_CHECK_INTERVAL, ROUND_TRIP_DEADLINE, matches_pattern, pattern,
-    reactor_config, write_imm,
+    Args, Op, PEER_CHECK_INTERVAL, ROUND_TRIP_DEADLINE, matches_pattern, pattern, reactor_config,
+    write_imm,
 };
 
 /// The client: keeps `window` pings in flight and checks every echo.
@@ -31,7 +32,7 @@ struct Pinger {
     sent_at: Vec<u64>,
     next: u64,
     answered: u64,
-    rtts_ns: Vec<u64>,
+    rtts: RttRecorder,
     mismatches: u64,
     failure: Option<String>,
     /// The failure is a transport error of the connection (it names the
@@ -95,8 +96,8 @@ impl Pinger {
     fn answer(&mut self, ctx: &mut Ctx<'_>, ok: bool, what: impl FnOnce() -> String) {
         let seq = self.answered;
         let slot = (seq % self.window as u64) as usize;
-        self.rtts_ns
-            .push(self.clock.nanos(self.sent_at[slot], self.clock.now()));
+        self.rtts
+            .record(self.clock.nanos(self.sent_at[slot], self.clock.now()));
         if !ok {
             self.mismatches += 1;
             eprintln!("message {seq}: echo did not match ({})", what());
@@ -167,8 +168,9 @@ pub(crate) fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
     let addr = args.connect.as_deref().unwrap_or_default();
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
-    let size = args.size.max(1);
-    let window = args.reactor.batch_or(1).min(MAX_WINDOW);
+    // Both checked before the device was opened (main's `check`).
+    let size = args.size;
+    let window = args.reactor.batch_or(1);
     let inbox = Arc::new(pd.alloc_mr(
         window * size,
         AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
@@ -224,7 +226,7 @@ pub(crate) fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
         sent_at: vec![0; window],
         next: 0,
         answered: 0,
-        rtts_ns: Vec::with_capacity(args.iters as usize),
+        rtts: RttRecorder::new(),
         mismatches: 0,
         failure: None,
         typed_failure: false,
@@ -274,24 +276,18 @@ pub(crate) fn ping(args: &Args) -> rdma_comm_core::Result<bool> {
             what: failure.clone(),
         });
     }
-    print_summary(&pinger.rtts_ns, pinger.mismatches);
-    Ok(pinger.mismatches == 0 && pinger.rtts_ns.len() as u64 == args.iters)
+    print_summary(&pinger.rtts, pinger.mismatches);
+    Ok(pinger.mismatches == 0 && pinger.rtts.count() == args.iters)
 }
 
-fn print_summary(rtts_ns: &[u64], mismatches: u64) {
-    let mut us: Vec<f64> = rtts_ns.iter().map(|&ns| ns as f64 / 1e3).collect();
-    us.sort_by(f64::total_cmp);
-    let at = |q: f64| {
-        us.get(((us.len() as f64 - 1.0) * q).round() as usize)
-            .copied()
-            .unwrap_or(0.0)
-    };
+/// The RTT line: min and max exact, median and p99 within 0.1 %.
+fn print_summary(rtts: &RttRecorder, mismatches: u64) {
     println!(
         "{} round trips, {mismatches} mismatches; RTT usec: min {:.2} median {:.2} p99 {:.2} max {:.2}",
-        us.len(),
-        at(0.0),
-        at(0.5),
-        at(0.99),
-        at(1.0)
+        rtts.count(),
+        rtts.quantile_us(0.0),
+        rtts.quantile_us(0.5),
+        rtts.quantile_us(0.99),
+        rtts.quantile_us(1.0)
     );
 }

@@ -24,6 +24,8 @@ use std::time::Duration;
 mod client;
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../common/rtt.rs"]
+mod rtt;
 mod server;
 
 use clap::{Parser, ValueEnum};
@@ -40,27 +42,28 @@ struct Args {
     #[arg(long, default_value = "0.0.0.0:7471")]
     listen: String,
     /// Stop after serving this many peers (server; default: forever).
-    #[arg(long)]
+    #[arg(long, value_parser = common::at_least(1usize))]
     max_peers: Option<usize>,
-    /// Time a client has to complete its handshake (server).
-    #[arg(long, default_value_t = 10_000)]
+    /// Time a client has to complete its handshake (server), 1 ms to an hour.
+    #[arg(long, default_value_t = 10_000, value_parser = common::range(1u64, 3_600_000))]
     handshake_timeout_ms: u64,
-    /// Largest message a peer may send, and each peer's inbox size (server).
-    #[arg(long, default_value_t = 1 << 16)]
+    /// Largest message a peer may send, and each peer's inbox size
+    /// (server), 1 B to 16 MiB.
+    #[arg(long, default_value_t = 1 << 16, value_parser = common::range(1usize, MAX_MESSAGE))]
     max_size: usize,
     /// Print the heap in use (`heap: N B in use`) about this often
     /// (server; glibc 2.33 or later): the long-lived test reads it, since unlike the
     /// RSS it does not keep the allocator's high-water marks.
-    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    #[arg(long, value_name = "MS", value_parser = common::range(1u64, 3_600_000))]
     heap_report_ms: Option<u64>,
     /// Server to connect to (client).
     #[arg(long, value_name = "HOST:PORT", required_unless_present = "server")]
     connect: Option<String>,
-    /// Round trips (client).
+    /// Round trips (client): any count, the statistics take constant memory.
     #[arg(long, default_value_t = 1000)]
     iters: u64,
-    /// Payload bytes per message (client).
-    #[arg(long, default_value_t = 64)]
+    /// Payload bytes per message (client), 1 B to 16 MiB.
+    #[arg(long, default_value_t = 64, value_parser = common::range(1usize, MAX_MESSAGE))]
     size: usize,
     /// Which operation carries the ping (client).
     #[arg(long, value_enum, default_value_t = Op::Both)]
@@ -94,9 +97,22 @@ const MAX_PEERS_AT_ONCE: u32 = 64;
 /// Most pings in flight: the WRITE_WITH_IMM immediate carries the inbox slot
 /// in its top byte and the sequence number in the other 24 bits.
 const MAX_WINDOW: usize = 64;
+/// Largest message (`--size`, `--max-size`): 16 MiB.
+const MAX_MESSAGE: usize = 16 << 20;
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    common::init_logging();
+    // --batch is the window here: at most MAX_WINDOW pings in flight.
+    let mut args: Args = common::parse_adjusted("ping_pong", |command| {
+        command.mut_arg("batch", |batch| {
+            batch
+                .value_parser(common::range(1usize, MAX_WINDOW))
+                .help("Pings in flight (client), 1 to 64, staged in one pass [default: 1]")
+        })
+    });
+    if let Err(refusal) = check(&mut args) {
+        return refusal.exit("ping_pong");
+    }
     let result = if args.server {
         server::serve(&args)
     } else {
@@ -110,6 +126,18 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Checks what clap cannot before anything is opened: the addresses
+/// resolve, the key is read, the core list fits.
+fn check(args: &mut Args) -> Result<(), common::Refusal> {
+    if args.server {
+        common::address("--listen", &args.listen)?;
+        args.runtime.check(false)?;
+    } else {
+        common::address("--connect", args.connect.as_deref().unwrap_or_default())?;
+    }
+    args.auth.load()
 }
 
 /// The payload of message `seq`: differs per message and per byte.

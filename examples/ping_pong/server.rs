@@ -280,7 +280,7 @@ fn heap_in_use() -> Option<usize> {
 pub(crate) fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
-    let max_size = args.max_size.max(1);
+    let max_size = args.max_size;
     // A full client window plus the credits the reactor keeps in reserve.
     let depth = MAX_WINDOW as u32 + 8;
     let (finished, outcomes) = mpsc::channel();

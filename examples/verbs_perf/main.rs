@@ -63,6 +63,8 @@ use loops::{Link, Requests};
 /// Most iterations or messages of a run (a latency run keeps a sample of
 /// 8 bytes per iteration).
 const MAX_ITERS: u64 = 100_000_000;
+/// Largest message (`-s`): 1 GiB, the buffer being twice that.
+const MAX_SIZE: u32 = 1 << 30;
 /// Receives kept posted (SEND tests).
 const RECV_DEPTH: u32 = 128;
 /// Most requests per doorbell.
@@ -94,27 +96,28 @@ struct Args {
     /// Latency or bandwidth.
     #[arg(long = "test", value_enum, default_value_t = Test::Lat)]
     test: Test,
-    /// Message size in bytes.
-    #[arg(short = 's', long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Message size in bytes, 1 B to 1 GiB.
+    #[arg(short = 's', long, default_value_t = 8, value_parser = common::range(1u32, MAX_SIZE))]
     size: u32,
-    /// Measured iterations (latency) or messages (bandwidth).
-    #[arg(short = 'n', long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=MAX_ITERS))]
+    /// Measured iterations (latency) or messages (bandwidth), 1 to 10^8.
+    #[arg(short = 'n', long, default_value_t = 1000, value_parser = common::range(1u64, MAX_ITERS))]
     iters: u64,
-    /// Unmeasured iterations first (latency).
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(0..=MAX_ITERS))]
+    /// Unmeasured iterations first (latency), 0 to 10^8.
+    #[arg(long, default_value_t = 100, value_parser = common::range(0u64, MAX_ITERS))]
     warmup: u64,
     /// Seconds the whole run may take, from the handshake on (either side
-    /// gives up then: a peer that keeps up a trickle holds it no longer).
-    #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=86_400 * 30))]
+    /// gives up then: a peer that keeps up a trickle holds it no longer);
+    /// 1 s to 30 days.
+    #[arg(long, default_value_t = 3600, value_parser = common::range(1u64, 86_400 * 30))]
     deadline: u64,
-    /// Bandwidth: requests per doorbell (at most 32).
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH as i64))]
+    /// Bandwidth: requests per doorbell, 1 to 32.
+    #[arg(long, default_value_t = 16, value_parser = common::range(1u32, MAX_BATCH as u32))]
     batch: u32,
-    /// One request in this many is signaled.
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    /// One request in this many is signaled, 1 to 1024.
+    #[arg(long, default_value_t = 16, value_parser = common::range(1u64, 1024))]
     signal: u64,
-    /// Bandwidth: most requests outstanding (perftest's -t).
-    #[arg(short = 't', long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    /// Bandwidth: most requests outstanding (perftest's -t), 1 to 4096.
+    #[arg(short = 't', long, default_value_t = 128, value_parser = common::range(1u64, 4096))]
     tx_depth: u64,
     #[command(flatten)]
     dev: common::DeviceArgs,
@@ -136,35 +139,10 @@ enum Test {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    if args.test == Test::Bw && args.op == Op::Read {
-        eprintln!("verbs_perf: --op read has a latency test only");
-        return ExitCode::from(2);
-    }
-    // A completion comes every --signal requests. Up to --signal - 1
-    // unsignaled ones can be outstanding with no completion to come, and
-    // the next batch must still fit beside them, or the loop waits forever;
-    // when --signal divides --batch every batch ends signaled and needs
-    // only to fit itself.
-    let batch = u64::from(args.batch);
-    let fits = if batch.is_multiple_of(args.signal) {
-        batch <= args.tx_depth
-    } else {
-        batch + args.signal - 1 <= args.tx_depth
-    };
-    if args.test == Test::Bw && !fits {
-        eprintln!(
-            "verbs_perf: --batch {} with --signal {} needs --tx-depth of at least {} \
-             (--batch, plus --signal - 1 unless --signal divides --batch)",
-            args.batch,
-            args.signal,
-            if batch.is_multiple_of(args.signal) {
-                batch
-            } else {
-                batch + args.signal - 1
-            }
-        );
-        return ExitCode::from(2);
+    common::init_logging();
+    let mut args: Args = common::parse("verbs_perf");
+    if let Err(refusal) = check(&mut args) {
+        return refusal.exit("verbs_perf");
     }
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
@@ -173,6 +151,42 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Checks what clap cannot before anything is opened: the flags go
+/// together, the address resolves and the key is read.
+fn check(args: &mut Args) -> std::result::Result<(), common::Refusal> {
+    if args.test == Test::Bw && args.op == Op::Read {
+        return Err(common::Refusal::of("--op read", "has a latency test only"));
+    }
+    // A completion comes every --signal requests. Up to --signal - 1
+    // unsignaled ones can be outstanding with no completion to come, and
+    // the next batch must still fit beside them, or the loop waits forever;
+    // when --signal divides --batch every batch ends signaled and needs
+    // only to fit itself.
+    let batch = u64::from(args.batch);
+    let needed = if batch.is_multiple_of(args.signal) {
+        batch
+    } else {
+        batch + args.signal - 1
+    };
+    if args.test == Test::Bw && needed > args.tx_depth {
+        return Err(common::Refusal::new(
+            "--tx-depth",
+            args.tx_depth,
+            format!(
+                "must be at least {needed} with --batch {} and --signal {} (--batch, plus \
+                 --signal - 1 unless --signal divides --batch)",
+                args.batch, args.signal
+            ),
+        ));
+    }
+    if args.server {
+        common::address("--listen", &args.listen)?;
+    } else {
+        common::address("--connect", args.connect.as_deref().unwrap_or_default())?;
+    }
+    args.auth.load()
 }
 
 /// The send queue's depth: room for `-t` requests in flight, a signal

@@ -27,33 +27,35 @@ pub struct Args {
     /// Traffic to stream.
     #[arg(long, value_enum, default_value_t = OpArg::Write)]
     pub op: OpArg,
-    /// Bytes per message.
-    #[arg(short = 's', long, default_value_t = 64 * 1024)]
+    /// Bytes per message, 1 B to 16 MiB.
+    #[arg(short = 's', long, default_value_t = 64 * 1024, value_parser = common::range(1usize, MAX_MSG_SIZE))]
     pub msg_size: usize,
-    /// Seconds each stream runs.
-    #[arg(long, default_value_t = 5.0, conflicts_with = "bytes")]
+    /// Seconds each stream runs, 0 to a day.
+    #[arg(long, default_value_t = 5.0, conflicts_with = "bytes", value_parser = common::range(0.0f64, 86_400.0))]
     pub duration: f64,
     /// Bytes each stream carries instead (suffixes K, M, G).
     #[arg(long, value_parser = parse_bytes)]
     pub bytes: Option<u64>,
-    /// Ping-pongs per pair for the latency figures.
+    /// Ping-pongs per pair for the latency figures (0: none); their
+    /// statistics take constant memory.
     #[arg(long, default_value_t = 1000)]
     pub lat_iters: u32,
-    /// Messages in flight per stream (receive ring and inbox blocks).
-    #[arg(long, default_value_t = 32)]
+    /// Messages in flight per stream (receive ring and inbox blocks), 4 to
+    /// 4096.
+    #[arg(long, default_value_t = 32, value_parser = common::range(4u32, 4096))]
     pub depth: u32,
     /// Skip filling and checking the payload (peak bandwidth only).
     #[arg(long)]
     pub no_verify: bool,
-    /// Seconds to wait for all ranks to connect.
-    #[arg(long, default_value_t = 60)]
+    /// Seconds to wait for all ranks to connect, at least 1.
+    #[arg(long, default_value_t = 60, value_parser = common::at_least(1u64))]
     pub connect_timeout: u64,
     /// Rank 0 also writes the matrices as JSON here.
     #[arg(long, value_name = "FILE")]
     pub json: Option<String>,
     /// Reactor threads of this rank, each pinned to a core of its own;
     /// reactor p % N serves the session with peer rank p.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, default_value_t = 1, value_parser = common::range(1u16, u16::MAX))]
     pub reactors: u16,
     /// Leave the reactor threads unpinned (default: cores near the NIC,
     /// chosen by the node-local rank).
@@ -74,6 +76,9 @@ pub struct Args {
     #[command(flatten)]
     pub reactor: common::ReactorArgs,
 }
+
+/// Largest message (`--msg-size`): 16 MiB.
+pub const MAX_MSG_SIZE: usize = 16 << 20;
 
 /// The operation that carries the streams.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -117,5 +122,28 @@ mod tests {
         assert!(parse_bytes("3T").unwrap_err().contains("unknown unit"));
         assert!(parse_bytes("M").unwrap_err().contains("not a byte count"));
         assert!(parse_bytes("99999999999G").is_err());
+    }
+
+    #[test]
+    fn values_out_of_range_are_refused_not_clamped() {
+        for (flag, value) in [
+            ("--depth", "3"),
+            ("--depth", "4097"),
+            ("--msg-size", "0"),
+            ("--duration", "nan"),
+            ("--duration", "86401"),
+            ("--connect-timeout", "0"),
+            ("--reactors", "0"),
+        ] {
+            let err = Args::try_parse_from(["mesh", flag, value]).unwrap_err();
+            assert_eq!(
+                err.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{flag} {value}: {err}"
+            );
+        }
+        let args =
+            Args::try_parse_from(["mesh", "--depth", "4", "-s", "1", "--duration", "0"]).unwrap();
+        assert_eq!((args.depth, args.msg_size, args.duration), (4, 1, 0.0));
     }
 }

@@ -43,6 +43,9 @@ use std::time::{Duration, Instant};
 // The device and reactor flags every example shares, from the same file.
 #[path = "../../../examples/common/mod.rs"]
 mod common;
+// The examples' round-trip recorder (constant memory), from the same file.
+#[path = "../../../examples/common/rtt.rs"]
+mod rtt;
 
 mod args;
 mod board;
@@ -55,13 +58,28 @@ mod wire;
 
 use args::Args;
 use board::Board;
-use clap::Parser;
+use cluster::World;
 use rdma_comm_core::verbs::Context;
 use report::Report;
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
+    common::init_logging();
+    let launched = Instant::now();
+    let mut args: Args = common::parse("mesh");
+    if let Err(refusal) = args.auth.load() {
+        return refusal.exit("mesh");
+    }
+    let world = match setup::world(&args) {
+        Ok(world) => world,
+        Err(failure) => {
+            eprintln!("mesh: {failure}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Err(refusal) = setup::check(&args, &world) {
+        return refusal.exit("mesh");
+    }
+    match run(&args, world, launched) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(failure) => {
@@ -77,11 +95,10 @@ fn say(line: &str) {
     let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
-/// Runs this rank: true when every message arrived intact (on rank 0: on
+/// Runs this rank, checked and placed in `world`, whose process started
+/// at `launched`: true when every message arrived intact (on rank 0: on
 /// every rank).
-fn run(args: &Args) -> Result<bool, String> {
-    let launched = Instant::now();
-    let world = setup::world(args)?;
+fn run(args: &Args, world: World, launched: Instant) -> Result<bool, String> {
     let reactors = usize::from(args.reactors);
     let device =
         Context::open_default(args.dev.device.as_deref()).map_err(|err| err.to_string())?;

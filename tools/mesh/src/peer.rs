@@ -19,6 +19,7 @@ use rdma_perf::Clock;
 use crate::args::OpArg;
 use crate::board::Board;
 use crate::pattern::{fill_pattern, pattern_matches};
+use crate::rtt::RttRecorder;
 use crate::wire::*;
 
 /// What every peer handler of this rank does: the run's parameters.
@@ -91,7 +92,7 @@ pub struct PeerHandler {
     /// When the ping in flight left (clock ticks).
     ping_at: u64,
     /// Half round trips.
-    samples_ns: Vec<u64>,
+    half_rtts: RttRecorder,
     /// Pongs a full send queue put off.
     pongs_owed: u32,
     /// We told the peer our latency phase is over.
@@ -143,7 +144,7 @@ impl PeerHandler {
             scratch: vec![0; traffic.msg_size],
             pings: 0,
             ping_at: 0,
-            samples_ns: Vec::with_capacity(traffic.lat_iters as usize),
+            half_rtts: RttRecorder::new(),
             pongs_owed: 0,
             latency_done_sent: false,
             peer_latency_done: false,
@@ -294,13 +295,8 @@ impl PeerHandler {
             return;
         }
         self.posted = true;
-        self.samples_ns.sort_unstable();
         let cell = Cell {
-            latency_ns: self
-                .samples_ns
-                .get(self.samples_ns.len() / 2)
-                .copied()
-                .unwrap_or(0),
+            latency_ns: self.half_rtts.quantile_ns(0.5),
             bytes: self.tx_bytes,
             elapsed_ns: self.tx_elapsed_ns.unwrap_or(0),
             bad: self.rx_bad,
@@ -409,7 +405,7 @@ impl Handler for PeerHandler {
             }
             PONG => {
                 let rtt = self.clock.nanos(self.ping_at, self.clock.now());
-                self.samples_ns.push(rtt / 2);
+                self.half_rtts.record(rtt / 2);
                 self.pings += 1;
                 if self.pings < self.traffic.lat_iters && !self.heed_abort(ctx) {
                     self.ping(ctx, conn);

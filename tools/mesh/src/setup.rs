@@ -39,6 +39,55 @@ pub fn world(args: &Args) -> Result<World, String> {
         .map_err(|err| err.to_string())
 }
 
+/// Checks what needs the job's shape, before the device is opened: every
+/// rank's port exists, and this rank's entries of `--cores` (or the
+/// machine's cores, for pinned reactors) give each reactor a usable core.
+pub fn check(args: &Args, world: &World) -> Result<(), common::Refusal> {
+    let highest = usize::from(args.base_port) + world.size - 1;
+    if highest > usize::from(u16::MAX) {
+        return Err(common::Refusal::new(
+            "--base-port",
+            args.base_port,
+            format!(
+                "must be at most {} with {} ranks (rank r listens on --base-port + r)",
+                usize::from(u16::MAX) + 1 - world.size,
+                world.size
+            ),
+        ));
+    }
+    if args.no_pin {
+        return Ok(());
+    }
+    let reactors = usize::from(args.reactors);
+    let Some(list) = &args.cores else {
+        return common::check_reactor_count("--reactors", reactors);
+    };
+    let cores = parse_core_list(list)
+        .map_err(|err| common::Refusal::new("--cores", list, common::reason(&err)))?;
+    let mine = my_cores(&cores, world, reactors)
+        .map_err(|why| common::Refusal::new("--cores", list, why))?;
+    common::distinct_usable_cores("--cores", list, mine)
+}
+
+/// This rank's entries of a `--cores` list: node-local rank i takes
+/// entries i·N to i·N+N−1, N being the reactors of a rank.
+fn my_cores<'a>(cores: &'a [usize], world: &World, reactors: usize) -> Result<&'a [usize], String> {
+    let first = world.local_rank * reactors;
+    cores.get(first..first + reactors).ok_or_else(|| match reactors {
+        1 => format!(
+            "lists {} cores, but this node runs node-local rank {}",
+            cores.len(),
+            world.local_rank
+        ),
+        n => format!(
+            "lists {} cores, but node-local rank {} with {n} reactors takes entries {first} to {}",
+            cores.len(),
+            world.local_rank,
+            first + n - 1
+        ),
+    })
+}
+
 /// `host:port`, with an IPv6 host in brackets.
 fn address(host: &str, port: u16) -> String {
     if host.contains(':') && !host.starts_with('[') {
@@ -87,19 +136,7 @@ pub fn cores(args: &Args, world: &World, device: &str) -> Result<Cores, String> 
     }
     if let Some(list) = &args.cores {
         let cores = parse_core_list(list).map_err(|err| err.to_string())?;
-        let mine = cores.get(first..first + reactors).ok_or_else(|| match reactors {
-            1 => format!(
-                "--cores lists {} cores, but this node runs node-local rank {}",
-                cores.len(),
-                world.local_rank
-            ),
-            n => format!(
-                "--cores lists {} cores, but node-local rank {} with {n} reactors takes entries {first} to {}",
-                cores.len(),
-                world.local_rank,
-                first + n - 1
-            ),
-        })?;
+        let mine = my_cores(&cores, world, reactors).map_err(|why| format!("--cores {why}"))?;
         return Ok(Cores {
             choice: CoreChoice::List(mine.to_vec()),
             note: None,
@@ -152,10 +189,11 @@ fn traffic(args: &Args, world: &World) -> Traffic {
         me: world.rank,
         size: world.size,
         op: args.op,
-        msg_size: args.msg_size.max(1),
-        blocks: u64::from(args.depth.clamp(4, 4096)),
+        // Each in its range (args.rs).
+        msg_size: args.msg_size,
+        blocks: u64::from(args.depth),
         verify: !args.no_verify,
-        stream_ns: Some((args.duration.max(0.0) * 1e9) as u64),
+        stream_ns: Some((args.duration * 1e9) as u64),
         stream_bytes: args.bytes,
         lat_iters: args.lat_iters,
         batch: args.reactor.batch_or(16),
@@ -164,7 +202,7 @@ fn traffic(args: &Args, world: &World) -> Traffic {
 
 /// Bytes of a peer's ring (and of the source of our WRITEs to it).
 fn ring_len(args: &Args) -> usize {
-    args.msg_size.max(1) * args.depth.clamp(4, 4096) as usize
+    args.msg_size * args.depth as usize
 }
 
 /// Our ring for one peer to WRITE into, as exported to it.
@@ -396,6 +434,34 @@ mod tests {
             describe_placement(&world, 4),
             "reactor 0 serves ranks 0, 4, reactor 1 serves rank 1, reactor 2 serves no rank, reactor 3 serves rank 3"
         );
+    }
+
+    #[test]
+    fn every_rank_needs_a_port_and_usable_cores_of_its_own() {
+        use clap::Parser;
+        let local_rank_1 = |key: &str| (key == "OMPI_COMM_WORLD_LOCAL_RANK").then(|| "1".into());
+        let world =
+            World::discover(Some(1), Some(4), Some(vec!["node".into()]), local_rank_1).unwrap();
+        assert_eq!(world.local_rank, 1);
+        let parse = |flags: &[&str]| Args::try_parse_from([&["mesh"][..], flags].concat()).unwrap();
+        let refused = |flags: &[&str]| check(&parse(flags), &world).unwrap_err().to_string();
+        assert!(check(&parse(&["--base-port", "65532", "--no-pin"]), &world).is_ok());
+        let port = refused(&["--base-port", "65533", "--no-pin"]);
+        assert!(
+            port.starts_with("--base-port 65533: must be at most 65532"),
+            "{port}"
+        );
+        // Node-local rank 1 with one reactor takes the second entry.
+        let core = rdma_comm_core::reactor::usable_cores()[0].to_string();
+        assert!(check(&parse(&["--cores", &format!("{core},{core}")]), &world).is_ok());
+        let short = refused(&["--cores", &core]);
+        assert!(short.contains("node-local rank 1"), "{short}");
+        let beyond = refused(&["--cores", &format!("{core},100000")]);
+        assert!(beyond.contains("may run on"), "{beyond}");
+        let junk = refused(&["--cores", "x"]);
+        assert!(junk.starts_with("--cores x: "), "{junk}");
+        let twice = refused(&["--cores", &format!("0,1,{core},{core}"), "--reactors", "2"]);
+        assert!(twice.contains("listed twice"), "{twice}");
     }
 
     #[test]

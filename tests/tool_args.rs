@@ -1,0 +1,282 @@
+//! The tools refuse a bad argument before they open a device: exit status
+//! 2 and one line on stderr that names the argument and what it accepts.
+//!
+//! Every tool is started with `-d` naming a device that does not exist
+//! (where it takes one): had it opened a device, it would have failed
+//! with status 1 and an error naming that device, which
+//! [`a_tool_given_good_arguments_fails_on_the_missing_device`] shows it
+//! does. So these tests need no device and run on the host in every
+//! `cargo test`, which builds the examples before it runs any test (and
+//! `util::example_binary` fails, never skips, when one is missing).
+
+mod util;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+use util::{example_binary, keyed};
+
+/// A device name no machine has: opening it would fail naming it.
+const NO_DEVICE: &str = "no-such-rdma-device";
+
+/// Runs `example` with `args`, the test key in its environment and stdin
+/// closed; its output.
+fn run(example: &str, args: &[&str]) -> Output {
+    run_command(keyed(example_binary(example)), args)
+}
+
+fn run_command(mut command: Command, args: &[&str]) -> Output {
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|err| panic!("running {command:?}: {err}"))
+}
+
+/// Asserts `example args` was refused as the tool refuses arguments:
+/// status 2, one line on stderr starting `example: flag` and containing
+/// `accepts`, and no sign of a device having been opened.
+#[track_caller]
+fn assert_refused(example: &str, args: &[&str], flag: &str, accepts: &str) {
+    let mut with_device = args.to_vec();
+    with_device.extend(["-d", NO_DEVICE]);
+    assert_refused_output(
+        &run(example, &with_device),
+        example,
+        &with_device,
+        flag,
+        accepts,
+    );
+}
+
+#[track_caller]
+fn assert_refused_output(out: &Output, example: &str, args: &[&str], flag: &str, accepts: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let what = format!(
+        "{example} {}: {:?}, stderr: {stderr:?}",
+        args.join(" "),
+        out.status
+    );
+    assert_eq!(out.status.code(), Some(2), "{what}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {what}");
+    assert!(
+        stderr.starts_with(&format!("{example}: {flag}")),
+        "names {flag}: {what}"
+    );
+    assert!(stderr.contains(accepts), "says {accepts:?}: {what}");
+    assert!(
+        !stderr.contains(NO_DEVICE) && !stderr.contains("RDMA device"),
+        "a device was opened: {what}"
+    );
+    assert!(out.stdout.is_empty(), "printed before refusing: {what}");
+}
+
+/// A file of `len` key bytes, mode 600, named for this test process.
+fn key_file(name: &str, len: usize) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("tool-args-{}-{name}", std::process::id()));
+    std::fs::write(&path, vec![b'k'; len]).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+#[test]
+fn a_tool_given_good_arguments_fails_on_the_missing_device() {
+    let out = run("ping_pong", &["--connect", "127.0.0.1:9", "-d", NO_DEVICE]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(NO_DEVICE), "{stderr}");
+}
+
+#[test]
+fn ping_pong_refuses_an_address_that_does_not_resolve() {
+    assert_refused(
+        "ping_pong",
+        &["--connect", "nohost"],
+        "--connect nohost",
+        "must be HOST:PORT",
+    );
+    assert_refused(
+        "ping_pong",
+        &["--connect", "nohost.invalid:7471"],
+        "--connect nohost.invalid:7471",
+        "must be HOST:PORT",
+    );
+    assert_refused(
+        "ping_pong",
+        &["--server", "--listen", "notaport"],
+        "--listen notaport",
+        "must be HOST:PORT",
+    );
+}
+
+#[test]
+fn ping_pong_refuses_sizes_and_windows_out_of_range() {
+    let connect = ["--connect", "127.0.0.1:9"];
+    for size in ["0", "16777217"] {
+        assert_refused(
+            "ping_pong",
+            &[&connect[..], &["--size", size]].concat(),
+            &format!("--size {size}"),
+            "must be 1 to 16777216",
+        );
+    }
+    assert_refused(
+        "ping_pong",
+        &["--server", "--max-size", "0"],
+        "--max-size 0",
+        "must be 1 to 16777216",
+    );
+    for batch in ["0", "65"] {
+        assert_refused(
+            "ping_pong",
+            &[&connect[..], &["--batch", batch]].concat(),
+            &format!("--batch {batch}"),
+            "must be 1 to 64",
+        );
+    }
+}
+
+#[test]
+fn ping_pong_names_a_key_file_it_cannot_read_or_that_is_too_short() {
+    let connect = ["--connect", "127.0.0.1:9"];
+    let missing = std::env::temp_dir().join("tool-args-no-such-key");
+    let missing = missing.to_str().unwrap();
+    assert_refused(
+        "ping_pong",
+        &[&connect[..], &["--auth-key-file", missing]].concat(),
+        &format!("--auth-key-file {missing}"),
+        "at least 32 bytes",
+    );
+    let short = key_file("short", 20);
+    let short_path = short.to_str().unwrap();
+    assert_refused(
+        "ping_pong",
+        &[&connect[..], &["--auth-key-file", short_path]].concat(),
+        &format!("--auth-key-file {short_path}"),
+        "at least 32 bytes",
+    );
+    let long_enough = key_file("long-enough", 32);
+    let out = run(
+        "ping_pong",
+        &[
+            &connect[..],
+            &[
+                "--auth-key-file",
+                long_enough.to_str().unwrap(),
+                "-d",
+                NO_DEVICE,
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a 32-byte key is taken: {out:?}"
+    );
+    for path in [short, long_enough] {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+#[test]
+fn a_short_or_missing_key_in_the_environment_is_named() {
+    let mut short = Command::new(example_binary("ping_pong"));
+    short.env(
+        rdma_comm_core::session::AUTH_KEY_ENV,
+        "twenty bytes of key.",
+    );
+    let args = ["--connect", "127.0.0.1:9", "-d", NO_DEVICE];
+    assert_refused_output(
+        &run_command(short, &args),
+        "ping_pong",
+        &args,
+        "RDMA_COMM_AUTH_KEY",
+        "at least 32 bytes",
+    );
+    let mut none = Command::new(example_binary("rdma_cat"));
+    none.env_remove(rdma_comm_core::session::AUTH_KEY_ENV);
+    let args = ["recv", "--listen", "7480", "-d", NO_DEVICE];
+    assert_refused_output(
+        &run_command(none, &args),
+        "rdma_cat",
+        &args,
+        "--auth-key-file",
+        "--insecure",
+    );
+}
+
+#[test]
+fn lat_bw_refuses_sizes_and_latency_runs_it_cannot_hold() {
+    let connect = ["--connect", "127.0.0.1:9"];
+    for size in ["0", "8388609"] {
+        assert_refused(
+            "lat_bw",
+            &[&connect[..], &["-s", size]].concat(),
+            &format!("--size {size}"),
+            "must be 1 to 8388608",
+        );
+    }
+    assert_refused(
+        "lat_bw",
+        &[&connect[..], &["-n", "0"]].concat(),
+        "--iters 0",
+        "must be at least 1",
+    );
+    assert_refused(
+        "lat_bw",
+        &[&connect[..], &["-n", "1000000000"]].concat(),
+        "--iters 1000000000",
+        "must be at most 33554432",
+    );
+    assert_refused(
+        "lat_bw",
+        &[&connect[..], &["--direct", "--op", "write-imm"]].concat(),
+        "--direct",
+        "one stream",
+    );
+}
+
+#[test]
+fn rdma_cat_refuses_a_listen_address_and_depths_out_of_range() {
+    assert_refused(
+        "rdma_cat",
+        &["recv", "--listen", "notaport"],
+        "--listen notaport",
+        "must be PORT or ADDR:PORT",
+    );
+    for depth in ["3", "4097"] {
+        assert_refused(
+            "rdma_cat",
+            &["recv", "--listen", "7480", "--depth", depth],
+            &format!("--depth {depth}"),
+            "must be 4 to 4096",
+        );
+    }
+    assert_refused(
+        "rdma_cat",
+        &["send", "127.0.0.1:7480", "--block-size", "0"],
+        "--block-size 0",
+        "must be 1 to 16777216",
+    );
+}
+
+#[test]
+fn demo_refuses_a_core_listed_twice_and_windows_out_of_range() {
+    assert_refused("demo", &["--cores", "0,0"], "--cores 0,0", "listed twice");
+    for window in ["0", "65"] {
+        assert_refused(
+            "demo",
+            &["--window", window],
+            &format!("--window {window}"),
+            "must be 1 to 64",
+        );
+    }
+    assert_refused(
+        "demo",
+        &["--seconds", "0"],
+        "--seconds 0",
+        "must be 1 to 86400",
+    );
+}
