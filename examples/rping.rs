@@ -90,6 +90,10 @@ struct Args {
     /// Self-created QP (always so here; accepted for compatibility).
     #[arg(short = 'q')]
     _self_qp: bool,
+    /// Serve anyone who reaches the port (server): rping's protocol has no
+    /// authentication, so `-s` runs only when told so.
+    #[arg(long)]
+    insecure: bool,
 }
 
 fn main() -> ExitCode {
@@ -100,6 +104,10 @@ fn main() -> ExitCode {
         Err(refusal) => return refusal.exit("rping"),
     };
     let result = if args.server {
+        log::warn!(
+            "rping server on {}: open to anyone who reaches it (rping has no authentication: --insecure)",
+            addrs.target
+        );
         server(&args, addrs.target)
     } else {
         client(&args, addrs)
@@ -121,8 +129,14 @@ struct Addrs {
     source: Option<SocketAddr>,
 }
 
-/// Resolves `-a` (a client needs one) and `-I`.
+/// Resolves `-a` (a client needs one) and `-I`; a server needs `--insecure`.
 fn check(args: &Args) -> std::result::Result<Addrs, common::Refusal> {
+    if args.server && !args.insecure {
+        return Err(common::Refusal::of(
+            "-s",
+            "rping's protocol has no authentication, so its server serves anyone: add --insecure to run it",
+        ));
+    }
     let host = match (&args.addr, args.server) {
         (Some(host), _) => host.as_str(),
         (None, true) => "0.0.0.0",

@@ -91,7 +91,9 @@ fn side_args(side: &str, port: u16, size: u32) -> Vec<String> {
 }
 
 fn server_args(port: u16, size: u32) -> Vec<String> {
-    side_args("-s", port, size)
+    let mut args = side_args("-s", port, size);
+    args.push("--insecure".to_string());
+    args
 }
 
 /// A client's flags; `count` 0 pings for ever.

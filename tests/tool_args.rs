@@ -280,3 +280,12 @@ fn demo_refuses_a_core_listed_twice_and_windows_out_of_range() {
         "must be 1 to 86400",
     );
 }
+
+#[test]
+fn rpings_server_runs_only_when_told_it_serves_anyone() {
+    // rping's protocol has no authentication: `-s` alone is refused.
+    // (rping's -d is its debug flag: it takes no device, and opens the
+    // one its address routes to only after this check.)
+    let args = ["-s", "-a", "127.0.0.1"];
+    assert_refused_output(&run("rping", &args), "rping", &args, "-s", "--insecure");
+}
