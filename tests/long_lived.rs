@@ -23,6 +23,7 @@ use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
 use util::ping_pong::{client, start_server_with_env};
 use util::process::Proc;
+use util::test_key;
 
 /// The cycles issue #10 asks for.
 const DEFAULT_CYCLES: u64 = 20_000;
@@ -357,12 +358,14 @@ impl Cycler {
         let spec = self
             .reactor
             .qp_spec_with_access("ping", AccessFlags::REMOTE_WRITE);
-        let config = ClientConfig::new(vec![spec]).with_exports(vec![Export::shared(
-            1,
-            "inbox",
-            Arc::clone(&buffers.inbox),
-            AccessFlags::REMOTE_WRITE,
-        )]);
+        let config = ClientConfig::new(vec![spec])
+            .with_exports(vec![Export::shared(
+                1,
+                "inbox",
+                Arc::clone(&buffers.inbox),
+                AccessFlags::REMOTE_WRITE,
+            )])
+            .with_auth_key(Some(test_key()));
         let connect_start = Instant::now();
         let endpoint = ClientSession::connect(self.addr, &self.pd, &config)
             .unwrap_or_else(|err| panic!("worker {} cycle {cycle}: connect: {err}", self.worker));

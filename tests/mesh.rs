@@ -239,13 +239,9 @@ verbs_test! {
 
         // Without a key (and without --insecure) a rank refuses to start,
         // naming both ways out.
-        let out = std::process::Command::new(workspace_binary("mesh"))
-            .args(["--rank", "0", "--size", "2", "--hosts", "127.0.0.1", "--base-port", &base])
-            .env_remove(AUTH_KEY_ENV)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success());
-        assert!(text.contains("--auth-key-file") && text.contains("--insecure"), "{text}");
+        assert_refused_without_a_key(
+            workspace_binary("mesh"),
+            &["--rank", "0", "--size", "2", "--hosts", "127.0.0.1", "--base-port", &base],
+        );
     }
 }

@@ -90,9 +90,13 @@ fn side_args(side: &str, port: u16, size: u32) -> Vec<String> {
     all
 }
 
-fn server_args(port: u16, size: u32) -> Vec<String> {
+/// A server's flags; ours also needs `--insecure`, since rping's protocol
+/// has no authentication.
+fn server_args(program: &PathBuf, port: u16, size: u32) -> Vec<String> {
     let mut args = side_args("-s", port, size);
-    args.push("--insecure".to_string());
+    if *program == ours() {
+        args.push("--insecure".to_string());
+    }
     args
 }
 
@@ -141,7 +145,7 @@ fn assert_pings(who: &str, lines: &[String], prefix: &str, size: u32) {
 /// server must answer it (both rping and ours do).
 fn ping_pong(server_bin: PathBuf, client_bin: PathBuf, size: u32) {
     let port = port();
-    let mut server = spawn(server_bin, &server_args(port, size));
+    let mut server = spawn(server_bin.clone(), &server_args(&server_bin, port, size));
     wait_listening(&mut server, port);
     let ours = client_bin == self::ours();
     let mut args = client_args(port, size, COUNT);
@@ -204,7 +208,7 @@ fn kill_mid_run(
     kill_server: bool,
 ) -> (ExitStatus, Vec<String>, String) {
     let port = port();
-    let mut server = spawn(server_bin, &server_args(port, 4096));
+    let mut server = spawn(server_bin.clone(), &server_args(&server_bin, port, 4096));
     wait_listening(&mut server, port);
     let client = spawn(client_bin, &client_args(port, 4096, 0));
     let (mut killed, survivor) = if kill_server {

@@ -539,12 +539,14 @@ fn quiet_peer(addr: std::net::SocketAddr, quit: Arc<AtomicBool>) -> std::thread:
             .alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)
             .unwrap();
         let spec = reactor.qp_spec_with_access("ping", AccessFlags::REMOTE_WRITE);
-        let config = ClientConfig::new(vec![spec]).with_exports(vec![Export::new(
-            1,
-            "inbox",
-            &inbox,
-            AccessFlags::REMOTE_WRITE,
-        )]);
+        let config = ClientConfig::new(vec![spec])
+            .with_exports(vec![Export::new(
+                1,
+                "inbox",
+                &inbox,
+                AccessFlags::REMOTE_WRITE,
+            )])
+            .with_auth_key(Some(util::test_key()));
         let endpoint = ClientSession::connect(addr, &pd, &config).unwrap();
         let session = reactor.add(endpoint, Quiet).unwrap();
         while !quit.load(Ordering::Acquire) {

@@ -724,14 +724,10 @@ verbs_test! {
 
         // Neither a key nor --insecure: refused before anything is opened,
         // with the ways out named.
-        let out = std::process::Command::new(example_binary("ping_pong"))
-            .args(["--connect", &addr.to_string(), "--iters", "50"])
-            .env_remove(AUTH_KEY_ENV)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success());
-        assert!(text.contains("--auth-key-file") && text.contains("--insecure"), "{text}");
+        assert_refused_without_a_key(
+            example_binary("ping_pong"),
+            &["--connect", &addr.to_string(), "--iters", "50"],
+        );
     }
 }
 
@@ -822,7 +818,7 @@ verbs_test! {
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
         let rw = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
-        let mut config = ServerConfig::default();
+        let mut config = insecure(ServerConfig::default());
         config.qp.remote_access = rw;
         let inbox = Arc::new(pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND).unwrap());
         let exported = Arc::clone(&inbox);

@@ -178,11 +178,33 @@ pub fn example_binary(name: &str) -> PathBuf {
 /// refuse to run without one (or `--insecure`).
 pub const TEST_KEY: &str = "a key for the tools the tests start, 32+ bytes";
 
+/// [`TEST_KEY`] as a key, for an in-process client of a tool the test started.
+pub fn test_key() -> rdma_comm_core::session::AuthKey {
+    rdma_comm_core::session::AuthKey::new(TEST_KEY.as_bytes()).expect("TEST_KEY is long enough")
+}
+
 /// A command for `program` with [`TEST_KEY`] in its environment.
 pub fn keyed(program: impl AsRef<std::ffi::OsStr>) -> std::process::Command {
     let mut command = std::process::Command::new(program);
     command.env(rdma_comm_core::session::AUTH_KEY_ENV, TEST_KEY);
     command
+}
+
+/// Runs `program` with `args` and no key in its environment, and checks it
+/// refuses to start, naming both ways out (a key file, or `--insecure`).
+#[track_caller]
+pub fn assert_refused_without_a_key(program: PathBuf, args: &[&str]) {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .env_remove(rdma_comm_core::session::AUTH_KEY_ENV)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        text.contains("--auth-key-file") && text.contains("--insecure"),
+        "{text}"
+    );
 }
 
 /// The path of binary `name` of a workspace member (`mesh` from tools/mesh),
