@@ -575,7 +575,7 @@ verbs_test! {
     fn an_idle_ping_pong_server_in_blocking_mode_makes_no_syscalls() {
         let _serial = serial();
         let (mut server, addr) = util::ping_pong::start_server(&[
-            "--event-mode", "blocking", "--reactors", "2", "--max-peers", "2",
+            "--event-mode", "blocking", "--reactors", "2", "--peers", "2",
         ]);
         let placement = server.expect_line("runtime: ");
         println!("{placement}");

@@ -128,7 +128,7 @@ fn a_server_without_a_key_refuses_to_start_unless_told_to_serve_anyone() {
     }
     let both = ServerConfig {
         insecure_open: true,
-        ..ServerConfig::with_key(AuthKey::new(&[1; 32]).unwrap())
+        ..ServerConfig::default().with_auth_key(AuthKey::new(&[1; 32]).unwrap())
     };
     assert!(matches!(
         ServerSession::bind("127.0.0.1:0", &pd, both),
@@ -138,7 +138,7 @@ fn a_server_without_a_key_refuses_to_start_unless_told_to_serve_anyone() {
     let keyed = ServerSession::bind(
         "127.0.0.1:0",
         &pd,
-        ServerConfig::with_key(AuthKey::new(&[1; 32]).unwrap()),
+        ServerConfig::default().with_auth_key(AuthKey::new(&[1; 32]).unwrap()),
     )
     .expect("a keyed server starts");
     let open = open_server(&pd, ServerConfig::insecure_open());

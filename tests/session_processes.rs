@@ -15,7 +15,7 @@ use util::process::Proc;
 
 fn start_server(max_peers: usize) -> (Proc, SocketAddr) {
     let max = max_peers.to_string();
-    util::ping_pong::start_server(&["--max-peers", &max, "--handshake-timeout-ms", "2000"])
+    util::ping_pong::start_server(&["--peers", &max, "--handshake-timeout-ms", "2000"])
 }
 
 /// Bad clients: garbage, a truncated handshake, a 4 GiB length prefix, and one

@@ -226,7 +226,7 @@ verbs_test! {
         let srv = ServerSession::bind(
             "127.0.0.1:0",
             &pd,
-            ServerConfig::with_key(key(1)),
+            ServerConfig::default().with_auth_key(key(1)),
         )
         .unwrap();
         let addr = srv.local_addr();
@@ -288,7 +288,7 @@ verbs_test! {
         let srv = ServerSession::bind(
             "127.0.0.1:0",
             &pd,
-            ServerConfig { authorize: Some(authorize), ..ServerConfig::with_key(key(1)) },
+            ServerConfig { authorize: Some(authorize), ..ServerConfig::default().with_auth_key(key(1)) },
         )
         .unwrap();
         let addr = srv.local_addr();

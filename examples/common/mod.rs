@@ -77,8 +77,9 @@ impl DeviceArgs {
 /// `--insecure` to run without one.
 #[derive(Args, Debug, Clone, Default)]
 pub struct AuthArgs {
-    /// File holding the shared key: at least 32 bytes (say from `head -c
-    /// 32 /dev/urandom`), mode 600, one trailing newline ignored. Both
+    /// File holding the shared key: at least 32 bytes (say from `(umask
+    /// 077; head -c 64 /dev/urandom > key)`), mode 600, one trailing
+    /// newline ignored. Both
     /// ends need the same key. Without it, the RDMA_COMM_AUTH_KEY
     /// environment variable (also at least 32 bytes) is used when set.
     #[arg(long, value_name = "PATH")]

@@ -2,7 +2,7 @@
 //! both sides on the reactor.
 //!
 //! ```text
-//! ping_pong --server [--listen 0.0.0.0:7471] [--max-peers N] [--reactors N] [--cores LIST] [--event-mode blocking] [--heap-report-ms MS]
+//! ping_pong --server [--listen 0.0.0.0:7471] [--peers N] [--reactors N] [--cores LIST] [--event-mode blocking] [--heap-report-ms MS]
 //! ping_pong --connect HOST:7471 [--iters 1000] [--size 64] [--op send|write-imm|both] [--batch 1]
 //! ```
 //!
@@ -41,9 +41,11 @@ struct Args {
     /// Address to listen on (server).
     #[arg(long, default_value = "0.0.0.0:7471")]
     listen: String,
-    /// Stop after serving this many peers (server; default: forever).
+    /// Serve this many peers, then exit once they have left (server;
+    /// default: serve for ever). It is also the server's `max_peers`: at
+    /// most this many are connected at once.
     #[arg(long, value_parser = common::at_least(1usize))]
-    max_peers: Option<usize>,
+    peers: Option<usize>,
     /// Time a client has to complete its handshake (server), 1 ms to an hour.
     #[arg(long, default_value_t = 10_000, value_parser = common::range(1u64, 3_600_000))]
     handshake_timeout_ms: u64,

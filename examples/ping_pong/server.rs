@@ -299,7 +299,7 @@ pub(crate) fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     println!("runtime: {}", runtime.plan());
     let mut config = runtime.server_config(AccessFlags::REMOTE_WRITE);
     args.dev.apply(&mut config.qp);
-    config.max_peers = args.max_peers;
+    config.max_peers = args.peers;
     config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
     args.auth.secure(&mut config)?;
     config.transport = args.transport.transport();
@@ -327,7 +327,7 @@ pub(crate) fn serve(args: &Args) -> rdma_comm_core::Result<bool> {
     let mut served = 0;
     let report_every = args.heap_report_ms.map(Duration::from_millis);
     let mut next_report = Instant::now();
-    while args.max_peers.is_none_or(|max| served < max) {
+    while args.peers.is_none_or(|max| served < max) {
         let Some(every) = report_every else {
             if outcomes.recv().is_err() {
                 break;

@@ -49,7 +49,7 @@ impl AuthKey {
     pub fn new(bytes: &[u8]) -> Result<Self> {
         if bytes.len() < MIN_KEY_LEN {
             return Err(Error::InvalidArgument(
-                "an authentication key needs at least 32 bytes",
+                "an authentication key needs at least 32 bytes (one trailing newline of a key file or variable does not count)",
             ));
         }
         Ok(Self(bytes.into()))

@@ -17,7 +17,7 @@
 //! // Both sides hold the same key (a file of 32 random bytes, mode 600).
 //! let key = AuthKey::from_file("/etc/myservice/rdma.key")?;
 //! // Server side:
-//! let server = ServerSession::bind("0.0.0.0:7471", &pd, ServerConfig::with_key(key.clone()))?;
+//! let server = ServerSession::bind("0.0.0.0:7471", &pd, ServerConfig::default().with_auth_key(key.clone()))?;
 //! // Client side (elsewhere):
 //! let config = ClientConfig::new(vec![QpSpec::new("data")]).with_auth_key(Some(key));
 //! let mut endpoint = ClientSession::connect("server:7471", &pd, &config)?;

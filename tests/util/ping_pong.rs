@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use super::process::Proc;
 
 /// Starts `ping_pong --server` on a free loopback port with `extra` flags
-/// (`--max-peers`, `--max-size`, ...); returns it and the address it printed.
+/// (`--peers`, `--max-size`, ...); returns it and the address it printed.
 #[track_caller]
 pub fn start_server(extra: &[&str]) -> (Proc, SocketAddr) {
     start_server_with_env(extra, &[])

@@ -180,6 +180,9 @@ impl fmt::Debug for ServerConfig {
     }
 }
 
+/// The defaults have no key and are not open: [`ServerSession::bind`]
+/// refuses them until [`ServerConfig::with_auth_key`] (or
+/// [`ServerConfig::insecure_open`]) says which.
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
@@ -205,12 +208,12 @@ impl Default for ServerConfig {
 }
 
 impl ServerConfig {
-    /// The defaults, with clients required to prove `key`.
-    pub fn with_key(key: AuthKey) -> Self {
-        Self {
-            auth_key: Some(key),
-            ..Self::default()
-        }
+    /// This configuration with clients required to prove `key`:
+    /// `ServerConfig::default().with_auth_key(key)`, or
+    /// `reactor.server_config(access).with_auth_key(key)`.
+    pub fn with_auth_key(mut self, key: AuthKey) -> Self {
+        self.auth_key = Some(key);
+        self
     }
 
     /// The defaults, open to anyone who reaches the port: no key, every
@@ -333,6 +336,13 @@ struct Worker {
 
 impl ServerSession {
     /// Listens on `addr` (IPv4 or IPv6; port 0 picks a free port).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a configuration with neither an
+    /// `auth_key` nor `insecure_open` (a server is keyed unless told to be
+    /// open), with both, or with a pending-handshake limit or backlog of 0;
+    /// [`Error::Os`] when the address cannot be bound.
     pub fn bind(
         addr: impl ToSocketAddrs,
         pd: &ProtectionDomain,
