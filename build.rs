@@ -11,31 +11,58 @@
 //! re-implement header logic that changes between rdma-core releases.
 
 use std::env;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 const HEADERS: [&str; 2] = ["infiniband/verbs.h", "rdma/rdma_cma.h"];
 const INSTALL_HINT: &str = "install the Debian packages libibverbs-dev and librdmacm-dev \
-     (rdma-core headers), libclang-dev (for bindgen) and ibverbs-providers: \
-     `apt-get install libibverbs-dev librdmacm-dev libclang-dev ibverbs-providers`";
+     (rdma-core headers), libclang-dev (for bindgen), pkg-config, libhwloc-dev and \
+     ibverbs-providers, or set RDMA_CORE_INCLUDE_DIR (and RDMA_CORE_LIB_DIR) to an \
+     rdma-core installation of your own";
+/// A directory holding `infiniband/verbs.h` and `rdma/rdma_cma.h`, searched
+/// before pkg-config's and the system's.
+const INCLUDE_DIR_ENV: &str = "RDMA_CORE_INCLUDE_DIR";
+/// A directory holding `libibverbs.so` and `librdmacm.so`, searched first
+/// at link time.
+const LIB_DIR_ENV: &str = "RDMA_CORE_LIB_DIR";
+/// Set (or docs.rs's `DOCS_RS`): use the bindings kept in `src/sys`, compile
+/// no shim and link nothing, so `cargo doc` and `cargo check` work on a host
+/// without rdma-core. Such a build cannot run.
+const DOCS_ONLY_ENV: &str = "RDMA_COMM_CORE_DOCS_ONLY";
+/// The bindings bindgen makes from the headers this crate is tested with;
+/// `sys::tests::kept_bindings_match_the_headers` compares them to a fresh
+/// generation.
+const KEPT_BINDINGS: &str = "src/sys/bindings.rs";
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/sys/wrapper.h");
+    println!("cargo:rerun-if-changed={KEPT_BINDINGS}");
+    for var in [INCLUDE_DIR_ENV, LIB_DIR_ENV, DOCS_ONLY_ENV, "DOCS_RS"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
 
+    if env::var_os(DOCS_ONLY_ENV).is_some() || env::var_os("DOCS_RS").is_some() {
+        std::fs::copy(KEPT_BINDINGS, out_dir.join("verbs.rs"))
+            .unwrap_or_else(|err| panic!("rdma-comm-core: copying {KEPT_BINDINGS}: {err}"));
+        return;
+    }
+
+    let (include_dirs, lib_dirs) = search_dirs();
     for header in HEADERS {
-        let found = ["/usr/include", "/usr/local/include"]
-            .iter()
-            .any(|dir| PathBuf::from(dir).join(header).exists());
-        if !found {
-            panic!("rdma-comm-core: <{header}> not found; {INSTALL_HINT}");
+        if !include_dirs.iter().any(|dir| dir.join(header).exists()) {
+            panic!("rdma-comm-core: <{header}> not found in {include_dirs:?}; {INSTALL_HINT}");
         }
     }
 
-    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let shim_path = out_dir.join("verbs_static_inline_shim");
-
     let bindings = bindgen::Builder::default()
         .header("src/sys/wrapper.h")
+        .clang_args(
+            include_dirs
+                .iter()
+                .map(|dir| format!("-I{}", dir.display())),
+        )
         .allowlist_function("ibv_.*|_ibv_.*|___ibv_.*|rdma_.*")
         .allowlist_type("ibv_.*|rdma_.*")
         .allowlist_var("IBV_.*|RDMA_.*")
@@ -55,14 +82,57 @@ fn main() {
         .write_to_file(out_dir.join("verbs.rs"))
         .expect("write bindings to OUT_DIR");
 
-    cc::Build::new()
-        .file(shim_path.with_extension("c"))
+    let mut shim = cc::Build::new();
+    shim.file(shim_path.with_extension("c"))
         .include(env::current_dir().expect("build script has a working directory"))
-        .include("src/sys")
-        .opt_level(2)
+        .include("src/sys");
+    for dir in &include_dirs {
+        shim.include(dir);
+    }
+    shim.opt_level(2)
         .warnings(false)
         .compile("verbs_static_inline_shim");
 
+    for dir in &lib_dirs {
+        println!("cargo:rustc-link-search=native={}", dir.display());
+    }
     println!("cargo:rustc-link-lib=ibverbs");
     println!("cargo:rustc-link-lib=rdmacm");
+}
+
+/// Where the headers and libraries are: the override's, then pkg-config's
+/// (`libibverbs`, `librdmacm`), then the system's.
+fn search_dirs() -> (Vec<PathBuf>, Vec<PathBuf>) {
+    let mut include_dirs = Vec::new();
+    let mut lib_dirs = Vec::new();
+    if let Some(dir) = env::var_os(INCLUDE_DIR_ENV) {
+        include_dirs.push(PathBuf::from(dir));
+    }
+    if let Some(dir) = env::var_os(LIB_DIR_ENV) {
+        lib_dirs.push(PathBuf::from(dir));
+    }
+    for library in ["libibverbs", "librdmacm"] {
+        // Without pkg-config or its files, the system's directories below.
+        if let Ok(found) = pkg_config::Config::new()
+            .cargo_metadata(false)
+            .env_metadata(false)
+            .probe(library)
+        {
+            add_new(&mut include_dirs, found.include_paths);
+            add_new(&mut lib_dirs, found.link_paths);
+        }
+    }
+    add_new(
+        &mut include_dirs,
+        ["/usr/include", "/usr/local/include"].map(PathBuf::from),
+    );
+    (include_dirs, lib_dirs)
+}
+
+fn add_new(dirs: &mut Vec<PathBuf>, more: impl IntoIterator<Item = PathBuf>) {
+    for dir in more {
+        if !dirs.iter().any(|known| Path::new(known) == dir) {
+            dirs.push(dir);
+        }
+    }
 }

@@ -13,3 +13,20 @@
 )]
 
 include!(concat!(env!("OUT_DIR"), "/verbs.rs"));
+
+#[cfg(test)]
+mod tests {
+    /// The kept bindings (what a docs-only build uses, see `build.rs`) are
+    /// bindgen's output for the headers this build found.
+    #[test]
+    fn kept_bindings_match_the_headers() {
+        let generated = include_str!(concat!(env!("OUT_DIR"), "/verbs.rs"));
+        let kept = include_str!("bindings.rs");
+        assert!(
+            generated == kept,
+            "src/sys/bindings.rs is not bindgen's output for these rdma-core headers: \
+             copy {}/verbs.rs over it",
+            env!("OUT_DIR")
+        );
+    }
+}
