@@ -1,13 +1,38 @@
 //! # rdma-comm-core
 //!
-//! A Rust RDMA runtime for latency-critical services: RC queue pairs over
+//! An RDMA runtime for latency-critical services: RC queue pairs over
 //! InfiniBand and RoCE with SEND, RECV, WRITE, WRITE_WITH_IMM and READ, a
-//! zero-allocation data path, typed errors and RAII ownership of every verbs
-//! object.
+//! data path that allocates nothing, typed errors and RAII ownership of
+//! every verbs object. The guides are in the repository's `docs/`
+//! directory; this page introduces the layers, each of which imports only
+//! the ones above it in this list.
 //!
-//! The [`verbs`] module is the safe layer over libibverbs. Its objects own their
-//! parents, so teardown order is always right, and its posting calls are
-//! bounds-checked against registered regions.
+//! - **`sys`** (private): bindgen's bindings to libibverbs and librdmacm.
+//!   Only [`verbs`] uses them.
+//! - **[`verbs`]**: the safe layer over libibverbs. Contexts, protection
+//!   domains, memory regions and windows, CQs, QPs and SRQs are handles that
+//!   own their parents, so any drop order is safe; posting is bounds-checked
+//!   against registered regions and takes `&mut QueuePair`.
+//!   [`verbs::cm`] connects QPs through the RDMA connection manager, and
+//!   [`verbs::Context::loopback`] is an in-process device for tests.
+//! - **[`session`]**: the control plane. A [`session::ClientSession`]
+//!   connects to a [`session::ServerSession`] over TCP or rdma_cm, proves a
+//!   shared [`session::AuthKey`] with HMAC-SHA256, and gets an
+//!   [`session::Endpoint`] of connected QPs and the peer's exported regions,
+//!   reachable only through memory windows bound for that peer. Servers
+//!   require a key unless configured with
+//!   [`session::ServerConfig::insecure_open`].
+//! - **[`pool`]**: registered buffer pools whose move-only slots cannot be
+//!   reused while a request on them is in flight.
+//! - **[`reactor`]**: a run-to-completion loop on one thread that owns
+//!   shared CQs, keeps receive rings posted, runs credit-based flow control
+//!   and calls a [`reactor::Handler`] per session; handlers stage work
+//!   through a [`reactor::Ctx`].
+//! - **[`runtime`]**: one reactor per pinned core, placement of new
+//!   sessions at admission, and lock-free submission rings for other
+//!   threads.
+//!
+//! [`clock`] reads the TSC; [`Error`] is every layer's error type.
 //!
 //! ## Quick start
 //!
@@ -32,16 +57,8 @@
 //! # Ok::<(), rdma_comm_core::Error>(())
 //! ```
 //!
-//! ## Thread safety
-//!
-//! Contexts, PDs, MRs and QPs are `Send + Sync` (libibverbs synchronises them).
-//! A [`verbs::CompletionQueue`] is polled through `&mut self`: one thread owns it.
-//!
-//! ## Resource cleanup
-//!
-//! Every handle destroys its verbs object on drop. Children hold their parents:
-//! a QP keeps its CQs and PD alive, an MR its PD, everything the device context.
-//! Errors during teardown are logged, never panicked on.
+//! The README's echo server and client show the session, reactor and
+//! runtime layers together.
 #![deny(missing_docs, missing_debug_implementations)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -56,7 +73,34 @@ pub mod verbs;
 
 pub use error::{Error, Result};
 
-/// Compiles the README's code examples as doc tests.
+/// Compiles the code examples of the README and of every page in `docs/`
+/// as doc tests.
 #[cfg(doctest)]
-#[doc = include_str!("../README.md")]
-pub struct ReadmeDoctests;
+mod doc_pages {
+    #[doc = include_str!("../README.md")]
+    pub struct Readme;
+    #[doc = include_str!("../docs/architecture.md")]
+    pub struct Architecture;
+    #[doc = include_str!("../docs/verbs.md")]
+    pub struct Verbs;
+    #[doc = include_str!("../docs/sessions.md")]
+    pub struct Sessions;
+    #[doc = include_str!("../docs/rdma-cm.md")]
+    pub struct RdmaCm;
+    #[doc = include_str!("../docs/security.md")]
+    pub struct Security;
+    #[doc = include_str!("../docs/safety.md")]
+    pub struct Safety;
+    #[doc = include_str!("../docs/reactor.md")]
+    pub struct Reactor;
+    #[doc = include_str!("../docs/runtime.md")]
+    pub struct Runtime;
+    #[doc = include_str!("../docs/testing.md")]
+    pub struct Testing;
+    #[doc = include_str!("../docs/faults.md")]
+    pub struct Faults;
+    #[doc = include_str!("../docs/performance.md")]
+    pub struct Performance;
+    #[doc = include_str!("../docs/tools.md")]
+    pub struct Tools;
+}

@@ -1,5 +1,5 @@
-//! Peers that ignore their credits on a reactor's shared receive queue
-//! (issue #11): such a peer is cut off with `Error::CreditOverrun`, the
+//! Peers that ignore their credits on a reactor's shared receive queue:
+//! such a peer is cut off with `Error::CreditOverrun`, the
 //! SRQ receives it took come back, and the other peers keep streaming. And
 //! the other side of the rule: peers that keep to their credits, however
 //! close to the limit a slow, holding or forwarding receiver drives them,

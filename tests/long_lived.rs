@@ -1,4 +1,4 @@
-//! A long-lived server (issue #10): one `ping_pong --server` process serves
+//! A long-lived server: one `ping_pong --server` process serves
 //! 20,000 connect → verified ping-pong → disconnect cycles, and its resident
 //! memory, open descriptors and threads stay flat; a few peers vanish
 //! without a goodbye, and a new peer is still served at the end.
@@ -25,7 +25,7 @@ use util::ping_pong::{client, start_server_with_env};
 use util::process::Proc;
 use util::test_key;
 
-/// The cycles issue #10 asks for.
+/// Connect, traffic and disconnect cycles per run.
 const DEFAULT_CYCLES: u64 = 20_000;
 /// Cycles before the first reading: by then the server's allocator arenas,
 /// vectors and caches have grown to their working size.
@@ -53,7 +53,7 @@ const IN_FLIGHT: usize = 4;
 /// the connecting threads and the (busy-polling) server.
 const CLIENT_EVENT_MODE: EventMode = EventMode::Blocking;
 /// Sessions per client reactor before the test starts a fresh one. A
-/// reactor keeps a record of every connection it ever had (issue #10); this
+/// reactor may keep a record of every connection it ever had; this
 /// keeps the test's own memory bounded whatever the server does.
 const SESSIONS_PER_CLIENT_REACTOR: u64 = 1_000;
 /// Every this many cycles, the client drops its endpoint instead of

@@ -1,8 +1,8 @@
 //! Core placement from threads that are pinned already. A thread inherits
 //! its spawner's affinity, so a reactor thread started by a pinned thread
-//! sees one core as its own; choosing among that one put every reactor on
-//! the same core (conn_scale's second measurement ran its sender and
-//! receiver on one core and dropped from 0.066 to 0.0009 Mpps). The choice
+//! sees one core as its own; choosing among that one would put every
+//! reactor on the same core (a sender and receiver sharing one core run
+//! at a small fraction of their rate). The choice
 //! is among the process's cores, as first seen.
 //!
 //! Its own test binary: the first look at the cores is process-wide, and

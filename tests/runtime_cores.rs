@@ -1,4 +1,4 @@
-//! The runtime on four cores, as the proof asks: `tools/test` runs
+//! The runtime on four cores: `tools/test` runs
 //! this binary in a guest of its own booted with 4 vCPUs (it fails, rather
 //! than skips, on fewer):
 //! - 8 clients over 4 reactors: each reactor thread pinned to a distinct

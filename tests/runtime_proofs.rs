@@ -416,8 +416,8 @@ fn idle_runtime(mode: EventMode) {
     // a peer watch, as the tools ran one, wakes on its timers. It is
     // stopped only once its counter is closed: a thread that exits while
     // its perf event is being disabled or closed is a kernel path this
-    // test has no business racing (CI once saw both vCPUs stuck in the
-    // guest kernel here, when a timer stopped it 1.5 s after its start).
+    // test has no business racing (under TCG it can leave both vCPUs
+    // stuck in the guest kernel).
     let (stopper_tx, stopper_rx) = mpsc::channel();
     let plain = {
         let pd = pd.clone();

@@ -1,4 +1,4 @@
-//! A stranger on the network gets nothing and holds nothing (issue #11):
+//! A stranger on the network gets nothing and holds nothing:
 //! slow-drip handshakes, authentication with a shared key, admission, the
 //! peer limit and the accept backlog, a server dropped mid-handshake, and a
 //! control connection that drips on an established endpoint.
@@ -116,8 +116,8 @@ verbs_test! {
         let addr = srv.local_addr();
 
         // 80 drippers from one host and 80 from ten others, one byte every
-        // 500 ms: the old server waited the whole timeout on every partial
-        // read. Each gets one absolute deadline (the hello timeout here), one
+        // 500 ms: a server that bounded each read by the timeout would be held
+        // for many timeouts. Each gets one absolute deadline (the hello timeout here), one
         // host at most its share of the pending table, and all of them
         // together more than the table holds: real clients are told "busy"
         // and retry until the strangers' slots run out.
@@ -152,8 +152,8 @@ verbs_test! {
         }
         assert!(served >= 4, "only {served} real clients in {:?}", 12 * TIMEOUT);
 
-        // No dripper was held much past the deadline: the old server waited
-        // the whole timeout on every partial read (tens of seconds here).
+        // No dripper was held much past the deadline (a timeout per partial
+        // read would hold one for tens of seconds here).
         // Held time counts from the dripper's connect, so it includes the
         // time the server took to reach it in the backlog: under TCG that
         // alone can reach a second (more in a slow boot), hence the slack,
@@ -641,7 +641,7 @@ verbs_test! {
         let mut raw = RawClient::connect(srv.local_addr(), &pd);
         let mut served = srv.accept_timeout(DEADLINE).expect("server side");
         let goodbye = Message::Disconnect { code: 42 }.encode().unwrap();
-        // One byte at a time; the old check_peer waited 2 s for the rest.
+        // One byte at a time; check_peer must not wait for the rest.
         // (A bound well under that, and well over a TCG guest's
         // scheduling hiccups, also in a slow boot.)
         const NOT_BLOCKED: Duration = Duration::from_secs(1);

@@ -135,8 +135,8 @@ fn wait_for_packets(client: &mut Proc, device: &str, from: u64, packets: u64, de
 }
 
 verbs_test! {
-    /// A ping_pong client asked for 10^9 round trips (whose RTTs once took
-    /// a vector of 8 GB up front, and it aborted) runs, and its resident
+    /// A ping_pong client asked for 10^9 round trips (8 GB of RTTs, were
+    /// they kept in a vector) runs, and its resident
     /// set stays flat over 10^5 of them. A round trip is at most 4
     /// packets received on the device (a ping and its echo, and an ACK
     /// each), so the device's count of packets received bounds how many

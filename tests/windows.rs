@@ -1,4 +1,4 @@
-//! Type-2 memory windows (issue #11: a peer can reach only the memory
+//! Type-2 memory windows (a peer can reach only the memory
 //! exported to it). Every QP and region here shares one protection domain,
 //! as a server's do; the memory is registered for windows only
 //! (`LOCAL_WRITE | MW_BIND`, no `REMOTE_*`), and a window bound on the QP

@@ -239,7 +239,7 @@ pub fn free_port() -> u16 {
 /// call got, whatever the counts. A port from `bind(":0")`, or a
 /// neighbour of one, is an ephemeral port: a connection that a test
 /// running alongside makes can take it between this check and the
-/// server's bind, which once failed a mesh test with `EADDRINUSE`.
+/// server's bind, and the server then fails with `EADDRINUSE`.
 pub fn free_ports(count: u16) -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     // Blocks handed out by this process, counted from its own start.
