@@ -73,6 +73,22 @@ pub mod verbs;
 
 pub use error::{Error, Result};
 
+/// What a service that embeds a handler uses, in one import:
+/// `use rdma_comm_core::prelude::*;`.
+pub mod prelude {
+    pub use crate::error::{Error, Result};
+    pub use crate::reactor::{
+        ConnId, Ctx, EventMode, Handler, HeldRecv, NoLink, Reactor, ReactorConfig, SendError,
+        SessionId, Stopper,
+    };
+    pub use crate::runtime::{NewSession, Runtime, RuntimeConfig};
+    pub use crate::session::{
+        AuthKey, ClientConfig, ClientSession, Endpoint, Export, PeerStatus, ServerConfig,
+        ServerSession, Transport,
+    };
+    pub use crate::verbs::{AccessFlags, Context, ProtectionDomain};
+}
+
 /// Compiles the code examples of the README and of every page in `docs/`
 /// as doc tests.
 #[cfg(doctest)]

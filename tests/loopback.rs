@@ -11,7 +11,6 @@ use std::rc::Rc;
 use rdma_comm_core::Error;
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::verbs::*;
-use rdma_perf::loopback::connected_pair;
 
 /// Passes a test waits for something before failing.
 const MAX_PASSES: usize = 200_000;
@@ -130,7 +129,7 @@ fn small_rings() -> ReactorConfig {
 /// Adds two sessions of one connection each, connected to each other, and
 /// runs passes until both are established.
 fn add_pair(reactor: &mut Reactor<Recorder, ()>, pd: &ProtectionDomain) -> (End, End) {
-    let (a, b) = connected_pair(reactor, pd, ACCESS).expect("two connected QPs");
+    let (a, b) = reactor.connected_pair(pd, ACCESS).expect("two connected QPs");
     let mut add = |qp: QueuePair| {
         let recorder = Recorder::default();
         let (seen, relay, held) = (
@@ -371,7 +370,7 @@ fn a_peer_whose_sends_break_the_protocol_is_cut_off() {
     // An honest pair on the same reactor, checked after every cut-off.
     let (a, b) = add_pair(&mut reactor, &pd);
     for (round, (imm, len, what)) in cases.into_iter().enumerate() {
-        let (qp, mut raw) = connected_pair(&mut reactor, &pd, ACCESS).unwrap();
+        let (qp, mut raw) = reactor.connected_pair(&pd, ACCESS).unwrap();
         // The raw peer takes the reactor's credit update like any peer.
         for i in 0..16 {
             let slot = inbox.slice(i * 256, 256).unwrap();
@@ -562,7 +561,7 @@ impl RawTarget {
         receives: usize,
         claimed: u32,
     ) -> Self {
-        let (qp, mut raw) = connected_pair(reactor, pd, ACCESS).unwrap();
+        let (qp, mut raw) = reactor.connected_pair(pd, ACCESS).unwrap();
         let inbox = pd
             .alloc_mr(receives * 256, AccessFlags::LOCAL_WRITE)
             .unwrap();
@@ -966,7 +965,7 @@ fn runs_told<H: Handler>(
     wrap: impl Fn(Runs) -> H,
 ) -> (u32, Vec<Run>) {
     let mut reactor: Reactor<H, ()> = Reactor::new(pd, config.clone()).unwrap();
-    let (a, b) = connected_pair(&mut reactor, pd, ACCESS).unwrap();
+    let (a, b) = reactor.connected_pair(pd, ACCESS).unwrap();
     let (client, server) = (Runs::default(), Runs::default());
     let session = reactor.add(vec![a], wrap(client.clone())).unwrap();
     reactor.add(vec![b], wrap(server.clone())).unwrap();

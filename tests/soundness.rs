@@ -23,7 +23,6 @@ use rdma_comm_core::pool::BufferPool;
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
-use rdma_perf::loopback::connected_pair;
 use util::reactor::*;
 use util::*;
 
@@ -146,7 +145,7 @@ fn add_pair(
     client: BoxedHandler,
 ) -> (SessionId, SessionId) {
     let (server_qp, client_qp) =
-        connected_pair(reactor, pd, AccessFlags::empty()).expect("two connected QPs");
+        reactor.connected_pair(pd, AccessFlags::empty()).expect("two connected QPs");
     let server = reactor
         .add(vec![server_qp], server)
         .expect("add server side");
@@ -347,7 +346,7 @@ fn add_refuses_a_qp_something_was_posted_on() {
     let pd = loopback_pd();
     let mut reactor = new_reactor(&pd, false);
     let (server_qp, mut client_qp) =
-        connected_pair(&mut reactor, &pd, AccessFlags::empty()).expect("two connected QPs");
+        reactor.connected_pair(&pd, AccessFlags::empty()).expect("two connected QPs");
     let own = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     assert!(!client_qp.has_posted());
     client_qp

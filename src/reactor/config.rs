@@ -92,9 +92,12 @@ pub struct ReactorConfig {
     /// ends it, so an idle reactor makes no syscalls at all.
     pub idle_timeout: Duration,
     /// How often the reactor asks each session's peer link whether the peer
-    /// is still there ([`Handler::on_peer_gone`](super::Handler::on_peer_gone)); `None` never asks. The
-    /// check is non-blocking, and in busy-poll mode the clock is read only
-    /// every so many passes, but each check is a syscall per session.
+    /// is still there ([`Handler::on_peer_gone`](super::Handler::on_peer_gone));
+    /// `None` never asks, and then a departed peer is noticed only by a
+    /// failed completion. Every second by default. The check is
+    /// non-blocking and runs between passes (in busy-poll mode the clock is
+    /// read only every so many passes), but each check of a session's
+    /// control connection is a syscall.
     pub peer_check_interval: Option<Duration>,
     /// Connections the reactor makes room for when it is built: its
     /// connection and session records for this many (about 4 KiB of
@@ -132,11 +135,15 @@ impl Default for ReactorConfig {
             signal_interval: 16,
             max_inline: 64,
             idle_timeout: Duration::from_millis(10),
-            peer_check_interval: None,
+            peer_check_interval: Some(DEFAULT_PEER_CHECK_INTERVAL),
             reserve_connections: 0,
         }
     }
 }
+
+/// How often a reactor checks its peers unless told otherwise: a departed
+/// peer is noticed within about this long, at one syscall per session.
+const DEFAULT_PEER_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Largest CQ the reactor asks for: rxe and many NICs cap one CQ at about
 /// 32k entries, so more connections are spread over more CQs.

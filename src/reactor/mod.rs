@@ -95,7 +95,8 @@ use std::time::Duration;
 use crate::error::Result;
 use crate::session::{CqChoice, CqSpread, QpSpec, ServerConfig, SessionLink};
 use crate::verbs::{
-    AccessFlags, CompletionChannel, CompletionQueue, ProtectionDomain, QpConfig, WorkCompletion,
+    AccessFlags, CompletionChannel, CompletionQueue, ProtectionDomain, QpConfig, QueuePair,
+    WorkCompletion,
 };
 
 use conn::{Conn, IMM_TRAILER_LEN, MAX_CONNS};
@@ -114,7 +115,7 @@ pub use direct::DirectQp;
 pub use handler::Handler;
 pub use pass_timer::{CLOCK_READ_INTERVAL, PassTimer};
 pub use placement::{CorePreference, Placement, pin_current_thread, usable_cores};
-pub use source::{PeerLink, QpSource};
+pub use source::{NoLink, PeerLink, QpSource};
 pub use spin::{SPIN_POLLS, Spin, Spun};
 pub use wait::Waker;
 
@@ -381,6 +382,34 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let mut spec = self.qp_spec(name);
         spec.qp.remote_access = remote_access;
         spec
+    }
+
+    /// Two QPs of `pd` on this reactor's CQs (and its shared receive
+    /// queue, if it has one), granting `access`, connected to each other:
+    /// add each as a session of its own with `reactor.add(vec![qp], ..)`.
+    /// Both ends in one process, on one device: what a test or a benchmark
+    /// over [`Context::loopback`](crate::verbs::Context::loopback) (or one
+    /// real device) needs, with no session layer.
+    pub fn connected_pair(
+        &mut self,
+        pd: &ProtectionDomain,
+        access: AccessFlags,
+    ) -> Result<(QueuePair, QueuePair)> {
+        let mut qp = |name: &str| {
+            let spec = self.qp_spec_with_access(name, access);
+            let CqChoice::Shared(cq) = spec.cq else {
+                unreachable!("qp_spec always shares the reactor's CQs")
+            };
+            match &spec.srq {
+                Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
+                None => pd.create_qp(&cq, &cq, &spec.qp),
+            }
+        };
+        let (mut a, mut b) = (qp("a")?, qp("b")?);
+        let (to_a, to_b) = (a.endpoint(), b.endpoint());
+        a.connect(&to_b)?;
+        b.connect(&to_a)?;
+        Ok((a, b))
     }
 
     /// A server configuration whose QPs report to this reactor (spread

@@ -90,16 +90,21 @@ impl PeerLink for SessionLink {
     }
 }
 
+/// The link of QPs connected by other means ([`Vec<QueuePair>`] as a
+/// [`QpSource`]): nothing to watch, so the peer is always taken to be there.
+/// A reactor serving only such sessions is a `Reactor<H, NoLink>`.
+pub type NoLink = ();
+
 /// QPs connected by other means, with nothing to watch.
 impl QpSource for Vec<QueuePair> {
-    type Link = ();
+    type Link = NoLink;
 
-    fn into_parts(self) -> (Vec<QueuePair>, ()) {
+    fn into_parts(self) -> (Vec<QueuePair>, NoLink) {
         (self, ())
     }
 }
 
-impl PeerLink for () {}
+impl PeerLink for NoLink {}
 
 /// Any link, for a reactor serving sessions of several kinds.
 impl PeerLink for Box<dyn PeerLink> {

@@ -12,7 +12,6 @@ use rdma_comm_core::Error;
 use rdma_comm_core::reactor::*;
 use rdma_comm_core::session::*;
 use rdma_comm_core::verbs::*;
-use rdma_perf::loopback::connected_pair;
 
 use super::insecure;
 
@@ -471,7 +470,7 @@ pub fn add_ping_pong(
 }
 
 /// Builds a ping-pong on one reactor over two of its QPs connected to each
-/// other directly ([`connected_pair`]), with no session: each side's
+/// other directly ([`Reactor::connected_pair`]), with no session: each side's
 /// inbox is registered for the other's WRITEs instead of exported through
 /// memory windows, so it runs on the loopback device too. Returns the
 /// outcomes (pinger, echoer).
@@ -489,7 +488,7 @@ pub fn add_ping_pong_on_qps(
     let (server_inbox, client_inbox) = (inbox(), inbox());
     let client_source = pd.alloc_mr(size.max(64), AccessFlags::LOCAL_WRITE).unwrap();
     let (server_qp, client_qp) =
-        connected_pair(reactor, pd, AccessFlags::REMOTE_WRITE).expect("two connected QPs");
+        reactor.connected_pair(pd, AccessFlags::REMOTE_WRITE).expect("two connected QPs");
     let ping = Arc::new(Outcome::default());
     let echo = Arc::new(Outcome::default());
     let mut pinger = Pinger::new(

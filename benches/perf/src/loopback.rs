@@ -3,40 +3,11 @@
 //! `loopback_path` program (`tools/instr-count --host`) and the host tests
 //! of the reactor set up, so the reactor's own path runs with no NIC.
 
-use rdma_comm_core::reactor::{Handler, PeerLink, Reactor, ReactorConfig, SessionId};
-use rdma_comm_core::session::CqChoice;
-use rdma_comm_core::verbs::{AccessFlags, Context, ProtectionDomain, QueuePair, Registration};
-use rdma_comm_core::{Error, Result};
+use rdma_comm_core::Result;
+use rdma_comm_core::reactor::{Reactor, ReactorConfig, SessionId};
+use rdma_comm_core::verbs::{AccessFlags, Context, ProtectionDomain, Registration};
 
 use crate::{PerfBuffers, PerfHandler};
-
-/// Two QPs of `pd` on `reactor`'s CQs and, if it has one, its shared
-/// receive queue (as [`Reactor::qp_spec_with_access`] gives them),
-/// granting `access`, connected to each other: ready for [`Reactor::add`]
-/// as `vec![qp]` sources.
-pub fn connected_pair<H: Handler, L: PeerLink>(
-    reactor: &mut Reactor<H, L>,
-    pd: &ProtectionDomain,
-    access: AccessFlags,
-) -> Result<(QueuePair, QueuePair)> {
-    let mut qp = |name: &str| {
-        let spec = reactor.qp_spec_with_access(name, access);
-        let CqChoice::Shared(cq) = spec.cq else {
-            return Err(Error::InvalidArgument(
-                "qp_spec did not share the reactor's CQ",
-            ));
-        };
-        match &spec.srq {
-            Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
-            None => pd.create_qp(&cq, &cq, &spec.qp),
-        }
-    };
-    let (mut a, mut b) = (qp("a")?, qp("b")?);
-    let (to_a, to_b) = (a.endpoint(), b.endpoint());
-    a.connect(&to_b)?;
-    b.connect(&to_a)?;
-    Ok((a, b))
-}
 
 /// A reactor on a new loopback device holding a client and a server
 /// session of one connection, built by [`perf_pair`].
@@ -105,7 +76,7 @@ pub fn perf_pair_on(
     };
     let mut reactor: Reactor<PerfHandler, ()> = Reactor::new(pd, config)?;
     let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
-    let (client_qp, server_qp) = connected_pair(&mut reactor, pd, access)?;
+    let (client_qp, server_qp) = reactor.connected_pair(pd, access)?;
     let buffer = || pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | access);
     let (client_buf, server_buf) = (buffer()?, buffer()?);
     let (to_server, to_client) = (server_buf.remote()?, client_buf.remote()?);
