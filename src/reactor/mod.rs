@@ -622,14 +622,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         std::mem::take(&mut self.spin_polls)
     }
 
-    /// Asks the reactor's `run` loop to return after this pass.
-    pub fn stop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-    }
-
-    /// Whether a [`Stopper`], [`Ctx::stop`] or [`stop`](Self::stop) asked
-    /// the reactor to stop since `run` last returned: for a loop of its own.
-    pub fn stop_requested(&self) -> bool {
+    /// Whether a [`Stopper`] or [`Ctx::stop`] asked the reactor to stop
+    /// since `run` last returned: for the runtime's loop.
+    pub(crate) fn stop_requested(&self) -> bool {
         self.stop.load(Ordering::Acquire)
     }
 }
