@@ -5,11 +5,13 @@
 //! errno values stay raw until displayed, so errors can be returned from the
 //! data path.
 
-use std::fmt;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+
+use crate::verbs::cm::CmEventKind;
+use crate::verbs::{WcOpcode, WcStatus};
 
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -369,178 +371,9 @@ fn expected_suffix(expected: Option<CmEventKind>) -> String {
     expected.map_or_else(String::new, |e| format!(" instead of {e}"))
 }
 
-/// What a connection-manager event reports (`enum rdma_cm_event_type`).
-/// Defined here, beside the error that names it, and re-exported by
-/// [`verbs::cm`](crate::verbs::cm).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum CmEventKind {
-    /// `rdma_resolve_addr` succeeded: the id is bound to a device.
-    AddrResolved,
-    /// `rdma_resolve_addr` failed (status: a negative errno).
-    AddrError,
-    /// `rdma_resolve_route` succeeded.
-    RouteResolved,
-    /// `rdma_resolve_route` failed.
-    RouteError,
-    /// A peer asks to connect to a listening id; the event carries the new
-    /// id (`CmEvent::take_request`).
-    ConnectRequest,
-    /// The peer accepted our connect request: call `CmId::establish`.
-    ConnectResponse,
-    /// Establishing the connection failed.
-    ConnectError,
-    /// The peer did not answer (or its answer was unusable).
-    Unreachable,
-    /// The peer rejected the request (status: the transport's reason).
-    Rejected,
-    /// The connection is up.
-    Established,
-    /// The connection is gone: the peer disconnected, or its process died
-    /// and its kernel tore its side down. A host that dies, or a network
-    /// partition, sends nothing: no event comes, and only traffic (a QP's
-    /// retries running out) or a keepalive notices it.
-    Disconnected,
-    /// The device the id is bound to was removed; destroy the id.
-    DeviceRemoval,
-    /// A multicast join completed (datagram ids only).
-    MulticastJoin,
-    /// A multicast join failed (datagram ids only).
-    MulticastError,
-    /// The address's network device changed its hardware address.
-    AddrChange,
-    /// The QP of a closed connection left its timewait state.
-    TimewaitExit,
-    /// An event this crate does not know.
-    Unknown,
-}
-
-impl CmEventKind {
-    /// rdma_cm's name for it, e.g. `RDMA_CM_EVENT_REJECTED`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::AddrResolved => "RDMA_CM_EVENT_ADDR_RESOLVED",
-            Self::AddrError => "RDMA_CM_EVENT_ADDR_ERROR",
-            Self::RouteResolved => "RDMA_CM_EVENT_ROUTE_RESOLVED",
-            Self::RouteError => "RDMA_CM_EVENT_ROUTE_ERROR",
-            Self::ConnectRequest => "RDMA_CM_EVENT_CONNECT_REQUEST",
-            Self::ConnectResponse => "RDMA_CM_EVENT_CONNECT_RESPONSE",
-            Self::ConnectError => "RDMA_CM_EVENT_CONNECT_ERROR",
-            Self::Unreachable => "RDMA_CM_EVENT_UNREACHABLE",
-            Self::Rejected => "RDMA_CM_EVENT_REJECTED",
-            Self::Established => "RDMA_CM_EVENT_ESTABLISHED",
-            Self::Disconnected => "RDMA_CM_EVENT_DISCONNECTED",
-            Self::DeviceRemoval => "RDMA_CM_EVENT_DEVICE_REMOVAL",
-            Self::MulticastJoin => "RDMA_CM_EVENT_MULTICAST_JOIN",
-            Self::MulticastError => "RDMA_CM_EVENT_MULTICAST_ERROR",
-            Self::AddrChange => "RDMA_CM_EVENT_ADDR_CHANGE",
-            Self::TimewaitExit => "RDMA_CM_EVENT_TIMEWAIT_EXIT",
-            Self::Unknown => "RDMA_CM_EVENT_(unknown)",
-        }
-    }
-
-    /// True for the events that end an operation or a connection in
-    /// failure (address, route and connect errors, unreachable, rejected,
-    /// disconnected, device removal).
-    pub fn is_failure(self) -> bool {
-        matches!(
-            self,
-            Self::AddrError
-                | Self::RouteError
-                | Self::ConnectError
-                | Self::Unreachable
-                | Self::Rejected
-                | Self::Disconnected
-                | Self::DeviceRemoval
-        )
-    }
-}
-
-impl fmt::Display for CmEventKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
 fn with_peer_suffix(peer: Option<SocketAddr>) -> String {
     peer.map(|p| format!(" with {p}")).unwrap_or_default()
 }
-
-/// A completion status (`IBV_WC_*`). The values are rdma-core's
-/// `enum ibv_wc_status` (a verbs test checks them against the bindings).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct WcStatus(pub u32);
-
-/// The operation a completion reports (`IBV_WC_*` opcodes, rdma-core's
-/// `enum ibv_wc_opcode`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct WcOpcode(pub u32);
-
-macro_rules! named_constants {
-    ($ty:ident { $($name:ident = $value:expr),* $(,)? }) => {
-        #[allow(missing_docs)]
-        impl $ty {
-            $(pub const $name: Self = Self($value);)*
-
-            /// The verbs name of this value, e.g. `IBV_WC_REM_ACCESS_ERR`.
-            pub fn name(self) -> &'static str {
-                match self.0 {
-                    $(v if v == $value => concat!("IBV_WC_", stringify!($name)),)*
-                    _ => "IBV_WC_(unknown)",
-                }
-            }
-        }
-
-        impl fmt::Debug for $ty {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.name())
-            }
-        }
-
-        impl fmt::Display for $ty {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.name())
-            }
-        }
-    };
-}
-
-named_constants!(WcStatus {
-    SUCCESS = 0,
-    LOC_LEN_ERR = 1,
-    LOC_QP_OP_ERR = 2,
-    LOC_EEC_OP_ERR = 3,
-    LOC_PROT_ERR = 4,
-    WR_FLUSH_ERR = 5,
-    MW_BIND_ERR = 6,
-    BAD_RESP_ERR = 7,
-    LOC_ACCESS_ERR = 8,
-    REM_INV_REQ_ERR = 9,
-    REM_ACCESS_ERR = 10,
-    REM_OP_ERR = 11,
-    RETRY_EXC_ERR = 12,
-    RNR_RETRY_EXC_ERR = 13,
-    LOC_RDD_VIOL_ERR = 14,
-    REM_INV_RD_REQ_ERR = 15,
-    REM_ABORT_ERR = 16,
-    INV_EECN_ERR = 17,
-    INV_EEC_STATE_ERR = 18,
-    FATAL_ERR = 19,
-    RESP_TIMEOUT_ERR = 20,
-    GENERAL_ERR = 21,
-});
-
-named_constants!(WcOpcode {
-    SEND = 0,
-    RDMA_WRITE = 1,
-    RDMA_READ = 2,
-    COMP_SWAP = 3,
-    FETCH_ADD = 4,
-    BIND_MW = 5,
-    LOCAL_INV = 6,
-    RECV = 128,
-    RECV_RDMA_WITH_IMM = 129,
-});
 
 /// Turns the result of a libc call that returns -1 and sets `errno` on
 /// failure into a `Result` naming what was being done.

@@ -11,6 +11,15 @@ use rdma_comm_core::reactor::*;
 use util::reactor::*;
 use util::*;
 
+/// How the tests lay QPs out over reactors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ThreadMode {
+    /// Every QP gets its own reactor on its own thread.
+    PerQp,
+    /// All QPs share one reactor and its CQs.
+    SharedCq,
+}
+
 const RUN_DEADLINE: Duration = Duration::from_secs(120);
 const PING_ITERS: u64 = 2_000;
 const STREAM_MESSAGES: u64 = 20_000;
@@ -155,10 +164,7 @@ fn stream(event_mode: EventMode, thread_mode: ThreadMode, slow: Option<Duration>
             // On a hang, show where each side's queues and credits stood.
             for (side, reactor) in [("sink", &server), ("streamer", &client)] {
                 for conn in reactor.sessions().flat_map(|s| reactor.conns(s)) {
-                    println!(
-                        "{side} {conn:?}: (sq used, slots used, credits) {:?}",
-                        reactor.conn_stats(conn)
-                    );
+                    println!("{side} {conn:?}: {:?}", reactor.conn_stats(conn));
                 }
             }
             println!(

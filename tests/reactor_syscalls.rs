@@ -15,6 +15,10 @@ use util::reactor::*;
 use util::syscalls::SyscallCounter;
 use util::*;
 
+/// About how often the reactor's pass timer reads the clock (its documented
+/// interval): `run_for` may read it about this often, and no more.
+const CLOCK_READ_INTERVAL: Duration = Duration::from_millis(2);
+
 verbs_test! {
     fn the_busy_poll_path_makes_no_syscalls_of_its_own() {
         let counter = SyscallCounter::open()

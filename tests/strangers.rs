@@ -15,11 +15,11 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rdma_comm_core::Error;
-use rdma_comm_core::error::WcStatus;
 use rdma_comm_core::session::wire::{
     FrameReader, Handshake, Hello, MAX_PAYLOAD, Message, PROOF_LEN, QpInfo, WireError,
 };
 use rdma_comm_core::session::*;
+use rdma_comm_core::verbs::WcStatus;
 use rdma_comm_core::verbs::*;
 use socket2::{Domain, Socket, Type};
 use util::ping_pong::start_server;

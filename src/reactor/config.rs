@@ -20,16 +20,6 @@ pub enum EventMode {
     Epoll,
 }
 
-/// One reactor per QP, or many QPs on one reactor's shared CQs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ThreadMode {
-    /// Every QP gets its own reactor on its own pinned thread.
-    PerQp,
-    /// All QPs share one reactor and its CQs.
-    #[default]
-    SharedCq,
-}
-
 /// Reactor sizing and behaviour. `Default` suits small-message RPC.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReactorConfig {

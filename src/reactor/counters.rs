@@ -56,3 +56,16 @@ pub struct MemoryUse {
     /// Connections counted (closed ones still holding their rings included).
     pub connections: usize,
 }
+
+/// Where one connection's send queue, send slots and credits stand, read
+/// between passes (for diagnostics and tests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConnStats {
+    /// Send-queue entries in use: posted or staged, not yet known complete.
+    pub sq_used: u32,
+    /// Send slots holding a payload that is staged or in flight.
+    pub send_slots_used: u32,
+    /// RECV-consuming requests (SEND, WRITE_WITH_IMM) the peer has receives
+    /// posted for; negative before the peer's first credit update.
+    pub credits: i32,
+}

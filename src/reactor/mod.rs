@@ -108,15 +108,17 @@ use wait::Waiter;
 
 #[cfg(test)]
 pub(crate) use config::slab_key_for_tests;
-pub use config::{ConnId, EventMode, ReactorConfig, SendError, SessionId, ThreadMode};
-pub use counters::{Counters, MemoryUse};
+pub use config::{ConnId, EventMode, ReactorConfig, SendError, SessionId};
+pub use counters::{ConnStats, Counters, MemoryUse};
 pub use ctx::{Ctx, HeldRecv, Staging};
 pub use direct::DirectQp;
 pub use handler::Handler;
-pub use pass_timer::{CLOCK_READ_INTERVAL, PassTimer};
+pub use pass_timer::PassTimer;
 pub use placement::{CorePreference, Placement, pin_current_thread, usable_cores};
 pub use source::{NoLink, PeerLink, QpSource};
-pub use spin::{SPIN_POLLS, Spin, Spun};
+#[cfg(test)]
+use spin::SPIN_POLLS;
+pub use spin::{Spin, Spun};
 pub use wait::Waker;
 
 /// Bytes of every slot the reactor keeps back: a SEND carries at most
@@ -482,9 +484,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             .flat_map(|s| s.conns.iter().copied())
     }
 
-    /// Send-queue entries in use, send slots in use and credits of `conn`.
-    pub fn conn_stats(&self, conn: ConnId) -> Option<(u32, u32, i32)> {
-        self.conns.get(conn.key()).map(Conn::stats)
+    /// Where `conn`'s send queue, send slots and credits stand (`None` once
+    /// it is removed).
+    pub fn conn_stats(&self, conn: ConnId) -> Option<ConnStats> {
+        self.conns.get(conn.key()).map(|conn| {
+            let (sq_used, send_slots_used, credits) = conn.stats();
+            ConnStats {
+                sq_used,
+                send_slots_used,
+                credits,
+            }
+        })
     }
 
     /// Completions the reactor ignored because nothing of its own posted
@@ -636,19 +646,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// CQ poll or a completion each: a loop that paces other work by
     /// counting passes (a [`PassTimer`] of [`pass_timer`](Self::pass_timer))
     /// counts them too, each about the cost of an empty pass, or a pass
-    /// that spun (up to [`SPIN_POLLS`] of them) would count as one.
+    /// that spun (up to 16384 of them) would count as one.
     pub fn take_spin_polls(&mut self) -> u32 {
         std::mem::take(&mut self.spin_polls)
     }
 
-    /// Asks the reactor's `run` loop to return after this pass.
-    pub fn stop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-    }
-
-    /// Whether a [`Stopper`], [`Ctx::stop`] or [`stop`](Self::stop) asked
-    /// the reactor to stop since `run` last returned: for a loop of its own.
-    pub fn stop_requested(&self) -> bool {
+    /// Whether a [`Stopper`] or [`Ctx::stop`] asked the reactor to stop
+    /// since `run` last returned: for the runtime's loop.
+    pub(crate) fn stop_requested(&self) -> bool {
         self.stop.load(Ordering::Acquire)
     }
 }

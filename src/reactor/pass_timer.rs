@@ -4,13 +4,13 @@
 //! but a real `clock_gettime` syscall when it is not (an HPET, as in many
 //! VMs). Once per pass, that syscall would cost more than the pass itself.
 //! A [`PassTimer`] counts passes instead and reads the clock about every
-//! [`CLOCK_READ_INTERVAL`], learning from each reading how many passes that is.
+//! `CLOCK_READ_INTERVAL`, learning from each reading how many passes that is.
 
 use std::time::{Duration, Instant};
 
 /// About how often a [`PassTimer`] reads the clock (or every period, if
 /// shorter).
-pub const CLOCK_READ_INTERVAL: Duration = Duration::from_millis(2);
+pub(crate) const CLOCK_READ_INTERVAL: Duration = Duration::from_millis(2);
 
 /// Most passes between two clock readings, whatever the passes cost: bounds
 /// how late a period can be noticed when passes suddenly become slow.
@@ -21,20 +21,10 @@ const MAX_STRIDE: u32 = 1 << 15;
 /// idle stays short enough once traffic starts.
 const BUSY_PASS_WEIGHT: u32 = 64;
 
-/// Says when a period has passed, for a loop that calls it once per pass.
-///
-/// ```
-/// use rdma_comm_core::reactor::PassTimer;
-/// use std::time::Duration;
-///
-/// let mut every_100ms = PassTimer::new(Duration::from_millis(100));
-/// for _ in 0..1000 {
-///     // reactor.turn()?;
-///     if every_100ms.expired() {
-///         // check the peers, print progress, ...
-///     }
-/// }
-/// ```
+/// Says when a period has passed, for a loop that calls it once per pass;
+/// [`Reactor::pass_timer`](super::Reactor::pass_timer) makes one suited to
+/// the reactor's event mode. It reads the clock about every 2 ms (or every
+/// period, if shorter).
 #[derive(Debug, Clone)]
 pub struct PassTimer {
     period: Duration,
@@ -48,7 +38,7 @@ pub struct PassTimer {
 
 impl PassTimer {
     /// A timer for a busy loop, whose first period starts now.
-    pub fn new(period: Duration) -> Self {
+    pub(crate) fn new(period: Duration) -> Self {
         let now = Instant::now();
         Self {
             period,
@@ -63,7 +53,7 @@ impl PassTimer {
     /// A timer for a loop whose passes may block (an event-mode reactor's):
     /// counting passes says nothing about time there, and a pass that may
     /// sleep is long enough to read the clock every time.
-    pub fn reading_every_pass(period: Duration) -> Self {
+    pub(crate) fn reading_every_pass(period: Duration) -> Self {
         Self {
             adaptive: false,
             ..Self::new(period)
@@ -85,16 +75,18 @@ impl PassTimer {
     }
 
     /// Counts one pass. True once per elapsed period (noticed at the next
-    /// clock reading, so up to about [`CLOCK_READ_INTERVAL`] late); the
+    /// clock reading, so up to about `CLOCK_READ_INTERVAL` late); the
     /// next period starts then.
-    #[inline]
-    pub fn expired(&mut self) -> bool {
+    #[cfg(test)]
+    fn expired(&mut self) -> bool {
         self.count(1)
     }
 
     /// Counts one reactor pass that handled `completions` (what
     /// [`Reactor::turn`](super::Reactor::turn) returned): one that did work
-    /// weighs more than an empty one. Otherwise as [`expired`](Self::expired).
+    /// weighs more than an empty one. True once per elapsed period (noticed at
+    /// the next clock reading, so up to about 2 ms late); the next period
+    /// starts then.
     #[inline]
     pub fn expired_after(&mut self, completions: usize) -> bool {
         self.count(if completions == 0 {

@@ -8,7 +8,7 @@
 //! routes every completion, so a stranger's, another connection's or a
 //! failed one never reaches the spinning handler.
 //!
-//! A spin is bounded: the spins of one pass make at most [`SPIN_POLLS`]
+//! A spin is bounded: the spins of one pass make at most `SPIN_POLLS`
 //! polls and completions, and a spin ends when the reactor is asked to
 //! stop (seen at its next poll that finds nothing) or at that first
 //! completion it may not hand over; the reactor then finishes its pass
@@ -38,7 +38,7 @@ use super::{ConnId, Ctx, POLL_BATCH, SendError, SessionId};
 /// that mostly waits on memory between polls (a WRITE ping-pong watching
 /// for its answer's byte, polling the CQ only to reap a signaled WRITE)
 /// holds a spin for that many of its own polls, however long its waits.
-pub const SPIN_POLLS: u32 = 1 << 14;
+pub(crate) const SPIN_POLLS: u32 = 1 << 14;
 
 /// Bits of a `wr_id` that the reactor writes on a direct connection's
 /// requests (its tags); the low half is the handler's.
@@ -277,7 +277,7 @@ impl Ctx<'_> {
     /// not hand over, as a panic loses the rest of a pass's batch; one
     /// that forgets its `Spin` (`mem::forget`) loses its own completions
     /// the spin held, but not another's, and keeps the pass's budget.
-    /// It ends too when the pass's spins spent [`SPIN_POLLS`] (a poll or
+    /// It ends too when the pass's spins spent 16384 polls (a poll or
     /// a completion each) and when the reactor is asked to stop (seen at
     /// the next poll that finds nothing), so the reactor's own work waits
     /// for about that many empty passes' time. (A runtime's stop is seen
@@ -292,7 +292,7 @@ impl Ctx<'_> {
     /// for another session's; [`SendError::Closed`] for a connection that
     /// failed or is gone; [`SendError::WouldBlock`] while an earlier
     /// spin's completions wait for the reactor or once this pass's spins
-    /// spent [`SPIN_POLLS`]: until the next idle pass (asking again in a
+    /// spent those 16384: until the next idle pass (asking again in a
     /// loop within this `on_idle` never succeeds).
     pub fn spin(&mut self, conn: ConnId) -> Result<Spin<'_>, SendError> {
         let Some(loan) = self.loan.as_mut() else {

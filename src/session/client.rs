@@ -431,7 +431,8 @@ mod tests {
 
     #[test]
     fn only_a_real_timeout_counts_as_one() {
-        use crate::error::{CmEventKind, CmFailure};
+        use crate::error::CmFailure;
+        use crate::verbs::cm::CmEventKind;
         let peer = "127.0.0.1:7174".parse().unwrap();
         let connect = |kind: io::ErrorKind| Error::ConnectTimeout {
             addr: "the server".into(),

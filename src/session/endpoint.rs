@@ -352,7 +352,7 @@ impl Endpoint {
 /// Longest [`SessionLink::wait_for_peer`] sleeps at a time over the
 /// connection manager, whose goodbye it cannot sleep on: how late it may
 /// see one.
-pub const CM_GOODBYE_SLICE: Duration = Duration::from_millis(50);
+pub(crate) const CM_GOODBYE_SLICE: Duration = Duration::from_millis(50);
 
 impl SessionLink {
     /// The peer's control address.
@@ -420,7 +420,7 @@ impl SessionLink {
     /// longer than that frame's deadline; and over the connection manager,
     /// where the goodbye arrives on a CQ it cannot sleep on (only the
     /// peer's leaving reaches the event channel), it sleeps at most
-    /// [`CM_GOODBYE_SLICE`] at a time.
+    /// 50 ms at a time.
     pub fn wait_for_peer(&mut self, timeout: Duration) -> PeerStatus {
         let status = self.check_peer();
         if !matches!(status, PeerStatus::Alive) {

@@ -44,9 +44,7 @@ use std::time::{Duration, Instant};
 pub use auth::{AUTH_KEY_ENV, AuthKey, MIN_KEY_LEN};
 pub use client::{ClientConfig, ClientSession};
 pub use cm::CONTROL_BUFFERS;
-pub use endpoint::{
-    CM_GOODBYE_SLICE, CloseReport, Endpoint, NamedRegion, PeerStatus, SessionLink, SessionQp,
-};
+pub use endpoint::{CloseReport, Endpoint, NamedRegion, PeerStatus, SessionLink, SessionQp};
 pub use handshake::{PeerHello, Refusal};
 pub use server::{
     AuthorizeFn, ExportFn, FailureFn, HandshakeFailure, MAX_RECORDED_FAILURES, PlaceFn, QpHome,

@@ -371,7 +371,7 @@ fn check_handshake(h: &Handshake) -> Result<(), WireError> {
 }
 
 /// Checks a header against `max_payload` and returns (kind, payload length).
-pub fn decode_header(
+pub(crate) fn decode_header(
     header: &[u8; FRAME_HEADER_LEN],
     max_payload: u32,
 ) -> Result<(u16, u32), WireError> {

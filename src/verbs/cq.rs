@@ -7,8 +7,8 @@ use std::ptr::{self, NonNull};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
+use super::wc::{WcOpcode, WcStatus};
 use crate::error::{Error, Result, os_result};
-pub use crate::error::{WcOpcode, WcStatus};
 use crate::sys;
 
 use super::device::{Context, ContextInner};

@@ -23,11 +23,11 @@ mod pd;
 mod qp;
 mod qp_config;
 mod srq;
+mod wc;
 mod wr;
 
 pub use cq::{
-    CompletionChannel, CompletionQueue, CqId, CqSource, PollFailed, SharedCq, WcOpcode, WcStatus,
-    WorkCompletion,
+    CompletionChannel, CompletionQueue, CqId, CqSource, PollFailed, SharedCq, WorkCompletion,
 };
 pub use device::{
     Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState, devices,
@@ -44,6 +44,7 @@ pub use qp_config::QpConfig;
 pub use srq::{SharedReceiveQueue, SrqAttachment};
 #[cfg(test)]
 pub(crate) use srq::{refuse_srq_recvs_after, srq_posted_wr_ids};
+pub use wc::{WcOpcode, WcStatus};
 pub use wr::{Batch, RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
 
 use std::os::raw::c_int;

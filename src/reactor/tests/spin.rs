@@ -337,7 +337,7 @@ fn a_spin_ends_after_its_budget_and_when_the_reactor_stops() {
             false
         });
         if stopping {
-            reactor.stop();
+            reactor.stopper().stop();
         }
         idle_pass(&mut reactor);
         let seen = seen.borrow();

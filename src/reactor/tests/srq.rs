@@ -327,7 +327,7 @@ fn hold_six_forward_two(
         forward_all(ctx, relay.conn, forwarded);
     });
     reactor.turn().expect("the pass that posts the forwards");
-    let (sq_used, _, _) = reactor.conn_stats(relay.conn).expect("relay");
+    let sq_used = reactor.conn_stats(relay.conn).expect("relay").sq_used;
     assert!(sq_used >= 2, "the forwards are in flight ({sq_used})");
     (held, forwarded_slots)
 }
@@ -562,11 +562,11 @@ fn forwarded_slots_of_a_removed_origin_are_posted_by_the_pass_that_retires_them(
     for slot in &forwarded {
         assert!(!account.has(*slot), "slot {slot} back while in flight");
     }
-    let (sq_used, _, _) = reactor.conn_stats(relay.conn).expect("relay");
+    let sq_used = reactor.conn_stats(relay.conn).expect("relay").sq_used;
     assert!(sq_used >= 2, "the forwards are in flight ({sq_used})");
 
     reactor.turn().expect("the pass that retires the forwards");
-    let (sq_used, _, _) = reactor.conn_stats(relay.conn).expect("relay");
+    let sq_used = reactor.conn_stats(relay.conn).expect("relay").sq_used;
     assert_eq!(sq_used, 0, "this pass retired the forwards");
     let account = srq_account(&reactor);
     for slot in &forwarded {

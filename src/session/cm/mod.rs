@@ -31,7 +31,8 @@ use std::time::{Duration, Instant};
 use super::handshake::FrameIo;
 use super::reject_code;
 use super::wire::{self, FrameReader, WireError};
-use crate::error::{CmEventKind, CmFailure, Error, Result};
+use crate::error::{CmFailure, Error, Result};
+use crate::verbs::cm::CmEventKind;
 use crate::verbs::cm::{CmEvent, CmId, ConnectRequest, EventChannel};
 
 use crate::verbs::{
