@@ -570,8 +570,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     pub fn run(&mut self) -> Result<()> {
         // A plain load per pass: a locked read-modify-write on every empty
         // busy-poll pass would cost more than the poll itself.
-        while !self.stop.load(Ordering::Acquire) {
-            self.turn()?;
+        if self.config.event_mode == EventMode::BusyPoll {
+            self.busy_run()?;
+        } else {
+            while !self.stop.load(Ordering::Acquire) {
+                self.turn()?;
+            }
         }
         self.stop.store(false, Ordering::Release);
         Ok(())
