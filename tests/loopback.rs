@@ -129,7 +129,9 @@ fn small_rings() -> ReactorConfig {
 /// Adds two sessions of one connection each, connected to each other, and
 /// runs passes until both are established.
 fn add_pair(reactor: &mut Reactor<Recorder, ()>, pd: &ProtectionDomain) -> (End, End) {
-    let (a, b) = reactor.connected_pair(pd, ACCESS).expect("two connected QPs");
+    let (a, b) = reactor
+        .connected_pair(pd, ACCESS)
+        .expect("two connected QPs");
     let mut add = |qp: QueuePair| {
         let recorder = Recorder::default();
         let (seen, relay, held) = (

@@ -144,8 +144,9 @@ fn add_pair(
     server: BoxedHandler,
     client: BoxedHandler,
 ) -> (SessionId, SessionId) {
-    let (server_qp, client_qp) =
-        reactor.connected_pair(pd, AccessFlags::empty()).expect("two connected QPs");
+    let (server_qp, client_qp) = reactor
+        .connected_pair(pd, AccessFlags::empty())
+        .expect("two connected QPs");
     let server = reactor
         .add(vec![server_qp], server)
         .expect("add server side");
@@ -345,8 +346,9 @@ fn a_forged_completion_does_not_free_an_in_flight_slot() {
 fn add_refuses_a_qp_something_was_posted_on() {
     let pd = loopback_pd();
     let mut reactor = new_reactor(&pd, false);
-    let (server_qp, mut client_qp) =
-        reactor.connected_pair(&pd, AccessFlags::empty()).expect("two connected QPs");
+    let (server_qp, mut client_qp) = reactor
+        .connected_pair(&pd, AccessFlags::empty())
+        .expect("two connected QPs");
     let own = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     assert!(!client_qp.has_posted());
     client_qp

@@ -487,8 +487,9 @@ pub fn add_ping_pong_on_qps(
     };
     let (server_inbox, client_inbox) = (inbox(), inbox());
     let client_source = pd.alloc_mr(size.max(64), AccessFlags::LOCAL_WRITE).unwrap();
-    let (server_qp, client_qp) =
-        reactor.connected_pair(pd, AccessFlags::REMOTE_WRITE).expect("two connected QPs");
+    let (server_qp, client_qp) = reactor
+        .connected_pair(pd, AccessFlags::REMOTE_WRITE)
+        .expect("two connected QPs");
     let ping = Arc::new(Outcome::default());
     let echo = Arc::new(Outcome::default());
     let mut pinger = Pinger::new(
