@@ -289,3 +289,33 @@ fn rpings_server_runs_only_when_told_it_serves_anyone() {
     let args = ["-s", "-a", "127.0.0.1"];
     assert_refused_output(&run("rping", &args), "rping", &args, "-s", "--insecure");
 }
+
+#[test]
+fn echo_refuses_a_missing_role_sizes_out_of_range_and_an_unresolved_server() {
+    assert_refused(
+        "echo",
+        &[],
+        "--server",
+        "say --server, --connect HOST:PORT or --loopback",
+    );
+    for size in ["7", "4093"] {
+        assert_refused(
+            "echo",
+            &["--connect", "127.0.0.1:9", "--size", size],
+            &format!("--size {size}"),
+            "must be 8 to 4092",
+        );
+    }
+    assert_refused(
+        "echo",
+        &["--connect", "nohost.invalid:7471"],
+        "--connect nohost.invalid:7471",
+        "must be HOST:PORT",
+    );
+    assert_refused(
+        "echo",
+        &["--connect", "127.0.0.1:9", "--count", "0"],
+        "--count 0",
+        "must be 1 to 1000000000000",
+    );
+}

@@ -10,6 +10,22 @@ use super::{ConnId, Ctx, SessionId};
 ///
 /// Callbacks run on the reactor thread and must not block; work they stage
 /// through the [`Ctx`] goes out at the end of the pass.
+///
+/// # Sending: credits and `WouldBlock`
+///
+/// A SEND (and a WRITE with an immediate) consumes one of the receives the
+/// peer has posted for this connection, and the reactor sends only what
+/// the peer has announced room for (its credits), so the peer never sees
+/// an RNR. Staging returns [`SendError::WouldBlock`](super::SendError::WouldBlock)
+/// when no credit or send-queue entry is left. Nothing is lost or queued
+/// then: keep the message and stage it again later, in order, from the
+/// next callback or from [`on_idle`](Self::on_idle), which runs whenever a
+/// pass finds nothing to do. Credits come back as the peer reposts the
+/// receives it consumed, with its next message or a credit update the
+/// reactor sends by itself, so a handler that retries from `on_idle` never
+/// stalls. A handler that keeps received messages ([`Ctx::hold`]) holds
+/// its own receives: the peer gets their credits back only once they are
+/// released or forwarded. `examples/echo.rs` shows both rules.
 #[allow(unused_variables)]
 pub trait Handler {
     /// The peer's first credit update arrived: the connection can send.
