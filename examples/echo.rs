@@ -253,7 +253,12 @@ fn report(client: &Client, started: Instant) -> bool {
 /// Server: one reactor per core (a runtime), each session placed on one.
 fn server(args: &Args, addr: SocketAddr) -> Result<bool> {
     let pd = Context::open_default(args.device.as_deref())?.alloc_pd()?;
-    let config = RuntimeConfig::default();
+    // The peer watch finds departed clients, whose sessions on_peer_gone
+    // removes.
+    let config = RuntimeConfig {
+        reactor: ReactorConfig::default().watching_peers(std::time::Duration::from_secs(1)),
+        ..RuntimeConfig::default()
+    };
     let reactor_config = config.reactor.clone();
     let mut runtime = Runtime::start(&pd, config, move |_: &NewSession<'_>| {
         Ok(Echo::new(&reactor_config))
@@ -284,8 +289,9 @@ fn client(args: &Args, addr: SocketAddr) -> Result<bool> {
 
 /// Both ends on one reactor over the loopback device.
 fn loopback(args: &Args) -> Result<bool> {
-    // SAFETY: the loopback device is used only through this process's own
-    // verbs objects, as `Context::loopback` requires.
+    // SAFETY: `Context::loopback` requires that no other thread touches
+    // registered bytes a post may copy: this thread serves every QP of the
+    // device, and nothing else in the process uses it.
     let ctx = unsafe { Context::loopback() };
     let pd = ctx.alloc_pd()?;
     let config = ReactorConfig::default();

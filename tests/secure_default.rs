@@ -336,11 +336,10 @@ fn a_departed_peer_frees_its_place_once_the_reactor_sees_it_leave() {
 fn a_runtime_that_cannot_see_peers_leave_refuses_a_peer_limit() {
     use rdma_comm_core::runtime::{NewSession, Runtime, RuntimeConfig};
     let pd = loopback_pd();
-    let mut config = RuntimeConfig {
+    let config = RuntimeConfig {
         reactors: 1,
         ..RuntimeConfig::default()
     };
-    config.reactor.peer_check_interval = None;
     let mut runtime =
         Runtime::start(&pd, config, |_: &NewSession<'_>| Ok(OnlyMessages)).expect("a runtime");
     let mut config = runtime.server_config(AccessFlags::empty());

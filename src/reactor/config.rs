@@ -83,11 +83,15 @@ pub struct ReactorConfig {
     pub idle_timeout: Duration,
     /// How often the reactor asks each session's peer link whether the peer
     /// is still there ([`Handler::on_peer_gone`](super::Handler::on_peer_gone));
-    /// `None` never asks, and then a departed peer is noticed only by a
-    /// failed completion. Every second by default. The check is
-    /// non-blocking and runs between passes (in busy-poll mode the clock is
-    /// read only every so many passes), but each check of a session's
-    /// control connection is a syscall.
+    /// `None` (the default) never asks, and then a departed peer is noticed
+    /// only by a failed completion: a server of sessions sets it
+    /// ([`watching_peers`](Self::watching_peers)). The check is
+    /// non-blocking and runs between passes, but each check of a session's
+    /// control connection is a syscall, and a busy-polling reactor reads
+    /// the clock every so many passes to know when the next is due, which
+    /// is a syscall too where the clocksource has no user-space reading
+    /// (no TSC, as in an emulated guest). Off by default so that the data
+    /// path makes no syscalls of its own anywhere.
     pub peer_check_interval: Option<Duration>,
     /// Connections the reactor makes room for when it is built: its
     /// connection and session records for this many (about 4 KiB of
@@ -125,15 +129,11 @@ impl Default for ReactorConfig {
             signal_interval: 16,
             max_inline: 64,
             idle_timeout: Duration::from_millis(10),
-            peer_check_interval: Some(DEFAULT_PEER_CHECK_INTERVAL),
+            peer_check_interval: None,
             reserve_connections: 0,
         }
     }
 }
-
-/// How often a reactor checks its peers unless told otherwise: a departed
-/// peer is noticed within about this long, at one syscall per session.
-const DEFAULT_PEER_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Largest CQ the reactor asks for: rxe and many NICs cap one CQ at about
 /// 32k entries, so more connections are spread over more CQs.

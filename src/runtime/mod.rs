@@ -391,7 +391,9 @@ impl Runtime {
     /// stops with the runtime.
     ///
     /// # Errors
-    /// Binding the listener; spawning its thread; a `max_peers` the
+    /// A configuration with neither a key nor `insecure_open` (as
+    /// [`ServerSession::bind`](crate::session::ServerSession::bind) refuses
+    /// it); binding the listener; spawning its thread; a `max_peers` the
     /// reactors could never free a place of (busy-polling reactors that do
     /// not watch peers never see one leave: see
     /// [`ReactorConfig::watching_peers`](crate::reactor::ReactorConfig::watching_peers)).

@@ -4,7 +4,7 @@
 //! of the reactor set up, so the reactor's own path runs with no NIC.
 
 use rdma_comm_core::Result;
-use rdma_comm_core::reactor::{Reactor, ReactorConfig, SessionId};
+use rdma_comm_core::reactor::{NoLink, Reactor, ReactorConfig, SessionId};
 use rdma_comm_core::verbs::{AccessFlags, Context, ProtectionDomain, Registration};
 
 use crate::{PerfBuffers, PerfHandler};
@@ -14,7 +14,7 @@ use crate::{PerfBuffers, PerfHandler};
 #[derive(Debug)]
 pub struct PerfPair {
     /// The reactor; [`Reactor::run`] it.
-    pub reactor: Reactor<PerfHandler, ()>,
+    pub reactor: Reactor<PerfHandler, NoLink>,
     /// The client's session.
     pub client: SessionId,
     /// Both exported buffers, registered until this is dropped even if a
@@ -69,12 +69,15 @@ pub fn perf_pair_on(
     server: impl FnOnce(PerfBuffers) -> PerfHandler,
     direct: bool,
 ) -> Result<PerfPair> {
+    // Both ends are QPs of this process (no link to watch): no peer watch,
+    // whose clock-paced checks would make a count depend on the run's speed.
     let config = ReactorConfig {
         signal_interval,
         slot_size: 256,
+        peer_check_interval: None,
         ..ReactorConfig::default()
     };
-    let mut reactor: Reactor<PerfHandler, ()> = Reactor::new(pd, config)?;
+    let mut reactor: Reactor<PerfHandler, NoLink> = Reactor::new(pd, config)?;
     let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
     let (client_qp, server_qp) = reactor.connected_pair(pd, access)?;
     let buffer = || pd.alloc_mr(2 * size, AccessFlags::LOCAL_WRITE | access);
