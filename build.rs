@@ -11,7 +11,7 @@
 //! re-implement header logic that changes between rdma-core releases.
 
 use std::env;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 const HEADERS: [&str; 2] = ["infiniband/verbs.h", "rdma/rdma_cma.h"];
 const INSTALL_HINT: &str = "install the Debian packages libibverbs-dev and librdmacm-dev \
@@ -131,7 +131,7 @@ fn search_dirs() -> (Vec<PathBuf>, Vec<PathBuf>) {
 
 fn add_new(dirs: &mut Vec<PathBuf>, more: impl IntoIterator<Item = PathBuf>) {
     for dir in more {
-        if !dirs.iter().any(|known| Path::new(known) == dir) {
+        if !dirs.contains(&dir) {
             dirs.push(dir);
         }
     }

@@ -487,14 +487,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Where `conn`'s send queue, send slots and credits stand (`None` once
     /// it is removed).
     pub fn conn_stats(&self, conn: ConnId) -> Option<ConnStats> {
-        self.conns.get(conn.key()).map(|conn| {
-            let (sq_used, send_slots_used, credits) = conn.stats();
-            ConnStats {
-                sq_used,
-                send_slots_used,
-                credits,
-            }
-        })
+        self.conns.get(conn.key()).map(Conn::stats)
     }
 
     /// Completions the reactor ignored because nothing of its own posted

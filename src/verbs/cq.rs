@@ -288,8 +288,8 @@ impl CompletionQueue {
         // transparent ibv_wc; the function pointer came from this CQ's context.
         let n = unsafe { (self.poll_fn)(self.inner.cq.as_ptr(), max, out.as_mut_ptr().cast()) };
         // This shape (a `Result<()>` and `?`, the count clamped) keeps the
-        // reactor's pass, which inlines it, as short as it was: returning
-        // the error from here measured 30 Ir more per protocol round trip.
+        // reactor's pass, which inlines it, short: returning the error from
+        // here costs the protocol's round trip more (`tools/instr-count --host`).
         if n < 0 {
             poll_failed(n, &self.inner.ctx.name)?;
         }

@@ -15,7 +15,7 @@ use crate::verbs::{
     SendDescriptor, SendFlags, SendList,
 };
 
-use super::{ConnId, DirectQp, ReactorConfig, SendError, SessionId};
+use super::{ConnId, ConnStats, DirectQp, ReactorConfig, SendError, SessionId};
 
 pub(crate) use credit::Arrival;
 use ring::RingSlots;
@@ -444,8 +444,12 @@ impl Conn {
     }
 
     /// Queue depths in use (for tests and diagnostics).
-    pub(crate) fn stats(&self) -> (u32, u32, i32) {
-        (self.sq_used(), self.send_in_use, self.credits())
+    pub(crate) fn stats(&self) -> ConnStats {
+        ConnStats {
+            sq_used: self.sq_used(),
+            send_slots_used: self.send_in_use,
+            credits: self.credits(),
+        }
     }
 }
 
