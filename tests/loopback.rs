@@ -836,7 +836,7 @@ fn a_write_keeps_its_source_registered_after_the_region_is_dropped() {
 }
 
 #[test]
-fn staging_on_one_connection_batches_every_kind_of_request_behind_one_lookup() {
+fn every_kind_of_request_staged_on_one_connection_leaves_in_one_batch() {
     // SAFETY: one thread serves every QP of this device and reads every byte.
     let ctx = unsafe { Context::loopback() };
     let pd = ctx.alloc_pd().unwrap();
@@ -850,24 +850,22 @@ fn staging_on_one_connection_batches_every_kind_of_request_behind_one_lookup() {
     exported.write(128, b"batched READ").unwrap();
 
     reactor.with_ctx(|ctx| {
-        let mut staging = ctx.staging(client.conn).expect("an open connection");
-        assert_eq!(staging.staged(), 0);
-        staging.send(b"batched SEND", Some(3)).unwrap();
+        let conn = client.conn;
+        assert_eq!(ctx.staged(conn), 0);
+        ctx.send(conn, b"batched SEND", Some(3)).unwrap();
         let write = local.slice(0, 13).unwrap();
-        staging
-            .write(&write, remote.slice(0, 13).unwrap(), None)
+        ctx.write(conn, &write, remote.slice(0, 13).unwrap(), None)
             .unwrap();
         let read = local.slice(128, 12).unwrap();
-        staging.read(&read, remote.slice(128, 12).unwrap()).unwrap();
-        staging
-            .send_from(8, None, |slot| {
-                slot[..4].copy_from_slice(b"from");
-                Some(4)
-            })
+        ctx.read(conn, &read, remote.slice(128, 12).unwrap())
             .unwrap();
-        assert_eq!(staging.staged(), 4);
-        // The same count through the context: one batch, one doorbell.
-        assert_eq!(ctx.staged(client.conn), 4);
+        ctx.send_from(conn, 8, None, |slot| {
+            slot[..4].copy_from_slice(b"from");
+            Some(4)
+        })
+        .unwrap();
+        // One batch, one doorbell.
+        assert_eq!(ctx.staged(conn), 4);
     });
     run_until(&mut reactor, "the batch", || {
         let seen = client.seen.borrow();
@@ -885,10 +883,14 @@ fn staging_on_one_connection_batches_every_kind_of_request_behind_one_lookup() {
     assert_eq!(bytes(&exported, 0, 13), b"batched WRITE");
     assert_eq!(bytes(&local, 128, 12), b"batched READ");
 
-    // A connection that is gone has no staging (its slot may hold another).
+    // A connection that is gone takes nothing (its slot may hold another).
     reactor.remove(gone.session).expect("a known session");
     reactor.with_ctx(|ctx| {
-        assert!(matches!(ctx.staging(gone.conn), Err(SendError::Closed)));
+        assert!(matches!(
+            ctx.send(gone.conn, b"late", None),
+            Err(SendError::Closed)
+        ));
+        assert_eq!(ctx.staged(gone.conn), 0);
     });
     assert!(client.seen.borrow().errors.is_empty());
 }

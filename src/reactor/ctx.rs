@@ -187,7 +187,10 @@ impl Ctx<'_> {
         imm: Option<u32>,
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<u32, SendError> {
-        self.staging(conn)?.send_with(len, imm, fill)
+        self.conn(conn)?.stage_send(len, imm, |buf| {
+            fill(buf);
+            Some(len)
+        })
     }
 
     /// Stages a SEND whose payload `fill` produces in place, in a registered
@@ -212,7 +215,7 @@ impl Ctx<'_> {
         imm: Option<u32>,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<u32, SendError> {
-        self.staging(conn)?.send_from(capacity, imm, fill)
+        self.conn(conn)?.stage_send(capacity, imm, fill)
     }
 
     /// In `on_message`: keeps the message's receive slot after the callback
@@ -307,7 +310,7 @@ impl Ctx<'_> {
         remote: RemoteSlice,
         imm: Option<u32>,
     ) -> Result<u32, SendError> {
-        self.staging(conn)?.write(local, remote, imm)
+        self.conn(conn)?.stage_write(local, remote, imm, false)
     }
 
     /// Stages an RDMA READ of `remote` into `local` (registered with
@@ -320,7 +323,7 @@ impl Ctx<'_> {
         local: &LocalSlice<'_>,
         remote: RemoteSlice,
     ) -> Result<u32, SendError> {
-        self.staging(conn)?.read(local, remote)
+        self.conn(conn)?.stage_read(local, remote)
     }
 
     /// As [`read`](Self::read), with the doorbell rung now instead of at
@@ -410,28 +413,6 @@ impl Ctx<'_> {
         self.deferred.refused.push((conn, error));
     }
 
-    /// One connection's staging, looked up once: for a handler that stages
-    /// several requests on the same connection in a row (a sender filling
-    /// its batch), where each call of [`write`](Self::write) and the like
-    /// looks the connection up again. [`SendError::Closed`] if `conn` is
-    /// not a connection of this reactor.
-    ///
-    /// ```no_run
-    /// # use rdma_comm_core::reactor::*;
-    /// # use rdma_comm_core::verbs::{LocalSlice, RemoteSlice};
-    /// # fn demo(ctx: &mut Ctx<'_>, conn: ConnId, local: &LocalSlice<'_>, remote: RemoteSlice) {
-    /// if let Ok(mut staging) = ctx.staging(conn) {
-    ///     while staging.staged() < 16 && staging.write(local, remote, None).is_ok() {}
-    /// }
-    /// # }
-    /// ```
-    #[inline]
-    pub fn staging(&mut self, conn: ConnId) -> Result<Staging<'_>, SendError> {
-        Ok(Staging {
-            conn: self.conn(conn)?,
-        })
-    }
-
     /// Signals the request last staged on `conn`, so its completion (and
     /// that of everything before it) is reported as soon as it happens
     /// instead of with the next signaled request: for a final message whose
@@ -475,87 +456,5 @@ impl Ctx<'_> {
     /// Asks the reactor's `run` loop to return after this pass.
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Release);
-    }
-}
-
-/// Staging on one connection, from [`Ctx::staging`]: the same requests as
-/// [`Ctx`]'s methods of the same names, without a lookup each. It borrows
-/// the `Ctx`, so it lives within one callback.
-pub struct Staging<'c> {
-    conn: &'c mut Conn,
-}
-
-impl fmt::Debug for Staging<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Staging")
-            .field("conn", &self.conn.id)
-            .field("staged", &self.staged())
-            .finish()
-    }
-}
-
-impl Staging<'_> {
-    /// As [`Ctx::send`].
-    #[inline]
-    pub fn send(&mut self, data: &[u8], imm: Option<u32>) -> Result<u32, SendError> {
-        self.send_with(data.len(), imm, |buf| buf.copy_from_slice(data))
-    }
-
-    /// As [`Ctx::send_with`].
-    #[inline]
-    pub fn send_with(
-        &mut self,
-        len: usize,
-        imm: Option<u32>,
-        fill: impl FnOnce(&mut [u8]),
-    ) -> Result<u32, SendError> {
-        self.conn.stage_send(len, imm, |buf| {
-            fill(buf);
-            Some(len)
-        })
-    }
-
-    /// As [`Ctx::send_from`].
-    #[inline]
-    pub fn send_from(
-        &mut self,
-        capacity: usize,
-        imm: Option<u32>,
-        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
-    ) -> Result<u32, SendError> {
-        self.conn.stage_send(capacity, imm, fill)
-    }
-
-    /// As [`Ctx::write`].
-    #[inline]
-    pub fn write(
-        &mut self,
-        local: &LocalSlice<'_>,
-        remote: RemoteSlice,
-        imm: Option<u32>,
-    ) -> Result<u32, SendError> {
-        self.conn.stage_write(local, remote, imm, false)
-    }
-
-    /// As [`Ctx::read`].
-    #[inline]
-    pub fn read(&mut self, local: &LocalSlice<'_>, remote: RemoteSlice) -> Result<u32, SendError> {
-        self.conn.stage_read(local, remote)
-    }
-
-    /// As [`Ctx::staged`].
-    #[inline]
-    pub fn staged(&self) -> usize {
-        self.conn.batch.len()
-    }
-
-    /// As [`Ctx::signal_staged`].
-    pub fn signal_staged(&mut self) {
-        self.conn.signal_last_staged();
-    }
-
-    /// As [`Ctx::max_payload`].
-    pub fn max_payload(&self) -> usize {
-        self.conn.max_payload()
     }
 }

@@ -110,7 +110,7 @@ use wait::Waiter;
 pub(crate) use config::slab_key_for_tests;
 pub use config::{ConnId, EventMode, ReactorConfig, SendError, SessionId};
 pub use counters::{ConnStats, Counters, MemoryUse};
-pub use ctx::{Ctx, HeldRecv, Staging};
+pub use ctx::{Ctx, HeldRecv};
 pub use direct::DirectQp;
 pub use handler::Handler;
 pub use pass_timer::PassTimer;

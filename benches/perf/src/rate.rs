@@ -153,16 +153,10 @@ impl RateSender {
                 && staged < sender.spec.batch
                 && sender.posted - sender.completed < tx_depth
         };
-        // One lookup of the connection for the whole batch.
-        let mut staging = match ctx.staging(conn) {
-            Ok(staging) => staging,
-            Err(err) => {
-                self.failed = Some(err.to_string());
-                ctx.stop();
-                return;
-            }
-        };
-        if !has_room(self, staging.staged()) {
+        // Counted here rather than asked of `ctx` per request: one lookup
+        // of the connection per request, the staging call's own.
+        let mut staged = ctx.staged(conn);
+        if !has_room(self, staged) {
             return;
         }
         // Every request moves the same bytes: slice them once per batch.
@@ -180,15 +174,15 @@ impl RateSender {
         match rdma {
             Err(err) => failed = Some(err),
             Ok(rdma) => {
-                while has_room(self, staging.staged()) {
+                while has_room(self, staged) {
                     let result = match (&rdma, self.spec.op) {
                         // The payload's content does not matter for a rate test.
-                        (None, _) => staging.send_with(size, None, |_| {}),
-                        (Some((local, remote)), PerfOp::Read) => staging.read(local, *remote),
+                        (None, _) => ctx.send_with(conn, size, None, |_| {}),
+                        (Some((local, remote)), PerfOp::Read) => ctx.read(conn, local, *remote),
                         (Some((local, remote)), PerfOp::WriteImm) => {
-                            staging.write(local, *remote, Some(0))
+                            ctx.write(conn, local, *remote, Some(0))
                         }
-                        (Some((local, remote)), _) => staging.write(local, *remote, None),
+                        (Some((local, remote)), _) => ctx.write(conn, local, *remote, None),
                     };
                     match result {
                         Ok(_) => {
@@ -197,6 +191,7 @@ impl RateSender {
                             }
                             self.posted += 1;
                             self.since_staged = 0;
+                            staged += 1;
                         }
                         Err(SendError::WouldBlock) => break,
                         Err(err) => {
