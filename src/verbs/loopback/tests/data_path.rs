@@ -221,9 +221,9 @@ fn both_ends_on_two_threads_deliver_everything() {
     let _b = receiver.join().unwrap();
 }
 
-/// Requests built once and posted again (`post_send_kept`,
-/// `post_recv_kept`, `post_send_batch_kept`): each post sends what the
-/// buffer holds then, under the id and flags set in place, and a kept
+/// Requests and batches built once and posted again (`post_send` and
+/// `post_recv` leave them with the caller): each post sends what the
+/// buffer holds then, under the id and flags set in place, and such a
 /// request borrows only the registration, so the region is written between
 /// posts. A batch refused in part is left whole, with the count taken.
 #[test]
