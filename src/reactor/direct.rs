@@ -64,7 +64,7 @@ impl DirectQp<'_> {
     /// Posts `requests` as [`QueuePair::post_send`] does, and leaves them
     /// with the caller, to post again. The low 32 bits of each request's
     /// id are the handler's; the top 32 name the connection.
-    #[inline]
+    #[inline(always)]
     pub fn post_send<R: SendRequests>(&mut self, requests: &mut R) -> Result<()> {
         tag_all(self.send_tag, requests);
         self.qp.post_send(requests)

@@ -37,7 +37,7 @@ impl QueuePair {
     /// [`Batch::get_mut`]: crate::verbs::Batch::get_mut
     /// [`Batch::drop_posted`]: crate::verbs::Batch::drop_posted
     /// [`Kept`]: crate::verbs::Kept
-    #[inline]
+    #[inline(always)]
     pub fn post_send<R: SendRequests>(&mut self, requests: &mut R) -> Result<()> {
         let requests = requests.requests_mut(Seal::new());
         if requests.is_empty() {
