@@ -256,7 +256,10 @@ impl Resources {
 
     /// rping keeps one receive posted, for the next `rping_rdma_info`.
     fn post_recv(&self, qp: &mut QueuePair) -> Result<()> {
-        qp.post_recv(RecvRequest::new(WR_RECV, self.recv.slice(0, INFO_LEN)?)?)
+        qp.post_recv(&mut RecvRequest::new(
+            WR_RECV,
+            self.recv.slice(0, INFO_LEN)?,
+        )?)
     }
 }
 
@@ -309,7 +312,7 @@ impl Conn {
         }
         self.res.send.write(0, &msg)?;
         let send = WorkRequest::send(WR_SEND, self.res.send.slice(0, INFO_LEN)?);
-        self.qp.post_send(send.signaled())
+        self.qp.post_send(&mut send.signaled())
     }
 
     /// Receives one `struct rping_rdma_info` and reposts the receive.
@@ -464,7 +467,7 @@ impl Conn {
         }
         let local = self.res.rdma.slice(0, len)?;
         self.qp.post_send(
-            WorkRequest::read(WR_RDMA, local, source.slice(0, len as u64)?)?.signaled(),
+            &mut WorkRequest::read(WR_RDMA, local, source.slice(0, len as u64)?)?.signaled(),
         )?;
         self.wait_for(WcOpcode::RDMA_READ, "reading the client's source")?;
         let data = &mut data[..len];
@@ -484,7 +487,7 @@ impl Conn {
         let echo = (as_c_str(data).len() + 1).min(len).min(sink.len() as usize);
         let local = self.res.rdma.slice(0, echo)?;
         self.qp.post_send(
-            WorkRequest::write(WR_RDMA, local, sink.slice(0, echo as u64)?)?.signaled(),
+            &mut WorkRequest::write(WR_RDMA, local, sink.slice(0, echo as u64)?)?.signaled(),
         )?;
         self.wait_for(WcOpcode::RDMA_WRITE, "writing the client's sink")?;
         self.send_info(None)?;

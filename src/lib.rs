@@ -47,9 +47,9 @@
 //! // exchange qp.endpoint() with the peer out of band, then:
 //! # let peer = qp.endpoint();
 //! qp.connect(&peer)?;
-//! qp.post_recv(RecvRequest::new(1, mr.slice(0, 2048)?)?)?;
+//! qp.post_recv(&mut RecvRequest::new(1, mr.slice(0, 2048)?)?)?;
 //! mr.write(2048, b"hello")?;
-//! qp.post_send(WorkRequest::send(2, mr.slice(2048, 5)?).signaled())?;
+//! qp.post_send(&mut WorkRequest::send(2, mr.slice(2048, 5)?).signaled())?;
 //! let mut wcs = [WorkCompletion::default(); 16];
 //! for wc in cq.poll(&mut wcs)? {
 //!     wc.ok()?;

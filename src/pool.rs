@@ -370,7 +370,7 @@ impl BufferPool {
                 Some(imm) => WorkRequest::send_with_imm(wr_id, local, imm),
                 None => WorkRequest::send(wr_id, local),
             };
-            qp.post_send(wr.signaled())
+            qp.post_send(&mut wr.signaled())
         })
     }
 
@@ -388,7 +388,7 @@ impl BufferPool {
                 Some(imm) => WorkRequest::write_with_imm(wr_id, local, remote, imm)?,
                 None => WorkRequest::write(wr_id, local, remote)?,
             };
-            qp.post_send(wr.signaled())
+            qp.post_send(&mut wr.signaled())
         })
     }
 
@@ -400,7 +400,7 @@ impl BufferPool {
         remote: RemoteSlice,
     ) -> Result<(), PostError> {
         self.post_with(slot, remote.len() as usize, |wr_id, local| {
-            qp.post_send(WorkRequest::read(wr_id, local, remote)?.signaled())
+            qp.post_send(&mut WorkRequest::read(wr_id, local, remote)?.signaled())
         })
     }
 
@@ -408,7 +408,7 @@ impl BufferPool {
     pub fn post_recv(&mut self, qp: &mut QueuePair, slot: Slot) -> Result<(), PostError> {
         let len = self.slot_size;
         self.post_with(slot, len, |wr_id, local| {
-            qp.post_recv(RecvRequest::new(wr_id, local)?)
+            qp.post_recv(&mut RecvRequest::new(wr_id, local)?)
         })
     }
 

@@ -70,7 +70,7 @@ fn connected(client_data: &[u8], server_data: &[u8]) -> (Side, Side, CmId, Vec<u
     let (pd, cq) = resources(&ctx);
     let mut qp = id.create_qp(&pd, &cq, &cq, &util::remote_config()).unwrap();
     let mr = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
-    qp.post_recv(RecvRequest::new(1, mr.slice(0, 4096).unwrap()).unwrap())
+    qp.post_recv(&mut RecvRequest::new(1, mr.slice(0, 4096).unwrap()).unwrap())
         .unwrap();
     id.connect(&qp, client_data).unwrap();
 
@@ -92,7 +92,7 @@ fn connected(client_data: &[u8], server_data: &[u8]) -> (Side, Side, CmId, Vec<u
         .create_qp(&spd, &scq, &scq, &QpConfig::default())
         .unwrap();
     let smr = spd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
-    sqp.post_recv(RecvRequest::new(2, smr.slice(0, 4096).unwrap()).unwrap())
+    sqp.post_recv(&mut RecvRequest::new(2, smr.slice(0, 4096).unwrap()).unwrap())
         .unwrap();
     let sid = request.accept(&mut sqp, server_data).unwrap();
 
@@ -140,14 +140,16 @@ impl Side {
 fn send(from: &mut Side, to: &mut Side, wr_id: u64, data: &[u8]) {
     from.mr.write(2048, data).unwrap();
     from.qp
-        .post_send(WorkRequest::send(wr_id, from.mr.slice(2048, data.len()).unwrap()).signaled())
+        .post_send(
+            &mut WorkRequest::send(wr_id, from.mr.slice(2048, data.len()).unwrap()).signaled(),
+        )
         .unwrap();
     wait_ok(&mut from.cq);
     let wc = wait_ok(&mut to.cq);
     assert_eq!(wc.byte_len() as usize, data.len());
     assert_eq!(util::read_back(&to.mr, 0, data.len()), data);
     to.qp
-        .post_recv(RecvRequest::new(wr_id, to.mr.slice(0, 2048).unwrap()).unwrap())
+        .post_recv(&mut RecvRequest::new(wr_id, to.mr.slice(0, 2048).unwrap()).unwrap())
         .unwrap();
 }
 

@@ -92,7 +92,7 @@ verbs_test! {
         tx.write(0, b"written through the window").unwrap();
         let qp = client.qp_at(0).unwrap();
         qp.qp_mut()
-            .post_send(WorkRequest::write(3, tx.slice(0, 26).unwrap(), target.slice(0, 26).unwrap()).unwrap().signaled())
+            .post_send(&mut WorkRequest::write(3, tx.slice(0, 26).unwrap(), target.slice(0, 26).unwrap()).unwrap().signaled())
             .unwrap();
         wait_ok(qp.cq_mut().unwrap());
         assert_eq!(read_back(&inbox, 0, 26), b"written through the window");
@@ -403,8 +403,10 @@ fn stalling_stranger(
     let mut mr = pd.alloc_mr(1 << 16, AccessFlags::empty()).unwrap();
     for (i, frame) in frames.iter().enumerate() {
         mr.write(0, frame).unwrap();
-        qp.post_send(WorkRequest::send(i as u64, mr.slice(0, frame.len()).unwrap()).signaled())
-            .unwrap();
+        qp.post_send(
+            &mut WorkRequest::send(i as u64, mr.slice(0, frame.len()).unwrap()).signaled(),
+        )
+        .unwrap();
         wait_ok(&mut cq);
     }
     (channel, id, qp, mr)

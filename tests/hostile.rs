@@ -148,7 +148,7 @@ impl Flood {
         let qp = endpoint.qps_mut()[0].qp_mut();
         for i in 0..HOSTILE_RECVS as usize {
             let local = inbox.slice(i * 64, 64).unwrap();
-            qp.post_recv(RecvRequest::new(RECV_ID | i as u64, local).unwrap())
+            qp.post_recv(&mut RecvRequest::new(RECV_ID | i as u64, local).unwrap())
                 .unwrap();
         }
         let depth = qp.max_send_wr();
@@ -199,13 +199,13 @@ impl Flood {
         while self.in_flight < self.depth {
             // The immediate's kind 0 (a message) and our cumulative receive
             // count (what the reactor reads as our credit for it).
-            let wr = WorkRequest::send_with_imm(
+            let mut wr = WorkRequest::send_with_imm(
                 self.posted,
                 self.message.slice(0, 64).unwrap(),
                 HOSTILE_RECVS,
             )
             .signaled();
-            match qp.post_send(wr) {
+            match qp.post_send(&mut wr) {
                 Ok(()) => {
                     self.in_flight += 1;
                     self.posted += 1;
@@ -602,11 +602,14 @@ fn malformed_on_an_srq() {
             |_, _| stream.received.done.load(Ordering::Relaxed) >= STREAM / 10,
         );
         let local = raw.message.slice(0, 64).unwrap();
-        let wr = match imm {
+        let mut wr = match imm {
             Some(imm) => WorkRequest::send_with_imm(1, local, imm),
             None => WorkRequest::send(1, local),
         };
-        raw.endpoint.qps_mut()[0].qp_mut().post_send(wr).unwrap();
+        raw.endpoint.qps_mut()[0]
+            .qp_mut()
+            .post_send(&mut wr)
+            .unwrap();
         run_until(&mut srq, &mut peer, None, what, |_, _| {
             !seen.errors.lock().unwrap().is_empty()
         });

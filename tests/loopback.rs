@@ -376,7 +376,7 @@ fn a_peer_whose_sends_break_the_protocol_is_cut_off() {
         // The raw peer takes the reactor's credit update like any peer.
         for i in 0..16 {
             let slot = inbox.slice(i * 256, 256).unwrap();
-            raw.post_recv(RecvRequest::new(1 << 40 | i as u64, slot).unwrap())
+            raw.post_recv(&mut RecvRequest::new(1 << 40 | i as u64, slot).unwrap())
                 .unwrap();
         }
         let recorder = Recorder::default();
@@ -384,11 +384,11 @@ fn a_peer_whose_sends_break_the_protocol_is_cut_off() {
         let session = reactor.add(vec![qp], recorder).unwrap();
         let conn = reactor.conns(session).next().unwrap();
         let local = payload.slice(0, len).unwrap();
-        let wr = match imm {
+        let mut wr = match imm {
             Some(imm) => WorkRequest::send_with_imm(7, local, imm),
             None => WorkRequest::send(7, local),
         };
-        raw.post_send(wr).unwrap();
+        raw.post_send(&mut wr).unwrap();
         run_until(&mut reactor, what, || !seen.borrow().errors.is_empty());
         let text = seen.borrow().error_texts.join("; ");
         assert!(
@@ -569,7 +569,7 @@ impl RawTarget {
             .unwrap();
         for i in 0..receives {
             let slot = inbox.slice(i * 256, 256).unwrap();
-            raw.post_recv(RecvRequest::new(i as u64, slot).unwrap())
+            raw.post_recv(&mut RecvRequest::new(i as u64, slot).unwrap())
                 .unwrap();
         }
         let recorder = Recorder::default();
@@ -578,9 +578,9 @@ impl RawTarget {
         let conn = reactor.conns(session).next().unwrap();
         let scratch = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
         // A credit update: kind 1, and the receive count.
-        let update =
+        let mut update =
             WorkRequest::send_with_imm(100, scratch.slice(0, 0).unwrap(), 1 << 30 | claimed);
-        raw.post_send(update).unwrap();
+        raw.post_send(&mut update).unwrap();
         run_until(reactor, "the target established", || {
             !seen.borrow().established.is_empty()
         });
@@ -596,8 +596,8 @@ impl RawTarget {
     /// Breaks the protocol (a SEND without the reactor's immediate), so the
     /// reactor cuts the target off.
     fn misbehave(&mut self, reactor: &mut Reactor<Recorder, ()>) {
-        let wr = WorkRequest::send(101, self.scratch.slice(0, 8).unwrap());
-        self.raw.post_send(wr).unwrap();
+        let mut wr = WorkRequest::send(101, self.scratch.slice(0, 8).unwrap());
+        self.raw.post_send(&mut wr).unwrap();
         run_until(reactor, "the target cut off", || {
             !self.seen.borrow().errors.is_empty()
         });

@@ -181,13 +181,13 @@ verbs_test! {
         let mut wcs = [WorkCompletion::default(); 32];
         let mut round = |mr: &mut rdma_comm_core::verbs::MemoryRegion, i: u64| {
             mr.write(0, &[i as u8; 64 * KEPT_BATCH]).unwrap();
-            b.post_recv_kept(&mut landing).unwrap();
-            a.post_send_kept(&mut send).unwrap();
+            b.post_recv(&mut landing).unwrap();
+            a.post_send(&mut send).unwrap();
             reap(&mut cq_a, &mut wcs, 1);
             reap(&mut cq_b, &mut wcs, 1);
-            a.post_send_batch_kept(&mut writes).unwrap();
+            a.post_send(&mut writes).unwrap();
             reap(&mut cq_a, &mut wcs, 1);
-            a.post_send_kept(&mut read).unwrap();
+            a.post_send(&mut read).unwrap();
             reap(&mut cq_a, &mut wcs, 1);
         };
         for i in 0..KEPT_ROUNDS {

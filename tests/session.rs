@@ -250,7 +250,7 @@ verbs_test! {
 
         let rx = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
         for i in 0..5 {
-            client.qp_at(0).unwrap().qp_mut().post_recv(RecvRequest::new(i, rx.slice(0, 64).unwrap()).unwrap()).unwrap();
+            client.qp_at(0).unwrap().qp_mut().post_recv(&mut RecvRequest::new(i, rx.slice(0, 64).unwrap()).unwrap()).unwrap();
         }
         let report = client.close().unwrap();
         assert!(report.peer_notified);
@@ -312,12 +312,12 @@ verbs_test! {
         let mut tx = pd.alloc_mr(64, AccessFlags::empty()).unwrap();
         let rx = pd.alloc_mr(128, AccessFlags::LOCAL_WRITE).unwrap();
         for (i, channel) in served.qps_mut().iter_mut().enumerate() {
-            channel.qp_mut().post_recv(RecvRequest::new(i as u64, rx.slice(i * 64, 64).unwrap()).unwrap()).unwrap();
+            channel.qp_mut().post_recv(&mut RecvRequest::new(i as u64, rx.slice(i * 64, 64).unwrap()).unwrap()).unwrap();
         }
         for (i, name) in ["control", "bulk"].iter().enumerate() {
             tx.write(i, &[i as u8 + 1]).unwrap();
             let qp = client.qp_by_name(name).unwrap().qp_mut();
-            qp.post_send(WorkRequest::send(i as u64, tx.slice(i, 1).unwrap()).signaled()).unwrap();
+            qp.post_send(&mut WorkRequest::send(i as u64, tx.slice(i, 1).unwrap()).signaled()).unwrap();
         }
         let done = wait_for(&mut shared, 2);
         let mut seen: Vec<u32> = done.iter().map(|wc| wc.ok().unwrap().qp_num()).collect();

@@ -304,7 +304,7 @@ fn a_forged_completion_does_not_free_an_in_flight_slot() {
     ];
     for (i, &wr_id) in forged.iter().enumerate() {
         let local = own.slice((i + 1) * 64, 64).unwrap();
-        p.b.post_recv(RecvRequest::new(wr_id, local).unwrap())
+        p.b.post_recv(&mut RecvRequest::new(wr_id, local).unwrap())
             .unwrap();
     }
     let slot = recvs.acquire().unwrap();
@@ -314,7 +314,7 @@ fn a_forged_completion_does_not_free_an_in_flight_slot() {
 
     own.write(0, &pattern(1, 64)).unwrap();
     for _ in 0..=forged.len() {
-        p.a.post_send(WorkRequest::send(0, own.slice(0, 64).unwrap()).signaled())
+        p.a.post_send(&mut WorkRequest::send(0, own.slice(0, 64).unwrap()).signaled())
             .unwrap();
     }
     for wc in wait_for(&mut p.cq_a, forged.len() + 1) {
@@ -352,7 +352,7 @@ fn add_refuses_a_qp_something_was_posted_on() {
     let own = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     assert!(!client_qp.has_posted());
     client_qp
-        .post_recv(RecvRequest::new(7, own.whole().unwrap()).unwrap())
+        .post_recv(&mut RecvRequest::new(7, own.whole().unwrap()).unwrap())
         .unwrap();
     assert!(client_qp.has_posted());
 
@@ -479,7 +479,7 @@ fn foreign_completions_are_ignored(srq: bool) {
             let wr_id = reactor_wr_id(conns[i % conns.len()], KIND_RECV, (i / conns.len()) as u32);
             let local = foreign_inbox.slice(i * 1024, 1024).unwrap();
             foreign_qp
-                .post_recv(RecvRequest::new(wr_id, local).unwrap())
+                .post_recv(&mut RecvRequest::new(wr_id, local).unwrap())
                 .unwrap();
         }
     }
@@ -488,21 +488,21 @@ fn foreign_completions_are_ignored(srq: bool) {
         let local = peer_inbox.slice(i * 64, 64).unwrap();
         peer_channel
             .qp_mut()
-            .post_recv(RecvRequest::new(i as u64, local).unwrap())
+            .post_recv(&mut RecvRequest::new(i as u64, local).unwrap())
             .unwrap();
     }
     for i in 0..SENDS {
         let wr_id = reactor_wr_id(conns[i % conns.len()], KIND_SEND, (i / conns.len()) as u32);
         foreign_qp
-            .post_send(WorkRequest::send(wr_id, payload.slice(0, 16).unwrap()).signaled())
+            .post_send(&mut WorkRequest::send(wr_id, payload.slice(0, 16).unwrap()).signaled())
             .unwrap();
     }
     // The peer's SENDs land in the foreign QP's receives, whose completions
     // go to the reactor's CQ. They are plain SENDs, which the reactor would
     // cut off as malformed were they taken for its own.
     for i in 0..RECVS {
-        let wr = WorkRequest::send(100 + i as u64, payload.whole().unwrap()).signaled();
-        peer_channel.qp_mut().post_send(wr).unwrap();
+        let mut wr = WorkRequest::send(100 + i as u64, payload.whole().unwrap()).signaled();
+        peer_channel.qp_mut().post_send(&mut wr).unwrap();
     }
 
     // Every foreign completion is counted as such. With an SRQ, the
@@ -592,12 +592,12 @@ fn receives_shaped_like_srq_receives_are_ignored_unless_their_tag_matches() {
         let wr_id = (tag << 34) | (3 << 32) | i as u64;
         let local = inbox.slice(i * 1024, 1024).unwrap();
         foreign_qp
-            .post_recv(RecvRequest::new(wr_id, local).unwrap())
+            .post_recv(&mut RecvRequest::new(wr_id, local).unwrap())
             .unwrap();
     }
     for i in 0..RECVS {
-        let wr = WorkRequest::send(i as u64, payload.whole().unwrap()).signaled();
-        peer.qps_mut()[0].qp_mut().post_send(wr).unwrap();
+        let mut wr = WorkRequest::send(i as u64, payload.whole().unwrap()).signaled();
+        peer.qps_mut()[0].qp_mut().post_send(&mut wr).unwrap();
     }
     turn_until(&mut [&mut reactor], "the forged completions", |reactors| {
         reactors[0].ignored_completions().0 >= RECVS as u64

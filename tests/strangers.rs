@@ -809,7 +809,7 @@ verbs_test! {
 /// completion.
 fn post_through(endpoint: &mut Endpoint, index: usize, request: WorkRequest<'_>) -> WorkCompletion {
     let qp = endpoint.qp_at(index).unwrap();
-    qp.qp_mut().post_send(request.signaled()).unwrap();
+    qp.qp_mut().post_send(&mut request.signaled()).unwrap();
     wait_for(qp.cq_mut().unwrap(), 1)[0]
 }
 

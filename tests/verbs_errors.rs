@@ -28,7 +28,7 @@ fn remote_failure(
     } else {
         WorkRequest::write(5, src, target)
     };
-    p.a.post_send(wr.unwrap().signaled())
+    p.a.post_send(&mut wr.unwrap().signaled())
         .expect("posting succeeds; the device rejects it later");
     let wc = wait_for(&mut p.cq_a, 1)[0];
     let err = wc.ok().expect_err("the access must fail");
@@ -86,7 +86,7 @@ verbs_test! {
         let exported = p.pd.alloc_mr(64, AccessFlags::REMOTE_WRITE).unwrap();
         local.write(0, b"still alive").unwrap();
         let wr = WorkRequest::write(1, local.slice(0, 11).unwrap(), exported.remote().unwrap().slice(0, 11).unwrap()).unwrap();
-        p.a.post_send(wr.signaled()).unwrap();
+        p.a.post_send(&mut wr.signaled()).unwrap();
         wait_ok(&mut p.cq_a);
         assert_eq!(read_back(&exported, 0, 11), b"still alive");
     }
@@ -99,7 +99,7 @@ verbs_test! {
         let local = p.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
         let exported = p.pd.alloc_mr(64, AccessFlags::REMOTE_WRITE).unwrap();
         let wr = WorkRequest::write(1, local.slice(0, 8).unwrap(), exported.remote().unwrap().slice(0, 8).unwrap()).unwrap();
-        p.a.post_send(wr.signaled()).unwrap();
+        p.a.post_send(&mut wr.signaled()).unwrap();
         let wc = wait_for(&mut p.cq_a, 1)[0];
         let err = wc.ok().unwrap_err();
         assert!(
@@ -119,7 +119,7 @@ verbs_test! {
         // SENDs sit in RNR retry (rnr_retry 7 = forever).
         let mut posted = 0;
         let err = loop {
-            match p.a.post_send(WorkRequest::send_inline(posted as u64, b"x").signaled()) {
+            match p.a.post_send(&mut WorkRequest::send_inline(posted as u64, b"x").signaled()) {
                 Ok(()) => posted += 1,
                 Err(err) => break err,
             }
@@ -167,16 +167,16 @@ verbs_test! {
         // to know it did.
         for (id, signaled) in [(1, false), (2, true)] {
             let wr = WorkRequest::write(id, local.slice(0, 8).unwrap(), exported.remote().unwrap().slice(0, 8).unwrap()).unwrap();
-            p.a.post_send(if signaled { wr.signaled() } else { wr }).unwrap();
+            p.a.post_send(&mut if signaled { wr.signaled() } else { wr }).unwrap();
         }
         assert_eq!(wait_ok(&mut p.cq_a).wr_id(), 2);
         // Two SENDs the peer has no receive for: RNR waits, one unsignaled.
-        p.a.post_send(WorkRequest::send_inline(3, b"x")).unwrap();
-        p.a.post_send(WorkRequest::send_inline(4, b"y").signaled()).unwrap();
+        p.a.post_send(&mut WorkRequest::send_inline(3, b"x")).unwrap();
+        p.a.post_send(&mut WorkRequest::send_inline(4, b"y").signaled()).unwrap();
         p.a.set_error().unwrap();
         let nowhere = RemoteRegion::new(0, 0, 0).slice(0, 0).unwrap();
         let drain = WorkRequest::write(5, local.slice(0, 0).unwrap(), nowhere).unwrap();
-        p.a.post_send(drain.signaled()).expect("a QP in the error state takes requests to flush");
+        p.a.post_send(&mut drain.signaled()).expect("a QP in the error state takes requests to flush");
         let wcs = wait_for(&mut p.cq_a, 3);
         let ids: Vec<u64> = wcs.iter().map(|wc| wc.wr_id()).collect();
         assert_eq!(ids, [3, 4, 5], "{wcs:?}");

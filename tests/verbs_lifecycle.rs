@@ -33,7 +33,7 @@ fn churn(ctx: &Context, round: u64) {
         )
         .unwrap();
     let mut qp = pd.create_qp(&cq, &cq, &remote_config()).unwrap();
-    qp.post_recv(RecvRequest::new(round, mr.slice(0, 4096).unwrap()).unwrap())
+    qp.post_recv(&mut RecvRequest::new(round, mr.slice(0, 4096).unwrap()).unwrap())
         .unwrap();
     // Vary the drop order: parents first on odd rounds.
     if round % 2 == 1 {
@@ -85,8 +85,8 @@ verbs_test! {
         let tx = p.pd.register_boxed(pattern(9, 300).into_boxed_slice(), AccessFlags::empty()).unwrap();
         let rx = p.pd.register_boxed(vec![0u8; 300].into_boxed_slice(), AccessFlags::LOCAL_WRITE).unwrap();
         assert!(!tx.huge_pages());
-        p.b.post_recv(RecvRequest::new(1, rx.whole().unwrap()).unwrap()).unwrap();
-        p.a.post_send(WorkRequest::send(2, tx.whole().unwrap()).signaled()).unwrap();
+        p.b.post_recv(&mut RecvRequest::new(1, rx.whole().unwrap()).unwrap()).unwrap();
+        p.a.post_send(&mut WorkRequest::send(2, tx.whole().unwrap()).signaled()).unwrap();
         wait_ok(&mut p.cq_a);
         assert_eq!(wait_ok(&mut p.cq_b).byte_len(), 300);
         assert_eq!(read_back(&rx, 0, 300), pattern(9, 300));

@@ -62,8 +62,8 @@ impl Link {
     #[track_caller]
     fn write(&mut self, src: &MemoryRegion, offset: usize, target: RemoteSlice) -> WorkCompletion {
         let local = src.slice(offset, target.len() as usize).unwrap();
-        let wr = WorkRequest::write(1, local, target).unwrap().signaled();
-        self.peer.post_send(wr).expect("post WRITE");
+        let mut wr = WorkRequest::write(1, local, target).unwrap().signaled();
+        self.peer.post_send(&mut wr).expect("post WRITE");
         wait_for(&mut self.peer_cq, 1)[0]
     }
 
@@ -72,8 +72,8 @@ impl Link {
     #[track_caller]
     fn read(&mut self, dst: &MemoryRegion, offset: usize, source: RemoteSlice) -> WorkCompletion {
         let local = dst.slice(offset, source.len() as usize).unwrap();
-        let wr = WorkRequest::read(2, local, source).unwrap().signaled();
-        self.peer.post_send(wr).expect("post READ");
+        let mut wr = WorkRequest::read(2, local, source).unwrap().signaled();
+        self.peer.post_send(&mut wr).expect("post READ");
         wait_for(&mut self.peer_cq, 1)[0]
     }
 }

@@ -225,7 +225,7 @@ impl<'r> Link<'r> {
 
     #[inline]
     pub(crate) fn post_receive(&mut self) -> Result<()> {
-        self.qp.post_recv_kept(&mut self.requests.landing)
+        self.qp.post_recv(&mut self.requests.landing)
     }
 
     /// Polls until a send-queue slot is free.
@@ -246,7 +246,7 @@ impl<'r> Link<'r> {
         let (wr_id, flags) = self.signals.next(false);
         self.sq_used += 1;
         stamp(&mut self.requests.op, wr_id, flags | self.requests.inline);
-        self.qp.post_send_kept(&mut self.requests.op)
+        self.qp.post_send(&mut self.requests.op)
     }
 
     /// Polls until `want` receives have come.
@@ -293,7 +293,7 @@ impl<'r> Link<'r> {
     ) -> Result<()> {
         for _ in 0..total {
             let start = clock.now();
-            self.qp.post_send_kept(&mut self.requests.op)?;
+            self.qp.post_send(&mut self.requests.op)?;
             self.patience.progressed();
             loop {
                 if let Some(wc) = self.cq.poll(&mut self.wcs[..1])?.first() {
@@ -412,7 +412,7 @@ impl<'r> Link<'r> {
                         stamp(request, wr_id, flags | self.requests.inline);
                     }
                 }
-                self.qp.post_send_batch_kept(&mut batch)?;
+                self.qp.post_send(&mut batch)?;
                 posted += take;
                 self.sq_used += take;
                 self.patience.progressed();

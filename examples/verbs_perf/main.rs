@@ -9,9 +9,9 @@
 //! ```
 //!
 //! It answers one question: what does a message cost through this crate's
-//! verbs layer alone ([`QueuePair::post_send_kept`] and
-//! [`QueuePair::post_send_batch_kept`] of requests bounds-checked once and
-//! posted again, as perftest posts its prebuilt requests;
+//! verbs layer alone ([`QueuePair::post_send`] of requests and batches
+//! bounds-checked once and posted again, as perftest posts its prebuilt
+//! requests;
 //! [`CompletionQueue::poll`])? `tools/instr-count` counts it beside lat_bw (the
 //! reactor) and perftest. The difference between it and lat_bw is what the
 //! reactor's services cost: many connections on shared CQs, credits,

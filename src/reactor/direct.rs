@@ -1,6 +1,6 @@
 //! Direct connections: a handler that wants perftest's loop and none of the
 //! reactor's services posts on its connection's QP itself, with requests it
-//! built once ([`KeptRequest`], [`KeptBatch`], [`KeptRecv`]), and gets each
+//! built once (kept with their memory: [`Kept`]), and gets each
 //! completion as it comes ([`Handler::on_direct_completion`]). The reactor
 //! still owns the QP, polls the shared CQs, routes every completion by the
 //! connection it names (index, generation and QP number, as for its own),
@@ -18,7 +18,10 @@
 use std::fmt;
 
 use crate::error::Result;
-use crate::verbs::{KeptBatch, KeptRecv, KeptRequest, QueuePair, RecvRequest, WorkRequest};
+use crate::verbs::requests::sealed::{Request, Requests, Seal};
+#[cfg(doc)]
+use crate::verbs::{Kept, SendBatch};
+use crate::verbs::{QueuePair, RecvRequests, SendRequests};
 
 use super::conn::Conn;
 use super::slab::Slab;
@@ -26,7 +29,7 @@ use super::{ConnId, Ctx, SendError};
 
 /// Posting on a direct connection's QP, from [`Ctx::direct`]. It borrows
 /// the `Ctx`, so it lives within one callback. Each post rings its own
-/// doorbell (a [`KeptBatch`] rings one for the batch).
+/// doorbell (a batch, [`SendBatch`], rings one for the batch).
 pub struct DirectQp<'c> {
     pub(super) qp: &'c mut QueuePair,
     /// The top halves of the connection's send-queue and receive ids
@@ -49,46 +52,30 @@ fn tagged(tag: u64, wr_id: u64) -> u64 {
     tag | (wr_id & u64::from(u32::MAX))
 }
 
+/// Replaces the top half of every request's id with `tag`.
+#[inline(always)]
+fn tag_all<R: Requests>(tag: u64, requests: &mut R) {
+    for request in requests.requests_mut(Seal::new()) {
+        request.set_wr_id(tagged(tag, request.wr_id()));
+    }
+}
+
 impl DirectQp<'_> {
-    /// Posts `request` (its id's low 32 bits are the handler's) and leaves
-    /// it with the caller, to post again.
-    #[inline]
-    pub fn post_send(&mut self, request: &mut WorkRequest<'_>) -> Result<()> {
-        request.set_wr_id(tagged(self.send_tag, request.wr_id()));
-        self.qp.post_send_kept(request)
+    /// Posts `requests` as [`QueuePair::post_send`] does, and leaves them
+    /// with the caller, to post again. The low 32 bits of each request's
+    /// id are the handler's; the top 32 name the connection.
+    #[inline(always)]
+    pub fn post_send<R: SendRequests>(&mut self, requests: &mut R) -> Result<()> {
+        tag_all(self.send_tag, requests);
+        self.qp.post_send(requests)
     }
 
-    /// Posts a [`KeptRequest`].
+    /// Posts receives as [`QueuePair::post_recv`] does (their ids' low 32
+    /// bits are the handler's).
     #[inline]
-    pub fn post_kept(&mut self, request: &mut KeptRequest) -> Result<()> {
-        request.set_wr_id(tagged(self.send_tag, request.wr_id()));
-        self.qp.post_kept(request)
-    }
-
-    /// Posts a [`KeptBatch`] as one list: one doorbell.
-    #[inline]
-    pub fn post_kept_batch<const N: usize>(&mut self, batch: &mut KeptBatch<N>) -> Result<()> {
-        let tag = self.send_tag;
-        for index in 0..batch.len() {
-            if let Some(id) = batch.wr_id(index) {
-                batch.set_wr_id(index, tagged(tag, id));
-            }
-        }
-        self.qp.post_kept_batch(batch)
-    }
-
-    /// Posts a receive (its id's low 32 bits are the handler's).
-    #[inline]
-    pub fn post_recv(&mut self, request: &mut RecvRequest<'_>) -> Result<()> {
-        request.set_wr_id(tagged(self.recv_tag, request.wr_id()));
-        self.qp.post_recv_kept(request)
-    }
-
-    /// Posts a [`KeptRecv`].
-    #[inline]
-    pub fn post_kept_recv(&mut self, request: &mut KeptRecv) -> Result<()> {
-        request.set_wr_id(tagged(self.recv_tag, request.wr_id()));
-        self.qp.post_kept_recv(request)
+    pub fn post_recv<R: RecvRequests>(&mut self, requests: &mut R) -> Result<()> {
+        tag_all(self.recv_tag, requests);
+        self.qp.post_recv(requests)
     }
 
     /// The QP's number.

@@ -210,7 +210,7 @@ impl SrqPool {
             None => return Ok(()),
         }
         if self.returning.is_full()
-            && let Err(err) = self.srq.post_recv_batch(&mut self.returning)
+            && let Err(err) = self.post_returning()
         {
             // Only after a failed post: the batch keeps what did not go in.
             self.strand(slot);
@@ -218,7 +218,7 @@ impl SrqPool {
         }
         self.queue(slot);
         if self.returning.is_full() {
-            self.srq.post_recv_batch(&mut self.returning)?;
+            self.post_returning()?;
         }
         Ok(())
     }
@@ -258,6 +258,16 @@ impl SrqPool {
         self.posted_ids[slot as usize] = wr_id;
     }
 
+    /// Posts the batch of slots given back with one `ibv_post_srq_recv`
+    /// and drops what went in; on a partial post the rest stay, to post
+    /// again.
+    #[inline]
+    fn post_returning(&mut self) -> Result<()> {
+        let posted = self.srq.post_recv(&mut self.returning);
+        self.returning.drop_posted(&posted);
+        posted
+    }
+
     #[cold]
     fn strand(&mut self, slot: u32) {
         // Each slot is stranded once before it is posted again (a
@@ -285,7 +295,7 @@ impl SrqPool {
                 "reposting SRQ receives: {err} (and {more} more refusals since the last flush)"
             );
         }
-        self.srq.post_recv_batch(&mut self.returning)?;
+        self.post_returning()?;
         if !self.stranded.is_empty() {
             self.unstrand()?;
         }
@@ -297,12 +307,12 @@ impl SrqPool {
         while let Some(slot) = self.stranded.pop() {
             if self.returning.is_full() {
                 self.stranded.push(slot);
-                self.srq.post_recv_batch(&mut self.returning)?;
+                self.post_returning()?;
                 continue;
             }
             self.queue(slot);
         }
-        self.srq.post_recv_batch(&mut self.returning)
+        self.post_returning()
     }
 }
 
@@ -404,7 +414,7 @@ mod tests {
         qp.connect(&to_peer).expect("connect");
         peer.connect(&to_qp).expect("connect");
         for _ in 0..slots {
-            peer.post_send(WorkRequest::send_inline(0, b"x"))
+            peer.post_send(&mut WorkRequest::send_inline(0, b"x"))
                 .expect("a SEND");
         }
         let mut wcs = [WorkCompletion::default(); 32];

@@ -277,8 +277,8 @@ impl Context {
     /// b.connect(&ea)?;
     /// let mut mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
     /// mr.write(0, b"hello")?;
-    /// b.post_recv(RecvRequest::new(1, mr.slice(32, 32)?)?)?;
-    /// a.post_send(WorkRequest::send(2, mr.slice(0, 5)?).signaled())?;
+    /// b.post_recv(&mut RecvRequest::new(1, mr.slice(32, 32)?)?)?;
+    /// a.post_send(&mut WorkRequest::send(2, mr.slice(0, 5)?).signaled())?;
     /// let mut wcs = [WorkCompletion::default(); 4];
     /// assert_eq!(cq.poll(&mut wcs)?.len(), 2); // the RECV and the SEND
     /// let mut got = [0u8; 5];

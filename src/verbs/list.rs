@@ -9,12 +9,10 @@
 //! Entries carry raw addresses and keys, so the list is crate-private: the
 //! reactor, which owns the memory its requests point at, is its one user.
 
-use std::os::raw::c_int;
-
 use crate::sys;
 
 use super::mr::{LocalSlice, RemoteSlice};
-use super::wr::{RecvBatch, SendFlags};
+use super::wr::SendFlags;
 
 /// The operation of one send-queue request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -231,33 +229,6 @@ impl<const N: usize> SendList<N> {
         }
         post(wrs, len)
     }
-}
-
-/// Posts every receive of `batch` as one linked list through `post` (a QP's
-/// or an SRQ's receive-posting call, given the head and the out-pointer for
-/// the first bad request) and clears it. On failure the requests that went
-/// in leave the batch (posting them again would post their buffers twice)
-/// and the rest stay; the error holds the provider's code and how many
-/// went in.
-#[inline]
-pub(super) fn post_recv_batch<const N: usize>(
-    batch: &mut RecvBatch<'_, N>,
-    post: impl FnOnce(*mut sys::ibv_recv_wr, &mut *mut sys::ibv_recv_wr) -> c_int,
-) -> Result<(), (c_int, usize)> {
-    if batch.is_empty() {
-        return Ok(());
-    }
-    let len = batch.len();
-    let head = super::wr::link(batch);
-    let mut bad: *mut sys::ibv_recv_wr = std::ptr::null_mut();
-    let rc = post(head, &mut bad);
-    if rc != 0 {
-        let posted = count_before(head, bad, len);
-        batch.requests.drain(..posted);
-        return Err((rc, posted));
-    }
-    batch.clear();
-    Ok(())
 }
 
 /// How many list nodes precede `bad` (all of them if `bad` is not in the list).

@@ -22,6 +22,7 @@ mod mw;
 mod pd;
 mod qp;
 mod qp_config;
+pub(crate) mod requests;
 mod srq;
 mod wc;
 mod wr;
@@ -32,7 +33,7 @@ pub use cq::{
 pub use device::{
     Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState, devices,
 };
-pub use kept::{KeptBatch, KeptRecv, KeptRequest};
+pub use kept::Kept;
 pub(crate) use list::{SendDescriptor, SendList, SendOpcode, Sge};
 #[cfg(test)]
 pub(crate) use loopback::{fail_next_polls, refuse_sends_after, refuse_sends_after_silently};
@@ -41,6 +42,7 @@ pub use mw::{BIND_WR_ID, BoundWindow, MemoryWindow};
 pub use pd::ProtectionDomain;
 pub use qp::{QpEndpoint, QpState, QueuePair};
 pub use qp_config::QpConfig;
+pub use requests::{RecvRequests, SendRequests};
 pub use srq::{SharedReceiveQueue, SrqAttachment};
 #[cfg(test)]
 pub(crate) use srq::{refuse_srq_recvs_after, srq_posted_wr_ids};

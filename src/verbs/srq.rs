@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::sys;
 
 use super::pd::{PdInner, ProtectionDomain};
-use super::wr::RecvBatch;
+use super::requests::{self, RecvRequests, sealed::Seal};
 use super::{check_ptr, check_rc, loopback};
 
 type PostSrqRecvFn = unsafe extern "C" fn(
@@ -179,24 +179,40 @@ impl SharedReceiveQueue {
         }
     }
 
-    /// Posts every receive of `batch` with one `ibv_post_srq_recv` and
-    /// empties it. On error, `Error::Post::posted` tells how many went in;
-    /// those leave the batch and the rest stay.
+    /// Posts `requests` (a [`RecvRequest`], a [`RecvBatch`], or either
+    /// [`Kept`]) with one `ibv_post_srq_recv` and leaves them with the
+    /// caller, as [`QueuePair::post_recv`] does: on [`Error::Post`] the
+    /// error says how many of the first requests went in
+    /// ([`Batch::drop_posted`] drops them).
+    ///
+    /// [`RecvRequest`]: super::RecvRequest
+    /// [`RecvBatch`]: super::RecvBatch
+    /// [`Kept`]: super::Kept
+    /// [`QueuePair::post_recv`]: super::QueuePair::post_recv
+    /// [`Batch::drop_posted`]: super::Batch::drop_posted
     #[inline]
-    pub fn post_recv_batch<const N: usize>(&mut self, batch: &mut RecvBatch<'_, N>) -> Result<()> {
-        let (srq, post) = (self.inner.srq.as_ptr(), self.inner.post_recv_fn);
-        super::list::post_recv_batch(batch, |head, bad| {
-            // SAFETY: the SRQ is live; `head` is a linked list of requests
-            // inside `batch`, whose buffers the caller registered and keeps
-            // registered until their completions (the RecvRequest contract).
-            unsafe { post(srq, head, bad) }
-        })
-        .map_err(|(rc, posted)| Error::Post {
+    pub fn post_recv<R: RecvRequests>(&mut self, requests: &mut R) -> Result<()> {
+        let requests = requests.requests_mut(Seal::new());
+        if requests.is_empty() {
+            return Ok(());
+        }
+        let len = requests.len();
+        let head = requests::link(requests);
+        let mut bad: *mut sys::ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: the SRQ is live; `head` is a NULL-terminated list of
+        // `len` requests inside `requests`, untouched until the call
+        // returns, whose buffers are registered (a `RecvRequest` borrows
+        // its memory, a `Kept` holds it).
+        let rc = unsafe { (self.inner.post_recv_fn)(self.inner.srq.as_ptr(), head, &mut bad) };
+        if rc == 0 {
+            return Ok(());
+        }
+        Err(Error::Post {
             verb: "ibv_post_srq_recv",
             errno: rc.abs(),
             device: Arc::clone(&self.inner.pd.ctx.name),
             qpn: 0,
-            posted,
+            posted: super::list::count_before(head, bad, len),
         })
     }
 
@@ -206,7 +222,7 @@ impl SharedReceiveQueue {
     }
 }
 
-/// Makes a `post_recv_batch` on `srq` (of a loopback context) accept only
+/// Makes a `post_recv` on `srq` (of a loopback context) accept only
 /// its first `accepted` receives and refuse the rest with `ENOMEM` (tests
 /// of a partial post): the next one not limited already, so that calls in
 /// a row limit posts in a row.

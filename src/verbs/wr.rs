@@ -2,8 +2,9 @@
 //!
 //! A [`WorkRequest`] is an `ibv_send_wr` with its one scatter/gather entry
 //! beside it. The `next` and `sg_list` pointers are filled in only at post time,
-//! so requests and batches can be moved and reused freely; a [`SendBatch`] is
-//! posted as one linked list in one `ibv_post_send` (one doorbell).
+//! so requests and batches can be moved, changed in place and posted again
+//! freely; a [`SendBatch`] is posted as one linked list in one
+//! `ibv_post_send` (one doorbell).
 
 use std::marker::PhantomData;
 
@@ -13,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::sys;
 
 use super::mr::{AccessFlags, LocalSlice, RemoteSlice};
+use super::requests::sealed::{Keep, Request, Requests, Seal};
 
 bitflags::bitflags! {
     /// Per-request send flags.
@@ -37,7 +39,7 @@ bitflags::bitflags! {
 /// # fn demo(qp: &mut QueuePair, mr: &MemoryRegion, peer: RemoteRegion) -> rdma_comm_core::Result<()> {
 /// let local = mr.slice(0, 64)?;
 /// let target = peer.slice(128, 64)?; // bounds-checked against what the peer exported
-/// qp.post_send(WorkRequest::write_with_imm(1, local, target, 0xfeed)?.signaled())?;
+/// qp.post_send(&mut WorkRequest::write_with_imm(1, local, target, 0xfeed)?.signaled())?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Copy)]
@@ -159,13 +161,13 @@ impl<'a> WorkRequest<'a> {
         self
     }
 
-    /// Sets the flags to `flags`, in place: for a request kept and posted
-    /// again ([`QueuePair::post_send_kept`]), say to signal one post in
-    /// many. A [`send_inline`](Self::send_inline) request stays `INLINE`
-    /// (its bytes are in no registered memory) and a READ never is; the
-    /// inline length is checked against the QP at each post.
+    /// Sets the flags to `flags`, in place: for a request posted again
+    /// ([`QueuePair::post_send`] leaves it with the caller), say to signal
+    /// one post in many. A [`send_inline`](Self::send_inline) request stays
+    /// `INLINE` (its bytes are in no registered memory) and a READ never
+    /// is; the inline length is checked against the QP at each post.
     ///
-    /// [`QueuePair::post_send_kept`]: super::QueuePair::post_send_kept
+    /// [`QueuePair::post_send`]: super::QueuePair::post_send
     pub fn set_flags(&mut self, flags: SendFlags) {
         let mut bits = flags.bits();
         if self.inline_only {
@@ -201,18 +203,40 @@ impl<'a> WorkRequest<'a> {
     pub fn flags(&self) -> SendFlags {
         SendFlags::from_bits_retain(self.wr.send_flags)
     }
+}
 
-    /// The local bytes it reads or writes: address, length and key.
-    pub(crate) fn local_sge(&self) -> (u64, u32, u32) {
+impl<'a> Request for WorkRequest<'a> {
+    type Wr = sys::ibv_send_wr;
+    type Detached = WorkRequest<'static>;
+
+    #[inline(always)]
+    fn link_to(&mut self, next: *mut sys::ibv_send_wr) -> *mut sys::ibv_send_wr {
+        self.wr.sg_list = &raw mut self.sge;
+        self.wr.next = next;
+        &raw mut self.wr
+    }
+
+    #[inline(always)]
+    fn wr_id(&self) -> u64 {
+        self.wr.wr_id
+    }
+
+    #[inline(always)]
+    fn set_wr_id(&mut self, wr_id: u64) {
+        self.wr.wr_id = wr_id;
+    }
+
+    #[inline(always)]
+    fn inline_len(&self) -> Option<u32> {
+        (self.wr.send_flags & sys::IBV_SEND_INLINE != 0).then_some(self.sge.length)
+    }
+
+    fn local_sge(&self) -> (u64, u32, u32) {
         (self.sge.addr, self.sge.length, self.sge.lkey)
     }
 
-    /// The same request with no borrow, for a [`KeptRequest`] that keeps
-    /// the registration its bytes are in instead (`None` for an inline
-    /// send, whose bytes are in no registration).
-    ///
-    /// [`KeptRequest`]: super::KeptRequest
-    pub(crate) fn detached(self) -> Option<WorkRequest<'static>> {
+    /// `None` for an inline send, whose bytes are in no registration.
+    fn detached(self) -> Option<WorkRequest<'static>> {
         if self.inline_only {
             return None;
         }
@@ -222,6 +246,24 @@ impl<'a> WorkRequest<'a> {
             inline_only: false,
             _buffers: PhantomData,
         })
+    }
+}
+
+impl<'a> Requests for WorkRequest<'a> {
+    type Wr = sys::ibv_send_wr;
+    type Request = Self;
+
+    #[inline(always)]
+    fn requests_mut(&mut self, _: Seal) -> &mut [Self] {
+        std::slice::from_mut(self)
+    }
+}
+
+impl<'a> Keep for WorkRequest<'a> {
+    type Kept = WorkRequest<'static>;
+
+    fn kept(self) -> Option<WorkRequest<'static>> {
+        self.detached()
     }
 }
 
@@ -248,6 +290,9 @@ fn same_len(local: &LocalSlice<'_>, remote: &RemoteSlice) -> Result<()> {
 /// a [`RecvBatch`].
 ///
 /// Preallocate one per QP and reuse it: pushing and posting never allocate.
+/// Posting leaves the batch as it was, to post the same list again
+/// (perftest's post list, `-l`) or to empty with
+/// [`drop_posted`](Self::drop_posted).
 #[derive(Debug)]
 pub struct Batch<R, const N: usize> {
     pub(crate) requests: ArrayVec<R, N>,
@@ -301,37 +346,46 @@ impl<R, const N: usize> Batch<R, N> {
     }
 
     /// Request `index`, to change in place before the batch is posted
-    /// (again: [`QueuePair::post_send_batch_kept`]).
-    ///
-    /// [`QueuePair::post_send_batch_kept`]: super::QueuePair::post_send_batch_kept
+    /// (again).
     pub fn get_mut(&mut self, index: usize) -> Option<&mut R> {
         self.requests.get_mut(index)
     }
-}
 
-/// Points each request of `batch` at its own SGE and at the next request;
-/// returns the head (NULL when empty). Valid until `batch` is moved or modified.
-pub(crate) fn link<R: Linkable, const N: usize>(batch: &mut Batch<R, N>) -> *mut R::Wr {
-    let mut next: *mut R::Wr = std::ptr::null_mut();
-    for request in batch.requests.iter_mut().rev() {
-        next = request.link_to(next);
+    /// Drops the requests a post of this batch took, as its `outcome`
+    /// says: all of them on `Ok`, the first `posted` on [`Error::Post`],
+    /// none on any other error. What stays was not posted, so posting the
+    /// batch again posts no buffer twice.
+    #[inline]
+    pub fn drop_posted(&mut self, outcome: &Result<()>) {
+        match outcome {
+            Ok(()) => self.requests.clear(),
+            Err(Error::Post { posted, .. }) => {
+                self.requests.drain(..(*posted).min(self.requests.len()));
+            }
+            Err(_) => {}
+        }
     }
-    next
 }
 
-/// A request with an embedded verbs WR and its one SGE.
-pub(crate) trait Linkable {
-    type Wr;
-    /// Sets the WR's SGE pointer and `next`; returns a pointer to the WR.
-    fn link_to(&mut self, next: *mut Self::Wr) -> *mut Self::Wr;
+impl<R: Request, const N: usize> Requests for Batch<R, N> {
+    type Wr = R::Wr;
+    type Request = R;
+
+    #[inline(always)]
+    fn requests_mut(&mut self, _: Seal) -> &mut [R] {
+        self.requests.as_mut_slice()
+    }
 }
 
-impl Linkable for WorkRequest<'_> {
-    type Wr = sys::ibv_send_wr;
-    fn link_to(&mut self, next: *mut sys::ibv_send_wr) -> *mut sys::ibv_send_wr {
-        self.wr.sg_list = &raw mut self.sge;
-        self.wr.next = next;
-        &raw mut self.wr
+impl<R: Request, const N: usize> Keep for Batch<R, N> {
+    type Kept = Batch<R::Detached, N>;
+
+    fn kept(self) -> Option<Self::Kept> {
+        let mut kept = ArrayVec::new();
+        for request in self.requests {
+            kept.push(request.detached()?);
+        }
+        Some(Batch { requests: kept })
     }
 }
 
@@ -405,28 +459,62 @@ impl<'a> RecvRequest<'a> {
     pub fn set_wr_id(&mut self, wr_id: u64) {
         self.wr.wr_id = wr_id;
     }
-
-    /// The local bytes it lands in: address, length and key.
-    pub(crate) fn local_sge(&self) -> (u64, u32, u32) {
-        (self.sge.addr, self.sge.length, self.sge.lkey)
-    }
-
-    /// The same request with no borrow (see `WorkRequest::detached`).
-    pub(crate) fn detached(self) -> RecvRequest<'static> {
-        RecvRequest {
-            wr: self.wr,
-            sge: self.sge,
-            _buffer: PhantomData,
-        }
-    }
 }
 
-impl Linkable for RecvRequest<'_> {
+impl<'a> Request for RecvRequest<'a> {
     type Wr = sys::ibv_recv_wr;
+    type Detached = RecvRequest<'static>;
+
+    #[inline(always)]
     fn link_to(&mut self, next: *mut sys::ibv_recv_wr) -> *mut sys::ibv_recv_wr {
         self.wr.sg_list = &raw mut self.sge;
         self.wr.next = next;
         &raw mut self.wr
+    }
+
+    #[inline(always)]
+    fn wr_id(&self) -> u64 {
+        self.wr.wr_id
+    }
+
+    #[inline(always)]
+    fn set_wr_id(&mut self, wr_id: u64) {
+        self.wr.wr_id = wr_id;
+    }
+
+    #[inline(always)]
+    fn inline_len(&self) -> Option<u32> {
+        None
+    }
+
+    fn local_sge(&self) -> (u64, u32, u32) {
+        (self.sge.addr, self.sge.length, self.sge.lkey)
+    }
+
+    fn detached(self) -> Option<RecvRequest<'static>> {
+        Some(RecvRequest {
+            wr: self.wr,
+            sge: self.sge,
+            _buffer: PhantomData,
+        })
+    }
+}
+
+impl<'a> Requests for RecvRequest<'a> {
+    type Wr = sys::ibv_recv_wr;
+    type Request = Self;
+
+    #[inline(always)]
+    fn requests_mut(&mut self, _: Seal) -> &mut [Self] {
+        std::slice::from_mut(self)
+    }
+}
+
+impl<'a> Keep for RecvRequest<'a> {
+    type Kept = RecvRequest<'static>;
+
+    fn kept(self) -> Option<RecvRequest<'static>> {
+        self.detached()
     }
 }
 
@@ -445,7 +533,7 @@ mod tests {
             batch.push(WorkRequest::send_inline(9, &data)).is_err(),
             "a full batch refuses more"
         );
-        let mut cur = link(&mut batch);
+        let mut cur = super::super::requests::link(batch.requests_mut(Seal::new()));
         let mut ids = Vec::new();
         while !cur.is_null() {
             // SAFETY: the list points into `batch`, alive and unmodified here.

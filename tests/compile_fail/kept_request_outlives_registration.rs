@@ -1,6 +1,6 @@
-//! A request kept to post again (`post_send_kept`) borrows the registration
-//! it points into: the registration cannot go while the request may be
-//! posted once more.
+//! A request kept to post again (`post_send` leaves it with the caller)
+//! borrows the registration it points into: the registration cannot go
+//! while the request may be posted once more.
 
 use rdma_comm_core::verbs::{AccessFlags, ProtectionDomain, QueuePair, WorkRequest};
 
@@ -9,9 +9,9 @@ fn post_after_drop(pd: &ProtectionDomain, qp: &mut QueuePair) {
     let registration = mr.registration().clone();
     drop(mr);
     let mut kept = WorkRequest::send(1, registration.slice(0, 8).unwrap());
-    qp.post_send_kept(&mut kept).unwrap();
+    qp.post_send(&mut kept).unwrap();
     drop(registration);
-    qp.post_send_kept(&mut kept).unwrap();
+    qp.post_send(&mut kept).unwrap();
 }
 
 fn main() {

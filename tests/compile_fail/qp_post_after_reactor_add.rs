@@ -13,8 +13,8 @@ impl Handler for Quiet {
 
 fn post_after_add(reactor: &mut Reactor<Quiet>, mut endpoint: Endpoint, mr: &MemoryRegion) {
     reactor.add(endpoint, Quiet).unwrap();
-    let wr = RecvRequest::new(1, mr.slice(0, 64).unwrap()).unwrap();
-    endpoint.qps_mut()[0].qp_mut().post_recv(wr).unwrap();
+    let mut wr = RecvRequest::new(1, mr.slice(0, 64).unwrap()).unwrap();
+    endpoint.qps_mut()[0].qp_mut().post_recv(&mut wr).unwrap();
 }
 
 fn main() {

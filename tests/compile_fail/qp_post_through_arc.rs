@@ -6,7 +6,7 @@ use std::sync::Arc;
 use rdma_comm_core::verbs::{MemoryRegion, QueuePair, RecvRequest};
 
 fn post_shared(qp: Arc<QueuePair>, mr: &MemoryRegion) {
-    qp.post_recv(RecvRequest::new(1, mr.slice(0, 64).unwrap()).unwrap())
+    qp.post_recv(&mut RecvRequest::new(1, mr.slice(0, 64).unwrap()).unwrap())
         .unwrap();
 }
 

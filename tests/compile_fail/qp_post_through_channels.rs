@@ -5,8 +5,8 @@ use rdma_comm_core::session::Endpoint;
 use rdma_comm_core::verbs::{MemoryRegion, WorkRequest};
 
 fn post_shared(endpoint: &Endpoint, mr: &MemoryRegion) {
-    let wr = WorkRequest::send(1, mr.slice(0, 8).unwrap());
-    endpoint.qps()[0].qp().post_send(wr).unwrap();
+    let mut wr = WorkRequest::send(1, mr.slice(0, 8).unwrap());
+    endpoint.qps()[0].qp().post_send(&mut wr).unwrap();
 }
 
 fn main() {

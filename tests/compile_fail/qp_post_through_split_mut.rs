@@ -6,7 +6,7 @@ use rdma_comm_core::verbs::{MemoryRegion, RecvRequest};
 
 fn post_through_split(channel: &mut SessionQp, mr: &MemoryRegion) {
     let (qp, _cq) = channel.split_mut();
-    qp.post_recv(RecvRequest::new(1, mr.slice(0, 64).unwrap()).unwrap())
+    qp.post_recv(&mut RecvRequest::new(1, mr.slice(0, 64).unwrap()).unwrap())
         .unwrap();
 }
 

@@ -4,7 +4,7 @@
 use rdma_comm_core::verbs::{RecvBatch, SrqAttachment};
 
 fn post_through_attachment(attachment: &mut SrqAttachment, batch: &mut RecvBatch<'_, 4>) {
-    attachment.post_recv_batch(batch).unwrap();
+    attachment.post_recv(batch).unwrap();
 }
 
 fn main() {

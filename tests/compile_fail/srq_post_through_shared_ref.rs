@@ -3,7 +3,7 @@
 use rdma_comm_core::verbs::{RecvBatch, SharedReceiveQueue};
 
 fn post_shared(srq: &SharedReceiveQueue, batch: &mut RecvBatch<'_, 4>) {
-    srq.post_recv_batch(batch).unwrap();
+    srq.post_recv(batch).unwrap();
 }
 
 fn main() {

@@ -1,7 +1,7 @@
 //! A work request holds raw pointers into the memory it borrows and into
 //! itself (its scatter-gather entry, its list link): it stays on the thread
-//! that built it. Only a `KeptRequest`, which holds the registration its
-//! bytes are in, may move to another thread.
+//! that built it. Only a `Kept` one, which holds the registration its bytes
+//! are in, may move to another thread.
 
 use rdma_comm_core::verbs::{AccessFlags, ProtectionDomain, WorkRequest};
 

@@ -4,9 +4,9 @@
 use rdma_comm_core::verbs::{MemoryRegion, QueuePair, WorkRequest};
 
 fn post_freed(qp: &mut QueuePair, mr: MemoryRegion) {
-    let wr = WorkRequest::send(1, mr.slice(0, 8).unwrap());
+    let mut wr = WorkRequest::send(1, mr.slice(0, 8).unwrap());
     drop(mr);
-    qp.post_send(wr).unwrap();
+    qp.post_send(&mut wr).unwrap();
 }
 
 fn main() {

@@ -312,12 +312,12 @@ pub fn exchange(
     let receiver = to.qp_at(0).unwrap();
     receiver
         .qp_mut()
-        .post_recv(RecvRequest::new(1, rx.slice(0, 4096).unwrap()).unwrap())
+        .post_recv(&mut RecvRequest::new(1, rx.slice(0, 4096).unwrap()).unwrap())
         .unwrap();
     let sender = from.qp_at(0).unwrap();
     sender
         .qp_mut()
-        .post_send(WorkRequest::send(2, tx.slice(0, payload.len()).unwrap()).signaled())
+        .post_send(&mut WorkRequest::send(2, tx.slice(0, payload.len()).unwrap()).signaled())
         .unwrap();
     wait_ok(sender.cq_mut().unwrap());
     let wc = wait_ok(to.qp_at(0).unwrap().cq_mut().unwrap());

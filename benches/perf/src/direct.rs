@@ -1,6 +1,6 @@
 //! The roles on direct connections ([`Reactor::add_direct`]): perftest's
 //! loop inside a reactor. Each side builds its requests once
-//! ([`KeptRequest`], [`KeptBatch`], [`KeptRecv`]) when its connection is
+//! (kept with their memory: [`Kept`]) when its connection is
 //! handed over, posts them on the QP itself through [`Ctx::direct`] (one
 //! doorbell per post, or per batch), and counts its completions, as
 //! perftest does: the reactor polls and routes, and stages, credits and
@@ -16,7 +16,7 @@
 use rdma_comm_core::error::Error;
 use rdma_comm_core::reactor::{ConnId, Ctx, DirectQp, Handler, SendError, Spin, Spun};
 use rdma_comm_core::verbs::{
-    KeptBatch, KeptRecv, KeptRequest, RecvRequest, SendFlags, WcOpcode, WorkCompletion, WorkRequest,
+    Kept, RecvRequest, SendBatch, SendFlags, WcOpcode, WorkCompletion, WorkRequest,
 };
 
 use crate::latency::{latency_stats, poll_byte, sample_capacity};
@@ -38,13 +38,13 @@ const DONE_ID: u32 = u32::MAX - 1;
 #[derive(Debug)]
 struct Requests {
     /// The test's request (latency, and the reflector's answer).
-    op: KeptRequest,
+    op: Kept<WorkRequest<'static>>,
     /// The test's request `batch` times, the last signaled (bandwidth).
-    batch: KeptBatch<MAX_BATCH>,
+    batch: Kept<SendBatch<'static, MAX_BATCH>>,
     /// A receive into the first half of the buffer.
-    landing: KeptRecv,
+    landing: Kept<RecvRequest<'static>>,
     /// The zero-byte SEND that ends a run, with [`DONE_MARKER`].
-    done: KeptRequest,
+    done: Kept<WorkRequest<'static>>,
     /// `INLINE` when the payload fits the QP's inline data.
     inline: SendFlags,
     /// Every post of `op` is signaled (a READ, whose completion is its
@@ -84,7 +84,7 @@ impl Requests {
             }
         }
         .with_flags(inline);
-        let mut batch = KeptBatch::new();
+        let mut batch = SendBatch::<MAX_BATCH>::new();
         let batch_len = spec.batch.clamp(1, MAX_BATCH);
         for k in 0..batch_len {
             let mut request = op;
@@ -95,15 +95,16 @@ impl Requests {
             } else {
                 inline
             });
-            batch.push(request, memory)?;
+            // Cannot fail: at most MAX_BATCH requests.
+            let _ = batch.push(request);
         }
         let done = WorkRequest::send_with_imm(u64::from(DONE_ID), memory.slice(0, 0)?, DONE_MARKER)
             .signaled();
         Ok(Self {
-            op: KeptRequest::new(op, memory)?,
-            batch,
-            landing: KeptRecv::new(RecvRequest::new(u64::from(RECV_ID), first)?, memory)?,
-            done: KeptRequest::new(done, memory)?,
+            op: Kept::new(op, &[memory])?,
+            batch: Kept::new(batch, &[memory])?,
+            landing: Kept::new(RecvRequest::new(u64::from(RECV_ID), first)?, &[memory])?,
+            done: Kept::new(done, &[memory])?,
             inline,
             always_signaled: spec.op == PerfOp::Read,
         })
@@ -112,7 +113,7 @@ impl Requests {
     /// Posts as many receives as the QP holds, up to [`RECEIVES`].
     fn post_receives(&mut self, qp: &mut DirectQp<'_>) -> Result<(), Error> {
         for _ in 0..RECEIVES.min(qp.max_recv_wr()) {
-            qp.post_kept_recv(&mut self.landing)?;
+            qp.post_recv(&mut self.landing)?;
         }
         Ok(())
     }
@@ -131,7 +132,7 @@ impl Requests {
             };
             self.op.set_flags(flags);
         }
-        qp.post_kept(&mut self.op)
+        qp.post_send(&mut self.op)
     }
 }
 
@@ -390,7 +391,7 @@ impl DirectClient {
             RECV_ID => {
                 if let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut())
                     && let Ok(mut qp) = ctx.qp(conn)
-                    && let Err(err) = qp.post_kept_recv(&mut requests.landing)
+                    && let Err(err) = qp.post_recv(&mut requests.landing)
                 {
                     return self.fail(ctx, err.to_string());
                 }
@@ -499,7 +500,7 @@ impl DirectClient {
                 loop {
                     match spin.poll() {
                         Spun::Completion(RECV_ID, _) => {
-                            if let Err(err) = spin.qp().post_kept_recv(&mut requests.landing) {
+                            if let Err(err) = spin.qp().post_recv(&mut requests.landing) {
                                 failed = Some(err);
                                 break 'run;
                             }
@@ -573,7 +574,7 @@ impl DirectClient {
                         SendFlags::empty()
                     };
                     requests.op.set_flags(requests.inline | signal);
-                    if let Err(err) = qp.post_kept(&mut requests.op) {
+                    if let Err(err) = qp.post_send(&mut requests.op) {
                         failed = Some(err);
                         break;
                     }
@@ -581,7 +582,7 @@ impl DirectClient {
                 self.posted += left;
                 break;
             }
-            if let Err(err) = qp.post_kept_batch(&mut requests.batch) {
+            if let Err(err) = qp.post_send(&mut requests.batch) {
                 failed = Some(err);
                 break;
             }
@@ -613,7 +614,7 @@ impl DirectClient {
             return;
         };
         let posted = match ctx.qp(conn) {
-            Ok(mut qp) => qp.post_kept(&mut requests.done).map_err(|e| e.to_string()),
+            Ok(mut qp) => qp.post_send(&mut requests.done).map_err(|e| e.to_string()),
             Err(why) => Err(why),
         };
         if let Err(why) = posted {
@@ -780,7 +781,7 @@ impl DirectServer {
         }
         if let (Some(conn), Some(requests)) = (self.conn, self.requests.as_mut())
             && let Ok(mut qp) = ctx.qp(conn)
-            && let Err(err) = qp.post_kept_recv(&mut requests.landing)
+            && let Err(err) = qp.post_recv(&mut requests.landing)
         {
             return self.fail(ctx, err.to_string());
         }

@@ -215,7 +215,17 @@ impl Conn {
     pub(crate) fn post_recv_bypassing_the_guard(&mut self, slot: u32) -> crate::Result<()> {
         let request = recv_request(self.recv_ring, self.slot_size, self.recv_wr_id(slot), slot);
         let _ = self.reposts.push(request);
-        self.qp.post_recv_batch(&mut self.reposts)
+        self.post_reposts()
+    }
+
+    /// Posts the batch of reposts with one `ibv_post_recv` and drops what
+    /// went in (all of it, but on a partial post, which fails the
+    /// connection).
+    #[inline]
+    fn post_reposts(&mut self) -> crate::Result<()> {
+        let posted = self.qp.post_recv(&mut self.reposts);
+        self.reposts.drop_posted(&posted);
+        posted
     }
 
     /// True if consumed receives wait to be reposted.
@@ -257,7 +267,7 @@ impl Conn {
                 // batch, the connection fails and its ring is dead.
                 self.ring_slots.post(slot);
             }
-            self.qp.post_recv_batch(&mut self.reposts)?;
+            self.post_reposts()?;
             self.posted = self.posted.wrapping_add((end - start) as u32);
             start = end;
         }

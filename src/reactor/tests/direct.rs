@@ -9,8 +9,8 @@ use std::rc::Rc;
 use crate::error::Error;
 use crate::session::CqChoice;
 use crate::verbs::{
-    AccessFlags, Context, KeptRecv, KeptRequest, MemoryRegion, ProtectionDomain, QueuePair,
-    RecvRequest, WcOpcode, WorkCompletion, WorkRequest,
+    AccessFlags, Context, Kept, MemoryRegion, ProtectionDomain, QueuePair, RecvRequest, WcOpcode,
+    WorkCompletion, WorkRequest,
 };
 
 use super::super::{ConnId, Ctx, Handler, Reactor, ReactorConfig, SendError, SessionId};
@@ -149,19 +149,19 @@ fn kept_requests_complete_to_their_handler_with_their_ids() {
     );
     let b_remote = b.region.remote().expect("exportable");
 
-    let mut recv = KeptRecv::new(
+    let mut recv = Kept::new(
         RecvRequest::new(0xdead_0000_0000_0007, b.region.slice(0, 64).unwrap()).unwrap(),
-        b.region.registration(),
+        &[b.region.registration()],
     )
     .expect("kept receive");
     a.region.write(0, b"direct!!").unwrap();
     let a_memory = a.region.registration().clone();
-    let mut send = KeptRequest::new(
+    let mut send = Kept::new(
         WorkRequest::send(0x11, a.region.slice(0, 8).unwrap()).signaled(),
-        &a_memory,
+        &[&a_memory],
     )
     .expect("kept send");
-    let mut write = KeptRequest::new(
+    let mut write = Kept::new(
         WorkRequest::write(
             0x22,
             a.region.slice(0, 8).unwrap(),
@@ -169,10 +169,10 @@ fn kept_requests_complete_to_their_handler_with_their_ids() {
         )
         .unwrap()
         .signaled(),
-        &a_memory,
+        &[&a_memory],
     )
     .expect("kept write");
-    let mut read = KeptRequest::new(
+    let mut read = Kept::new(
         WorkRequest::read(
             0x33,
             a.region.slice(256, 8).unwrap(),
@@ -180,20 +180,17 @@ fn kept_requests_complete_to_their_handler_with_their_ids() {
         )
         .unwrap()
         .signaled(),
-        &a_memory,
+        &[&a_memory],
     )
     .expect("kept read");
 
     for round in 0..2 {
         reactor.with_ctx(|ctx| {
-            ctx.direct(b.conn)
-                .unwrap()
-                .post_kept_recv(&mut recv)
-                .unwrap();
+            ctx.direct(b.conn).unwrap().post_recv(&mut recv).unwrap();
             let mut qp = ctx.direct(a.conn).unwrap();
-            qp.post_kept(&mut send).unwrap();
-            qp.post_kept(&mut write).unwrap();
-            qp.post_kept(&mut read).unwrap();
+            qp.post_send(&mut send).unwrap();
+            qp.post_send(&mut write).unwrap();
+            qp.post_send(&mut read).unwrap();
         });
         let want = 3 * (round + 1);
         run_until(&mut reactor, "every completion", || {
@@ -333,15 +330,15 @@ fn a_kept_request_points_only_into_what_it_keeps() {
     let one = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
     let other = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
     let send = WorkRequest::send(1, one.slice(0, 8).unwrap());
-    assert!(KeptRequest::new(send, other.registration()).is_err());
-    assert!(KeptRequest::new(send, one.registration()).is_ok());
+    assert!(Kept::new(send, &[other.registration()]).is_err());
+    assert!(Kept::new(send, &[one.registration()]).is_ok());
     let recv = RecvRequest::new(1, one.slice(64, 8).unwrap()).unwrap();
-    assert!(KeptRecv::new(recv, other.registration()).is_err());
+    assert!(Kept::new(recv, &[other.registration()]).is_err());
     let inline = WorkRequest::send_inline(1, b"abc");
-    assert!(KeptRequest::new(inline, one.registration()).is_err());
+    assert!(Kept::new(inline, &[one.registration()]).is_err());
     // An empty request points at nothing: any registration will do.
     let empty = WorkRequest::send(1, one.slice(0, 0).unwrap());
-    assert!(KeptRequest::new(empty, other.registration()).is_ok());
+    assert!(Kept::new(empty, &[other.registration()]).is_ok());
 }
 
 /// An SRQ reactor refuses direct connections: they post their own receives.

@@ -293,9 +293,9 @@ impl RawPeer {
             .alloc_mr(64, AccessFlags::LOCAL_WRITE)
             .expect("the raw peer's buffer");
         for i in 0..u64::from(Self::RECVS) {
-            let request = RecvRequest::new(RAW_RECV | i, buf.slice(0, 64).expect("a slice"))
+            let mut request = RecvRequest::new(RAW_RECV | i, buf.slice(0, 64).expect("a slice"))
                 .expect("a receive");
-            qp.post_recv(request).expect("a receive posted");
+            qp.post_recv(&mut request).expect("a receive posted");
         }
         let end = add_end(reactor, ours);
         let peer = Self {
@@ -315,8 +315,8 @@ impl RawPeer {
     fn send(&mut self, kind: u32, len: usize) {
         let imm = (kind << 30) | Self::RECVS;
         let local = self.buf.slice(0, len).expect("a slice");
-        let request = WorkRequest::send_with_imm(0, local, imm).signaled();
-        self.qp.post_send(request).expect("a SEND posted");
+        let mut request = WorkRequest::send_with_imm(0, local, imm).signaled();
+        self.qp.post_send(&mut request).expect("a SEND posted");
         self.posted += 1;
     }
 

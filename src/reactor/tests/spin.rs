@@ -9,7 +9,7 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use crate::verbs::{
-    AccessFlags, Context, KeptRequest, ProtectionDomain, RecvRequest, WcOpcode, WorkRequest,
+    AccessFlags, Context, Kept, ProtectionDomain, RecvRequest, WcOpcode, WorkRequest,
 };
 
 use super::super::conn::direct_send_tag;
@@ -44,12 +44,12 @@ fn drain(spin: &mut super::super::Spin<'_>, seen: &Seen, want: usize) {
 }
 
 /// A's signaled READ of B's first 8 bytes into A's bytes 256.., with `id`.
-fn read_request(a: &End, b: &End, id: u64) -> KeptRequest {
+fn read_request(a: &End, b: &End, id: u64) -> Kept<WorkRequest<'static>> {
     let remote = b.region.remote().unwrap().slice(0, 8).unwrap();
     let read = WorkRequest::read(id, a.region.slice(256, 8).unwrap(), remote)
         .unwrap()
         .signaled();
-    KeptRequest::new(read, a.region.registration()).unwrap()
+    Kept::new(read, &[a.region.registration()]).unwrap()
 }
 
 /// A reactor of direct connections only, on the loopback device, with a
@@ -68,14 +68,14 @@ fn lean_pair() -> (ProtectionDomain, Reactor<Direct, ()>, End, End) {
 fn post_in_a_spin(
     reactor: &mut Reactor<Direct, ()>,
     end: &End,
-    mut request: KeptRequest,
+    mut request: Kept<WorkRequest<'static>>,
     want: usize,
 ) -> Seen {
     let (conn, seen) = (end.conn, Seen::default());
     let seen_in = Rc::clone(&seen);
     plan(end, move |ctx| {
         let mut spin = ctx.spin(conn).expect("a spin");
-        spin.qp().post_kept(&mut request).expect("a post");
+        spin.qp().post_send(&mut request).expect("a post");
         drain(&mut spin, &seen_in, want);
         if seen_in.borrow().ended {
             assert!(matches!(spin.poll(), Spun::Ended), "ended for good");
@@ -88,24 +88,24 @@ fn post_in_a_spin(
 
 /// A receive posted on B (id 9) and A's signaled 8-byte SEND to it (id
 /// 0x11), for A to post.
-fn send_to(reactor: &mut Reactor<Direct, ()>, a: &End, b: &End) -> KeptRequest {
+fn send_to(reactor: &mut Reactor<Direct, ()>, a: &End, b: &End) -> Kept<WorkRequest<'static>> {
     reactor.with_ctx(|ctx| {
         let mut recv = RecvRequest::new(9, b.region.slice(0, 8).unwrap()).unwrap();
         ctx.direct(b.conn).unwrap().post_recv(&mut recv).unwrap();
     });
     let send = WorkRequest::send(0x11, a.region.slice(0, 8).unwrap()).signaled();
-    KeptRequest::new(send, a.region.registration()).unwrap()
+    Kept::new(send, &[a.region.registration()]).unwrap()
 }
 
 /// Posts every one of `reads` in `spin` (each completes inside its post
 /// on the loopback device), then takes the first completion back.
 fn post_all_and_take_one(
     spin: &mut super::super::Spin<'_>,
-    reads: &mut [KeptRequest],
+    reads: &mut [Kept<WorkRequest<'static>>],
     seen: &Seen,
 ) {
     for read in reads {
-        spin.qp().post_kept(read).expect("a READ");
+        spin.qp().post_send(read).expect("a READ");
     }
     drain(spin, seen, 1);
 }
@@ -149,7 +149,7 @@ fn a_spin_hands_its_handler_its_own_completions() {
     plan(&a, move |ctx| {
         let mut spin = ctx.spin(conn).expect("a spin from on_idle");
         for round in 1..=100 {
-            spin.qp().post_kept(&mut read).expect("a READ");
+            spin.qp().post_send(&mut read).expect("a READ");
             drain(&mut spin, &seen_in, round);
         }
         false
@@ -213,10 +213,12 @@ fn a_strangers_completion_with_a_copied_tag_ends_the_spin() {
         let mut spin = ctx.spin(conn).expect("a spin");
         // Posted while A spins, onto the CQ A polls.
         let remote = target.remote().unwrap().slice(0, 8).unwrap();
-        let write = WorkRequest::write(forged, source.slice(0, 8).unwrap(), remote)
+        let mut write = WorkRequest::write(forged, source.slice(0, 8).unwrap(), remote)
             .unwrap()
             .signaled();
-        stranger.post_send(write).expect("the stranger's WRITE");
+        stranger
+            .post_send(&mut write)
+            .expect("the stranger's WRITE");
         drain(&mut spin, &seen_in, 1);
         false
     });
@@ -242,7 +244,7 @@ fn a_failed_completion_ends_the_spin_and_fails_the_connection_once() {
     let read = WorkRequest::read(2, a.region.slice(0, 8).unwrap(), remote)
         .unwrap()
         .signaled();
-    let read = KeptRequest::new(read, a.region.registration()).unwrap();
+    let read = Kept::new(read, &[a.region.registration()]).unwrap();
     let conn = a.conn;
     let seen = post_in_a_spin(&mut reactor, &a, read, 1);
     for _ in 0..100 {
@@ -278,7 +280,7 @@ fn a_failed_cq_poll_ends_the_spin_and_the_pass_reports_it() {
             return false;
         };
         let mut spin = ctx.spin(conn).expect("a spin");
-        spin.qp().post_kept(&mut read).expect("a READ");
+        spin.qp().post_send(&mut read).expect("a READ");
         crate::verbs::fail_next_polls(1);
         drain(&mut spin, &seen_in, 1);
         assert!(matches!(spin.poll(), Spun::Ended), "ended for good");
@@ -400,7 +402,7 @@ fn a_panic_inside_a_spin_loses_and_repeats_nothing() {
         reactor.with_ctx(|ctx| {
             let mut qp = ctx.direct(a.conn).unwrap();
             for read in &mut more {
-                qp.post_kept(read).unwrap();
+                qp.post_send(read).unwrap();
             }
         });
         for _ in 0..10 {
@@ -491,12 +493,12 @@ fn a_busy_spin_spends_its_budget_on_completions_too() {
     let taken_in = Rc::clone(&taken);
     plan(&a, move |ctx| {
         let mut spin = ctx.spin(conn).expect("a spin");
-        spin.qp().post_kept(&mut read).expect("a READ");
+        spin.qp().post_send(&mut read).expect("a READ");
         loop {
             match spin.poll() {
                 Spun::Completion(..) => {
                     *taken_in.borrow_mut() += 1;
-                    spin.qp().post_kept(&mut read).expect("a READ");
+                    spin.qp().post_send(&mut read).expect("a READ");
                 }
                 Spun::Empty => {}
                 Spun::Ended => return false,
@@ -522,7 +524,7 @@ fn a_forgotten_spin_spends_the_budget_and_loses_no_one_elses_completion() {
     let again_in = Rc::clone(&again);
     plan(&a, move |ctx| {
         let mut spin = ctx.spin(conn).expect("a spin");
-        spin.qp().post_kept(&mut send).expect("a SEND");
+        spin.qp().post_send(&mut send).expect("a SEND");
         drain(&mut spin, &seen_in, 2);
         std::mem::forget(spin);
         *again_in.borrow_mut() = Some(ctx.spin(conn).err());

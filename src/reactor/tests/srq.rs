@@ -458,7 +458,7 @@ fn an_srq_slot_consumed_by_a_qp_the_reactor_does_not_serve_comes_back() {
     let oldest = srq_account(&reactor).posted.len();
     assert_eq!(oldest, SRQ_DEPTH as usize);
     let first = reactor.srq.as_ref().expect("an SRQ").on_device()[0];
-    peer.post_send(WorkRequest::send_inline(1, b"not the reactor's"))
+    peer.post_send(&mut WorkRequest::send_inline(1, b"not the reactor's"))
         .expect("a SEND into the SRQ");
     let account = srq_account(&reactor);
     assert!(!account.has(first), "slot {first} consumed");

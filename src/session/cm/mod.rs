@@ -204,7 +204,8 @@ impl ControlQp {
 
     fn post_recv(&mut self, slot: usize) -> Result<()> {
         let slice = self.recv.slice(slot * SLOT, SLOT)?;
-        self.qp.post_recv(RecvRequest::new(slot as u64, slice)?)
+        self.qp
+            .post_recv(&mut RecvRequest::new(slot as u64, slice)?)
     }
 
     /// Sets the handshake's deadlines from now.
@@ -317,7 +318,7 @@ impl ControlQp {
         self.send.write(0, bytes)?;
         let slice = self.send.slice(0, bytes.len())?;
         self.qp
-            .post_send(WorkRequest::send(WR_SEND, slice).signaled())?;
+            .post_send(&mut WorkRequest::send(WR_SEND, slice).signaled())?;
         self.sending = true;
         Ok(())
     }

@@ -1,6 +1,7 @@
-//! Posting on a queue pair: send-queue requests one at a time, in batches
-//! and kept to post again, the reactor's preallocated lists, window binds,
-//! and receives; each ends in one call of the provider's post function.
+//! Posting on a queue pair: send-queue requests and receives (one, or a
+//! batch as one list, borrowing their memory or kept with it), the
+//! reactor's preallocated lists and window binds; each ends in one call of
+//! the provider's post function.
 
 use std::os::raw::c_int;
 use std::ptr;
@@ -10,108 +11,66 @@ use crate::error::{Error, Result};
 use crate::sys;
 
 use super::super::BIND_WR_ID;
-use super::super::kept::{KeptBatch, KeptRecv, KeptRequest};
 use super::super::list::{self, SendList};
 use super::super::mw::{WindowSlot, ZERO_BASED_BIND};
-use super::super::wr::{self, RecvBatch, RecvRequest, SendBatch, WorkRequest};
+use super::super::requests::sealed::{Request, Seal};
+use super::super::requests::{self, RecvRequests, SendRequests};
 use super::QueuePair;
 
 impl QueuePair {
-    /// Posts one send-queue request.
-    #[inline]
-    pub fn post_send(&mut self, request: WorkRequest<'_>) -> Result<()> {
-        let mut request = request;
-        self.post_send_kept(&mut request)
-    }
-
-    /// Posts `request` and leaves it with the caller, to post again: a
-    /// request built once outside the loop is posted with no building or
-    /// copying per post (perftest's way; [`post_send`](Self::post_send)
-    /// builds and copies one each time). Change its id or flags in place
-    /// ([`WorkRequest::set_wr_id`], [`WorkRequest::set_flags`]) between
-    /// posts. A request it keeps borrows its memory's [`Registration`]
-    /// (sliced with [`Registration::slice`], it leaves the
-    /// [`MemoryRegion`](crate::verbs::MemoryRegion) free to be written through
-    /// `&mut`).
+    /// Posts `requests` (a [`WorkRequest`], a [`SendBatch`], or either
+    /// [`Kept`]) as one linked list, one doorbell, and leaves them with the
+    /// caller as they were: to post again with nothing built or copied per
+    /// post (perftest's way), after changing an id or flags in place
+    /// ([`WorkRequest::set_wr_id`], [`WorkRequest::set_flags`],
+    /// [`Batch::get_mut`]). An inline request longer than the QP's
+    /// [`max_inline_data`](Self::max_inline_data) is refused before
+    /// anything is posted. On [`Error::Post`] the error says how many of
+    /// the first requests the provider took: those are posted, so posting
+    /// the same batch again would post them twice
+    /// ([`Batch::drop_posted`] drops them).
     ///
-    /// [`Registration`]: crate::verbs::Registration
-    /// [`Registration::slice`]: crate::verbs::Registration::slice
-    #[inline]
-    pub fn post_send_kept(&mut self, request: &mut WorkRequest<'_>) -> Result<()> {
-        self.check_inline(request)?;
-        let head = wr::Linkable::link_to(request, ptr::null_mut());
-        // SAFETY: one request, NULL-terminated, pointing at its own SGE,
-        // borrowed for the call.
-        unsafe { self.post_send_raw(head, 1) }
-    }
-
-    /// Posts a [`KeptRequest`], which keeps the registration its bytes are
-    /// in: as [`post_send_kept`](Self::post_send_kept), for a request kept
-    /// in a struct beside its memory.
-    #[inline]
-    pub fn post_kept(&mut self, request: &mut KeptRequest) -> Result<()> {
-        self.post_send_kept(request.request_mut())
-    }
-
-    /// Posts a [`KeptBatch`] as one list (one doorbell), as
-    /// [`post_send_batch_kept`](Self::post_send_batch_kept).
-    #[inline]
-    pub fn post_kept_batch<const N: usize>(&mut self, batch: &mut KeptBatch<N>) -> Result<()> {
-        self.post_send_batch_kept(batch.batch_mut())
-    }
-
-    /// Posts a [`KeptRecv`], as [`post_recv_kept`](Self::post_recv_kept).
-    #[inline]
-    pub fn post_kept_recv(&mut self, request: &mut KeptRecv) -> Result<()> {
-        self.post_recv_kept(request.request_mut())
-    }
-
-    /// Posts every request of `batch` as one linked list (one doorbell) and
-    /// keeps them, to post the same list again (perftest's post list, `-l`):
-    /// nothing is built or copied per post. Change a request in place between
-    /// posts through [`Batch::get_mut`](crate::verbs::Batch::get_mut). On
-    /// [`Error::Post`] the batch is left as it was and the error says how
-    /// many of its first requests the provider took: those are posted, so
-    /// posting the batch again would post them twice (unlike
-    /// [`post_send_batch`](Self::post_send_batch), which drops them).
-    #[inline]
-    pub fn post_send_batch_kept<const N: usize>(
-        &mut self,
-        batch: &mut SendBatch<'_, N>,
-    ) -> Result<()> {
-        if batch.is_empty() {
+    /// [`WorkRequest`]: crate::verbs::WorkRequest
+    /// [`WorkRequest::set_wr_id`]: crate::verbs::WorkRequest::set_wr_id
+    /// [`WorkRequest::set_flags`]: crate::verbs::WorkRequest::set_flags
+    /// [`SendBatch`]: crate::verbs::SendBatch
+    /// [`Batch::get_mut`]: crate::verbs::Batch::get_mut
+    /// [`Batch::drop_posted`]: crate::verbs::Batch::drop_posted
+    /// [`Kept`]: crate::verbs::Kept
+    #[inline(always)]
+    pub fn post_send<R: SendRequests>(&mut self, requests: &mut R) -> Result<()> {
+        let requests = requests.requests_mut(Seal::new());
+        if requests.is_empty() {
             return Ok(());
         }
-        for request in &batch.requests {
-            self.check_inline(request)?;
+        for request in requests.iter() {
+            self.check_inline(request.inline_len())?;
         }
-        let len = batch.len();
-        let head = wr::link(batch);
-        // SAFETY: `link` made a NULL-terminated list of `len` requests inside
-        // `batch`, which stays untouched until the call returns.
+        let len = requests.len();
+        let head = requests::link(requests);
+        // SAFETY: `link` made a NULL-terminated list of `len` requests,
+        // each pointing at its own SGE, inside `requests`, which stays
+        // borrowed and untouched until the call returns.
         unsafe { self.post_send_raw(head, len) }
     }
 
-    /// Posts every request of `batch` as one linked list (one doorbell), then
-    /// clears the batch. On error [`Error::Post`] says how many went out;
-    /// those leave the batch and the rest stay, to retry.
+    /// Posts `requests` (a [`RecvRequest`], a [`RecvBatch`], or either
+    /// [`Kept`]) with one `ibv_post_recv` and leaves them with the caller,
+    /// as [`post_send`](Self::post_send) does.
+    ///
+    /// [`RecvRequest`]: crate::verbs::RecvRequest
+    /// [`RecvBatch`]: crate::verbs::RecvBatch
+    /// [`Kept`]: crate::verbs::Kept
     #[inline]
-    pub fn post_send_batch<const N: usize>(&mut self, batch: &mut SendBatch<'_, N>) -> Result<()> {
-        let len = batch.len();
-        match self.post_send_batch_kept(batch) {
-            Ok(()) => {
-                batch.clear();
-                Ok(())
-            }
-            Err(err) => {
-                // The requests that went in leave the batch: posting them
-                // again would send (or write into) their buffers twice.
-                if let Error::Post { posted, .. } = err {
-                    batch.requests.drain(..posted.min(len));
-                }
-                Err(err)
-            }
+    pub fn post_recv<R: RecvRequests>(&mut self, requests: &mut R) -> Result<()> {
+        let requests = requests.requests_mut(Seal::new());
+        if requests.is_empty() {
+            return Ok(());
         }
+        let len = requests.len();
+        let head = requests::link(requests);
+        // SAFETY: as in `post_send`.
+        unsafe { self.post_recv_raw(head, len) }
     }
 
     /// Posts every request staged in `list` with one doorbell and empties it
@@ -125,17 +84,15 @@ impl QueuePair {
         })
     }
 
-    #[inline]
-    fn check_inline(&self, request: &WorkRequest<'_>) -> Result<()> {
-        if request.wr.send_flags & sys::IBV_SEND_INLINE != 0
-            && request.sge.length > self.max_inline_data
-        {
-            return Err(Error::InlineTooLarge {
-                len: request.sge.length as usize,
+    #[inline(always)]
+    fn check_inline(&self, inline_len: Option<u32>) -> Result<()> {
+        match inline_len {
+            Some(len) if len > self.max_inline_data => Err(Error::InlineTooLarge {
+                len: len as usize,
                 max: self.max_inline_data,
-            });
+            }),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// Posts a NULL-terminated list of `len` requests.
@@ -195,36 +152,6 @@ impl QueuePair {
         } else {
             Err(self.post_error(verb, rc, list::count_before(head, bad, len)))
         }
-    }
-
-    /// Posts one receive.
-    #[inline]
-    pub fn post_recv(&mut self, request: RecvRequest<'_>) -> Result<()> {
-        let mut request = request;
-        self.post_recv_kept(&mut request)
-    }
-
-    /// Posts `request` and leaves it with the caller, to post again (see
-    /// [`post_send_kept`](Self::post_send_kept)).
-    #[inline]
-    pub fn post_recv_kept(&mut self, request: &mut RecvRequest<'_>) -> Result<()> {
-        let head = wr::Linkable::link_to(request, ptr::null_mut());
-        // SAFETY: one request, NULL-terminated, pointing at its own SGE,
-        // borrowed for the call.
-        unsafe { self.post_recv_raw(head, 1) }
-    }
-
-    /// Posts every request of `batch` with one `ibv_post_recv`, then clears it.
-    #[inline]
-    pub fn post_recv_batch<const N: usize>(&mut self, batch: &mut RecvBatch<'_, N>) -> Result<()> {
-        self.posted = true;
-        let (qp, post) = (self.qp.as_ptr(), self.post_recv_fn);
-        list::post_recv_batch(batch, |head, bad| {
-            // SAFETY: the QP is live; `head` is a NULL-terminated list of
-            // requests inside `batch`, untouched until the call returns.
-            unsafe { post(qp, head, bad) }
-        })
-        .map_err(|(rc, posted)| self.post_error("ibv_post_recv", rc, posted))
     }
 
     /// # Safety

@@ -10,13 +10,13 @@ fn a_send_lands_in_the_oldest_receive_with_its_immediate() {
     let (pd, mut cq, mut a, mut b) = pair(16, AccessFlags::empty());
     let mut mr = pd.alloc_mr(256, AccessFlags::LOCAL_WRITE).unwrap();
     mr.write(0, b"ping").unwrap();
-    b.post_recv(RecvRequest::new(10, mr.slice(64, 32).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(10, mr.slice(64, 32).unwrap()).unwrap())
         .unwrap();
-    b.post_recv(RecvRequest::new(11, mr.slice(96, 32).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(11, mr.slice(96, 32).unwrap()).unwrap())
         .unwrap();
-    a.post_send(WorkRequest::send_with_imm(1, mr.slice(0, 4).unwrap(), 0xfeed).signaled())
+    a.post_send(&mut WorkRequest::send_with_imm(1, mr.slice(0, 4).unwrap(), 0xfeed).signaled())
         .unwrap();
-    a.post_send(WorkRequest::send_inline(2, b"inline").signaled())
+    a.post_send(&mut WorkRequest::send_inline(2, b"inline").signaled())
         .unwrap();
     let wcs = drain(&mut cq);
     assert_eq!(wcs.len(), 4, "{wcs:?}");
@@ -39,9 +39,9 @@ fn a_send_lands_in_the_oldest_receive_with_its_immediate() {
 fn unsignaled_requests_complete_silently() {
     let (pd, mut cq, mut a, mut b) = pair(16, AccessFlags::empty());
     let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    b.post_recv(RecvRequest::new(7, mr.slice(0, 8).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(7, mr.slice(0, 8).unwrap()).unwrap())
         .unwrap();
-    a.post_send(WorkRequest::send_inline(1, b"x")).unwrap();
+    a.post_send(&mut WorkRequest::send_inline(1, b"x")).unwrap();
     let wcs = drain(&mut cq);
     assert_eq!(wcs.len(), 1);
     assert_eq!(wcs[0].wr_id(), 7);
@@ -59,15 +59,15 @@ fn a_send_without_a_receive_waits_for_one_and_keeps_its_place() {
     {
         // Inline data is copied at post time: the buffer may go right away.
         let gone = *b"second";
-        a.post_send(WorkRequest::send_inline(2, &gone).signaled())
+        a.post_send(&mut WorkRequest::send_inline(2, &gone).signaled())
             .unwrap();
     }
-    a.post_send(WorkRequest::send(1, src.slice(0, 5).unwrap()).signaled())
+    a.post_send(&mut WorkRequest::send(1, src.slice(0, 5).unwrap()).signaled())
         .unwrap();
     // A WRITE behind stalled SENDs waits too (the send queue is in order).
     let target = dst.remote().unwrap().slice(32, 5).unwrap();
     a.post_send(
-        WorkRequest::write(3, src.slice(0, 5).unwrap(), target)
+        &mut WorkRequest::write(3, src.slice(0, 5).unwrap(), target)
             .unwrap()
             .signaled(),
     )
@@ -78,13 +78,13 @@ fn a_send_without_a_receive_waits_for_one_and_keeps_its_place() {
     );
     assert_eq!(bytes(&dst, 32, 5), [0; 5]);
 
-    b.post_recv(RecvRequest::new(20, dst.slice(0, 16).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(20, dst.slice(0, 16).unwrap()).unwrap())
         .unwrap();
     let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
     assert_eq!(ids, [20, 2], "one receive runs one SEND");
     assert_eq!(bytes(&dst, 0, 6), b"second");
 
-    b.post_recv(RecvRequest::new(21, dst.slice(16, 16).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(21, dst.slice(16, 16).unwrap()).unwrap())
         .unwrap();
     let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
     assert_eq!(ids, [21, 1, 3]);
@@ -103,21 +103,21 @@ fn write_read_and_write_with_imm_move_the_bytes() {
     exported.write(48, b"readable").unwrap();
 
     a.post_send(
-        WorkRequest::write(1, local.slice(0, 8).unwrap(), remote.slice(0, 8).unwrap())
+        &mut WorkRequest::write(1, local.slice(0, 8).unwrap(), remote.slice(0, 8).unwrap())
             .unwrap()
             .signaled(),
     )
     .unwrap();
     a.post_send(
-        WorkRequest::read(2, local.slice(16, 8).unwrap(), remote.slice(48, 8).unwrap())
+        &mut WorkRequest::read(2, local.slice(16, 8).unwrap(), remote.slice(48, 8).unwrap())
             .unwrap()
             .signaled(),
     )
     .unwrap();
-    b.post_recv(RecvRequest::new(30, local.slice(0, 0).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(30, local.slice(0, 0).unwrap()).unwrap())
         .unwrap();
     a.post_send(
-        WorkRequest::write_with_imm(
+        &mut WorkRequest::write_with_imm(
             3,
             local.slice(0, 4).unwrap(),
             remote.slice(20, 4).unwrap(),
@@ -171,7 +171,8 @@ fn both_ends_on_two_threads_deliver_everything() {
     let receiver = std::thread::spawn(move || {
         let post = |b: &mut QueuePair, slot: u64| {
             let slice = ring.slice(slot as usize * 8, 8).unwrap();
-            b.post_recv(RecvRequest::new(slot, slice).unwrap()).unwrap();
+            b.post_recv(&mut RecvRequest::new(slot, slice).unwrap())
+                .unwrap();
         };
         for slot in 0..64 {
             post(&mut b, slot);
@@ -214,15 +215,15 @@ fn both_ends_on_two_threads_deliver_everything() {
             completed += done.len() as u64;
         }
         let value = seq.to_le_bytes();
-        a.post_send(WorkRequest::send_inline(seq, &value).signaled())
+        a.post_send(&mut WorkRequest::send_inline(seq, &value).signaled())
             .unwrap();
     }
     let _b = receiver.join().unwrap();
 }
 
-/// Requests built once and posted again (`post_send_kept`,
-/// `post_recv_kept`, `post_send_batch_kept`): each post sends what the
-/// buffer holds then, under the id and flags set in place, and a kept
+/// Requests and batches built once and posted again (`post_send` and
+/// `post_recv` leave them with the caller): each post sends what the
+/// buffer holds then, under the id and flags set in place, and such a
 /// request borrows only the registration, so the region is written between
 /// posts. A batch refused in part is left whole, with the count taken.
 #[test]
@@ -237,11 +238,11 @@ fn kept_requests_post_again_with_what_the_buffer_holds_then() {
     let mut landing = RecvRequest::new(40, registration.slice(32, 8).unwrap()).unwrap();
     let mut send = WorkRequest::send(0, registration.slice(0, 8).unwrap());
     for (i, text) in [b"first!!!", b"second!!"].iter().enumerate() {
-        b.post_recv_kept(&mut landing).unwrap();
+        b.post_recv(&mut landing).unwrap();
         mr.write(0, &text[..]).unwrap();
         send.set_wr_id(i as u64 + 1);
         send.set_flags(SendFlags::SIGNALED);
-        a.post_send_kept(&mut send).unwrap();
+        a.post_send(&mut send).unwrap();
         let wcs = drain(&mut cq);
         let ids: Vec<u64> = wcs.iter().map(WorkCompletion::wr_id).collect();
         assert_eq!(ids, [40, i as u64 + 1], "{wcs:?}");
@@ -249,8 +250,8 @@ fn kept_requests_post_again_with_what_the_buffer_holds_then() {
     }
     // Unsignaled now: it completes silently.
     send.set_flags(SendFlags::empty());
-    b.post_recv_kept(&mut landing).unwrap();
-    a.post_send_kept(&mut send).unwrap();
+    b.post_recv(&mut landing).unwrap();
+    a.post_send(&mut send).unwrap();
     let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
     assert_eq!(ids, [40]);
 
@@ -265,7 +266,7 @@ fn kept_requests_post_again_with_what_the_buffer_holds_then() {
     }
     for round in 0..2u8 {
         mr.write(0, &[round + 1; 24]).unwrap();
-        a.post_send_batch_kept(&mut batch).unwrap();
+        a.post_send(&mut batch).unwrap();
         let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
         assert_eq!(ids, [100, 101, 102]);
         assert_eq!(bytes(&exported, 0, 24), vec![round + 1; 24]);
@@ -273,14 +274,14 @@ fn kept_requests_post_again_with_what_the_buffer_holds_then() {
     }
     // Changed in place: the second request now carries id 7.
     batch.get_mut(1).unwrap().set_wr_id(7);
-    a.post_send_batch_kept(&mut batch).unwrap();
+    a.post_send(&mut batch).unwrap();
     let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
     assert_eq!(ids, [100, 7, 102]);
 
     // The provider takes one of the three: the error says so and the batch
     // stays whole.
     crate::verbs::refuse_sends_after(a.qpn(), 1);
-    match a.post_send_batch_kept(&mut batch) {
+    match a.post_send(&mut batch) {
         Err(Error::Post { posted, .. }) => assert_eq!(posted, 1),
         other => panic!("a partial post: {other:?}"),
     }
@@ -288,18 +289,22 @@ fn kept_requests_post_again_with_what_the_buffer_holds_then() {
     let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
     assert_eq!(ids, [100]);
 
-    // `post_send_batch`, refused likewise, drops what went in and keeps the
-    // rest to retry; a full post empties it.
+    // Refused likewise, `drop_posted` drops what went in and keeps the
+    // rest to retry; after a full post it empties the batch.
     crate::verbs::refuse_sends_after(a.qpn(), 1);
-    match a.post_send_batch(&mut batch) {
-        Err(Error::Post { posted, .. }) => assert_eq!(posted, 1),
+    let outcome = a.post_send(&mut batch);
+    match &outcome {
+        Err(Error::Post { posted, .. }) => assert_eq!(*posted, 1),
         other => panic!("a partial post: {other:?}"),
     }
+    batch.drop_posted(&outcome);
     let left: Vec<u64> = (0..batch.len())
         .map(|i| batch.get_mut(i).unwrap().wr_id())
         .collect();
     assert_eq!(left, [7, 102], "the first went in");
-    a.post_send_batch(&mut batch).unwrap();
+    let outcome = a.post_send(&mut batch);
+    assert!(outcome.is_ok());
+    batch.drop_posted(&outcome);
     assert!(batch.is_empty());
     let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
     assert_eq!(ids, [100, 7, 102]);

@@ -14,17 +14,18 @@ fn a_bad_rkey_fails_the_request_and_the_qp() {
         .unwrap();
     let good = exported.remote().unwrap();
     let forged = crate::verbs::RemoteRegion::new(good.addr(), good.len(), good.rkey() ^ 0x5a5a);
-    b.post_recv(RecvRequest::new(40, local.slice(0, 8).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(40, local.slice(0, 8).unwrap()).unwrap())
         .unwrap();
-    a.post_recv(RecvRequest::new(41, local.slice(8, 8).unwrap()).unwrap())
+    a.post_recv(&mut RecvRequest::new(41, local.slice(8, 8).unwrap()).unwrap())
         .unwrap();
     // Unsignaled, and followed by another request in the same list: the
     // failure is reported anyway, the rest is flushed.
     a.post_send(
-        WorkRequest::write(1, local.slice(0, 8).unwrap(), forged.slice(0, 8).unwrap()).unwrap(),
+        &mut WorkRequest::write(1, local.slice(0, 8).unwrap(), forged.slice(0, 8).unwrap())
+            .unwrap(),
     )
     .unwrap();
-    a.post_send(WorkRequest::send_inline(2, b"late").signaled())
+    a.post_send(&mut WorkRequest::send_inline(2, b"late").signaled())
         .unwrap();
     let wcs = drain(&mut cq);
     let summary: Vec<(u64, WcStatus)> = wcs.iter().map(|wc| (wc.wr_id(), wc.status())).collect();
@@ -49,7 +50,7 @@ fn a_bad_rkey_fails_the_request_and_the_qp() {
         .remote()
         .unwrap();
     c.post_send(
-        WorkRequest::read(
+        &mut WorkRequest::read(
             5,
             local.slice(0, 8).unwrap(),
             write_only.slice(0, 8).unwrap(),
@@ -70,7 +71,8 @@ fn a_qp_without_remote_access_refuses_writes() {
         .remote()
         .unwrap();
     a.post_send(
-        WorkRequest::write(1, local.slice(0, 8).unwrap(), exported.slice(0, 8).unwrap()).unwrap(),
+        &mut WorkRequest::write(1, local.slice(0, 8).unwrap(), exported.slice(0, 8).unwrap())
+            .unwrap(),
     )
     .unwrap();
     assert_eq!(drain(&mut cq)[0].status(), WcStatus::REM_ACCESS_ERR);
@@ -86,7 +88,8 @@ fn a_deregistered_region_is_out_of_reach() {
     let remote = exported.remote().unwrap();
     drop(exported);
     a.post_send(
-        WorkRequest::write(1, local.slice(0, 8).unwrap(), remote.slice(0, 8).unwrap()).unwrap(),
+        &mut WorkRequest::write(1, local.slice(0, 8).unwrap(), remote.slice(0, 8).unwrap())
+            .unwrap(),
     )
     .unwrap();
     assert_eq!(drain(&mut cq)[0].status(), WcStatus::REM_ACCESS_ERR);
@@ -96,11 +99,11 @@ fn a_deregistered_region_is_out_of_reach() {
 fn a_send_longer_than_the_receive_fails_both_sides() {
     let (pd, mut cq, mut a, mut b) = pair(16, AccessFlags::empty());
     let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    b.post_recv(RecvRequest::new(50, mr.slice(0, 2).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(50, mr.slice(0, 2).unwrap()).unwrap())
         .unwrap();
-    b.post_recv(RecvRequest::new(51, mr.slice(2, 2).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(51, mr.slice(2, 2).unwrap()).unwrap())
         .unwrap();
-    a.post_send(WorkRequest::send_inline(1, b"too long"))
+    a.post_send(&mut WorkRequest::send_inline(1, b"too long"))
         .unwrap();
     let summary = statuses(&mut cq);
     assert_eq!(
@@ -121,8 +124,8 @@ fn the_error_state_flushes_receives_and_stalled_sends_in_order() {
     let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     post_recvs(&mut a, &mr, 60..63);
     // Two sends stall at b (no receive there).
-    a.post_send(WorkRequest::send_inline(1, b"a")).unwrap();
-    a.post_send(WorkRequest::send_inline(2, b"b")).unwrap();
+    a.post_send(&mut WorkRequest::send_inline(1, b"a")).unwrap();
+    a.post_send(&mut WorkRequest::send_inline(2, b"b")).unwrap();
     assert!(drain(&mut cq).is_empty());
     a.set_error().unwrap();
     let ids: Vec<u64> = drain(&mut cq)
@@ -132,13 +135,13 @@ fn the_error_state_flushes_receives_and_stalled_sends_in_order() {
         .collect();
     assert_eq!(ids, [60, 61, 62, 1, 2]);
     // Posting on a QP in error flushes at once.
-    a.post_recv(RecvRequest::new(63, mr.slice(0, 8).unwrap()).unwrap())
+    a.post_recv(&mut RecvRequest::new(63, mr.slice(0, 8).unwrap()).unwrap())
         .unwrap();
-    a.post_send(WorkRequest::send_inline(3, b"c")).unwrap();
+    a.post_send(&mut WorkRequest::send_inline(3, b"c")).unwrap();
     let ids: Vec<u64> = drain(&mut cq).iter().map(WorkCompletion::wr_id).collect();
     assert_eq!(ids, [63, 3]);
     // b never got anything; its sends to a peer in error fail.
-    b.post_send(WorkRequest::send_inline(4, b"d")).unwrap();
+    b.post_send(&mut WorkRequest::send_inline(4, b"d")).unwrap();
     let wcs = drain(&mut cq);
     assert_eq!(
         (wcs[0].wr_id(), wcs[0].status()),
@@ -151,9 +154,9 @@ fn a_receive_over_memory_a_stalled_send_still_reads_is_refused_until_its_flush_i
     let (pd, mut cq, mut a, _b) = pair(16, AccessFlags::empty());
     let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     // Stalls at b (no receive there), reading bytes 8..24 of `mr`.
-    a.post_send(WorkRequest::send(1, mr.slice(8, 16).unwrap()))
+    a.post_send(&mut WorkRequest::send(1, mr.slice(8, 16).unwrap()))
         .unwrap();
-    let refused = a.post_recv(RecvRequest::new(60, mr.slice(16, 8).unwrap()).unwrap());
+    let refused = a.post_recv(&mut RecvRequest::new(60, mr.slice(16, 8).unwrap()).unwrap());
     assert!(
         matches!(&refused, Err(Error::Post { errno, posted: 0, .. }) if *errno == libc::EBUSY),
         "{refused:?}"
@@ -166,20 +169,20 @@ fn a_receive_over_memory_a_stalled_send_still_reads_is_refused_until_its_flush_i
     batch
         .push(RecvRequest::new(59, mr.slice(20, 8).unwrap()).unwrap())
         .unwrap();
-    let refused = a.post_recv_batch(&mut batch);
+    let refused = a.post_recv(&mut batch);
     assert!(
         matches!(&refused, Err(Error::Post { errno, posted: 0, .. }) if *errno == libc::EBUSY),
         "{refused:?}"
     );
     assert_eq!(batch.len(), 2);
     // Next to it is fine.
-    a.post_recv(RecvRequest::new(61, mr.slice(24, 8).unwrap()).unwrap())
+    a.post_recv(&mut RecvRequest::new(61, mr.slice(24, 8).unwrap()).unwrap())
         .unwrap();
     // The error state flushes the send only when the CQ is next polled: the
     // device may read its memory until then.
     a.set_error().unwrap();
     assert!(
-        a.post_recv(RecvRequest::new(62, mr.slice(8, 8).unwrap()).unwrap())
+        a.post_recv(&mut RecvRequest::new(62, mr.slice(8, 8).unwrap()).unwrap())
             .is_err()
     );
     let summary = statuses(&mut cq);
@@ -187,7 +190,7 @@ fn a_receive_over_memory_a_stalled_send_still_reads_is_refused_until_its_flush_i
         summary,
         [(61, WcStatus::WR_FLUSH_ERR), (1, WcStatus::WR_FLUSH_ERR)]
     );
-    a.post_recv(RecvRequest::new(63, mr.slice(8, 8).unwrap()).unwrap())
+    a.post_recv(&mut RecvRequest::new(63, mr.slice(8, 8).unwrap()).unwrap())
         .unwrap();
     assert_eq!(drain(&mut cq)[0].wr_id(), 63);
 }
@@ -195,9 +198,9 @@ fn a_receive_over_memory_a_stalled_send_still_reads_is_refused_until_its_flush_i
 #[test]
 fn a_peer_going_to_error_fails_sends_stalled_on_it() {
     let (_pd, mut cq, mut a, b) = pair(16, AccessFlags::empty());
-    a.post_send(WorkRequest::send_inline(1, b"a").signaled())
+    a.post_send(&mut WorkRequest::send_inline(1, b"a").signaled())
         .unwrap();
-    a.post_send(WorkRequest::send_inline(2, b"b").signaled())
+    a.post_send(&mut WorkRequest::send_inline(2, b"b").signaled())
         .unwrap();
     drop(b);
     let summary = statuses(&mut cq);
@@ -215,9 +218,9 @@ fn a_full_cq_fails_the_qp_and_then_reports_the_overflow() {
     post_recvs(&mut b, &mr, 70..72);
     // Receive + send completion fill the CQ; the next receive completion
     // does not fit.
-    a.post_send(WorkRequest::send_inline(1, b"a").signaled())
+    a.post_send(&mut WorkRequest::send_inline(1, b"a").signaled())
         .unwrap();
-    a.post_send(WorkRequest::send_inline(2, b"b").signaled())
+    a.post_send(&mut WorkRequest::send_inline(2, b"b").signaled())
         .unwrap();
     assert_eq!(b.state().unwrap(), QpState::Error);
     let mut wcs = [WorkCompletion::default(); 8];
@@ -248,14 +251,16 @@ fn queues_refuse_more_than_their_depth() {
     let mr = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     post_recvs(&mut qp, &mr, 0..2);
     let err = qp
-        .post_recv(RecvRequest::new(2, mr.slice(0, 8).unwrap()).unwrap())
+        .post_recv(&mut RecvRequest::new(2, mr.slice(0, 8).unwrap()).unwrap())
         .unwrap_err();
     assert!(
         matches!(err, Error::Post { errno, posted: 0, .. } if errno == libc::ENOMEM),
         "{err}"
     );
     // Not connected: sends are refused.
-    let err = qp.post_send(WorkRequest::send_inline(9, b"x")).unwrap_err();
+    let err = qp
+        .post_send(&mut WorkRequest::send_inline(9, b"x"))
+        .unwrap_err();
     assert!(
         matches!(err, Error::Post { errno, .. } if errno == libc::EINVAL),
         "{err}"
@@ -283,9 +288,9 @@ fn a_qp_takes_requests_only_from_the_qp_it_is_connected_to() {
     a.connect(&b.endpoint()).unwrap();
     let mut ring = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | access).unwrap();
     ring.write(0, &[0; 64]).unwrap();
-    b.post_recv(RecvRequest::new(100, ring.slice(0, 8).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(100, ring.slice(0, 8).unwrap()).unwrap())
         .unwrap();
-    a.post_send(WorkRequest::send_inline(1, b"intruder").signaled())
+    a.post_send(&mut WorkRequest::send_inline(1, b"intruder").signaled())
         .unwrap();
     let wcs = drain(&mut cq);
     assert_eq!(wcs.len(), 1, "{wcs:?}");
@@ -304,12 +309,12 @@ fn a_qp_takes_requests_only_from_the_qp_it_is_connected_to() {
     payload.write(0, b"OWNED!!!").unwrap();
     let target = ring.remote().unwrap();
     let write = WorkRequest::write(2, payload.slice(0, 8).unwrap(), target.slice(8, 8).unwrap());
-    x.post_send(write.unwrap().signaled()).unwrap();
+    x.post_send(&mut write.unwrap().signaled()).unwrap();
     let wcs = drain(&mut ocq);
     assert_eq!(wcs[0].status(), WcStatus::RETRY_EXC_ERR, "{wcs:?}");
     assert_eq!(bytes(&ring, 8, 8), [0; 8], "B's memory untouched");
     // B and C still work: C's SEND lands in B's receive.
-    c.post_send(WorkRequest::send_inline(3, b"friend").signaled())
+    c.post_send(&mut WorkRequest::send_inline(3, b"friend").signaled())
         .unwrap();
     let wcs = drain(&mut cq);
     assert!(wcs.iter().all(WorkCompletion::is_success), "{wcs:?}");
@@ -347,7 +352,7 @@ fn forged_remote_ranges_are_refused() {
                     WorkRequest::read(1, local.slice(8, 8).unwrap(), forged.slice(0, 8).unwrap())
                 }
             };
-            a.post_send(request.unwrap().signaled()).unwrap();
+            a.post_send(&mut request.unwrap().signaled()).unwrap();
             let wcs = drain(&mut cq);
             assert_eq!(
                 wcs[0].status(),
@@ -360,6 +365,6 @@ fn forged_remote_ranges_are_refused() {
     // range's, not the key's.
     let (mut a, _b) = connected(&pd, &cq, access);
     let request = WorkRequest::write(1, local.slice(0, 8).unwrap(), good.slice(56, 8).unwrap());
-    a.post_send(request.unwrap().signaled()).unwrap();
+    a.post_send(&mut request.unwrap().signaled()).unwrap();
     assert!(drain(&mut cq)[0].is_success());
 }

@@ -45,18 +45,18 @@ fn qps_of_different_loopback_contexts_connect() {
     let mut b = pd2.create_qp(&cq2, &cq2, &QpConfig::default()).unwrap();
     link(&mut a, &mut b);
     let mr2 = pd2.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    b.post_recv(RecvRequest::new(1, mr2.slice(0, 8).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(1, mr2.slice(0, 8).unwrap()).unwrap())
         .unwrap();
-    a.post_send(WorkRequest::send_inline(2, b"hi").signaled())
+    a.post_send(&mut WorkRequest::send_inline(2, b"hi").signaled())
         .unwrap();
     assert_eq!(drain(&mut cq1).len(), 1);
     assert_eq!(drain(&mut cq2)[0].byte_len(), 2);
     assert_eq!(bytes(&mr2, 0, 2), b"hi");
     // A region of the other PD is out of this QP's reach as a local buffer.
     let mr1 = pd1.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    b.post_recv(RecvRequest::new(3, mr1.slice(0, 8).unwrap()).unwrap())
+    b.post_recv(&mut RecvRequest::new(3, mr1.slice(0, 8).unwrap()).unwrap())
         .unwrap();
-    a.post_send(WorkRequest::send_inline(4, b"x")).unwrap();
+    a.post_send(&mut WorkRequest::send_inline(4, b"x")).unwrap();
     assert_eq!(drain(&mut cq2)[0].status(), WcStatus::LOC_PROT_ERR);
 }
 

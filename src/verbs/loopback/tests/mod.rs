@@ -87,7 +87,7 @@ fn link(a: &mut QueuePair, b: &mut QueuePair) {
 /// Posts on `qp` a receive into the first 8 bytes of `mr` for each of `ids`.
 fn post_recvs(qp: &mut QueuePair, mr: &MemoryRegion, ids: std::ops::Range<u64>) {
     for id in ids {
-        qp.post_recv(RecvRequest::new(id, mr.slice(0, 8).unwrap()).unwrap())
+        qp.post_recv(&mut RecvRequest::new(id, mr.slice(0, 8).unwrap()).unwrap())
             .unwrap();
     }
 }

@@ -54,7 +54,7 @@ fn post_srq(srq: &mut SharedReceiveQueue, mr: &MemoryRegion, ids: std::ops::Rang
         let slice = mr.slice(8 * id as usize, 8).unwrap();
         batch.push(RecvRequest::new(id, slice).unwrap()).unwrap();
     }
-    srq.post_recv_batch(&mut batch).unwrap();
+    srq.post_recv(&mut batch).unwrap();
 }
 
 /// The receive completions among `wcs`, as (wr_id, QP number, status).
@@ -75,11 +75,11 @@ fn qps_on_one_srq_take_its_receives_in_order_under_their_own_number() {
     } = on_srq(8, 64);
     post_srq(&mut srq, &mr, 0..3);
 
-    a.post_send(WorkRequest::send_inline(100, b"from a"))
+    a.post_send(&mut WorkRequest::send_inline(100, b"from a"))
         .unwrap();
-    c.post_send(WorkRequest::send_inline(101, b"from c"))
+    c.post_send(&mut WorkRequest::send_inline(101, b"from c"))
         .unwrap();
-    a.post_send(WorkRequest::send_inline(102, b"a again"))
+    a.post_send(&mut WorkRequest::send_inline(102, b"a again"))
         .unwrap();
     let ok = WcStatus::SUCCESS;
     assert_eq!(
@@ -106,7 +106,10 @@ fn a_full_srq_refuses_more_and_a_qp_on_it_takes_no_receives_of_its_own() {
         let slice = mr.slice(8 * id as usize, 8).unwrap();
         batch.push(RecvRequest::new(id, slice).unwrap()).unwrap();
     }
-    let err = srq.post_recv_batch(&mut batch).unwrap_err();
+    let outcome = srq.post_recv(&mut batch);
+    assert_eq!(batch.len(), 2, "a post leaves the batch as it was");
+    batch.drop_posted(&outcome);
+    let err = outcome.unwrap_err();
     assert!(
         matches!(err, Error::Post { errno, posted: 1, .. } if errno == libc::ENOMEM),
         "the fourth fits, the fifth does not: {err}"
@@ -118,7 +121,7 @@ fn a_full_srq_refuses_more_and_a_qp_on_it_takes_no_receives_of_its_own() {
         .create_qp_with_srq(&cq, &cq, &srq.attachment(), &config)
         .unwrap();
     let err = qp
-        .post_recv(RecvRequest::new(9, mr.slice(0, 8).unwrap()).unwrap())
+        .post_recv(&mut RecvRequest::new(9, mr.slice(0, 8).unwrap()).unwrap())
         .unwrap_err();
     assert!(
         matches!(err, Error::Post { errno, posted: 0, .. } if errno == libc::EINVAL),
@@ -142,23 +145,28 @@ fn the_refusal_knob_takes_the_head_of_one_srq_post_per_call() {
     // Two limits in a row: one for each of the next two posts.
     refuse_srq_recvs_after(&srq, 2);
     refuse_srq_recvs_after(&srq, 0);
-    let err = srq.post_recv_batch(&mut batch).unwrap_err();
+    let mut post = |batch: &mut RecvBatch<'_, 8>| {
+        let outcome = srq.post_recv(batch);
+        batch.drop_posted(&outcome);
+        outcome
+    };
+    let err = post(&mut batch).unwrap_err();
     assert!(
         matches!(err, Error::Post { errno, posted: 2, .. } if errno == libc::ENOMEM),
         "{err}"
     );
     assert_eq!(batch.len(), 3);
-    let err = srq.post_recv_batch(&mut batch).unwrap_err();
+    let err = post(&mut batch).unwrap_err();
     assert!(
         matches!(err, Error::Post { errno, posted: 0, .. } if errno == libc::ENOMEM),
         "{err}"
     );
     assert_eq!(batch.len(), 3);
     // Each for one post: the next takes the rest.
-    srq.post_recv_batch(&mut batch).unwrap();
+    post(&mut batch).unwrap();
     assert!(batch.is_empty());
     for id in 0..5 {
-        a.post_send(WorkRequest::send_inline(100 + id, b"x"))
+        a.post_send(&mut WorkRequest::send_inline(100 + id, b"x"))
             .unwrap();
     }
     let ids: Vec<u64> = receives(&drain(&mut cq)).iter().map(|r| r.0).collect();
@@ -173,9 +181,9 @@ fn a_send_that_finds_the_srq_empty_waits_for_its_next_post() {
         mr,
         qps: [mut a, b, mut c, d],
     } = on_srq(8, 64);
-    a.post_send(WorkRequest::send_inline(100, b"a").signaled())
+    a.post_send(&mut WorkRequest::send_inline(100, b"a").signaled())
         .unwrap();
-    c.post_send(WorkRequest::send_inline(101, b"c").signaled())
+    c.post_send(&mut WorkRequest::send_inline(101, b"c").signaled())
         .unwrap();
     assert!(drain(&mut cq).is_empty(), "both wait for a receive");
 
@@ -209,7 +217,7 @@ fn a_qp_on_an_srq_going_to_error_flushes_none_of_its_receives() {
         "nothing of the SRQ flushed"
     );
     assert_eq!(b.state().unwrap(), QpState::Error);
-    let err = a.post_send(WorkRequest::send_inline(100, b"a").signaled());
+    let err = a.post_send(&mut WorkRequest::send_inline(100, b"a").signaled());
     assert!(err.is_ok(), "{err:?}");
     let wcs = drain(&mut cq);
     assert!(
@@ -218,7 +226,7 @@ fn a_qp_on_an_srq_going_to_error_flushes_none_of_its_receives() {
         "a SEND to the failed QP takes no receive: {wcs:?}"
     );
     for id in 0..3 {
-        c.post_send(WorkRequest::send_inline(200 + id, b"c"))
+        c.post_send(&mut WorkRequest::send_inline(200 + id, b"c"))
             .unwrap();
     }
     let ok = WcStatus::SUCCESS;
@@ -231,6 +239,7 @@ fn a_qp_on_an_srq_going_to_error_flushes_none_of_its_receives() {
     post_srq(&mut srq, &mr, 3..4);
     drop(b);
     assert!(receives(&drain(&mut cq)).is_empty());
-    c.post_send(WorkRequest::send_inline(300, b"c")).unwrap();
+    c.post_send(&mut WorkRequest::send_inline(300, b"c"))
+        .unwrap();
     assert_eq!(receives(&drain(&mut cq)), [(3, d.qpn(), ok)]);
 }
