@@ -282,8 +282,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let reserve = config.reserve_connections as usize;
         let conns = ConnTable::new(id.0, reserve).map_err(reservation_refused)?;
         // A session has a connection at least.
-        let sessions =
-            Sessions::new(MAX_SESSIONS, id.0, reserve).map_err(reservation_refused)?;
+        let sessions = Sessions::new(MAX_SESSIONS, id.0, reserve).map_err(reservation_refused)?;
         // Removals asked for within one pass: at most every session.
         let mut removals = Vec::new();
         removals

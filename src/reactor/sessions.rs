@@ -185,7 +185,12 @@ mod tests {
         assert_eq!(sessions.handler_mut(id).map(|h| *h), Some("h"));
         let removed = sessions.remove(id).unwrap();
         assert_eq!(
-            (removed.handler, removed.link, removed.gone, removed.cq_charges),
+            (
+                removed.handler,
+                removed.link,
+                removed.gone,
+                removed.cq_charges
+            ),
             ("h", 8, true, vec![(0, 3)])
         );
         assert!(sessions.get(id).is_none());

@@ -6,7 +6,6 @@
 //! only moves indices around preallocated arrays.
 
 mod credit;
-mod delivery;
 mod ring;
 mod staging;
 
@@ -19,7 +18,6 @@ use super::table::wr_id::{self, direct_recv_tag, direct_send_tag};
 use super::{ConnId, ConnStats, DirectQp, ReactorConfig, SendError, SessionId};
 
 pub(crate) use credit::Arrival;
-pub(crate) use delivery::Delivery;
 use ring::RingSlots;
 pub(crate) use ring::{Ring, SharedRing, recv_request};
 pub(crate) use staging::{ForwardOrigin, OpKind};

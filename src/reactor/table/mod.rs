@@ -169,12 +169,7 @@ impl ConnTable {
     /// A direct connection's completion: its connection, not listed (a
     /// direct connection leaves the flush nothing to do).
     #[inline(always)]
-    fn vet_direct(
-        &mut self,
-        index: u32,
-        generation: u32,
-        qpn: u32,
-    ) -> Result<Entry<'_>, Refusal> {
+    fn vet_direct(&mut self, index: u32, generation: u32, qpn: u32) -> Result<Entry<'_>, Refusal> {
         let vet = |key: Key, conn: &mut Conn| {
             if !wr_id::same_generation(key, generation) {
                 Err(Refusal::StaleGeneration)

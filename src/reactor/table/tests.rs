@@ -104,10 +104,7 @@ fn a_connections_own_completions_are_its() {
         f.look(recv(conn, 3), qpn),
         Ok((conn, Completed::Recv { slot: 3 }))
     );
-    assert!(
-        f.table.is_listed(TOUCHED, conn.index),
-        "a receive lists it"
-    );
+    assert!(f.table.is_listed(TOUCHED, conn.index), "a receive lists it");
     let (direct, direct_qpn) = (f.direct, f.direct_qpn);
     for tag in [direct_send_tag(direct), direct_recv_tag(direct)] {
         let want = Ok((direct, Completed::Direct));
@@ -152,7 +149,10 @@ fn another_qps_completion_naming_a_connection_is_refused() {
     let direct = direct_send_tag(f.direct);
     assert_eq!(f.look(direct, f.conn_qpn), Err(Refusal::WrongQp));
     assert_eq!(f.look_direct(direct, f.conn_qpn), Err(Refusal::WrongQp));
-    assert!(!f.table.is_listed(TOUCHED, conn.index), "a refusal lists nothing");
+    assert!(
+        !f.table.is_listed(TOUCHED, conn.index),
+        "a refusal lists nothing"
+    );
 }
 
 #[test]
@@ -163,10 +163,7 @@ fn a_kind_the_connection_never_posts_is_refused() {
     // posts on its QP, and every request it posts carries the direct
     // bit.)
     let (conn, qpn) = (f.conn, f.conn_qpn);
-    assert_eq!(
-        f.look(direct_send_tag(conn), qpn),
-        Err(Refusal::WrongKind)
-    );
+    assert_eq!(f.look(direct_send_tag(conn), qpn), Err(Refusal::WrongKind));
     assert_eq!(
         f.look_direct(direct_recv_tag(conn), qpn),
         Err(Refusal::WrongKind)
@@ -198,10 +195,7 @@ fn a_receive_into_a_slot_not_posted_is_refused() {
 fn ids_nothing_of_the_table_posted_are_foreign() {
     let mut f = fixture();
     let qpn = f.conn_qpn;
-    let vacant = Key {
-        index: 7,
-        ..f.conn
-    };
+    let vacant = Key { index: 7, ..f.conn };
     assert_eq!(f.look(send(vacant, 1), qpn), Err(Refusal::Foreign));
     assert_eq!(
         f.look_direct(direct_send_tag(vacant), qpn),
