@@ -137,23 +137,24 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 let (session, id) = (conn.session, conn.id);
                 self.deliver(key, session, id, delivery);
             }
-            Err(Refusal::NotDirect) => self.route_apart(at),
-            Err(Refusal::Reclaimed) => self.unsettled = true,
-            Err(_) => {
+            Err(refusal) => self.refused(at, refusal),
+        }
+    }
+
+    /// Completion `at`, refused by the table: in a lean pass, one that is
+    /// no direct connection's is routed in full; an SRQ slot reclaimed
+    /// leaves a repost for the flush; anything else is no connection's.
+    #[cold]
+    #[inline(never)]
+    fn refused(&mut self, at: usize, refusal: Refusal) {
+        match refusal {
+            Refusal::NotDirect => self.route::<false>(at),
+            Refusal::Reclaimed => self.unsettled = true,
+            _ => {
                 let wc = self.polling.wcs[at];
                 self.foreign(&wc);
             }
         }
-    }
-
-    /// [`route`](Self::route) of a full pass as a call of its own: in a
-    /// lean pass, a completion no direct connection claims is a
-    /// stranger's or a removed connection's (which the lookup refuses as
-    /// it always does).
-    #[cold]
-    #[inline(never)]
-    fn route_apart(&mut self, at: usize) {
-        self.route::<false>(at);
     }
 
     /// Calls the handler of `session` with what completion brought
