@@ -60,9 +60,10 @@
 //! # Files
 //! [`config`](ReactorConfig) and ids, the [`Handler`] trait, [`Ctx`] and
 //! held messages, the [`QpSource`] a session comes from, the SRQ pool,
-//! session admin (`add`, `remove`), the pass engine (poll, dispatch, flush),
-//! and per connection (`conn/`) the `wr_id` layout, rings, credits and
-//! send staging.
+//! the sessions, session admin (`add`, `remove`), the connection table
+//! (`table/`: the connections and the `wr_id` layout, with the lookup that
+//! vets each completion), the pass engine (poll, dispatch, flush), and per
+//! connection (`conn/`) rings, credits and send staging.
 
 mod admin;
 mod config;
