@@ -6,10 +6,11 @@
 use crate::error::{Error, Result};
 use crate::verbs::QueuePair;
 
-use super::conn::{Conn, MAX_CONNS, MIN_SQ_DEPTH, sq_room};
-use super::slab::Slab;
+use super::conn::{Conn, MIN_SQ_DEPTH, sq_room};
 use super::srq_pool::SrqPool;
-use super::{ConnId, Ctx, Handler, PeerLink, QpSource, Reactor, Session, SessionId};
+use super::table::ConnTable;
+use super::table::wr_id::MAX_CONNS;
+use super::{ConnId, Ctx, Handler, PeerLink, QpSource, Reactor, SessionId};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Takes over a connected QP source (an [`Endpoint`](crate::session::Endpoint)
@@ -62,7 +63,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     ) -> Result<SessionId> {
         let (qps, link) = source.into_parts();
         let cq_charges = self.check_qps(&qps, direct)?;
-        let Some(session) = self.sessions.vacant_key().map(SessionId) else {
+        let Some(session) = self.sessions.vacant_id() else {
             return Err(Error::InvalidArgument(
                 "the reactor serves its maximum of sessions",
             ));
@@ -103,16 +104,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         for &(cq, entries) in &cq_charges {
             self.cq_load[cq] += entries;
         }
-        let record = Session {
-            handler,
-            link,
-            conns,
-            cq_charges,
-            gone: false,
-        };
-        let watched = record.link.event_fd();
-        let key = self.sessions.insert(record);
-        debug_assert_eq!(key, Some(session.0));
+        let watched = link.event_fd();
+        let key = self.sessions.insert(handler, link, conns, cq_charges);
+        debug_assert_eq!(key, Some(session));
         if let Some(fd) = watched
             && let Err(err) = self.waiter.watch(fd, u64::from(session.0.index))
         {
@@ -130,12 +124,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Tells the handler of new direct session `session` that each of its
     /// connections is its own to post on (`on_established`, in QP order).
     fn hand_over(&mut self, session: SessionId) {
-        let Some(record) = self.sessions.get_mut(session.0) else {
+        let Some(record) = self.sessions.get_mut(session) else {
             return;
         };
+        let (handler, conns) = record.handler_and_conns();
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
-        for &conn in &record.conns {
-            record.handler.on_established(&mut ctx, conn);
+        for &conn in conns {
+            handler.on_established(&mut ctx, conn);
         }
         if ctx.touched {
             self.unsettled = true;
@@ -230,12 +225,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         qp: QueuePair,
         direct: bool,
     ) -> Result<ConnId> {
-        let Some(key) = self.conns.vacant_key() else {
+        let Some(id) = self.conns.vacant_id() else {
             return Err(Error::InvalidArgument(
                 "the reactor serves its maximum of connections",
             ));
         };
-        let id = ConnId(key);
         if direct {
             let conn = Conn::new_direct(id, session, index, &self.pd, qp, &self.config)?;
             self.conns.insert(conn);
@@ -248,7 +242,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // that adds both ends before running either sees no RNR at all.
         conn.stage_initial_update();
         if let Some(pool) = &mut self.srq {
-            pool.add_owner(conn.qpn, key);
+            pool.add_owner(conn.qpn, id.key());
         }
         self.conns.insert(conn);
         self.protocol_conns += 1;
@@ -267,7 +261,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// generation), so a reactor that serves peers for months holds only
     /// the ones it serves now.
     pub fn remove(&mut self, session: SessionId) -> Option<(L, H)> {
-        let record = self.sessions.remove(session.0)?;
+        let record = self.sessions.remove(session)?;
         if !record.gone
             && let Some(fd) = record.link.event_fd()
         {
@@ -287,7 +281,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// receive slots of other connections it was forwarding, its SRQ slots
     /// and share.
     fn drop_conn(&mut self, id: ConnId) {
-        let Some(mut conn) = self.conns.remove(id.key()) else {
+        let Some(mut conn) = self.conns.remove(id) else {
             return;
         };
         if !conn.direct {
@@ -340,7 +334,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 #[inline(always)]
 #[must_use]
 pub(super) fn return_forwarded(
-    conns: &mut Slab<Conn>,
+    conns: &mut ConnTable,
     srq: &mut Option<SrqPool>,
     reposts_left: &mut bool,
     origin: ConnId,

@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::verbs::{LocalSlice, RemoteSlice};
 
 use super::conn::{Conn, ConnState, ForwardOrigin};
-use super::slab::Slab;
 use super::spin::Polling;
+use super::table::ConnTable;
 use super::{ConnId, SendError, SessionId};
 
 /// What a callback may do: stage work on any connection of the reactor.
 pub struct Ctx<'a> {
-    pub(super) conns: &'a mut Slab<Conn>,
+    pub(super) conns: &'a mut ConnTable,
     pub(super) stop: &'a AtomicBool,
     /// The reactor this context belongs to: held messages carry it.
     pub(super) reactor: ReactorId,
@@ -60,7 +60,7 @@ impl ReactorId {
 impl<'a> Ctx<'a> {
     #[inline(always)]
     pub(super) fn new(
-        conns: &'a mut Slab<Conn>,
+        conns: &'a mut ConnTable,
         stop: &'a AtomicBool,
         reactor: ReactorId,
         deferred: &'a mut Deferred,

@@ -24,7 +24,7 @@ use crate::verbs::{Kept, SendBatch};
 use crate::verbs::{QueuePair, RecvRequests, SendRequests};
 
 use super::conn::Conn;
-use super::slab::Slab;
+use super::table::ConnTable;
 use super::{ConnId, Ctx, SendError};
 
 /// Posting on a direct connection's QP, from [`Ctx::direct`]. It borrows
@@ -124,7 +124,7 @@ impl Ctx<'_> {
 /// `conn`'s record if it is a direct connection ([`SendError::Closed`] if
 /// it is gone, [`SendError::Invalid`] for one of the reactor's protocol).
 #[inline]
-pub(super) fn direct_conn(conns: &mut Slab<Conn>, conn: ConnId) -> Result<&mut Conn, SendError> {
+pub(super) fn direct_conn(conns: &mut ConnTable, conn: ConnId) -> Result<&mut Conn, SendError> {
     let record = conns.get_mut_quiet(conn.key()).ok_or(SendError::Closed)?;
     if !record.direct {
         return Err(SendError::Invalid(crate::Error::InvalidArgument(

@@ -6,8 +6,9 @@
 use crate::error::Error;
 use crate::verbs::{BIND_WR_ID, WorkCompletion};
 
-use super::conn::{Conn, WrKind};
+use super::conn::Conn;
 use super::slab::Key;
+use super::table::Completed;
 use super::{ConnId, Ctx, Handler, PeerLink, Reactor};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
@@ -66,11 +67,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// receive slot it held and, if it failed, fail the connection.
     #[cold]
     #[inline(never)]
-    pub(super) fn dispatch_unusual(&mut self, key: Key, wc: &WorkCompletion, kind: WrKind) {
+    pub(super) fn dispatch_unusual(&mut self, key: Key, wc: &WorkCompletion, completed: Completed) {
         let Some(conn) = self.conns.get_mut(key) else {
             return;
         };
-        if let WrKind::Recv { slot } = kind {
+        if let Completed::Recv { slot } = completed {
             // A receive slot of the SRQ is everyone's: it goes back even when
             // its connection is closed or the receive failed (for a QP's own
             // ring of a dead connection this does nothing).
@@ -84,7 +85,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 .unwrap_or(Error::InvalidArgument("failed completion"));
             self.fail(ConnId(key), error);
         }
-        if let WrKind::Send { seq } = kind {
+        if let Completed::Send { seq } = completed {
             self.retire_failed(key, seq);
         }
     }
@@ -151,8 +152,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // Named here already (fail would too) so the log line says who.
         let peer = self
             .sessions
-            .get(conn.session.0)
-            .and_then(|record| record.link.peer());
+            .get(conn.session)
+            .and_then(|record| record.link().peer());
         let error = error(conn, peer);
         log::warn!("cutting off a peer: {error}");
         conn.queue_repost(slot);
@@ -196,10 +197,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let session = conn.session;
         self.release_forwarded(released);
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
-        if let Some(record) = self.sessions.get_mut(session.0) {
+        if let Some(record) = self.sessions.get_mut(session) {
             // A failed completion or a credit overrun names its peer.
-            let error = error.with_peer(record.link.peer());
-            record.handler.on_error(&mut ctx, id, &error);
+            let error = error.with_peer(record.link().peer());
+            record.handler_mut().on_error(&mut ctx, id, &error);
         }
     }
 }

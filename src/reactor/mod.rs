@@ -60,9 +60,10 @@
 //! # Files
 //! [`config`](ReactorConfig) and ids, the [`Handler`] trait, [`Ctx`] and
 //! held messages, the [`QpSource`] a session comes from, the SRQ pool,
-//! session admin (`add`, `remove`), the pass engine (poll, dispatch, flush),
-//! and per connection (`conn/`) the `wr_id` layout, rings, credits and
-//! send staging.
+//! the sessions, session admin (`add`, `remove`), the connection table
+//! (`table/`: the connections and the `wr_id` layout, with the lookup that
+//! vets each completion), the pass engine (poll, dispatch, flush), and per
+//! connection (`conn/`) rings, credits and send staging.
 
 mod admin;
 mod config;
@@ -78,10 +79,12 @@ mod pass;
 mod pass_timer;
 mod peer_watch;
 pub mod placement;
+mod sessions;
 mod slab;
 mod source;
 mod spin;
 mod srq_pool;
+mod table;
 #[cfg(test)]
 mod tests;
 mod wait;
@@ -99,11 +102,13 @@ use crate::verbs::{
     WorkCompletion,
 };
 
-use conn::{Conn, IMM_TRAILER_LEN, MAX_CONNS};
+use conn::{Conn, IMM_TRAILER_LEN};
 use ctx::{Deferred, ReactorId};
-use slab::Slab;
+use sessions::Sessions;
 use spin::{Polling, SpinState};
 use srq_pool::SrqPool;
+use table::ConnTable;
+use table::wr_id::MAX_CONNS;
 use wait::Waiter;
 
 #[cfg(test)]
@@ -148,17 +153,6 @@ impl Stopper {
     }
 }
 
-/// One session: its handler, its link to the peer and its connections.
-struct Session<H, L> {
-    handler: H,
-    link: L,
-    conns: Vec<ConnId>,
-    /// CQ entries its connections reserved, by CQ index.
-    cq_charges: Vec<(usize, u32)>,
-    /// The peer watch found the peer gone (and told the handler).
-    gone: bool,
-}
-
 /// A run-to-completion reactor. See the module docs.
 ///
 /// `L` is what stays with a session besides its QPs (see [`QpSource`]):
@@ -168,8 +162,8 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     // Drop order: connections (each destroys its QP, then deregisters its
     // rings), then the sessions' links (which hold the regions exported to
     // peers), then the SRQ and its ring, then the CQs and their channels.
-    conns: Slab<Conn>,
-    sessions: Slab<Session<H, L>>,
+    conns: ConnTable,
+    sessions: Sessions<H, L>,
     srq: Option<SrqPool>,
     /// The CQs, the buffer a pass polls them into, and what spins left.
     polling: Polling,
@@ -287,22 +281,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             });
         let id = ReactorId::next();
         let reserve = config.reserve_connections as usize;
-        // Quarantined: completions of a removed connection's QP may still
-        // be queued, naming its index; a pass that drained every CQ after
-        // the removal releases it (`poll_once`). Indexed below MAX_CONNS,
-        // as a `wr_id` carries the index: an entry retired after 2^32
-        // tenants (see `Slab::remove`) takes one index of that space for
-        // good.
-        let conns = Slab::new(MAX_CONNS, id.0)
-            .indexed_below(MAX_CONNS as u32)
-            .quarantining()
-            .tracking()
-            .reserving(reserve)
-            .map_err(reservation_refused)?;
+        let conns = ConnTable::new(id.0, reserve).map_err(reservation_refused)?;
         // A session has a connection at least.
-        let sessions = Slab::new(MAX_SESSIONS, id.0)
-            .reserving(reserve)
-            .map_err(reservation_refused)?;
+        let sessions = Sessions::new(MAX_SESSIONS, id.0, reserve).map_err(reservation_refused)?;
         // Removals asked for within one pass: at most every session.
         let mut removals = Vec::new();
         removals
@@ -452,36 +433,33 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// The handler of a session (`None` if it was removed).
     pub fn handler(&self, session: SessionId) -> Option<&H> {
-        self.sessions.get(session.0).map(|s| &s.handler)
+        self.sessions.get(session).map(|s| s.handler())
     }
 
     /// The handler of a session, mutably.
     pub fn handler_mut(&mut self, session: SessionId) -> Option<&mut H> {
-        self.sessions.get_mut(session.0).map(|s| &mut s.handler)
+        self.sessions.handler_mut(session)
     }
 
     /// The link of a session: its peer's address and regions, the control
     /// connection (the QPs stay the reactor's own).
     pub fn link(&self, session: SessionId) -> Option<&L> {
-        self.sessions.get(session.0).map(|s| &s.link)
+        self.sessions.get(session).map(|s| s.link())
     }
 
     /// The link of a session, mutably (to send a disconnect reason, say).
     pub fn link_mut(&mut self, session: SessionId) -> Option<&mut L> {
-        self.sessions.get_mut(session.0).map(|s| &mut s.link)
+        self.sessions.get_mut(session).map(|s| s.link_mut())
     }
 
     /// Sessions currently served (added and not removed).
     pub fn sessions(&self) -> impl Iterator<Item = SessionId> + '_ {
-        self.sessions.iter().map(|(key, _)| SessionId(key))
+        self.sessions.ids()
     }
 
     /// The connections of a session, in QP order.
     pub fn conns(&self, session: SessionId) -> impl Iterator<Item = ConnId> + '_ {
-        self.sessions
-            .get(session.0)
-            .into_iter()
-            .flat_map(|s| s.conns.iter().copied())
+        self.sessions.conns(session)
     }
 
     /// Where `conn`'s send queue, send slots and credits stand (`None` once

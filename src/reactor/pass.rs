@@ -11,7 +11,7 @@ use crate::error::Result;
 
 use super::spin::SpinState;
 use super::srq_pool::SrqPool;
-use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, SessionId};
+use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor};
 
 /// Longest sleep while SRQ receives wait to be posted again after a
 /// refused post.
@@ -251,7 +251,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         if !LEAN {
             for (_, session) in self.sessions.iter_mut() {
-                session.handler.on_idle(&mut ctx);
+                session.handler_mut().on_idle(&mut ctx);
             }
             return ctx.touched;
         }
@@ -263,11 +263,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.polling.spun = SpinState::default();
         }
         ctx.loan = Some(&mut self.polling);
-        for (key, session) in self.sessions.iter_mut() {
+        for (id, session) in self.sessions.iter_mut() {
             if let Some(loan) = ctx.loan.as_deref_mut() {
-                loan.spun.session = Some(SessionId(key));
+                loan.spun.session = Some(id);
             }
-            session.handler.on_idle(&mut ctx);
+            session.handler_mut().on_idle(&mut ctx);
         }
         ctx.touched
     }

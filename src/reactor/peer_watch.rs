@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use crate::session::PeerStatus;
 
-use super::{Ctx, Handler, PeerLink, Reactor, Session, SessionId, Waiter};
+use super::sessions::Session;
+use super::{Ctx, Handler, PeerLink, Reactor, SessionId, Waiter};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Asks every session's link whether its peer is still there; a session
@@ -21,9 +22,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // Every link is looked at: those still holding part of a frame set
         // the next recheck again.
         self.recheck_at = None;
-        for (key, session) in self.sessions.iter_mut() {
+        for (id, session) in self.sessions.iter_mut() {
             if let Some(status) = Self::check_one(&mut self.waiter, &mut self.recheck_at, session) {
-                gone.push((SessionId(key), status));
+                gone.push((id, status));
             }
         }
         self.tell_gone(gone)
@@ -34,11 +35,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     pub(super) fn check_fired_peers(&mut self) {
         let mut gone: Vec<(SessionId, PeerStatus)> = Vec::new();
         for &token in &self.fired {
-            let Some((key, session)) = self.sessions.get_by_index_mut(token as u32) else {
+            let Some((id, session)) = self.sessions.get_by_index_mut(token as u32) else {
                 continue;
             };
             if let Some(status) = Self::check_one(&mut self.waiter, &mut self.recheck_at, session) {
-                gone.push((SessionId(key), status));
+                gone.push((id, status));
             }
         }
         self.tell_gone(gone);
@@ -54,22 +55,22 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         recheck_at: &mut Option<Instant>,
         session: &mut Session<H, L>,
     ) -> Option<PeerStatus> {
-        if session.gone {
+        if session.is_gone() {
             return None;
         }
-        let status = session.link.check_peer();
+        let status = session.link_mut().check_peer();
         if matches!(status, PeerStatus::Alive) {
             // At least a millisecond (a zero would spin), and a time too far
             // to represent is no deadline at all.
-            if let Some(within) = session.link.recheck_within()
+            if let Some(within) = session.link().recheck_within()
                 && let Some(at) = Instant::now().checked_add(within.max(Duration::from_millis(1)))
             {
                 *recheck_at = Some(recheck_at.map_or(at, |earlier| earlier.min(at)));
             }
             return None;
         }
-        session.gone = true;
-        if let Some(fd) = session.link.event_fd() {
+        session.mark_gone();
+        if let Some(fd) = session.link().event_fd() {
             waiter.unwatch(fd);
         }
         Some(status)
@@ -89,8 +90,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         for (session, status) in gone {
             let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
-            if let Some(record) = self.sessions.get_mut(session.0) {
-                record.handler.on_peer_gone(&mut ctx, session, &status);
+            if let Some(handler) = self.sessions.handler_mut(session) {
+                handler.on_peer_gone(&mut ctx, session, &status);
             }
             self.unsettled = true;
         }

@@ -20,11 +20,9 @@ use crate::verbs::{
 };
 
 use super::ReactorConfig;
-use super::conn::{
-    IMM_TRAILER_LEN, MAX_CONNS, MAX_REPOST, Ring, SRQ_SLOT_BITS, SharedRing, recv_request,
-    srq_recv_wr_id, srq_slot,
-};
+use super::conn::{IMM_TRAILER_LEN, MAX_REPOST, Ring, SharedRing, recv_request};
 use super::slab::Key;
+use super::table::wr_id::{MAX_CONNS, SRQ_SLOT_BITS, srq_recv as srq_recv_wr_id, srq_slot};
 
 pub(super) struct SrqPool {
     srq: SharedReceiveQueue,

@@ -8,13 +8,13 @@
 mod credit;
 mod ring;
 mod staging;
-mod wr_id;
 
 use crate::verbs::{
     AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, Registration,
     SendDescriptor, SendFlags, SendList,
 };
 
+use super::table::wr_id::{self, direct_recv_tag, direct_send_tag};
 use super::{ConnId, ConnStats, DirectQp, ReactorConfig, SendError, SessionId};
 
 pub(crate) use credit::Arrival;
@@ -22,11 +22,6 @@ use ring::RingSlots;
 pub(crate) use ring::{Ring, SharedRing, recv_request};
 pub(crate) use staging::{ForwardOrigin, OpKind};
 use staging::{Keep, SqOp};
-pub(crate) use wr_id::{MAX_CONNS, SRQ_SLOT_BITS, WrKind};
-pub(crate) use wr_id::{
-    decode as decode_wr_id, decode_direct, direct_recv_tag, direct_send_tag, is_direct,
-    same_generation, srq_recv as srq_recv_wr_id, srq_slot,
-};
 
 /// Bytes of every slot kept back for the trailer of a SEND that carries a
 /// user immediate: the immediate itself, after the payload. Every SEND of

@@ -191,7 +191,7 @@ fn a_removal_asked_for_by_a_connection_the_late_flush_fails_does_not_wait_for_a_
     refuse_sends_after(origin_qpn, 0);
     reactor.poll_once().expect("the pass of the removal");
     assert!(
-        reactor.sessions.get(relay.session.0).is_none(),
+        reactor.sessions.get(relay.session).is_none(),
         "relay removed"
     );
     {
@@ -205,14 +205,14 @@ fn a_removal_asked_for_by_a_connection_the_late_flush_fails_does_not_wait_for_a_
         assert_eq!(seen.errors[0].0, Some(libc::ENOMEM), "{:?}", seen.errors);
     }
     assert!(
-        reactor.sessions.get(origin.session.0).is_some(),
+        reactor.sessions.get(origin.session).is_some(),
         "asked for after the pass's removals: the next pass's"
     );
     assert_eq!(reactor.sleep_limit(), Duration::ZERO, "a removal waits");
 
     reactor.turn().expect("the next pass");
     assert!(
-        reactor.sessions.get(origin.session.0).is_none(),
+        reactor.sessions.get(origin.session).is_none(),
         "origin removed"
     );
     assert!(reactor.sleep_limit() > Duration::ZERO, "nothing waits");

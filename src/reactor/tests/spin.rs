@@ -12,7 +12,7 @@ use crate::verbs::{
     AccessFlags, Context, Kept, ProtectionDomain, RecvRequest, WcOpcode, WorkRequest,
 };
 
-use super::super::conn::direct_send_tag;
+use super::super::table::wr_id::direct_send_tag;
 use super::super::{Ctx, Reactor, SPIN_POLLS, SendError, Spun};
 use super::connected_qps;
 use super::direct::{Direct, End, IdlePlan, direct_pair, protocol_pair, reactor, run_until};

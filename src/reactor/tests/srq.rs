@@ -515,7 +515,7 @@ fn receives_a_removal_hands_back_go_out_in_the_same_pass() {
 
     reactor.with_ctx(|ctx| ctx.remove_session(origin.session));
     reactor.poll_once().expect("the pass that removes it");
-    assert!(reactor.sessions.get(origin.session.0).is_none(), "removed");
+    assert!(reactor.sessions.get(origin.session).is_none(), "removed");
     let account = srq_account(&reactor);
     assert_eq!(
         account.posted.len(),

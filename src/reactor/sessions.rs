@@ -1,0 +1,203 @@
+//! The sessions a reactor serves: for each, its handler, its link to the
+//! peer, its connections and the CQ entries they reserved, addressed by
+//! generation-checked [`SessionId`]s that are never reused for a newcomer.
+
+use std::collections::TryReserveError;
+
+use super::ConnId;
+use super::config::SessionId;
+use super::slab::Slab;
+
+/// One session: its handler, its link to the peer and its connections.
+pub(crate) struct Session<H, L> {
+    handler: H,
+    link: L,
+    conns: Vec<ConnId>,
+    /// CQ entries its connections reserved, by CQ index.
+    cq_charges: Vec<(usize, u32)>,
+    /// The peer watch found the peer gone (and told the handler).
+    gone: bool,
+}
+
+/// What a removed session hands back.
+pub(crate) struct Removed<H, L> {
+    pub(crate) handler: H,
+    pub(crate) link: L,
+    pub(crate) conns: Vec<ConnId>,
+    pub(crate) cq_charges: Vec<(usize, u32)>,
+    /// The peer watch found the peer gone (and stopped watching its link).
+    pub(crate) gone: bool,
+}
+
+impl<H, L> Session<H, L> {
+    pub(crate) fn handler(&self) -> &H {
+        &self.handler
+    }
+
+    #[inline]
+    pub(crate) fn handler_mut(&mut self) -> &mut H {
+        &mut self.handler
+    }
+
+    pub(crate) fn link(&self) -> &L {
+        &self.link
+    }
+
+    pub(crate) fn link_mut(&mut self) -> &mut L {
+        &mut self.link
+    }
+
+    /// The handler with the session's connections, in QP order.
+    pub(crate) fn handler_and_conns(&mut self) -> (&mut H, &[ConnId]) {
+        (&mut self.handler, &self.conns)
+    }
+
+    /// Whether the peer watch found the peer gone.
+    pub(crate) fn is_gone(&self) -> bool {
+        self.gone
+    }
+
+    /// The peer watch found the peer gone (said once: it stays so).
+    pub(crate) fn mark_gone(&mut self) {
+        self.gone = true;
+    }
+}
+
+/// The sessions of one reactor.
+pub(crate) struct Sessions<H, L> {
+    slab: Slab<Session<H, L>>,
+}
+
+impl<H, L> Sessions<H, L> {
+    /// At most `limit` sessions, with room for `reserve` reserved, whose
+    /// ids name `owner` (a reactor's unique id).
+    pub(crate) fn new(limit: usize, owner: u64, reserve: usize) -> Result<Self, TryReserveError> {
+        let slab = Slab::new(limit, owner).reserving(reserve)?;
+        Ok(Self { slab })
+    }
+
+    /// The id the next [`insert`](Self::insert) gives, or `None` when full.
+    pub(crate) fn vacant_id(&self) -> Option<SessionId> {
+        self.slab.vacant_key().map(SessionId)
+    }
+
+    /// Stores a session under [`vacant_id`](Self::vacant_id)'s id.
+    pub(crate) fn insert(
+        &mut self,
+        handler: H,
+        link: L,
+        conns: Vec<ConnId>,
+        cq_charges: Vec<(usize, u32)>,
+    ) -> Option<SessionId> {
+        let session = Session {
+            handler,
+            link,
+            conns,
+            cq_charges,
+            gone: false,
+        };
+        self.slab.insert(session).map(SessionId)
+    }
+
+    /// Takes session `id` out; its id is never given again.
+    pub(crate) fn remove(&mut self, id: SessionId) -> Option<Removed<H, L>> {
+        let session = self.slab.remove(id.0)?;
+        Some(Removed {
+            handler: session.handler,
+            link: session.link,
+            conns: session.conns,
+            cq_charges: session.cq_charges,
+            gone: session.gone,
+        })
+    }
+
+    /// Sessions served now.
+    pub(crate) fn len(&self) -> usize {
+        self.slab.len()
+    }
+
+    #[inline]
+    pub(crate) fn get(&self, id: SessionId) -> Option<&Session<H, L>> {
+        self.slab.get(id.0)
+    }
+
+    #[inline]
+    pub(crate) fn get_mut(&mut self, id: SessionId) -> Option<&mut Session<H, L>> {
+        self.slab.get_mut(id.0)
+    }
+
+    /// The handler of session `id`.
+    #[inline]
+    pub(crate) fn handler_mut(&mut self, id: SessionId) -> Option<&mut H> {
+        self.slab.get_mut(id.0).map(|session| &mut session.handler)
+    }
+
+    /// The session at slab index `index` (a wait's token), whatever its
+    /// generation.
+    pub(crate) fn get_by_index_mut(
+        &mut self,
+        index: u32,
+    ) -> Option<(SessionId, &mut Session<H, L>)> {
+        self.slab
+            .get_by_index_mut(index)
+            .map(|(key, session)| (SessionId(key), session))
+    }
+
+    /// The connections of session `id`, in QP order (none once removed).
+    pub(crate) fn conns(&self, id: SessionId) -> impl Iterator<Item = ConnId> + '_ {
+        self.slab
+            .get(id.0)
+            .into_iter()
+            .flat_map(|session| session.conns.iter().copied())
+    }
+
+    pub(crate) fn ids(&self) -> impl Iterator<Item = SessionId> + '_ {
+        self.slab.iter().map(|(key, _)| SessionId(key))
+    }
+
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (SessionId, &mut Session<H, L>)> {
+        self.slab
+            .iter_mut()
+            .map(|(key, session)| (SessionId(key), session))
+    }
+
+    /// See [`Slab::age_vacant`].
+    #[cfg(test)]
+    pub(crate) fn age_vacant(&mut self, generation: u32) -> bool {
+        self.slab.age_vacant(generation)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_removed_sessions_id_reaches_nothing_and_hands_everything_back() {
+        let mut sessions: Sessions<&str, u8> = Sessions::new(2, 1, 2).unwrap();
+        let id = sessions.vacant_id().unwrap();
+        assert_eq!(sessions.insert("h", 7, Vec::new(), vec![(0, 3)]), Some(id));
+        assert_eq!(sessions.ids().collect::<Vec<_>>(), vec![id]);
+        let session = sessions.get_mut(id).unwrap();
+        assert!(!session.is_gone());
+        session.mark_gone();
+        *session.link_mut() = 8;
+        assert_eq!(sessions.handler_mut(id).map(|h| *h), Some("h"));
+        let removed = sessions.remove(id).unwrap();
+        assert_eq!(
+            (
+                removed.handler,
+                removed.link,
+                removed.gone,
+                removed.cq_charges
+            ),
+            ("h", 8, true, vec![(0, 3)])
+        );
+        assert!(sessions.get(id).is_none());
+        assert!(sessions.conns(id).next().is_none());
+        let next = sessions.insert("n", 0, Vec::new(), Vec::new()).unwrap();
+        assert_eq!(next.0.index, id.0.index, "the entry is reused");
+        assert!(sessions.handler_mut(id).is_none(), "the old id misses it");
+        assert_eq!(sessions.len(), 1);
+    }
+}
