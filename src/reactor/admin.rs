@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::verbs::QueuePair;
 
 use super::conn::{Conn, MAX_CONNS, MIN_SQ_DEPTH, sq_room};
+use super::idle::IdlePolicy;
 use super::slab::Slab;
 use super::srq_pool::SrqPool;
 use super::{ConnId, Ctx, Handler, PeerLink, QpSource, Reactor, Session, SessionId};
@@ -120,7 +121,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             log::warn!("cannot wait on a peer's control connection: {err}");
         }
         // The initial credit updates wait for the next flush.
-        self.unsettled = true;
+        self.idle.sessions_changed();
         if direct {
             self.hand_over(session);
         }
@@ -138,7 +139,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             record.handler.on_established(&mut ctx, conn);
         }
         if ctx.touched {
-            self.unsettled = true;
+            self.idle.work_left();
         }
     }
 
@@ -279,7 +280,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         for conn in record.conns {
             self.drop_conn(conn);
         }
-        self.unsettled = true;
+        self.idle.sessions_changed();
         Some((record.link, record.handler))
     }
 
@@ -311,10 +312,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     pub(super) fn release_forwarded(&mut self, released: Vec<(ConnId, u32, bool)>) {
         for (origin, slot, from_srq) in released {
-            self.unsettled |= return_forwarded(
+            return_forwarded(
                 &mut self.conns,
                 &mut self.srq,
-                &mut self.reposts_left,
+                &mut self.idle,
                 origin,
                 slot,
                 from_srq,
@@ -332,21 +333,19 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 ///
 /// The connection is listed for the flush only if the slot completes a
 /// repost batch (or the connection is closed: the flush hands its SRQ
-/// slots back); fewer wait for the idle-time flush, parked, and
-/// `reposts_left` says so. That is what a flush's visit would have done
-/// with them, without the visit.
-/// Returns true if the slot went to the SRQ pool's batch, which the next
-/// flush posts: the caller makes sure one comes.
+/// slots back); fewer wait for the idle-time flush, parked, and the idle
+/// policy is told. That is what a flush's visit would have done with
+/// them, without the visit. A slot that goes to the SRQ pool's batch
+/// leaves the next flush work to do (posting it).
 #[inline(always)]
-#[must_use]
 pub(super) fn return_forwarded(
     conns: &mut Slab<Conn>,
     srq: &mut Option<SrqPool>,
-    reposts_left: &mut bool,
+    idle: &mut IdlePolicy,
     origin: ConnId,
     slot: u32,
     from_srq: bool,
-) -> bool {
+) {
     let key = origin.key();
     if let Some(origin) = conns.get_mut_quiet(key) {
         origin.queue_repost(slot);
@@ -354,13 +353,10 @@ pub(super) fn return_forwarded(
             conns.touch(key.index);
         } else if origin.has_pending_reposts() {
             conns.park(key.index);
-            *reposts_left = true;
+            idle.reposts_parked();
         }
-        false
     } else if from_srq && let Some(pool) = srq {
         pool.give_back_noting(slot);
-        true
-    } else {
-        false
+        idle.work_left();
     }
 }

@@ -9,6 +9,7 @@ use super::admin::return_forwarded;
 use super::conn::{
     Arrival, Conn, OpKind, WrKind, decode_direct, decode_wr_id, is_direct, same_generation,
 };
+use super::idle::IdlePolicy;
 use super::slab::Key;
 #[cfg(debug_assertions)]
 use super::slab::TOUCHED;
@@ -53,7 +54,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[inline]
     fn srq_owner(
         srq: &mut Option<SrqPool>,
-        unsettled: &mut bool,
+        idle: &mut IdlePolicy,
         wr_id: u64,
         qp_num: u32,
     ) -> SrqOwner {
@@ -67,7 +68,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             Some(owner) => SrqOwner::Conn(owner, slot),
             None => {
                 pool.reclaim(slot);
-                *unsettled = true;
+                idle.work_left();
                 SrqOwner::Reclaimed
             }
         }
@@ -117,8 +118,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // once it is known to be the completion's (a stranger's completion
         // naming an index must not list it).
         let (key, kind, conn) = if kind == WrKind::SrqRecv {
-            let owner =
-                Self::srq_owner(&mut self.srq, &mut self.unsettled, wc.wr_id(), wc.qp_num());
+            let owner = Self::srq_owner(&mut self.srq, &mut self.idle, wc.wr_id(), wc.qp_num());
             let (key, slot) = match owner {
                 SrqOwner::Conn(key, slot) => (key, slot),
                 SrqOwner::Reclaimed => return,
@@ -134,7 +134,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 // for a QP the reactor does not serve.
                 if let Some(pool) = self.srq.as_mut() {
                     pool.reclaim(slot);
-                    self.unsettled = true;
+                    self.idle.work_left();
                 }
                 return;
             };
@@ -292,10 +292,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                             // this pass's flush, which a retire alone does
                             // not ask for.
                             if let Some(origin) = op.origin(id) {
-                                self.unsettled |= return_forwarded(
+                                return_forwarded(
                                     ctx.conns,
                                     &mut self.srq,
-                                    &mut self.reposts_left,
+                                    &mut self.idle,
                                     origin,
                                     op.slot,
                                     op.from_srq,

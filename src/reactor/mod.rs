@@ -74,6 +74,7 @@ mod dispatch;
 mod failure;
 mod flush;
 mod handler;
+mod idle;
 mod pass;
 mod pass_timer;
 mod peer_watch;
@@ -101,6 +102,7 @@ use crate::verbs::{
 
 use conn::{Conn, IMM_TRAILER_LEN, MAX_CONNS};
 use ctx::{Deferred, ReactorId};
+use idle::IdlePolicy;
 use slab::Slab;
 use spin::{Polling, SpinState};
 use srq_pool::SrqPool;
@@ -182,36 +184,9 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     /// Connections of the reactor's own protocol (not direct): while there
     /// are none, a pass takes the lean path.
     protocol_conns: usize,
-    /// Empty passes since the last completion. Arming the CQs to sleep
-    /// counts as [`TAIL_SIGNAL_IDLE_PASSES`](pass::TAIL_SIGNAL_IDLE_PASSES)
-    /// of them (so an empty pass after a wake without a completion does
-    /// the idle-time work at once; the arming's own flush left little).
-    idle_passes: u32,
-    /// The reactor is in a quiet spell, or the last pass with completions
-    /// ended one: traffic is sparse, so each flush signals its
-    /// connections' last request (a local completion) rather than leave a
-    /// tail that the idle-time flush would signal out with a credit update
-    /// (a SEND the peer must receive, on a receive of its own).
-    after_quiet: bool,
-    /// Quiet spells so far (wrapping): counted when an idle busy pass
-    /// reaches the tail-signaling point and when the CQs are armed for a
-    /// sleep. Beside `after_quiet`, traffic on a connection also counts as
-    /// sparse after a spell until it posts while `after_quiet` is false
-    /// (`Conn::is_sparse`): the pass that ends a spell may bring only a
-    /// request's own send completion (on a NIC), or another connection's
-    /// message, and the message a handler answers, with the answer, come
-    /// passes later. (The per-connection test alone covers `after_quiet`'s
-    /// reach too, except once the count has wrapped round to a
-    /// connection's mark: the flush asks both, so nothing is signaled
-    /// less than under `after_quiet` alone.)
-    quiet_spells: u32,
-    /// The last flush left work behind that any pass must do (or sessions
-    /// changed since).
-    unsettled: bool,
-    /// The last flush left receives to repost once the reactor goes idle.
-    reposts_left: bool,
-    /// The last flush left an unsignaled tail to signal out when idle.
-    tails_left: bool,
+    /// When idle passes repost and signal tails, and whether traffic is
+    /// sparse.
+    idle: IdlePolicy,
     /// Busy passes between clock readings in `run_for`, as learned so far.
     clock_stride: u32,
     stop: Arc<AtomicBool>,
@@ -326,12 +301,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             pd: pd.clone(),
             next_cq: 0,
             protocol_conns: 0,
-            idle_passes: 0,
-            after_quiet: false,
-            quiet_spells: 0,
-            unsettled: true,
-            reposts_left: false,
-            tails_left: false,
+            idle: IdlePolicy::default(),
             clock_stride: 1,
             stop: Arc::new(AtomicBool::new(false)),
             id,
@@ -526,7 +496,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         let result = stage(&mut ctx);
         if ctx.touched {
-            self.unsettled = true;
+            self.idle.work_left();
         }
         result
     }

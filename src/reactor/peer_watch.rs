@@ -92,7 +92,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             if let Some(record) = self.sessions.get_mut(session.0) {
                 record.handler.on_peer_gone(&mut ctx, session, &status);
             }
-            self.unsettled = true;
+            self.idle.work_left();
         }
         true
     }
