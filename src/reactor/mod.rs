@@ -83,6 +83,7 @@ mod slab;
 mod source;
 mod spin;
 mod srq_pool;
+mod stopper;
 #[cfg(test)]
 mod tests;
 mod wait;
@@ -121,6 +122,7 @@ pub use source::{NoLink, PeerLink, QpSource};
 #[cfg(test)]
 use spin::SPIN_POLLS;
 pub use spin::{Spin, Spun};
+pub use stopper::Stopper;
 pub use wait::Waker;
 
 /// Bytes of every slot the reactor keeps back: a SEND carries at most
@@ -134,21 +136,6 @@ pub const SLOT_RESERVE: usize = IMM_TRAILER_LEN;
 const POLL_BATCH: usize = 32;
 /// Most sessions one reactor serves at once.
 const MAX_SESSIONS: usize = MAX_CONNS;
-
-/// Stops a running reactor from any thread.
-#[derive(Debug, Clone)]
-pub struct Stopper {
-    flag: Arc<AtomicBool>,
-    waker: Waker,
-}
-
-impl Stopper {
-    /// Makes `run` return after its current pass.
-    pub fn stop(&self) {
-        self.flag.store(true, Ordering::Release);
-        self.waker.wake();
-    }
-}
 
 /// One session: its handler, its link to the peer and its connections.
 struct Session<H, L> {
@@ -414,10 +401,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// A handle that stops [`run`](Self::run) from any thread.
     pub fn stopper(&self) -> Stopper {
-        Stopper {
-            flag: Arc::clone(&self.stop),
-            waker: self.waiter.waker.clone(),
-        }
+        Stopper::new(Arc::clone(&self.stop), self.waiter.waker.clone())
     }
 
     /// The handler of a session (`None` if it was removed).
