@@ -101,9 +101,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             return Err(err);
         }
-        for &(cq, entries) in &cq_charges {
-            self.cq_load[cq] += entries;
-        }
+        self.completions.charge(&cq_charges);
         let record = Session {
             handler,
             link,
@@ -155,11 +153,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             ));
         }
         for qp in qps {
-            // By identity, not by CqId: ids repeat across device contexts.
-            let (Some(send), Some(recv)) = (
-                self.polling.cqs.iter().position(|cq| qp.sends_to(cq)),
-                self.polling.cqs.iter().position(|cq| qp.receives_to(cq)),
-            ) else {
+            let Some((send, recv)) = self.completions.cqs_of(qp) else {
                 return Err(Error::InvalidArgument(
                     "QP was not created on this reactor's CQs (build it from Reactor::qp_spec)",
                 ));
@@ -213,12 +207,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 }
             }
         }
-        for &(cq, entries) in &charges {
-            if self.cq_load[cq].saturating_add(entries) > self.polling.cqs[cq].capacity() {
-                return Err(Error::InvalidArgument(
-                    "the reactor's CQs cannot absorb more connections at these queue depths (see ReactorConfig::absorbing)",
-                ));
-            }
+        if !self.completions.can_absorb(&charges) {
+            return Err(Error::InvalidArgument(
+                "the reactor's CQs cannot absorb more connections at these queue depths (see ReactorConfig::absorbing)",
+            ));
         }
         Ok(charges)
     }
@@ -274,9 +266,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         {
             self.waiter.unwatch(fd);
         }
-        for &(cq, entries) in &record.cq_charges {
-            self.cq_load[cq] = self.cq_load[cq].saturating_sub(entries);
-        }
+        self.completions.discharge(&record.cq_charges);
         for conn in record.conns {
             self.drop_conn(conn);
         }

@@ -82,7 +82,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// SRQ receive.
     #[inline(always)]
     pub(super) fn route<const LEAN: bool>(&mut self, at: usize) {
-        let wr_id = self.polling.wcs[at].wr_id();
+        let wr_id = self.completions.wc(at).wr_id();
         if LEAN {
             if let Some((index, generation)) = decode_direct(wr_id) {
                 self.dispatch_direct(at, index, generation);
@@ -113,7 +113,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// protocol (or an SRQ receive, or a stranger's).
     #[inline(always)]
     fn dispatch(&mut self, at: usize, index: u32, generation: u32, kind: WrKind) {
-        let wc = &self.polling.wcs[at];
+        let wc = self.completions.wc(at);
         // The connection is looked up once, and listed for the flush only
         // once it is known to be the completion's (a stranger's completion
         // naming an index must not list it).
@@ -123,7 +123,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 SrqOwner::Conn(key, slot) => (key, slot),
                 SrqOwner::Reclaimed => return,
                 SrqOwner::Foreign => {
-                    let wc = self.polling.wcs[at];
+                    let wc = *self.completions.wc(at);
                     self.foreign(&wc);
                     return;
                 }
@@ -171,14 +171,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             match self.conns.get_by_index_if(index, ours) {
                 Some((key, conn)) => (key, kind, conn),
                 None => {
-                    let wc = self.polling.wcs[at];
+                    let wc = *self.completions.wc(at);
                     self.foreign(&wc);
                     return;
                 }
             }
         };
         if !wc.is_success() || conn.is_closed() {
-            let wc = self.polling.wcs[at];
+            let wc = *self.completions.wc(at);
             self.dispatch_unusual(key, &wc, kind);
             return;
         }
@@ -327,7 +327,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// reactor's own), to its handler with the handler's own id.
     #[inline(always)]
     fn dispatch_direct(&mut self, at: usize, index: u32, generation: u32) {
-        let wc = &self.polling.wcs[at];
+        let wc = self.completions.wc(at);
         let qpn = wc.qp_num();
         // A direct connection's completions leave the flush nothing to do:
         // it is not listed.
@@ -335,12 +335,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             (same_generation(key, generation) && conn.qpn == qpn && conn.direct).then_some(false)
         };
         let Some((key, conn)) = self.conns.get_by_index_if(index, ours) else {
-            let wc = self.polling.wcs[at];
+            let wc = *self.completions.wc(at);
             self.foreign(&wc);
             return;
         };
         if !wc.is_success() || conn.is_closed() {
-            let wc = self.polling.wcs[at];
+            let wc = *self.completions.wc(at);
             self.direct_unusual(key, &wc);
             return;
         }

@@ -65,6 +65,7 @@
 //! send staging.
 
 mod admin;
+mod completions;
 mod config;
 mod conn;
 mod counters;
@@ -95,20 +96,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::session::{CqChoice, CqSpread, QpSpec, ServerConfig, SessionLink};
-use crate::verbs::{
-    AccessFlags, CompletionChannel, CompletionQueue, ProtectionDomain, QpConfig, QueuePair,
-    WorkCompletion,
-};
+use crate::session::{CqChoice, QpSpec, ServerConfig, SessionLink};
+use crate::verbs::{AccessFlags, CompletionChannel, ProtectionDomain, QpConfig, QueuePair};
 
+use completions::Completions;
 use conn::{Conn, IMM_TRAILER_LEN, MAX_CONNS};
 use ctx::{Deferred, ReactorId};
 use idle::IdlePolicy;
 use slab::Slab;
-use spin::{Polling, SpinState};
 use srq_pool::SrqPool;
 use wait::Waiter;
 
+#[cfg(test)]
+use completions::SPIN_POLLS;
 #[cfg(test)]
 pub(crate) use config::slab_key_for_tests;
 pub use config::{ConnId, EventMode, ReactorConfig, SendError, SessionId};
@@ -119,8 +119,6 @@ pub use handler::Handler;
 pub use pass_timer::PassTimer;
 pub use placement::{CorePreference, Placement, pin_current_thread, usable_cores};
 pub use source::{NoLink, PeerLink, QpSource};
-#[cfg(test)]
-use spin::SPIN_POLLS;
 pub use spin::{Spin, Spun};
 pub use stopper::Stopper;
 pub use wait::Waker;
@@ -132,8 +130,6 @@ pub use wait::Waker;
 /// with one, in place.
 pub const SLOT_RESERVE: usize = IMM_TRAILER_LEN;
 
-/// Completions polled per CQ per call.
-const POLL_BATCH: usize = 32;
 /// Most sessions one reactor serves at once.
 const MAX_SESSIONS: usize = MAX_CONNS;
 
@@ -160,14 +156,11 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     conns: Slab<Conn>,
     sessions: Slab<Session<H, L>>,
     srq: Option<SrqPool>,
-    /// The CQs, the buffer a pass polls them into, and what spins left.
-    polling: Polling,
-    /// CQ entries promised to connections, by CQ.
-    cq_load: Vec<u32>,
+    /// The CQs, the buffers polled into, what spins left, CQ charges.
+    completions: Completions,
     channels: Vec<CompletionChannel>,
     waiter: Waiter,
     pd: ProtectionDomain,
-    next_cq: usize,
     /// Connections of the reactor's own protocol (not direct): while there
     /// are none, a pass takes the lean path.
     protocol_conns: usize,
@@ -227,16 +220,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 .map(|_| ctx.create_comp_channel())
                 .collect::<Result<_>>()?,
         };
-        let cqs = (0..cq_count)
-            .map(|i| ctx.create_cq(config.cq_size, channels.get(i).or(channels.first())))
-            .collect::<Result<Vec<_>>>()?;
+        // Every CQ keeps room for the whole SRQ (see `add`).
+        let completions = Completions::open(&ctx, &config, &channels)?;
         let waiter = Waiter::new(config.event_mode, &channels)?;
         let srq_slots = config.srq_depth as usize;
-        if cqs.iter().any(|cq| cq.capacity() < config.srq_depth) {
-            return Err(crate::Error::InvalidArgument(
-                "every CQ must hold the whole SRQ's completions: raise cq_size to srq_depth or more",
-            ));
-        }
         let srq = match config.srq_depth {
             0 => None,
             _ => Some(SrqPool::new(pd, &config)?),
@@ -275,18 +262,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             conns,
             sessions,
             srq,
-            // Room for the whole SRQ in every CQ (see `add`).
-            cq_load: vec![srq_slots as u32; cqs.len()],
-            polling: Polling {
-                cqs,
-                wcs: [WorkCompletion::default(); POLL_BATCH],
-                spin_wcs: [WorkCompletion::default(); POLL_BATCH],
-                spun: SpinState::default(),
-            },
+            completions,
             channels,
             waiter,
             pd: pd.clone(),
-            next_cq: 0,
             protocol_conns: 0,
             idle: IdlePolicy::default(),
             clock_stride: 1,
@@ -315,8 +294,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// A QP spec whose QP reports to this reactor's CQs (spread over them
     /// round-robin) with queue depths matching the reactor's settings.
     pub fn qp_spec(&mut self, name: impl Into<String>) -> QpSpec {
-        let cq = self.polling.cqs[self.next_cq % self.polling.cqs.len()].shared();
-        self.next_cq += 1;
+        let cq = self.completions.next_shared();
         let qp = QpConfig {
             max_send_wr: self.config.sq_depth,
             max_recv_wr: self.config.recv_depth,
@@ -379,18 +357,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let spec = self.qp_spec_with_access("", remote_access);
         // Accepted peers take the reactor's CQs in turn, as `qp_spec`
         // callers do: one CQ would cap a server at what it can absorb.
-        let spread = (self.polling.cqs.len() > 1)
-            .then(|| {
-                CqSpread::new(
-                    self.polling
-                        .cqs
-                        .iter()
-                        .map(CompletionQueue::shared)
-                        .collect(),
-                )
-            })
-            .flatten();
-        let cq = spread.map_or(spec.cq, CqChoice::Spread);
+        let cq = self.completions.spread().map_or(spec.cq, CqChoice::Spread);
         ServerConfig {
             qp: spec.qp,
             cq,

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use crate::error::Result;
 
-use super::spin::SpinState;
+use super::completions::{POLL_BATCH, SpinsSettled};
 use super::srq_pool::SrqPool;
-use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor, SessionId};
+use super::{Ctx, EventMode, Handler, PeerLink, Reactor, SessionId};
 
 /// Longest sleep while SRQ receives wait to be posted again after a
 /// refused post.
@@ -155,10 +155,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let settled = self.conns.quarantined();
         self.counters.passes += 1;
         let mut done = 0;
-        for cq_index in 0..self.polling.cqs.len() {
+        for cq in 0..self.completions.cq_count() {
             loop {
-                let polling = &mut self.polling;
-                let n = polling.cqs[cq_index].poll(&mut polling.wcs)?.len();
+                let n = self.completions.poll(cq)?;
                 for at in 0..n {
                     self.route::<LEAN>(at);
                 }
@@ -176,7 +175,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             let touched = self.empty_pass::<LEAN>();
             // A handler spun on the CQs the pass lent it (`Ctx::spin`;
             // only a lean pass lends them).
-            if LEAN && self.polling.spun.used != 0 {
+            if LEAN && self.completions.has_spun() {
                 done = self.settle_spin::<LEAN>()?;
                 self.counters.completions += done as u64;
                 if done != 0 {
@@ -232,17 +231,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             return ctx.touched;
         }
-        // What spins polled in a pass an idle callback panicked out of (a
-        // caller may catch that and go on) is dropped, as a panic drops
-        // the rest of a pass's batch: told late, it would come after what
-        // passes polled since, and might name a connection removed since.
-        if self.polling.spun.used != 0 {
-            self.polling.spun = SpinState::default();
-        }
-        ctx.loan = Some(&mut self.polling);
+        self.completions.begin_loans();
+        ctx.loan = Some(&mut self.completions);
         for (key, session) in self.sessions.iter_mut() {
             if let Some(loan) = ctx.loan.as_deref_mut() {
-                loan.spun.session = Some(SessionId(key));
+                loan.lend_to(SessionId(key));
             }
             session.handler.on_idle(&mut ctx);
         }
@@ -258,17 +251,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     #[inline(never)]
     fn settle_spin<const LEAN: bool>(&mut self) -> Result<usize> {
-        let SpinState {
-            next,
-            end,
+        let SpinsSettled {
+            left,
             taken,
             used,
             failed,
-            ..
-        } = std::mem::take(&mut self.polling.spun);
-        let left = end - next;
-        let polling = &mut self.polling;
-        polling.wcs[..left].copy_from_slice(&polling.spin_wcs[next..end]);
+        } = self.completions.settle_spins();
         for at in 0..left {
             self.route::<LEAN>(at);
         }
@@ -356,9 +344,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // credit, the peer's next credit update) then wakes us.
         self.flush(true, true);
         self.idle.armed_for_sleep();
-        for cq in &mut self.polling.cqs {
-            cq.req_notify(false)?;
-        }
+        self.completions.arm()?;
         self.poll_once()
     }
 
