@@ -1,6 +1,7 @@
-//! The reactor's completions: its CQs, the buffers a pass and a spin poll
-//! them into, what spins left for the pass (the spin loan's account), and
-//! the CQ entries promised to the connections they serve. One place, so an
+//! The reactor's completions: its CQs and their completion channels, the
+//! buffers a pass and a spin poll them into, what spins left for the pass
+//! (the spin loan's account), and the CQ entries promised to the
+//! connections they serve. One place, so an
 //! idle pass lends it whole to a spin ([`Ctx::spin`](super::Ctx::spin)).
 
 use crate::error::{Error, Result};
@@ -9,7 +10,7 @@ use crate::verbs::{
     CompletionChannel, CompletionQueue, Context, PollFailed, QueuePair, SharedCq, WorkCompletion,
 };
 
-use super::{ReactorConfig, SessionId};
+use super::{EventMode, ReactorConfig, SessionId};
 
 /// Completions polled per CQ per call.
 pub(super) const POLL_BATCH: usize = 32;
@@ -27,7 +28,11 @@ pub(crate) const SPIN_POLLS: u32 = 1 << 14;
 
 /// The reactor's CQs and what is polled from them. See the module docs.
 pub(super) struct Completions {
+    // Drop order: the CQs, then the channels they report to.
     cqs: Vec<CompletionQueue>,
+    /// Where the CQs report in the event modes: one for all (Blocking) or
+    /// one each (Epoll); none when busy polling.
+    channels: Vec<CompletionChannel>,
     /// Where a pass polls.
     wcs: [WorkCompletion; POLL_BATCH],
     /// Where spins poll: no pass polls over what one left.
@@ -38,6 +43,9 @@ pub(super) struct Completions {
     /// Handed out so far round-robin: the next QP spec takes CQ
     /// `next % cqs.len()`.
     next: usize,
+    /// What spins spent (a CQ poll or a completion each) since
+    /// [`take_spin_polls`](Self::take_spin_polls) last asked.
+    spin_polls: u32,
 }
 
 /// What spins left for the reactor, read after the idle callbacks.
@@ -77,14 +85,18 @@ pub(super) struct SpinsSettled {
 
 impl Completions {
     /// Creates `config.cq_count` CQs (at least one) of `config.cq_size`,
-    /// reporting to `channels` (one each, or all to the first; none when
-    /// busy polling). Every CQ keeps room for the whole SRQ's completions.
-    pub(super) fn open(
-        ctx: &Context,
-        config: &ReactorConfig,
-        channels: &[CompletionChannel],
-    ) -> Result<Self> {
-        let cqs = (0..config.cq_count.max(1) as usize)
+    /// and in the event modes the completion channels they report to.
+    /// Every CQ keeps room for the whole SRQ's completions.
+    pub(super) fn open(ctx: &Context, config: &ReactorConfig) -> Result<Self> {
+        let cq_count = config.cq_count.max(1) as usize;
+        let channels: Vec<CompletionChannel> = match config.event_mode {
+            EventMode::BusyPoll => Vec::new(),
+            EventMode::Blocking => vec![ctx.create_comp_channel()?],
+            EventMode::Epoll => (0..cq_count)
+                .map(|_| ctx.create_comp_channel())
+                .collect::<Result<_>>()?,
+        };
+        let cqs = (0..cq_count)
             .map(|i| ctx.create_cq(config.cq_size, channels.get(i).or(channels.first())))
             .collect::<Result<Vec<_>>>()?;
         if cqs.iter().any(|cq| cq.capacity() < config.srq_depth) {
@@ -95,11 +107,26 @@ impl Completions {
         Ok(Self {
             load: vec![config.srq_depth; cqs.len()],
             cqs,
+            channels,
             wcs: [WorkCompletion::default(); POLL_BATCH],
             spin_wcs: [WorkCompletion::default(); POLL_BATCH],
             spun: SpinState::default(),
             next: 0,
+            spin_polls: 0,
         })
+    }
+
+    /// The completion channels, for the waiter to watch.
+    pub(super) fn channels(&self) -> &[CompletionChannel] {
+        &self.channels
+    }
+
+    /// Consumes the completion events that woke a wait (acked in batches).
+    pub(super) fn drain_events(&self) -> Result<()> {
+        for channel in &self.channels {
+            while channel.try_get_event()?.is_some() {}
+        }
+        Ok(())
     }
 
     /// How many CQs there are.
@@ -258,10 +285,18 @@ impl Completions {
         self.spun.used -= unused;
     }
 
+    /// What spins spent since the last call (see
+    /// [`Reactor::take_spin_polls`](super::Reactor::take_spin_polls)).
+    pub(super) fn take_spin_polls(&mut self) -> u32 {
+        std::mem::take(&mut self.spin_polls)
+    }
+
     /// After the idle callbacks: the completions spins polled and did not
     /// hand over move to the front of the pass's buffer (which holds
     /// nothing then: the pass polled nothing), for the pass to route in
-    /// order, and the spins' account starts anew.
+    /// order; what they spent is tallied for
+    /// [`take_spin_polls`](Self::take_spin_polls), and the spins' account
+    /// starts anew.
     pub(super) fn settle_spins(&mut self) -> SpinsSettled {
         let SpinState {
             next,
@@ -273,6 +308,7 @@ impl Completions {
         } = std::mem::take(&mut self.spun);
         let left = end - next;
         self.wcs[..left].copy_from_slice(&self.spin_wcs[next..end]);
+        self.spin_polls = self.spin_polls.saturating_add(used);
         SpinsSettled {
             left,
             taken,
@@ -306,7 +342,7 @@ mod tests {
         // SAFETY: every QP of the device is used from this thread.
         let ctx = unsafe { Context::loopback() };
         let pd = ctx.alloc_pd().expect("a PD");
-        let mut completions = Completions::open(&ctx, &config(3, 64, 0), &[]).expect("CQs");
+        let mut completions = Completions::open(&ctx, &config(3, 64, 0)).expect("CQs");
         assert_eq!(completions.cq_count(), 3);
         let cqs: Vec<SharedCq> = (0..4).map(|_| completions.next_shared()).collect();
         for (turn, cq) in cqs.iter().enumerate() {
@@ -316,7 +352,7 @@ mod tests {
         let split = qp_on(&pd, &cqs[1], &cqs[2]);
         assert_eq!(completions.cqs_of(&split), Some((1, 2)));
         assert!(completions.spread().is_some());
-        let one = Completions::open(&ctx, &config(1, 64, 0), &[]).expect("a CQ");
+        let one = Completions::open(&ctx, &config(1, 64, 0)).expect("a CQ");
         assert!(one.spread().is_none(), "one CQ needs no spread");
         // A CQ of another owner is none of ours.
         let stranger = ctx.create_cq(16, None).expect("a CQ");
@@ -328,10 +364,10 @@ mod tests {
     fn charges_stay_within_each_cqs_capacity_and_the_srq_is_reserved() {
         // SAFETY: as above.
         let ctx = unsafe { Context::loopback() };
-        let refused = Completions::open(&ctx, &config(1, 16, 1 << 20), &[]);
+        let refused = Completions::open(&ctx, &config(1, 16, 1 << 20));
         assert!(matches!(refused, Err(Error::InvalidArgument(_))));
         let srq = 8;
-        let mut completions = Completions::open(&ctx, &config(2, 64, srq), &[]).expect("CQs");
+        let mut completions = Completions::open(&ctx, &config(2, 64, srq)).expect("CQs");
         let room = completions.cqs[0].capacity() - srq;
         assert!(completions.can_absorb(&[(0, room), (1, room)]));
         assert!(!completions.can_absorb(&[(0, room + 1)]));
@@ -370,7 +406,7 @@ mod tests {
     fn a_pass_polls_into_its_buffer() {
         // SAFETY: as above.
         let ctx = unsafe { Context::loopback() };
-        let mut completions = Completions::open(&ctx, &config(1, 64, 0), &[]).expect("a CQ");
+        let mut completions = Completions::open(&ctx, &config(1, 64, 0)).expect("a CQ");
         assert_eq!(completions.poll(0).expect("a poll"), 0);
         let _qps = two_completions(&ctx, &mut completions);
         assert_eq!(completions.poll(0).expect("a poll"), 2);
@@ -384,7 +420,7 @@ mod tests {
     fn a_spin_takes_the_budget_and_leaves_the_pass_what_it_did_not_hand_over() {
         // SAFETY: as above.
         let ctx = unsafe { Context::loopback() };
-        let mut completions = Completions::open(&ctx, &config(1, 64, 0), &[]).expect("a CQ");
+        let mut completions = Completions::open(&ctx, &config(1, 64, 0)).expect("a CQ");
         let _qps = two_completions(&ctx, &mut completions);
         let session = SessionId(crate::reactor::slab_key_for_tests(3).0);
         completions.begin_loans();
@@ -414,13 +450,15 @@ mod tests {
         assert!(!completions.has_spun());
         assert_eq!(completions.lent_to(), None);
         assert_eq!(completions.spin_budget(), SPIN_POLLS);
+        assert_eq!(completions.take_spin_polls(), 3, "tallied");
+        assert_eq!(completions.take_spin_polls(), 0);
     }
 
     #[test]
     fn lending_again_drops_what_an_unsettled_spin_left() {
         // SAFETY: as above.
         let ctx = unsafe { Context::loopback() };
-        let mut completions = Completions::open(&ctx, &config(1, 64, 0), &[]).expect("a CQ");
+        let mut completions = Completions::open(&ctx, &config(1, 64, 0)).expect("a CQ");
         completions.take_budget(SPIN_POLLS);
         completions.spin_returned(0, 1, 0, SPIN_POLLS - 1);
         assert!(completions.has_spun());

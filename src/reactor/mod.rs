@@ -60,7 +60,10 @@
 //! # Files
 //! [`config`](ReactorConfig) and ids, the [`Handler`] trait, [`Ctx`] and
 //! held messages, the [`QpSource`] a session comes from, the SRQ pool,
-//! session admin (`add`, `remove`), the pass engine (poll, dispatch, flush),
+//! the QP specs a session's QPs are built from, session admin (`add`,
+//! `remove`), the completions (CQs, poll buffers, the spin loan), the
+//! pass engine (poll, dispatch, flush), the idle policy (when idle passes
+//! repost and signal tails, and when traffic is sparse), the [`Stopper`],
 //! and per connection (`conn/`) the `wr_id` layout, rings, credits and
 //! send staging.
 
@@ -82,6 +85,7 @@ mod peer_watch;
 pub mod placement;
 mod slab;
 mod source;
+mod specs;
 mod spin;
 mod srq_pool;
 mod stopper;
@@ -96,8 +100,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::session::{CqChoice, QpSpec, ServerConfig, SessionLink};
-use crate::verbs::{AccessFlags, CompletionChannel, ProtectionDomain, QpConfig, QueuePair};
+use crate::session::SessionLink;
+use crate::verbs::ProtectionDomain;
 
 use completions::Completions;
 use conn::{Conn, IMM_TRAILER_LEN, MAX_CONNS};
@@ -158,7 +162,6 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     srq: Option<SrqPool>,
     /// The CQs, the buffers polled into, what spins left, CQ charges.
     completions: Completions,
-    channels: Vec<CompletionChannel>,
     waiter: Waiter,
     pd: ProtectionDomain,
     /// Connections of the reactor's own protocol (not direct): while there
@@ -173,9 +176,6 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     id: ReactorId,
     /// What callbacks left for after the pass (removals, SRQ slots).
     deferred: Deferred,
-    /// What spins spent (a CQ poll or a completion each) since
-    /// [`take_spin_polls`](Self::take_spin_polls) last asked.
-    spin_polls: u32,
     peer_timer: Option<PassTimer>,
     /// Completions no connection of ours posted (ignored).
     foreign_completions: u64,
@@ -212,17 +212,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Creates the reactor's CQs (and completion channels in the event modes).
     pub fn new(pd: &ProtectionDomain, config: ReactorConfig) -> Result<Self> {
         let ctx = pd.context();
-        let cq_count = config.cq_count.max(1) as usize;
-        let channels: Vec<CompletionChannel> = match config.event_mode {
-            EventMode::BusyPoll => Vec::new(),
-            EventMode::Blocking => vec![ctx.create_comp_channel()?],
-            EventMode::Epoll => (0..cq_count)
-                .map(|_| ctx.create_comp_channel())
-                .collect::<Result<_>>()?,
-        };
         // Every CQ keeps room for the whole SRQ (see `add`).
-        let completions = Completions::open(&ctx, &config, &channels)?;
-        let waiter = Waiter::new(config.event_mode, &channels)?;
+        let completions = Completions::open(&ctx, &config)?;
+        let waiter = Waiter::new(config.event_mode, completions.channels())?;
         let srq_slots = config.srq_depth as usize;
         let srq = match config.srq_depth {
             0 => None,
@@ -263,7 +255,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             sessions,
             srq,
             completions,
-            channels,
             waiter,
             pd: pd.clone(),
             protocol_conns: 0,
@@ -277,7 +268,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 refused: Vec::new(),
                 lone_doorbells: 0,
             },
-            spin_polls: 0,
             peer_timer,
             foreign_completions: 0,
             counters: Counters::default(),
@@ -289,81 +279,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// The configuration in force.
     pub fn config(&self) -> &ReactorConfig {
         &self.config
-    }
-
-    /// A QP spec whose QP reports to this reactor's CQs (spread over them
-    /// round-robin) with queue depths matching the reactor's settings.
-    pub fn qp_spec(&mut self, name: impl Into<String>) -> QpSpec {
-        let cq = self.completions.next_shared();
-        let qp = QpConfig {
-            max_send_wr: self.config.sq_depth,
-            max_recv_wr: self.config.recv_depth,
-            max_inline_data: self.config.max_inline,
-            ..QpConfig::default()
-        };
-        QpSpec {
-            name: name.into(),
-            cq: CqChoice::Shared(cq),
-            qp,
-            srq: self.srq.as_ref().map(SrqPool::attachment),
-        }
-    }
-
-    /// Like [`qp_spec`](Self::qp_spec), also letting the peer WRITE
-    /// and/or READ the regions this side exports.
-    pub fn qp_spec_with_access(
-        &mut self,
-        name: impl Into<String>,
-        remote_access: AccessFlags,
-    ) -> QpSpec {
-        let mut spec = self.qp_spec(name);
-        spec.qp.remote_access = remote_access;
-        spec
-    }
-
-    /// Two QPs of `pd` on this reactor's CQs (and its shared receive
-    /// queue, if it has one), granting `access`, connected to each other:
-    /// add each as a session of its own with `reactor.add(vec![qp], ..)`.
-    /// Both ends in one process, on one device: what a test or a benchmark
-    /// over [`Context::loopback`](crate::verbs::Context::loopback) (or one
-    /// real device) needs, with no session layer.
-    pub fn connected_pair(
-        &mut self,
-        pd: &ProtectionDomain,
-        access: AccessFlags,
-    ) -> Result<(QueuePair, QueuePair)> {
-        let mut qp = |name: &str| {
-            let spec = self.qp_spec_with_access(name, access);
-            let CqChoice::Shared(cq) = spec.cq else {
-                unreachable!("qp_spec always shares the reactor's CQs")
-            };
-            match &spec.srq {
-                Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
-                None => pd.create_qp(&cq, &cq, &spec.qp),
-            }
-        };
-        let (mut a, mut b) = (qp("a")?, qp("b")?);
-        let (to_a, to_b) = (a.endpoint(), b.endpoint());
-        a.connect(&to_b)?;
-        b.connect(&to_a)?;
-        Ok((a, b))
-    }
-
-    /// A server configuration whose QPs report to this reactor (spread
-    /// over its CQs, peer by peer), with `remote_access` granted to peers.
-    /// Like [`ServerConfig::default`] it has no key: set `auth_key` (or
-    /// `insecure_open`) before binding.
-    pub fn server_config(&mut self, remote_access: AccessFlags) -> ServerConfig {
-        let spec = self.qp_spec_with_access("", remote_access);
-        // Accepted peers take the reactor's CQs in turn, as `qp_spec`
-        // callers do: one CQ would cap a server at what it can absorb.
-        let cq = self.completions.spread().map_or(spec.cq, CqChoice::Spread);
-        ServerConfig {
-            qp: spec.qp,
-            cq,
-            srq: spec.srq,
-            ..ServerConfig::default()
-        }
     }
 
     /// A handle that stops [`run`](Self::run) from any thread.
@@ -566,7 +481,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// counts them too, each about the cost of an empty pass, or a pass
     /// that spun (up to 16384 of them) would count as one.
     pub fn take_spin_polls(&mut self) -> u32 {
-        std::mem::take(&mut self.spin_polls)
+        self.completions.take_spin_polls()
     }
 
     /// Whether a [`Stopper`] or [`Ctx::stop`] asked the reactor to stop

@@ -263,7 +263,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if let Some(timer) = &mut self.peer_timer {
             timer.count_passes(used);
         }
-        self.spin_polls = self.spin_polls.saturating_add(used);
         match failed {
             Some(error) => Err(error),
             None => Ok(taken + left),
@@ -350,10 +349,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// Consumes the completion events that woke us (acked in batches).
     pub fn drain_channel_events(&mut self) -> Result<()> {
-        for channel in &self.channels {
-            while channel.try_get_event()?.is_some() {}
-        }
-        Ok(())
+        self.completions.drain_events()
     }
 
     /// Removes the sessions callbacks asked to remove.
