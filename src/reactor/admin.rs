@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::verbs::QueuePair;
 
 use super::conn::{Conn, MIN_SQ_DEPTH, sq_room};
+use super::idle::IdlePolicy;
 use super::srq_pool::SrqPool;
 use super::table::ConnTable;
 use super::table::wr_id::MAX_CONNS;
@@ -101,9 +102,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             return Err(err);
         }
-        for &(cq, entries) in &cq_charges {
-            self.cq_load[cq] += entries;
-        }
+        self.completions.charge(&cq_charges);
         let watched = link.event_fd();
         let key = self.sessions.insert(handler, link, conns, cq_charges);
         debug_assert_eq!(key, Some(session));
@@ -114,7 +113,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             log::warn!("cannot wait on a peer's control connection: {err}");
         }
         // The initial credit updates wait for the next flush.
-        self.unsettled = true;
+        self.idle.sessions_changed();
         if direct {
             self.hand_over(session);
         }
@@ -133,7 +132,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             handler.on_established(&mut ctx, conn);
         }
         if ctx.touched {
-            self.unsettled = true;
+            self.idle.work_left();
         }
     }
 
@@ -149,11 +148,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             ));
         }
         for qp in qps {
-            // By identity, not by CqId: ids repeat across device contexts.
-            let (Some(send), Some(recv)) = (
-                self.polling.cqs.iter().position(|cq| qp.sends_to(cq)),
-                self.polling.cqs.iter().position(|cq| qp.receives_to(cq)),
-            ) else {
+            let Some((send, recv)) = self.completions.cqs_of(qp) else {
                 return Err(Error::InvalidArgument(
                     "QP was not created on this reactor's CQs (build it from Reactor::qp_spec)",
                 ));
@@ -207,12 +202,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 }
             }
         }
-        for &(cq, entries) in &charges {
-            if self.cq_load[cq].saturating_add(entries) > self.polling.cqs[cq].capacity() {
-                return Err(Error::InvalidArgument(
-                    "the reactor's CQs cannot absorb more connections at these queue depths (see ReactorConfig::absorbing)",
-                ));
-            }
+        if !self.completions.can_absorb(&charges) {
+            return Err(Error::InvalidArgument(
+                "the reactor's CQs cannot absorb more connections at these queue depths (see ReactorConfig::absorbing)",
+            ));
         }
         Ok(charges)
     }
@@ -267,13 +260,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         {
             self.waiter.unwatch(fd);
         }
-        for &(cq, entries) in &record.cq_charges {
-            self.cq_load[cq] = self.cq_load[cq].saturating_sub(entries);
-        }
+        self.completions.discharge(&record.cq_charges);
         for conn in record.conns {
             self.drop_conn(conn);
         }
-        self.unsettled = true;
+        self.idle.sessions_changed();
         Some((record.link, record.handler))
     }
 
@@ -305,10 +296,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     pub(super) fn release_forwarded(&mut self, released: Vec<(ConnId, u32, bool)>) {
         for (origin, slot, from_srq) in released {
-            self.unsettled |= return_forwarded(
+            return_forwarded(
                 &mut self.conns,
                 &mut self.srq,
-                &mut self.reposts_left,
+                &mut self.idle,
                 origin,
                 slot,
                 from_srq,
@@ -326,21 +317,19 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 ///
 /// The connection is listed for the flush only if the slot completes a
 /// repost batch (or the connection is closed: the flush hands its SRQ
-/// slots back); fewer wait for the idle-time flush, parked, and
-/// `reposts_left` says so. That is what a flush's visit would have done
-/// with them, without the visit.
-/// Returns true if the slot went to the SRQ pool's batch, which the next
-/// flush posts: the caller makes sure one comes.
+/// slots back); fewer wait for the idle-time flush, parked, and the idle
+/// policy is told. That is what a flush's visit would have done with
+/// them, without the visit. A slot that goes to the SRQ pool's batch
+/// leaves the next flush work to do (posting it).
 #[inline(always)]
-#[must_use]
 pub(super) fn return_forwarded(
     conns: &mut ConnTable,
     srq: &mut Option<SrqPool>,
-    reposts_left: &mut bool,
+    idle: &mut IdlePolicy,
     origin: ConnId,
     slot: u32,
     from_srq: bool,
-) -> bool {
+) {
     let key = origin.key();
     if let Some(origin) = conns.get_mut_quiet(key) {
         origin.queue_repost(slot);
@@ -348,13 +337,10 @@ pub(super) fn return_forwarded(
             conns.touch(key.index);
         } else if origin.has_pending_reposts() {
             conns.park(key.index);
-            *reposts_left = true;
+            idle.reposts_parked();
         }
-        false
     } else if from_srq && let Some(pool) = srq {
         pool.give_back_noting(slot);
-        true
-    } else {
-        false
+        idle.work_left();
     }
 }

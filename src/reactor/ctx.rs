@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::verbs::{LocalSlice, RemoteSlice};
 
+use super::completions::Completions;
 use super::conn::{Conn, ConnState, ForwardOrigin};
-use super::spin::Polling;
 use super::table::ConnTable;
 use super::{ConnId, SendError, SessionId};
 
@@ -25,7 +25,7 @@ pub struct Ctx<'a> {
     /// What callbacks leave for the end of the pass.
     pub(super) deferred: &'a mut Deferred,
     /// In `on_idle`: the reactor's CQs, lent for a spin ([`Ctx::spin`]).
-    pub(super) loan: Option<&'a mut Polling>,
+    pub(super) loan: Option<&'a mut Completions>,
 }
 
 /// Work callbacks leave for the reactor to do after them.

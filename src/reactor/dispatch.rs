@@ -44,7 +44,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// to a call of its own.
     #[inline(always)]
     pub(super) fn route<const LEAN: bool>(&mut self, at: usize) {
-        let wc = &self.polling.wcs[at];
+        let wc = self.completions.wc(at);
         let (wr_id, qpn) = (wc.wr_id(), wc.qp_num());
         match self.conns.lookup::<LEAN>(wr_id, qpn, &mut self.srq) {
             Ok(Entry {
@@ -53,7 +53,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 conn,
             }) => {
                 if !wc.is_success() || conn.is_closed() {
-                    let wc = self.polling.wcs[at];
+                    let wc = *self.completions.wc(at);
                     self.direct_unusual(key, &wc);
                     return;
                 }
@@ -71,7 +71,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 conn,
             }) => {
                 if !wc.is_success() || conn.is_closed() {
-                    let wc = self.polling.wcs[at];
+                    let wc = *self.completions.wc(at);
                     self.dispatch_unusual(key, &wc, completed);
                     return;
                 }
@@ -149,9 +149,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     fn refused(&mut self, at: usize, refusal: Refusal) {
         match refusal {
             Refusal::NotDirect => self.route::<false>(at),
-            Refusal::Reclaimed => self.unsettled = true,
+            Refusal::Reclaimed => self.idle.work_left(),
             _ => {
-                let wc = self.polling.wcs[at];
+                let wc = *self.completions.wc(at);
                 self.foreign(&wc);
             }
         }
@@ -216,10 +216,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                             // this pass's flush, which a retire alone does
                             // not ask for.
                             if let Some(origin) = op.origin(id) {
-                                self.unsettled |= return_forwarded(
+                                return_forwarded(
                                     ctx.conns,
                                     &mut self.srq,
-                                    &mut self.reposts_left,
+                                    &mut self.idle,
                                     origin,
                                     op.slot,
                                     op.from_srq,

@@ -76,7 +76,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             // its connection is closed or the receive failed (for a QP's own
             // ring of a dead connection this does nothing).
             conn.queue_repost(slot);
-            self.unsettled = true;
+            self.idle.work_left();
         }
         if !conn.is_closed() {
             let error = wc
@@ -102,7 +102,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             });
         }
         if !released.is_empty() {
-            self.unsettled = true;
+            self.idle.work_left();
             self.release_forwarded(released);
         }
     }
@@ -182,7 +182,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     pub(super) fn fail(&mut self, id: ConnId, error: Error) {
         // The failed connection's forwards give other connections' receive
         // slots back: the next pass must repost them.
-        self.unsettled = true;
+        self.idle.work_left();
         // Forwards the failed connection had only staged carried other
         // connections' receive slots: give those back (a cold path, so the
         // list may allocate). Posted ones give theirs back as their flushed

@@ -7,33 +7,23 @@ use crate::error::Result;
 
 use super::conn::Conn;
 use super::counters::Counters;
+use super::idle::{Leftovers, Spell};
 use super::slab::{PARKED, TOUCHED};
 use super::srq_pool::SrqPool;
 use super::{ConnId, Handler, PeerLink, Reactor};
-
-/// What the connections a flush walked still have pending.
-#[derive(Default)]
-struct Left {
-    /// Work any pass must do (see [`Reactor::flush`]).
-    unsettled: bool,
-    /// Receives waiting for a fuller repost batch.
-    reposts: bool,
-    /// Unsignaled requests at the tail of a burst.
-    tails: bool,
-}
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// End of pass: one doorbell per QP with staged work, then the receive
     /// reposts that are due (all pending ones when `tidy`). Reposting after
     /// the doorbell keeps it off the latency path; the receives it adds are
     /// announced with the next SEND or credit update.
-    /// Notes what is left for later passes: in `unsettled`, work any pass
+    /// Tells the idle policy what is left for later passes: work any pass
     /// must do (reposts that are due, work or a credit update that could not
-    /// go out); in `reposts_left` and `tails_left`, what an idle pass does.
+    /// go out), and what an idle pass does.
     #[inline]
     pub(super) fn flush(&mut self, tidy: bool, signal_tails: bool) {
-        // `fail` may set it again while we walk.
-        self.unsettled = false;
+        // `fail` may leave work again while we walk.
+        self.idle.flush_begins();
         // Before the walk, which could otherwise post behind a request
         // whose doorbell the device refused.
         if !self.deferred.refused.is_empty() {
@@ -45,14 +35,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // touched, not all of them.
         let idle_work = tidy || signal_tails;
         if idle_work {
-            // This flush visits every parked connection and says anew what
-            // is left. Cleared before the walk, not overwritten after it:
-            // a connection parked during the walk (a forward's slot given
+            // A connection parked during the walk (a forward's slot given
             // back by a connection the walk failed) keeps its flag.
-            self.reposts_left = false;
-            self.tails_left = false;
+            self.idle.idle_flush_begins();
         }
-        let mut left = Left::default();
+        let mut left = Leftovers::default();
         self.flush_list(TOUCHED, tidy, signal_tails, &mut left);
         if idle_work {
             // The connections a flush left with receives below a batch or
@@ -68,21 +55,17 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 log::error!("reposting SRQ receives: {err}");
                 // Slots a failed post left behind (in the batch or
                 // stranded; an `Ok` leaves none): try again next pass.
-                self.unsettled = true;
+                self.idle.work_left();
             }
         }
-        self.unsettled |= left.unsettled;
-        // Connections parked earlier keep what they had pending: only the
-        // idle-time flush, which visits them all, clears these (above).
-        self.reposts_left |= left.reposts;
-        self.tails_left |= left.tails;
+        self.idle.flush_ended(left);
     }
 
     /// Flushes every connection on slab list `list`, walked in place: what
     /// the walk lists again (work left for the next pass) goes to the end
     /// and stays listed.
     #[inline(always)]
-    fn flush_list(&mut self, list: usize, tidy: bool, signal_tails: bool, left: &mut Left) {
+    fn flush_list(&mut self, list: usize, tidy: bool, signal_tails: bool, left: &mut Leftovers) {
         let listed = self.conns.begin_walk(list);
         for at in 0..listed {
             let Some(index) = self.conns.unlist_at(list, at) else {
@@ -97,8 +80,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// in `left` what it still has. One lookup on the common path: an open
     /// connection is flushed and looked at through the same borrow.
     #[inline]
-    fn flush_index(&mut self, index: u32, tidy: bool, signal_tails: bool, left: &mut Left) {
-        let (spell, after_quiet) = (self.quiet_spells, self.after_quiet);
+    fn flush_index(&mut self, index: u32, tidy: bool, signal_tails: bool, left: &mut Leftovers) {
+        let spell = self.idle.spell();
         let Some((key, conn)) = self.conns.get_by_index_quiet(index) else {
             return;
         };
@@ -113,15 +96,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // most have work: it is inline (a call's entry and exit were 5 %
         // of the reactor's instructions per READ).
         if (repost || tail || !conn.is_quiet())
-            && let Err(error) = Self::flush_conn(
-                conn,
-                &mut self.srq,
-                &mut self.counters,
-                repost,
-                tail,
-                spell,
-                after_quiet,
-            )
+            && let Err(error) =
+                Self::flush_conn(conn, &mut self.srq, &mut self.counters, repost, tail, spell)
         {
             self.fail(ConnId(key), error);
             // The handler told may have rung a doorbell alone that the
@@ -151,34 +127,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     fn note_left(
         &mut self,
         index: u32,
-        left: &mut Left,
+        left: &mut Leftovers,
         unsettled: bool,
         reposts: bool,
         tail: bool,
     ) {
-        left.unsettled |= unsettled;
-        left.reposts |= reposts;
-        left.tails |= tail;
+        left.note(unsettled, reposts, tail);
         if unsettled {
             self.conns.touch(index);
         }
         if reposts || tail {
             self.conns.park(index);
         }
-    }
-
-    /// What a doorbell rung on a connection with sparse traffic marks it
-    /// with, given the reactor's count of quiet spells and `after_quiet`:
-    /// the count before the current one while `after_quiet` holds (within
-    /// the spell, or from the pass ending it to the next pass with
-    /// completions), so a request sent then (by a timer, say) leaves the
-    /// answer to it, and what a handler posts on that, sparse; the current
-    /// count after that, so the connection's traffic is busy until the
-    /// next spell. (A connection with busy traffic is marked with the
-    /// current count already.)
-    #[inline]
-    fn spell_mark(spell: u32, after_quiet: bool) -> u32 {
-        spell.wrapping_sub(u32::from(after_quiet))
     }
 
     /// Signals the last request staged on `conn`, if it is not; with
@@ -198,7 +158,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// A closed connection only owes the SRQ its consumed slots.
     #[cold]
-    fn flush_closed(&mut self, index: u32, left: &mut Left) {
+    fn flush_closed(&mut self, index: u32, left: &mut Leftovers) {
         let Some((_, conn)) = self.conns.get_by_index_quiet(index) else {
             return;
         };
@@ -211,13 +171,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// Rings the doorbell of open connection `conn` and reposts its
     /// receives (`repost`). With `tail` (its unsignaled tail is to be
-    /// signaled out), or when its traffic is sparse (`after_quiet`: the
-    /// reactor is in a quiet spell or its last pass with completions ended
-    /// one; or the connection has not posted on busy traffic since the
-    /// reactor counted quiet spell `spell`), the last request it posts is
-    /// signaled; with `tail` and nothing to post, a signaled credit update
-    /// goes out. A doorbell on sparse traffic marks the connection (see
-    /// [`spell_mark`](Self::spell_mark)).
+    /// signaled out), or when its traffic is sparse (see
+    /// [`Spell::is_sparse`]), the last request it posts is signaled; with
+    /// `tail` and nothing to post, a signaled credit update goes out. A
+    /// doorbell on sparse traffic marks the connection (see
+    /// [`Spell::mark`]).
     #[inline]
     fn flush_conn(
         conn: &mut Conn,
@@ -225,11 +183,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         counters: &mut Counters,
         repost: bool,
         tail: bool,
-        spell: u32,
-        after_quiet: bool,
+        spell: Spell,
     ) -> Result<()> {
         conn.prepare_flush();
-        let sparse = after_quiet | conn.is_sparse(spell);
+        let sparse = conn.is_sparse(spell);
         if tail | sparse {
             Self::leave_no_tail(conn, tail);
         }
@@ -238,7 +195,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             counters.doorbells += 1;
             counters.requests += staged;
             if sparse {
-                conn.note_sparse_post(Self::spell_mark(spell, after_quiet));
+                conn.note_sparse_post(spell);
             }
         }
         conn.post_staged()?;

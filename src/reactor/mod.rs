@@ -60,12 +60,16 @@
 //! # Files
 //! [`config`](ReactorConfig) and ids, the [`Handler`] trait, [`Ctx`] and
 //! held messages, the [`QpSource`] a session comes from, the SRQ pool,
-//! the sessions, session admin (`add`, `remove`), the connection table
-//! (`table/`: the connections and the `wr_id` layout, with the lookup that
-//! vets each completion), the pass engine (poll, dispatch, flush), and per
-//! connection (`conn/`) rings, credits and send staging.
+//! the QP specs a session's QPs are built from, the sessions, session
+//! admin (`add`, `remove`), the connection table (`table/`: the
+//! connections and the `wr_id` layout, with the lookup that vets each
+//! completion), the completions (CQs, poll buffers, the spin loan), the
+//! pass engine (poll, dispatch, flush), the idle policy (when idle passes
+//! repost and signal tails, and when traffic is sparse), the [`Stopper`],
+//! and per connection (`conn/`) rings, credits and send staging.
 
 mod admin;
+mod completions;
 mod config;
 mod conn;
 mod counters;
@@ -75,6 +79,7 @@ mod dispatch;
 mod failure;
 mod flush;
 mod handler;
+mod idle;
 mod pass;
 mod pass_timer;
 mod peer_watch;
@@ -82,8 +87,10 @@ pub mod placement;
 mod sessions;
 mod slab;
 mod source;
+mod specs;
 mod spin;
 mod srq_pool;
+mod stopper;
 mod table;
 #[cfg(test)]
 mod tests;
@@ -96,21 +103,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::session::{CqChoice, CqSpread, QpSpec, ServerConfig, SessionLink};
-use crate::verbs::{
-    AccessFlags, CompletionChannel, CompletionQueue, ProtectionDomain, QpConfig, QueuePair,
-    WorkCompletion,
-};
+use crate::session::SessionLink;
+use crate::verbs::ProtectionDomain;
 
+use completions::Completions;
 use conn::{Conn, IMM_TRAILER_LEN};
 use ctx::{Deferred, ReactorId};
+use idle::IdlePolicy;
 use sessions::Sessions;
-use spin::{Polling, SpinState};
 use srq_pool::SrqPool;
 use table::ConnTable;
 use table::wr_id::MAX_CONNS;
 use wait::Waiter;
 
+#[cfg(test)]
+use completions::SPIN_POLLS;
 #[cfg(test)]
 pub(crate) use config::slab_key_for_tests;
 pub use config::{ConnId, EventMode, ReactorConfig, SendError, SessionId};
@@ -121,9 +128,8 @@ pub use handler::Handler;
 pub use pass_timer::PassTimer;
 pub use placement::{CorePreference, Placement, pin_current_thread, usable_cores};
 pub use source::{NoLink, PeerLink, QpSource};
-#[cfg(test)]
-use spin::SPIN_POLLS;
 pub use spin::{Spin, Spun};
+pub use stopper::Stopper;
 pub use wait::Waker;
 
 /// Bytes of every slot the reactor keeps back: a SEND carries at most
@@ -133,25 +139,8 @@ pub use wait::Waker;
 /// with one, in place.
 pub const SLOT_RESERVE: usize = IMM_TRAILER_LEN;
 
-/// Completions polled per CQ per call.
-const POLL_BATCH: usize = 32;
 /// Most sessions one reactor serves at once.
 const MAX_SESSIONS: usize = MAX_CONNS;
-
-/// Stops a running reactor from any thread.
-#[derive(Debug, Clone)]
-pub struct Stopper {
-    flag: Arc<AtomicBool>,
-    waker: Waker,
-}
-
-impl Stopper {
-    /// Makes `run` return after its current pass.
-    pub fn stop(&self) {
-        self.flag.store(true, Ordering::Release);
-        self.waker.wake();
-    }
-}
 
 /// A run-to-completion reactor. See the module docs.
 ///
@@ -165,56 +154,22 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     conns: ConnTable,
     sessions: Sessions<H, L>,
     srq: Option<SrqPool>,
-    /// The CQs, the buffer a pass polls them into, and what spins left.
-    polling: Polling,
-    /// CQ entries promised to connections, by CQ.
-    cq_load: Vec<u32>,
-    channels: Vec<CompletionChannel>,
+    /// The CQs, the buffers polled into, what spins left, CQ charges.
+    completions: Completions,
     waiter: Waiter,
     pd: ProtectionDomain,
-    next_cq: usize,
     /// Connections of the reactor's own protocol (not direct): while there
     /// are none, a pass takes the lean path.
     protocol_conns: usize,
-    /// Empty passes since the last completion. Arming the CQs to sleep
-    /// counts as [`TAIL_SIGNAL_IDLE_PASSES`](pass::TAIL_SIGNAL_IDLE_PASSES)
-    /// of them (so an empty pass after a wake without a completion does
-    /// the idle-time work at once; the arming's own flush left little).
-    idle_passes: u32,
-    /// The reactor is in a quiet spell, or the last pass with completions
-    /// ended one: traffic is sparse, so each flush signals its
-    /// connections' last request (a local completion) rather than leave a
-    /// tail that the idle-time flush would signal out with a credit update
-    /// (a SEND the peer must receive, on a receive of its own).
-    after_quiet: bool,
-    /// Quiet spells so far (wrapping): counted when an idle busy pass
-    /// reaches the tail-signaling point and when the CQs are armed for a
-    /// sleep. Beside `after_quiet`, traffic on a connection also counts as
-    /// sparse after a spell until it posts while `after_quiet` is false
-    /// (`Conn::is_sparse`): the pass that ends a spell may bring only a
-    /// request's own send completion (on a NIC), or another connection's
-    /// message, and the message a handler answers, with the answer, come
-    /// passes later. (The per-connection test alone covers `after_quiet`'s
-    /// reach too, except once the count has wrapped round to a
-    /// connection's mark: the flush asks both, so nothing is signaled
-    /// less than under `after_quiet` alone.)
-    quiet_spells: u32,
-    /// The last flush left work behind that any pass must do (or sessions
-    /// changed since).
-    unsettled: bool,
-    /// The last flush left receives to repost once the reactor goes idle.
-    reposts_left: bool,
-    /// The last flush left an unsignaled tail to signal out when idle.
-    tails_left: bool,
+    /// When idle passes repost and signal tails, and whether traffic is
+    /// sparse.
+    idle: IdlePolicy,
     /// Busy passes between clock readings in `run_for`, as learned so far.
     clock_stride: u32,
     stop: Arc<AtomicBool>,
     id: ReactorId,
     /// What callbacks left for after the pass (removals, SRQ slots).
     deferred: Deferred,
-    /// What spins spent (a CQ poll or a completion each) since
-    /// [`take_spin_polls`](Self::take_spin_polls) last asked.
-    spin_polls: u32,
     peer_timer: Option<PassTimer>,
     /// Completions no connection of ours posted (ignored).
     foreign_completions: u64,
@@ -251,24 +206,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Creates the reactor's CQs (and completion channels in the event modes).
     pub fn new(pd: &ProtectionDomain, config: ReactorConfig) -> Result<Self> {
         let ctx = pd.context();
-        let cq_count = config.cq_count.max(1) as usize;
-        let channels: Vec<CompletionChannel> = match config.event_mode {
-            EventMode::BusyPoll => Vec::new(),
-            EventMode::Blocking => vec![ctx.create_comp_channel()?],
-            EventMode::Epoll => (0..cq_count)
-                .map(|_| ctx.create_comp_channel())
-                .collect::<Result<_>>()?,
-        };
-        let cqs = (0..cq_count)
-            .map(|i| ctx.create_cq(config.cq_size, channels.get(i).or(channels.first())))
-            .collect::<Result<Vec<_>>>()?;
-        let waiter = Waiter::new(config.event_mode, &channels)?;
+        // Every CQ keeps room for the whole SRQ (see `add`).
+        let completions = Completions::open(&ctx, &config)?;
+        let waiter = Waiter::new(config.event_mode, completions.channels())?;
         let srq_slots = config.srq_depth as usize;
-        if cqs.iter().any(|cq| cq.capacity() < config.srq_depth) {
-            return Err(crate::Error::InvalidArgument(
-                "every CQ must hold the whole SRQ's completions: raise cq_size to srq_depth or more",
-            ));
-        }
         let srq = match config.srq_depth {
             0 => None,
             _ => Some(SrqPool::new(pd, &config)?),
@@ -294,25 +235,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             conns,
             sessions,
             srq,
-            // Room for the whole SRQ in every CQ (see `add`).
-            cq_load: vec![srq_slots as u32; cqs.len()],
-            polling: Polling {
-                cqs,
-                wcs: [WorkCompletion::default(); POLL_BATCH],
-                spin_wcs: [WorkCompletion::default(); POLL_BATCH],
-                spun: SpinState::default(),
-            },
-            channels,
+            completions,
             waiter,
             pd: pd.clone(),
-            next_cq: 0,
             protocol_conns: 0,
-            idle_passes: 0,
-            after_quiet: false,
-            quiet_spells: 0,
-            unsettled: true,
-            reposts_left: false,
-            tails_left: false,
+            idle: IdlePolicy::default(),
             clock_stride: 1,
             stop: Arc::new(AtomicBool::new(false)),
             id,
@@ -322,7 +249,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 refused: Vec::new(),
                 lone_doorbells: 0,
             },
-            spin_polls: 0,
             peer_timer,
             foreign_completions: 0,
             counters: Counters::default(),
@@ -336,99 +262,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         &self.config
     }
 
-    /// A QP spec whose QP reports to this reactor's CQs (spread over them
-    /// round-robin) with queue depths matching the reactor's settings.
-    pub fn qp_spec(&mut self, name: impl Into<String>) -> QpSpec {
-        let cq = self.polling.cqs[self.next_cq % self.polling.cqs.len()].shared();
-        self.next_cq += 1;
-        let qp = QpConfig {
-            max_send_wr: self.config.sq_depth,
-            max_recv_wr: self.config.recv_depth,
-            max_inline_data: self.config.max_inline,
-            ..QpConfig::default()
-        };
-        QpSpec {
-            name: name.into(),
-            cq: CqChoice::Shared(cq),
-            qp,
-            srq: self.srq.as_ref().map(SrqPool::attachment),
-        }
-    }
-
-    /// Like [`qp_spec`](Self::qp_spec), also letting the peer WRITE
-    /// and/or READ the regions this side exports.
-    pub fn qp_spec_with_access(
-        &mut self,
-        name: impl Into<String>,
-        remote_access: AccessFlags,
-    ) -> QpSpec {
-        let mut spec = self.qp_spec(name);
-        spec.qp.remote_access = remote_access;
-        spec
-    }
-
-    /// Two QPs of `pd` on this reactor's CQs (and its shared receive
-    /// queue, if it has one), granting `access`, connected to each other:
-    /// add each as a session of its own with `reactor.add(vec![qp], ..)`.
-    /// Both ends in one process, on one device: what a test or a benchmark
-    /// over [`Context::loopback`](crate::verbs::Context::loopback) (or one
-    /// real device) needs, with no session layer.
-    pub fn connected_pair(
-        &mut self,
-        pd: &ProtectionDomain,
-        access: AccessFlags,
-    ) -> Result<(QueuePair, QueuePair)> {
-        let mut qp = |name: &str| {
-            let spec = self.qp_spec_with_access(name, access);
-            let CqChoice::Shared(cq) = spec.cq else {
-                unreachable!("qp_spec always shares the reactor's CQs")
-            };
-            match &spec.srq {
-                Some(srq) => pd.create_qp_with_srq(&cq, &cq, srq, &spec.qp),
-                None => pd.create_qp(&cq, &cq, &spec.qp),
-            }
-        };
-        let (mut a, mut b) = (qp("a")?, qp("b")?);
-        let (to_a, to_b) = (a.endpoint(), b.endpoint());
-        a.connect(&to_b)?;
-        b.connect(&to_a)?;
-        Ok((a, b))
-    }
-
-    /// A server configuration whose QPs report to this reactor (spread
-    /// over its CQs, peer by peer), with `remote_access` granted to peers.
-    /// Like [`ServerConfig::default`] it has no key: set `auth_key` (or
-    /// `insecure_open`) before binding.
-    pub fn server_config(&mut self, remote_access: AccessFlags) -> ServerConfig {
-        let spec = self.qp_spec_with_access("", remote_access);
-        // Accepted peers take the reactor's CQs in turn, as `qp_spec`
-        // callers do: one CQ would cap a server at what it can absorb.
-        let spread = (self.polling.cqs.len() > 1)
-            .then(|| {
-                CqSpread::new(
-                    self.polling
-                        .cqs
-                        .iter()
-                        .map(CompletionQueue::shared)
-                        .collect(),
-                )
-            })
-            .flatten();
-        let cq = spread.map_or(spec.cq, CqChoice::Spread);
-        ServerConfig {
-            qp: spec.qp,
-            cq,
-            srq: spec.srq,
-            ..ServerConfig::default()
-        }
-    }
-
     /// A handle that stops [`run`](Self::run) from any thread.
     pub fn stopper(&self) -> Stopper {
-        Stopper {
-            flag: Arc::clone(&self.stop),
-            waker: self.waiter.waker.clone(),
-        }
+        Stopper::new(Arc::clone(&self.stop), self.waiter.waker.clone())
     }
 
     /// The handler of a session (`None` if it was removed).
@@ -504,7 +340,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         let result = stage(&mut ctx);
         if ctx.touched {
-            self.unsettled = true;
+            self.idle.work_left();
         }
         result
     }
@@ -623,7 +459,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// counts them too, each about the cost of an empty pass, or a pass
     /// that spun (up to 16384 of them) would count as one.
     pub fn take_spin_polls(&mut self) -> u32 {
-        std::mem::take(&mut self.spin_polls)
+        self.completions.take_spin_polls()
     }
 
     /// Whether a [`Stopper`] or [`Ctx::stop`] asked the reactor to stop

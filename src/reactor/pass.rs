@@ -9,21 +9,13 @@ use std::time::{Duration, Instant};
 
 use crate::error::Result;
 
-use super::spin::SpinState;
+use super::completions::{POLL_BATCH, SpinsSettled};
 use super::srq_pool::SrqPool;
-use super::{Ctx, EventMode, Handler, POLL_BATCH, PeerLink, Reactor};
+use super::{Ctx, EventMode, Handler, PeerLink, Reactor};
 
 /// Longest sleep while SRQ receives wait to be posted again after a
 /// refused post.
 pub(super) const SRQ_RETRY: Duration = Duration::from_millis(1);
-/// Empty busy-poll passes after which unsignaled tails are signaled out.
-pub(super) const TAIL_SIGNAL_IDLE_PASSES: u32 = 1024;
-/// Empty busy-poll passes after which receives consumed since the last
-/// batch are reposted anyway. Not on the first empty pass: in a ping-pong
-/// the next message usually lands then, and a pass that is busy posting
-/// receives finds it later.
-pub(super) const REPOST_IDLE_PASSES: u32 = 8;
-
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// One pass, then (in the event modes, if it found nothing) one wait.
     /// Returns the completions handled, those of the re-poll after arming
@@ -163,10 +155,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let settled = self.conns.quarantined();
         self.counters.passes += 1;
         let mut done = 0;
-        for cq_index in 0..self.polling.cqs.len() {
+        for cq in 0..self.completions.cq_count() {
             loop {
-                let polling = &mut self.polling;
-                let n = polling.cqs[cq_index].poll(&mut polling.wcs)?.len();
+                let n = self.completions.poll(cq)?;
                 for at in 0..n {
                     self.route::<LEAN>(at);
                 }
@@ -181,21 +172,21 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         self.counters.completions += done as u64;
         let touched = if done == 0 {
-            let touched = self.idle::<LEAN>();
+            let touched = self.empty_pass::<LEAN>();
             // A handler spun on the CQs the pass lent it (`Ctx::spin`;
             // only a lean pass lends them).
-            if LEAN && self.polling.spun.used != 0 {
+            if LEAN && self.completions.has_spun() {
                 done = self.settle_spin::<LEAN>()?;
                 self.counters.completions += done as u64;
                 if done != 0 {
                     // Not an empty pass after all.
                     self.counters.empty_passes -= 1;
-                    self.busy();
+                    self.idle.found_completions();
                 }
             }
             touched
         } else {
-            self.busy();
+            self.idle.found_completions();
             false
         };
         if !LEAN {
@@ -214,21 +205,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         Ok(done)
     }
 
-    /// A pass with completions: the reactor is not idle.
-    #[inline(always)]
-    fn busy(&mut self) {
-        self.after_quiet = self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
-        self.idle_passes = 0;
-    }
-
     /// Whether the end of a pass has work besides a released quarantine,
     /// an idle callback's staging and the peer watch: what the last flush
     /// left, what callbacks deferred, a connection listed for the flush.
     #[inline(always)]
     fn has_chores(&self) -> bool {
-        self.unsettled
-            || (self.reposts_left && self.idle_passes >= REPOST_IDLE_PASSES)
-            || (self.tails_left && self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES)
+        self.idle.owes_flush()
             || self.conns.has_touched()
             || !self.deferred.srq_returns.is_empty()
             || !self.deferred.removals.is_empty()
@@ -239,15 +221,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// reactor's own protocol, whose tails and reposts count idle passes)
     /// lends each handler the CQs for a spin on its own connections.
     #[inline(always)]
-    fn idle<const LEAN: bool>(&mut self) -> bool {
+    fn empty_pass<const LEAN: bool>(&mut self) -> bool {
         self.counters.empty_passes += 1;
-        self.idle_passes = self.idle_passes.saturating_add(1);
-        // Only a pass with completions makes `after_quiet` false, and it
-        // counts idle passes from 0 again: a spell is noted once.
-        if self.idle_passes == TAIL_SIGNAL_IDLE_PASSES {
-            self.after_quiet = true;
-            self.quiet_spells = self.quiet_spells.wrapping_add(1);
-        }
+        self.idle.found_none();
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         if !LEAN {
             for (_, session) in self.sessions.iter_mut() {
@@ -255,17 +231,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             return ctx.touched;
         }
-        // What spins polled in a pass an idle callback panicked out of (a
-        // caller may catch that and go on) is dropped, as a panic drops
-        // the rest of a pass's batch: told late, it would come after what
-        // passes polled since, and might name a connection removed since.
-        if self.polling.spun.used != 0 {
-            self.polling.spun = SpinState::default();
-        }
-        ctx.loan = Some(&mut self.polling);
+        self.completions.begin_loans();
+        ctx.loan = Some(&mut self.completions);
         for (id, session) in self.sessions.iter_mut() {
             if let Some(loan) = ctx.loan.as_deref_mut() {
-                loan.spun.session = Some(id);
+                loan.lend_to(id);
             }
             session.handler_mut().on_idle(&mut ctx);
         }
@@ -281,24 +251,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     #[inline(never)]
     fn settle_spin<const LEAN: bool>(&mut self) -> Result<usize> {
-        let SpinState {
-            next,
-            end,
+        let SpinsSettled {
+            left,
             taken,
             used,
             failed,
-            ..
-        } = std::mem::take(&mut self.polling.spun);
-        let left = end - next;
-        let polling = &mut self.polling;
-        polling.wcs[..left].copy_from_slice(&polling.spin_wcs[next..end]);
+        } = self.completions.settle_spins();
         for at in 0..left {
             self.route::<LEAN>(at);
         }
         if let Some(timer) = &mut self.peer_timer {
             timer.count_passes(used);
         }
-        self.spin_polls = self.spin_polls.saturating_add(used);
         match failed {
             Some(error) => Err(error),
             None => Ok(taken + left),
@@ -321,22 +285,20 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         // What the dispatch changed is on the touched list (a connection of
         // the reactor's protocol lists itself with a receive's completion,
-        // and with what its handler stages), in `unsettled` or in the SRQ
+        // and with what its handler stages), in the idle policy or in the SRQ
         // returns; a retired send and a direct connection's completions
         // leave the flush nothing to do.
         let touched = touched || !self.deferred.srq_returns.is_empty();
         // Unsignaled requests left at the tail of a burst would never report
-        // completion; after a while with nothing to do, signal them out.
-        // Retried every idle pass from then on: the signal may have to wait
-        // for a credit.
-        let signal_tails = self.tails_left && self.idle_passes >= TAIL_SIGNAL_IDLE_PASSES;
-        let tidy = self.reposts_left && self.idle_passes >= REPOST_IDLE_PASSES;
+        // completion: after a while with nothing to do, signal them out.
+        let signal_tails = self.idle.signal_tails_now();
+        let tidy = self.idle.repost_now();
         // An idle pass that staged nothing, after a flush that left nothing
         // behind, has nothing to flush: skipping the walk over the
         // connections keeps empty passes, and so the time to notice the next
         // completion, short. Receives waiting for a fuller batch do not count
         // until the reactor has been idle for a while.
-        if touched || self.unsettled || tidy || signal_tails || self.conns.has_touched() {
+        if touched || self.idle.is_unsettled() || tidy || signal_tails || self.conns.has_touched() {
             self.flush(tidy, signal_tails);
         }
         // Here rather than in `turn`, so a loop of the user's own that calls
@@ -359,7 +321,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // forwards in flight gives its origin their slots back): they go
         // out now, not with a pass that a reactor about to sleep may not
         // make for a long time.
-        if late && (self.unsettled || self.conns.has_touched()) {
+        if late && (self.idle.is_unsettled() || self.conns.has_touched()) {
             self.flush(true, false);
         }
     }
@@ -380,24 +342,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // unreported: signal it out first. Its completion (or, without a
         // credit, the peer's next credit update) then wakes us.
         self.flush(true, true);
-        // A reactor about to sleep is quiet: a spell of its own, so what
-        // each connection posts after it is signaled, not left as a tail for
-        // the next arming to signal out with a credit update.
-        self.idle_passes = self.idle_passes.max(TAIL_SIGNAL_IDLE_PASSES);
-        self.after_quiet = true;
-        self.quiet_spells = self.quiet_spells.wrapping_add(1);
-        for cq in &mut self.polling.cqs {
-            cq.req_notify(false)?;
-        }
+        self.idle.armed_for_sleep();
+        self.completions.arm()?;
         self.poll_once()
     }
 
     /// Consumes the completion events that woke us (acked in batches).
     pub fn drain_channel_events(&mut self) -> Result<()> {
-        for channel in &self.channels {
-            while channel.try_get_event()?.is_some() {}
-        }
-        Ok(())
+        self.completions.drain_events()
     }
 
     /// Removes the sessions callbacks asked to remove.

@@ -93,7 +93,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             if let Some(handler) = self.sessions.handler_mut(session) {
                 handler.on_peer_gone(&mut ctx, session, &status);
             }
-            self.unsettled = true;
+            self.idle.work_left();
         }
         true
     }

@@ -24,64 +24,15 @@
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::verbs::{CompletionQueue, PollFailed, WorkCompletion};
+use crate::verbs::{PollFailed, WorkCompletion};
 
+use super::completions::Completions;
 use super::direct::{DirectQp, direct_conn};
-use super::{ConnId, Ctx, POLL_BATCH, SendError, SessionId};
-
-/// Most CQ polls and completions of one pass's spins (each costs one):
-/// the spin then ends, so the reactor's own work (the peer watch,
-/// removals, a loop's timers) waits for about as long as this many empty
-/// passes take. An empty poll costs tens of nanoseconds on a NIC, so a
-/// spin lasts well under a millisecond there; ending and entering one
-/// again costs about a pass. Only polls and completions count: a handler
-/// that mostly waits on memory between polls (a WRITE ping-pong watching
-/// for its answer's byte, polling the CQ only to reap a signaled WRITE)
-/// holds a spin for that many of its own polls, however long its waits.
-pub(crate) const SPIN_POLLS: u32 = 1 << 14;
+use super::{ConnId, Ctx, SendError};
 
 /// Bits of a `wr_id` that the reactor writes on a direct connection's
 /// requests (its tags); the low half is the handler's.
 const TAG_MASK: u64 = !(u32::MAX as u64);
-
-/// The reactor's CQs, the buffers a pass and a spin poll them into, and
-/// what spins left: one place, so an idle pass lends it whole.
-pub(super) struct Polling {
-    pub(super) cqs: Vec<CompletionQueue>,
-    pub(super) wcs: [WorkCompletion; POLL_BATCH],
-    /// Where spins poll: no pass polls over what one left.
-    pub(super) spin_wcs: [WorkCompletion; POLL_BATCH],
-    pub(super) spun: SpinState,
-}
-
-/// What spins left for the reactor, read after the idle callbacks.
-#[derive(Debug, Default)]
-pub(super) struct SpinState {
-    /// Completions a spin polled and did not hand over:
-    /// `spin_wcs[next..end]`, for the reactor to route in order.
-    pub(super) next: usize,
-    pub(super) end: usize,
-    /// Completions spins handed their handlers.
-    pub(super) taken: usize,
-    /// CQ polls and completions polled of this pass's spins: together at
-    /// most [`SPIN_POLLS`]. A spin takes what is left when it is lent and
-    /// gives back what it did not use when it is dropped (so one that is
-    /// forgotten keeps it).
-    pub(super) used: u32,
-    /// A CQ poll of a spin failed: the pass reports it.
-    pub(super) failed: Option<crate::Error>,
-    /// The session whose `on_idle` runs: it may spin on its own
-    /// connections only.
-    pub(super) session: Option<SessionId>,
-}
-
-impl SpinState {
-    /// True while a spin's completions wait for the reactor.
-    #[inline]
-    pub(super) fn has_left(&self) -> bool {
-        self.next < self.end
-    }
-}
 
 /// What [`Spin::poll`] found.
 #[derive(Debug)]
@@ -105,10 +56,10 @@ pub enum Spun<'s> {
 /// leaves the reactor what it polled and did not hand over.
 pub struct Spin<'s> {
     qp: DirectQp<'s>,
-    polling: &'s mut Polling,
+    completions: &'s mut Completions,
     stop: &'s AtomicBool,
     /// `spin_wcs[next..end]`: polled and not handed over yet (kept here,
-    /// not behind `polling`, while the spin runs).
+    /// not behind `completions`, while the spin runs).
     next: usize,
     end: usize,
     /// Completions polled by this spin.
@@ -136,12 +87,13 @@ impl fmt::Debug for Spin<'_> {
 
 impl Drop for Spin<'_> {
     fn drop(&mut self) {
-        let spun = &mut self.polling.spun;
         let left = self.end - self.next;
-        spun.next = self.next;
-        spun.end = self.end;
-        spun.taken += self.polled - left;
-        spun.used -= self.budget + self.unused;
+        self.completions.spin_returned(
+            self.next,
+            self.end,
+            self.polled - left,
+            self.budget + self.unused,
+        );
     }
 }
 
@@ -174,13 +126,16 @@ impl Spin<'_> {
             return if self.ended { Spun::Ended } else { Spun::Empty };
         }
         let at = self.next;
-        let wc = &self.polling.spin_wcs[at];
+        let wc = self.completions.spin_wc(at);
         let top = wc.wr_id() & TAG_MASK;
         if (top == self.qp.send_tag || top == self.qp.recv_tag)
             && wc.qp_num() == self.qpn
             && wc.is_success()
         {
             self.next = at + 1;
+            // Borrowed again for the caller, so the path that ends the
+            // spin below may tell the reactor.
+            let wc = self.completions.spin_wc(at);
             return Spun::Completion(wc.wr_id() as u32, wc);
         }
         // Not the spin's to hand over: the spin ends, and the reactor is
@@ -190,8 +145,7 @@ impl Spin<'_> {
         self.ended = true;
         self.unused += self.budget;
         self.budget = 0;
-        self.polling.spun.next = at;
-        self.polling.spun.end = self.end;
+        self.completions.spin_leaves(at, self.end);
         Spun::Ended
     }
 
@@ -233,8 +187,7 @@ impl Spin<'_> {
     /// dropped what that poll found: the next poll would not say).
     #[inline]
     fn poll_cq(&mut self, index: usize) -> usize {
-        let polling = &mut *self.polling;
-        match polling.cqs[index].poll_count(&mut polling.spin_wcs[..]) {
+        match self.completions.spin_poll(index) {
             Ok(n) => n,
             Err(failed) => {
                 self.poll_failed(index, failed);
@@ -247,8 +200,7 @@ impl Spin<'_> {
     #[inline(never)]
     fn poll_failed(&mut self, index: usize, failed: PollFailed) {
         self.end_spin();
-        let error = self.polling.cqs[index].poll_error(failed);
-        self.polling.spun.failed.get_or_insert(error);
+        self.completions.spin_poll_failed(index, failed);
     }
 
     /// No more polls: every later one says [`Spun::Ended`].
@@ -302,30 +254,27 @@ impl Ctx<'_> {
         };
         // One pass's spins share one budget, so the reactor's own work
         // waits for at most that many polls.
-        let budget = SPIN_POLLS.saturating_sub(loan.spun.used);
-        if loan.spun.has_left() || budget == 0 {
+        let budget = loan.spin_budget();
+        if budget == 0 {
             return Err(SendError::WouldBlock);
         }
         let record = direct_conn(self.conns, conn)?;
-        if loan.spun.session != Some(record.session) {
+        if loan.lent_to() != Some(record.session) {
             return Err(SendError::Invalid(crate::Error::InvalidArgument(
                 "a spin is lent only to the session whose connection it is",
             )));
         }
         let qp = record.direct_qp().ok_or(SendError::Closed)?;
         // `add_direct` took only QPs on these CQs.
-        let (Some(send_cq), Some(recv_cq)) = (
-            loan.cqs.iter().position(|cq| qp.qp.sends_to(cq)),
-            loan.cqs.iter().position(|cq| qp.qp.receives_to(cq)),
-        ) else {
+        let Some((send_cq, recv_cq)) = loan.cqs_of(qp.qp) else {
             return Err(SendError::Closed);
         };
         // Taken whole now, and what is left given back on drop.
-        loan.spun.used += budget;
+        loan.take_budget(budget);
         Ok(Spin {
             qpn: qp.qpn(),
             qp,
-            polling: loan,
+            completions: loan,
             stop: self.stop,
             next: 0,
             end: 0,

@@ -8,6 +8,7 @@
 use crate::error::Error;
 use crate::verbs::{SendDescriptor, Sge};
 
+use super::super::idle::Spell;
 use super::staging::{OpKind, SqOp};
 use super::{Conn, ConnState};
 
@@ -233,21 +234,17 @@ impl Conn {
     }
 
     /// Whether traffic on this connection counts as sparse, so a flush
-    /// signals the last request it posts, whatever the reactor's state: it
-    /// is new, or it has rung no doorbell on busy traffic since the
-    /// reactor last counted a quiet spell (`spell`, the reactor's count of
-    /// them). (While `Reactor::after_quiet` holds, every connection's
-    /// traffic is sparse anyway.)
+    /// signals the last request it posts (see [`Spell::is_sparse`]).
     #[inline]
-    pub(crate) fn is_sparse(&self, spell: u32) -> bool {
-        self.posted_after_spell != spell
+    pub(in crate::reactor) fn is_sparse(&self, spell: Spell) -> bool {
+        spell.is_sparse(self.posted_after_spell)
     }
 
-    /// Notes a doorbell rung on sparse traffic, with the mark the
-    /// reactor's flush gives it (`Reactor::spell_mark`).
+    /// Notes a doorbell rung on sparse traffic in `spell` (see
+    /// [`Spell::mark`]).
     #[inline]
-    pub(crate) fn note_sparse_post(&mut self, mark: u32) {
-        self.posted_after_spell = mark;
+    pub(in crate::reactor) fn note_sparse_post(&mut self, spell: Spell) {
+        self.posted_after_spell = spell.mark();
     }
 
     /// True if requests went out unsignaled since the last signaled one: their

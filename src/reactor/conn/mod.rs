@@ -14,6 +14,7 @@ use crate::verbs::{
     SendDescriptor, SendFlags, SendList,
 };
 
+use super::idle::SpellMark;
 use super::table::wr_id::{self, direct_recv_tag, direct_send_tag};
 use super::{ConnId, ConnStats, DirectQp, ReactorConfig, SendError, SessionId};
 
@@ -113,13 +114,10 @@ pub(crate) struct Conn {
     /// to fail.
     unposted: u32,
     since_signal: u32,
-    /// The reactor's count of quiet spells (`Reactor::quiet_spells`) as of
-    /// this connection's last doorbell on sparse traffic, or the count
-    /// before it if `Reactor::after_quiet` held then (within the spell, or
-    /// from the pass ending it to the next pass with completions): while
-    /// it differs from the reactor's count, what the connection posts is
-    /// signaled (see `Conn::is_sparse`).
-    posted_after_spell: u32,
+    /// The quiet spell of this connection's last doorbell on sparse
+    /// traffic: while the reactor's spell reads it as sparse, what the
+    /// connection posts is signaled (see `Conn::is_sparse`).
+    posted_after_spell: SpellMark,
     signal_interval: u32,
     max_inline: u32,
     // Credits (all cumulative, wrapping): receives the peer has posted, RECV-
@@ -242,9 +240,8 @@ impl Conn {
             sq_done: 0,
             unposted: 0,
             since_signal: 0,
-            // Unlike any count the reactor starts from: its first post is
-            // signaled.
-            posted_after_spell: u32::MAX,
+            // Its first post is signaled.
+            posted_after_spell: SpellMark::NEW,
             signal_interval,
             max_inline,
             peer_posted: 0,

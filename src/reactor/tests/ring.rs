@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::reactor::conn::Conn;
-use crate::reactor::pass::{REPOST_IDLE_PASSES, TAIL_SIGNAL_IDLE_PASSES};
+use crate::reactor::idle::{REPOST_IDLE_PASSES, TAIL_SIGNAL_IDLE_PASSES};
 use crate::reactor::slab::{Key, PARKED, TOUCHED};
 
 /// How many receives of `conn`'s own ring are posted, and the slots
@@ -312,7 +312,7 @@ fn a_slot_given_back_during_the_parked_walk_is_reposted_by_the_next_idle_flush()
     run_until(
         &mut reactor,
         "one pass short of the idle flush",
-        |reactor| reactor.idle_passes >= REPOST_IDLE_PASSES - 1,
+        |reactor| reactor.idle.idle_passes() >= REPOST_IDLE_PASSES - 1,
     );
     assert!(
         reactor.conns.is_listed(PARKED, relay.conn.key().index),

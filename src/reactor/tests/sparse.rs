@@ -3,7 +3,7 @@
 //! it to signal out a tail.
 
 use super::*;
-use crate::reactor::pass::TAIL_SIGNAL_IDLE_PASSES;
+use crate::reactor::idle::TAIL_SIGNAL_IDLE_PASSES;
 
 /// Round trips in each test.
 const ROUND_TRIPS: usize = 20;

@@ -274,7 +274,7 @@ fn srq_slots_a_refused_repost_strands_go_back_with_a_later_pass() {
     first.seen.borrow_mut().hold = false;
     let held = first.seen.borrow_mut().held.pop().expect("one held");
     // Idle long enough for every unsignaled tail to be signaled out.
-    for _ in 0..4 * crate::reactor::pass::TAIL_SIGNAL_IDLE_PASSES {
+    for _ in 0..4 * crate::reactor::idle::TAIL_SIGNAL_IDLE_PASSES {
         reactor.turn().expect("an idle pass");
     }
     let pool = reactor.srq.as_ref().expect("an SRQ reactor");
@@ -289,7 +289,7 @@ fn srq_slots_a_refused_repost_strands_go_back_with_a_later_pass() {
     // batch), and refused: it stays in the pool's batch.
     run_within(
         &mut reactor,
-        4 * crate::reactor::pass::REPOST_IDLE_PASSES as usize,
+        4 * crate::reactor::idle::REPOST_IDLE_PASSES as usize,
         "the slot's post refused",
         |reactor| srq_account(reactor).queued.contains(&slot),
     );
