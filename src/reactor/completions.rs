@@ -46,6 +46,10 @@ pub(super) struct Completions {
     /// What spins spent (a CQ poll or a completion each) since
     /// [`take_spin_polls`](Self::take_spin_polls) last asked.
     spin_polls: u32,
+    /// The CQs were armed and the events of the channels not consumed
+    /// since: a caller's own loop that slept on the reactor's descriptor
+    /// leaves them for the next pass it asks for.
+    armed: bool,
 }
 
 /// What spins left for the reactor, read after the idle callbacks.
@@ -113,6 +117,7 @@ impl Completions {
             spun: SpinState::default(),
             next: 0,
             spin_polls: 0,
+            armed: false,
         })
     }
 
@@ -122,11 +127,18 @@ impl Completions {
     }
 
     /// Consumes the completion events that woke a wait (acked in batches).
-    pub(super) fn drain_events(&self) -> Result<()> {
+    pub(super) fn drain_events(&mut self) -> Result<()> {
+        self.armed = false;
         for channel in &self.channels {
             while channel.try_get_event()?.is_some() {}
         }
         Ok(())
+    }
+
+    /// Whether the CQs were armed and their events not consumed since.
+    #[inline(always)]
+    pub(super) fn is_armed(&self) -> bool {
+        self.armed
     }
 
     /// How many CQs there are.
@@ -150,6 +162,7 @@ impl Completions {
 
     /// Arms every CQ: its channel gets an event for the next completion.
     pub(super) fn arm(&mut self) -> Result<()> {
+        self.armed = true;
         for cq in &mut self.cqs {
             cq.req_notify(false)?;
         }

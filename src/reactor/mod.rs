@@ -444,11 +444,25 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// The descriptor to wait on in another event loop (Epoll: the epoll set;
-    /// Blocking: the completion channel). Call [`prepare_wait`](Self::prepare_wait)
-    /// before sleeping on it, for no longer than
-    /// [`sleep_limit`](Self::sleep_limit), and
-    /// [`drain_channel_events`](Self::drain_channel_events) plus
-    /// [`poll_once`](Self::poll_once) when it fires or the limit passes.
+    /// Blocking: the completion channel); `None` when busy polling. Such a
+    /// loop calls [`poll_once`](Self::poll_once) until it finds nothing,
+    /// then [`prepare_wait`](Self::prepare_wait), and sleeps on this
+    /// descriptor no longer than the limit that returns.
+    ///
+    /// ```no_run
+    /// # use rdma_comm_core::reactor::*;
+    /// # fn sleep_on(fd: std::os::fd::RawFd, limit: std::time::Duration) {}
+    /// # fn demo<H: Handler>(reactor: &mut Reactor<H>) -> rdma_comm_core::Result<()> {
+    /// let fd = reactor.event_fd().expect("an event mode");
+    /// loop {
+    ///     if reactor.poll_once()? == 0
+    ///         && let Some(limit) = reactor.prepare_wait()?
+    ///     {
+    ///         sleep_on(fd, limit); // with the loop's other descriptors
+    ///     }
+    /// }
+    /// # }
+    /// ```
     pub fn event_fd(&self) -> Option<RawFd> {
         self.waiter.fd()
     }

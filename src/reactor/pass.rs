@@ -21,7 +21,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Returns the completions handled, those of the re-poll after arming
     /// included.
     pub fn turn(&mut self) -> Result<usize> {
-        let mut done = self.poll_once()?;
+        let mut done = self.one_pass()?;
         if done == 0 && self.config.event_mode != EventMode::BusyPoll {
             done = self.arm_and_poll()?;
             if done == 0 {
@@ -34,11 +34,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Sleeps until a completion, a peer event (a watched control
     /// connection, see [`PeerLink::event_fd`]), a [`Waker`](super::Waker)
     /// or the idle timeout, then consumes the completion events and looks
-    /// at the peers whose connection woke it. Call it only after
-    /// [`prepare_wait`](Self::prepare_wait) said nothing is pending: for a
-    /// loop of its own that checks other work between arming and sleeping.
-    /// Returns at once in busy-poll mode.
-    pub fn wait(&mut self) -> Result<()> {
+    /// at the peers whose connection woke it. Only after
+    /// [`prepare_wait`](Self::prepare_wait) said nothing is pending: for
+    /// the runtime's loop, which checks other work between arming and
+    /// sleeping. Returns at once in busy-poll mode.
+    pub(crate) fn wait(&mut self) -> Result<()> {
         if self.config.event_mode == EventMode::BusyPoll {
             return Ok(());
         }
@@ -47,7 +47,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.counters.sleeps += 1;
         }
         self.waiter.wait(timeout, &mut self.fired)?;
-        self.drain_channel_events()?;
+        self.completions.drain_events()?;
         if !self.fired.is_empty() {
             self.check_fired_peers();
         }
@@ -65,11 +65,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// waits: one asked for after a pass's last removals (by a handler
     /// told of a connection that pass's late flush failed) is the next
     /// pass's, and the receives it hands back must not wait for the idle
-    /// timeout. A loop of its own that sleeps
-    /// on [`event_fd`](Self::event_fd) after
-    /// [`prepare_wait`](Self::prepare_wait) sleeps no longer than this
-    /// either, then calls [`poll_once`](Self::poll_once).
-    pub fn sleep_limit(&self) -> Duration {
+    /// timeout.
+    pub(crate) fn sleep_limit(&self) -> Duration {
         if !self.deferred.removals.is_empty() {
             return Duration::ZERO;
         }
@@ -87,9 +84,20 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// receives and rings one doorbell per QP with staged work. Calls
     /// `on_idle` when nothing completed, watches the peers when their
     /// interval is up, and removes the sessions callbacks asked to remove.
-    /// Returns the completions handled.
+    /// After [`prepare_wait`](Self::prepare_wait) it first consumes the
+    /// completion events that woke the caller. Returns the completions
+    /// handled.
     #[inline]
     pub fn poll_once(&mut self) -> Result<usize> {
+        if self.completions.is_armed() {
+            self.completions.drain_events()?;
+        }
+        self.one_pass()
+    }
+
+    /// One pass of the kind the connections need.
+    #[inline]
+    pub(super) fn one_pass(&mut self) -> Result<usize> {
         if self.protocol_conns != 0 {
             self.full_pass()
         } else {
@@ -326,14 +334,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
-    /// Arms every CQ and polls once more. Returns true if nothing is pending,
-    /// so the caller may sleep on [`event_fd`](Self::event_fd) without
-    /// missing a completion that raced the arming.
-    pub fn prepare_wait(&mut self) -> Result<bool> {
-        if self.config.event_mode == EventMode::BusyPoll {
-            return Ok(false);
+    /// Arms every CQ and polls once more, for a caller's own event loop
+    /// that sleeps on [`event_fd`](Self::event_fd): `Some(limit)` if
+    /// nothing is pending, and the caller may sleep for at most `limit`
+    /// before its next [`poll_once`](Self::poll_once) without missing a
+    /// completion that raced the arming or work the reactor owes (see
+    /// [`Reactor::event_fd`]); `None` if the reactor has work now, and
+    /// always in busy-poll mode.
+    pub fn prepare_wait(&mut self) -> Result<Option<Duration>> {
+        if self.config.event_mode == EventMode::BusyPoll || self.arm_and_poll()? != 0 {
+            return Ok(None);
         }
-        Ok(self.arm_and_poll()? == 0)
+        Ok(Some(self.sleep_limit()))
     }
 
     /// Arms every CQ, then polls once more; returns what that pass handled.
@@ -344,12 +356,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.flush(true, true);
         self.idle.armed_for_sleep();
         self.completions.arm()?;
-        self.poll_once()
-    }
-
-    /// Consumes the completion events that woke us (acked in batches).
-    pub fn drain_channel_events(&mut self) -> Result<()> {
-        self.completions.drain_events()
+        self.one_pass()
     }
 
     /// Removes the sessions callbacks asked to remove.

@@ -85,7 +85,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if gone.is_empty() {
             return false;
         }
-        if let Err(err) = self.poll_once() {
+        if let Err(err) = self.one_pass() {
             log::warn!("polling before telling of peers gone: {err}");
         }
         for (session, status) in gone {

@@ -163,7 +163,7 @@ impl<F: HandlerFactory> Worker<'_, F> {
                 self.publish(reactor);
                 since_publish = 0;
             }
-            if done == 0 && may_sleep && reactor.prepare_wait()? {
+            if done == 0 && may_sleep && reactor.prepare_wait()?.is_some() {
                 self.publish(reactor);
                 since_publish = 0;
                 port.going_to_sleep();
