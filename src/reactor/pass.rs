@@ -46,6 +46,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if !timeout.is_zero() {
             self.counters.sleeps += 1;
         }
+        self.take_wake(timeout)
+    }
+
+    /// Waits up to `timeout` (zero: only looks), then takes what woke the
+    /// reactor: the completion events, a [`Waker`](super::Waker)'s wake,
+    /// and the peers whose control connection fired, which it looks at.
+    fn take_wake(&mut self, timeout: Duration) -> Result<()> {
         self.waiter.wait(timeout, &mut self.fired)?;
         self.completions.drain_events()?;
         if !self.fired.is_empty() {
@@ -84,13 +91,15 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// receives and rings one doorbell per QP with staged work. Calls
     /// `on_idle` when nothing completed, watches the peers when their
     /// interval is up, and removes the sessions callbacks asked to remove.
-    /// After [`prepare_wait`](Self::prepare_wait) it first consumes the
-    /// completion events that woke the caller. Returns the completions
-    /// handled.
+    /// After [`prepare_wait`](Self::prepare_wait) it first takes what
+    /// woke the caller: the completion events, a [`Waker`](super::Waker)'s
+    /// wake, and the peers whose control connection fired (in the Epoll
+    /// mode, whose set holds them), without waiting. Returns the
+    /// completions handled.
     #[inline]
     pub fn poll_once(&mut self) -> Result<usize> {
         if self.completions.is_armed() {
-            self.completions.drain_events()?;
+            self.take_wake(Duration::ZERO)?;
         }
         self.one_pass()
     }
