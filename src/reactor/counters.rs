@@ -28,6 +28,13 @@ pub struct Counters {
     /// connection every pass: a busy connection among a thousand quiet ones
     /// costs what it costs alone.
     pub flush_visits: u64,
+    /// Completions ignored because nothing of the reactor's own posted
+    /// them (see [`QpSource`](super::QpSource); the window binds of a QP
+    /// it serves are not counted).
+    pub foreign_completions: u64,
+    /// SRQ receives consumed by QPs the reactor does not serve (not yet
+    /// added, or removed), whose slots it gave back to the SRQ.
+    pub reclaimed_receives: u64,
 }
 
 impl Counters {

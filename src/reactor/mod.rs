@@ -304,19 +304,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.conns.get(conn.key()).map(Conn::stats)
     }
 
-    /// Completions the reactor ignored because nothing of its own posted
-    /// them (see [`QpSource`]; the window binds of a QP it serves are not
-    /// counted), and SRQ receives consumed by QPs it does not
-    /// serve (not yet added, or removed), whose slots it gave back.
-    pub fn ignored_completions(&self) -> (u64, u64) {
-        let reclaimed = self.srq.as_ref().map_or(0, |pool| pool.reclaimed);
-        (self.foreign_completions, reclaimed)
-    }
-
     /// What the reactor has done so far: passes, completions, messages,
-    /// requests, doorbells, sleeps.
+    /// requests, doorbells, sleeps, and what it ignored.
     pub fn counters(&self) -> Counters {
         let mut counters = self.counters;
+        counters.foreign_completions = self.foreign_completions;
+        counters.reclaimed_receives = self.srq.as_ref().map_or(0, |pool| pool.reclaimed);
         // Rung from callbacks, which cannot reach these (one request each).
         counters.doorbells += self.deferred.lone_doorbells;
         counters.requests += self.deferred.lone_doorbells;

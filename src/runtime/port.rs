@@ -122,6 +122,8 @@ pub(crate) struct StatCells {
     doorbells: AtomicU64,
     sleeps: AtomicU64,
     flush_visits: AtomicU64,
+    foreign_completions: AtomicU64,
+    reclaimed_receives: AtomicU64,
     sessions: AtomicU64,
     commands: AtomicU64,
     thread_id: AtomicU64,
@@ -140,6 +142,8 @@ impl StatCells {
         store(&self.doorbells, counters.doorbells);
         store(&self.sleeps, counters.sleeps);
         store(&self.flush_visits, counters.flush_visits);
+        store(&self.foreign_completions, counters.foreign_completions);
+        store(&self.reclaimed_receives, counters.reclaimed_receives);
         store(&self.sessions, sessions as u64);
         store(&self.commands, commands);
     }
@@ -273,6 +277,8 @@ impl Port {
                 doorbells: load(&cells.doorbells),
                 sleeps: load(&cells.sleeps),
                 flush_visits: load(&cells.flush_visits),
+                foreign_completions: load(&cells.foreign_completions),
+                reclaimed_receives: load(&cells.reclaimed_receives),
             },
             submit_latency: (load(&cells.traced[0]) > 0).then(|| SubmitLatency {
                 samples: load(&cells.traced[0]),

@@ -324,3 +324,11 @@ pub fn exchange(
     assert_eq!(wc.byte_len() as usize, payload.len());
     assert_eq!(read_back(&rx, 0, payload.len()), payload);
 }
+
+/// What a reactor ignored: (foreign completions, reclaimed SRQ receives).
+pub fn ignored<H: rdma_comm_core::reactor::Handler, L: rdma_comm_core::reactor::PeerLink>(
+    reactor: &rdma_comm_core::reactor::Reactor<H, L>,
+) -> (u64, u64) {
+    let counters = reactor.counters();
+    (counters.foreign_completions, counters.reclaimed_receives)
+}

@@ -84,6 +84,12 @@ struct End {
     seen: Rc<RefCell<Seen>>,
 }
 
+/// What a reactor ignored: (foreign completions, reclaimed SRQ receives).
+fn ignored<H: Handler, L: super::PeerLink>(reactor: &Reactor<H, L>) -> (u64, u64) {
+    let counters = reactor.counters();
+    (counters.foreign_completions, counters.reclaimed_receives)
+}
+
 fn reactor(pd: &ProtectionDomain) -> Reactor<Probe, ()> {
     let config = ReactorConfig {
         slot_size: 64,
