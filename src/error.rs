@@ -287,6 +287,17 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// An authentication key file could not be used: unreadable, open to
+    /// group or others, too large, or holding too short a key.
+    #[error("authentication key file {}: {what}{}", path.display(), source.as_ref().map(|e| format!(": {e}")).unwrap_or_default())]
+    KeyFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        what: &'static str,
+        /// The error of reading it, when that is what failed.
+        source: Option<io::Error>,
+    },
     /// A runtime could not be started or used as asked: too few cores, a
     /// core listed twice, a reactor that failed to start or has stopped.
     #[error("runtime: {0}")]
@@ -402,6 +413,10 @@ impl Error {
         match self {
             Error::Verbs { errno, .. } | Error::Post { errno, .. } => Some(*errno),
             Error::Os { source, .. } => source.raw_os_error(),
+            Error::KeyFile {
+                source: Some(source),
+                ..
+            } => source.raw_os_error(),
             Error::Cm {
                 cause: CmFailure::Errno(errno),
                 ..
@@ -460,6 +475,7 @@ impl Error {
             | Error::Port { .. }
             | Error::OutOfBounds { .. }
             | Error::InvalidArgument(_)
+            | Error::KeyFile { .. }
             | Error::QpConfigOutOfRange { .. }
             | Error::ForeignHandle(_)
             | Error::InlineTooLarge { .. }

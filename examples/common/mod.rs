@@ -112,9 +112,14 @@ impl AuthArgs {
         let key = match &self.auth_key_file {
             Some(path) => AuthKey::from_file(path).map_err(|err| {
                 let why = match &err {
-                    rdma_comm_core::Error::Os { source, .. } => format!(
+                    // The refusal names the file itself.
+                    rdma_comm_core::Error::KeyFile {
+                        source: Some(source),
+                        ..
+                    } => format!(
                         "cannot be read ({source}); it must hold a key of at least 32 bytes"
                     ),
+                    rdma_comm_core::Error::KeyFile { what, .. } => (*what).to_string(),
                     other => reason(other),
                 };
                 Refusal::new("--auth-key-file", path.display(), why)

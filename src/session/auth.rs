@@ -72,27 +72,32 @@ impl AuthKey {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         use std::io::Read;
         use std::os::unix::fs::PermissionsExt;
-        let os = |source| Error::Os {
-            what: "reading the authentication key file",
+        let path = path.as_ref();
+        let refused = |what, source| Error::KeyFile {
+            path: path.to_path_buf(),
+            what,
             source,
         };
-        let file = std::fs::File::open(path.as_ref()).map_err(os)?;
-        let mode = file.metadata().map_err(os)?.permissions().mode();
+        let unreadable = |source| refused("cannot be read", Some(source));
+        let file = std::fs::File::open(path).map_err(unreadable)?;
+        let mode = file.metadata().map_err(unreadable)?.permissions().mode();
         if mode & 0o077 != 0 {
-            return Err(Error::InvalidArgument(
-                "the authentication key file is accessible to group or others (chmod 600 it)",
+            return Err(refused(
+                "accessible to group or others (chmod 600 it)",
+                None,
             ));
         }
         let mut bytes = Vec::new();
         file.take(MAX_KEY_FILE + 1)
             .read_to_end(&mut bytes)
-            .map_err(os)?;
+            .map_err(unreadable)?;
         if bytes.len() as u64 > MAX_KEY_FILE {
-            return Err(Error::InvalidArgument(
-                "the authentication key file is larger than 4 KiB",
-            ));
+            return Err(refused("larger than 4 KiB", None));
         }
-        Self::new(strip_newline(&bytes))
+        Self::new(strip_newline(&bytes)).map_err(|err| match err {
+            Error::InvalidArgument(what) => refused(what, None),
+            other => other,
+        })
     }
 
     /// Reads a key from the environment variable `name`: `None` when it is
@@ -189,12 +194,27 @@ mod tests {
         let path = dir.join("key");
         std::fs::write(&path, [7u8; 32]).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let refusal = AuthKey::from_file(&path).expect_err("a world-readable key file");
         assert!(
-            AuthKey::from_file(&path).is_err(),
-            "a world-readable key file"
+            refusal.to_string().contains(&path.display().to_string()),
+            "{refusal}"
         );
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert!(AuthKey::from_file(&path).is_ok());
+        std::fs::write(&path, [7u8; 20]).unwrap();
+        let short = AuthKey::from_file(&path).expect_err("a 20-byte key");
+        assert!(
+            matches!(&short, Error::KeyFile { source: None, .. }),
+            "{short:?}"
+        );
+        assert!(
+            short.to_string().contains(&path.display().to_string()),
+            "{short}"
+        );
+        let missing = dir.join("missing");
+        let unreadable = AuthKey::from_file(&missing).expect_err("no such file");
+        assert_eq!(unreadable.errno(), Some(libc::ENOENT));
+        assert!(unreadable.to_string().contains("missing"), "{unreadable}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
