@@ -99,12 +99,24 @@ impl State {
         }
     }
 
-    /// The first peer that left owing something, [`LAST_WORDS`] ago.
+    /// Once the first peer that left owing something did so
+    /// [`LAST_WORDS`] ago: that peer's culprit, and every peer that left
+    /// owing something. All are named, because the first to be noticed
+    /// may only have reacted to another (a rank that gave up over a lost
+    /// rank before it could tell us so just hangs up).
     fn lost(&self, me: usize) -> Option<Failure> {
-        self.gone
+        let mut owing = self
+            .gone
             .iter()
-            .find(|(rank, since, _, _)| !self.done_with(me, *rank) && since.elapsed() > LAST_WORDS)
-            .map(|(rank, _, why, culprit)| (*culprit, format!("rank {rank} {why}")))
+            .filter(|(rank, ..)| !self.done_with(me, *rank));
+        let (_, since, _, culprit) = owing.clone().next()?;
+        if since.elapsed() <= LAST_WORDS {
+            return None;
+        }
+        let named: Vec<String> = owing
+            .map(|(rank, _, why, _)| format!("rank {rank} {why}"))
+            .collect();
+        Some((*culprit, named.join("; ")))
     }
 }
 
@@ -434,6 +446,24 @@ mod tests {
                 vec![Cell::default(), cell(1)],
                 vec![cell(2), Cell::default()]
             ]
+        );
+    }
+
+    #[test]
+    fn every_peer_that_left_owing_something_is_named_the_first_blamed() {
+        let board = Board::new(1, 3);
+        board.claim(0).unwrap();
+        board.claim(2).unwrap();
+        board.peer_gone(0, "hung up early".into(), Some(0));
+        board.peer_gone(2, "was lost: reset".into(), Some(2));
+        assert_eq!(board.lock().lost(1), None, "not before LAST_WORDS");
+        std::thread::sleep(LAST_WORDS + Duration::from_millis(10));
+        assert_eq!(
+            board.lock().lost(1),
+            Some((
+                Some(0),
+                "rank 0 hung up early; rank 2 was lost: reset".to_string()
+            ))
         );
     }
 
