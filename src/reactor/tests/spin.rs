@@ -539,3 +539,43 @@ fn a_forgotten_spin_spends_the_budget_and_loses_no_one_elses_completion() {
         "B's receive reached B"
     );
 }
+
+/// A handler that forgets its spin right after its first completion,
+/// while another connection's completion waits later in the same batch:
+/// that completion still reaches its owner (the spin told the reactor of
+/// it when it polled the batch, not when it came to it).
+#[test]
+fn a_spin_forgotten_midway_through_a_batch_loses_no_one_elses_completion() {
+    let (_pd, mut reactor, a, b) = lean_pair();
+    let mut send = send_to(&mut reactor, &a, &b);
+    let mut read = read_request(&a, &b, 0x22);
+    let (conn, seen) = (a.conn, Seen::default());
+    let seen_in = Rc::clone(&seen);
+    plan(&a, move |ctx| {
+        let mut spin = ctx.spin(conn).expect("a spin");
+        // Both complete inside their post: A's READ, then B's receive.
+        spin.qp().post_send(&mut read).expect("a READ");
+        spin.qp().post_send(&mut send).expect("a SEND");
+        loop {
+            match spin.poll() {
+                Spun::Empty => continue,
+                Spun::Completion(id, wc) => seen_in.borrow_mut().taken.push((id, wc.opcode())),
+                Spun::Ended => seen_in.borrow_mut().ended = true,
+            }
+            break;
+        }
+        std::mem::forget(spin);
+        false
+    });
+    idle_pass(&mut reactor);
+    assert_eq!(
+        b.log.borrow().completions,
+        [(9, WcOpcode::RECV, 8)],
+        "B's receive reached B"
+    );
+    assert_eq!(
+        seen.borrow().taken,
+        [(0x22, WcOpcode::RDMA_READ)],
+        "A's READ first"
+    );
+}
