@@ -136,14 +136,18 @@ impl ConnTable {
         // is read or the slot goes back. (Checked last, as it marks a
         // posted slot consumed.)
         let vet = |key: Key, conn: &mut Conn| {
-            // (Only a direct connection's handler posts on its QP, and
-            // `DirectQp` sets the direct bit in every request.)
-            debug_assert!(!conn.direct || conn.qpn != qpn);
             if !wr_id::same_generation(key, generation) {
                 return Err(Refusal::StaleGeneration);
             }
             if conn.qpn != qpn {
                 return Err(Refusal::WrongQp);
+            }
+            // Only a direct connection's handler posts on its QP, and
+            // `DirectQp` sets the direct bit in every request: a protocol
+            // id from a direct QP is none of ours (the device's data, so
+            // refused, never asserted).
+            if conn.direct {
+                return Err(Refusal::WrongKind);
             }
             match completed {
                 Completed::Recv { slot } => {

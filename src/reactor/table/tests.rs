@@ -158,16 +158,19 @@ fn another_qps_completion_naming_a_connection_is_refused() {
 #[test]
 fn a_kind_the_connection_never_posts_is_refused() {
     let mut f = fixture();
-    // A direct id naming a connection of the protocol, on its QP. (The
-    // other way round cannot come: only a direct connection's handler
-    // posts on its QP, and every request it posts carries the direct
-    // bit.)
+    // A direct id naming a connection of the protocol, on its QP.
     let (conn, qpn) = (f.conn, f.conn_qpn);
     assert_eq!(f.look(direct_send_tag(conn), qpn), Err(Refusal::WrongKind));
     assert_eq!(
         f.look_direct(direct_recv_tag(conn), qpn),
         Err(Refusal::WrongKind)
     );
+    // The other way round, which only a device's bad data brings (every
+    // request a direct connection's handler posts carries the direct bit):
+    // refused too, in debug builds as in release ones.
+    let (direct, direct_qpn) = (f.direct, f.direct_qpn);
+    assert_eq!(f.look(send(direct, 1), direct_qpn), Err(Refusal::WrongKind));
+    assert_eq!(f.look(recv(direct, 1), direct_qpn), Err(Refusal::WrongKind));
     // A lean pass's lookup leaves every other id to the full one.
     assert_eq!(f.look_direct(send(conn, 1), qpn), Err(Refusal::NotDirect));
 }
