@@ -170,6 +170,15 @@ impl<R: Request, const N: usize> Kept<Batch<R, N>> {
     pub fn wr_id(&self, index: usize) -> Option<u64> {
         self.requests.requests.get(index).map(R::wr_id)
     }
+
+    /// Drops the requests a post of this batch took, as
+    /// [`Batch::drop_posted`] does: after a post that took only some
+    /// ([`Error::Post`](crate::Error::Post)), posting the batch again then
+    /// posts no buffer twice. The registrations stay kept.
+    #[inline]
+    pub fn drop_posted(&mut self, outcome: &crate::error::Result<()>) {
+        self.requests.drop_posted(outcome);
+    }
 }
 
 impl<const N: usize> Kept<Batch<WorkRequest<'static>, N>> {
@@ -235,6 +244,18 @@ mod tests {
         assert_eq!(kept.flags(1), Some(SendFlags::SIGNALED));
         assert_eq!(kept.wr_id(9), None);
         assert_eq!(kept.len(), 2);
+        let partial = Err(crate::Error::Post {
+            verb: "ibv_post_send",
+            errno: libc::ENOMEM,
+            device: "test".into(),
+            qpn: 1,
+            posted: 1,
+        });
+        kept.drop_posted(&partial);
+        assert_eq!(kept.wr_id(0), Some(40), "what the post took is dropped");
+        assert_eq!(kept.len(), 1);
+        kept.drop_posted(&Ok(()));
+        assert!(kept.is_empty());
 
         let recv = RecvRequest::new(5, other.slice(0, 8).unwrap()).unwrap();
         assert!(Kept::new(recv, &[one]).is_err());
