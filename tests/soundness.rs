@@ -536,7 +536,7 @@ fn foreign_completions_are_ignored(srq: bool) {
     turn_until(&mut [&mut reactor], "the foreign completions", |reactors| {
         let cq = peer_channel.cq_mut().expect("the peer's private CQ");
         peer_done.extend_from_slice(cq.poll(&mut wcs).unwrap());
-        let (foreign, reclaimed) = ignored(&reactors[0]);
+        let (foreign, reclaimed) = ignored(reactors[0]);
         troubled()
             || (peer_done.len() >= SENDS + RECVS
                 && foreign >= expected.0
@@ -600,7 +600,7 @@ fn receives_shaped_like_srq_receives_are_ignored_unless_their_tag_matches() {
         peer.qps_mut()[0].qp_mut().post_send(&mut wr).unwrap();
     }
     turn_until(&mut [&mut reactor], "the forged completions", |reactors| {
-        ignored(&reactors[0]).0 >= RECVS as u64
+        ignored(reactors[0]).0 >= RECVS as u64
     });
     let start = ping.done.load(Ordering::Relaxed);
     turn_until(&mut [&mut reactor], "the ping-pong to go on", |_| {

@@ -250,7 +250,10 @@ impl SrqPool {
         // Never 0, which marks a slot that is not posted.
         let tag = self.tag_key.hash_one((slot, self.posts)) | 1;
         let wr_id = srq_recv_wr_id(slot, tag);
-        let request = recv_request(self.shared.ring, self.slot_size, wr_id, slot);
+        // SAFETY: the SRQ ring's region is the pool's, dropped only after
+        // the SRQ and every QP that receives from it; a slot given back is
+        // read by no one.
+        let request = unsafe { recv_request(self.shared.ring, self.slot_size, wr_id, slot) };
         let _ = self.returning.push(request);
         self.available += 1;
         self.posted_ids[slot as usize] = wr_id;

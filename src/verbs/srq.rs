@@ -202,7 +202,9 @@ impl SharedReceiveQueue {
         // SAFETY: the SRQ is live; `head` is a NULL-terminated list of
         // `len` requests inside `requests`, untouched until the call
         // returns, whose buffers are registered (a `RecvRequest` borrows
-        // its memory, a `Kept` holds it).
+        // its memory, a `Kept` holds it, and the reactor's rings, built
+        // by the unsafe `RecvRequest::from_raw`, are kept by their
+        // owners).
         let rc = unsafe { (self.inner.post_recv_fn)(self.inner.srq.as_ptr(), head, &mut bad) };
         if rc == 0 {
             return Ok(());

@@ -408,8 +408,17 @@ impl std::fmt::Debug for RecvRequest<'_> {
 }
 
 impl RecvRequest<'static> {
-    /// A receive into memory the reactor keeps registered (see `WorkRequest::from_raw`).
-    pub(crate) fn from_raw(wr_id: u64, addr: u64, len: u32, lkey: u32) -> Self {
+    /// A receive of `len` bytes at `addr`, under `lkey`, that borrows
+    /// nothing: the reactor's receive rings.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr + len` must lie in the registration `lkey` names, and
+    /// that registration must outlive every post of the request and its
+    /// completion (the device writes there until the receive completes or
+    /// its QP is destroyed), with no reference into those bytes held while
+    /// it may.
+    pub(crate) unsafe fn from_raw(wr_id: u64, addr: u64, len: u32, lkey: u32) -> Self {
         let sge = sys::ibv_sge {
             addr,
             length: len,

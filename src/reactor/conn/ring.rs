@@ -19,19 +19,30 @@ pub(crate) struct SharedRing {
 }
 
 /// Builds the receive request with id `wr_id` for slot `slot` of `ring`.
+///
+/// # Safety
+///
+/// `ring` is the ring of slots of `slot_size` bytes whose region the
+/// caller keeps registered until the receive completes or its QP (or SRQ)
+/// is destroyed, and `slot` is one of its slots, read by no one while
+/// posted.
 #[inline]
-pub(crate) fn recv_request(
+pub(crate) unsafe fn recv_request(
     ring: Ring,
     slot_size: usize,
     wr_id: u64,
     slot: u32,
 ) -> RecvRequest<'static> {
-    RecvRequest::from_raw(
-        wr_id,
-        ring.slot_addr(slot, slot_size),
-        slot_size as u32,
-        ring.lkey,
-    )
+    // SAFETY: the slot lies in the ring's registration, which the caller
+    // keeps as long as the receive may be posted.
+    unsafe {
+        RecvRequest::from_raw(
+            wr_id,
+            ring.slot_addr(slot, slot_size),
+            slot_size as u32,
+            ring.lkey,
+        )
+    }
 }
 
 /// A held receive slot as the source of a forward: where its bytes are
@@ -213,7 +224,10 @@ impl Conn {
     /// refusal of the completion that follows).
     #[cfg(test)]
     pub(crate) fn post_recv_bypassing_the_guard(&mut self, slot: u32) -> crate::Result<()> {
-        let request = recv_request(self.recv_ring, self.slot_size, self.recv_wr_id(slot), slot);
+        // SAFETY: the own ring's region is this connection's, dropped only
+        // after its QP (field order).
+        let request =
+            unsafe { recv_request(self.recv_ring, self.slot_size, self.recv_wr_id(slot), slot) };
         let _ = self.reposts.push(request);
         self.post_reposts()
     }
@@ -259,8 +273,13 @@ impl Conn {
         while start < self.pending_len {
             let end = (start + MAX_REPOST).min(self.pending_len);
             for &slot in &self.pending_reposts[start..end] {
-                let request =
-                    recv_request(self.recv_ring, self.slot_size, self.recv_wr_id(slot), slot);
+                // SAFETY: the own ring's region is this connection's,
+                // dropped only after its QP (field order); a slot in
+                // `pending_reposts` is consumed, so its bytes are no
+                // one's.
+                let request = unsafe {
+                    recv_request(self.recv_ring, self.slot_size, self.recv_wr_id(slot), slot)
+                };
                 // At most MAX_REPOST pushes into a batch emptied by each post.
                 let _ = self.reposts.push(request);
                 // Posted from here on: if the device refuses part of the

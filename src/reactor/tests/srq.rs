@@ -466,7 +466,7 @@ fn an_srq_slot_consumed_by_a_qp_the_reactor_does_not_serve_comes_back() {
     assert_eq!(account.unpolled, 1, "its completion not yet polled");
 
     run_until(&mut reactor, "the slot reclaimed", |reactor| {
-        ignored(&reactor).1 == 1
+        ignored(reactor).1 == 1
     });
     assert_eq!(ignored(&reactor), (0, 1), "reclaimed, not foreign");
     run_until_srq_whole(&mut reactor, "the slot posted again");
