@@ -105,7 +105,7 @@ impl State {
     /// may only have reacted to another (a rank that gave up over a lost
     /// rank before it could tell us so just hangs up).
     fn lost(&self, me: usize) -> Option<Failure> {
-        let mut owing = self
+        let owing = self
             .gone
             .iter()
             .filter(|(rank, ..)| !self.done_with(me, *rank));
