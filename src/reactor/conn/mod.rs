@@ -72,6 +72,10 @@ pub(crate) struct Conn {
     /// every completion as it comes ([`Ctx::direct`](super::Ctx::direct));
     /// the reactor stages, signals, credits and reposts nothing on it.
     pub(crate) direct: bool,
+    /// The QP number the completions of the reactor's protocol come
+    /// from: the QP's, or [`NO_QPN`] on a direct connection, so that one
+    /// compare vets both the QP and the kind.
+    protocol_qpn: u32,
     // Declared before the rings' registrations: the QP is destroyed first.
     // Only this connection posts on it (the reactor took it whole).
     qp: QueuePair,
@@ -154,7 +158,17 @@ pub(crate) struct Conn {
 // owns this Conn; moving the Conn to another thread moves none of that memory.
 unsafe impl Send for Conn {}
 
+/// No QP number: QP numbers have 24 bits.
+const NO_QPN: u32 = u32::MAX;
+
 impl Conn {
+    /// The QP number a completion of the reactor's protocol must come
+    /// from to be this connection's: none on a direct connection.
+    #[inline(always)]
+    pub(crate) fn protocol_qpn(&self) -> u32 {
+        self.protocol_qpn
+    }
+
     /// The `wr_id` of send-queue request `seq` (`wr_id::send`).
     #[inline(always)]
     pub(crate) fn send_wr_id(&self, seq: u32) -> u64 {
@@ -218,6 +232,7 @@ impl Conn {
             binds: qp.bound_windows(),
             state: ConnState::Connecting,
             direct: false,
+            protocol_qpn: qp.qpn(),
             qp,
             recv_ring,
             send_ring: Ring::of(&send_region),
@@ -285,6 +300,7 @@ impl Conn {
         };
         let mut conn = Self::new(id, session, qp_index, pd, qp, &token, None)?;
         conn.direct = true;
+        conn.protocol_qpn = NO_QPN;
         conn.state = ConnState::Direct;
         // The reactor posts nothing of its own on a direct QP
         // (`send_wr_id` and `recv_wr_id` are never asked), so its tags are

@@ -139,15 +139,17 @@ impl ConnTable {
             if !wr_id::same_generation(key, generation) {
                 return Err(Refusal::StaleGeneration);
             }
-            if conn.qpn != qpn {
-                return Err(Refusal::WrongQp);
-            }
             // Only a direct connection's handler posts on its QP, and
             // `DirectQp` sets the direct bit in every request: a protocol
             // id from a direct QP is none of ours (the device's data, so
-            // refused, never asserted).
-            if conn.direct {
-                return Err(Refusal::WrongKind);
+            // refused, never asserted), and a direct connection has no
+            // protocol QP number.
+            if conn.protocol_qpn() != qpn {
+                return Err(if conn.direct && conn.qpn == qpn {
+                    Refusal::WrongKind
+                } else {
+                    Refusal::WrongQp
+                });
             }
             match completed {
                 Completed::Recv { slot } => {
