@@ -99,6 +99,7 @@ enum Owner {
     Lent(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
     /// The in-process software device ([`Context::loopback`]): its objects
     /// are this crate's own (`verbs::loopback`), not libibverbs'.
+    #[cfg(feature = "loopback")]
     Loopback,
 }
 
@@ -107,7 +108,10 @@ impl ContextInner {
     /// verbs are served by `verbs::loopback` instead of libibverbs.
     #[inline]
     pub(crate) fn is_loopback(&self) -> bool {
-        matches!(self.owner, Owner::Loopback)
+        #[cfg(feature = "loopback")]
+        return matches!(self.owner, Owner::Loopback);
+        #[cfg(not(feature = "loopback"))]
+        return false;
     }
 }
 
@@ -124,6 +128,7 @@ impl Drop for ContextInner {
             // Its owner closes it; the guard is released after this body,
             // and every child (which holds an Arc to us) is gone already.
             Owner::Lent(_) => return,
+            #[cfg(feature = "loopback")]
             Owner::Loopback => {
                 // SAFETY: allocated by loopback::open_context and freed only
                 // here; every child holds an Arc to us, so none is alive.
@@ -238,7 +243,8 @@ impl Context {
     /// tests and benchmarks of everything above the verbs (the reactor's
     /// staging, doorbell bookkeeping and completion dispatch) run on any
     /// machine; what it costs per request (a few uncontended locks and a
-    /// `memcpy`) is part of what a benchmark over it measures.
+    /// `memcpy`) is part of what a benchmark over it measures. Built with
+    /// the `loopback` feature (on by default).
     ///
     /// # Safety
     /// A NIC's DMA is outside the program, so this crate lets Rust code
@@ -286,6 +292,7 @@ impl Context {
     /// assert_eq!(&got, b"hello");
     /// # Ok::<(), rdma_comm_core::Error>(())
     /// ```
+    #[cfg(feature = "loopback")]
     pub unsafe fn loopback() -> Self {
         Self {
             inner: Arc::new(ContextInner {

@@ -16,6 +16,10 @@ mod cq;
 mod device;
 mod kept;
 mod list;
+#[cfg(feature = "loopback")]
+mod loopback;
+#[cfg(not(feature = "loopback"))]
+#[path = "loopback_off.rs"]
 mod loopback;
 mod mr;
 mod mw;
