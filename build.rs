@@ -97,7 +97,10 @@ fn main() {
         println!("cargo:rustc-link-search=native={}", dir.display());
     }
     println!("cargo:rustc-link-lib=ibverbs");
-    println!("cargo:rustc-link-lib=rdmacm");
+    // Without the rdma_cm feature nothing calls into librdmacm.
+    if env::var_os("CARGO_FEATURE_RDMA_CM").is_some() {
+        println!("cargo:rustc-link-lib=rdmacm");
+    }
 }
 
 /// Where the headers and libraries are: the override's, then pkg-config's

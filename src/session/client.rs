@@ -214,6 +214,11 @@ impl ClientSession {
                     Ok(ControlLink::tcp(control.into_stream()?))
                 })
             }
+            #[cfg(not(feature = "rdma_cm"))]
+            Transport::RdmaCm => Err(Error::InvalidArgument(
+                "Transport::RdmaCm needs the rdma_cm feature",
+            )),
+            #[cfg(feature = "rdma_cm")]
             Transport::RdmaCm => {
                 let backoff = (config.initial_backoff, config.max_backoff);
                 let control = super::cm::connect(
@@ -288,7 +293,11 @@ pub(super) fn next_backoff(backoff: Duration, max: Duration) -> Duration {
 /// (or unanswered) connect, over rdma_cm a reject for want of a listener
 /// or an unreachable peer.
 fn nobody_listens(err: &Error) -> bool {
-    matches!(err, Error::ConnectTimeout { .. }) || super::cm::not_there(err)
+    #[cfg(feature = "rdma_cm")]
+    if super::cm::not_there(err) {
+        return true;
+    }
+    matches!(err, Error::ConnectTimeout { .. })
 }
 
 /// Whether an attempt failed because its time ran out: a connect left
@@ -297,6 +306,7 @@ fn nobody_listens(err: &Error) -> bool {
 fn timed_out(err: &Error) -> bool {
     match err {
         Error::ConnectTimeout { last, .. } => last.kind() == io::ErrorKind::TimedOut,
+        #[cfg(feature = "rdma_cm")]
         Error::Cm { .. } => super::cm::timed_out(err),
         Error::Handshake {
             source: WireError::Io(io),

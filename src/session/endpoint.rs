@@ -352,6 +352,7 @@ impl Endpoint {
 /// Longest [`SessionLink::wait_for_peer`] sleeps at a time over the
 /// connection manager, whose goodbye it cannot sleep on: how late it may
 /// see one.
+#[cfg(feature = "rdma_cm")]
 pub(crate) const CM_GOODBYE_SLICE: Duration = Duration::from_millis(50);
 
 impl SessionLink {
@@ -399,6 +400,7 @@ impl SessionLink {
     pub fn check_peer(&mut self) -> PeerStatus {
         let status = match &mut self.control {
             ControlLink::Tcp(tcp) => tcp.check(self.peer),
+            #[cfg(feature = "rdma_cm")]
             ControlLink::Cm(cm) => cm.check(),
         };
         if !matches!(status, PeerStatus::Alive) {
@@ -428,6 +430,7 @@ impl SessionLink {
         }
         let timeout = match &self.control {
             ControlLink::Tcp(_) => timeout,
+            #[cfg(feature = "rdma_cm")]
             ControlLink::Cm(_) => timeout.min(CM_GOODBYE_SLICE),
         };
         let timeout = self
@@ -450,6 +453,7 @@ impl SessionLink {
             ControlLink::Tcp(tcp) => tcp.partial_since.map(|since| {
                 CONTROL_FRAME_DEADLINE.saturating_sub(since.elapsed()) + Duration::from_millis(1)
             }),
+            #[cfg(feature = "rdma_cm")]
             ControlLink::Cm(_) => None,
         }
     }
@@ -478,6 +482,7 @@ impl SessionLink {
             ControlLink::Tcp(tcp) => Message::Disconnect { code }
                 .encode()
                 .is_ok_and(|frame| matches!(tcp.stream.write(&frame), Ok(n) if n == frame.len())),
+            #[cfg(feature = "rdma_cm")]
             ControlLink::Cm(cm) => cm.send_disconnect(code),
         };
         self.disconnect_sent = Some(delivered);
@@ -494,6 +499,7 @@ impl SessionLink {
             ControlLink::Tcp(tcp) => {
                 let _ = tcp.stream.shutdown(Shutdown::Both);
             }
+            #[cfg(feature = "rdma_cm")]
             ControlLink::Cm(cm) => cm.disconnect(),
         }
         self.closed = true;
@@ -508,6 +514,7 @@ impl AsFd for SessionLink {
     fn as_fd(&self) -> BorrowedFd<'_> {
         match &self.control {
             ControlLink::Tcp(tcp) => tcp.stream.as_fd(),
+            #[cfg(feature = "rdma_cm")]
             ControlLink::Cm(cm) => cm.as_fd(),
         }
     }
@@ -518,6 +525,7 @@ pub(super) enum ControlLink {
     /// The handshake's TCP connection.
     Tcp(TcpLink),
     /// The connection manager's control QP and event channel.
+    #[cfg(feature = "rdma_cm")]
     Cm(Box<super::cm::CmLink>),
 }
 

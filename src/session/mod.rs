@@ -28,6 +28,7 @@
 
 mod auth;
 mod client;
+#[cfg(feature = "rdma_cm")]
 mod cm;
 mod endpoint;
 mod handshake;
@@ -43,6 +44,7 @@ use std::time::{Duration, Instant};
 
 pub use auth::{AUTH_KEY_ENV, AuthKey, MIN_KEY_LEN};
 pub use client::{ClientConfig, ClientSession};
+#[cfg(feature = "rdma_cm")]
 pub use cm::CONTROL_BUFFERS;
 pub use endpoint::{CloseReport, Endpoint, NamedRegion, PeerStatus, SessionLink, SessionQp};
 pub use handshake::{PeerHello, Refusal};

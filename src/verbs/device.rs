@@ -315,6 +315,7 @@ impl Context {
     /// # Safety
     /// `ctx` must be an open device context that stays open, and is closed
     /// by nobody, for as long as `keep_open` is alive.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
     pub(crate) unsafe fn lent(
         ctx: NonNull<sys::ibv_context>,
         keep_open: Box<dyn Any + Send + Sync>,

@@ -3,6 +3,7 @@
 //! handshake thread of its own.
 
 use super::*;
+#[cfg(feature = "rdma_cm")]
 use crate::session::cm;
 
 /// Tells a refused connection why, without waiting for it to read.
@@ -101,6 +102,7 @@ fn spawn_handshake(
     }
 }
 
+#[cfg(feature = "rdma_cm")]
 /// The connection manager's accept loop: the listener's event channel
 /// brings connect requests; each one admitted to the pending limits gets
 /// a handshake thread, which moves its id to a channel of its own.

@@ -16,7 +16,9 @@ use std::time::Duration;
 
 mod accept;
 
-use accept::{accept_loop, cm_accept_loop};
+use accept::accept_loop;
+#[cfg(feature = "rdma_cm")]
+use accept::cm_accept_loop;
 
 use super::net::{self, WakeReceiver, Waker};
 use super::peer_places::{PeerPlace, PeerPlaces};
@@ -30,6 +32,7 @@ use super::{
     local_handshake, reject_code,
 };
 use crate::error::{Error, Result};
+#[cfg(feature = "rdma_cm")]
 use crate::verbs::cm::{CmEventKind, CmId, EventChannel};
 use crate::verbs::{BoundWindow, ProtectionDomain, QpConfig, SrqAttachment};
 
@@ -323,6 +326,7 @@ impl AddressKey {
 /// What the accept thread listens on.
 enum Listener {
     Tcp(TcpListener),
+    #[cfg(feature = "rdma_cm")]
     Cm(EventChannel, CmId),
 }
 
@@ -385,6 +389,13 @@ impl ServerSession {
                     .map_err(os("making the listener non-blocking"))?;
                 (Listener::Tcp(listener), local_addr)
             }
+            #[cfg(not(feature = "rdma_cm"))]
+            Transport::RdmaCm => {
+                return Err(Error::InvalidArgument(
+                    "Transport::RdmaCm needs the rdma_cm feature",
+                ));
+            }
+            #[cfg(feature = "rdma_cm")]
             Transport::RdmaCm => {
                 let (channel, id, local_addr) = super::cm::listen(addr, config.accept_backlog)?;
                 (Listener::Cm(channel, id), local_addr)
@@ -418,6 +429,7 @@ impl ServerSession {
             .name(format!("rdma-accept-{}", local_addr.port()))
             .spawn(move || match listener {
                 Listener::Tcp(listener) => accept_loop(listener, wake_receiver, worker),
+                #[cfg(feature = "rdma_cm")]
                 Listener::Cm(channel, id) => cm_accept_loop(channel, id, wake_receiver, worker),
             })
             .map_err(os("spawning the accept thread"))?;

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use crate::error::{CmFailure, Error, Result, os_result};
 use crate::sys;
 
-use super::event::{CmEvent, CmEventKind};
+use super::CmEventKind;
+use super::event::CmEvent;
 use super::id::{CmId, CmIdInner};
 use super::last_errno;
 

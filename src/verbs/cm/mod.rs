@@ -58,20 +58,35 @@
 //! other ids of the same channel meanwhile: give connections that must not
 //! wait on each other channels of their own ([`CmId::migrate`]).
 
+#[cfg(feature = "rdma_cm")]
 mod addr;
+#[cfg(feature = "rdma_cm")]
 mod channel;
+#[cfg(feature = "rdma_cm")]
 mod connect;
+#[cfg(feature = "rdma_cm")]
 mod device;
+#[cfg(feature = "rdma_cm")]
 mod event;
+#[cfg(feature = "rdma_cm")]
 mod id;
+mod kind;
+#[cfg(feature = "rdma_cm")]
 mod request;
+#[cfg(feature = "rdma_cm")]
 mod transition;
 
 pub use crate::error::CmFailure;
+#[cfg(feature = "rdma_cm")]
 pub use channel::EventChannel;
+#[cfg(feature = "rdma_cm")]
 pub use device::open_device;
-pub use event::{CmEvent, CmEventKind};
+#[cfg(feature = "rdma_cm")]
+pub use event::CmEvent;
+#[cfg(feature = "rdma_cm")]
 pub use id::{CmId, CmToken};
+pub use kind::CmEventKind;
+#[cfg(feature = "rdma_cm")]
 pub use request::ConnectRequest;
 
 /// Private data a connect request can carry (InfiniBand and RoCE, `RDMA_PS_TCP`).
@@ -80,9 +95,11 @@ pub const MAX_CONNECT_PRIVATE_DATA: usize = 56;
 pub const MAX_ACCEPT_PRIVATE_DATA: usize = 196;
 /// Private data a reject can carry.
 pub const MAX_REJECT_PRIVATE_DATA: usize = 148;
+#[cfg(feature = "rdma_cm")]
 /// The largest private data buffer an event has (`RDMA_MAX_PRIVATE_DATA`).
 const MAX_PRIVATE_DATA: usize = 256;
 
+#[cfg(feature = "rdma_cm")]
 /// Connection parameters as an event reports them, from this side's point
 /// of view.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -102,6 +119,7 @@ pub struct ConnParams {
     pub qp_num: u32,
 }
 
+#[cfg(feature = "rdma_cm")]
 /// errno after a librdmacm call that returned -1 (or NULL).
 fn last_errno() -> i32 {
     match std::io::Error::last_os_error().raw_os_error() {

@@ -122,6 +122,7 @@ pub struct QueuePair {
     pd: Arc<PdInner>,
     /// The rdma_cm id the QP was created on ([`cm::CmId::create_qp`](super::cm::CmId::create_qp)),
     /// kept so that the id is destroyed only after the QP.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
     anchor: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -435,11 +436,13 @@ impl QueuePair {
     }
 
     /// Keeps `anchor` alive until after the QP is destroyed.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
     pub(super) fn anchor_to(&mut self, anchor: Arc<dyn Any + Send + Sync>) {
         self.anchor = Some(anchor);
     }
 
     /// True if the QP was anchored to exactly this object.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
     pub(super) fn is_anchored_to<T: Any + Send + Sync>(&self, anchor: &Arc<T>) -> bool {
         self.anchor
             .as_ref()
@@ -447,6 +450,7 @@ impl QueuePair {
     }
 
     /// How this QP was configured (READ depths clamped to the device).
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
     pub(super) fn config(&self) -> &QpConfig {
         &self.config
     }
@@ -454,6 +458,7 @@ impl QueuePair {
     /// Applies a state transition whose attributes another party computed
     /// (the connection manager's `rdma_init_qp_attr`), noting the send PSN
     /// it chose in [`endpoint`](Self::endpoint).
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
     pub(super) fn modify_with(
         &mut self,
         attr: &mut sys::ibv_qp_attr,
