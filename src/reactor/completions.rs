@@ -288,6 +288,13 @@ impl Completions {
         self.spun.end = end;
     }
 
+    /// A spin handed `spin_wc(..next)` over: the rest of its batch is
+    /// still the reactor's.
+    #[inline(always)]
+    pub(super) fn spin_handed(&mut self, next: usize) {
+        self.spun.next = next;
+    }
+
     /// A spin was dropped: it leaves `spin_wc(next..end)` to the reactor,
     /// handed `taken` completions over, and gives back `unused` of its
     /// budget.

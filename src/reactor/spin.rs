@@ -58,12 +58,10 @@ pub struct Spin<'s> {
     qp: DirectQp<'s>,
     completions: &'s mut Completions,
     stop: &'s AtomicBool,
-    /// `spin_wcs[next..limit]`: polled and not handed over yet (kept
-    /// here, not behind `completions`, while the spin runs);
-    /// `spin_wcs[limit..end]`, from the first completion the spin may not
-    /// hand over: the reactor's, told to it when the spin polled them.
+    /// `spin_wcs[next..end]`: polled and not handed over yet (kept here,
+    /// and told to `completions` as it changes, so the reactor knows them
+    /// even if the spin is forgotten).
     next: usize,
-    limit: usize,
     end: usize,
     /// Completions polled by this spin.
     polled: usize,
@@ -125,38 +123,43 @@ impl Spin<'_> {
     /// routes all completions once `on_idle` returns.
     #[inline(always)]
     pub fn poll(&mut self) -> Spun<'_> {
-        if self.next == self.limit && !self.refill() {
+        if self.next == self.end && !self.refill() {
             return if self.ended { Spun::Ended } else { Spun::Empty };
         }
         let at = self.next;
-        self.next = at + 1;
         let wc = self.completions.spin_wc(at);
-        Spun::Completion(wc.wr_id() as u32, wc)
-    }
-
-    /// Whether the spin may hand `wc` over: the connection's own tags and
-    /// QP number, and a success.
-    #[inline(always)]
-    fn hands_over(&self, wc: &WorkCompletion) -> bool {
         let top = wc.wr_id() & TAG_MASK;
-        (top == self.qp.send_tag || top == self.qp.recv_tag)
+        if (top == self.qp.send_tag || top == self.qp.recv_tag)
             && wc.qp_num() == self.qpn
             && wc.is_success()
+        {
+            self.next = at + 1;
+            // The reactor's view moves with the handler's: a spin that is
+            // forgotten (`mem::forget`) still leaves it the rest.
+            self.completions.spin_handed(self.next);
+            // Borrowed again for the caller.
+            let wc = self.completions.spin_wc(at);
+            return Spun::Completion(wc.wr_id() as u32, wc);
+        }
+        // Not the spin's to hand over: the spin ends, and this completion
+        // and the rest of the batch are the reactor's (its view says so
+        // already).
+        self.ended = true;
+        self.unused += self.budget;
+        self.budget = 0;
+        Spun::Ended
     }
 
     /// Polls the connection's CQs into the empty buffer; true if it found
-    /// a completion to hand over. Each poll and each completion it brings
-    /// costs one of the budget, so a spin is as long as about that many
-    /// empty passes, busy or not. Ends the spin when it may not poll
-    /// again, and at the first completion it may not hand over: the
-    /// reactor is told at once where that one and the rest of the batch
-    /// are, not only when the spin is dropped, so a handler that forgets
-    /// its spin still leaves the reactor what others are owed. (Inlined
-    /// into the handler's loop with `poll`: a call here measured 19 Ir
-    /// more per READ round trip on the host.)
+    /// any completion, which the reactor is told of at once. Each poll and
+    /// each completion it brings costs one of the budget, so a spin is as
+    /// long as about that many empty passes, busy or not. Ends the spin
+    /// when it may not poll again. (Inlined into the handler's loop with
+    /// `poll`: a call here measured 19 Ir more per READ round trip on the
+    /// host.)
     #[inline(always)]
     fn refill(&mut self) -> bool {
-        if self.budget == 0 || self.limit < self.end {
+        if self.budget == 0 {
             self.end_spin();
             return false;
         }
@@ -175,19 +178,11 @@ impl Spin<'_> {
             return false;
         }
         self.budget = self.budget.saturating_sub(n as u32);
-        self.polled += n;
-        let mut limit = 0;
-        while limit < n && self.hands_over(self.completions.spin_wc(limit)) {
-            limit += 1;
-        }
         self.next = 0;
-        self.limit = limit;
         self.end = n;
-        if limit < n {
-            self.completions.spin_leaves(limit, n);
-            self.end_spin();
-        }
-        limit > 0
+        self.polled += n;
+        self.completions.spin_leaves(0, n);
+        true
     }
 
     /// Polls CQ `index` into the buffer. A CQ that cannot be polled ends
@@ -235,8 +230,9 @@ impl Ctx<'_> {
     /// the reactor's to route (a failure still reaches `on_error`, once).
     /// A handler that panics inside the spin loses what it polled and did
     /// not hand over, as a panic loses the rest of a pass's batch; one
-    /// that forgets its `Spin` (`mem::forget`) loses its own completions
-    /// the spin held, but not another's, and keeps the pass's budget.
+    /// that forgets its `Spin` (`mem::forget`) loses none (the reactor
+    /// routes what it did not hand over, as after a drop) and keeps the
+    /// pass's budget spent.
     /// It ends too when the pass's spins spent 16384 polls (a poll or
     /// a completion each) and when the reactor is asked to stop (seen at
     /// the next poll that finds nothing), so the reactor's own work waits
@@ -285,7 +281,6 @@ impl Ctx<'_> {
             completions: loan,
             stop: self.stop,
             next: 0,
-            limit: 0,
             end: 0,
             polled: 0,
             send_cq,

@@ -541,9 +541,9 @@ fn a_forgotten_spin_spends_the_budget_and_loses_no_one_elses_completion() {
 }
 
 /// A handler that forgets its spin right after its first completion,
-/// while another connection's completion waits later in the same batch:
-/// that completion still reaches its owner (the spin told the reactor of
-/// it when it polled the batch, not when it came to it).
+/// while another connection's completion and one of its own wait later in
+/// the same batch: both reach their handlers through the reactor (the
+/// spin keeps the reactor's view of its batch current).
 #[test]
 fn a_spin_forgotten_midway_through_a_batch_loses_no_one_elses_completion() {
     let (_pd, mut reactor, a, b) = lean_pair();
@@ -577,5 +577,17 @@ fn a_spin_forgotten_midway_through_a_batch_loses_no_one_elses_completion() {
         seen.borrow().taken,
         [(0x22, WcOpcode::RDMA_READ)],
         "A's READ first"
+    );
+    let a_after: Vec<_> = a
+        .log
+        .borrow()
+        .completions
+        .iter()
+        .map(|c| (c.0, c.1))
+        .collect();
+    assert_eq!(
+        a_after,
+        [(0x11, WcOpcode::SEND)],
+        "A's SEND, which the spin did not hand over, through the reactor"
     );
 }
