@@ -59,8 +59,9 @@ struct SpinState {
     /// `spin_wcs[next..end]`, for the reactor to route in order.
     next: usize,
     end: usize,
-    /// Completions spins handed their handlers.
-    taken: usize,
+    /// Completions spins polled: those not left (`next..end`) were
+    /// handed over.
+    polled: usize,
     /// CQ polls and completions polled of this pass's spins: together at
     /// most [`SPIN_POLLS`]. A spin takes what is left when it is lent and
     /// gives back what it did not use when it is dropped (so one that is
@@ -280,12 +281,13 @@ impl Completions {
         &self.spin_wcs[at]
     }
 
-    /// A spin ended at `spin_wc(next)`: `spin_wc(next..end)` are the
-    /// reactor's to route.
+    /// A spin polled `spin_wc(0..n)`: all of them are the reactor's to
+    /// route until the spin hands them over.
     #[inline(always)]
-    pub(super) fn spin_leaves(&mut self, next: usize, end: usize) {
-        self.spun.next = next;
-        self.spun.end = end;
+    pub(super) fn spin_polled(&mut self, n: usize) {
+        self.spun.next = 0;
+        self.spun.end = n;
+        self.spun.polled += n;
     }
 
     /// A spin handed `spin_wc(..next)` over: the rest of its batch is
@@ -295,13 +297,10 @@ impl Completions {
         self.spun.next = next;
     }
 
-    /// A spin was dropped: it leaves `spin_wc(next..end)` to the reactor,
-    /// handed `taken` completions over, and gives back `unused` of its
-    /// budget.
+    /// A spin was dropped: it gives back `unused` of its budget (what it
+    /// left the reactor, `spin_handed` and `spin_polled` told already).
     #[inline(always)]
-    pub(super) fn spin_returned(&mut self, next: usize, end: usize, taken: usize, unused: u32) {
-        self.spin_leaves(next, end);
-        self.spun.taken += taken;
+    pub(super) fn spin_returned(&mut self, unused: u32) {
         self.spun.used -= unused;
     }
 
@@ -321,12 +320,13 @@ impl Completions {
         let SpinState {
             next,
             end,
-            taken,
+            polled,
             used,
             failed,
             ..
         } = std::mem::take(&mut self.spun);
         let left = end - next;
+        let taken = polled - left;
         self.wcs[..left].copy_from_slice(&self.spin_wcs[next..end]);
         self.spin_polls = self.spin_polls.saturating_add(used);
         SpinsSettled {
@@ -455,8 +455,9 @@ mod tests {
         let first = completions.spin_wc(0).wr_id();
         // The spin hands over the first, ends at the second, and gives
         // back all but the poll and the two completions.
-        completions.spin_leaves(1, 2);
-        completions.spin_returned(1, 2, 1, budget - 3);
+        completions.spin_polled(2);
+        completions.spin_handed(1);
+        completions.spin_returned(budget - 3);
         assert!(completions.has_spun());
         assert_eq!(completions.spin_budget(), 0, "a completion waits");
         let settled = completions.settle_spins();
@@ -480,7 +481,8 @@ mod tests {
         let ctx = unsafe { Context::loopback() };
         let mut completions = Completions::open(&ctx, &config(1, 64, 0)).expect("a CQ");
         completions.take_budget(SPIN_POLLS);
-        completions.spin_returned(0, 1, 0, SPIN_POLLS - 1);
+        completions.spin_polled(1);
+        completions.spin_returned(SPIN_POLLS - 1);
         assert!(completions.has_spun());
         completions.begin_loans();
         assert!(!completions.has_spun());

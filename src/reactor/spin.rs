@@ -63,8 +63,6 @@ pub struct Spin<'s> {
     /// even if the spin is forgotten).
     next: usize,
     end: usize,
-    /// Completions polled by this spin.
-    polled: usize,
     /// The connection's CQs, by index (the same for a QP with one CQ).
     send_cq: usize,
     recv_cq: usize,
@@ -88,13 +86,7 @@ impl fmt::Debug for Spin<'_> {
 
 impl Drop for Spin<'_> {
     fn drop(&mut self) {
-        let left = self.end - self.next;
-        self.completions.spin_returned(
-            self.next,
-            self.end,
-            self.polled - left,
-            self.budget + self.unused,
-        );
+        self.completions.spin_returned(self.budget + self.unused);
     }
 }
 
@@ -180,8 +172,7 @@ impl Spin<'_> {
         self.budget = self.budget.saturating_sub(n as u32);
         self.next = 0;
         self.end = n;
-        self.polled += n;
-        self.completions.spin_leaves(0, n);
+        self.completions.spin_polled(n);
         true
     }
 
@@ -282,7 +273,6 @@ impl Ctx<'_> {
             stop: self.stop,
             next: 0,
             end: 0,
-            polled: 0,
             send_cq,
             recv_cq,
             budget,

@@ -82,6 +82,9 @@ impl SrqPool {
         }
         let srq = pd.create_srq(slots)?;
         let region = pd.alloc_mr(slot_size * slots as usize, AccessFlags::LOCAL_WRITE)?;
+        // A QP built from the reactor's `qp_spec` holds the SRQ, and may
+        // outlive the reactor: the SRQ keeps its ring's memory.
+        srq.keep_registered(region.registration().clone());
         let ring = Ring::of(&region);
         // Owners of the connections the reactor reserves its records for:
         // adding one within them grows nothing here either.
@@ -250,9 +253,9 @@ impl SrqPool {
         // Never 0, which marks a slot that is not posted.
         let tag = self.tag_key.hash_one((slot, self.posts)) | 1;
         let wr_id = srq_recv_wr_id(slot, tag);
-        // SAFETY: the SRQ ring's region is the pool's, dropped only after
-        // the SRQ and every QP that receives from it; a slot given back is
-        // read by no one.
+        // SAFETY: the SRQ keeps the ring's registration until it is
+        // destroyed (`keep_registered`, in `new`), after every QP that
+        // receives from it; a slot given back is read by no one.
         let request = unsafe { recv_request(self.shared.ring, self.slot_size, wr_id, slot) };
         let _ = self.returning.push(request);
         self.available += 1;

@@ -171,13 +171,17 @@ impl<R: Request, const N: usize> Kept<Batch<R, N>> {
         self.requests.requests.get(index).map(R::wr_id)
     }
 
-    /// Drops the requests a post of this batch took, as
-    /// [`Batch::drop_posted`] does: after a post that took only some
-    /// ([`Error::Post`](crate::Error::Post)), posting the batch again then
-    /// posts no buffer twice. The registrations stay kept.
+    /// After a post of this batch that took only some of it
+    /// ([`Error::Post`](crate::Error::Post)): drops those, so that posting
+    /// the batch again posts the rest and no buffer twice. Any other
+    /// outcome leaves the batch whole, to post again as it is. The batch
+    /// stays without the dropped requests (keep a new one for the whole
+    /// list); the registrations stay kept.
     #[inline]
     pub fn drop_posted(&mut self, outcome: &crate::error::Result<()>) {
-        self.requests.drop_posted(outcome);
+        if matches!(outcome, Err(crate::Error::Post { .. })) {
+            self.requests.drop_posted(outcome);
+        }
     }
 }
 
@@ -255,7 +259,7 @@ mod tests {
         assert_eq!(kept.wr_id(0), Some(40), "what the post took is dropped");
         assert_eq!(kept.len(), 1);
         kept.drop_posted(&Ok(()));
-        assert!(kept.is_empty());
+        assert_eq!(kept.len(), 1, "a whole post leaves it to post again");
 
         let recv = RecvRequest::new(5, other.slice(0, 8).unwrap()).unwrap();
         assert!(Kept::new(recv, &[one]).is_err());

@@ -4,11 +4,12 @@
 use std::fmt;
 use std::os::raw::c_int;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, Result};
 use crate::sys;
 
+use super::mr::Registration;
 use super::pd::{PdInner, ProtectionDomain};
 use super::requests::{self, RecvRequests, sealed::Seal};
 use super::{check_ptr, check_rc, loopback};
@@ -23,6 +24,10 @@ pub(crate) struct SrqInner {
     pub(crate) srq: NonNull<sys::ibv_srq>,
     post_recv_fn: PostSrqRecvFn,
     max_wr: u32,
+    /// Memory the owner's receives point into, kept registered and mapped
+    /// until the SRQ is destroyed, however long an attached QP keeps it
+    /// (dropped after the SRQ, like the PD).
+    kept: OnceLock<Registration>,
     // Dropped after the SRQ is destroyed: the PD outlives it.
     pub(crate) pd: Arc<PdInner>,
 }
@@ -160,6 +165,7 @@ impl ProtectionDomain {
                 srq,
                 post_recv_fn,
                 max_wr: init.attr.max_wr.max(max_wr),
+                kept: OnceLock::new(),
                 pd: Arc::clone(&self.inner),
             }),
         })
@@ -167,6 +173,14 @@ impl ProtectionDomain {
 }
 
 impl SharedReceiveQueue {
+    /// Keeps `registration` (the memory this SRQ's receives point into)
+    /// until the SRQ is destroyed, after every QP attached to it: receives
+    /// posted there never outlive their memory. Once per SRQ; false if it
+    /// keeps one already.
+    pub(crate) fn keep_registered(&self, registration: Registration) -> bool {
+        self.inner.kept.set(registration).is_ok()
+    }
+
     /// Receives the SRQ can hold.
     pub fn max_wr(&self) -> u32 {
         self.inner.max_wr

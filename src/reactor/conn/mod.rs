@@ -75,7 +75,7 @@ pub(crate) struct Conn {
     /// The QP number the completions of the reactor's protocol come
     /// from: the QP's, or [`NO_QPN`] on a direct connection, so that one
     /// compare vets both the QP and the kind.
-    protocol_qpn: u32,
+    protocol_qpn: u64,
     // Declared before the rings' registrations: the QP is destroyed first.
     // Only this connection posts on it (the reactor took it whole).
     qp: QueuePair,
@@ -158,14 +158,14 @@ pub(crate) struct Conn {
 // owns this Conn; moving the Conn to another thread moves none of that memory.
 unsafe impl Send for Conn {}
 
-/// No QP number: QP numbers have 24 bits.
-const NO_QPN: u32 = u32::MAX;
+/// No QP number: beyond every `u32` a device can report.
+const NO_QPN: u64 = 1 << 32;
 
 impl Conn {
     /// The QP number a completion of the reactor's protocol must come
     /// from to be this connection's: none on a direct connection.
     #[inline(always)]
-    pub(crate) fn protocol_qpn(&self) -> u32 {
+    pub(crate) fn protocol_qpn(&self) -> u64 {
         self.protocol_qpn
     }
 
@@ -232,7 +232,7 @@ impl Conn {
             binds: qp.bound_windows(),
             state: ConnState::Connecting,
             direct: false,
-            protocol_qpn: qp.qpn(),
+            protocol_qpn: u64::from(qp.qpn()),
             qp,
             recv_ring,
             send_ring: Ring::of(&send_region),

@@ -144,7 +144,7 @@ impl ConnTable {
             // id from a direct QP is none of ours (the device's data, so
             // refused, never asserted), and a direct connection has no
             // protocol QP number.
-            if conn.protocol_qpn() != qpn {
+            if conn.protocol_qpn() != u64::from(qpn) {
                 return Err(if conn.direct && conn.qpn == qpn {
                     Refusal::WrongKind
                 } else {

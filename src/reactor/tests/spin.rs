@@ -567,7 +567,13 @@ fn a_spin_forgotten_midway_through_a_batch_loses_no_one_elses_completion() {
         std::mem::forget(spin);
         false
     });
+    let before = reactor.counters().completions;
     idle_pass(&mut reactor);
+    assert_eq!(
+        reactor.counters().completions - before,
+        3,
+        "counted: the one handed over and the two left"
+    );
     assert_eq!(
         b.log.borrow().completions,
         [(9, WcOpcode::RECV, 8)],

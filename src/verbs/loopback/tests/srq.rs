@@ -243,3 +243,31 @@ fn a_qp_on_an_srq_going_to_error_flushes_none_of_its_receives() {
         .unwrap();
     assert_eq!(receives(&drain(&mut cq)), [(3, d.qpn(), ok)]);
 }
+
+/// The registration an SRQ keeps stays registered after its region is
+/// dropped, as long as a QP attached to the SRQ (so the SRQ) lives: the
+/// receives posted there never outlive their memory.
+#[test]
+fn an_srq_keeps_its_registration_until_destroyed() {
+    let ctx = single_threaded_context();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16, None).unwrap();
+    let srq = pd.create_srq(4).unwrap();
+    let region = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let key = region.lkey();
+    assert!(srq.keep_registered(region.registration().clone()));
+    assert!(!srq.keep_registered(region.registration().clone()), "once");
+    let qp = pd
+        .create_qp_with_srq(&cq, &cq, &srq.attachment(), &QpConfig::default())
+        .unwrap();
+    drop((region, srq));
+    assert!(
+        super::super::is_mr_registered(key),
+        "kept while the QP holds the SRQ"
+    );
+    drop(qp);
+    assert!(
+        !super::super::is_mr_registered(key),
+        "released with the SRQ"
+    );
+}
