@@ -66,13 +66,26 @@ struct State {
     row_delivered: bool,
     /// The first failure.
     failure: Option<Failure>,
-    /// Peers that left, in the order they did: rank, when, how, and the
-    /// rank to blame if that makes us give up.
-    gone: Vec<(usize, Instant, String, Option<usize>)>,
+    /// Peers that left, in the order they did.
+    gone: Vec<Departure>,
     /// Handlers that told their peer we give up (or could not).
     told: usize,
     /// Handshakes the listener refused.
     rejected: Vec<String>,
+}
+
+/// A peer that left.
+#[derive(Debug)]
+struct Departure {
+    rank: usize,
+    since: Instant,
+    /// How, in words after "rank N".
+    why: String,
+    /// The rank to blame if that makes us give up.
+    culprit: Option<usize>,
+    /// Lost (its connection broke), rather than hung up or gave up: the
+    /// likelier cause when several left together.
+    lost: bool,
 }
 
 impl State {
@@ -100,23 +113,25 @@ impl State {
     }
 
     /// Once the first peer that left owing something did so
-    /// [`LAST_WORDS`] ago: that peer's culprit, and every peer that left
-    /// owing something. All are named, because the first to be noticed
+    /// [`LAST_WORDS`] ago: every peer that left owing something, and the
+    /// culprit of the first that was lost (else of the first). All are
+    /// named, and a loss is blamed first, because the first to be noticed
     /// may only have reacted to another (a rank that gave up over a lost
     /// rank before it could tell us so just hangs up).
     fn lost(&self, me: usize) -> Option<Failure> {
         let owing = self
             .gone
             .iter()
-            .filter(|(rank, ..)| !self.done_with(me, *rank));
-        let (_, since, _, culprit) = owing.clone().next()?;
-        if since.elapsed() <= LAST_WORDS {
+            .filter(|gone| !self.done_with(me, gone.rank));
+        let first = owing.clone().next()?;
+        if first.since.elapsed() <= LAST_WORDS {
             return None;
         }
+        let blamed = owing.clone().find(|gone| gone.lost).unwrap_or(first);
         let named: Vec<String> = owing
-            .map(|(rank, _, why, _)| format!("rank {rank} {why}"))
+            .map(|gone| format!("rank {} {}", gone.rank, gone.why))
             .collect();
-        Some((*culprit, named.join("; ")))
+        Some((blamed.culprit, named.join("; ")))
     }
 }
 
@@ -238,12 +253,19 @@ impl Board {
         self.lock().failure.is_some()
     }
 
-    /// Peer `rank` left (`why`, in words after "rank N"); `culprit` is the
-    /// rank to blame should that make us give up. The first word counts.
-    pub fn peer_gone(&self, rank: usize, why: String, culprit: Option<usize>) {
+    /// Peer `rank` left (`why`, in words after "rank N"; `lost`: its
+    /// connection broke); `culprit` is the rank to blame should that make
+    /// us give up. The first word counts.
+    pub fn peer_gone(&self, rank: usize, why: String, culprit: Option<usize>, lost: bool) {
         self.update(|state| {
-            if state.gone.iter().all(|(gone, ..)| *gone != rank) {
-                state.gone.push((rank, Instant::now(), why, culprit));
+            if state.gone.iter().all(|gone| gone.rank != rank) {
+                state.gone.push(Departure {
+                    rank,
+                    since: Instant::now(),
+                    why,
+                    culprit,
+                    lost,
+                });
             }
         });
     }
@@ -450,18 +472,18 @@ mod tests {
     }
 
     #[test]
-    fn every_peer_that_left_owing_something_is_named_the_first_blamed() {
+    fn every_peer_that_left_owing_something_is_named_a_lost_one_blamed() {
         let board = Board::new(1, 3);
         board.claim(0).unwrap();
         board.claim(2).unwrap();
-        board.peer_gone(0, "hung up early".into(), Some(0));
-        board.peer_gone(2, "was lost: reset".into(), Some(2));
+        board.peer_gone(0, "hung up early".into(), Some(0), false);
+        board.peer_gone(2, "was lost: reset".into(), Some(2), true);
         assert_eq!(board.lock().lost(1), None, "not before LAST_WORDS");
         std::thread::sleep(LAST_WORDS + Duration::from_millis(10));
         assert_eq!(
             board.lock().lost(1),
             Some((
-                Some(0),
+                Some(2),
                 "rank 0 hung up early; rank 2 was lost: reset".to_string()
             ))
         );
@@ -475,9 +497,9 @@ mod tests {
         // Rank 1 is done with us; rank 2 leaves mid-stream.
         board.post_cell(1, cell(1));
         board.post_row(1, vec![cell(2); 3]);
-        board.peer_gone(1, "hung up early".into(), Some(1));
-        board.peer_gone(2, "was lost: reset".into(), Some(2));
-        board.peer_gone(2, "hung up early".into(), Some(2));
+        board.peer_gone(1, "hung up early".into(), Some(1), false);
+        board.peer_gone(2, "was lost: reset".into(), Some(2), true);
+        board.peer_gone(2, "hung up early".into(), Some(2), false);
         let teller = {
             let board = std::sync::Arc::clone(&board);
             std::thread::spawn(move || {

@@ -373,13 +373,13 @@ fn describe_hang_up(code: u16) -> String {
 
 impl Handler for PeerHandler {
     fn on_peer_gone(&mut self, _ctx: &mut Ctx<'_>, _session: SessionId, status: &PeerStatus) {
-        let why = match status {
+        let (why, lost) = match status {
             PeerStatus::Alive => return,
-            PeerStatus::Disconnected { code } => describe_hang_up(*code),
-            PeerStatus::Lost(err) => format!("was lost: {err}"),
+            PeerStatus::Disconnected { code } => (describe_hang_up(*code), false),
+            PeerStatus::Lost(err) => (format!("was lost: {err}"), true),
         };
         self.closed = true;
-        self.board.peer_gone(self.rank, why, Some(self.rank));
+        self.board.peer_gone(self.rank, why, Some(self.rank), lost);
     }
 
     fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
@@ -444,7 +444,7 @@ impl Handler for PeerHandler {
                     NOBODY => ("gave up".to_string(), self.rank),
                     rank => (format!("gave up over rank {rank}"), rank as usize),
                 };
-                self.board.peer_gone(self.rank, why, Some(culprit));
+                self.board.peer_gone(self.rank, why, Some(culprit), false);
             }
             _ => {
                 let rank = self.rank;
