@@ -110,6 +110,12 @@ fn post_all_and_take_one(
     drain(spin, seen, 1);
 }
 
+/// (id, opcode) of each completion `end`'s handler was told of.
+fn ids_and_opcodes(end: &End) -> Vec<(u32, WcOpcode)> {
+    let log = end.log.borrow();
+    log.completions.iter().map(|c| (c.0, c.1)).collect()
+}
+
 /// Sets `end`'s idle plan.
 fn plan(end: &End, plan: impl FnMut(&mut Ctx<'_>) -> bool + 'static) {
     end.log.borrow_mut().idle_plan = Some(IdlePlan(Box::new(plan)));
@@ -182,13 +188,7 @@ fn another_connections_completion_ends_the_spin_and_reaches_its_handler() {
     let seen = seen.borrow();
     assert!(seen.ended, "B's receive ended A's spin");
     assert_eq!(b.log.borrow().completions, [(9, WcOpcode::RECV, 8)]);
-    let a_after: Vec<_> = a
-        .log
-        .borrow()
-        .completions
-        .iter()
-        .map(|c| (c.0, c.1))
-        .collect();
+    let a_after = ids_and_opcodes(&a);
     let all_of_a: Vec<_> = seen.taken.iter().copied().chain(a_after).collect();
     assert_eq!(all_of_a, [(0x11, WcOpcode::SEND)], "A's SEND, once");
 }
@@ -584,13 +584,7 @@ fn a_spin_forgotten_midway_through_a_batch_loses_no_one_elses_completion() {
         [(0x22, WcOpcode::RDMA_READ)],
         "A's READ first"
     );
-    let a_after: Vec<_> = a
-        .log
-        .borrow()
-        .completions
-        .iter()
-        .map(|c| (c.0, c.1))
-        .collect();
+    let a_after = ids_and_opcodes(&a);
     assert_eq!(
         a_after,
         [(0x11, WcOpcode::SEND)],
