@@ -161,9 +161,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// a completion is a direct connection's, or a stranger's): the pass
     /// stays short, and the dispatch of any other completion and the
     /// chores after the pass, when there are any, are calls of their own;
-    /// inlined, their code weighed on every pass's registers (on the host,
-    /// a direct READ round trip's pass and dispatch went from 218 to 176
-    /// Ir). Both variants do the same; only their cost differs.
+    /// inlined, their code would weigh on every pass's registers
+    /// (`tools/instr-count --host`, the direct rows, guards it). Both
+    /// variants do the same; only their cost differs.
     #[inline(always)]
     fn pass<const LEAN: bool>(&mut self) -> Result<usize> {
         // Connections removed before this pass: their QPs are destroyed, so

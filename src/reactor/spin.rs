@@ -147,8 +147,8 @@ impl Spin<'_> {
     /// each completion it brings costs one of the budget, so a spin is as
     /// long as about that many empty passes, busy or not. Ends the spin
     /// when it may not poll again. (Inlined into the handler's loop with
-    /// `poll`: a call here measured 19 Ir more per READ round trip on the
-    /// host.)
+    /// `poll`, so the loop keeps its state in registers; the spin row of
+    /// `tools/instr-count --host` guards it.)
     #[inline(always)]
     fn refill(&mut self) -> bool {
         if self.budget == 0 {
