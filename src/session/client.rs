@@ -215,9 +215,7 @@ impl ClientSession {
                 })
             }
             #[cfg(not(feature = "rdma_cm"))]
-            Transport::RdmaCm => Err(Error::InvalidArgument(
-                "Transport::RdmaCm needs the rdma_cm feature",
-            )),
+            Transport::RdmaCm => Err(Error::InvalidArgument(super::RDMA_CM_OFF)),
             #[cfg(feature = "rdma_cm")]
             Transport::RdmaCm => {
                 let backoff = (config.initial_backoff, config.max_backoff);

@@ -30,6 +30,11 @@ mod auth;
 mod client;
 #[cfg(feature = "rdma_cm")]
 mod cm;
+
+/// The refusal of `Transport::RdmaCm` by a build without the `rdma_cm`
+/// feature (client and server alike).
+#[cfg(not(feature = "rdma_cm"))]
+const RDMA_CM_OFF: &str = "Transport::RdmaCm needs the rdma_cm feature";
 mod endpoint;
 mod handshake;
 pub(crate) mod net;

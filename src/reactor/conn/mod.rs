@@ -71,6 +71,8 @@ pub(crate) struct Conn {
     /// A direct connection: its handler posts on the QP itself and gets
     /// every completion as it comes ([`Ctx::direct`](super::Ctx::direct));
     /// the reactor stages, signals, credits and reposts nothing on it.
+    /// (The same as `protocol_qpn == NO_QPN`, kept as a flag: the hot
+    /// checks read it cheaper, `tools/instr-count --host`.)
     pub(crate) direct: bool,
     /// The QP number the completions of the reactor's protocol come
     /// from: the QP's, or [`NO_QPN`] on a direct connection, so that one
