@@ -1,5 +1,6 @@
-//! Generates the FFI bindings to libibverbs and librdmacm (the RDMA
-//! connection manager, `<rdma/rdma_cma.h>`) from the system's rdma-core headers.
+//! Generates the FFI bindings to libibverbs and, with the `rdma_cm` feature,
+//! librdmacm (the RDMA connection manager, `<rdma/rdma_cma.h>`) from the
+//! system's rdma-core headers.
 //!
 //! Static inline verbs: `ibv_post_send`, `ibv_post_recv`, `ibv_poll_cq` and
 //! `ibv_req_notify_cq` are one indirect call through `context->ops` in the
@@ -13,12 +14,15 @@
 use std::env;
 use std::path::PathBuf;
 
-const HEADERS: [&str; 2] = ["infiniband/verbs.h", "rdma/rdma_cma.h"];
+const VERBS_HEADER: &str = "infiniband/verbs.h";
+const CM_HEADER: &str = "rdma/rdma_cma.h";
+/// What `src/sys/wrapper.h` includes `<rdma/rdma_cma.h>` under.
+const CM_DEFINE: &str = "RDMA_COMM_CORE_CM";
 const INSTALL_HINT: &str = "install the Debian packages libibverbs-dev and librdmacm-dev \
      (rdma-core headers), libclang-dev (for bindgen), pkg-config, libhwloc-dev and \
      ibverbs-providers, or set RDMA_CORE_INCLUDE_DIR (and RDMA_CORE_LIB_DIR) to an \
      rdma-core installation of your own";
-/// A directory holding `infiniband/verbs.h` and `rdma/rdma_cma.h`, searched
+/// A directory holding `infiniband/verbs.h` (and `rdma/rdma_cma.h`), searched
 /// before pkg-config's and the system's.
 const INCLUDE_DIR_ENV: &str = "RDMA_CORE_INCLUDE_DIR";
 /// A directory holding `libibverbs.so` and `librdmacm.so`, searched first
@@ -48,8 +52,14 @@ fn main() {
         return;
     }
 
+    let with_cm = env::var_os("CARGO_FEATURE_RDMA_CM").is_some();
+    let headers: &[&str] = if with_cm {
+        &[VERBS_HEADER, CM_HEADER]
+    } else {
+        &[VERBS_HEADER]
+    };
     let (include_dirs, lib_dirs) = search_dirs();
-    for header in HEADERS {
+    for header in headers {
         if !include_dirs.iter().any(|dir| dir.join(header).exists()) {
             panic!("rdma-comm-core: <{header}> not found in {include_dirs:?}; {INSTALL_HINT}");
         }
@@ -63,6 +73,7 @@ fn main() {
                 .iter()
                 .map(|dir| format!("-I{}", dir.display())),
         )
+        .clang_args(with_cm.then(|| format!("-D{CM_DEFINE}")))
         .allowlist_function("ibv_.*|_ibv_.*|___ibv_.*|rdma_.*")
         .allowlist_type("ibv_.*|rdma_.*")
         .allowlist_var("IBV_.*|RDMA_.*")
@@ -76,7 +87,7 @@ fn main() {
         .layout_tests(true)
         .generate()
         .unwrap_or_else(|err| {
-            panic!("rdma-comm-core: bindgen failed on {HEADERS:?} ({err}); {INSTALL_HINT}")
+            panic!("rdma-comm-core: bindgen failed on {headers:?} ({err}); {INSTALL_HINT}")
         });
     bindings
         .write_to_file(out_dir.join("verbs.rs"))
@@ -89,6 +100,9 @@ fn main() {
     for dir in &include_dirs {
         shim.include(dir);
     }
+    if with_cm {
+        shim.define(CM_DEFINE, None);
+    }
     shim.opt_level(2)
         .warnings(false)
         .compile("verbs_static_inline_shim");
@@ -97,8 +111,7 @@ fn main() {
         println!("cargo:rustc-link-search=native={}", dir.display());
     }
     println!("cargo:rustc-link-lib=ibverbs");
-    // Without the rdma_cm feature nothing calls into librdmacm.
-    if env::var_os("CARGO_FEATURE_RDMA_CM").is_some() {
+    if with_cm {
         println!("cargo:rustc-link-lib=rdmacm");
     }
 }

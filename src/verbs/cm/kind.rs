@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+#[cfg(feature = "rdma_cm")]
 use crate::sys;
 
 /// What a connection-manager event reports (`enum rdma_cm_event_type`).
@@ -97,7 +98,7 @@ impl fmt::Display for CmEventKind {
 }
 
 impl CmEventKind {
-    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    #[cfg(feature = "rdma_cm")]
     pub(super) fn from_raw(raw: sys::rdma_cm_event_type) -> Self {
         match raw {
             sys::RDMA_CM_EVENT_ADDR_RESOLVED => Self::AddrResolved,
