@@ -172,11 +172,16 @@ impl Client {
         }
     }
 
+    /// Every message came back, or one came back altered: the run is over.
+    fn finished(&self) -> bool {
+        self.echoed == self.count || !self.intact
+    }
+
     /// Sends the next message unless one is in flight. `WouldBlock` (the
     /// server's receives not yet announced) is retried from `on_idle`.
     fn send_next(&mut self, ctx: &mut Ctx<'_>) {
         let Some(conn) = self.conn else { return };
-        if self.sent > self.echoed || self.sent == self.count {
+        if self.sent > self.echoed || self.sent == self.count || !self.intact {
             return;
         }
         fill(&mut self.message, self.sent);
@@ -205,10 +210,6 @@ impl Handler for Client {
             self.intact = false;
         }
         self.echoed += 1;
-        if self.echoed == self.count || !self.intact {
-            ctx.stop();
-            return;
-        }
         self.send_next(ctx);
     }
 
@@ -253,12 +254,9 @@ fn report(client: &Client, started: Instant) -> bool {
 /// Server: one reactor per core (a runtime), each session placed on one.
 fn server(args: &Args, addr: SocketAddr) -> Result<bool> {
     let pd = Context::open_default(args.device.as_deref())?.alloc_pd()?;
-    // The peer watch finds departed clients, whose sessions on_peer_gone
-    // removes.
-    let config = RuntimeConfig {
-        reactor: ReactorConfig::default().watching_peers(std::time::Duration::from_secs(1)),
-        ..RuntimeConfig::default()
-    };
+    // The reactors' peer watch (every second) finds departed clients,
+    // whose sessions on_peer_gone removes.
+    let config = RuntimeConfig::default();
     let reactor_config = config.reactor.clone();
     let mut runtime = Runtime::start(&pd, config, move |_: &NewSession<'_>| {
         Ok(Echo::new(&reactor_config))
@@ -281,7 +279,8 @@ fn client(args: &Args, addr: SocketAddr) -> Result<bool> {
         ClientSession::connect(addr, &pd, &config)?,
         Client::new(args.count, args.size),
     )?;
-    reactor.run()?;
+    // Until every message came back (or `ctx.stop()` on a failure).
+    reactor.run_until(|reactor| reactor.handler(session).is_some_and(Client::finished))?;
     Ok(reactor
         .handler(session)
         .is_some_and(|client| report(client, started)))
@@ -302,6 +301,6 @@ fn loopback(args: &Args) -> Result<bool> {
     let client = Rc::new(RefCell::new(Client::new(args.count, args.size)));
     let started = Instant::now();
     reactor.add(vec![client_qp], Box::new(Rc::clone(&client)))?;
-    reactor.run()?;
+    reactor.run_until(|_| client.borrow().finished())?;
     Ok(report(&client.borrow(), started))
 }

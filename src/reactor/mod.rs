@@ -381,6 +381,36 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         Ok(())
     }
 
+    /// Runs passes until `done` says the work is done (returns `true`) or a
+    /// [`Stopper`] or [`Ctx::stop`] asks it to return (`false`). `done` is
+    /// asked before the first pass and after each one, so it should be a
+    /// cheap look at state, such as a handler's ([`handler`](Self::handler)).
+    ///
+    /// ```no_run
+    /// # use rdma_comm_core::prelude::*;
+    /// struct Count(u64);
+    /// impl Handler for Count {
+    ///     fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {
+    ///         self.0 += 1;
+    ///     }
+    /// }
+    /// # fn demo(reactor: &mut Reactor<Count>, session: SessionId) -> Result<()> {
+    /// // Until the session's handler has seen 1,000 messages.
+    /// reactor.run_until(|reactor| reactor.handler(session).is_some_and(|count| count.0 >= 1_000))?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn run_until(&mut self, mut done: impl FnMut(&Self) -> bool) -> Result<bool> {
+        while !done(self) {
+            if self.stop.load(Ordering::Acquire) {
+                self.stop.store(false, Ordering::Release);
+                return Ok(false);
+            }
+            self.turn()?;
+        }
+        Ok(true)
+    }
+
     /// Runs passes until stopped (returns `true`) or until about `limit`
     /// has passed (returns `false`): for a caller that also has something
     /// to do now and then.

@@ -350,6 +350,7 @@ mod direct;
 mod ids;
 mod now;
 mod ring;
+mod run;
 mod sparse;
 mod spin;
 mod srq;
