@@ -258,12 +258,10 @@ fn run(args: &Args) -> rdma_comm_core::Result<bool> {
     let per_reactor = clients.div_ceil(reactors) as u32;
     let depth = (2 * window as u32).max(16);
     let mode: EventMode = args.event_mode.into();
-    let reactor_config = |sessions| {
-        ReactorConfig {
-            event_mode: mode,
-            ..ReactorConfig::for_traffic(size, depth, sessions)
-        }
-        .watching_peers(Duration::from_millis(100))
+    let reactor_config = |sessions| ReactorConfig {
+        event_mode: mode,
+        peer_check_interval: Some(Duration::from_millis(100)),
+        ..ReactorConfig::for_traffic(size, depth, sessions)
     };
     let core_choice = match &args.cores {
         Some(list) => CoreChoice::List(parse_core_list(list)?),

@@ -492,10 +492,10 @@ fn reactor_config(opts: &Opts) -> ReactorConfig {
         send_slots: depth,
         sq_depth: (2 * depth).max(64),
         signal_interval: opts.reactor.signal_interval,
+        peer_check_interval: Some(PEER_CHECK_INTERVAL),
         ..ReactorConfig::default()
     }
     .absorbing(2)
-    .watching_peers(PEER_CHECK_INTERVAL)
 }
 
 fn listen_addr(listen: &str) -> String {

@@ -220,7 +220,12 @@ verbs_test! {
         let config = RuntimeConfig {
             reactors: 1,
             cores: CoreChoice::List(vec![0]),
-            reactor: ReactorConfig::for_traffic(512, 64, 1),
+            // Without the peer watch's periodic syscall: the data path
+            // makes none of its own.
+            reactor: ReactorConfig {
+                peer_check_interval: None,
+                ..ReactorConfig::for_traffic(512, 64, 1)
+            },
             ..RuntimeConfig::default()
         };
         let mut runtime = Runtime::start(&pd, config, echo_factory(tx)).unwrap();
@@ -426,9 +431,9 @@ fn idle_runtime(mode: EventMode) {
             .spawn(move || {
                 let config = ReactorConfig {
                     event_mode: EventMode::Blocking,
+                    peer_check_interval: Some(Duration::from_millis(100)),
                     ..ReactorConfig::default()
-                }
-                .watching_peers(Duration::from_millis(100));
+                };
                 let mut reactor: Reactor<Echo> = Reactor::new(&pd, config).unwrap();
                 stopper_tx.send(reactor.stopper()).unwrap();
                 reactor.run().unwrap();

@@ -299,8 +299,9 @@ impl rdma_comm_core::reactor::Handler for OnlyMessages {
 fn a_departed_peer_frees_its_place_once_the_reactor_sees_it_leave() {
     use rdma_comm_core::reactor::{Reactor, ReactorConfig};
     let pd = loopback_pd();
-    let config = ReactorConfig::default().watching_peers(Duration::from_millis(20));
-    let mut reactor: Reactor<OnlyMessages> = Reactor::new(&pd, config).expect("a reactor");
+    // The default configuration watches peers (every second).
+    let mut reactor: Reactor<OnlyMessages> =
+        Reactor::new(&pd, ReactorConfig::default()).expect("a reactor");
     let mut config = reactor.server_config(AccessFlags::empty());
     config.insecure_open = true;
     config.max_peers = Some(1);
@@ -334,10 +335,15 @@ fn a_departed_peer_frees_its_place_once_the_reactor_sees_it_leave() {
 
 #[test]
 fn a_runtime_that_cannot_see_peers_leave_refuses_a_peer_limit() {
+    use rdma_comm_core::reactor::ReactorConfig;
     use rdma_comm_core::runtime::{NewSession, Runtime, RuntimeConfig};
     let pd = loopback_pd();
     let config = RuntimeConfig {
         reactors: 1,
+        reactor: ReactorConfig {
+            peer_check_interval: None,
+            ..ReactorConfig::default()
+        },
         ..RuntimeConfig::default()
     };
     let mut runtime =
@@ -346,7 +352,7 @@ fn a_runtime_that_cannot_see_peers_leave_refuses_a_peer_limit() {
     config.insecure_open = true;
     config.max_peers = Some(2);
     match runtime.serve("127.0.0.1:0", config) {
-        Err(Error::InvalidArgument(why)) => assert!(why.contains("watching_peers"), "{why}"),
+        Err(Error::InvalidArgument(why)) => assert!(why.contains("peer_check_interval"), "{why}"),
         other => panic!("a peer limit nobody can free was accepted: {other:?}"),
     }
     runtime.handle().stop();

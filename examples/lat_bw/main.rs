@@ -284,9 +284,10 @@ fn reactor_config(args: &Args, size: usize) -> ReactorConfig {
     };
     // A direct connection takes its QP's whole queues from the CQ's room,
     // and a provider may round the QP's depths up.
-    let config = config
-        .absorbing(if args.direct { 2 } else { 1 })
-        .watching_peers(Duration::from_millis(200));
+    let config = ReactorConfig {
+        peer_check_interval: Some(Duration::from_millis(200)),
+        ..config.absorbing(if args.direct { 2 } else { 1 })
+    };
     // Nor does it wake on a timer: its peer's completions and control
     // connection wake it. (Woken every 10 ms, it put its wake-ups into the
     // client's READ latencies: the guest's vCPUs also run Soft-RoCE.)

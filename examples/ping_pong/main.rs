@@ -172,7 +172,7 @@ fn reactor_config(
         send_slots,
         signal_interval: args.reactor.signal_interval,
         repost_batch: args.reactor.repost_batch_or(base.repost_batch),
+        peer_check_interval: Some(PEER_CHECK_INTERVAL),
         ..base
     }
-    .watching_peers(PEER_CHECK_INTERVAL)
 }

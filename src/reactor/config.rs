@@ -82,16 +82,16 @@ pub struct ReactorConfig {
     /// ends it, so an idle reactor makes no syscalls at all.
     pub idle_timeout: Duration,
     /// How often the reactor asks each session's peer link whether the peer
-    /// is still there ([`Handler::on_peer_gone`](super::Handler::on_peer_gone));
-    /// `None` (the default) never asks, and then a departed peer is noticed
-    /// only by a failed completion: a server of sessions sets it
-    /// ([`watching_peers`](Self::watching_peers)). The check is
-    /// non-blocking and runs between passes, but each check of a session's
-    /// control connection is a syscall, and a busy-polling reactor reads
-    /// the clock every so many passes to know when the next is due, which
-    /// is a syscall too where the clocksource has no user-space reading
-    /// (no TSC, as in an emulated guest). Off by default so that the data
-    /// path makes no syscalls of its own anywhere.
+    /// is still there ([`Handler::on_peer_gone`](super::Handler::on_peer_gone)):
+    /// every second by default, so a server learns that a client left even
+    /// when it was not sending to it. The check is non-blocking and runs
+    /// between passes, never per message; it costs one syscall per session
+    /// with a control connection per interval, and a busy-polling reactor
+    /// reads the clock every so many passes to know when it is due (a
+    /// syscall too where the clocksource has no user-space reading, as in
+    /// an emulated guest). `None` never asks: a departed peer is then
+    /// noticed only by a failed completion, and a busy-polling reactor
+    /// makes no syscalls of its own at all.
     pub peer_check_interval: Option<Duration>,
     /// Connections the reactor makes room for when it is built: its
     /// connection and session records for this many (about 4 KiB of
@@ -129,11 +129,14 @@ impl Default for ReactorConfig {
             signal_interval: 16,
             max_inline: 64,
             idle_timeout: Duration::from_millis(10),
-            peer_check_interval: None,
+            peer_check_interval: Some(PEER_CHECK_INTERVAL),
             reserve_connections: 0,
         }
     }
 }
+
+/// How often a reactor watches its peers unless told otherwise.
+const PEER_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Largest CQ the reactor asks for: rxe and many NICs cap one CQ at about
 /// 32k entries, so more connections are spread over more CQs.
@@ -186,12 +189,6 @@ impl ReactorConfig {
     /// [`Waker`](super::Waker)s end the sleep; `on_idle` runs only after them.
     pub fn sleeping_until_woken(mut self) -> Self {
         self.idle_timeout = Duration::MAX;
-        self
-    }
-
-    /// Watches every session's peer every `every` ([`Handler::on_peer_gone`](super::Handler::on_peer_gone)).
-    pub fn watching_peers(mut self, every: Duration) -> Self {
-        self.peer_check_interval = Some(every);
         self
     }
 

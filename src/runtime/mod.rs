@@ -396,7 +396,7 @@ impl Runtime {
     /// it); binding the listener; spawning its thread; a `max_peers` the
     /// reactors could never free a place of (busy-polling reactors that do
     /// not watch peers never see one leave: see
-    /// [`ReactorConfig::watching_peers`](crate::reactor::ReactorConfig::watching_peers)).
+    /// [`ReactorConfig::peer_check_interval`](crate::reactor::ReactorConfig::peer_check_interval)).
     pub fn serve(
         &mut self,
         addr: impl ToSocketAddrs,
@@ -404,7 +404,7 @@ impl Runtime {
     ) -> Result<SocketAddr> {
         if config.max_peers.is_some() && !self.handle.shared.sees_peers_leave {
             return Err(Error::InvalidArgument(
-                "max_peers needs reactors that see a peer leave: ReactorConfig::watching_peers, or a Blocking or Epoll event mode",
+                "max_peers needs reactors that see a peer leave: ReactorConfig::peer_check_interval, or a Blocking or Epoll event mode",
             ));
         }
         let shared = Arc::clone(&self.handle.shared);

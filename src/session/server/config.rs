@@ -83,7 +83,7 @@ pub struct ServerConfig {
     /// place from admission until its handshake fails, its endpoint (or
     /// the reactor session made of it) is dropped, or its endpoint's
     /// `check_peer` finds it gone, which a reactor's peer watch does
-    /// (`ReactorConfig::watching_peers`; a Blocking or Epoll reactor also
+    /// (`ReactorConfig::peer_check_interval`, on by default; a Blocking or Epoll reactor also
     /// wakes on a peer's leaving). While every place is taken, newcomers
     /// are refused as busy and the listener keeps listening.
     pub max_peers: Option<usize>,

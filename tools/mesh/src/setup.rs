@@ -178,9 +178,9 @@ fn reactor_config(args: &Args, world: &World) -> ReactorConfig {
             .next_multiple_of(64),
         signal_interval: args.reactor.signal_interval,
         repost_batch: args.reactor.repost_batch_or(base.repost_batch),
+        peer_check_interval: Some(PEER_CHECK_INTERVAL),
         ..base
     }
-    .watching_peers(PEER_CHECK_INTERVAL)
 }
 
 /// What the streams need to know, from the flags.
