@@ -63,6 +63,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         direct: bool,
     ) -> Result<SessionId> {
         let (qps, link) = source.into_parts();
+        // A QP numbered as one removed since the CQs were last polled empty
+        // (the kernel reuses numbers at once) could take that QP's queued
+        // receives for its own, another peer's messages: poll them out
+        // first. Before this connection's first flush grants credits, its
+        // peer sends nothing but its initial credit update, which a pass
+        // may drop as a stranger's as it may any time before the add (the
+        // peer's first credit is answered with another update).
+        if let Some(pool) = &self.srq
+            && qps.iter().any(|qp| pool.reuses_retired(qp.qpn()))
+        {
+            self.one_pass()?;
+        }
         let cq_charges = self.check_qps(&qps, direct)?;
         let Some(session) = self.sessions.vacant_id() else {
             return Err(Error::InvalidArgument(

@@ -40,7 +40,9 @@ pub use device::{
 pub use kept::Kept;
 pub(crate) use list::{SendDescriptor, SendList, SendOpcode, Sge};
 #[cfg(test)]
-pub(crate) use loopback::{fail_next_polls, refuse_sends_after, refuse_sends_after_silently};
+pub(crate) use loopback::{
+    fail_next_polls, refuse_sends_after, refuse_sends_after_silently, reuse_qpn_next,
+};
 pub use mr::{AccessFlags, LocalSlice, MemoryRegion, Registration, RemoteRegion, RemoteSlice};
 pub use mw::{BIND_WR_ID, BoundWindow, MemoryWindow};
 pub use pd::ProtectionDomain;

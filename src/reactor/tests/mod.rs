@@ -11,6 +11,7 @@ use crate::session::CqChoice;
 use crate::verbs::{
     AccessFlags, CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpConfig, QueuePair,
     RecvRequest, WorkCompletion, WorkRequest, refuse_sends_after, refuse_srq_recvs_after,
+    reuse_qpn_next,
 };
 
 use super::{ConnId, Ctx, Handler, HeldRecv, Reactor, ReactorConfig, SessionId};

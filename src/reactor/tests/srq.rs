@@ -692,3 +692,68 @@ fn a_flooding_peer_takes_at_most_the_srq_beyond_its_grant_and_is_cut_off_within_
     assert!(errors_of(&ends).is_empty(), "{:?}", errors_of(&ends));
     run_until_srq_whole(&mut reactor, "every SRQ slot posted again");
 }
+
+/// A removed connection's last receive is still queued in the CQ when the
+/// kernel gives its QP number to a newcomer's QP (as it may, at once): the
+/// newcomer must not take that message, another peer's, for its own.
+#[test]
+fn a_newcomer_reusing_a_removed_qps_number_never_gets_its_queued_receive() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let access = AccessFlags::empty();
+    let [leaving_qp, sender_qp] = connected_qps(&mut reactor, &pd, access);
+    let leaving_qpn = leaving_qp.qpn();
+    let leaving = add_end(&mut reactor, leaving_qp);
+    let sender = add_end(&mut reactor, sender_qp);
+    run_until(&mut reactor, "both ends established", |_| {
+        leaving.seen.borrow().established && sender.seen.borrow().established
+    });
+
+    // The message goes out with the pass's flush, after its poll: its
+    // receive's completion waits in the CQ for the next pass.
+    send(&mut reactor, sender.conn, b"for the leaving end only");
+    reactor.turn().expect("the pass that posts it");
+    assert!(leaving.seen.borrow().messages.is_empty(), "not polled yet");
+    let reclaimed_before = ignored(&reactor).1;
+    drop(
+        reactor
+            .remove(leaving.session)
+            .expect("the leaving session"),
+    );
+
+    reuse_qpn_next(leaving_qpn);
+    let [newcomer_qp, partner_qp] = connected_qps(&mut reactor, &pd, access);
+    assert_eq!(
+        newcomer_qp.qpn(),
+        leaving_qpn,
+        "the newcomer's QP took the number"
+    );
+    let newcomer = add_end(&mut reactor, newcomer_qp);
+    let partner = add_end(&mut reactor, partner_qp);
+    run_until(&mut reactor, "the newcomers established", |_| {
+        newcomer.seen.borrow().established && partner.seen.borrow().established
+    });
+    for _ in 0..16 {
+        reactor.turn().expect("a pass");
+    }
+    assert!(
+        newcomer.seen.borrow().messages.is_empty(),
+        "the newcomer got the removed connection's message: {:?}",
+        newcomer.seen.borrow().messages
+    );
+    assert!(
+        ignored(&reactor).1 > reclaimed_before,
+        "the removed connection's receive went back to the SRQ"
+    );
+    send(&mut reactor, partner.conn, b"for the newcomer");
+    run_until(&mut reactor, "the newcomer's own message", |_| {
+        !newcomer.seen.borrow().messages.is_empty()
+    });
+    assert_eq!(
+        newcomer.seen.borrow().messages,
+        [b"for the newcomer".to_vec()]
+    );
+    run_until_srq_whole(&mut reactor, "every SRQ slot posted again");
+}

@@ -94,7 +94,7 @@ use qp::{post_recv, post_send};
 use registry::{is_mr_registered, is_qp_registered};
 #[cfg(test)]
 pub(crate) use registry::{
-    refuse_sends_after, refuse_sends_after_silently, refuse_srq_recvs_after,
+    refuse_sends_after, refuse_sends_after_silently, refuse_srq_recvs_after, reuse_qpn_next,
 };
 use srq::post_srq_recv;
 #[cfg(test)]

@@ -64,6 +64,29 @@ pub(super) fn next_handle() -> u32 {
     NEXT_HANDLE.fetch_add(1, Ordering::Relaxed)
 }
 
+#[cfg(test)]
+thread_local! {
+    /// The QP number the next QP this thread creates takes if it is free
+    /// ([`reuse_qpn_next`]).
+    static REUSED_QPN: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes the next QP this thread creates take number `qpn` if no live QP
+/// has it, as a kernel that reuses a destroyed QP's number at once does
+/// (tests of completions left behind by a destroyed QP).
+#[cfg(test)]
+pub(crate) fn reuse_qpn_next(qpn: u32) {
+    REUSED_QPN.with(|next| next.set(Some(qpn)));
+}
+
+/// The number [`reuse_qpn_next`] asked this thread's next QP to take.
+pub(super) fn take_reused_qpn() -> Option<u32> {
+    #[cfg(test)]
+    return REUSED_QPN.with(std::cell::Cell::take);
+    #[cfg(not(test))]
+    None
+}
+
 /// True while a QP numbered `qpn` is registered (tests of teardown).
 #[cfg(test)]
 pub(super) fn is_qp_registered(qpn: u32) -> bool {

@@ -13,7 +13,7 @@ use crate::sys;
 
 use super::cq::{CqRing, ring_of};
 use super::dma::{Spans, copy_spans, resolve};
-use super::registry::{KeyMap, MrEntry, NEXT_QPN, QPS, next_handle, read_mrs};
+use super::registry::{KeyMap, MrEntry, NEXT_QPN, QPS, next_handle, read_mrs, take_reused_qpn};
 use super::request::{PostedRecv, SendOp, SgList};
 use super::srq::{LbSrq, srq_of};
 use super::{MAX_INLINE, MAX_QP_WR, MAX_SGE, lock};
@@ -177,13 +177,17 @@ pub(crate) unsafe fn create_qp(
         )
     };
     let mut qps = lock(&QPS);
-    let qpn = loop {
-        let qpn = NEXT_QPN.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff;
-        // 0 and 1 are the special QPs of InfiniBand.
-        if qpn > 1 && qps.get(&qpn).is_none_or(|qp| qp.strong_count() == 0) {
-            break qpn;
+    let reused =
+        take_reused_qpn().filter(|&qpn| qps.get(&qpn).is_none_or(|qp| qp.strong_count() == 0));
+    let qpn = reused.unwrap_or_else(|| {
+        loop {
+            let qpn = NEXT_QPN.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff;
+            // 0 and 1 are the special QPs of InfiniBand.
+            if qpn > 1 && qps.get(&qpn).is_none_or(|qp| qp.strong_count() == 0) {
+                break qpn;
+            }
         }
-    };
+    });
     let lb = Arc::new(LbQp {
         qpn,
         pd: pd_handle,
