@@ -78,8 +78,8 @@ pub use error::{Error, Result};
 pub mod prelude {
     pub use crate::error::{Error, Result};
     pub use crate::reactor::{
-        ConnId, Ctx, EventMode, Handler, HeldRecv, NoLink, Reactor, ReactorConfig, SendError,
-        SessionId, Stopper,
+        ConnId, Ctx, Ended, EventMode, Handler, HeldRecv, NoLink, Reactor, ReactorConfig,
+        SendError, SessionId, Stopper,
     };
     pub use crate::runtime::{NewSession, Runtime, RuntimeConfig};
     pub use crate::session::{

@@ -73,9 +73,9 @@ verbs_test! {
         // clocksource each reading is a syscall; on a TSC one, none is).
         // Idle passes are the cheapest, so the most frequent.
         let window = Duration::from_millis(400);
-        let mut stopped = Ok(true);
-        let timed = counter.count(|| stopped = reactor.run_for(window)).unwrap();
-        assert!(!stopped.unwrap(), "run_for returned at its limit");
+        let mut ended = Ok(Ended::Stopped);
+        let timed = counter.count(|| ended = reactor.run_for(window)).unwrap();
+        assert_eq!(ended.unwrap(), Ended::Reached, "run_for returned at its limit");
         let allowed = (window.as_micros() / CLOCK_READ_INTERVAL.as_micros()) as u64 * 2 + 16;
         println!(
             "run_for({window:?}) on an idle reactor: {timed} syscalls besides doorbells (at most {allowed})"

@@ -327,7 +327,7 @@ fn a_departed_peer_frees_its_place_once_the_reactor_sees_it_leave() {
             start.elapsed() < Duration::from_secs(5),
             "the departed peer still holds the only place"
         );
-        reactor.run_for(Duration::from_millis(20)).expect("passes");
+        let _ = reactor.run_for(Duration::from_millis(20)).expect("passes");
     }
     let newcomer = ClientSession::connect(addr, &pd, &client_config).expect("a newcomer");
     drop(newcomer);

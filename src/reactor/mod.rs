@@ -129,7 +129,7 @@ pub use pass_timer::PassTimer;
 pub use placement::{CorePreference, Placement, pin_current_thread, usable_cores};
 pub use source::{NoLink, PeerLink, QpSource};
 pub use spin::{Spin, Spun};
-pub use stopper::Stopper;
+pub use stopper::{Ended, Stopper};
 pub use wait::Waker;
 
 /// Bytes of every slot the reactor keeps back: a SEND carries at most
@@ -381,8 +381,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         Ok(())
     }
 
-    /// Runs passes until `done` says the work is done (returns `true`) or a
-    /// [`Stopper`] or [`Ctx::stop`] asks it to return (`false`). `done` is
+    /// Runs passes until `done` holds ([`Ended::Reached`]) or a [`Stopper`]
+    /// or [`Ctx::stop`] asks it to return ([`Ended::Stopped`]). `done` is
     /// asked before the first pass and after each one, so it should be a
     /// cheap look at state, such as a handler's ([`handler`](Self::handler)).
     ///
@@ -396,25 +396,26 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// }
     /// # fn demo(reactor: &mut Reactor<Count>, session: SessionId) -> Result<()> {
     /// // Until the session's handler has seen 1,000 messages.
-    /// reactor.run_until(|reactor| reactor.handler(session).is_some_and(|count| count.0 >= 1_000))?;
+    /// let ended = reactor.run_until(|reactor| reactor.handler(session).is_some_and(|count| count.0 >= 1_000))?;
+    /// assert_eq!(ended, Ended::Reached, "nothing here stops it");
     /// # Ok(())
     /// # }
     /// ```
-    pub fn run_until(&mut self, mut done: impl FnMut(&Self) -> bool) -> Result<bool> {
+    pub fn run_until(&mut self, mut done: impl FnMut(&Self) -> bool) -> Result<Ended> {
         while !done(self) {
             if self.stop.load(Ordering::Acquire) {
                 self.stop.store(false, Ordering::Release);
-                return Ok(false);
+                return Ok(Ended::Stopped);
             }
             self.turn()?;
         }
-        Ok(true)
+        Ok(Ended::Reached)
     }
 
-    /// Runs passes until stopped (returns `true`) or until about `limit`
-    /// has passed (returns `false`): for a caller that also has something
-    /// to do now and then.
-    pub fn run_for(&mut self, limit: Duration) -> Result<bool> {
+    /// Runs passes until about `limit` has passed ([`Ended::Reached`]) or a
+    /// [`Stopper`] or [`Ctx::stop`] asks it to return ([`Ended::Stopped`]):
+    /// for a caller that also has something to do now and then.
+    pub fn run_for(&mut self, limit: Duration) -> Result<Ended> {
         // A busy pass is cheaper than reading the clock (a syscall where the
         // clocksource is not the TSC): the timer reads it every so many
         // passes. A pass that may sleep is long enough to read it every time.
@@ -432,10 +433,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         self.clock_stride = timer.stride();
         if expired {
-            return Ok(false);
+            return Ok(Ended::Reached);
         }
         self.stop.store(false, Ordering::Release);
-        Ok(true)
+        Ok(Ended::Stopped)
     }
 
     /// A timer for a loop that calls [`turn`](Self::turn) and now and then

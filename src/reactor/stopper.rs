@@ -1,5 +1,6 @@
 //! Stopping a running reactor from another thread: a flag the reactor
-//! reads between passes, and a wake for a reactor asleep in a wait.
+//! reads between passes, and a wake for a reactor asleep in a wait; why a
+//! bounded run ended.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,6 +26,19 @@ impl Stopper {
         self.flag.store(true, Ordering::Release);
         self.waker.wake();
     }
+}
+
+/// Why [`Reactor::run_until`](super::Reactor::run_until) or
+/// [`Reactor::run_for`](super::Reactor::run_for) returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a run may have been stopped before it reached its end"]
+pub enum Ended {
+    /// It reached what it was to run until: its condition held, or its
+    /// time limit passed.
+    Reached,
+    /// A [`Stopper`] or [`Ctx::stop`](super::Ctx::stop) asked it to
+    /// return first.
+    Stopped,
 }
 
 #[cfg(test)]

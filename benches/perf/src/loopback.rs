@@ -193,11 +193,15 @@ mod tests {
         for (name, op, build) in cases {
             let batch = if name.ends_with("rate") { 16 } else { 1 };
             let mut pair = build(no_iterations(op, batch)).expect("a loopback pair");
-            let stopped = pair
+            let ended = pair
                 .reactor
                 .run_for(Duration::from_secs(10))
                 .expect("passes");
-            assert!(stopped, "{name}: a client of 0 iterations never ended");
+            assert_eq!(
+                ended,
+                rdma_comm_core::reactor::Ended::Stopped,
+                "{name}: a client of 0 iterations never ended"
+            );
         }
     }
 }

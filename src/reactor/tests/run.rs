@@ -2,6 +2,7 @@
 //! stopped before that.
 
 use super::*;
+use crate::reactor::Ended;
 
 #[test]
 fn run_until_returns_once_its_condition_holds() {
@@ -22,7 +23,7 @@ fn run_until_returns_once_its_condition_holds() {
             b.seen.borrow().messages.len() == 3
         })
         .expect("passes");
-    assert!(done, "the condition held");
+    assert_eq!(done, Ended::Reached, "the condition held");
     assert!(asked > 1, "asked before the first pass and after passes");
     assert_eq!(
         b.seen.borrow().messages,
@@ -38,18 +39,18 @@ fn run_until_returns_when_stopped_and_runs_again_after() {
     let mut reactor = reactor(&pd);
     let (_a, _b) = add_pair(&mut reactor, &pd);
     reactor.stopper().stop();
-    assert!(
-        !reactor.run_until(|_| false).expect("passes"),
+    assert_eq!(
+        reactor.run_until(|_| false).expect("passes"),
+        Ended::Stopped,
         "stopped, not done"
     );
     // The stop was taken: the next run goes on until its condition.
     let mut passes = 0;
-    assert!(
-        reactor
-            .run_until(|_| {
-                passes += 1;
-                passes == 10
-            })
-            .expect("passes")
-    );
+    let ended = reactor
+        .run_until(|_| {
+            passes += 1;
+            passes == 10
+        })
+        .expect("passes");
+    assert_eq!(ended, Ended::Reached);
 }

@@ -464,7 +464,10 @@ fn the_spins_of_one_pass_share_one_budget() {
 fn run_for_counts_the_polls_of_spins() {
     let (_pd, mut reactor, a, _b) = lean_pair();
     // A stride learned while idle, without spins.
-    assert!(!reactor.run_for(Duration::from_millis(20)).unwrap());
+    assert_eq!(
+        reactor.run_for(Duration::from_millis(20)).unwrap(),
+        super::super::Ended::Reached
+    );
     let conn = a.conn;
     plan(&a, move |ctx| {
         if let Ok(mut spin) = ctx.spin(conn) {
@@ -473,7 +476,10 @@ fn run_for_counts_the_polls_of_spins() {
         true
     });
     let started = Instant::now();
-    assert!(!reactor.run_for(Duration::from_millis(20)).unwrap());
+    assert_eq!(
+        reactor.run_for(Duration::from_millis(20)).unwrap(),
+        super::super::Ended::Reached
+    );
     let took = started.elapsed();
     assert!(
         took < Duration::from_secs(2),
