@@ -40,7 +40,7 @@ use rdma_comm_core::{Error, Result};
 
 /// Message rate and receive memory against the number of connections.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
     /// Connection counts to measure, in order, each 1 to 65536.
     #[arg(long, value_delimiter = ',', default_value = "1,16,256,1024", value_parser = common::range(1u32, MAX_CONNS))]

@@ -31,7 +31,7 @@ use rtt::RttRecorder;
 
 /// A runtime of pinned reactors serving verified traffic from several clients.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
     /// Client sessions, 1 to 1024.
     #[arg(long, default_value_t = 4, value_parser = common::range(1usize, MAX_CLIENTS))]

@@ -14,7 +14,7 @@ use rdma_comm_core::verbs::{Context, LinkLayer, devices};
 
 /// Show RDMA devices, ports and GIDs.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
     /// Only this device (default: all).
     #[arg(short, long)]

@@ -27,19 +27,20 @@ use rdma_comm_core::prelude::*;
 
 /// An echo server and a client that verifies every echo.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
     /// Serve echoes.
-    #[arg(long, conflicts_with_all = ["connect", "loopback"])]
+    #[arg(long, conflicts_with_all = ["connect", "loopback", "count", "size"])]
     server: bool,
     /// Address to listen on (server).
     #[arg(long, default_value = "0.0.0.0:7471")]
     listen: String,
     /// Server to connect to (client).
-    #[arg(long, value_name = "HOST:PORT", conflicts_with = "loopback")]
+    #[arg(long, value_name = "HOST:PORT", conflicts_with_all = ["loopback", "listen"])]
     connect: Option<String>,
-    /// Both ends in this process over the loopback device (no NIC).
-    #[arg(long)]
+    /// Both ends in this process over the loopback device (no NIC, no
+    /// network, no key).
+    #[arg(long, conflicts_with_all = ["listen", "device", "auth_key_file", "insecure"])]
     loopback: bool,
     /// Messages the client sends, 1 to 10^12.
     #[arg(long, default_value_t = 10_000, value_parser = common::range(1u64, 1_000_000_000_000))]
@@ -279,8 +280,9 @@ fn client(args: &Args, addr: SocketAddr) -> Result<bool> {
         ClientSession::connect(addr, &pd, &config)?,
         Client::new(args.count, args.size),
     )?;
-    // Until every message came back (or `ctx.stop()` on a failure).
-    reactor.run_until(|reactor| reactor.handler(session).is_some_and(Client::finished))?;
+    // Until every message came back, or stopped by a failure (`ctx.stop()`),
+    // which the report shows.
+    let _ = reactor.run_until(|reactor| reactor.handler(session).is_some_and(Client::finished))?;
     Ok(reactor
         .handler(session)
         .is_some_and(|client| report(client, started)))
@@ -301,6 +303,6 @@ fn loopback(args: &Args) -> Result<bool> {
     let client = Rc::new(RefCell::new(Client::new(args.count, args.size)));
     let started = Instant::now();
     reactor.add(vec![client_qp], Box::new(Rc::clone(&client)))?;
-    reactor.run_until(|_| client.borrow().finished())?;
+    let _ = reactor.run_until(|_| client.borrow().finished())?;
     Ok(report(&client.borrow(), started))
 }

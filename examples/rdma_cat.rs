@@ -34,7 +34,7 @@ use rdma_comm_core::verbs::*;
 
 /// Stream stdin to a peer's stdout over RDMA.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

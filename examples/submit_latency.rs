@@ -33,7 +33,7 @@ use rdma_comm_core::verbs::*;
 
 /// Submit-to-doorbell latency of the runtime's submission rings.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
     /// Commands per pattern (at least 1).
     #[arg(long, default_value_t = 100_000, value_parser = common::at_least(1u64))]

@@ -290,6 +290,48 @@ fn rpings_server_runs_only_when_told_it_serves_anyone() {
     assert_refused_output(&run("rping", &args), "rping", &args, "-s", "--insecure");
 }
 
+/// An argument the chosen mode would ignore is refused, naming both.
+#[test]
+fn echo_refuses_arguments_its_mode_would_ignore() {
+    for (args, mode, ignored) in [
+        (
+            &["--loopback", "--listen", "x"][..],
+            "--loopback",
+            "--listen",
+        ),
+        (&["--loopback", "-d", NO_DEVICE], "--loopback", "--device"),
+        (
+            &["--loopback", "--auth-key-file", "/nonexistent"],
+            "--loopback",
+            "--auth-key-file",
+        ),
+        (&["--loopback", "--insecure"], "--loopback", "--insecure"),
+        (
+            &["--server", "--count", "5", "--insecure"],
+            "--server",
+            "--count",
+        ),
+        (
+            &["--server", "--size", "8", "--insecure"],
+            "--server",
+            "--size",
+        ),
+        (
+            &["--connect", "127.0.0.1:9", "--listen", "127.0.0.1:1"],
+            "--connect",
+            "--listen",
+        ),
+    ] {
+        let out = run("echo", args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "echo {args:?}: {stderr}");
+        assert!(
+            stderr.contains(mode) && stderr.contains(ignored),
+            "echo {args:?} names {mode} and {ignored}: {stderr}"
+        );
+    }
+}
+
 #[test]
 fn echo_refuses_a_missing_role_sizes_out_of_range_and_an_unresolved_server() {
     assert_refused(
@@ -318,4 +360,33 @@ fn echo_refuses_a_missing_role_sizes_out_of_range_and_an_unresolved_server() {
         "--count 0",
         "must be 1 to 1000000000000",
     );
+}
+
+/// Each tool's `--help` starts with what that tool does, not with the
+/// crate's description.
+#[test]
+fn every_tools_help_says_what_the_tool_does() {
+    for (tool, about) in [
+        (
+            "echo",
+            "An echo server and a client that verifies every echo",
+        ),
+        ("ping_pong", "RDMA ping-pong with verified payloads"),
+        ("lat_bw", "Latency and bandwidth benchmark"),
+        ("rdma_cat", "Stream stdin to a peer's stdout over RDMA"),
+        ("devinfo", "Show RDMA devices, ports and GIDs"),
+        ("demo", "A runtime of pinned reactors"),
+        ("conn_scale", "Message rate and receive memory"),
+        ("submit_latency", "Submit-to-doorbell latency"),
+        (
+            "verbs_perf",
+            "Latency and bandwidth over the verbs layer alone",
+        ),
+    ] {
+        let out = run(tool, &["--help"]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{tool} --help: {out:?}");
+        let first = stdout.lines().next().unwrap_or_default();
+        assert!(first.starts_with(about), "{tool} --help begins {first:?}");
+    }
 }

@@ -41,7 +41,7 @@ use rdma_perf::*;
 
 /// Latency and bandwidth benchmark with perftest-compatible output.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
     /// Wait for the client.
     #[arg(long, conflicts_with = "connect")]

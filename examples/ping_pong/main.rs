@@ -33,7 +33,7 @@ use rdma_comm_core::reactor::*;
 
 /// RDMA ping-pong with verified payloads.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
     /// Serve peers.
     #[arg(long, conflicts_with = "connect")]

@@ -79,7 +79,7 @@ const REMOTE_ACCESS: AccessFlags = AccessFlags::REMOTE_WRITE.union(AccessFlags::
 
 /// Latency and bandwidth over the verbs layer alone, perftest's way.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
     /// Wait for the client.
     #[arg(long, conflicts_with = "connect")]

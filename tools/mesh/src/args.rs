@@ -7,7 +7,7 @@ use crate::common;
 
 /// Full-mesh RDMA traffic with verified data, per-pair latency and bandwidth.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 pub struct Args {
     /// This rank (default: from mpirun or srun).
     #[arg(long, requires = "size")]
