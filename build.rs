@@ -18,8 +18,8 @@ const VERBS_HEADER: &str = "infiniband/verbs.h";
 const CM_HEADER: &str = "rdma/rdma_cma.h";
 /// What `src/sys/wrapper.h` includes `<rdma/rdma_cma.h>` under.
 const CM_DEFINE: &str = "RDMA_COMM_CORE_CM";
-const INSTALL_HINT: &str = "install the Debian packages libibverbs-dev and librdmacm-dev \
-     (rdma-core headers), libclang-dev (for bindgen), pkg-config, libhwloc-dev and \
+const INSTALL_HINT: &str = "install the Debian packages libibverbs-dev and (for the rdma_cm \
+     feature) librdmacm-dev (rdma-core headers), libclang-dev (for bindgen), pkg-config, libhwloc-dev and \
      ibverbs-providers, or set RDMA_CORE_INCLUDE_DIR (and RDMA_CORE_LIB_DIR) to an \
      rdma-core installation of your own";
 /// A directory holding `infiniband/verbs.h` (and `rdma/rdma_cma.h`), searched

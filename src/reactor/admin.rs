@@ -31,7 +31,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// already, a QP whose binds leave fewer than 4 send-queue entries, more
     /// connections than the CQs can absorb at the configured depths (see
     /// [`ReactorConfig::absorbing`](super::ReactorConfig::absorbing)) or
-    /// than the SRQ can give their shares.
+    /// than the SRQ can give their shares. On a reactor with an SRQ, an add
+    /// whose QPs fit its CQs and SRQ first runs one pass (which may call
+    /// handlers), so that no completion a destroyed QP left behind passes
+    /// for one of the newcomer's: the refusals after that (the reactor's
+    /// limits, the SRQ's shares) leave the reactor as that pass left it.
     pub fn add<S: QpSource<Link = L>>(&mut self, source: S, handler: H) -> Result<SessionId> {
         self.add_as(source, handler, false)
     }
@@ -63,19 +67,20 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         direct: bool,
     ) -> Result<SessionId> {
         let (qps, link) = source.into_parts();
-        // A QP numbered as one removed since the CQs were last polled empty
-        // (the kernel reuses numbers at once) could take that QP's queued
-        // receives for its own, another peer's messages: poll them out
-        // first. Before this connection's first flush grants credits, its
-        // peer sends nothing but its initial credit update, which a pass
-        // may drop as a stranger's as it may any time before the add (the
-        // peer's first credit is answered with another update).
-        if let Some(pool) = &self.srq
-            && qps.iter().any(|qp| pool.reuses_retired(qp.qpn()))
-        {
+        let cq_charges = self.check_qps(&qps, direct)?;
+        if self.srq.is_some() {
+            // The SRQ's receives are told apart by QP number, and the kernel
+            // gives a destroyed QP's number to the next QP at once: a QP on
+            // our CQs destroyed before (a removed connection's, or one never
+            // added) may have left completions that would pass for this
+            // newcomer's, another peer's messages. Poll them out first (they
+            // go back to the SRQ as a stranger's). Before its first flush
+            // grants credits, the newcomer's own peer sends nothing but its
+            // initial credit update, which this may drop as it may any time
+            // before the add (the peer's first credit is answered with
+            // another update).
             self.one_pass()?;
         }
-        let cq_charges = self.check_qps(&qps, direct)?;
         let Some(session) = self.sessions.vacant_id() else {
             return Err(Error::InvalidArgument(
                 "the reactor serves its maximum of sessions",

@@ -89,7 +89,10 @@ pub struct ReactorConfig {
     /// with a control connection per interval, and a busy-polling reactor
     /// reads the clock every so many passes to know when it is due (a
     /// syscall too where the clocksource has no user-space reading, as in
-    /// an emulated guest). `None` never asks: a departed peer is then
+    /// an emulated guest). A reactor that sleeps with no timeout
+    /// ([`sleeping_until_woken`](Self::sleeping_until_woken)) checks a
+    /// link when its [`event_fd`](super::PeerLink::event_fd) fires or
+    /// something else wakes it. `None` never asks: a departed peer is then
     /// noticed only by a failed completion, and a busy-polling reactor
     /// makes no syscalls of its own at all.
     pub peer_check_interval: Option<Duration>,

@@ -385,6 +385,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// or [`Ctx::stop`] asks it to return ([`Ended::Stopped`]). `done` is
     /// asked before the first pass and after each one, so it should be a
     /// cheap look at state, such as a handler's ([`handler`](Self::handler)).
+    /// A stop asked for while `done` already holds is left for the next run.
     ///
     /// ```no_run
     /// # use rdma_comm_core::prelude::*;

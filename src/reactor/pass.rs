@@ -185,7 +185,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
         }
         if !LEAN && settled > 0 {
-            self.settle_removed(settled);
+            self.conns.release_quarantine(settled);
         }
         self.counters.completions += done as u64;
         let touched = if done == 0 {
@@ -298,7 +298,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[inline(always)]
     fn chores(&mut self, settled: usize, touched: bool, peers_due: Option<bool>, done: usize) {
         if settled > 0 {
-            self.settle_removed(settled);
+            self.conns.release_quarantine(settled);
         }
         // What the dispatch changed is on the touched list (a connection of
         // the reactor's protocol lists itself with a receive's completion,
@@ -366,21 +366,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.idle.armed_for_sleep();
         self.completions.arm()?;
         self.one_pass()
-    }
-
-    /// The `settled` connections removed before this pass are gone for
-    /// good: every CQ has been polled empty since their QPs were destroyed,
-    /// so no completion of theirs is left. Their entries may take
-    /// newcomers, and their QP numbers may come back on the SRQ's (removals
-    /// happen between passes or after this point of one, so every retired
-    /// number is among them).
-    #[cold]
-    #[inline(never)]
-    fn settle_removed(&mut self, settled: usize) {
-        self.conns.release_quarantine(settled);
-        if let Some(pool) = &mut self.srq {
-            pool.forget_retired();
-        }
     }
 
     /// Removes the sessions callbacks asked to remove.

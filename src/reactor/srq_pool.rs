@@ -33,13 +33,10 @@ pub(super) struct SrqPool {
     promised: u32,
     /// (QP number, connection), sorted: which connection consumed an SRQ
     /// receive. An entry goes with its connection, so a receive of a
-    /// connection that is gone never reaches another.
+    /// connection that is gone never reaches another; a newcomer whose QP
+    /// reuses a gone QP's number is added only after the CQs are polled
+    /// empty (see `Reactor::add`).
     owners: Vec<(u32, Key)>,
-    /// QP numbers of connections removed since the CQs were last polled
-    /// empty: their QPs' completions may still be queued, and a newcomer
-    /// whose QP the kernel gave the same number must not take them for its
-    /// own (see [`reuses_retired`](Self::reuses_retired)).
-    retired: Vec<u32>,
     /// Slots on their way back to the SRQ, posted at the end of the pass.
     returning: RecvBatch<'static, MAX_REPOST>,
     /// Slots given back while `returning` was full and its post failed:
@@ -107,7 +104,6 @@ impl SrqPool {
             region,
             promised: 0,
             owners,
-            retired: Vec::new(),
             returning: RecvBatch::new(),
             stranded: Vec::with_capacity(slots as usize),
             slot_size,
@@ -162,25 +158,10 @@ impl SrqPool {
         self.owners.sort_unstable();
     }
 
-    /// Forgets a connection that is going, and gives back its share. Its
-    /// QP number stays retired until [`forget_retired`](Self::forget_retired).
+    /// Forgets a connection that is going, and gives back its share.
     pub(super) fn remove_owner(&mut self, qpn: u32, share: u32) {
         self.owners.retain(|&(q, _)| q != qpn);
-        self.retired.push(qpn);
         self.promised = self.promised.saturating_sub(share);
-    }
-
-    /// Whether a QP numbered `qpn` was removed since the CQs were last
-    /// polled empty: a newcomer with this number must wait until they are,
-    /// or it would take the removed QP's last receives for its own.
-    pub(super) fn reuses_retired(&self, qpn: u32) -> bool {
-        self.retired.contains(&qpn)
-    }
-
-    /// The CQs were polled empty since every retired QP was destroyed: no
-    /// completion of theirs is left.
-    pub(super) fn forget_retired(&mut self) {
-        self.retired.clear();
     }
 
     /// The connection whose QP consumed an SRQ receive.
@@ -403,36 +384,6 @@ mod tests {
         on_device.sort_unstable();
         assert_eq!(on_device, (0..slots).collect::<Vec<_>>(), "each once");
         assert_eq!(pool.available, slots);
-    }
-
-    #[test]
-    fn a_removed_owners_qp_number_stays_retired_until_the_cqs_are_polled_empty() {
-        // SAFETY: every QP of the device is served from this thread.
-        let ctx = unsafe { Context::loopback() };
-        let pd = ctx.alloc_pd().expect("a PD");
-        let config = ReactorConfig {
-            srq_depth: 64,
-            slot_size: 64,
-            ..ReactorConfig::default()
-        };
-        let mut pool = SrqPool::new(&pd, &config).expect("an SRQ pool");
-        let key = Key {
-            index: 3,
-            generation: 0,
-            owner: 1,
-        };
-        pool.add_owner(77, key);
-        assert_eq!(pool.owner(77), Some(key));
-        assert!(
-            !pool.reuses_retired(77),
-            "a live owner's number is not retired"
-        );
-        pool.remove_owner(77, 0);
-        assert_eq!(pool.owner(77), None, "a receive of its QP reaches no one");
-        assert!(pool.reuses_retired(77), "a newcomer with its number waits");
-        assert!(!pool.reuses_retired(78));
-        pool.forget_retired();
-        assert!(!pool.reuses_retired(77), "settled");
     }
 
     #[test]

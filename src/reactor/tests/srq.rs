@@ -757,3 +757,58 @@ fn a_newcomer_reusing_a_removed_qps_number_never_gets_its_queued_receive() {
     );
     run_until_srq_whole(&mut reactor, "every SRQ slot posted again");
 }
+
+/// A QP built on the reactor's CQs and SRQ but never added (its session
+/// refused, say) leaves a receive's completion behind when it is
+/// destroyed: a newcomer given its number must not take it for its own.
+#[test]
+fn a_newcomer_reusing_a_never_added_qps_number_never_gets_its_queued_receive() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let mut never_added = loopback_qp(&mut reactor, &pd, "never added", AccessFlags::empty());
+    let stranger_cq = ctx.create_cq(16, None).expect("the stranger's CQ");
+    let mut stranger = pd
+        .create_qp(&stranger_cq, &stranger_cq, &QpConfig::default())
+        .expect("the stranger's QP");
+    let (to_never, to_stranger) = (never_added.endpoint(), stranger.endpoint());
+    never_added.connect(&to_stranger).expect("connect");
+    stranger.connect(&to_never).expect("connect");
+    let buf = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).expect("a buffer");
+    // A message (kind 0, claiming 16 receives): it takes an SRQ receive.
+    let mut request =
+        WorkRequest::send_with_imm(0, buf.slice(0, 24).expect("a slice"), 16).signaled();
+    stranger.post_send(&mut request).expect("a SEND posted");
+    let never_added_qpn = never_added.qpn();
+    drop(never_added);
+    let reclaimed_before = ignored(&reactor).1;
+
+    reuse_qpn_next(never_added_qpn);
+    let [newcomer_qp, partner_qp] = connected_qps(&mut reactor, &pd, AccessFlags::empty());
+    assert_eq!(
+        newcomer_qp.qpn(),
+        never_added_qpn,
+        "the newcomer's QP took the number"
+    );
+    let newcomer = add_end(&mut reactor, newcomer_qp);
+    let partner = add_end(&mut reactor, partner_qp);
+    run_until(&mut reactor, "the newcomers established", |_| {
+        newcomer.seen.borrow().established && partner.seen.borrow().established
+    });
+    for _ in 0..16 {
+        reactor.turn().expect("a pass");
+    }
+    assert!(
+        newcomer.seen.borrow().messages.is_empty(),
+        "the newcomer got the stranger's message: {:?}",
+        newcomer.seen.borrow().messages
+    );
+    let errors = errors_of(&[("newcomer", &newcomer), ("partner", &partner)]);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(
+        ignored(&reactor).1 > reclaimed_before,
+        "the stranger's receive went back to the SRQ"
+    );
+    run_until_srq_whole(&mut reactor, "every SRQ slot posted again");
+}
