@@ -571,6 +571,24 @@ impl WorkCompletion {
     pub fn vendor_err(&self) -> u32 {
         self.0.vendor_err
     }
+
+    /// The sending QP's number, for a receive on a UD QP.
+    #[inline]
+    pub fn src_qp(&self) -> u32 {
+        self.0.src_qp
+    }
+
+    /// Whether the receive buffer starts with a valid GRH (UD receives:
+    /// always on RoCE, on InfiniBand when the sender routed globally).
+    #[inline]
+    pub fn has_grh(&self) -> bool {
+        self.0.wc_flags & sys::IBV_WC_GRH != 0
+    }
+
+    /// The verbs completion itself, for verbs that take one.
+    pub(crate) fn raw(&self) -> &sys::ibv_wc {
+        &self.0
+    }
 }
 
 impl fmt::Debug for WorkCompletion {

@@ -667,6 +667,16 @@ impl Gid {
         self.0 == [0; 16]
     }
 
+    /// The IPv4-mapped GID of `addr` (`::ffff:a.b.c.d`): a RoCE v2 port's
+    /// GID for an IPv4 address, or a multicast group's for a multicast one.
+    pub fn from_ipv4(addr: Ipv4Addr) -> Self {
+        let mut raw = [0; 16];
+        raw[10] = 0xff;
+        raw[11] = 0xff;
+        raw[12..].copy_from_slice(&addr.octets());
+        Gid(raw)
+    }
+
     /// The IPv4 address of an IPv4-mapped GID (`::ffff:a.b.c.d`).
     pub fn ipv4_mapped(&self) -> Option<Ipv4Addr> {
         let [prefix @ .., a, b, c, d] = self.0;

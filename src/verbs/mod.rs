@@ -28,6 +28,7 @@ mod qp;
 mod qp_config;
 pub(crate) mod requests;
 mod srq;
+mod ud;
 mod wc;
 mod wr;
 
@@ -52,6 +53,10 @@ pub use requests::{RecvRequests, SendRequests};
 pub use srq::{SharedReceiveQueue, SrqAttachment};
 #[cfg(test)]
 pub(crate) use srq::{refuse_srq_recvs_after, srq_posted_wr_ids};
+pub use ud::{
+    GRH_BYTES, RDMA_UDP_QKEY, UdConfig, UdDestination, UdEndpoint, UdQueuePair, UdSend,
+    datagram_payload,
+};
 pub use wc::{WcOpcode, WcStatus};
 pub use wr::{Batch, RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
 

@@ -1,0 +1,704 @@
+//! Unreliable datagrams: UD queue pairs, the destinations they send to (an
+//! address handle with the remote QP number and Q_Key) and multicast groups.
+//!
+//! A UD QP needs no peer to connect to: it is ready to send and receive
+//! once created. Each receive buffer starts with the [`GRH_BYTES`] of the
+//! global routing header the device writes before the payload, so a
+//! receive posted on a UD QP must be at least that long (shorter ones are
+//! refused at post). Anyone on the fabric who knows a UD QP's number and
+//! Q_Key, or a multicast group it joined, can send to it: a datagram's
+//! source ([`WorkCompletion::src_qp`], and the GRH) is all a receiver knows
+//! of who sent it.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::net::{Ipv4Addr, UdpSocket};
+use std::os::raw::c_int;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::sys;
+
+use super::cq::{CqInner, CqSource, WorkCompletion};
+use super::device::{Gid, LinkLayer};
+use super::mr::LocalSlice;
+use super::pd::{PdInner, ProtectionDomain};
+use super::requests::sealed::{Request, Seal};
+use super::requests::{self, RecvRequests};
+use super::{check_ptr, check_rc};
+
+/// Bytes of the global routing header at the start of every UD receive
+/// buffer (on RoCE v2 over IPv4, the IPv4 header in its last 20).
+pub const GRH_BYTES: usize = 40;
+
+/// The Q_Key rdma-core's UD tools (`udaddy`, `mckey`) and librdmacm use.
+pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
+
+/// The QP number a datagram to a multicast group is addressed to.
+const MULTICAST_QPN: u32 = 0x00ff_ffff;
+
+/// Q_Keys with the top bit set are privileged (controlled by the kernel).
+const CONTROLLED_QKEY: u32 = 0x8000_0000;
+
+type PostSendFn = unsafe extern "C" fn(
+    *mut sys::ibv_qp,
+    *mut sys::ibv_send_wr,
+    *mut *mut sys::ibv_send_wr,
+) -> c_int;
+type PostRecvFn = unsafe extern "C" fn(
+    *mut sys::ibv_qp,
+    *mut sys::ibv_recv_wr,
+    *mut *mut sys::ibv_recv_wr,
+) -> c_int;
+
+/// How to create a UD QP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UdConfig {
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth.
+    pub max_recv_wr: u32,
+    /// Largest payload to send inline.
+    pub max_inline_data: u32,
+    /// The Q_Key a datagram must carry to be taken (and the one this QP's
+    /// datagrams to a group carry). Not one of the privileged ones (top bit
+    /// set).
+    pub qkey: u32,
+    /// The port (default: the first active one).
+    pub port: Option<u8>,
+    /// The GID to send from (default: as [`Context::select_gid`](super::Context::select_gid) picks).
+    pub gid_index: Option<u32>,
+}
+
+impl Default for UdConfig {
+    fn default() -> Self {
+        Self {
+            max_send_wr: 256,
+            max_recv_wr: 256,
+            max_inline_data: 64,
+            qkey: RDMA_UDP_QKEY,
+            port: None,
+            gid_index: None,
+        }
+    }
+}
+
+impl UdConfig {
+    fn validate(&self) -> Result<()> {
+        if self.qkey & CONTROLLED_QKEY != 0 {
+            return Err(Error::InvalidArgument(
+                "UdConfig::qkey: a Q_Key with the top bit set is privileged",
+            ));
+        }
+        if self.max_send_wr == 0 || self.max_recv_wr == 0 {
+            return Err(Error::InvalidArgument(
+                "UdConfig: max_send_wr and max_recv_wr must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a sender needs to reach a UD QP (exchanged out of band).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UdEndpoint {
+    /// QP number.
+    pub qpn: u32,
+    /// The Q_Key its datagrams must carry.
+    pub qkey: u32,
+    /// The port's GID.
+    pub gid: Gid,
+    /// The port's LID (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+}
+
+/// An unreliable-datagram queue pair, ready to send and receive.
+///
+/// Holds its PD and CQs, so they outlive it. Dropping it leaves the
+/// multicast groups it joined, then destroys it.
+///
+/// ```no_run
+/// use rdma_comm_core::verbs::*;
+/// let ctx = Context::open_default(None)?;
+/// let pd = ctx.alloc_pd()?;
+/// let cq = ctx.create_cq(512, None)?;
+/// let mut qp = pd.create_ud_qp(&cq, &cq, &UdConfig::default())?;
+/// let buf = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE)?;
+/// // Room for the GRH and a payload of up to 1024 bytes.
+/// qp.post_recv(&mut RecvRequest::new(1, buf.slice(0, GRH_BYTES + 1024)?)?)?;
+/// let peer = qp.endpoint(); // what another QP would be given
+/// let to_peer = qp.destination(&peer)?;
+/// qp.post_send(&mut UdSend::new(2, buf.slice(2048, 8)?, &to_peer).signaled())?;
+/// # Ok::<(), rdma_comm_core::Error>(())
+/// ```
+pub struct UdQueuePair {
+    qp: NonNull<sys::ibv_qp>,
+    post_send_fn: PostSendFn,
+    post_recv_fn: PostRecvFn,
+    port: u8,
+    gid_index: u32,
+    local: UdEndpoint,
+    max_inline_data: u32,
+    link_layer: LinkLayer,
+    /// The multicast groups joined, each with the socket that holds this
+    /// host's IP membership of it; left before the QP is destroyed.
+    groups: Vec<(Gid, UdpSocket)>,
+    // Held so that the CQs and the PD outlive the QP: dropped after it is
+    // destroyed in Drop.
+    _send_cq: Arc<CqInner>,
+    _recv_cq: Arc<CqInner>,
+    pd: Arc<PdInner>,
+}
+
+// SAFETY: libibverbs QPs may be used from any thread, and posting is
+// internally synchronised by the provider; the handle is freed only in Drop.
+unsafe impl Send for UdQueuePair {}
+// SAFETY: see Send.
+unsafe impl Sync for UdQueuePair {}
+
+impl fmt::Debug for UdQueuePair {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UdQueuePair")
+            .field("device", &self.pd.ctx.name)
+            .field("qpn", &self.local.qpn)
+            .field("port", &self.port)
+            .field("groups", &self.groups.len())
+            .finish()
+    }
+}
+
+impl Drop for UdQueuePair {
+    fn drop(&mut self) {
+        for (group, membership) in std::mem::take(&mut self.groups) {
+            if let Err(err) = self.detach(&group) {
+                log::warn!("{err}");
+            }
+            drop(membership);
+        }
+        // SAFETY: the QP came from ibv_create_qp and is destroyed once,
+        // before the CQs and PD it uses (held by the fields).
+        let rc = unsafe { sys::ibv_destroy_qp(self.qp.as_ptr()) };
+        if let Err(err) = check_rc(
+            rc,
+            "ibv_destroy_qp",
+            &self.pd.ctx.name,
+            Some(self.local.qpn),
+        ) {
+            log::error!("{err}");
+        }
+    }
+}
+
+impl ProtectionDomain {
+    /// Creates a UD queue pair on `send_cq`/`recv_cq` and takes it to RTS.
+    /// Not on the loopback device ([`Error::Unsupported`]).
+    pub fn create_ud_qp(
+        &self,
+        send_cq: &impl CqSource,
+        recv_cq: &impl CqSource,
+        config: &UdConfig,
+    ) -> Result<UdQueuePair> {
+        config.validate()?;
+        let name = &self.inner.ctx.name;
+        if self.inner.ctx.is_loopback() {
+            return Err(Error::Unsupported {
+                verb: "ibv_create_qp(IBV_QPT_UD)",
+                device: Arc::clone(name),
+            });
+        }
+        let (send_cq, recv_cq) = (send_cq.as_shared(), recv_cq.as_shared());
+        let own = self.inner.ctx.ctx;
+        if send_cq.inner.ctx.ctx != own || recv_cq.inner.ctx.ctx != own {
+            return Err(Error::InvalidArgument(
+                "create_ud_qp: the CQs must be on the PD's device context",
+            ));
+        }
+        let ctx = self.context();
+        let port = match config.port {
+            Some(port) => port,
+            None => ctx.first_active_port()?,
+        };
+        let port_attr = ctx.query_port(port)?;
+        let gid = ctx.select_gid(port, config.gid_index)?;
+        let mut init_attr = sys::ibv_qp_init_attr {
+            send_cq: send_cq.inner.cq.as_ptr(),
+            recv_cq: recv_cq.inner.cq.as_ptr(),
+            cap: sys::ibv_qp_cap {
+                max_send_wr: config.max_send_wr,
+                max_recv_wr: config.max_recv_wr,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: config.max_inline_data,
+            },
+            qp_type: sys::IBV_QPT_UD,
+            sq_sig_all: 0,
+            ..Default::default()
+        };
+        // SAFETY: PD and CQs are live (held from here on); init_attr is fully
+        // initialised and the provider writes back the granted caps.
+        let raw = unsafe { sys::ibv_create_qp(self.inner.pd.as_ptr(), &mut init_attr) };
+        let qp = check_ptr(raw, "ibv_create_qp(IBV_QPT_UD)", name)?;
+        // SAFETY: the QP is live; its context's ops table never changes.
+        let (qpn, post_send_fn, post_recv_fn) = unsafe {
+            let ops = &(*(*qp.as_ptr()).context).ops;
+            ((*qp.as_ptr()).qp_num, ops.post_send, ops.post_recv)
+        };
+        let (Some(post_send_fn), Some(post_recv_fn)) = (post_send_fn, post_recv_fn) else {
+            // SAFETY: the QP is live and not yet owned by a UdQueuePair.
+            unsafe { sys::ibv_destroy_qp(qp.as_ptr()) };
+            return Err(Error::Unsupported {
+                verb: "ibv_post_send",
+                device: Arc::clone(name),
+            });
+        };
+        let qp = UdQueuePair {
+            qp,
+            post_send_fn,
+            post_recv_fn,
+            port,
+            gid_index: gid.index,
+            local: UdEndpoint {
+                qpn,
+                qkey: config.qkey,
+                gid: gid.gid,
+                lid: port_attr.lid,
+            },
+            max_inline_data: init_attr.cap.max_inline_data,
+            link_layer: port_attr.link_layer,
+            groups: Vec::new(),
+            _send_cq: send_cq.inner,
+            _recv_cq: recv_cq.inner,
+            pd: Arc::clone(&self.inner),
+        };
+        qp.make_ready()?;
+        Ok(qp)
+    }
+}
+
+impl UdQueuePair {
+    /// The QP number.
+    pub fn qpn(&self) -> u32 {
+        self.local.qpn
+    }
+
+    /// What a sender needs to reach this QP.
+    pub fn endpoint(&self) -> UdEndpoint {
+        self.local
+    }
+
+    /// The largest payload [`UdSend::inline`] may carry on this QP.
+    pub fn max_inline_data(&self) -> u32 {
+        self.max_inline_data
+    }
+
+    fn modify(&self, attr: &mut sys::ibv_qp_attr, mask: u32, verb: &'static str) -> Result<()> {
+        // SAFETY: the QP is live and `attr` is initialised for every bit in `mask`.
+        let rc = unsafe { sys::ibv_modify_qp(self.qp.as_ptr(), attr, mask as c_int) };
+        check_rc(rc, verb, &self.pd.ctx.name, Some(self.local.qpn))
+    }
+
+    /// RESET→INIT→RTR→RTS: a UD QP has no peer, so it is ready at once.
+    fn make_ready(&self) -> Result<()> {
+        let mut attr = sys::ibv_qp_attr {
+            qp_state: sys::IBV_QPS_INIT,
+            pkey_index: 0,
+            port_num: self.port,
+            qkey: self.local.qkey,
+            ..Default::default()
+        };
+        let mask = sys::IBV_QP_STATE | sys::IBV_QP_PKEY_INDEX | sys::IBV_QP_PORT | sys::IBV_QP_QKEY;
+        self.modify(&mut attr, mask, "ibv_modify_qp(RESET->INIT)")?;
+        let mut attr = sys::ibv_qp_attr {
+            qp_state: sys::IBV_QPS_RTR,
+            ..Default::default()
+        };
+        self.modify(&mut attr, sys::IBV_QP_STATE, "ibv_modify_qp(INIT->RTR)")?;
+        let mut attr = sys::ibv_qp_attr {
+            qp_state: sys::IBV_QPS_RTS,
+            sq_psn: 0,
+            ..Default::default()
+        };
+        self.modify(
+            &mut attr,
+            sys::IBV_QP_STATE | sys::IBV_QP_SQ_PSN,
+            "ibv_modify_qp(RTR->RTS)",
+        )
+    }
+
+    /// Where to send datagrams for the UD QP `to` describes, from this
+    /// QP's port and GID.
+    pub fn destination(&self, to: &UdEndpoint) -> Result<UdDestination> {
+        self.destination_to(to.gid, to.lid, to.qpn, to.qkey)
+    }
+
+    /// Where to send datagrams for the members of multicast group `group`
+    /// (joined with [`join`](Self::join)), with this QP's Q_Key.
+    pub fn group_destination(&self, group: Gid) -> Result<UdDestination> {
+        self.destination_to(group, 0, MULTICAST_QPN, self.local.qkey)
+    }
+
+    fn destination_to(&self, gid: Gid, lid: u16, qpn: u32, qkey: u32) -> Result<UdDestination> {
+        let mut attr = sys::ibv_ah_attr {
+            dlid: lid,
+            port_num: self.port,
+            is_global: 1,
+            ..Default::default()
+        };
+        attr.grh.dgid.raw = gid.0;
+        attr.grh.sgid_index = self.gid_index as u8;
+        attr.grh.hop_limit = 64;
+        // SAFETY: the PD is live (held by the destination from here on) and
+        // `attr` is fully initialised.
+        let raw = unsafe { sys::ibv_create_ah(self.pd.pd.as_ptr(), &mut attr) };
+        let ah = check_ptr(raw, "ibv_create_ah", &self.pd.ctx.name)?;
+        Ok(UdDestination {
+            ah,
+            qpn,
+            qkey,
+            pd: Arc::clone(&self.pd),
+        })
+    }
+
+    /// Where to answer the datagram `wc` reports, whose receive buffer
+    /// began with `grh` (its first [`GRH_BYTES`]): the sender's QP, with
+    /// this QP's Q_Key.
+    pub fn reply_destination(&self, wc: &WorkCompletion, grh: &[u8]) -> Result<UdDestination> {
+        let grh: &[u8; GRH_BYTES] = grh
+            .get(..GRH_BYTES)
+            .and_then(|bytes| bytes.try_into().ok())
+            .ok_or(Error::InvalidArgument(
+                "reply_destination: the GRH is the first 40 bytes of the receive buffer",
+            ))?;
+        let mut wc = *wc.raw();
+        let mut grh = *grh;
+        // SAFETY: the PD is live; `wc` and `grh` are copies of ours that the
+        // verb only reads (its signature is not const); the GRH is 40 bytes,
+        // the size of `ibv_grh`.
+        let raw = unsafe {
+            sys::ibv_create_ah_from_wc(
+                self.pd.pd.as_ptr(),
+                &mut wc,
+                grh.as_mut_ptr().cast(),
+                self.port,
+            )
+        };
+        let ah = check_ptr(raw, "ibv_create_ah_from_wc", &self.pd.ctx.name)?;
+        Ok(UdDestination {
+            ah,
+            qpn: wc.src_qp,
+            qkey: self.local.qkey,
+            pd: Arc::clone(&self.pd),
+        })
+    }
+
+    /// Joins multicast group `group`, the IPv4-mapped GID of a multicast
+    /// address (`Gid::from_ipv4(239.1.1.1)`): datagrams sent to it with
+    /// this QP's Q_Key are received here too. RoCE v2 routes multicast over
+    /// IP, so the QP is attached to the group and this host joins the IP
+    /// group on the interface of the QP's GID (IGMP, as the kernel's
+    /// connection manager does); without that membership the kernel, and
+    /// an IGMP-snooping switch, would not deliver the group's packets. Not
+    /// on InfiniBand, where a group is joined through the subnet manager
+    /// ([`Error::Unsupported`]).
+    pub fn join(&mut self, group: Gid) -> Result<()> {
+        if self.groups.iter().any(|(joined, _)| *joined == group) {
+            return Ok(());
+        }
+        let Some(address) = group.ipv4_mapped().filter(Ipv4Addr::is_multicast) else {
+            return Err(Error::InvalidArgument(
+                "join: a group is the IPv4-mapped GID of a multicast address (224.0.0.0/4)",
+            ));
+        };
+        let interface = match (self.link_layer, self.local.gid.ipv4_mapped()) {
+            (LinkLayer::Ethernet, Some(interface)) => interface,
+            _ => {
+                return Err(Error::Unsupported {
+                    verb: "ibv_attach_mcast (multicast needs a RoCE v2 port with an IPv4 GID)",
+                    device: Arc::clone(&self.pd.ctx.name),
+                });
+            }
+        };
+        let membership = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
+            .and_then(|socket| {
+                socket
+                    .join_multicast_v4(&address, &interface)
+                    .map(|()| socket)
+            })
+            .map_err(|source| Error::Os {
+                what: "joining the multicast group's IP group (IP_ADD_MEMBERSHIP)",
+                source,
+            })?;
+        // SAFETY: the QP is live and the GID is a valid 16-byte value.
+        let rc = unsafe { sys::ibv_attach_mcast(self.qp.as_ptr(), (&raw const group.0).cast(), 0) };
+        check_rc(
+            rc,
+            "ibv_attach_mcast",
+            &self.pd.ctx.name,
+            Some(self.local.qpn),
+        )?;
+        self.groups.push((group, membership));
+        Ok(())
+    }
+
+    /// Leaves multicast group `group`: the QP is detached from it and this
+    /// QP's IP membership of it ends.
+    pub fn leave(&mut self, group: Gid) -> Result<()> {
+        let Some(at) = self.groups.iter().position(|(joined, _)| *joined == group) else {
+            return Err(Error::InvalidArgument(
+                "leave: the QP has not joined this group",
+            ));
+        };
+        self.detach(&group)?;
+        self.groups.swap_remove(at);
+        Ok(())
+    }
+
+    fn detach(&self, group: &Gid) -> Result<()> {
+        // SAFETY: the QP is live and the GID is a valid 16-byte value.
+        let rc = unsafe { sys::ibv_detach_mcast(self.qp.as_ptr(), (&raw const group.0).cast(), 0) };
+        check_rc(
+            rc,
+            "ibv_detach_mcast",
+            &self.pd.ctx.name,
+            Some(self.local.qpn),
+        )
+    }
+
+    /// Posts one datagram.
+    pub fn post_send(&mut self, request: &mut UdSend<'_>) -> Result<()> {
+        if request.wr.send_flags & sys::IBV_SEND_INLINE != 0
+            && request.sge.length > self.max_inline_data
+        {
+            return Err(Error::InlineTooLarge {
+                len: request.sge.length as usize,
+                max: self.max_inline_data,
+            });
+        }
+        request.wr.sg_list = &raw mut request.sge;
+        request.wr.next = ptr::null_mut();
+        let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
+        // SAFETY: one request whose SGE is beside it and whose address
+        // handle the request borrows, both alive for the call; the provider
+        // copies the request and the address vector before returning.
+        let rc = unsafe { (self.post_send_fn)(self.qp.as_ptr(), &mut request.wr, &mut bad) };
+        // One request: a refusal posted none of it.
+        self.post_error("ibv_post_send", rc, 0)
+    }
+
+    /// Posts receives, each at least [`GRH_BYTES`] long (the GRH comes
+    /// first, then the payload); a shorter one refuses the whole post.
+    pub fn post_recv<R: RecvRequests>(&mut self, requests: &mut R) -> Result<()> {
+        let requests = requests.requests_mut(Seal::new());
+        if requests.is_empty() {
+            return Ok(());
+        }
+        if requests
+            .iter()
+            .any(|request| (request.local_sge().1 as usize) < GRH_BYTES)
+        {
+            return Err(Error::InvalidArgument(
+                "a UD receive must hold the 40-byte GRH before the payload",
+            ));
+        }
+        let len = requests.len();
+        let head = requests::link(requests);
+        let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
+        // SAFETY: `link` made a NULL-terminated list of `len` requests, each
+        // pointing at its own SGE, inside `requests`, borrowed for the call.
+        let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
+        self.post_error(
+            "ibv_post_recv",
+            rc,
+            super::list::count_before(head, bad, len),
+        )
+    }
+
+    fn post_error(&self, verb: &'static str, rc: c_int, posted: usize) -> Result<()> {
+        if rc == 0 {
+            return Ok(());
+        }
+        Err(Error::Post {
+            verb,
+            errno: rc.abs(),
+            device: Arc::clone(&self.pd.ctx.name),
+            qpn: self.local.qpn,
+            posted,
+        })
+    }
+}
+
+/// Where a UD QP sends: an address handle, with the remote QP number and
+/// Q_Key. Holds its PD; a [`UdSend`] borrows it, so it outlives every
+/// request built on it (the device copies it at post).
+pub struct UdDestination {
+    ah: NonNull<sys::ibv_ah>,
+    qpn: u32,
+    qkey: u32,
+    pd: Arc<PdInner>,
+}
+
+// SAFETY: an address handle is an immutable device object, usable from any
+// thread; it is destroyed only in Drop.
+unsafe impl Send for UdDestination {}
+// SAFETY: see Send.
+unsafe impl Sync for UdDestination {}
+
+impl fmt::Debug for UdDestination {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UdDestination")
+            .field("qpn", &self.qpn)
+            .field("qkey", &self.qkey)
+            .finish()
+    }
+}
+
+impl UdDestination {
+    /// The remote QP number (0xffffff for a multicast group).
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+}
+
+impl Drop for UdDestination {
+    fn drop(&mut self) {
+        // SAFETY: created by ibv_create_ah(_from_wc) on the PD held here,
+        // destroyed once; no request borrows it any more (UdSend's lifetime).
+        let rc = unsafe { sys::ibv_destroy_ah(self.ah.as_ptr()) };
+        if let Err(err) = check_rc(rc, "ibv_destroy_ah", &self.pd.ctx.name, None) {
+            log::error!("{err}");
+        }
+    }
+}
+
+/// One datagram to send: SEND or SEND_WITH_IMM of one slice (or inline
+/// bytes) to a [`UdDestination`].
+#[derive(Clone, Copy)]
+pub struct UdSend<'a> {
+    wr: sys::ibv_send_wr,
+    sge: sys::ibv_sge,
+    _borrows: PhantomData<(&'a [u8], &'a UdDestination)>,
+}
+
+impl fmt::Debug for UdSend<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UdSend")
+            .field("wr_id", &self.wr.wr_id)
+            .field("len", &self.sge.length)
+            .finish()
+    }
+}
+
+impl<'a> UdSend<'a> {
+    fn build(wr_id: u64, sge: sys::ibv_sge, to: &'a UdDestination) -> Self {
+        let mut wr = sys::ibv_send_wr {
+            wr_id,
+            opcode: sys::IBV_WR_SEND,
+            num_sge: i32::from(sge.length > 0),
+            ..Default::default()
+        };
+        wr.wr.ud = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_3 {
+            ah: to.ah.as_ptr(),
+            remote_qpn: to.qpn,
+            remote_qkey: to.qkey,
+        };
+        Self {
+            wr,
+            sge,
+            _borrows: PhantomData,
+        }
+    }
+
+    /// SEND `local` to `to`.
+    pub fn new(wr_id: u64, local: LocalSlice<'a>, to: &'a UdDestination) -> Self {
+        let sge = sys::ibv_sge {
+            addr: local.addr,
+            length: local.len,
+            lkey: local.lkey,
+        };
+        Self::build(wr_id, sge, to)
+    }
+
+    /// SEND `data`, copied into the request at post (no registration
+    /// needed; at most [`UdQueuePair::max_inline_data`] bytes).
+    pub fn inline(wr_id: u64, data: &'a [u8], to: &'a UdDestination) -> Result<Self> {
+        let length = u32::try_from(data.len())
+            .map_err(|_| Error::InvalidArgument("UdSend::inline: payload too large"))?;
+        let sge = sys::ibv_sge {
+            addr: data.as_ptr() as u64,
+            length,
+            lkey: 0,
+        };
+        let mut request = Self::build(wr_id, sge, to);
+        request.wr.send_flags |= sys::IBV_SEND_INLINE;
+        Ok(request)
+    }
+
+    /// Carries `imm` (SEND_WITH_IMM).
+    pub fn with_imm(mut self, imm: u32) -> Self {
+        self.wr.opcode = sys::IBV_WR_SEND_WITH_IMM;
+        self.wr.__bindgen_anon_1.imm_data = imm.to_be();
+        self
+    }
+
+    /// Asks for a completion.
+    pub fn signaled(mut self) -> Self {
+        self.wr.send_flags |= sys::IBV_SEND_SIGNALED;
+        self
+    }
+}
+
+/// Where the payload of the datagram `wc` reports lies in its receive
+/// buffer: after the GRH, up to the byte count the device reported (never
+/// the payload's own idea of its length). `None` for a completion shorter
+/// than a GRH.
+pub fn datagram_payload(wc: &WorkCompletion) -> Option<std::ops::Range<usize>> {
+    let end = wc.byte_len() as usize;
+    (end >= GRH_BYTES).then_some(GRH_BYTES..end)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+
+    #[test]
+    fn an_ipv4_mapped_gid_round_trips() {
+        let group = Ipv4Addr::new(239, 1, 1, 1);
+        let gid = Gid::from_ipv4(group);
+        assert_eq!(gid.ipv4_mapped(), Some(group));
+        assert_eq!(gid.to_string(), "::ffff:239.1.1.1");
+    }
+
+    #[test]
+    fn a_privileged_qkey_and_empty_queues_are_refused() {
+        let privileged = UdConfig {
+            qkey: 0x8000_0001,
+            ..UdConfig::default()
+        };
+        assert!(matches!(
+            privileged.validate(),
+            Err(Error::InvalidArgument(_))
+        ));
+        let empty = UdConfig {
+            max_recv_wr: 0,
+            ..UdConfig::default()
+        };
+        assert!(matches!(empty.validate(), Err(Error::InvalidArgument(_))));
+        assert!(UdConfig::default().validate().is_ok());
+    }
+
+    #[cfg(feature = "loopback")]
+    #[test]
+    fn the_loopback_device_refuses_a_ud_qp() {
+        // SAFETY: nothing is posted on this device.
+        let ctx = unsafe { super::super::Context::loopback() };
+        let pd = ctx.alloc_pd().expect("a PD");
+        let cq = ctx.create_cq(16, None).expect("a CQ");
+        match pd.create_ud_qp(&cq, &cq, &UdConfig::default()) {
+            Err(Error::Unsupported { verb, .. }) => assert!(verb.contains("UD"), "{verb}"),
+            other => panic!("a UD QP on the loopback device: {other:?}"),
+        }
+    }
+}
