@@ -382,6 +382,7 @@ fn every_tools_help_says_what_the_tool_does() {
             "verbs_perf",
             "Latency and bandwidth over the verbs layer alone",
         ),
+        ("feed", "Multicast feed"),
     ] {
         let out = run(tool, &["--help"]);
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -389,4 +390,50 @@ fn every_tools_help_says_what_the_tool_does() {
         let first = stdout.lines().next().unwrap_or_default();
         assert!(first.starts_with(about), "{tool} --help begins {first:?}");
     }
+}
+
+#[test]
+fn feed_refuses_a_group_that_is_not_multicast_and_values_out_of_range() {
+    for (args, flag, accepts) in [
+        (
+            &["publish", "--group", "10.1.1.1"][..],
+            "--group 10.1.1.1",
+            "must be an IPv4 multicast address",
+        ),
+        (
+            &["subscribe", "--group", "nonsense"],
+            "--group nonsense",
+            "must be an IPv4 multicast address",
+        ),
+        (
+            &["publish", "--group", "239.1.1.1", "--size", "15"],
+            "--size 15",
+            "must be 16 to 4096",
+        ),
+        (
+            &["publish", "--group", "239.1.1.1", "--rate", "0"],
+            "--rate 0",
+            "must be 1 to 10000000",
+        ),
+        (
+            &["publish", "--group", "239.1.1.1", "--count", "0"],
+            "--count 0",
+            "must be 1 to 1000000000",
+        ),
+        (
+            &["subscribe", "--group", "239.1.1.1", "--timeout", "0"],
+            "--timeout 0",
+            "must be 1 to 86400",
+        ),
+    ] {
+        assert_refused("feed", args, flag, accepts);
+    }
+    // Good arguments get as far as the device.
+    let out = run(
+        "feed",
+        &["subscribe", "--group", "239.1.1.1", "-d", NO_DEVICE],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(NO_DEVICE), "{stderr}");
 }
