@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! feed publish --group 239.1.1.1 [--count 1000] [--rate 10000] [--size 64] [-d DEV] [-x GID]
-//! feed subscribe --group 239.1.1.1 [--timeout 30] [--json] [-d DEV] [-x GID]
+//! feed subscribe --group 239.1.1.1 [--timeout 30] [--count N [--raw]] [--json] [-d DEV] [-x GID]
 //! ```
 //!
 //! A datagram carries its sequence number and a pattern of it; after the
@@ -58,6 +58,15 @@ enum Role {
         /// One JSON object instead of the summary line.
         #[arg(long)]
         json: bool,
+        /// Take the datagrams as they are, without a sequence number or a
+        /// pattern (another publisher's, such as rdma-core's `mckey -s`):
+        /// count them, and stop after `--count` of them.
+        #[arg(long, requires = "count")]
+        raw: bool,
+        /// Stop after this many datagrams, 1 to 10^12 (default: at the end
+        /// mark).
+        #[arg(long, value_parser = common::range(1u64, 1_000_000_000_000))]
+        count: Option<u64>,
     },
 }
 
@@ -103,7 +112,9 @@ fn main() -> ExitCode {
             group,
             timeout,
             json,
-        } => subscribe(&group, Duration::from_secs(timeout), json),
+            raw,
+            count,
+        } => subscribe(&group, Duration::from_secs(timeout), json, raw, count),
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,
@@ -141,6 +152,13 @@ fn fill(datagram: &mut [u8], seq: u64) {
 
 fn publish(args: &GroupArgs, count: u64, rate: u64, size: usize) -> rdma_comm_core::Result<bool> {
     let (pd, mut cq, mut qp) = open(args)?;
+    if size > qp.max_datagram() as usize {
+        eprintln!(
+            "feed: --size {size}: larger than the port's MTU ({} B)",
+            qp.max_datagram()
+        );
+        return Ok(false);
+    }
     let mut tx = pd.alloc_mr(size, AccessFlags::empty())?;
     let to_group = qp.group_destination(Gid::from_ipv4(args.group))?;
     let interval = Duration::from_secs_f64(1.0 / rate as f64);
@@ -222,7 +240,13 @@ impl Tally {
     }
 }
 
-fn subscribe(args: &GroupArgs, timeout: Duration, json: bool) -> rdma_comm_core::Result<bool> {
+fn subscribe(
+    args: &GroupArgs,
+    timeout: Duration,
+    json: bool,
+    raw: bool,
+    count: Option<u64>,
+) -> rdma_comm_core::Result<bool> {
     let (pd, mut cq, mut qp) = open(args)?;
     let rx = pd.alloc_mr(RECEIVES * RECV_LEN, AccessFlags::LOCAL_WRITE)?;
     for slot in 0..RECEIVES {
@@ -243,7 +267,11 @@ fn subscribe(args: &GroupArgs, timeout: Duration, json: bool) -> rdma_comm_core:
         for wc in cq.poll(&mut wcs)? {
             wc.ok()?;
             let slot = wc.wr_id() as usize;
-            if let Some(payload) = datagram_payload(wc).filter(|p| p.len() >= 16) {
+            if raw {
+                // Any payload counts; its length is the completion's.
+                first.get_or_insert_with(Instant::now);
+                tally.received += u64::from(datagram_payload(wc).is_some());
+            } else if let Some(payload) = datagram_payload(wc).filter(|p| p.len() >= 16) {
                 let bytes = &mut datagram[..payload.len()];
                 rx.read(slot * RECV_LEN + payload.start, bytes)?;
                 if u64::from_le_bytes(bytes[..8].try_into().unwrap_or_default()) == END {
@@ -262,6 +290,9 @@ fn subscribe(args: &GroupArgs, timeout: Duration, json: bool) -> rdma_comm_core:
                 slot as u64,
                 rx.slice(slot * RECV_LEN, RECV_LEN)?,
             )?)?;
+            if count.is_some_and(|count| tally.received >= count) {
+                ended = true;
+            }
         }
     }
     let secs = first.map_or(0.0, |first| first.elapsed().as_secs_f64());

@@ -124,6 +124,52 @@ verbs_test! {
 }
 
 verbs_test! {
+    fn a_destination_dropped_right_after_the_post_still_delivers() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let (mut a, mut b) = (End::new(&pd, &ctx), End::new(&pd, &ctx));
+        for round in 0u8..20 {
+            let to_b = a.qp.destination(&b.qp.endpoint()).expect("a destination");
+            a.tx.write(0, &[round; 8]).expect("staged");
+            let local = a.tx.slice(0, 8).expect("a slice");
+            a.qp.post_send(&mut UdSend::new(9, local, &to_b).signaled()).expect("posted");
+            // The QP keeps the address handle until the send is done.
+            drop(to_b);
+            assert_eq!(wait_ok(&mut a.cq).wr_id(), 9, "send {round} completed");
+            assert_eq!(b.receive().2, [round; 8], "datagram {round} arrived");
+        }
+    }
+}
+
+verbs_test! {
+    fn a_destination_of_another_pd_and_a_datagram_over_the_mtu_are_refused() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let (mut a, b) = (End::new(&pd, &ctx), End::new(&pd, &ctx));
+        let other_pd = ctx.alloc_pd().expect("another PD");
+        let cq = ctx.create_cq(16, None).expect("a CQ");
+        let other = other_pd.create_ud_qp(&cq, &cq, &UdConfig::default()).expect("a UD QP");
+        let foreign = other.destination(&b.qp.endpoint()).expect("a destination of the other PD");
+        let local = a.tx.slice(0, 8).expect("a slice");
+        match a.qp.post_send(&mut UdSend::new(1, local, &foreign)) {
+            Err(Error::ForeignHandle(why)) => assert!(why.contains("protection domain"), "{why}"),
+            other => panic!("a destination of another PD: {other:?}"),
+        }
+        let to_b = a.qp.destination(&b.qp.endpoint()).expect("a destination");
+        let mtu = a.qp.max_datagram() as usize;
+        let big = pd.alloc_mr(mtu + 1, AccessFlags::empty()).expect("a region");
+        match a.qp.post_send(&mut UdSend::new(2, big.slice(0, mtu + 1).expect("a slice"), &to_b)) {
+            Err(Error::InvalidArgument(why)) => assert!(why.contains("MTU"), "{why}"),
+            other => panic!("a datagram over the MTU: {other:?}"),
+        }
+        a.qp
+            .post_send(&mut UdSend::new(3, big.slice(0, mtu).expect("a slice"), &to_b).signaled())
+            .expect("a datagram of exactly the MTU");
+        assert_eq!(wait_ok(&mut a.cq).wr_id(), 3);
+    }
+}
+
+verbs_test! {
     fn a_datagram_with_another_qkey_is_dropped() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().expect("a PD");

@@ -24,13 +24,17 @@ use super::cq::{CqInner, CqSource, WorkCompletion};
 use super::device::{Gid, LinkLayer};
 use super::mr::LocalSlice;
 use super::pd::{PdInner, ProtectionDomain};
+use super::qp::{PostRecvFn, PostSendFn};
 use super::requests::sealed::{Request, Seal};
 use super::requests::{self, RecvRequests};
+use super::wc::WcOpcode;
 use super::{check_ptr, check_rc};
 
 /// Bytes of the global routing header at the start of every UD receive
 /// buffer (on RoCE v2 over IPv4, the IPv4 header in its last 20).
 pub const GRH_BYTES: usize = 40;
+
+const _: () = assert!(std::mem::size_of::<sys::ibv_grh>() == GRH_BYTES);
 
 /// The Q_Key rdma-core's UD tools (`udaddy`, `mckey`) and librdmacm use.
 pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
@@ -40,17 +44,6 @@ const MULTICAST_QPN: u32 = 0x00ff_ffff;
 
 /// Q_Keys with the top bit set are privileged (controlled by the kernel).
 const CONTROLLED_QKEY: u32 = 0x8000_0000;
-
-type PostSendFn = unsafe extern "C" fn(
-    *mut sys::ibv_qp,
-    *mut sys::ibv_send_wr,
-    *mut *mut sys::ibv_send_wr,
-) -> c_int;
-type PostRecvFn = unsafe extern "C" fn(
-    *mut sys::ibv_qp,
-    *mut sys::ibv_recv_wr,
-    *mut *mut sys::ibv_recv_wr,
-) -> c_int;
 
 /// How to create a UD QP.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,6 +133,15 @@ pub struct UdQueuePair {
     gid_index: u32,
     local: UdEndpoint,
     max_inline_data: u32,
+    /// The port's MTU: the largest datagram.
+    mtu: u32,
+    /// The address handle of each send-queue entry's last send, kept until
+    /// that entry is reused (by then the send is done): a provider may look
+    /// the address up only when it transmits. One per entry the device
+    /// granted, filled as sends are posted.
+    in_flight: Vec<Option<Arc<AddressHandle>>>,
+    /// Sends posted, modulo the entries: the next one's place in `in_flight`.
+    next_entry: usize,
     link_layer: LinkLayer,
     /// The multicast groups joined, each with the socket that holds this
     /// host's IP membership of it; left before the QP is destroyed.
@@ -265,6 +267,9 @@ impl ProtectionDomain {
                 lid: port_attr.lid,
             },
             max_inline_data: init_attr.cap.max_inline_data,
+            mtu: port_attr.active_mtu.bytes(),
+            in_flight: vec![None; init_attr.cap.max_send_wr.max(1) as usize],
+            next_entry: 0,
             link_layer: port_attr.link_layer,
             groups: Vec::new(),
             _send_cq: send_cq.inner,
@@ -353,10 +358,12 @@ impl UdQueuePair {
         let raw = unsafe { sys::ibv_create_ah(self.pd.pd.as_ptr(), &mut attr) };
         let ah = check_ptr(raw, "ibv_create_ah", &self.pd.ctx.name)?;
         Ok(UdDestination {
-            ah,
+            handle: Arc::new(AddressHandle {
+                ah,
+                pd: Arc::clone(&self.pd),
+            }),
             qpn,
             qkey,
-            pd: Arc::clone(&self.pd),
         })
     }
 
@@ -371,24 +378,26 @@ impl UdQueuePair {
                 "reply_destination: the GRH is the first 40 bytes of the receive buffer",
             ))?;
         let mut wc = *wc.raw();
-        let mut grh = *grh;
-        // SAFETY: the PD is live; `wc` and `grh` are copies of ours that the
-        // verb only reads (its signature is not const); the GRH is 40 bytes,
-        // the size of `ibv_grh`.
+        let mut header = std::mem::MaybeUninit::<sys::ibv_grh>::uninit();
+        // SAFETY: `ibv_grh` is 40 bytes of plain integers (checked below), so
+        // any 40 bytes copied into it make a valid, properly aligned value.
+        let mut header = unsafe {
+            ptr::copy_nonoverlapping(grh.as_ptr(), header.as_mut_ptr().cast::<u8>(), GRH_BYTES);
+            header.assume_init()
+        };
+        // SAFETY: the PD is live; `wc` and `header` are aligned copies of
+        // ours that the verb only reads (its signature is not const).
         let raw = unsafe {
-            sys::ibv_create_ah_from_wc(
-                self.pd.pd.as_ptr(),
-                &mut wc,
-                grh.as_mut_ptr().cast(),
-                self.port,
-            )
+            sys::ibv_create_ah_from_wc(self.pd.pd.as_ptr(), &mut wc, &mut header, self.port)
         };
         let ah = check_ptr(raw, "ibv_create_ah_from_wc", &self.pd.ctx.name)?;
         Ok(UdDestination {
-            ah,
+            handle: Arc::new(AddressHandle {
+                ah,
+                pd: Arc::clone(&self.pd),
+            }),
             qpn: wc.src_qp,
             qkey: self.local.qkey,
-            pd: Arc::clone(&self.pd),
         })
     }
 
@@ -419,7 +428,8 @@ impl UdQueuePair {
                 });
             }
         };
-        let membership = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
+        // Bound to the group's address, so that it opens no port to unicast.
+        let membership = UdpSocket::bind((address, 0))
             .and_then(|socket| {
                 socket
                     .join_multicast_v4(&address, &interface)
@@ -429,8 +439,9 @@ impl UdQueuePair {
                 what: "joining the multicast group's IP group (IP_ADD_MEMBERSHIP)",
                 source,
             })?;
-        // SAFETY: the QP is live and the GID is a valid 16-byte value.
-        let rc = unsafe { sys::ibv_attach_mcast(self.qp.as_ptr(), (&raw const group.0).cast(), 0) };
+        let gid = sys::ibv_gid { raw: group.0 };
+        // SAFETY: the QP is live and `gid` is an aligned, initialised GID.
+        let rc = unsafe { sys::ibv_attach_mcast(self.qp.as_ptr(), &gid, 0) };
         check_rc(
             rc,
             "ibv_attach_mcast",
@@ -455,8 +466,9 @@ impl UdQueuePair {
     }
 
     fn detach(&self, group: &Gid) -> Result<()> {
-        // SAFETY: the QP is live and the GID is a valid 16-byte value.
-        let rc = unsafe { sys::ibv_detach_mcast(self.qp.as_ptr(), (&raw const group.0).cast(), 0) };
+        let gid = sys::ibv_gid { raw: group.0 };
+        // SAFETY: the QP is live and `gid` is an aligned, initialised GID.
+        let rc = unsafe { sys::ibv_detach_mcast(self.qp.as_ptr(), &gid, 0) };
         check_rc(
             rc,
             "ibv_detach_mcast",
@@ -465,8 +477,25 @@ impl UdQueuePair {
         )
     }
 
-    /// Posts one datagram.
+    /// The largest datagram this QP sends: its port's MTU.
+    pub fn max_datagram(&self) -> u32 {
+        self.mtu
+    }
+
+    /// Posts one datagram. Refused: a destination made on another PD, a
+    /// datagram larger than the port's MTU ([`max_datagram`](Self::max_datagram)),
+    /// an inline one larger than [`max_inline_data`](Self::max_inline_data).
     pub fn post_send(&mut self, request: &mut UdSend<'_>) -> Result<()> {
+        if !Arc::ptr_eq(&request.to.handle.pd, &self.pd) {
+            return Err(Error::ForeignHandle(
+                "a UdDestination of another protection domain than the QP's",
+            ));
+        }
+        if request.sge.length > self.mtu {
+            return Err(Error::InvalidArgument(
+                "a datagram larger than the port's MTU (UdQueuePair::max_datagram)",
+            ));
+        }
         if request.wr.send_flags & sys::IBV_SEND_INLINE != 0
             && request.sge.length > self.max_inline_data
         {
@@ -478,12 +507,17 @@ impl UdQueuePair {
         request.wr.sg_list = &raw mut request.sge;
         request.wr.next = ptr::null_mut();
         let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
-        // SAFETY: one request whose SGE is beside it and whose address
-        // handle the request borrows, both alive for the call; the provider
-        // copies the request and the address vector before returning.
+        // SAFETY: one request whose SGE is beside it, and whose address
+        // handle (of this QP's PD, checked above) the request borrows, both
+        // alive for the call; the handle is kept below until the send is done.
         let rc = unsafe { (self.post_send_fn)(self.qp.as_ptr(), &mut request.wr, &mut bad) };
         // One request: a refusal posted none of it.
-        self.post_error("ibv_post_send", rc, 0)
+        self.post_error("ibv_post_send", rc, 0)?;
+        // This entry's previous send was done before the queue took this one
+        // in its place: its handle may go.
+        self.in_flight[self.next_entry] = Some(Arc::clone(&request.to.handle));
+        self.next_entry = (self.next_entry + 1) % self.in_flight.len();
+        Ok(())
     }
 
     /// Posts receives, each at least [`GRH_BYTES`] long (the GRH comes
@@ -529,20 +563,15 @@ impl UdQueuePair {
 }
 
 /// Where a UD QP sends: an address handle, with the remote QP number and
-/// Q_Key. Holds its PD; a [`UdSend`] borrows it, so it outlives every
-/// request built on it (the device copies it at post).
+/// Q_Key. A [`UdSend`] borrows it; a QP it was posted on keeps its address
+/// handle until the send is surely done (a provider such as rxe looks the
+/// address up only when it transmits), so it may be dropped right after a
+/// post.
 pub struct UdDestination {
-    ah: NonNull<sys::ibv_ah>,
+    handle: Arc<AddressHandle>,
     qpn: u32,
     qkey: u32,
-    pd: Arc<PdInner>,
 }
-
-// SAFETY: an address handle is an immutable device object, usable from any
-// thread; it is destroyed only in Drop.
-unsafe impl Send for UdDestination {}
-// SAFETY: see Send.
-unsafe impl Sync for UdDestination {}
 
 impl fmt::Debug for UdDestination {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -560,10 +589,24 @@ impl UdDestination {
     }
 }
 
-impl Drop for UdDestination {
+/// An address handle, destroyed when the last destination or posted send
+/// that holds it lets go. Holds its PD.
+struct AddressHandle {
+    ah: NonNull<sys::ibv_ah>,
+    pd: Arc<PdInner>,
+}
+
+// SAFETY: an address handle is an immutable device object, usable from any
+// thread; it is destroyed only in Drop, once no one holds it.
+unsafe impl Send for AddressHandle {}
+// SAFETY: see Send.
+unsafe impl Sync for AddressHandle {}
+
+impl Drop for AddressHandle {
     fn drop(&mut self) {
         // SAFETY: created by ibv_create_ah(_from_wc) on the PD held here,
-        // destroyed once; no request borrows it any more (UdSend's lifetime).
+        // destroyed once, when no destination and no send still in a
+        // QP's send queue holds it.
         let rc = unsafe { sys::ibv_destroy_ah(self.ah.as_ptr()) };
         if let Err(err) = check_rc(rc, "ibv_destroy_ah", &self.pd.ctx.name, None) {
             log::error!("{err}");
@@ -577,7 +620,8 @@ impl Drop for UdDestination {
 pub struct UdSend<'a> {
     wr: sys::ibv_send_wr,
     sge: sys::ibv_sge,
-    _borrows: PhantomData<(&'a [u8], &'a UdDestination)>,
+    to: &'a UdDestination,
+    _payload: PhantomData<&'a [u8]>,
 }
 
 impl fmt::Debug for UdSend<'_> {
@@ -598,14 +642,15 @@ impl<'a> UdSend<'a> {
             ..Default::default()
         };
         wr.wr.ud = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_3 {
-            ah: to.ah.as_ptr(),
+            ah: to.handle.ah.as_ptr(),
             remote_qpn: to.qpn,
             remote_qkey: to.qkey,
         };
         Self {
             wr,
             sge,
-            _borrows: PhantomData,
+            to,
+            _payload: PhantomData,
         }
     }
 
@@ -651,8 +696,12 @@ impl<'a> UdSend<'a> {
 /// Where the payload of the datagram `wc` reports lies in its receive
 /// buffer: after the GRH, up to the byte count the device reported (never
 /// the payload's own idea of its length). `None` for a completion shorter
-/// than a GRH.
+/// than a GRH, and for anything but a successful receive.
 pub fn datagram_payload(wc: &WorkCompletion) -> Option<std::ops::Range<usize>> {
+    // A failed completion's byte count means nothing.
+    if !wc.is_success() || wc.opcode() != WcOpcode::RECV {
+        return None;
+    }
     let end = wc.byte_len() as usize;
     (end >= GRH_BYTES).then_some(GRH_BYTES..end)
 }
@@ -669,6 +718,12 @@ mod tests {
         let gid = Gid::from_ipv4(group);
         assert_eq!(gid.ipv4_mapped(), Some(group));
         assert_eq!(gid.to_string(), "::ffff:239.1.1.1");
+    }
+
+    #[test]
+    fn only_a_successful_receive_has_a_payload() {
+        // A default completion is a successful SEND: no datagram.
+        assert_eq!(datagram_payload(&WorkCompletion::default()), None);
     }
 
     #[test]

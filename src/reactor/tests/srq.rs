@@ -693,6 +693,28 @@ fn a_flooding_peer_takes_at_most_the_srq_beyond_its_grant_and_is_cut_off_within_
     run_until_srq_whole(&mut reactor, "every SRQ slot posted again");
 }
 
+/// A newcomer whose QP takes number `qpn` (as the kernel may give a
+/// destroyed QP's number to the next QP at once), and its partner, both
+/// added and established, after a few more passes.
+fn newcomer_numbered(
+    reactor: &mut Reactor<Probe, ()>,
+    pd: &ProtectionDomain,
+    qpn: u32,
+) -> (End, End) {
+    reuse_qpn_next(qpn);
+    let [newcomer_qp, partner_qp] = connected_qps(reactor, pd, AccessFlags::empty());
+    assert_eq!(newcomer_qp.qpn(), qpn, "the newcomer's QP took the number");
+    let newcomer = add_end(reactor, newcomer_qp);
+    let partner = add_end(reactor, partner_qp);
+    run_until(reactor, "the newcomers established", |_| {
+        newcomer.seen.borrow().established && partner.seen.borrow().established
+    });
+    for _ in 0..16 {
+        reactor.turn().expect("a pass");
+    }
+    (newcomer, partner)
+}
+
 /// A removed connection's last receive is still queued in the CQ when the
 /// kernel gives its QP number to a newcomer's QP (as it may, at once): the
 /// newcomer must not take that message, another peer's, for its own.
@@ -723,21 +745,7 @@ fn a_newcomer_reusing_a_removed_qps_number_never_gets_its_queued_receive() {
             .expect("the leaving session"),
     );
 
-    reuse_qpn_next(leaving_qpn);
-    let [newcomer_qp, partner_qp] = connected_qps(&mut reactor, &pd, access);
-    assert_eq!(
-        newcomer_qp.qpn(),
-        leaving_qpn,
-        "the newcomer's QP took the number"
-    );
-    let newcomer = add_end(&mut reactor, newcomer_qp);
-    let partner = add_end(&mut reactor, partner_qp);
-    run_until(&mut reactor, "the newcomers established", |_| {
-        newcomer.seen.borrow().established && partner.seen.borrow().established
-    });
-    for _ in 0..16 {
-        reactor.turn().expect("a pass");
-    }
+    let (newcomer, partner) = newcomer_numbered(&mut reactor, &pd, leaving_qpn);
     assert!(
         newcomer.seen.borrow().messages.is_empty(),
         "the newcomer got the removed connection's message: {:?}",
@@ -784,21 +792,7 @@ fn a_newcomer_reusing_a_never_added_qps_number_never_gets_its_queued_receive() {
     drop(never_added);
     let reclaimed_before = ignored(&reactor).1;
 
-    reuse_qpn_next(never_added_qpn);
-    let [newcomer_qp, partner_qp] = connected_qps(&mut reactor, &pd, AccessFlags::empty());
-    assert_eq!(
-        newcomer_qp.qpn(),
-        never_added_qpn,
-        "the newcomer's QP took the number"
-    );
-    let newcomer = add_end(&mut reactor, newcomer_qp);
-    let partner = add_end(&mut reactor, partner_qp);
-    run_until(&mut reactor, "the newcomers established", |_| {
-        newcomer.seen.borrow().established && partner.seen.borrow().established
-    });
-    for _ in 0..16 {
-        reactor.turn().expect("a pass");
-    }
+    let (newcomer, partner) = newcomer_numbered(&mut reactor, &pd, never_added_qpn);
     assert!(
         newcomer.seen.borrow().messages.is_empty(),
         "the newcomer got the stranger's message: {:?}",

@@ -20,12 +20,14 @@ use super::{check_ptr, check_rc, loopback};
 
 mod post;
 
-type PostSendFn = unsafe extern "C" fn(
+/// A provider's `post_send`, read once from its ops table.
+pub(super) type PostSendFn = unsafe extern "C" fn(
     *mut sys::ibv_qp,
     *mut sys::ibv_send_wr,
     *mut *mut sys::ibv_send_wr,
 ) -> c_int;
-type PostRecvFn = unsafe extern "C" fn(
+/// A provider's `post_recv`, read once from its ops table.
+pub(super) type PostRecvFn = unsafe extern "C" fn(
     *mut sys::ibv_qp,
     *mut sys::ibv_recv_wr,
     *mut *mut sys::ibv_recv_wr,
