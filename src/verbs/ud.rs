@@ -8,7 +8,7 @@
 //! refused at post). Anyone on the fabric who knows a UD QP's number and
 //! Q_Key, or a multicast group it joined, can send to it: a datagram's
 //! source ([`WorkCompletion::src_qp`], and the GRH) is all a receiver knows
-//! of who sent it.
+//! of who sent it, and it is whatever the sender wrote.
 
 use std::fmt;
 use std::marker::PhantomData;
