@@ -24,7 +24,7 @@ use super::cq::{CqInner, CqSource, WorkCompletion};
 use super::device::{Gid, LinkLayer};
 use super::mr::LocalSlice;
 use super::pd::{PdInner, ProtectionDomain};
-use super::qp::{PostRecvFn, PostSendFn};
+use super::qp::{PostRecvFn, PostSendFn, destroy_qp, post, post_fns};
 use super::requests::sealed::{Request, Seal};
 use super::requests::{self, RecvRequests};
 use super::wc::WcOpcode;
@@ -178,9 +178,9 @@ impl Drop for UdQueuePair {
             }
             drop(membership);
         }
-        // SAFETY: the QP came from ibv_create_qp and is destroyed once,
-        // before the CQs and PD it uses (held by the fields).
-        let rc = unsafe { sys::ibv_destroy_qp(self.qp.as_ptr()) };
+        // SAFETY: the QP came from ibv_create_qp on `pd` and is destroyed
+        // once, before the CQs and PD it uses (held by the fields).
+        let rc = unsafe { destroy_qp(&self.pd, self.qp) };
         if let Err(err) = check_rc(
             rc,
             "ibv_destroy_qp",
@@ -241,18 +241,14 @@ impl ProtectionDomain {
         // initialised and the provider writes back the granted caps.
         let raw = unsafe { sys::ibv_create_qp(self.inner.pd.as_ptr(), &mut init_attr) };
         let qp = check_ptr(raw, "ibv_create_qp(IBV_QPT_UD)", name)?;
-        // SAFETY: the QP is live; its context's ops table never changes.
-        let (qpn, post_send_fn, post_recv_fn) = unsafe {
-            let ops = &(*(*qp.as_ptr()).context).ops;
-            ((*qp.as_ptr()).qp_num, ops.post_send, ops.post_recv)
-        };
-        let (Some(post_send_fn), Some(post_recv_fn)) = (post_send_fn, post_recv_fn) else {
-            // SAFETY: the QP is live and not yet owned by a UdQueuePair.
-            unsafe { sys::ibv_destroy_qp(qp.as_ptr()) };
-            return Err(Error::Unsupported {
-                verb: "ibv_post_send",
-                device: Arc::clone(name),
-            });
+        // SAFETY: the QP is live.
+        let (qpn, post_send_fn, post_recv_fn) = match unsafe { post_fns(qp, name) } {
+            Ok(fns) => fns,
+            Err(err) => {
+                // SAFETY: the QP is live and not yet owned by a UdQueuePair.
+                unsafe { destroy_qp(&self.inner, qp) };
+                return Err(err);
+            }
         };
         let qp = UdQueuePair {
             qp,
@@ -552,13 +548,13 @@ impl UdQueuePair {
         if rc == 0 {
             return Ok(());
         }
-        Err(Error::Post {
+        Err(post::post_error(
             verb,
-            errno: rc.abs(),
-            device: Arc::clone(&self.pd.ctx.name),
-            qpn: self.local.qpn,
+            rc,
+            &self.pd.ctx.name,
+            self.local.qpn,
             posted,
-        })
+        ))
     }
 }
 
@@ -656,12 +652,7 @@ impl<'a> UdSend<'a> {
 
     /// SEND `local` to `to`.
     pub fn new(wr_id: u64, local: LocalSlice<'a>, to: &'a UdDestination) -> Self {
-        let sge = sys::ibv_sge {
-            addr: local.addr,
-            length: local.len,
-            lkey: local.lkey,
-        };
-        Self::build(wr_id, sge, to)
+        Self::build(wr_id, super::wr::sge(&local), to)
     }
 
     /// SEND `data`, copied into the request at post (no registration

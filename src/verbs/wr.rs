@@ -267,7 +267,8 @@ impl<'a> Keep for WorkRequest<'a> {
     }
 }
 
-fn sge(local: &LocalSlice<'_>) -> sys::ibv_sge {
+/// The scatter/gather entry of `local`.
+pub(super) fn sge(local: &LocalSlice<'_>) -> sys::ibv_sge {
     sys::ibv_sge {
         addr: local.addr,
         length: local.len,

@@ -18,7 +18,7 @@ use super::qp_config::QpConfig;
 use super::srq::{SrqAttachment, SrqInner};
 use super::{check_ptr, check_rc, loopback};
 
-mod post;
+pub(super) mod post;
 
 /// A provider's `post_send`, read once from its ops table.
 pub(super) type PostSendFn = unsafe extern "C" fn(
@@ -255,11 +255,14 @@ impl ProtectionDomain {
             let raw = unsafe { sys::ibv_create_qp(self.inner.pd.as_ptr(), &mut init_attr) };
             check_ptr(raw, "ibv_create_qp", name)?
         };
-        // SAFETY: the QP is live; its context's ops table never changes, so the
-        // post functions are read once here instead of on every post.
-        let (qpn, post_send_fn, post_recv_fn) = unsafe {
-            let ops = &(*(*qp.as_ptr()).context).ops;
-            ((*qp.as_ptr()).qp_num, ops.post_send, ops.post_recv)
+        // SAFETY: the QP is live.
+        let (qpn, post_send_fn, post_recv_fn) = match unsafe { post_fns(qp, name) } {
+            Ok(fns) => fns,
+            Err(err) => {
+                // SAFETY: the QP is live and not yet owned by a QueuePair.
+                unsafe { destroy_qp(&self.inner, qp) };
+                return Err(err);
+            }
         };
         let psn = config.psn.unwrap_or_else(random_psn) & 0x00ff_ffff;
         let local = QpEndpoint {
@@ -268,14 +271,6 @@ impl ProtectionDomain {
             gid: gid.1,
             lid: port_attr.lid,
             mtu: port_attr.active_mtu,
-        };
-        let (Some(post_send_fn), Some(post_recv_fn)) = (post_send_fn, post_recv_fn) else {
-            // SAFETY: the QP is live and not yet owned by a QueuePair.
-            unsafe { destroy_qp(&self.inner, qp) };
-            return Err(Error::Unsupported {
-                verb: "ibv_post_send",
-                device: Arc::clone(name),
-            });
         };
         let mut config = config.clone();
         config.max_rd_atomic = config
@@ -311,12 +306,36 @@ impl ProtectionDomain {
     }
 }
 
+/// The QP number of freshly created QP `qp` and its provider's post
+/// functions, read once from its context's ops table (which never changes)
+/// instead of on every post; a provider without them is unsupported.
+///
+/// # Safety
+/// `qp` is a live QP.
+pub(super) unsafe fn post_fns(
+    qp: NonNull<sys::ibv_qp>,
+    device: &Arc<str>,
+) -> Result<(u32, PostSendFn, PostRecvFn)> {
+    // SAFETY: the QP is live (the caller), and so is its context.
+    let (qpn, post_send_fn, post_recv_fn) = unsafe {
+        let ops = &(*(*qp.as_ptr()).context).ops;
+        ((*qp.as_ptr()).qp_num, ops.post_send, ops.post_recv)
+    };
+    match (post_send_fn, post_recv_fn) {
+        (Some(send), Some(recv)) => Ok((qpn, send, recv)),
+        _ => Err(Error::Unsupported {
+            verb: "ibv_post_send",
+            device: Arc::clone(device),
+        }),
+    }
+}
+
 /// Destroys a QP with the verb of its context's provider.
 ///
 /// # Safety
 /// `qp` is a live QP created in `pd` and is destroyed once; nothing uses it
 /// afterwards.
-unsafe fn destroy_qp(pd: &PdInner, qp: NonNull<sys::ibv_qp>) -> c_int {
+pub(super) unsafe fn destroy_qp(pd: &PdInner, qp: NonNull<sys::ibv_qp>) -> c_int {
     if pd.ctx.is_loopback() {
         // SAFETY: from loopback::create_qp (the PD's context is a loopback
         // one), destroyed once (the caller).

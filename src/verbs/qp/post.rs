@@ -171,12 +171,25 @@ impl QueuePair {
 
     #[cold]
     fn post_error(&self, verb: &'static str, rc: c_int, posted: usize) -> Error {
-        Error::Post {
-            verb,
-            errno: rc.abs(),
-            device: Arc::clone(&self.pd.ctx.name),
-            qpn: self.qpn,
-            posted,
-        }
+        post_error(verb, rc, &self.pd.ctx.name, self.qpn, posted)
+    }
+}
+
+/// A refused post of `verb` (return code `rc`) on QP `qpn` of `device`,
+/// after `posted` of its requests went out.
+#[cold]
+pub(in crate::verbs) fn post_error(
+    verb: &'static str,
+    rc: c_int,
+    device: &Arc<str>,
+    qpn: u32,
+    posted: usize,
+) -> Error {
+    Error::Post {
+        verb,
+        errno: rc.abs(),
+        device: Arc::clone(device),
+        qpn,
+        posted,
     }
 }
