@@ -350,6 +350,7 @@ impl RawPeer {
 mod direct;
 mod ids;
 mod now;
+mod qpn_reuse;
 mod ring;
 mod run;
 mod sparse;
