@@ -252,7 +252,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // that adds both ends before running either sees no RNR at all.
         conn.stage_initial_update();
         if let Some(pool) = &mut self.srq {
-            pool.add_owner(conn.qpn, id.key());
+            pool.add_owner(conn.qpn(), id.key());
         }
         self.conns.insert(conn);
         self.protocol_conns += 1;
@@ -292,7 +292,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let Some(mut conn) = self.conns.remove(id) else {
             return;
         };
-        if !conn.direct {
+        if !conn.is_direct() {
             // (Counted at insertion; saturating, as a drift would only cost
             // speed: either pass handles any completion.)
             self.protocol_conns = self.protocol_conns.saturating_sub(1);
@@ -300,7 +300,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let mut released = Vec::new();
         conn.shut_down(|origin, slot, from_srq| released.push((origin, slot, from_srq)));
         if let Some(pool) = &mut self.srq {
-            pool.remove_owner(conn.qpn, conn.recv_depth);
+            pool.remove_owner(conn.qpn(), conn.rq().depth());
             conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
         }
         // Dropping the connection destroys its QP before its rings.
@@ -350,9 +350,9 @@ pub(super) fn return_forwarded(
     let key = origin.key();
     if let Some(origin) = conns.get_mut_quiet(key) {
         origin.queue_repost(slot);
-        if origin.reposts_due() || origin.is_closed() {
+        if origin.rq().is_due() || origin.is_closed() {
             conns.touch(key.index);
-        } else if origin.has_pending_reposts() {
+        } else if origin.rq().has_pending() {
             conns.park(key.index);
             idle.reposts_parked();
         }

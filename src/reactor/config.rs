@@ -283,6 +283,22 @@ pub enum SendError {
     Invalid(Error),
 }
 
+impl SendError {
+    /// A payload of `len` bytes where `max` fit.
+    #[cold]
+    pub(crate) fn too_large(len: usize, max: usize) -> Self {
+        Self::TooLarge { len, max }
+    }
+
+    /// An RDMA operation whose local and remote lengths differ.
+    #[cold]
+    pub(crate) fn lengths_differ() -> Self {
+        Self::Invalid(Error::InvalidArgument(
+            "local and remote lengths of an RDMA operation differ",
+        ))
+    }
+}
+
 /// A connection id made up for unit tests of other modules.
 #[cfg(test)]
 pub(crate) fn slab_key_for_tests(index: u32) -> ConnId {

@@ -228,7 +228,7 @@ impl Ctx<'_> {
     /// reactor or of a connection that is gone.
     pub fn held_bytes(&self, held: &HeldRecv) -> Option<&[u8]> {
         let conn = self.held_origin(held)?;
-        Some(conn.recv_bytes(held.slot, held.len as usize))
+        Some(conn.rq().bytes(held.slot, held.len as usize))
     }
 
     /// Gives a held receive slot back: it is reposted with this pass (an
@@ -263,13 +263,13 @@ impl Ctx<'_> {
         let Some(origin) = self.held_origin(&held) else {
             return Err((SendError::Foreign, held));
         };
-        let Some(source) = origin.recv_slot_source(held.slot) else {
+        let Some(source) = origin.rq().source(held.slot) else {
             return Err((SendError::Foreign, held));
         };
         let origin_of = ForwardOrigin {
             conn: held.conn,
             slot: held.slot,
-            from_srq: origin.uses_srq(),
+            from_srq: origin.rq().uses_srq(),
         };
         let len = held.len as usize;
         let Some(target) = self.conns.get_mut(to.key()) else {
@@ -278,7 +278,7 @@ impl Ctx<'_> {
         // The usual case: the target keeps the origin's ring registration
         // already, so the forward needs no handle of its own (no reference
         // count, and no second lookup of either connection).
-        if target.keeps(source.registration_id) {
+        if target.sq().keeps(source.registration_id) {
             return target
                 .stage_forward(source, len, imm, origin_of, None)
                 .map_err(|error| (error, held));
@@ -286,7 +286,7 @@ impl Ctx<'_> {
         // Found above, and nothing ran since that could remove it.
         let Some(registration) = self
             .held_origin(&held)
-            .map(|origin| origin.recv_registration().clone())
+            .map(|origin| origin.rq().registration().clone())
         else {
             return Err((SendError::Foreign, held));
         };
@@ -391,7 +391,7 @@ impl Ctx<'_> {
             .conns
             .get_mut_quiet(conn.key())
             .ok_or(SendError::Closed)?;
-        Ok(record.can_ring_alone().then_some(record))
+        Ok(record.sq().can_ring_alone().then_some(record))
     }
 
     /// Counts a doorbell rung alone on `conn`; a refused one is left for
@@ -420,14 +420,14 @@ impl Ctx<'_> {
     pub fn signal_staged(&mut self, conn: ConnId) {
         self.touched = true;
         if let Some(conn) = self.conns.get_mut(conn.key()) {
-            conn.signal_last_staged();
+            conn.sq_mut().signal_last_staged();
         }
     }
 
     /// Requests staged on `conn` in this pass so far (they leave in one
     /// doorbell at its end): lets a sender cap its batch size.
     pub fn staged(&self, conn: ConnId) -> usize {
-        self.conns.get(conn.key()).map_or(0, |c| c.batch.len())
+        self.conns.get(conn.key()).map_or(0, |c| c.sq().staged())
     }
 
     /// Largest payload one SEND on `conn` can carry.
@@ -440,17 +440,17 @@ impl Ctx<'_> {
     pub fn is_established(&self, conn: ConnId) -> bool {
         self.conns
             .get(conn.key())
-            .is_some_and(|c| matches!(c.state, ConnState::Established | ConnState::Direct))
+            .is_some_and(|c| matches!(c.state(), ConnState::Established | ConnState::Direct))
     }
 
     /// The position of `conn`'s QP among its session's QPs.
     pub fn qp_index(&self, conn: ConnId) -> Option<usize> {
-        self.conns.get(conn.key()).map(|c| c.qp_index)
+        self.conns.get(conn.key()).map(|c| c.qp_index())
     }
 
     /// The session `conn` belongs to.
     pub fn session_of(&self, conn: ConnId) -> Option<SessionId> {
-        self.conns.get(conn.key()).map(|c| c.session)
+        self.conns.get(conn.key()).map(|c| c.session())
     }
 
     /// Asks the reactor's `run` loop to return after this pass.

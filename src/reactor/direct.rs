@@ -126,7 +126,7 @@ impl Ctx<'_> {
 #[inline]
 pub(super) fn direct_conn(conns: &mut ConnTable, conn: ConnId) -> Result<&mut Conn, SendError> {
     let record = conns.get_mut_quiet(conn.key()).ok_or(SendError::Closed)?;
-    if !record.direct {
+    if !record.is_direct() {
         return Err(SendError::Invalid(crate::Error::InvalidArgument(
             "not a direct connection: the reactor alone posts on its QP",
         )));

@@ -57,7 +57,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     self.direct_unusual(key, &wc);
                     return;
                 }
-                let (session, id) = (conn.session, conn.id);
+                let (session, id) = (conn.session(), conn.id());
                 let Some(handler) = self.sessions.handler_mut(session) else {
                     return;
                 };
@@ -98,7 +98,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                                 len,
                             }
                         } else {
-                            match conn.recv_message(slot, len, wc.imm()) {
+                            match conn.rq().decode(slot, len, wc.imm()) {
                                 Ok(Arrival::Message { count, data, imm }) => {
                                     self.counters.messages += 1;
                                     let established = conn.peer_credit(count);
@@ -110,7 +110,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                                         slot,
                                         data,
                                         imm,
-                                        from_srq: conn.uses_srq(),
+                                        from_srq: conn.rq().uses_srq(),
                                     }
                                 }
                                 Ok(Arrival::Credit(count)) => {
@@ -128,13 +128,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                             }
                         }
                     }
-                    Completed::Send { seq } => match conn.retire_count(seq) {
+                    Completed::Send { seq } => match conn.sq().retire_count(seq) {
                         0 => return,
                         count => Delivery::Retired { count },
                     },
                     Completed::Direct => return,
                 };
-                let (session, id) = (conn.session, conn.id);
+                let (session, id) = (conn.session(), conn.id());
                 self.deliver(key, session, id, delivery);
             }
             Err(refusal) => self.refused(at, refusal),
@@ -205,7 +205,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     // A run of one kind retires whole, for one handler
                     // call (`retire_count` vouched for `left` ops in
                     // flight).
-                    let (seq, op, run) = conn.retire_run(left);
+                    let (seq, op, run) = conn.sq_mut().retire_run(left);
                     left -= run;
                     match op.kind {
                         OpKind::Send => handler.on_sends_complete(&mut ctx, id, seq, run),
@@ -238,9 +238,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     debug_assert!(
                         ctx.conns.is_listed(TOUCHED, key.index)
                             || conn.is_closed()
-                            || (conn.is_quiet() && !conn.reposts_due()),
+                            || (conn.is_quiet() && !conn.rq().is_due()),
                         "a retire left connection {} work for a flush it does not ask for",
-                        conn.qpn
+                        conn.qpn()
                     );
                 }
             }

@@ -59,7 +59,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     fn bound_on(&self, qpn: u32) -> Option<Key> {
         self.conns
             .iter()
-            .find(|(_, conn)| conn.qpn == qpn && conn.binds > 0)
+            .find(|(_, conn)| conn.qpn() == qpn && conn.binds() > 0)
             .map(|(key, _)| key)
     }
 
@@ -131,7 +131,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[inline(never)]
     pub(super) fn malformed(&mut self, key: Key, slot: u32, what: &'static str) {
         self.cut_off(key, slot, |conn, peer| Error::MalformedMessage {
-            qpn: conn.qpn,
+            qpn: conn.qpn(),
             peer,
             what,
         });
@@ -152,7 +152,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // Named here already (fail would too) so the log line says who.
         let peer = self
             .sessions
-            .get(conn.session)
+            .get(conn.session())
             .and_then(|record| record.link().peer());
         let error = error(conn, peer);
         log::warn!("cutting off a peer: {error}");
@@ -194,7 +194,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         conn.fail(|origin, slot, from_srq| released.push((origin, slot, from_srq)));
         // Stops the QP, so the peer sees the failure too.
         conn.stop_qp();
-        let session = conn.session;
+        let session = conn.session();
         self.release_forwarded(released);
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         if let Some(record) = self.sessions.get_mut(session) {

@@ -90,7 +90,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.flush_closed(index, left);
             return;
         }
-        let repost = conn.reposts_due() || (tidy && conn.has_pending_reposts());
+        let repost = conn.rq().is_due() || (tidy && conn.rq().has_pending());
         let tail = signal_tails && conn.has_unsignaled_tail();
         // The walk visits only connections a pass touched or parked, so
         // most have work: it is inline (a call's entry and exit were 5 %
@@ -149,8 +149,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if !conn.has_unsignaled_tail() {
             return;
         }
-        if !conn.batch.is_empty() {
-            conn.signal_last_staged();
+        if conn.sq().staged() != 0 {
+            conn.sq_mut().signal_last_staged();
         } else if tail {
             conn.stage_tail_signal();
         }
@@ -186,16 +186,16 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         spell: Spell,
     ) -> Result<()> {
         conn.prepare_flush();
-        let sparse = conn.is_sparse(spell);
+        let sparse = conn.sq().is_sparse(spell);
         if tail | sparse {
             Self::leave_no_tail(conn, tail);
         }
-        let staged = conn.batch.len() as u64;
+        let staged = conn.sq().staged() as u64;
         if staged > 0 {
             counters.doorbells += 1;
             counters.requests += staged;
             if sparse {
-                conn.note_sparse_post(spell);
+                conn.sq_mut().note_sparse_post(spell);
             }
         }
         conn.post_staged()?;
@@ -203,7 +203,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return Ok(());
         }
         match srq {
-            Some(pool) if conn.uses_srq() => {
+            Some(pool) if conn.rq().uses_srq() => {
                 // Every slot is offered even after a failed post: the pool
                 // keeps each one (in its batch, or stranded), and the end
                 // of the pass posts them or leaves them for the next

@@ -254,7 +254,7 @@ impl Ctx<'_> {
             return Err(SendError::WouldBlock);
         }
         let record = direct_conn(self.conns, conn)?;
-        if loan.lent_to() != Some(record.session) {
+        if loan.lent_to() != Some(record.session()) {
             return Err(SendError::Invalid(crate::Error::InvalidArgument(
                 "a spin is lent only to the session whose connection it is",
             )));

@@ -186,6 +186,16 @@ impl<const N: usize> SendList<N> {
         true
     }
 
+    /// The flags and `wr_id` of staged request `index` (unit tests of the
+    /// reactor's signaling).
+    #[cfg(test)]
+    pub(crate) fn staged(&self, index: usize) -> Option<(SendFlags, u64)> {
+        (index < self.len).then(|| {
+            let wr = &self.wrs[index];
+            (SendFlags::from_bits_truncate(wr.send_flags), wr.wr_id)
+        })
+    }
+
     /// Adds `flags` to the last staged request; false when none is staged.
     #[inline]
     pub(crate) fn flag_last(&mut self, flags: SendFlags) -> bool {

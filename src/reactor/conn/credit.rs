@@ -1,16 +1,11 @@
-//! Credits: how many receives the peer has posted for us, and telling the
-//! peer how many we have posted (in the immediate of every SEND, or of a
-//! zero-length one when there is nothing to send); and the grant a peer
-//! must keep to: its first receive beyond it cuts it off (see
-//! [`Conn::count_receive`] and, for how many SRQ receives such a peer can
-//! take before, and for how long, `ReactorConfig::srq_depth`).
+//! Credits ([`Credits`]): how many receives the peer has posted for us,
+//! and telling the peer how many we have posted (in the immediate of every
+//! SEND, or of a zero-length one when there is nothing to send); and the
+//! grant a peer must keep to: its first receive beyond it cuts it off (see
+//! [`Credits::count_receive`] and, for how many SRQ receives such a peer
+//! can take before, and for how long, `ReactorConfig::srq_depth`).
 
 use crate::error::Error;
-use crate::verbs::{SendDescriptor, Sge};
-
-use super::super::idle::Spell;
-use super::staging::{OpKind, SqOp};
-use super::{Conn, ConnState};
 
 /// The immediate of every SEND the reactor posts (all are SEND_WITH_IMM):
 /// the top two bits say what the SEND is, the low 30 carry the sender's
@@ -98,7 +93,7 @@ pub(crate) mod send_imm {
     }
 }
 
-/// A SEND that arrived, decoded (`Conn::recv_message`).
+/// A SEND that arrived, decoded (`RecvRing::decode`).
 #[derive(Debug)]
 pub(crate) enum Arrival {
     /// A credit update: the peer's receive count (30 bits).
@@ -112,28 +107,62 @@ pub(crate) enum Arrival {
     },
 }
 
-impl Conn {
-    /// Credits available for RECV-consuming requests (may be negative before
-    /// the peer's first update).
+/// A connection's credits, both ways. All counts are cumulative and wrap.
+/// Pure bookkeeping: the connection stages the requests these numbers
+/// ask for.
+#[derive(Debug)]
+pub(crate) struct Credits {
+    /// Receives the peer has posted for us (its last count, rebuilt to 32
+    /// bits).
+    peer_posted: u32,
+    /// Our requests that consume one of the peer's receives.
+    consumed: u32,
+    /// Receives we have posted.
+    posted: u32,
+    /// The highest receive count we have put on the wire (or are about to,
+    /// with this pass's doorbell): everything the peer was ever granted.
+    advertised: u32,
+    /// Receives the peer consumed on this QP (SENDs, WRITE_WITH_IMMs and
+    /// credit updates that completed here): never more than `advertised`
+    /// for a peer that keeps to its credits.
+    received: u32,
+    /// Unannounced receives that call for a credit update of their own.
+    threshold: u32,
+    /// A staged SEND carries our count: the doorbell announces it.
+    announce_staged: bool,
+}
+
+impl Credits {
+    /// Credits of a connection with `recv_depth` receives (its ring, or
+    /// its share of the SRQ): an update goes out once a quarter of them
+    /// went unannounced.
+    pub(crate) fn new(recv_depth: u32) -> Self {
+        Self {
+            peer_posted: 0,
+            consumed: 0,
+            posted: 0,
+            advertised: 0,
+            received: 0,
+            threshold: (recv_depth / 4).max(1),
+            announce_staged: false,
+        }
+    }
+
+    /// Credits available for RECV-consuming requests (negative before the
+    /// peer's first update, once a first credit update went out).
     #[inline]
-    pub(super) fn credits(&self) -> i32 {
+    pub(crate) fn available(&self) -> i32 {
         self.peer_posted.wrapping_sub(self.consumed) as i32
     }
 
     /// Applies a receive count the peer sent (30 bits of its cumulative
-    /// count, from a SEND's immediate). Returns true if this is the first
-    /// one (the connection is now usable).
-    ///
-    /// The full count is rebuilt from the one we know
-    /// ([`send_imm::advance`]).
+    /// count, from a SEND's immediate), rebuilt to the full count from the
+    /// one we know ([`send_imm::advance`]). Returns whether the peer has
+    /// granted anything yet.
     #[inline]
-    pub(crate) fn peer_credit(&mut self, count: u32) -> bool {
+    pub(crate) fn apply_peer_count(&mut self, count: u32) -> bool {
         self.peer_posted = send_imm::advance(self.peer_posted, count);
-        if self.state == ConnState::Connecting && self.peer_posted != 0 {
-            self.state = ConnState::Established;
-            return true;
-        }
-        false
+        self.peer_posted != 0
     }
 
     /// Counts a receive the peer consumed on this QP (a SEND, a
@@ -141,13 +170,13 @@ impl Conn {
     /// what the peer was granted: a peer that ignores its credits.
     ///
     /// The grant is `advertised`, the highest receive count we put on the
-    /// wire, in a SEND's immediate (a message or a credit update): every count is cumulative,
-    /// so updates that cross each other or arrive late only leave the peer
-    /// with less, and a peer that keeps to its credits (it posts a
-    /// RECV-consuming request only while the count it last heard exceeds
-    /// what it has consumed) never gets past it. Receives the handler holds
-    /// or forwards are not reposted, so they do not raise the count until
-    /// they come back. One add and one compare per receive.
+    /// wire, in a SEND's immediate (a message or a credit update): every
+    /// count is cumulative, so updates that cross each other or arrive late
+    /// only leave the peer with less, and a peer that keeps to its credits
+    /// (it posts a RECV-consuming request only while the count it last
+    /// heard exceeds what it has consumed) never gets past it. Receives the
+    /// handler holds or forwards are not reposted, so they do not raise the
+    /// count until they come back. One add and one compare per receive.
     ///
     /// Called in completion order, so the first receive beyond the grant
     /// is found by the pass that polls it, and the caller fails the
@@ -160,148 +189,181 @@ impl Conn {
         self.advertised.wrapping_sub(self.received) as i32 >= 0
     }
 
+    /// Everything the peer was granted so far (the highest count announced).
+    #[cfg(test)]
+    pub(crate) fn granted(&self) -> u32 {
+        self.advertised
+    }
+
     /// The error that cuts off a peer that consumed more receives than it
-    /// was granted (see [`count_receive`](Self::count_receive)): `consumed`
-    /// is one past `granted`, the receive that overran. What it took
-    /// beyond, on an SRQ, is bounded by `ReactorConfig::srq_depth`.
+    /// was granted (see [`count_receive`](Self::count_receive)) on QP
+    /// `qpn` with a share of `share` receives: `consumed` is one past
+    /// `granted`, the receive that overran. What it took beyond, on an
+    /// SRQ, is bounded by `ReactorConfig::srq_depth`.
     #[cold]
-    pub(crate) fn overrun_error(&self) -> Error {
+    pub(crate) fn overrun_error(&self, qpn: u32, share: u32) -> Error {
         Error::CreditOverrun {
-            qpn: self.qpn,
+            qpn,
             // The reactor names the peer when it hands the error over.
             peer: None,
             granted: self.advertised,
             consumed: self.received,
-            share: self.recv_depth,
+            share,
         }
     }
 
-    /// What an open connection has left after a flush: work any pass
-    /// must do ([`is_unsettled`](Self::is_unsettled)), receives waiting
-    /// for a fuller batch, an unsignaled tail.
+    /// Receives the peer consumed so far.
+    #[cfg(test)]
+    pub(crate) fn received(&self) -> u32 {
+        self.received
+    }
+
+    /// Receives posted and not yet consumed.
+    #[cfg(test)]
+    pub(crate) fn outstanding(&self) -> u32 {
+        self.posted.wrapping_sub(self.received)
+    }
+
+    /// Counts `count` more receives posted (or, with an SRQ, granted from
+    /// the connection's share).
     #[inline]
-    pub(crate) fn leftovers(&self) -> (bool, bool, bool) {
-        (
-            self.is_unsettled(),
-            self.has_pending_reposts(),
-            self.has_unsignaled_tail(),
-        )
+    pub(crate) fn add_posted(&mut self, count: u32) {
+        self.posted = self.posted.wrapping_add(count);
     }
 
-    /// Nothing staged and no credit update due (reposts may be pending).
+    /// Enough receives went unannounced to owe the peer an update.
     #[inline]
-    pub(crate) fn is_quiet(&self) -> bool {
-        self.batch.is_empty() && self.posted.wrapping_sub(self.advertised) < self.credit_threshold
+    pub(crate) fn update_due(&self) -> bool {
+        self.posted.wrapping_sub(self.advertised) >= self.threshold
     }
 
-    /// Something the next flush has to do even on an idle pass: reposts that
-    /// are due, staged work or a due credit update (for a closed connection:
-    /// SRQ slots to give back). Fewer receives than a batch wait for a
-    /// fuller batch or a longer idle spell.
+    /// The immediate of a SEND of `kind` (a message), which consumes a
+    /// peer receive and announces our count with the doorbell that
+    /// carries it.
     #[inline]
-    pub(crate) fn is_unsettled(&self) -> bool {
-        if self.is_closed() {
-            self.owes_shared_slots()
-        } else {
-            self.open_leftovers().0
-        }
+    pub(crate) fn spend_on_send(&mut self, kind: u32) -> u32 {
+        self.consumed = self.consumed.wrapping_add(1);
+        self.announce_staged = true;
+        send_imm::encode(kind, self.posted)
     }
 
-    /// As [`leftovers`](Self::leftovers), for a connection the caller knows
-    /// is open (the flush, right after its doorbell).
+    /// A request that consumes a peer receive and announces nothing (a
+    /// WRITE_WITH_IMM).
     #[inline]
-    pub(crate) fn open_leftovers(&self) -> (bool, bool, bool) {
-        (
-            self.reposts_due() || !self.is_quiet(),
-            self.has_pending_reposts(),
-            self.has_unsignaled_tail(),
-        )
+    pub(crate) fn spend(&mut self) {
+        self.consumed = self.consumed.wrapping_add(1);
     }
 
-    /// Before the doorbell: notes that the staged SENDs announce our receive
-    /// count (stamped when they were staged), or stages an explicit credit
-    /// update if none does and enough receives went unannounced.
+    /// The immediate of a credit update, which consumes a peer receive and
+    /// announces our count at once.
     #[inline]
-    pub(crate) fn prepare_flush(&mut self) {
-        if self.has_staged_send {
-            self.advertised = self.posted;
-            self.has_staged_send = false;
-        } else if self.posted.wrapping_sub(self.advertised) >= self.credit_threshold
-            && self.can_stage_update()
-        {
-            self.stage_credit_update(false);
-        }
-    }
-
-    /// Whether traffic on this connection counts as sparse, so a flush
-    /// signals the last request it posts (see [`Spell::is_sparse`]).
-    #[inline]
-    pub(in crate::reactor) fn is_sparse(&self, spell: Spell) -> bool {
-        spell.is_sparse(self.posted_after_spell)
-    }
-
-    /// Notes a doorbell rung on sparse traffic in `spell` (see
-    /// [`Spell::mark`]).
-    #[inline]
-    pub(in crate::reactor) fn note_sparse_post(&mut self, spell: Spell) {
-        self.posted_after_spell = spell.mark();
-    }
-
-    /// True if requests went out unsignaled since the last signaled one: their
-    /// completions are only reported once a later signaled request completes.
-    pub(crate) fn has_unsignaled_tail(&self) -> bool {
-        self.since_signal > 0 && self.state == ConnState::Established
-    }
-
-    /// Makes the unsignaled tail complete: a signaled credit update (the one
-    /// request that needs no payload and only the reserved credit). Skipped
-    /// without a credit; the peer's next update brings one.
-    pub(crate) fn stage_tail_signal(&mut self) {
-        if self.can_stage_update() {
-            self.stage_credit_update(true);
-        }
-    }
-
-    /// Sends the first credit update; allowed before any credit is known
-    /// because our receive ring is posted and the peer retries on RNR.
-    pub(crate) fn stage_initial_update(&mut self) {
-        self.stage_credit_update(false);
-    }
-
-    /// Answers the first credit the peer sent with one more update of ours.
-    /// The peer may have missed our initial one: through a shared receive
-    /// queue, an update that arrives before the peer's reactor took its QP
-    /// is a stranger's completion there and is dropped, and a peer that
-    /// then never sends would stay connecting for good. The peer has its
-    /// QP by now (it sent this), so this one reaches it. Skipped without a
-    /// credit (then our next SEND announces the count anyway).
-    pub(crate) fn answer_first_credit(&mut self) {
-        if self.can_stage_update() {
-            self.stage_credit_update(false);
-        }
-    }
-
-    /// Room for a credit update: the reserved credit, an SQ entry, a batch slot.
-    fn can_stage_update(&self) -> bool {
-        self.credits() >= 1 && self.sq_used() < self.sq_depth && !self.batch.is_full()
-    }
-
-    /// Stages a zero-length SEND_WITH_IMM whose immediate is our receive count.
-    fn stage_credit_update(&mut self, force_signal: bool) {
-        // An update that spends the last credit must be signaled: without a
-        // credit no later request can signal out the tail, and the peer may
-        // owe us no update (it announces only every `credit_threshold`), so
-        // unsignaled sends before it would never report completion.
-        let last_credit = self.credits() <= 1;
-        let imm = send_imm::encode(send_imm::CREDIT, self.posted);
-        let request = SendDescriptor::send(Sge::default(), Some(imm));
+    pub(crate) fn spend_on_update(&mut self) -> u32 {
         self.consumed = self.consumed.wrapping_add(1);
         self.advertised = self.posted;
-        self.stage_signaled(
-            request,
-            SqOp::of(OpKind::Credit),
-            None,
-            force_signal || last_credit,
+        send_imm::encode(send_imm::CREDIT, self.posted)
+    }
+
+    /// Before the doorbell: the count the staged SENDs carry (stamped when
+    /// they were staged; no receive is posted in between) is announced.
+    /// Returns whether none does and an update of its own is due.
+    #[inline]
+    pub(crate) fn before_doorbell(&mut self) -> bool {
+        if self.announce_staged {
+            self.advertised = self.posted;
+            self.announce_staged = false;
+            return false;
+        }
+        self.update_due()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Credits after the peer announced `peer` receives.
+    fn granted_by_peer(peer: u32) -> Credits {
+        let mut credits = Credits::new(16);
+        credits.apply_peer_count(peer);
+        credits
+    }
+
+    #[test]
+    fn the_first_count_from_the_peer_opens_the_connection() {
+        let mut credits = Credits::new(16);
+        assert_eq!(credits.available(), 0);
+        assert!(!credits.apply_peer_count(0), "a count of 0 grants nothing");
+        assert!(credits.apply_peer_count(8));
+        assert_eq!(credits.available(), 8);
+    }
+
+    #[test]
+    fn every_spent_credit_is_counted_once() {
+        let mut credits = granted_by_peer(4);
+        let imm = credits.spend_on_send(send_imm::MESSAGE);
+        assert_eq!(imm >> send_imm::COUNT_BITS, send_imm::MESSAGE);
+        credits.spend();
+        let update = credits.spend_on_update();
+        assert_eq!(update >> send_imm::COUNT_BITS, send_imm::CREDIT);
+        assert_eq!(credits.available(), 1);
+        // A late, smaller count from the peer takes nothing back.
+        credits.apply_peer_count(2);
+        assert_eq!(credits.available(), 1);
+        credits.apply_peer_count(10);
+        assert_eq!(credits.available(), 7);
+    }
+
+    #[test]
+    fn a_peer_is_cut_off_at_its_first_receive_beyond_the_grant() {
+        let mut credits = Credits::new(16);
+        credits.add_posted(3);
+        assert!(!credits.count_receive(), "nothing announced yet");
+        let mut credits = Credits::new(16);
+        credits.add_posted(3);
+        credits.spend_on_update();
+        assert_eq!(credits.granted(), 3);
+        assert!(credits.count_receive());
+        assert!(credits.count_receive());
+        assert!(credits.count_receive());
+        assert!(!credits.count_receive(), "the fourth of a grant of 3");
+        assert_eq!(credits.received(), 4);
+    }
+
+    #[test]
+    fn the_grant_holds_across_the_wrap_of_the_counts() {
+        let mut credits = Credits::new(16);
+        credits.add_posted(u32::MAX - 1);
+        credits.spend_on_update();
+        // Far too many receives to count one by one: jump to the last two.
+        credits.received = u32::MAX - 2;
+        assert!(credits.count_receive(), "MAX - 1 of a grant of MAX - 1");
+        assert!(!credits.count_receive(), "one beyond");
+        credits.add_posted(4);
+        credits.spend_on_update();
+        assert_eq!(credits.granted(), 2, "wrapped");
+        assert!(
+            credits.count_receive(),
+            "inside the new grant, across the wrap"
         );
+    }
+
+    #[test]
+    fn a_staged_send_announces_the_count_and_spares_an_update() {
+        let mut credits = granted_by_peer(8);
+        credits.add_posted(4);
+        assert!(credits.update_due(), "4 unannounced of a threshold of 4");
+        credits.spend_on_send(send_imm::MESSAGE);
+        assert!(!credits.before_doorbell(), "the SEND carries the count");
+        assert_eq!(credits.granted(), 4);
+        assert!(!credits.update_due());
+        credits.add_posted(3);
+        assert!(!credits.before_doorbell(), "3 below the threshold");
+        credits.add_posted(1);
+        assert!(
+            credits.before_doorbell(),
+            "no SEND staged: an update is due"
+        );
+        assert_eq!(credits.granted(), 4, "only the update announces");
+        assert_eq!(credits.outstanding(), 8);
     }
 }

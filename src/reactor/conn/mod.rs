@@ -1,158 +1,70 @@
-//! Per-connection state of the reactor: its QP, the receive ring, the
-//! send-slot ring, send-queue accounting with selective signaling, credits,
-//! and the staged requests that become one doorbell per pass.
+//! A connection of the reactor ([`Conn`]): its QP and the owned parts
+//! around it, each in a module of its own: the credits ([`Credits`]), the
+//! receive side ([`RecvRing`]) and the send side ([`SendQueue`]). `Conn`
+//! holds the rules that span them: admission of a request, the credit
+//! updates and the connection's state.
 //!
 //! Everything here is sized at registration and never grows: the data path
 //! only moves indices around preallocated arrays.
 
 mod credit;
+mod op;
 mod ring;
-mod staging;
+mod send_queue;
+mod slots;
+mod state;
 
+use crate::error::Error;
 use crate::verbs::{
-    AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, Registration,
-    SendDescriptor, SendFlags, SendList,
+    AccessFlags, LocalSlice, ProtectionDomain, QueuePair, Registration, RemoteSlice,
 };
 
-use super::idle::SpellMark;
 use super::table::wr_id::{self, direct_recv_tag, direct_send_tag};
 use super::{ConnId, ConnStats, DirectQp, ReactorConfig, SendError, SessionId};
 
 pub(crate) use credit::Arrival;
-use ring::RingSlots;
-pub(crate) use ring::{Ring, SharedRing, recv_request};
-pub(crate) use staging::{ForwardOrigin, OpKind};
-use staging::{Keep, SqOp};
+use credit::Credits;
+pub(crate) use op::{ForwardOrigin, OpKind};
+pub(crate) use ring::MAX_REPOST;
+use ring::RecvRing;
+use send_queue::SendQueue;
+pub(crate) use send_queue::{MIN_SQ_DEPTH, sq_room};
+pub(crate) use slots::{Ring, SharedRing, SlotSource, recv_request};
+pub(crate) use state::ConnState;
 
 /// Bytes of every slot kept back for the trailer of a SEND that carries a
 /// user immediate: the immediate itself, after the payload. Every SEND of
 /// the reactor is a SEND_WITH_IMM whose immediate carries the credit (see
 /// `credit::send_imm`), so a payload that fits a packet goes in one.
 pub(crate) const IMM_TRAILER_LEN: usize = 4;
-/// Most requests staged for one QP in one pass (one doorbell).
-pub(crate) const MAX_STAGED: usize = 64;
-/// Most receives reposted with one `ibv_post_recv`.
-pub(crate) const MAX_REPOST: usize = 64;
-/// The mark in `Conn::unposted` of a refused doorbell (a count of requests
-/// never reaches it: a send queue is far smaller).
-const REFUSED: u32 = 1 << 31;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ConnState {
-    /// Waiting for the peer's first credit update.
-    Connecting,
-    Established,
-    /// A direct connection, open: its handler posts on the QP, and the
-    /// reactor's staging refuses it.
-    Direct,
-    /// A completion failed or posting failed; the handler was told.
-    Failed,
-    /// The session was removed: nothing is owned any more.
-    Removed,
-}
 
 pub(crate) struct Conn {
-    pub(crate) id: ConnId,
-    /// The top 32 bits of every send-queue request's and every receive's
-    /// `wr_id`, made once (`id` never changes): a request's `wr_id` is then
-    /// its sequence number or slot (or a direct handler's own 32 bits)
-    /// OR-ed in. `wr_id::send(id.key(), 0)` and `wr_id::recv(id.key(), 0)`;
-    /// a direct connection's carry the direct bit too (`direct_send_tag`).
-    send_tag: u64,
-    recv_tag: u64,
-    pub(crate) session: SessionId,
+    id: ConnId,
+    session: SessionId,
     /// The QP's position among its session's QPs.
-    pub(crate) qp_index: usize,
-    pub(crate) qpn: u32,
+    qp_index: usize,
+    qpn: u32,
     /// Window binds posted on the QP before the reactor took it: their
     /// completions (failures, or signaled ones) carry `BIND_WR_ID`.
-    pub(crate) binds: u32,
-    pub(crate) state: ConnState,
-    /// A direct connection: its handler posts on the QP itself and gets
-    /// every completion as it comes ([`Ctx::direct`](super::Ctx::direct));
-    /// the reactor stages, signals, credits and reposts nothing on it.
-    /// (The same as `protocol_qpn == NO_QPN`, kept as a flag: the hot
-    /// checks read it cheaper, `tools/instr-count --host`.)
-    pub(crate) direct: bool,
+    binds: u32,
+    state: ConnState,
+    /// Its handler posts on the QP ([`Ctx::direct`](super::Ctx::direct));
+    /// the reactor stages, signals, credits and reposts nothing on it. (As
+    /// `protocol_qpn == NO_QPN`, but a flag is cheaper to test.)
+    direct: bool,
     /// The QP number the completions of the reactor's protocol come
     /// from: the QP's, or [`NO_QPN`] on a direct connection, so that one
     /// compare vets both the QP and the kind.
     protocol_qpn: u64,
-    // Declared before the rings' registrations: the QP is destroyed first.
-    // Only this connection posts on it (the reactor took it whole).
+    /// Bytes of a slot, in both rings.
+    slot_size: usize,
+    // Declared first: the QP is destroyed before the rings' registrations
+    // and the registrations requests hold. Only this connection posts on it
+    // (the reactor took it whole).
     qp: QueuePair,
-    // Receive ring and send slots, `slot_size` bytes per slot. The rings are
-    // addressed through their cached base, lkey and pointer; `regions` owns
-    // the registrations.
-    recv_ring: Ring,
-    send_ring: Ring,
-    /// Own receive ring (none with an SRQ) and send slots.
-    regions: (Option<MemoryRegion>, MemoryRegion),
-    /// Set when receives come from the reactor's SRQ.
-    shared_recv: bool,
-    /// The receive ring's registration (own or the SRQ's): forwards out of
-    /// it keep a clone until they complete.
-    recv_registration: Registration,
-    pub(crate) slot_size: usize,
-    /// Receives this connection may have outstanding: its ring, or its
-    /// credit quota in the SRQ.
-    pub(crate) recv_depth: u32,
-    /// Slots in the ring receives land in (bounds for slot indices).
-    recv_slots: u32,
-    /// Where each slot of the own ring is (none with an SRQ).
-    ring_slots: RingSlots,
-    send_slots: u32,
-    // Send-slot ring: slots are used and released in SQ order.
-    send_head: u32,
-    send_in_use: u32,
-    // Send-queue accounting: ops[seq % depth] for seq in [sq_done, sq_next).
-    ops: Box<[SqOp]>,
-    /// Beside `ops`: the registration handle of an op that holds one of
-    /// its own (`Keep::Own`), None elsewhere. Dropped after the QP (declared
-    /// after it), so a handle never outlives its use by the device.
-    owned: Box<[Option<Registration>]>,
-    sq_depth: u32,
-    sq_next: u32,
-    sq_done: u32,
-    /// The newest ops a failed post left unposted, no longer in `batch`
-    /// (which holds the others the device has not seen), with [`REFUSED`]
-    /// set once a doorbell was refused: nonzero means the connection waits
-    /// to fail.
-    unposted: u32,
-    since_signal: u32,
-    /// The quiet spell of this connection's last doorbell on sparse
-    /// traffic: while the reactor's spell reads it as sparse, what the
-    /// connection posts is signaled (see `Conn::is_sparse`).
-    posted_after_spell: SpellMark,
-    signal_interval: u32,
-    max_inline: u32,
-    // Credits (all cumulative, wrapping): receives the peer has posted, RECV-
-    // consuming requests we have posted, receives we have posted and told.
-    peer_posted: u32,
-    consumed: u32,
-    posted: u32,
-    /// The highest receive count we have put on the wire (or are about to,
-    /// with this pass's doorbell): everything the peer was ever granted.
-    advertised: u32,
-    /// Receives the peer consumed on this QP (SENDs, WRITE_WITH_IMMs and
-    /// credit updates that completed here): never more than `advertised`
-    /// for a peer that keeps to its credits.
-    received: u32,
-    credit_threshold: u32,
-    // Staging.
-    pub(crate) batch: SendList<MAX_STAGED>,
-    has_staged_send: bool,
-    // Receive slots consumed and waiting to be reposted: each slot is in here
-    // at most once, so one entry per slot of the receive ring (own or SRQ)
-    // always suffices.
-    pending_reposts: Box<[u32]>,
-    pending_len: usize,
-    reposts: RecvBatch<'static, MAX_REPOST>,
-    repost_threshold: usize,
-    /// The registration requests keep by count instead of by handle (see
-    /// `staging::Keep`), and how many in flight use it.
-    kept: Option<Registration>,
-    kept_in_flight: u32,
+    credits: Credits,
+    rq: RecvRing,
+    sq: SendQueue,
 }
 
 // SAFETY: the raw pointers in the rings point into this Conn's own regions,
@@ -164,30 +76,6 @@ unsafe impl Send for Conn {}
 const NO_QPN: u64 = 1 << 32;
 
 impl Conn {
-    /// The QP number a completion of the reactor's protocol must come
-    /// from to be this connection's: none on a direct connection.
-    #[inline(always)]
-    pub(crate) fn protocol_qpn(&self) -> u64 {
-        self.protocol_qpn
-    }
-
-    /// The `wr_id` of send-queue request `seq` (`wr_id::send`).
-    #[inline(always)]
-    pub(crate) fn send_wr_id(&self, seq: u32) -> u64 {
-        debug_assert!(!self.direct, "the reactor posts nothing on a direct QP");
-        debug_assert_eq!(self.send_tag, wr_id::send(self.id.key(), 0));
-        self.send_tag | u64::from(seq)
-    }
-
-    /// The `wr_id` of a receive into slot `slot` of the connection's own
-    /// ring (`wr_id::recv`).
-    #[inline(always)]
-    pub(crate) fn recv_wr_id(&self, slot: u32) -> u64 {
-        debug_assert!(!self.direct, "the reactor posts nothing on a direct QP");
-        debug_assert_eq!(self.recv_tag, wr_id::recv(self.id.key(), 0));
-        self.recv_tag | u64::from(slot)
-    }
-
     pub(crate) fn new(
         id: ConnId,
         session: SessionId,
@@ -202,32 +90,17 @@ impl Conn {
             Some(_) => config.recv_depth.max(2),
             None => config.recv_depth.min(qp.max_recv_wr()).max(2),
         };
-        // A power of two, so the ring index stays continuous when seq wraps.
-        let sq_depth = prev_power_of_two(sq_room(config, &qp).max(MIN_SQ_DEPTH));
-        let signal_interval = config.signal_interval.clamp(1, sq_depth / 2);
-        // Powers of two, so ring positions are masks, not divisions (a DIV
-        // on every message shows up in latency, under emulation most of all).
-        let send_slots = config
-            .send_slots
-            .max(2 * signal_interval)
-            .next_power_of_two();
-        let shared_recv = shared.is_some();
-        let (recv_region, recv_ring, recv_slots, recv_registration) = match shared {
-            Some(shared) => (None, shared.ring, shared.slots, shared.registration),
-            None => {
-                let region =
-                    pd.alloc_mr(slot_size * recv_depth as usize, AccessFlags::LOCAL_WRITE)?;
-                let ring = Ring::of(&region);
-                let registration = region.registration().clone();
-                (Some(region), ring, recv_depth, registration)
-            }
-        };
-        let send_region = pd.alloc_mr(slot_size * send_slots as usize, AccessFlags::empty())?;
-        let max_inline = qp.max_inline_data();
+        let rq = RecvRing::new(
+            pd,
+            slot_size,
+            recv_depth,
+            config.repost_batch,
+            wr_id::recv(id.key(), 0),
+            shared,
+        )?;
+        let sq = SendQueue::new(pd, &qp, config, slot_size, wr_id::send(id.key(), 0))?;
         Ok(Self {
             id,
-            send_tag: wr_id::send(id.key(), 0),
-            recv_tag: wr_id::recv(id.key(), 0),
             session,
             qp_index,
             qpn: qp.qpn(),
@@ -235,49 +108,11 @@ impl Conn {
             state: ConnState::Connecting,
             direct: false,
             protocol_qpn: u64::from(qp.qpn()),
-            qp,
-            recv_ring,
-            send_ring: Ring::of(&send_region),
-            regions: (recv_region, send_region),
-            shared_recv,
-            recv_registration,
             slot_size,
-            recv_depth,
-            recv_slots,
-            ring_slots: RingSlots::new(if shared_recv { 0 } else { recv_slots }),
-            send_slots,
-            send_head: 0,
-            send_in_use: 0,
-            ops: vec![SqOp::default(); sq_depth as usize].into_boxed_slice(),
-            owned: std::iter::repeat_with(|| None)
-                .take(sq_depth as usize)
-                .collect(),
-            sq_depth,
-            sq_next: 0,
-            sq_done: 0,
-            unposted: 0,
-            since_signal: 0,
-            // Its first post is signaled.
-            posted_after_spell: SpellMark::NEW,
-            signal_interval,
-            max_inline,
-            peer_posted: 0,
-            consumed: 0,
-            posted: 0,
-            advertised: 0,
-            received: 0,
-            credit_threshold: (recv_depth / 4).max(1),
-            batch: SendList::new(),
-            has_staged_send: false,
-            // A peer that ignores its credits can consume more SRQ slots than
-            // its quota; every one of them must find its way back.
-            pending_reposts: vec![0; recv_slots as usize].into_boxed_slice(),
-            pending_len: 0,
-            reposts: RecvBatch::new(),
-            repost_threshold: (config.repost_batch as usize)
-                .clamp(1, MAX_REPOST.min(recv_depth as usize / 2).max(1)),
-            kept: None,
-            kept_in_flight: 0,
+            qp,
+            credits: Credits::new(recv_depth),
+            rq,
+            sq,
         })
     }
 
@@ -304,35 +139,93 @@ impl Conn {
         conn.direct = true;
         conn.protocol_qpn = NO_QPN;
         conn.state = ConnState::Direct;
-        // The reactor posts nothing of its own on a direct QP
-        // (`send_wr_id` and `recv_wr_id` are never asked), so its tags are
-        // the direct ones its handler's requests carry.
-        conn.send_tag = direct_send_tag(id.key());
-        conn.recv_tag = direct_recv_tag(id.key());
+        // The reactor posts nothing of its own on a direct QP, so the tags
+        // are the direct ones its handler's requests carry.
+        conn.sq.retag(direct_send_tag(id.key()));
+        conn.rq.retag(direct_recv_tag(id.key()));
         Ok(conn)
+    }
+
+    /// The connection's id.
+    #[inline(always)]
+    pub(crate) fn id(&self) -> ConnId {
+        self.id
+    }
+
+    /// The session the connection belongs to.
+    #[inline(always)]
+    pub(crate) fn session(&self) -> SessionId {
+        self.session
+    }
+
+    /// The QP's position among its session's QPs.
+    pub(crate) fn qp_index(&self) -> usize {
+        self.qp_index
+    }
+
+    /// The QP's number.
+    #[inline(always)]
+    pub(crate) fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// Window binds posted on the QP before the reactor took it.
+    pub(crate) fn binds(&self) -> u32 {
+        self.binds
+    }
+
+    /// Where the connection is.
+    #[inline(always)]
+    pub(crate) fn state(&self) -> ConnState {
+        self.state
+    }
+
+    /// True for a direct connection (see `direct`).
+    #[inline(always)]
+    pub(crate) fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// The QP number a completion of the reactor's protocol must come
+    /// from to be this connection's: none on a direct connection.
+    #[inline(always)]
+    pub(crate) fn protocol_qpn(&self) -> u64 {
+        self.protocol_qpn
+    }
+
+    /// The receive side, to read what arrived.
+    #[inline(always)]
+    pub(crate) fn rq(&self) -> &RecvRing {
+        &self.rq
+    }
+
+    /// The send side, to look at what is in flight.
+    #[inline(always)]
+    pub(crate) fn sq(&self) -> &SendQueue {
+        &self.sq
+    }
+
+    /// The send side, to retire completed requests or signal the last.
+    #[inline(always)]
+    pub(crate) fn sq_mut(&mut self) -> &mut SendQueue {
+        &mut self.sq
     }
 
     /// Posting on a direct connection's QP: the QP with the tags its
     /// requests' `wr_id`s carry.
     #[inline]
     pub(crate) fn direct_qp(&mut self) -> Option<DirectQp<'_>> {
-        debug_assert!(
-            self.state != ConnState::Direct
-                || (self.send_tag == direct_send_tag(self.id.key())
-                    && self.recv_tag == direct_recv_tag(self.id.key()))
-        );
         (self.state == ConnState::Direct).then_some(DirectQp {
             qp: &mut self.qp,
-            send_tag: self.send_tag,
-            recv_tag: self.recv_tag,
+            send_tag: self.sq.tag(),
+            recv_tag: self.rq.tag(),
         })
     }
 
     /// Bytes registered for this connection alone: its own receive ring
     /// (none with an SRQ) and its send slots.
     pub(crate) fn registered_bytes(&self) -> (usize, usize) {
-        let (recv, send) = &self.regions;
-        (recv.as_ref().map_or(0, MemoryRegion::len), send.len())
+        (self.rq.registered_bytes(), self.sq.registered_bytes())
     }
 
     /// Largest payload of one SEND: a slot less the room a user
@@ -340,6 +233,254 @@ impl Conn {
     /// received message can always be forwarded with an immediate).
     pub(crate) fn max_payload(&self) -> usize {
         self.slot_size - IMM_TRAILER_LEN
+    }
+
+    /// Whether posting a request now would be refused, and why.
+    #[inline]
+    fn admit(&self, consumes_recv: bool, needs_slot: bool) -> Result<(), SendError> {
+        // One compare on the busy path, where the state is what it
+        // almost always is.
+        if self.state != ConnState::Established {
+            return Err(self.state.refusal());
+        }
+        // One SQ entry and one credit stay reserved for credit updates, so a
+        // busy sender can always tell its peer that it may send again.
+        if !self.sq.has_room()
+            || (consumes_recv && self.credits.available() < 2)
+            || (needs_slot && !self.sq.has_free_slot())
+        {
+            return Err(SendError::WouldBlock);
+        }
+        Ok(())
+    }
+
+    /// Stages a SEND whose payload `fill` writes into a free send slot of
+    /// `capacity` bytes, returning how many it wrote (`None`: stage nothing).
+    #[inline]
+    pub(crate) fn stage_send(
+        &mut self,
+        capacity: usize,
+        imm: Option<u32>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<u32, SendError> {
+        if capacity > self.max_payload() {
+            return Err(SendError::too_large(capacity, self.max_payload()));
+        }
+        self.admit(true, true)?;
+        self.sq.stage_send(capacity, imm, fill, &mut self.credits)
+    }
+
+    /// Stages a SEND of the `len`-byte payload that starts held receive
+    /// slot `source` of connection `origin`, which is reposted when it
+    /// completes. A user immediate goes in the slot right after the payload.
+    #[inline]
+    pub(crate) fn stage_forward(
+        &mut self,
+        source: SlotSource,
+        len: usize,
+        imm: Option<u32>,
+        origin: ForwardOrigin,
+        registration: Option<Registration>,
+    ) -> Result<u32, SendError> {
+        let wire_len = len + imm.map_or(0, |_| IMM_TRAILER_LEN);
+        if len > self.max_payload() || wire_len > source.size() {
+            let max = self
+                .max_payload()
+                .min(source.size().saturating_sub(IMM_TRAILER_LEN));
+            return Err(SendError::too_large(len, max));
+        }
+        self.admit(true, false)?;
+        Ok(self
+            .sq
+            .stage_forward(source, len, imm, origin, registration, &mut self.credits))
+    }
+
+    /// Stages a WRITE (or WRITE_WITH_IMM, which consumes a peer receive),
+    /// signaled if `force_signal` or when selective signaling says so.
+    #[inline]
+    pub(crate) fn stage_write(
+        &mut self,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+        imm: Option<u32>,
+        force_signal: bool,
+    ) -> Result<u32, SendError> {
+        if local.len() != remote.len() {
+            return Err(SendError::lengths_differ());
+        }
+        self.admit(imm.is_some(), false)?;
+        if imm.is_some() {
+            self.credits.spend();
+        }
+        Ok(self.sq.stage_write(local, remote, imm, force_signal))
+    }
+
+    /// Stages a READ of `remote` into `local`.
+    #[inline(always)]
+    pub(crate) fn stage_read(
+        &mut self,
+        local: &LocalSlice<'_>,
+        remote: RemoteSlice,
+    ) -> Result<u32, SendError> {
+        if local.len() != remote.len() {
+            return Err(SendError::lengths_differ());
+        }
+        if !local.access.contains(AccessFlags::LOCAL_WRITE) {
+            return Err(SendError::Invalid(Error::InvalidArgument(
+                "a READ target must be registered with LOCAL_WRITE",
+            )));
+        }
+        self.admit(false, false)?;
+        Ok(self.sq.stage_read(local, remote))
+    }
+
+    /// Rings the doorbell for everything staged (see [`SendQueue::post`]).
+    #[inline]
+    pub(crate) fn post_staged(&mut self) -> crate::Result<()> {
+        self.sq.post(&mut self.qp)
+    }
+
+    /// Applies a receive count the peer sent (see
+    /// [`Credits::apply_peer_count`]). Returns true if this is the first
+    /// one: the connection is now established.
+    #[inline]
+    pub(crate) fn peer_credit(&mut self, count: u32) -> bool {
+        if self.credits.apply_peer_count(count) && self.state == ConnState::Connecting {
+            self.state = ConnState::Established;
+            return true;
+        }
+        false
+    }
+
+    /// Counts a receive the peer consumed on this QP (see
+    /// [`Credits::count_receive`]): false for one beyond its grant, which
+    /// the caller answers by failing the connection with
+    /// [`overrun_error`](Self::overrun_error). With an SRQ, a peer takes
+    /// at most `srq_depth` receives beyond its grant before that (see
+    /// `ReactorConfig::srq_depth`).
+    #[inline]
+    pub(crate) fn count_receive(&mut self) -> bool {
+        self.credits.count_receive()
+    }
+
+    /// The error that cuts off a peer that overran its grant.
+    #[cold]
+    pub(crate) fn overrun_error(&self) -> Error {
+        self.credits.overrun_error(self.qpn, self.rq.depth())
+    }
+
+    /// Posts the whole own receive ring; called once at registration (with
+    /// an SRQ the reactor posted the receives, and the quota is granted).
+    pub(crate) fn post_initial_receives(&mut self) -> crate::Result<()> {
+        self.rq.post_initial(&mut self.qp, &mut self.credits)
+    }
+
+    /// Queues receive slot `slot` for reposting (see [`RecvRing::queue`]).
+    #[inline]
+    pub(crate) fn queue_repost(&mut self, slot: u32) {
+        let closed = self.is_closed();
+        self.rq.queue(slot, closed, self.qpn);
+    }
+
+    /// A receive completion names slot `slot` of the own ring: true if it
+    /// was posted (see [`RecvRing::consume`]).
+    #[inline(always)]
+    pub(crate) fn consume_recv(&mut self, slot: u32) -> bool {
+        self.rq.consume(slot)
+    }
+
+    /// Reposts the own ring's queued slots and counts them as credits.
+    #[inline]
+    pub(crate) fn flush_reposts(&mut self) -> crate::Result<()> {
+        self.rq.flush(&mut self.qp, &mut self.credits)
+    }
+
+    /// Hands every queued SRQ slot to `repost` and counts them as credits.
+    #[inline]
+    pub(crate) fn take_shared_reposts(&mut self, repost: impl FnMut(u32)) {
+        self.rq.take_shared(&mut self.credits, repost);
+    }
+
+    /// What an open connection has left after a flush: work any pass
+    /// must do ([`is_unsettled`](Self::is_unsettled)), receives waiting
+    /// for a fuller batch, an unsignaled tail.
+    #[inline]
+    pub(crate) fn leftovers(&self) -> (bool, bool, bool) {
+        (
+            self.is_unsettled(),
+            self.rq.has_pending(),
+            self.has_unsignaled_tail(),
+        )
+    }
+
+    /// Nothing staged and no credit update due (reposts may be pending).
+    #[inline]
+    pub(crate) fn is_quiet(&self) -> bool {
+        self.sq.staged() == 0 && !self.credits.update_due()
+    }
+
+    /// Something the next flush has to do even on an idle pass: reposts that
+    /// are due, staged work or a due credit update (for a closed connection:
+    /// SRQ slots to give back). Fewer receives than a batch wait for a
+    /// fuller batch or a longer idle spell.
+    #[inline]
+    pub(crate) fn is_unsettled(&self) -> bool {
+        if self.is_closed() {
+            self.rq.owes_shared_slots()
+        } else {
+            self.open_leftovers().0
+        }
+    }
+
+    /// As [`leftovers`](Self::leftovers), for a connection the caller knows
+    /// is open (the flush, right after its doorbell).
+    #[inline]
+    pub(crate) fn open_leftovers(&self) -> (bool, bool, bool) {
+        (
+            self.rq.is_due() || !self.is_quiet(),
+            self.rq.has_pending(),
+            self.has_unsignaled_tail(),
+        )
+    }
+
+    /// Before the doorbell: the staged SENDs announce our receive count, or
+    /// an explicit credit update is staged if none does and enough receives
+    /// went unannounced.
+    #[inline]
+    pub(crate) fn prepare_flush(&mut self) {
+        if self.credits.before_doorbell() {
+            self.sq.stage_credit_update(&mut self.credits, false);
+        }
+    }
+
+    /// True if requests went out unsignaled since the last signaled one on
+    /// an established connection.
+    pub(crate) fn has_unsignaled_tail(&self) -> bool {
+        self.sq.has_unsignaled_tail() && self.state == ConnState::Established
+    }
+
+    /// Makes the unsignaled tail complete: a signaled credit update (the one
+    /// request that needs no payload and only the reserved credit). Skipped
+    /// without a credit; the peer's next update brings one.
+    pub(crate) fn stage_tail_signal(&mut self) {
+        self.sq.stage_credit_update(&mut self.credits, true);
+    }
+
+    /// Sends the first credit update; allowed before any credit is known
+    /// because our receive ring is posted and the peer retries on RNR.
+    pub(crate) fn stage_initial_update(&mut self) {
+        self.sq.stage_first_credit_update(&mut self.credits);
+    }
+
+    /// Answers the first credit the peer sent with one more update of ours.
+    /// The peer may have missed our initial one: through a shared receive
+    /// queue, an update that arrives before the peer's reactor took its QP
+    /// is a stranger's completion there and is dropped, and a peer that
+    /// then never sends would stay connecting for good. The peer has its
+    /// QP by now (it sent this), so this one reaches it. Skipped without a
+    /// credit (then our next SEND announces the count anyway).
+    pub(crate) fn answer_first_credit(&mut self) {
+        self.sq.stage_credit_update(&mut self.credits, false);
     }
 
     /// Marks the connection failed. Requests only staged are dropped, and
@@ -351,31 +492,10 @@ impl Conn {
     /// write that memory until it reports them done. Their completions, now
     /// flushed in error, retire them (`retire_failed`); whatever is left
     /// goes when the QP is destroyed (`shut_down`).
-    pub(crate) fn fail(&mut self, mut release: impl FnMut(ConnId, u32, bool)) {
+    pub(crate) fn fail(&mut self, release: impl FnMut(ConnId, u32, bool)) {
         self.state = ConnState::Failed;
-        let unposted = self.batch.len() as u32 + (std::mem::take(&mut self.unposted) & !REFUSED);
-        let posted_end = self.sq_next.wrapping_sub(unposted);
-        while self.sq_next != posted_end {
-            let seq = self.sq_next.wrapping_sub(1);
-            let at = (seq & (self.sq_depth - 1)) as usize;
-            let op = self.ops[at];
-            self.sq_next = seq;
-            // Never posted: the device never saw the memory, so what the op
-            // holds goes now.
-            match (op.kind, op.keep) {
-                (OpKind::Send, _) => self.send_in_use -= 1,
-                (_, Keep::Cached) => self.kept_in_flight -= 1,
-                (_, Keep::Own) => drop(self.owned[at].take()),
-                (_, Keep::Nothing) => {}
-            }
-            if let Some(origin) = op.origin(self.id) {
-                release(origin, op.slot, op.from_srq);
-            }
-        }
-        self.batch.clear();
-        if !self.shared_recv {
-            self.pending_len = 0;
-        }
+        self.sq.unwind(self.id, release);
+        self.rq.drop_own_pending();
     }
 
     /// Retires the posted requests of a failed connection that a completion
@@ -387,9 +507,9 @@ impl Conn {
         seq: u32,
         mut release: impl FnMut(ConnId, u32, bool),
     ) -> u32 {
-        let count = self.retire_count(seq);
+        let count = self.sq.retire_count(seq);
         for _ in 0..count {
-            let (_, op) = self.pop_oldest();
+            let (_, op) = self.sq.pop_oldest();
             if let Some(origin) = op.origin(self.id) {
                 release(origin, op.slot, op.from_srq);
             }
@@ -400,7 +520,7 @@ impl Conn {
     /// True once failed or removed: nothing more is posted.
     #[inline]
     pub(crate) fn is_closed(&self) -> bool {
-        matches!(self.state, ConnState::Failed | ConnState::Removed)
+        self.state.is_closed()
     }
 
     /// Stops the QP (outstanding work is flushed) and fails the
@@ -415,85 +535,43 @@ impl Conn {
         if self.state != ConnState::Failed {
             self.fail(&mut release);
         }
-        // Posted requests whose completions never came: their registrations
-        // stay in `owned` and `kept` until the QP is gone (declared after it).
-        while self.sq_done != self.sq_next {
-            let op = self.ops[(self.sq_done & (self.sq_depth - 1)) as usize];
-            self.sq_done = self.sq_done.wrapping_add(1);
-            if let Some(origin) = op.origin(self.id) {
-                release(origin, op.slot, op.from_srq);
-            }
-        }
+        self.sq.abandon_posted(self.id, release);
         self.state = ConnState::Removed;
     }
 
     /// Moves the QP of a failed connection to the error state, so the peer
-    /// sees the failure too, and drains its send queue: a signaled request
-    /// behind those in flight, whose flushed completion names the newest
-    /// of them and so retires them all (`retire_failed`). Without it, a
-    /// request that completed unsignaled before the failure would report
-    /// nothing, and what it holds (a forward's receive slot of another
-    /// connection or of the SRQ) would wait for the session's removal.
-    /// If either step fails, that is where it waits (`shut_down`).
+    /// sees the failure too, and drains its send queue (see
+    /// [`SendQueue::post_drain`]). Without it, a request that completed
+    /// unsignaled before the failure would report nothing, and what it
+    /// holds (a forward's receive slot of another connection or of the SRQ)
+    /// would wait for the session's removal. If either step fails, that is
+    /// where it waits (`shut_down`).
     pub(crate) fn stop_qp(&mut self) {
-        if self.qp.set_error().is_err() || self.sq_used() == 0 {
-            return;
+        if self.qp.set_error().is_ok() {
+            self.sq.post_drain(&mut self.qp);
         }
-        let newest = self.sq_next.wrapping_sub(1);
-        // `fail` emptied it: nothing staged is dropped here.
-        debug_assert!(self.batch.is_empty());
-        let drain = SendDescriptor::drain();
-        if self
-            .batch
-            .push(self.send_wr_id(newest), SendFlags::SIGNALED, &drain)
-        {
-            // Errors add nothing: the connection is failed already.
-            let _ = self.qp.post_list(&mut self.batch);
-        }
-        self.batch.clear();
     }
 
     /// Queue depths in use (for tests and diagnostics).
     pub(crate) fn stats(&self) -> ConnStats {
         ConnStats {
-            sq_used: self.sq_used(),
-            send_slots_used: self.send_in_use,
-            credits: self.credits(),
+            sq_used: self.sq.used(),
+            send_slots_used: self.sq.slots_used(),
+            credits: self.credits.available(),
         }
     }
 }
 
 #[cfg(test)]
 impl Conn {
-    /// Receive slots consumed and queued for reposting.
-    pub(crate) fn pending_slots(&self) -> &[u32] {
-        &self.pending_reposts[..self.pending_len]
+    /// The credit counts.
+    pub(crate) fn credits(&self) -> &Credits {
+        &self.credits
     }
 
-    /// Receives posted on the QP and not yet consumed.
-    pub(crate) fn receives_outstanding(&self) -> u32 {
-        self.posted.wrapping_sub(self.received)
+    /// Posts a receive into slot `slot` of the own ring whatever its state
+    /// (see [`RecvRing::post_bypassing_the_guard`]).
+    pub(crate) fn post_recv_bypassing_the_guard(&mut self, slot: u32) -> crate::Result<()> {
+        self.rq.post_bypassing_the_guard(&mut self.qp, slot)
     }
-
-    /// Receives the peer was granted so far (the highest count announced).
-    pub(crate) fn granted(&self) -> u32 {
-        self.advertised
-    }
-}
-
-/// The fewest send-queue entries a connection works with.
-pub(crate) const MIN_SQ_DEPTH: u32 = 4;
-
-/// The send-queue entries of `qp` the reactor may use before rounding: its
-/// configured depth, at most the QP's, less the entries the QP's window
-/// binds hold (until a signaled completion retires them, which the reactor
-/// does not track: it leaves them their entries for good).
-pub(crate) fn sq_room(config: &ReactorConfig, qp: &QueuePair) -> u32 {
-    config
-        .sq_depth
-        .min(qp.max_send_wr().saturating_sub(qp.bound_windows()))
-}
-
-fn prev_power_of_two(n: u32) -> u32 {
-    1 << (31 - n.leading_zeros())
 }

@@ -1,318 +1,266 @@
-//! A connection's receive side: the ring its receives land in (its own,
-//! or the reactor's SRQ), consumed slots waiting to be reposted, where each
-//! slot of its own ring is (so none is posted twice), and the views of a
-//! received message's bytes.
+//! A connection's receive side ([`RecvRing`]): the ring its receives land
+//! in (its own, or the reactor's SRQ), consumed slots waiting to be
+//! reposted, where each slot of its own ring is (so none is posted twice),
+//! and the views of a received message's bytes.
 
-use crate::verbs::{MemoryRegion, RecvRequest, Registration};
+use crate::verbs::{
+    AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, Registration,
+};
 
-use super::credit::{Arrival, send_imm};
-use super::{Conn, IMM_TRAILER_LEN, MAX_REPOST};
+use super::IMM_TRAILER_LEN;
+use super::credit::{Arrival, Credits, send_imm};
+use super::slots::{Ring, RingSlots, SharedRing, SlotSource, recv_request};
 
-/// A reactor's shared receive queue as a connection sees it: the ring its
-/// receives land in and the ring's size. The reactor reposts its slots.
-#[derive(Clone, Debug)]
-pub(crate) struct SharedRing {
-    pub(crate) ring: Ring,
-    pub(crate) slots: u32,
-    /// The SRQ ring's registration, which forwards out of it keep.
-    pub(crate) registration: Registration,
-}
+/// Most receives reposted with one `ibv_post_recv`.
+pub(crate) const MAX_REPOST: usize = 64;
 
-/// Builds the receive request with id `wr_id` for slot `slot` of `ring`.
-///
-/// # Safety
-///
-/// `ring` is the ring of slots of `slot_size` bytes whose region the
-/// caller keeps registered until the receive completes or its QP (or SRQ)
-/// is destroyed, and `slot` is one of its slots, read by no one while
-/// posted.
-#[inline]
-pub(crate) unsafe fn recv_request(
+/// A connection's receive side: where its receives land, which slots
+/// wait to be posted again, and the decoding of what arrived.
+pub(crate) struct RecvRing {
+    /// The top 32 bits of every receive's `wr_id` (see `Conn::new`).
+    tag: u64,
     ring: Ring,
     slot_size: usize,
-    wr_id: u64,
-    slot: u32,
-) -> RecvRequest<'static> {
-    // SAFETY: the slot lies in the ring's registration, which the caller
-    // keeps as long as the receive may be posted.
-    unsafe {
-        RecvRequest::from_raw(
-            wr_id,
-            ring.slot_addr(slot, slot_size),
-            slot_size as u32,
-            ring.lkey,
-        )
-    }
+    /// Receives the connection may have outstanding: its ring, or its
+    /// credit quota in the SRQ.
+    depth: u32,
+    /// Slots in the ring receives land in (bounds for slot indices).
+    slots: u32,
+    /// Receives come from the reactor's SRQ.
+    shared: bool,
+    /// Where each slot of the own ring is (none with an SRQ).
+    ring_slots: RingSlots,
+    /// Slots consumed and waiting to be reposted: each slot is in here at
+    /// most once, so one entry per slot of the ring (own or SRQ) always
+    /// suffices.
+    pending: Box<[u32]>,
+    pending_len: usize,
+    batch: RecvBatch<'static, MAX_REPOST>,
+    /// Reposts wait for this many, or for an idle pass.
+    threshold: usize,
+    /// The ring's registration (own or the SRQ's): forwards out of it keep
+    /// a clone until they complete.
+    registration: Registration,
+    /// The own ring's region (none with an SRQ). The connection declares
+    /// its QP first, so the QP is destroyed before this is deregistered.
+    region: Option<MemoryRegion>,
 }
 
-/// A held receive slot as the source of a forward: where its bytes are
-/// and how many (to write a user immediate's trailer after the payload),
-/// how the NIC addresses them, and which
-/// registration holds the ring (the forward keeps it until it completes, so
-/// the ring stays mapped even if its connection is removed meanwhile).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct SlotSource {
-    pub(super) ptr: *mut u8,
-    /// Bytes of the slot.
-    pub(super) size: usize,
-    pub(super) addr: u64,
-    pub(super) lkey: u32,
-    pub(crate) registration_id: usize,
-}
-
-/// Where each slot of a connection's own receive ring is: posted (the
-/// device may write it), consumed (its receive completed: the reactor or a
-/// handler reads it, or holds it, or a forward sends from it) or queued to
-/// be posted again. A slot is queued only if it is consumed, and posted
-/// only if queued; a completion is taken as a slot's only if that slot is
-/// posted. So a slot is never posted twice, whichever path gives it back
-/// twice, and a receive completion that names a slot not posted (one the
-/// device cannot have filled through this ring) is refused before its
-/// bytes are looked at. One byte a slot, allocated with the connection.
-/// (The SRQ's slots are guarded likewise by the SRQ pool.)
-pub(crate) struct RingSlots {
-    states: Box<[SlotState]>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum SlotState {
-    Consumed,
-    Queued,
-    Posted,
-}
-
-impl RingSlots {
-    /// A ring of `slots` slots, none posted yet (`slots` 0: no ring of its
-    /// own).
-    pub(crate) fn new(slots: u32) -> Self {
-        Self {
-            states: vec![SlotState::Consumed; slots as usize].into_boxed_slice(),
-        }
-    }
-
-    /// Moves `slot` from `from` to `to`; false (nothing changes) if it is
-    /// not in `from` or not in the ring.
-    #[inline(always)]
-    fn step(&mut self, slot: u32, from: SlotState, to: SlotState) -> bool {
-        match self.states.get_mut(slot as usize) {
-            Some(state) if *state == from => {
-                *state = to;
-                true
+impl RecvRing {
+    /// The receive side of a connection with `depth` receives, in slots of
+    /// `slot_size` bytes: a ring of its own registered on `pd`, or its
+    /// share of the reactor's SRQ (`shared`). Reposts go in batches of
+    /// `repost_batch` (at most half the ring). `tag` tops every `wr_id`.
+    pub(crate) fn new(
+        pd: &ProtectionDomain,
+        slot_size: usize,
+        depth: u32,
+        repost_batch: u32,
+        tag: u64,
+        shared: Option<SharedRing>,
+    ) -> crate::Result<Self> {
+        let is_shared = shared.is_some();
+        let (region, ring, slots, registration) = match shared {
+            Some(shared) => (None, shared.ring, shared.slots, shared.registration),
+            None => {
+                let region = pd.alloc_mr(slot_size * depth as usize, AccessFlags::LOCAL_WRITE)?;
+                let ring = Ring::of(&region);
+                let registration = region.registration().clone();
+                (Some(region), ring, depth, registration)
             }
-            _ => false,
-        }
+        };
+        Ok(Self {
+            tag,
+            ring,
+            slot_size,
+            depth,
+            slots,
+            shared: is_shared,
+            ring_slots: RingSlots::new(if is_shared { 0 } else { slots }),
+            // A peer that ignores its credits can consume more SRQ slots
+            // than its quota; every one of them must find its way back.
+            pending: vec![0; slots as usize].into_boxed_slice(),
+            pending_len: 0,
+            batch: RecvBatch::new(),
+            threshold: (repost_batch as usize).clamp(1, MAX_REPOST.min(depth as usize / 2).max(1)),
+            registration,
+            region,
+        })
     }
 
-    /// A receive of `slot` completed: true if it was posted (it is now
-    /// consumed).
+    /// Replaces the `wr_id` tag (a direct connection's, whose receives its
+    /// handler posts).
+    pub(crate) fn retag(&mut self, tag: u64) {
+        self.tag = tag;
+    }
+
+    /// The tag that tops every receive's `wr_id`.
+    pub(crate) fn tag(&self) -> u64 {
+        self.tag
+    }
+
+    /// The `wr_id` of a receive into slot `slot` of the own ring.
     #[inline(always)]
-    pub(crate) fn consume(&mut self, slot: u32) -> bool {
-        self.step(slot, SlotState::Posted, SlotState::Consumed)
+    fn wr_id(&self, slot: u32) -> u64 {
+        self.tag | u64::from(slot)
     }
 
-    /// True if consumed `slot` is now queued for reposting; false if it is
-    /// posted or queued already.
-    #[inline(always)]
-    fn queue(&mut self, slot: u32) -> bool {
-        self.step(slot, SlotState::Consumed, SlotState::Queued)
+    /// Receives the connection may have outstanding.
+    pub(crate) fn depth(&self) -> u32 {
+        self.depth
     }
 
-    /// Queued `slot` goes to the device. (Only `queue` puts a slot in the
-    /// list the flush posts from, so it is queued: no check but in debug
-    /// builds.)
-    #[inline(always)]
-    fn post(&mut self, slot: u32) {
-        if let Some(state) = self.states.get_mut(slot as usize) {
-            debug_assert_eq!(
-                *state,
-                SlotState::Queued,
-                "receive slot {slot} posted unqueued"
-            );
-            *state = SlotState::Posted;
-        }
+    /// Bytes registered for this ring alone (none with an SRQ).
+    pub(crate) fn registered_bytes(&self) -> usize {
+        self.region.as_ref().map_or(0, MemoryRegion::len)
     }
 
-    /// Whether `slot` is posted (tests).
-    #[cfg(test)]
-    pub(crate) fn is_posted(&self, slot: u32) -> bool {
-        self.states.get(slot as usize) == Some(&SlotState::Posted)
-    }
-}
-
-/// Where a registered ring of slots lives.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Ring {
-    pub(super) ptr: *mut u8,
-    pub(super) addr: u64,
-    pub(super) lkey: u32,
-}
-
-impl Ring {
-    pub(crate) fn of(region: &MemoryRegion) -> Self {
-        Self {
-            ptr: region.registration().ptr_at(0),
-            addr: region.addr(),
-            lkey: region.lkey(),
-        }
-    }
-
-    /// The registered address of slot `slot`.
-    #[inline]
-    pub(super) fn slot_addr(&self, slot: u32, slot_size: usize) -> u64 {
-        self.addr + u64::from(slot) * slot_size as u64
-    }
-}
-
-impl Conn {
-    /// Posts the whole receive ring; called once at registration. With an
-    /// SRQ the reactor posted the receives; the quota becomes our credit.
-    pub(crate) fn post_initial_receives(&mut self) -> crate::Result<()> {
-        if self.shared_recv {
-            self.posted = self.recv_depth;
+    /// Posts the whole own ring on `qp`; called once at registration. With
+    /// an SRQ the reactor posted the receives, and the quota is granted.
+    /// Either way `credits` counts them.
+    pub(crate) fn post_initial(
+        &mut self,
+        qp: &mut QueuePair,
+        credits: &mut Credits,
+    ) -> crate::Result<()> {
+        if self.shared {
+            credits.add_posted(self.depth);
             return Ok(());
         }
-        for slot in 0..self.recv_depth {
-            self.queue_repost(slot);
+        for slot in 0..self.depth {
+            self.queue(slot, false, qp.qpn());
         }
-        self.flush_reposts()
+        self.flush(qp, credits)
     }
 
     /// Queues receive slot `slot` for reposting at the end of the pass. A
-    /// slot of the connection's own ring is queued only if it is consumed
-    /// and not queued already ([`RingSlots`]): one posted or queued is
-    /// refused, so it is never posted twice. (An SRQ slot is the SRQ
-    /// pool's to check.)
+    /// slot of the own ring is queued only if it is consumed and not
+    /// queued already ([`RingSlots`]): one posted or queued is refused, so
+    /// it is never posted twice, and none is queued once the connection is
+    /// `closed` (its own ring is dead). (An SRQ slot is the SRQ pool's to
+    /// check, and goes back even from a closed connection.)
     #[inline]
-    pub(crate) fn queue_repost(&mut self, slot: u32) {
-        if self.shared_recv {
-            // SRQ slots belong to every connection and must go back, even
-            // from a closed one.
-            if self.pending_len == self.pending_reposts.len() || slot >= self.recv_slots {
+    pub(crate) fn queue(&mut self, slot: u32, closed: bool, qpn: u32) {
+        if self.shared {
+            if self.pending_len == self.pending.len() || slot >= self.slots {
                 return;
             }
-        } else if self.is_closed() {
-            // A closed connection's own ring is dead.
+        } else if closed {
             return;
         } else if !self.ring_slots.queue(slot) {
             // Posted or queued already (or outside the ring): each slot is
             // queued once, so the list (one entry a slot) has room.
-            refuse_repost(self.qpn, slot);
+            refuse_repost(qpn, slot);
             return;
         }
-        if let Some(entry) = self.pending_reposts.get_mut(self.pending_len) {
+        if let Some(entry) = self.pending.get_mut(self.pending_len) {
             *entry = slot;
             self.pending_len += 1;
         }
     }
 
-    /// A receive completion names slot `slot` of the connection's own
-    /// ring: true if that slot is posted (now consumed), false for a
-    /// completion the ring cannot have produced.
+    /// A receive completion names slot `slot` of the own ring: true if that
+    /// slot is posted (now consumed), false for a completion the ring
+    /// cannot have produced.
     #[inline(always)]
-    pub(crate) fn consume_recv(&mut self, slot: u32) -> bool {
+    pub(crate) fn consume(&mut self, slot: u32) -> bool {
         self.ring_slots.consume(slot)
-    }
-
-    /// Whether slot `slot` of the connection's own ring is posted (tests).
-    #[cfg(test)]
-    pub(crate) fn recv_slot_posted(&self, slot: u32) -> bool {
-        self.ring_slots.is_posted(slot)
-    }
-
-    /// Posts a receive into slot `slot` of the own ring behind the ones
-    /// posted, whatever its state, as a double post would (tests of the
-    /// refusal of the completion that follows).
-    #[cfg(test)]
-    pub(crate) fn post_recv_bypassing_the_guard(&mut self, slot: u32) -> crate::Result<()> {
-        // SAFETY: the own ring's region is this connection's, dropped only
-        // after its QP (field order).
-        let request =
-            unsafe { recv_request(self.recv_ring, self.slot_size, self.recv_wr_id(slot), slot) };
-        let _ = self.reposts.push(request);
-        self.post_reposts()
-    }
-
-    /// Posts the batch of reposts with one `ibv_post_recv` and drops what
-    /// went in (all of it, but on a partial post, which fails the
-    /// connection).
-    #[inline]
-    fn post_reposts(&mut self) -> crate::Result<()> {
-        let posted = self.qp.post_recv(&mut self.reposts);
-        self.reposts.drop_posted(&posted);
-        posted
     }
 
     /// True if consumed receives wait to be reposted.
     #[inline]
-    pub(crate) fn has_pending_reposts(&self) -> bool {
+    pub(crate) fn has_pending(&self) -> bool {
         self.pending_len != 0
     }
 
     /// True when enough receives are consumed to repost them now.
     #[inline]
-    pub(crate) fn reposts_due(&self) -> bool {
-        self.pending_len >= self.repost_threshold
+    pub(crate) fn is_due(&self) -> bool {
+        self.pending_len >= self.threshold
     }
 
     /// True when receives come from the reactor's SRQ.
     #[inline]
     pub(crate) fn uses_srq(&self) -> bool {
-        self.shared_recv
+        self.shared
     }
 
-    /// Reposts every queued slot of the connection's own ring,
-    /// `MAX_REPOST` per `ibv_post_recv`, and counts them as credits for the
-    /// peer. (SRQ slots go back through
-    /// [`take_shared_reposts`](Self::take_shared_reposts).)
+    /// True if SRQ slots wait to go back, which a closed connection owes
+    /// too.
     #[inline]
-    pub(crate) fn flush_reposts(&mut self) -> crate::Result<()> {
-        if self.shared_recv {
+    pub(crate) fn owes_shared_slots(&self) -> bool {
+        self.shared && self.pending_len != 0
+    }
+
+    /// Forgets the own ring's queued slots (a failed connection's ring is
+    /// dead); SRQ slots stay queued, to go back.
+    pub(crate) fn drop_own_pending(&mut self) {
+        if !self.shared {
+            self.pending_len = 0;
+        }
+    }
+
+    /// Reposts every queued slot of the own ring on `qp`, `MAX_REPOST` per
+    /// `ibv_post_recv`, and counts them in `credits`. (SRQ slots go back
+    /// through [`take_shared`](Self::take_shared).)
+    #[inline]
+    pub(crate) fn flush(&mut self, qp: &mut QueuePair, credits: &mut Credits) -> crate::Result<()> {
+        if self.shared {
             return Ok(());
         }
         let mut start = 0;
         while start < self.pending_len {
             let end = (start + MAX_REPOST).min(self.pending_len);
-            for &slot in &self.pending_reposts[start..end] {
-                // SAFETY: the own ring's region is this connection's,
-                // dropped only after its QP (field order); a slot in
-                // `pending_reposts` is consumed, so its bytes are no
-                // one's.
-                let request = unsafe {
-                    recv_request(self.recv_ring, self.slot_size, self.recv_wr_id(slot), slot)
-                };
+            for at in start..end {
+                let slot = self.pending[at];
+                // SAFETY: the own ring's region is held here, and the
+                // connection destroys its QP before dropping this (field
+                // order); a slot in `pending` is consumed, so its bytes are
+                // no one's.
+                let request =
+                    unsafe { recv_request(self.ring, self.slot_size, self.wr_id(slot), slot) };
                 // At most MAX_REPOST pushes into a batch emptied by each post.
-                let _ = self.reposts.push(request);
+                let _ = self.batch.push(request);
                 // Posted from here on: if the device refuses part of the
                 // batch, the connection fails and its ring is dead.
                 self.ring_slots.post(slot);
             }
-            self.post_reposts()?;
-            self.posted = self.posted.wrapping_add((end - start) as u32);
+            self.post_batch(qp)?;
+            credits.add_posted((end - start) as u32);
             start = end;
         }
         self.pending_len = 0;
         Ok(())
     }
 
-    /// Hands every queued SRQ slot to `repost` (the reactor's SRQ) and counts
-    /// them as credits for the peer.
+    /// Posts the batch with one `ibv_post_recv` and drops what went in
+    /// (all of it, but on a partial post, which fails the connection).
     #[inline]
-    pub(crate) fn take_shared_reposts(&mut self, mut repost: impl FnMut(u32)) {
-        if !self.shared_recv {
+    fn post_batch(&mut self, qp: &mut QueuePair) -> crate::Result<()> {
+        let posted = qp.post_recv(&mut self.batch);
+        self.batch.drop_posted(&posted);
+        posted
+    }
+
+    /// Hands every queued SRQ slot to `repost` (the reactor's SRQ) and
+    /// counts them in `credits`.
+    #[inline]
+    pub(crate) fn take_shared(&mut self, credits: &mut Credits, mut repost: impl FnMut(u32)) {
+        if !self.shared {
             return;
         }
-        for &slot in &self.pending_reposts[..self.pending_len] {
+        for &slot in &self.pending[..self.pending_len] {
             repost(slot);
         }
-        self.posted = self.posted.wrapping_add(self.pending_len as u32);
+        credits.add_posted(self.pending_len as u32);
         self.pending_len = 0;
     }
 
     /// Decodes a SEND of `len` bytes with immediate `imm` that landed in
-    /// receive slot `slot` (see [`send_imm`]). `Err` names what is wrong
-    /// with a SEND the reactor never sends: a peer that sends one is cut off.
+    /// slot `slot` (see [`send_imm`]). `Err` names what is wrong with a SEND the reactor never
+    /// sends: a peer that sends one is cut off.
     #[inline]
-    pub(crate) fn recv_message(
+    pub(crate) fn decode(
         &self,
         slot: u32,
         len: u32,
@@ -321,7 +269,7 @@ impl Conn {
         let Some(imm) = imm else {
             return Err("a SEND without the reactor's immediate");
         };
-        if slot >= self.recv_slots {
+        if slot >= self.slots {
             return Err("a receive outside the ring");
         }
         let count = imm & send_imm::COUNT_MASK;
@@ -335,7 +283,7 @@ impl Conn {
             _ => return Err("a SEND of an unknown kind"),
         };
         // Past this a forward could not append an immediate in the slot.
-        if payload > self.max_payload() {
+        if payload > self.slot_size - IMM_TRAILER_LEN {
             return Err("a message longer than the largest payload");
         }
         // SAFETY: the ring is registered while the connection lives, and
@@ -344,7 +292,7 @@ impl Conn {
         // receive completed and it is not reposted before the caller is
         // done, so no DMA writes it.
         unsafe {
-            let start = self.recv_slot_ptr(slot);
+            let start = self.slot_ptr(slot);
             let imm =
                 trailer.then(|| u32::from_le(start.add(payload).cast::<u32>().read_unaligned()));
             Ok(Arrival::Message {
@@ -355,58 +303,80 @@ impl Conn {
         }
     }
 
-    /// The bytes of receive slot `slot`.
+    /// The bytes of slot `slot`.
     #[inline]
-    pub(crate) fn recv_bytes(&self, slot: u32, len: usize) -> &[u8] {
-        if slot >= self.recv_slots {
+    pub(crate) fn bytes(&self, slot: u32, len: usize) -> &[u8] {
+        if slot >= self.slots {
             return &[];
         }
         let len = len.min(self.slot_size);
         // SAFETY: the ring is registered while the connection lives and the
         // range is inside it; the caller holds the slot (its receive
-        // completed and it is not reposted until released), so no DMA writes it.
-        unsafe { std::slice::from_raw_parts(self.recv_slot_ptr(slot), len) }
+        // completed and it is not reposted until released), so no DMA
+        // writes it.
+        unsafe { std::slice::from_raw_parts(self.slot_ptr(slot), len) }
     }
 
-    /// Where receive slot `slot` starts in memory.
+    /// Where slot `slot` starts in memory.
     ///
     /// # Safety
-    /// `slot` must be below `recv_slots`.
+    /// `slot` must be below `slots`.
     #[inline]
-    unsafe fn recv_slot_ptr(&self, slot: u32) -> *const u8 {
+    unsafe fn slot_ptr(&self, slot: u32) -> *const u8 {
         // SAFETY: the caller keeps `slot` inside the ring, so the offset
         // stays within the registered allocation.
-        unsafe { self.recv_ring.ptr.add(slot as usize * self.slot_size) }
+        unsafe { self.ring.ptr.add(slot as usize * self.slot_size) }
     }
 
-    /// Where receive slot `slot` is, to send it on as a forward; `None` for
-    /// a slot outside the ring.
+    /// Where slot `slot` is, to send it on as a forward; `None` for a slot
+    /// outside the ring.
     #[inline]
-    pub(crate) fn recv_slot_source(&self, slot: u32) -> Option<SlotSource> {
-        if slot >= self.recv_slots {
+    pub(crate) fn source(&self, slot: u32) -> Option<SlotSource> {
+        if slot >= self.slots {
             return None;
         }
         Some(SlotSource {
             // SAFETY: `slot` is inside the ring, which is still registered.
-            ptr: unsafe { self.recv_slot_ptr(slot) }.cast_mut(),
+            ptr: unsafe { self.slot_ptr(slot) }.cast_mut(),
             size: self.slot_size,
-            addr: self.recv_ring.slot_addr(slot, self.slot_size),
-            lkey: self.recv_ring.lkey,
-            registration_id: self.recv_registration.id(),
+            addr: self.ring.slot_addr(slot, self.slot_size),
+            lkey: self.ring.lkey,
+            registration_id: self.registration.id(),
         })
     }
 
-    /// The receive ring's registration, for a forward that must hold it.
+    /// The ring's registration, for a forward that must hold it.
     #[inline]
-    pub(crate) fn recv_registration(&self) -> &Registration {
-        &self.recv_registration
+    pub(crate) fn registration(&self) -> &Registration {
+        &self.registration
+    }
+}
+
+#[cfg(test)]
+impl RecvRing {
+    /// Slots consumed and queued for reposting.
+    pub(crate) fn pending_slots(&self) -> &[u32] {
+        &self.pending[..self.pending_len]
     }
 
-    /// True if this connection holds SRQ slots that must be reposted even
-    /// though it is closed.
-    #[inline]
-    pub(crate) fn owes_shared_slots(&self) -> bool {
-        self.shared_recv && self.pending_len != 0
+    /// Whether slot `slot` of the own ring is posted.
+    pub(crate) fn is_posted(&self, slot: u32) -> bool {
+        self.ring_slots.is_posted(slot)
+    }
+
+    /// Posts a receive into slot `slot` of the own ring on `qp` behind the
+    /// ones posted, whatever its state, as a double post would (tests of
+    /// the refusal of the completion that follows).
+    pub(crate) fn post_bypassing_the_guard(
+        &mut self,
+        qp: &mut QueuePair,
+        slot: u32,
+    ) -> crate::Result<()> {
+        // SAFETY: the own ring's region is held here, and the connection
+        // destroys its QP before dropping this.
+        let request = unsafe { recv_request(self.ring, self.slot_size, self.wr_id(slot), slot) };
+        let _ = self.batch.push(request);
+        self.post_batch(qp)
     }
 }
 
@@ -424,21 +394,111 @@ fn refuse_repost(qpn: u32, slot: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::verbs::Context;
+
+    const SLOT: usize = 64;
+
+    fn pd() -> (ProtectionDomain, Context) {
+        // SAFETY: nothing is posted on the loopback device here.
+        let ctx = unsafe { Context::loopback() };
+        (ctx.alloc_pd().expect("a PD"), ctx)
+    }
+
+    /// An own ring of 8 slots of 64 bytes, reposted 4 at a time.
+    fn own(pd: &ProtectionDomain) -> RecvRing {
+        RecvRing::new(pd, SLOT, 8, 4, 0, None).expect("a ring")
+    }
+
+    fn message(ring: &RecvRing, slot: u32, len: u32, imm: Option<u32>) -> (usize, Option<u32>) {
+        match ring.decode(slot, len, imm) {
+            Ok(Arrival::Message { data, imm, .. }) => (data.1, imm),
+            other => panic!("not a message: {other:?}"),
+        }
+    }
 
     #[test]
-    fn a_slot_is_queued_only_once_consumed_and_posted_only_once_queued() {
-        let mut slots = RingSlots::new(4);
-        assert!(!slots.consume(0), "nothing posted yet");
-        assert!(slots.queue(0));
-        assert!(!slots.queue(0), "queued twice");
-        assert!(!slots.consume(0), "a queued slot is not posted");
-        slots.post(0);
-        assert!(slots.is_posted(0));
-        assert!(!slots.queue(0), "queued while posted");
-        assert!(slots.consume(0));
-        assert!(!slots.consume(0), "consumed twice");
-        assert!(slots.queue(0), "consumed: it may go back");
-        assert!(!slots.queue(4) && !slots.consume(4), "outside the ring");
-        assert!(!RingSlots::new(0).queue(0), "no ring of its own");
+    fn the_reactor_kinds_decode_and_every_other_send_is_refused() {
+        let (pd, _ctx) = pd();
+        let ring = own(&pd);
+        let source = ring.source(2).expect("in the ring");
+        // SAFETY: nothing is posted, and the trailer fits the slot.
+        unsafe { source.write_trailer(10, 0xDEAD_BEEF) };
+        assert_eq!(
+            message(&ring, 1, 10, Some(send_imm::encode(send_imm::MESSAGE, 5))),
+            (10, None)
+        );
+        let with_imm = send_imm::encode(send_imm::MESSAGE_WITH_IMM, 5);
+        assert_eq!(
+            message(&ring, 2, 14, Some(with_imm)),
+            (10, Some(0xDEAD_BEEF))
+        );
+        assert!(matches!(
+            ring.decode(0, 0, Some(send_imm::encode(send_imm::CREDIT, 9))),
+            Ok(Arrival::Credit(9))
+        ));
+        let largest = (SLOT - IMM_TRAILER_LEN) as u32;
+        assert_eq!(message(&ring, 0, largest, Some(0)).0, largest as usize);
+        for (slot, len, imm) in [
+            (0, 4, None),
+            (8, 4, Some(0)),
+            (0, 3, Some(with_imm)),
+            (0, 4, Some(send_imm::encode(send_imm::CREDIT, 1))),
+            (0, 4, Some(send_imm::encode(3, 1))),
+            (0, largest + 1, Some(0)),
+        ] {
+            assert!(ring.decode(slot, len, imm).is_err(), "{slot} {len} {imm:?}");
+        }
+        assert!(
+            ring.source(8).is_none() && ring.bytes(8, 4).is_empty(),
+            "outside the ring"
+        );
+    }
+
+    #[test]
+    fn an_own_slot_goes_back_once_and_never_from_a_closed_ring() {
+        let (pd, _ctx) = pd();
+        let mut ring = own(&pd);
+        // A new ring's slots are consumed: none is posted yet.
+        for slot in 0..3 {
+            ring.queue(slot, false, 1);
+        }
+        assert!(ring.has_pending() && !ring.is_due(), "3 of a batch of 4");
+        ring.queue(1, false, 1);
+        assert_eq!(ring.pending_slots(), [0, 1, 2], "queued twice");
+        ring.queue(3, true, 1);
+        assert_eq!(ring.pending_slots(), [0, 1, 2], "a closed ring is dead");
+        ring.queue(3, false, 1);
+        assert!(ring.is_due());
+        assert!(!ring.consume(0), "queued, not posted");
+        ring.drop_own_pending();
+        assert!(!ring.has_pending() && !ring.owes_shared_slots());
+    }
+
+    #[test]
+    fn shared_slots_go_back_even_from_a_closed_connection() {
+        let (pd, _ctx) = pd();
+        let srq = own(&pd);
+        let shared = SharedRing {
+            ring: srq.ring,
+            slots: 8,
+            registration: srq.registration().clone(),
+        };
+        let mut ring = RecvRing::new(&pd, SLOT, 4, 4, 0, Some(shared)).expect("a share");
+        assert!(ring.uses_srq() && ring.registered_bytes() == 0);
+        ring.queue(7, true, 1);
+        ring.queue(8, false, 1);
+        assert_eq!(
+            ring.pending_slots(),
+            [7],
+            "closed or not; never outside the ring"
+        );
+        ring.drop_own_pending();
+        assert!(ring.owes_shared_slots());
+        let mut credits = Credits::new(4);
+        let mut back = Vec::new();
+        ring.take_shared(&mut credits, |slot| back.push(slot));
+        assert_eq!(back, [7]);
+        assert_eq!(credits.outstanding(), 1, "counted as posted");
+        assert!(!ring.has_pending());
     }
 }

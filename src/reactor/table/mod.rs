@@ -145,7 +145,7 @@ impl ConnTable {
             // refused, never asserted), and a direct connection has no
             // protocol QP number.
             if conn.protocol_qpn() != u64::from(qpn) {
-                return Err(if conn.direct && conn.qpn == qpn {
+                return Err(if conn.is_direct() && conn.qpn() == qpn {
                     Refusal::WrongKind
                 } else {
                     Refusal::WrongQp
@@ -153,7 +153,7 @@ impl ConnTable {
             }
             match completed {
                 Completed::Recv { slot } => {
-                    if conn.uses_srq() {
+                    if conn.rq().uses_srq() {
                         return Err(Refusal::WrongKind);
                     }
                     if !conn.consume_recv(slot) {
@@ -179,9 +179,9 @@ impl ConnTable {
         let vet = |key: Key, conn: &mut Conn| {
             if !wr_id::same_generation(key, generation) {
                 Err(Refusal::StaleGeneration)
-            } else if conn.qpn != qpn {
+            } else if conn.qpn() != qpn {
                 Err(Refusal::WrongQp)
-            } else if !conn.direct {
+            } else if !conn.is_direct() {
                 Err(Refusal::WrongKind)
             } else {
                 Ok(false)

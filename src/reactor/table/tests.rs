@@ -48,11 +48,11 @@ fn fixture() -> Fixture {
     let id = table.vacant_id().expect("room");
     let mut conn = Conn::new(id, session, 0, &pd, a, &config, None).expect("a connection");
     conn.post_initial_receives().expect("receives posted");
-    let conn_qpn = conn.qpn;
+    let conn_qpn = conn.qpn();
     table.insert(conn);
     let direct_id = table.vacant_id().expect("room");
     let direct = Conn::new_direct(direct_id, session, 1, &pd, b, &config).expect("direct");
-    let direct_qpn = direct.qpn;
+    let direct_qpn = direct.qpn();
     table.insert(direct);
     // Nothing listed before the lookups.
     let listed = table.begin_walk(TOUCHED);

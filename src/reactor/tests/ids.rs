@@ -54,7 +54,7 @@ fn ids_of_an_entrys_first_tenant_never_reach_a_newcomer_after_its_last() {
             .iter()
             .map(|end| {
                 let conn = reactor.conns.get(end.conn.key()).expect("a newcomer");
-                conn.pending_slots().to_vec()
+                conn.rq().pending_slots().to_vec()
             })
             .collect()
     };

@@ -157,7 +157,7 @@ fn a_doorbell_refused_during_a_flush_fails_its_connection_before_the_walk_reache
                 .expect("staged behind it");
         }));
     });
-    let qpn = |conn: ConnId| reactor.conns.get(conn.key()).expect("live").qpn;
+    let qpn = |conn: ConnId| reactor.conns.get(conn.key()).expect("live").qpn();
     let (c_qpn, a_qpn) = (qpn(c.conn), qpn(a.conn));
     reactor.with_ctx(|ctx| {
         ctx.send(c.conn, b"refused", None).expect("a SEND on c");
@@ -224,7 +224,7 @@ fn refused_rung_now(refuse: fn(u32, usize), held: u32) {
         sq_used(r, a.conn) == 0
     });
 
-    let qpn = reactor.conns.get(a.conn.key()).expect("a").qpn;
+    let qpn = reactor.conns.get(a.conn.key()).expect("a").qpn();
     refuse(qpn, 0);
     let doorbells = reactor.counters().doorbells;
     reactor.with_ctx(|ctx| {

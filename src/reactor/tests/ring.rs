@@ -15,10 +15,10 @@ use crate::reactor::slab::{Key, PARKED, TOUCHED};
 fn ring_account(reactor: &Reactor<Probe, ()>, conn: ConnId) -> (u32, BTreeSet<u32>) {
     let conn = reactor.conns.get(conn.key()).expect("a live connection");
     let mut queued = BTreeSet::new();
-    for &slot in conn.pending_slots() {
+    for &slot in conn.rq().pending_slots() {
         assert!(queued.insert(slot), "slot {slot} queued twice");
     }
-    (conn.receives_outstanding(), queued)
+    (conn.credits().outstanding(), queued)
 }
 
 /// Whether every receive of `conn`'s own ring is posted, none queued.
@@ -82,7 +82,7 @@ fn a_partial_post_frees_at_once_only_what_the_device_never_got() {
             }
         }
     });
-    let relay_qpn = reactor.conns.get(relay.conn.key()).expect("relay").qpn;
+    let relay_qpn = reactor.conns.get(relay.conn.key()).expect("relay").qpn();
     refuse_sends_after(relay_qpn, 2);
     reactor.turn().expect("the pass that posts");
 
@@ -187,7 +187,7 @@ fn a_removal_asked_for_by_a_connection_the_late_flush_fails_does_not_wait_for_a_
         forward_all(ctx, relay.conn, held);
         ctx.remove_session(relay.session);
     });
-    let origin_qpn = reactor.conns.get(origin.conn.key()).expect("origin").qpn;
+    let origin_qpn = reactor.conns.get(origin.conn.key()).expect("origin").qpn();
     refuse_sends_after(origin_qpn, 0);
     reactor.poll_once().expect("the pass of the removal");
     assert!(
@@ -326,7 +326,7 @@ fn a_slot_given_back_during_the_parked_walk_is_reposted_by_the_next_idle_flush()
         ctx.send(failing.conn, b"refused", None)
             .expect("room for it")
     });
-    let qpn = |conn: ConnId| reactor.conns.get(conn.key()).expect("live").qpn;
+    let qpn = |conn: ConnId| reactor.conns.get(conn.key()).expect("live").qpn();
     refuse_sends_after(qpn(failing.conn), 0);
     refuse_sends_after(qpn(relay.conn), 0);
     reactor.turn().expect("the idle flush's pass");
@@ -365,7 +365,7 @@ fn a_slot_given_back_twice_or_while_posted_is_posted_once() {
     fn conn(reactor: &mut Reactor<Probe, ()>, key: Key) -> &mut Conn {
         reactor.conns.get_mut(key).expect("origin")
     }
-    assert!(!conn(&mut reactor, key).recv_slot_posted(slot), "held");
+    assert!(!conn(&mut reactor, key).rq().is_posted(slot), "held");
 
     conn(&mut reactor, key).queue_repost(slot);
     reactor
@@ -378,7 +378,7 @@ fn a_slot_given_back_twice_or_while_posted_is_posted_once() {
 
     // Every slot is posted: none goes back again.
     for slot in 0..RECV_DEPTH {
-        assert!(conn(&mut reactor, key).recv_slot_posted(slot));
+        assert!(conn(&mut reactor, key).rq().is_posted(slot));
         conn(&mut reactor, key).queue_repost(slot);
     }
     let (posted, queued) = ring_account(&reactor, origin.conn);
@@ -451,8 +451,11 @@ fn a_receive_completion_for_a_slot_not_posted_is_refused() {
         "the second completion of slot 5 refused"
     );
     let conn = reactor.conns.get(end.conn.key()).expect("the connection");
-    assert!(!conn.recv_slot_posted(TWICE), "still held");
-    assert!(!conn.pending_slots().contains(&TWICE), "not given back");
+    assert!(!conn.rq().is_posted(TWICE), "still held");
+    assert!(
+        !conn.rq().pending_slots().contains(&TWICE),
+        "not given back"
+    );
     drop(seen);
 
     // Released, the held slots go back once each; the peer's messages

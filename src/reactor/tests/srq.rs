@@ -52,8 +52,17 @@ fn srq_account(reactor: &Reactor<Probe, ()>) -> SrqSlots {
     places.extend(pool.on_device().into_iter().map(|slot| (slot, "posted")));
     places.extend(queued.into_iter().map(|slot| (slot, "queued")));
     places.extend(stranded.into_iter().map(|slot| (slot, "stranded")));
-    for (_, conn) in reactor.conns.iter().filter(|(_, conn)| conn.uses_srq()) {
-        places.extend(conn.pending_slots().iter().map(|&slot| (slot, "returning")));
+    for (_, conn) in reactor
+        .conns
+        .iter()
+        .filter(|(_, conn)| conn.rq().uses_srq())
+    {
+        places.extend(
+            conn.rq()
+                .pending_slots()
+                .iter()
+                .map(|&slot| (slot, "returning")),
+        );
     }
     let released = &reactor.deferred.srq_returns;
     places.extend(released.iter().map(|&slot| (slot, "returning")));
@@ -603,7 +612,7 @@ fn a_flooding_peer_takes_at_most_the_srq_beyond_its_grant_and_is_cut_off_within_
     run_until_srq_whole(&mut reactor, "settled");
     let granted = |reactor: &Reactor<Probe, ()>| {
         let conn = reactor.conns.get(victim.conn.key()).expect("the victim");
-        u64::from(conn.granted())
+        u64::from(conn.credits().granted())
     };
     const HONEST: u32 = 6 * SRQ_SHARE;
     /// Passes the flooder keeps to its grant before it floods.
@@ -684,7 +693,7 @@ fn a_flooding_peer_takes_at_most_the_srq_beyond_its_grant_and_is_cut_off_within_
             "every slot back (or consumed anew by the honest peer): {account:?}"
         );
         let conn = reactor.conns.get(victim.conn.key()).expect("the victim");
-        assert!(!conn.owes_shared_slots(), "the victim holds none");
+        assert!(!conn.rq().owes_shared_slots(), "the victim holds none");
     }
     assert!(cut_off, "never cut off");
     assert_eq!(numbers(&sink), (0..HONEST).collect::<Vec<_>>());

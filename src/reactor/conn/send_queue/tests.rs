@@ -1,0 +1,261 @@
+//! The send queue on its own, over the loopback device: signaling,
+//! retiring, the send slots and the registrations requests keep. Nothing
+//! is posted: staging and retiring touch only the queue's own arrays.
+
+use super::*;
+use crate::verbs::{AccessFlags, CompletionQueue, Context, MemoryRegion, QpConfig};
+
+const TAG: u64 = 0x1234_5678 << 32;
+
+struct Fixture {
+    // Declared first: dropped before what it was made on.
+    sq: SendQueue,
+    qp: QueuePair,
+    _cq: CompletionQueue,
+    pd: ProtectionDomain,
+    _ctx: Context,
+}
+
+/// A queue of 16 entries, signaled every 4 requests, with 8 slots of 64
+/// bytes.
+fn fixture() -> Fixture {
+    // SAFETY: nothing is posted on the loopback device here.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let cq = ctx.create_cq(64, None).expect("a CQ");
+    let qp = pd.create_qp(&cq, &cq, &QpConfig::default()).expect("a QP");
+    let config = ReactorConfig {
+        sq_depth: 16,
+        signal_interval: 4,
+        send_slots: 8,
+        ..ReactorConfig::default()
+    };
+    let sq = SendQueue::new(&pd, &qp, &config, 64, TAG).expect("a send queue");
+    Fixture {
+        sq,
+        qp,
+        _cq: cq,
+        pd,
+        _ctx: ctx,
+    }
+}
+
+fn credit_update() -> SendDescriptor {
+    SendDescriptor::send(Sge::default(), Some(0))
+}
+
+fn granted(count: u32) -> Credits {
+    let mut credits = Credits::new(16);
+    credits.apply_peer_count(count);
+    credits
+}
+
+fn signaled(sq: &SendQueue) -> Vec<bool> {
+    (0..sq.staged())
+        .map(|at| {
+            sq.batch
+                .staged(at)
+                .expect("staged")
+                .0
+                .contains(SendFlags::SIGNALED)
+        })
+        .collect()
+}
+
+#[test]
+fn every_nth_request_is_signaled_and_more_when_room_runs_low() {
+    let mut f = fixture();
+    assert_eq!(f.sq.depth, 16);
+    for seq in 0..15 {
+        assert_eq!(
+            f.sq.stage(credit_update(), SqOp::of(OpKind::Credit), None, false),
+            seq
+        );
+    }
+    let expected: Vec<bool> = (0..15).map(|at| at == 3 || at == 7 || at >= 11).collect();
+    assert_eq!(
+        signaled(&f.sq),
+        expected,
+        "every 4th, then each once 4 entries are left"
+    );
+    assert_eq!(
+        f.sq.batch.staged(5).expect("staged").1,
+        TAG | 5,
+        "the wr_id is tag | seq"
+    );
+    assert!(!f.sq.has_unsignaled_tail());
+    assert!(
+        !f.sq.has_room(),
+        "one entry beyond the last is kept for a credit update"
+    );
+}
+
+#[test]
+fn a_lone_signal_on_the_last_request_resets_the_count() {
+    let mut f = fixture();
+    f.sq.stage(credit_update(), SqOp::of(OpKind::Credit), None, false);
+    assert!(f.sq.has_unsignaled_tail());
+    f.sq.signal_last_staged();
+    assert!(!f.sq.has_unsignaled_tail());
+    assert_eq!(signaled(&f.sq), [true]);
+}
+
+#[test]
+fn a_signaled_completion_retires_it_and_everything_before() {
+    let mut f = fixture();
+    for _ in 0..5 {
+        f.sq.stage(credit_update(), SqOp::of(OpKind::Credit), None, false);
+    }
+    assert_eq!(f.sq.retire_count(2), 3);
+    assert_eq!(f.sq.retire_count(4), 5);
+    assert_eq!(f.sq.retire_count(5), 0, "not in flight");
+    assert_eq!(f.sq.retire_count(u32::MAX), 0, "long done");
+    for seq in 0..3 {
+        assert_eq!(f.sq.pop_oldest().0, seq);
+    }
+    assert_eq!(f.sq.used(), 2);
+    assert_eq!(f.sq.retire_count(2), 0, "retired already");
+}
+
+#[test]
+fn a_run_of_one_kind_is_reported_at_once_and_frees_its_slots() {
+    let mut f = fixture();
+    let mut credits = granted(10);
+    for byte in 1..=3u8 {
+        let fill = |buf: &mut [u8]| {
+            buf[0] = byte;
+            Some(1)
+        };
+        f.sq.stage_send(8, Some(7), fill, &mut credits)
+            .expect("a slot");
+    }
+    assert_eq!(credits.available(), 7, "each SEND spent a credit");
+    f.sq.stage_credit_update(&mut credits, false);
+    assert_eq!(f.sq.slots_used(), 3);
+    let (_, first, run) = f.sq.retire_run(4);
+    assert_eq!(
+        (first.kind, run),
+        (OpKind::Send, 3),
+        "the credit update is not in the run"
+    );
+    assert_eq!(f.sq.slots_used(), 0);
+    assert_eq!(f.sq.retire_run(4).1.kind, OpKind::Credit);
+    assert_eq!(f.sq.used(), 0);
+}
+
+#[test]
+fn a_cancelled_send_takes_no_slot_and_no_credit() {
+    let mut f = fixture();
+    let mut credits = granted(10);
+    let refused = f.sq.stage_send(8, None, |_| None, &mut credits);
+    assert!(matches!(refused, Err(SendError::Cancelled)));
+    assert_eq!(
+        (f.sq.slots_used(), f.sq.used(), credits.available()),
+        (0, 0, 10)
+    );
+}
+
+#[test]
+fn the_payload_and_the_immediate_trailer_go_on_the_wire() {
+    let mut f = fixture();
+    let mut credits = granted(10);
+    let fill = |buf: &mut [u8]| {
+        buf[..3].copy_from_slice(b"abc");
+        Some(3)
+    };
+    f.sq.stage_send(8, Some(0xAABB_CCDD), fill, &mut credits)
+        .expect("a slot");
+    let sge = f.sq.batch.staged(0).map(|_| ());
+    assert!(sge.is_some());
+    assert_eq!(f.sq.slots.used(), 1);
+    // The slot's bytes: the payload, then the immediate (little-endian).
+    let wire = f.sq.slots.written(0, 7);
+    assert_eq!(wire, b"abc\xDD\xCC\xBB\xAA");
+}
+
+#[test]
+fn unwinding_gives_back_everything_the_device_never_saw() {
+    let mut f = fixture();
+    let mut credits = granted(10);
+    for _ in 0..2 {
+        f.sq.stage_send(8, None, |_| Some(0), &mut credits)
+            .expect("a slot");
+    }
+    let region =
+        f.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+            .expect("an MR");
+    let remote = region
+        .remote()
+        .expect("remote")
+        .slice(0, 8)
+        .expect("in bounds");
+    let local = region.slice(0, 8).expect("in bounds");
+    f.sq.stage_write(&local, remote, None, false);
+    let mut released = 0;
+    f.sq.unwind(crate::reactor::config::slab_key_for_tests(1), |_, _, _| {
+        released += 1
+    });
+    assert_eq!((f.sq.used(), f.sq.slots_used(), f.sq.staged()), (0, 0, 0));
+    assert_eq!(f.sq.kept_in_flight, 0);
+    assert_eq!(released, 0, "no forward among them");
+    assert!(f.sq.can_ring_alone());
+}
+
+#[test]
+fn one_registration_is_kept_by_count_and_others_by_handle() {
+    let mut f = fixture();
+    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+    let (a, b): (MemoryRegion, MemoryRegion) = (
+        f.pd.alloc_mr(64, access).expect("an MR"),
+        f.pd.alloc_mr(64, access).expect("an MR"),
+    );
+    let write = |sq: &mut SendQueue, region: &MemoryRegion| {
+        let remote = region
+            .remote()
+            .expect("remote")
+            .slice(0, 8)
+            .expect("in bounds");
+        sq.stage_write(&region.slice(0, 8).expect("in bounds"), remote, None, false)
+    };
+    write(&mut f.sq, &a);
+    write(&mut f.sq, &a);
+    assert!(f.sq.keeps(a.registration().id()));
+    assert_eq!(f.sq.kept_in_flight, 2, "no handle cloned for the second");
+    let at = write(&mut f.sq, &b) as usize;
+    assert!(
+        f.sq.owned[at].is_some(),
+        "b is held by a handle while a is in flight"
+    );
+    for _ in 0..3 {
+        f.sq.pop_oldest();
+    }
+    assert!(
+        f.sq.owned.iter().all(Option::is_none),
+        "retiring drops the handle"
+    );
+    assert_eq!(f.sq.kept_in_flight, 0);
+    write(&mut f.sq, &b);
+    assert!(
+        f.sq.keeps(b.registration().id()),
+        "b is kept once nothing uses a"
+    );
+}
+
+#[test]
+fn sizes_are_powers_of_two_within_the_qp() {
+    let f = fixture();
+    assert_eq!(
+        (f.sq.depth, f.sq.signal_interval, f.sq.slots.left()),
+        (16, 4, 8)
+    );
+    let odd = ReactorConfig {
+        sq_depth: 23,
+        signal_interval: 100,
+        send_slots: 5,
+        ..ReactorConfig::default()
+    };
+    let sq = SendQueue::new(&f.pd, &f.qp, &odd, 64, TAG).expect("a send queue");
+    assert_eq!(sq.depth, 16, "rounded down: seq wraps continuously");
+    assert_eq!(sq.signal_interval, 8, "at most half the queue");
+    assert_eq!(sq.slots.left(), 16, "at least two intervals, rounded up");
+}
