@@ -186,7 +186,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         spell: Spell,
     ) -> Result<()> {
         conn.prepare_flush();
-        let sparse = conn.sq().is_sparse(spell);
+        let sparse = conn.sq().signaling().is_sparse(spell);
         if tail | sparse {
             Self::leave_no_tail(conn, tail);
         }

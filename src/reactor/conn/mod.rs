@@ -456,7 +456,7 @@ impl Conn {
     /// True if requests went out unsignaled since the last signaled one on
     /// an established connection.
     pub(crate) fn has_unsignaled_tail(&self) -> bool {
-        self.sq.has_unsignaled_tail() && self.state == ConnState::Established
+        self.sq.signaling().has_unsignaled_tail() && self.state == ConnState::Established
     }
 
     /// Makes the unsignaled tail complete: a signaled credit update (the one

@@ -3,6 +3,10 @@
 //! selective signaling, the registrations requests hold until they are
 //! known complete, and the staged requests that go out with one doorbell.
 
+mod signal;
+#[cfg(test)]
+mod tests;
+
 use crate::error::Error;
 use crate::verbs::{
     LocalSlice, ProtectionDomain, QueuePair, Registration, RemoteSlice, SendDescriptor, SendFlags,
@@ -13,8 +17,9 @@ use super::credit::{Credits, send_imm};
 use super::op::{ForwardOrigin, Keep, OpKind, SqOp};
 use super::slots::{SendSlots, SlotSource};
 use super::{ConnId, IMM_TRAILER_LEN};
-use crate::reactor::idle::{Spell, SpellMark};
+use crate::reactor::idle::Spell;
 use crate::reactor::{ReactorConfig, SendError};
+use signal::Signaling;
 
 /// The mark in `SendQueue::unposted` of a refused doorbell (a count of
 /// requests never reaches it: a send queue is far smaller).
@@ -49,13 +54,7 @@ pub(crate) struct SendQueue {
     /// set once a doorbell was refused: nonzero means the connection waits
     /// to fail.
     unposted: u32,
-    /// Requests staged since the last signaled one.
-    since_signal: u32,
-    /// The quiet spell of the last doorbell rung on sparse traffic: while
-    /// the reactor's spell reads it as sparse, what is posted is signaled
-    /// (see [`is_sparse`](Self::is_sparse)).
-    posted_after_spell: SpellMark,
-    signal_interval: u32,
+    signaling: Signaling,
     max_inline: u32,
     /// The requests staged this pass: one doorbell.
     batch: SendList<MAX_STAGED>,
@@ -97,10 +96,7 @@ impl SendQueue {
             next: 0,
             done: 0,
             unposted: 0,
-            since_signal: 0,
-            // The first post is signaled.
-            posted_after_spell: SpellMark::NEW,
-            signal_interval,
+            signaling: Signaling::new(signal_interval),
             max_inline: qp.max_inline_data(),
             batch: SendList::new(),
             kept: None,
@@ -185,20 +181,13 @@ impl SendQueue {
             // left a check for a handle to drop on every request's path.)
             self.owned[at] = Some(owned);
         }
-        // Selective signaling: every Nth request, and early whenever the SQ or
-        // the slot ring gets low, so resources held by unsignaled requests are
-        // always freed by a later signaled one.
-        let sq_left = self.depth - self.used();
-        let slots_left = self.slots.left();
-        self.since_signal += 1;
-        let signal = force_signal
-            || self.since_signal >= self.signal_interval
-            || sq_left <= self.signal_interval
-            || slots_left < self.signal_interval;
         let mut flags = SendFlags::empty();
-        if signal {
+        let sq_left = self.depth - self.used();
+        if self
+            .signaling
+            .decide(force_signal, sq_left, self.slots.left())
+        {
             flags |= SendFlags::SIGNALED;
-            self.since_signal = 0;
         }
         if request.local.len <= self.max_inline && request.opcode != SendOpcode::Read {
             flags |= SendFlags::INLINE;
@@ -333,15 +322,14 @@ impl SendQueue {
     /// report completion without waiting for the signaling interval.
     pub(crate) fn signal_last_staged(&mut self) {
         if self.batch.flag_last(SendFlags::SIGNALED) {
-            self.since_signal = 0;
+            self.signaling.signaled();
         }
     }
 
-    /// True if requests went out unsignaled since the last signaled one:
-    /// they report completion only once a later signaled one completes.
+    /// The selective signaling of this queue.
     #[inline]
-    pub(crate) fn has_unsignaled_tail(&self) -> bool {
-        self.since_signal > 0
+    pub(crate) fn signaling(&self) -> &Signaling {
+        &self.signaling
     }
 
     /// How many ops a signaled completion of `seq` retires: it and every
@@ -465,18 +453,10 @@ impl SendQueue {
         self.batch.is_empty() && self.unposted == 0
     }
 
-    /// Whether traffic counts as sparse in `spell`, so a flush signals the
-    /// last request it posts (see [`Spell::is_sparse`]).
-    #[inline]
-    pub(crate) fn is_sparse(&self, spell: Spell) -> bool {
-        spell.is_sparse(self.posted_after_spell)
-    }
-
-    /// Notes a doorbell rung on sparse traffic in `spell` (see
-    /// [`Spell::mark`]).
+    /// Notes a doorbell rung on sparse traffic in `spell`.
     #[inline]
     pub(crate) fn note_sparse_post(&mut self, spell: Spell) {
-        self.posted_after_spell = spell.mark();
+        self.signaling.note_sparse_post(spell);
     }
 
     /// Takes back every request the device never got (the staged ones, and
@@ -567,6 +547,3 @@ pub(crate) fn sq_room(config: &ReactorConfig, qp: &QueuePair) -> u32 {
 fn prev_power_of_two(n: u32) -> u32 {
     1 << (31 - n.leading_zeros())
 }
-
-#[cfg(test)]
-mod tests;

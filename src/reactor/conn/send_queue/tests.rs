@@ -83,7 +83,7 @@ fn every_nth_request_is_signaled_and_more_when_room_runs_low() {
         TAG | 5,
         "the wr_id is tag | seq"
     );
-    assert!(!f.sq.has_unsignaled_tail());
+    assert!(!f.sq.signaling().has_unsignaled_tail());
     assert!(
         !f.sq.has_room(),
         "one entry beyond the last is kept for a credit update"
@@ -94,9 +94,9 @@ fn every_nth_request_is_signaled_and_more_when_room_runs_low() {
 fn a_lone_signal_on_the_last_request_resets_the_count() {
     let mut f = fixture();
     f.sq.stage(credit_update(), SqOp::of(OpKind::Credit), None, false);
-    assert!(f.sq.has_unsignaled_tail());
+    assert!(f.sq.signaling().has_unsignaled_tail());
     f.sq.signal_last_staged();
-    assert!(!f.sq.has_unsignaled_tail());
+    assert!(!f.sq.signaling().has_unsignaled_tail());
     assert_eq!(signaled(&f.sq), [true]);
 }
 
@@ -245,7 +245,7 @@ fn one_registration_is_kept_by_count_and_others_by_handle() {
 fn sizes_are_powers_of_two_within_the_qp() {
     let f = fixture();
     assert_eq!(
-        (f.sq.depth, f.sq.signal_interval, f.sq.slots.left()),
+        (f.sq.depth, f.sq.signaling.interval(), f.sq.slots.left()),
         (16, 4, 8)
     );
     let odd = ReactorConfig {
@@ -256,6 +256,6 @@ fn sizes_are_powers_of_two_within_the_qp() {
     };
     let sq = SendQueue::new(&f.pd, &f.qp, &odd, 64, TAG).expect("a send queue");
     assert_eq!(sq.depth, 16, "rounded down: seq wraps continuously");
-    assert_eq!(sq.signal_interval, 8, "at most half the queue");
+    assert_eq!(sq.signaling.interval(), 8, "at most half the queue");
     assert_eq!(sq.slots.left(), 16, "at least two intervals, rounded up");
 }
