@@ -406,9 +406,14 @@ fn feed_refuses_a_group_that_is_not_multicast_and_values_out_of_range() {
             "must be an IPv4 multicast address",
         ),
         (
-            &["publish", "--group", "239.1.1.1", "--size", "15"],
-            "--size 15",
-            "must be 16 to 4096",
+            &["publish", "--group", "239.1.1.1", "--size", "23"],
+            "--size 23",
+            "must be 24 to 4096",
+        ),
+        (
+            &["publish", "--group", "239.1.1.1", "--size", "4097"],
+            "--size 4097",
+            "must be 24 to 4096",
         ),
         (
             &["publish", "--group", "239.1.1.1", "--rate", "0"],
