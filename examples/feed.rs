@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! feed publish --group 239.1.1.1 [--count 1000] [--rate 10000] [--size 64] [-d DEV] [-x GID]
-//! feed subscribe --group 239.1.1.1 [--timeout 30] [--count N [--raw]] [--json] [-d DEV] [-x GID]
+//! feed subscribe --group 239.1.1.1 [--timeout 30] [--count N [--raw]] [--receives 256] [--json] [-d DEV] [-x GID]
 //! ```
 //!
 //! A datagram carries its sequence number, the publisher's clock when it
@@ -79,6 +79,12 @@ enum Role {
         /// mark).
         #[arg(long, value_parser = common::range(1u64, 1_000_000_000_000))]
         count: Option<u64>,
+        /// Receives kept posted, 1 to 8192, each room for the largest
+        /// datagram (4 KiB). A datagram that arrives while none is posted is
+        /// dropped, so this many datagrams is the most the subscriber may
+        /// fall behind the feed.
+        #[arg(long, default_value_t = RECEIVES, value_parser = common::range(1usize, MAX_RECEIVES))]
+        receives: usize,
     },
 }
 
@@ -113,8 +119,11 @@ const PATTERN_AT: usize = 16;
 const MIN_SIZE: usize = PATTERN_AT + 8;
 /// How many times the end mark goes out (UD may drop some).
 const END_REPEATS: u32 = 5;
-/// Receives kept posted, each the GRH and the largest datagram.
+/// Receives kept posted by default, each the GRH and the largest datagram.
 const RECEIVES: usize = 256;
+/// The most `--receives` takes: its CQ (twice as deep) stays within what
+/// Soft-RoCE allows (32767 entries), and its buffers within 34 MiB.
+const MAX_RECEIVES: usize = 8192;
 const RECV_LEN: usize = GRH_BYTES + 4096;
 
 fn main() -> ExitCode {
@@ -133,7 +142,15 @@ fn main() -> ExitCode {
             json,
             raw,
             count,
-        } => subscribe(&group, Duration::from_secs(timeout), json, raw, count),
+            receives,
+        } => subscribe(
+            &group,
+            Duration::from_secs(timeout),
+            json,
+            raw,
+            count,
+            receives,
+        ),
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,
@@ -145,15 +162,17 @@ fn main() -> ExitCode {
     }
 }
 
-/// A UD QP on the chosen device, with a CQ of its own.
+/// A UD QP on the chosen device for `receives` posted receives, with a CQ
+/// of its own.
 fn open(
     group: &GroupArgs,
+    receives: usize,
 ) -> rdma_comm_core::Result<(ProtectionDomain, CompletionQueue, UdQueuePair)> {
     let ctx = Context::open_default(group.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
-    let cq = ctx.create_cq(2 * RECEIVES as u32, None)?;
+    let cq = ctx.create_cq(2 * receives as u32, None)?;
     let config = UdConfig {
-        max_recv_wr: RECEIVES as u32,
+        max_recv_wr: receives as u32,
         gid_index: group.gid_index,
         ..UdConfig::default()
     };
@@ -201,7 +220,7 @@ fn realtime_ns() -> u64 {
 }
 
 fn publish(args: &GroupArgs, count: u64, rate: u64, size: usize) -> rdma_comm_core::Result<bool> {
-    let (pd, mut cq, mut qp) = open(args)?;
+    let (pd, mut cq, mut qp) = open(args, RECEIVES)?;
     if size > qp.max_datagram() as usize {
         eprintln!(
             "feed: --size {size}: larger than the port's MTU ({} B)",
@@ -367,10 +386,11 @@ fn subscribe(
     json: bool,
     raw: bool,
     count: Option<u64>,
+    receives: usize,
 ) -> rdma_comm_core::Result<bool> {
-    let (pd, mut cq, mut qp) = open(args)?;
-    let rx = pd.alloc_mr(RECEIVES * RECV_LEN, AccessFlags::LOCAL_WRITE)?;
-    for slot in 0..RECEIVES {
+    let (pd, mut cq, mut qp) = open(args, receives)?;
+    let rx = pd.alloc_mr(receives * RECV_LEN, AccessFlags::LOCAL_WRITE)?;
+    for slot in 0..receives {
         qp.post_recv(&mut RecvRequest::new(
             slot as u64,
             rx.slice(slot * RECV_LEN, RECV_LEN)?,
@@ -573,6 +593,27 @@ mod tests {
             assert!(none[key].is_null(), "{key}: {none}");
         }
         assert_eq!(none["skewed"].as_u64(), Some(0));
+    }
+
+    #[test]
+    fn a_subscriber_keeps_256_receives_posted_unless_told_1_to_8192() {
+        let subscribe = |extra: &[&str]| {
+            Args::try_parse_from(
+                [&["feed", "subscribe", "--group", "239.1.1.1"][..], extra].concat(),
+            )
+        };
+        assert!(matches!(
+            subscribe(&[]).unwrap().role,
+            Role::Subscribe { receives: 256, .. }
+        ));
+        assert!(matches!(
+            subscribe(&["--receives", "8192"]).unwrap().role,
+            Role::Subscribe { receives: 8192, .. }
+        ));
+        for refused in ["0", "8193"] {
+            let err = subscribe(&["--receives", refused]).unwrap_err();
+            assert!(err.to_string().contains("must be 1 to 8192"), "{err}");
+        }
     }
 
     #[test]

@@ -430,6 +430,16 @@ fn feed_refuses_a_group_that_is_not_multicast_and_values_out_of_range() {
             "--timeout 0",
             "must be 1 to 86400",
         ),
+        (
+            &["subscribe", "--group", "239.1.1.1", "--receives", "0"],
+            "--receives 0",
+            "must be 1 to 8192",
+        ),
+        (
+            &["subscribe", "--group", "239.1.1.1", "--receives", "8193"],
+            "--receives 8193",
+            "must be 1 to 8192",
+        ),
     ] {
         assert_refused("feed", args, flag, accepts);
     }
