@@ -1,27 +1,38 @@
 //! A market-data style feed over RDMA multicast: a publisher sends
 //! numbered datagrams to a group once each, and every subscriber counts
 //! what it got, the gaps (UD drops datagrams under loss; a gap is counted
-//! and reported, never waited for) and any datagram that came back altered.
+//! and reported, never waited for), any datagram that came back altered,
+//! and how long each took from publisher to subscriber.
 //!
 //! ```text
 //! feed publish --group 239.1.1.1 [--count 1000] [--rate 10000] [--size 64] [-d DEV] [-x GID]
-//! feed subscribe --group 239.1.1.1 [--timeout 30] [--count N [--raw]] [--json] [-d DEV] [-x GID]
+//! feed subscribe --group 239.1.1.1 [--timeout 30] [--count N [--raw]] [--receives 256] [--json] [-d DEV] [-x GID]
 //! ```
 //!
-//! A datagram carries its sequence number and a pattern of it; after the
-//! last one the publisher sends an end mark, with the count, a few times. A subscriber stops
-//! at the end mark (or at `--timeout` seconds without one) and prints one
-//! line (or a JSON object): received, gaps, missing, late, altered. It exits
+//! A datagram carries its sequence number, the publisher's clock when it
+//! was sent (nanoseconds since the Unix epoch, `CLOCK_REALTIME`) and a
+//! pattern of the number; after the last one the publisher sends an end
+//! mark, with the count, a few times. A subscriber stops at the end mark (or
+//! at `--timeout` seconds without one) and prints one line (or a JSON
+//! object): received, gaps, missing, late, altered, and the one-way latency
+//! (its own clock at the receive minus the send time) at p50, p99, p99.9 and
+//! max, with a count of the datagrams received before they were sent by
+//! those clocks (skewed: the hosts' clocks differ), which the percentiles
+//! leave out. The latencies are only as good as the two clocks' agreement:
+//! meaningful on one host, or across hosts synchronised with PTP. It exits
 //! non-zero if it received nothing or anything altered.
 
 use std::net::Ipv4Addr;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 mod common;
+#[path = "common/rtt.rs"]
+mod rtt;
 
 use clap::{Parser, Subcommand};
 use rdma_comm_core::verbs::*;
+use rtt::RttRecorder;
 
 /// Multicast feed: publish numbered datagrams to a group, or subscribe and
 /// count them.
@@ -44,8 +55,9 @@ enum Role {
         /// Datagrams per second, 1 to 10^7.
         #[arg(long, default_value_t = 10_000, value_parser = common::range(1u64, 10_000_000))]
         rate: u64,
-        /// Bytes per datagram, 16 to 4096 (and at most the port's MTU).
-        #[arg(long, default_value_t = 64, value_parser = common::range(16usize, 4096))]
+        /// Bytes per datagram, 24 to 4096 (and at most the port's MTU): the
+        /// sequence number, the send time and at least 8 bytes of pattern.
+        #[arg(long, default_value_t = 64, value_parser = common::range(MIN_SIZE, 4096))]
         size: usize,
     },
     /// Join the group and count what arrives.
@@ -58,15 +70,21 @@ enum Role {
         /// One JSON object instead of the summary line.
         #[arg(long)]
         json: bool,
-        /// Take the datagrams as they are, without a sequence number or a
-        /// pattern (another publisher's, such as rdma-core's `mckey -s`):
-        /// count them, and stop after `--count` of them.
+        /// Take the datagrams as they are, without a sequence number, a send
+        /// time or a pattern (another publisher's, such as rdma-core's
+        /// `mckey -s`): count them, and stop after `--count` of them.
         #[arg(long, requires = "count")]
         raw: bool,
         /// Stop after this many datagrams, 1 to 10^12 (default: at the end
         /// mark).
         #[arg(long, value_parser = common::range(1u64, 1_000_000_000_000))]
         count: Option<u64>,
+        /// Receives kept posted, 1 to 8192, each room for the largest
+        /// datagram (4 KiB). A datagram that arrives while none is posted is
+        /// dropped, so this many datagrams is the most the subscriber may
+        /// fall behind the feed.
+        #[arg(long, default_value_t = RECEIVES, value_parser = common::range(1usize, MAX_RECEIVES))]
+        receives: usize,
     },
 }
 
@@ -92,10 +110,20 @@ fn multicast_group(text: &str) -> Result<Ipv4Addr, String> {
 
 /// The sequence number of the end mark.
 const END: u64 = u64::MAX;
+/// Where a datagram's send time is: after its sequence number.
+const SENT_AT: usize = 8;
+/// Where the pattern starts (and, in the end mark, the count).
+const PATTERN_AT: usize = 16;
+/// The smallest datagram: the sequence number, the send time, and the end
+/// mark's count where the others have their pattern.
+const MIN_SIZE: usize = PATTERN_AT + 8;
 /// How many times the end mark goes out (UD may drop some).
 const END_REPEATS: u32 = 5;
-/// Receives kept posted, each the GRH and the largest datagram.
+/// Receives kept posted by default, each the GRH and the largest datagram.
 const RECEIVES: usize = 256;
+/// The most `--receives` takes: its CQ (twice as deep) stays within what
+/// Soft-RoCE allows (32767 entries), and its buffers within 34 MiB.
+const MAX_RECEIVES: usize = 8192;
 const RECV_LEN: usize = GRH_BYTES + 4096;
 
 fn main() -> ExitCode {
@@ -114,7 +142,15 @@ fn main() -> ExitCode {
             json,
             raw,
             count,
-        } => subscribe(&group, Duration::from_secs(timeout), json, raw, count),
+            receives,
+        } => subscribe(
+            &group,
+            Duration::from_secs(timeout),
+            json,
+            raw,
+            count,
+            receives,
+        ),
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,
@@ -126,15 +162,17 @@ fn main() -> ExitCode {
     }
 }
 
-/// A UD QP on the chosen device, with a CQ of its own.
+/// A UD QP on the chosen device for `receives` posted receives, with a CQ
+/// of its own.
 fn open(
     group: &GroupArgs,
+    receives: usize,
 ) -> rdma_comm_core::Result<(ProtectionDomain, CompletionQueue, UdQueuePair)> {
     let ctx = Context::open_default(group.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
-    let cq = ctx.create_cq(2 * RECEIVES as u32, None)?;
+    let cq = ctx.create_cq(2 * receives as u32, None)?;
     let config = UdConfig {
-        max_recv_wr: RECEIVES as u32,
+        max_recv_wr: receives as u32,
         gid_index: group.gid_index,
         ..UdConfig::default()
     };
@@ -142,16 +180,47 @@ fn open(
     Ok((pd, cq, qp))
 }
 
-/// Datagram `seq`'s bytes: its number, then a pattern of it.
-fn fill(datagram: &mut [u8], seq: u64) {
-    datagram[..8].copy_from_slice(&seq.to_le_bytes());
-    for (i, byte) in datagram[8..].iter_mut().enumerate() {
+/// Datagram `seq`'s bytes: its number, the send time `sent_ns`, then a
+/// pattern of the number.
+fn fill(datagram: &mut [u8], seq: u64, sent_ns: u64) {
+    datagram[..SENT_AT].copy_from_slice(&seq.to_le_bytes());
+    stamp(datagram, sent_ns);
+    fill_pattern(&mut datagram[PATTERN_AT..], seq);
+}
+
+/// Writes the send time into a filled datagram.
+fn stamp(datagram: &mut [u8], sent_ns: u64) {
+    datagram[SENT_AT..PATTERN_AT].copy_from_slice(&sent_ns.to_le_bytes());
+}
+
+fn fill_pattern(pattern: &mut [u8], seq: u64) {
+    for (i, byte) in pattern.iter_mut().enumerate() {
         *byte = (seq as u8).wrapping_mul(31).wrapping_add(i as u8);
     }
 }
 
+/// The little-endian number at `at` in `bytes`; 0 where `bytes` is too
+/// short (the callers check the length first, so this is never hit).
+fn word(bytes: &[u8], at: usize) -> u64 {
+    bytes
+        .get(at..at + 8)
+        .and_then(|word| word.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
+/// This host's `CLOCK_REALTIME` in nanoseconds since the Unix epoch: the
+/// clock two hosts can agree on (through NTP or PTP), unlike a monotonic
+/// one, which starts at each host's boot.
+fn realtime_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
+        })
+}
+
 fn publish(args: &GroupArgs, count: u64, rate: u64, size: usize) -> rdma_comm_core::Result<bool> {
-    let (pd, mut cq, mut qp) = open(args)?;
+    let (pd, mut cq, mut qp) = open(args, RECEIVES)?;
     if size > qp.max_datagram() as usize {
         eprintln!(
             "feed: --size {size}: larger than the port's MTU ({} B)",
@@ -170,10 +239,14 @@ fn publish(args: &GroupArgs, count: u64, rate: u64, size: usize) -> rdma_comm_co
         while Instant::now() < due {
             std::hint::spin_loop();
         }
-        fill(&mut datagram, seq);
+        fill(&mut datagram, seq, 0);
         if seq == END {
-            datagram[8..16].copy_from_slice(&count.to_le_bytes());
+            datagram[PATTERN_AT..MIN_SIZE].copy_from_slice(&count.to_le_bytes());
         }
+        // The clock is read last, just before the datagram goes to the
+        // registered buffer and the post: the latency a subscriber measures
+        // leaves out the publisher's pacing and filling.
+        stamp(&mut datagram, realtime_ns());
         tx.write(0, &datagram)?;
         // Signaled, and waited for, so the send buffer may be rewritten.
         let mut request = UdSend::new(seq, tx.slice(0, size)?, &to_group).signaled();
@@ -194,6 +267,58 @@ fn publish(args: &GroupArgs, count: u64, rate: u64, size: usize) -> rdma_comm_co
     Ok(true)
 }
 
+/// One-way latencies: the subscriber's clock at the receive minus the send
+/// time the datagram carries, in constant memory.
+#[derive(Debug, Default)]
+struct Latency {
+    /// The latencies of the datagrams received after they were sent.
+    times: RttRecorder,
+    /// Datagrams received before their send time by the two clocks: the
+    /// hosts' clocks differ by more than the latency. Kept out of the
+    /// percentiles, which have no negative times.
+    skewed: u64,
+}
+
+impl Latency {
+    fn record(&mut self, sent_ns: u64, received_ns: u64) {
+        match received_ns.checked_sub(sent_ns) {
+            Some(ns) => self.times.record(ns),
+            None => self.skewed += 1,
+        }
+    }
+
+    /// p50, p99, p99.9 and max in microseconds; `None` when no datagram
+    /// was timed (none received, all skewed, or `--raw`).
+    fn percentiles_us(&self) -> Option<[f64; 4]> {
+        (self.times.count() > 0).then(|| [0.5, 0.99, 0.999, 1.0].map(|q| self.times.quantile_us(q)))
+    }
+
+    /// The summary line's part: `one-way us: p50 A p99 B p99.9 C max D, N
+    /// skewed`.
+    fn text(&self) -> String {
+        match self.percentiles_us() {
+            Some([p50, p99, p999, max]) => format!(
+                "one-way us: p50 {p50:.2} p99 {p99:.2} p99.9 {p999:.2} max {max:.2}, {} skewed",
+                self.skewed
+            ),
+            None => format!("one-way us: none timed, {} skewed", self.skewed),
+        }
+    }
+
+    /// The JSON object's members: `"p50_us":A,...,"skewed":N` (`null`s when
+    /// nothing was timed).
+    fn json(&self) -> String {
+        let [p50, p99, p999, max] = match self.percentiles_us() {
+            Some(us) => us.map(|us| format!("{us:.3}")),
+            None => std::array::from_fn(|_| "null".to_string()),
+        };
+        format!(
+            "\"p50_us\":{p50},\"p99_us\":{p99},\"p999_us\":{p999},\"max_us\":{max},\"skewed\":{}",
+            self.skewed
+        )
+    }
+}
+
 /// What a subscriber counted.
 #[derive(Debug, Default)]
 struct Tally {
@@ -204,9 +329,11 @@ struct Tally {
     missing: u64,
     /// Datagrams older than one already seen (reordered or repeated).
     late: u64,
-    /// Datagrams whose bytes were not the pattern of their number.
+    /// Datagrams whose bytes were not the pattern of their number, or too
+    /// short to hold one.
     altered: u64,
     next: u64,
+    latency: Latency,
 }
 
 impl Tally {
@@ -219,15 +346,23 @@ impl Tally {
         }
     }
 
-    fn count(&mut self, datagram: &[u8], expected: &mut Vec<u8>) {
-        let seq = u64::from_le_bytes(datagram[..8].try_into().unwrap_or_default());
-        expected.resize(datagram.len(), 0);
-        fill(expected, seq);
-        if datagram != expected.as_slice() {
+    /// Counts a datagram other than the end mark, received at `received_ns`
+    /// by this host's clock. Its send time is the publisher's word, checked
+    /// by nothing: a pattern cannot cover a clock reading.
+    fn count(&mut self, datagram: &[u8], expected: &mut Vec<u8>, received_ns: u64) {
+        if datagram.len() < MIN_SIZE {
+            self.altered += 1;
+            return;
+        }
+        let seq = word(datagram, 0);
+        expected.resize(datagram.len() - PATTERN_AT, 0);
+        fill_pattern(expected, seq);
+        if datagram[PATTERN_AT..] != expected[..] {
             self.altered += 1;
             return;
         }
         self.received += 1;
+        self.latency.record(word(datagram, SENT_AT), received_ns);
         if seq < self.next {
             self.late += 1;
             return;
@@ -240,16 +375,22 @@ impl Tally {
     }
 }
 
+/// The end mark's count, when `datagram` is an end mark.
+fn end_mark(datagram: &[u8]) -> Option<u64> {
+    (datagram.len() >= MIN_SIZE && word(datagram, 0) == END).then(|| word(datagram, PATTERN_AT))
+}
+
 fn subscribe(
     args: &GroupArgs,
     timeout: Duration,
     json: bool,
     raw: bool,
     count: Option<u64>,
+    receives: usize,
 ) -> rdma_comm_core::Result<bool> {
-    let (pd, mut cq, mut qp) = open(args)?;
-    let rx = pd.alloc_mr(RECEIVES * RECV_LEN, AccessFlags::LOCAL_WRITE)?;
-    for slot in 0..RECEIVES {
+    let (pd, mut cq, mut qp) = open(args, receives)?;
+    let rx = pd.alloc_mr(receives * RECV_LEN, AccessFlags::LOCAL_WRITE)?;
+    for slot in 0..receives {
         qp.post_recv(&mut RecvRequest::new(
             slot as u64,
             rx.slice(slot * RECV_LEN, RECV_LEN)?,
@@ -265,23 +406,25 @@ fn subscribe(
     let mut ended = false;
     while !ended && started.elapsed() < timeout {
         for wc in cq.poll(&mut wcs)? {
+            // Read per completion, not per poll: a batch of 32 may have
+            // arrived over a while.
+            let received_ns = realtime_ns();
             wc.ok()?;
             let slot = wc.wr_id() as usize;
             if raw {
                 // Any payload counts; its length is the completion's.
                 first.get_or_insert_with(Instant::now);
                 tally.received += u64::from(datagram_payload(wc).is_some());
-            } else if let Some(payload) = datagram_payload(wc).filter(|p| p.len() >= 16) {
+            } else if let Some(payload) = datagram_payload(wc) {
                 let bytes = &mut datagram[..payload.len()];
                 rx.read(slot * RECV_LEN + payload.start, bytes)?;
-                if u64::from_le_bytes(bytes[..8].try_into().unwrap_or_default()) == END {
+                if let Some(total) = end_mark(bytes) {
                     // It says how many were published: the last ones may be missing too.
-                    let total = u64::from_le_bytes(bytes[8..16].try_into().unwrap_or_default());
                     tally.end(total);
                     ended = true;
                 } else {
                     first.get_or_insert_with(Instant::now);
-                    tally.count(bytes, &mut expected);
+                    tally.count(bytes, &mut expected, received_ns);
                 }
             } else {
                 tally.altered += 1;
@@ -303,12 +446,18 @@ fn subscribe(
     };
     if json {
         println!(
-            "{{\"group\":\"{}\",\"received\":{},\"gaps\":{},\"missing\":{},\"late\":{},\"altered\":{},\"ended\":{ended},\"rate\":{rate:.0}}}",
-            args.group, tally.received, tally.gaps, tally.missing, tally.late, tally.altered
+            "{{\"group\":\"{}\",\"received\":{},\"gaps\":{},\"missing\":{},\"late\":{},\"altered\":{},\"ended\":{ended},\"rate\":{rate:.0},{}}}",
+            args.group,
+            tally.received,
+            tally.gaps,
+            tally.missing,
+            tally.late,
+            tally.altered,
+            tally.latency.json()
         );
     } else {
         println!(
-            "received {} datagrams from {}: {} gaps ({} missing), {} late, {} altered, {} ({rate:.0}/s)",
+            "received {} datagrams from {}: {} gaps ({} missing), {} late, {} altered, {} ({rate:.0}/s); {}",
             tally.received,
             args.group,
             tally.gaps,
@@ -320,7 +469,166 @@ fn subscribe(
             } else {
                 "no end mark before the timeout"
             },
+            tally.latency.text(),
         );
     }
     Ok(tally.received > 0 && tally.altered == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// Datagram `seq` of `size` bytes, sent at `sent_ns`.
+    fn datagram(seq: u64, sent_ns: u64, size: usize) -> Vec<u8> {
+        let mut bytes = vec![0; size];
+        fill(&mut bytes, seq, sent_ns);
+        bytes
+    }
+
+    #[test]
+    fn a_datagram_carries_its_number_its_send_time_and_a_pattern() {
+        let bytes = datagram(7, 1_234_567_890, 64);
+        assert_eq!(word(&bytes, 0), 7);
+        assert_eq!(word(&bytes, SENT_AT), 1_234_567_890);
+        let mut tally = Tally::default();
+        tally.count(&bytes, &mut Vec::new(), 1_234_567_890 + 52_000);
+        assert_eq!((tally.received, tally.altered), (1, 0));
+        assert_eq!(tally.latency.times.count(), 1);
+        assert_eq!(tally.latency.times.quantile_ns(1.0), 52_000);
+        assert_eq!(end_mark(&bytes), None);
+    }
+
+    #[test]
+    fn the_smallest_datagram_and_the_end_mark_fit_in_24_bytes() {
+        assert_eq!(MIN_SIZE, 24);
+        let mut mark = datagram(END, 5, MIN_SIZE);
+        mark[PATTERN_AT..MIN_SIZE].copy_from_slice(&1000u64.to_le_bytes());
+        assert_eq!(end_mark(&mark), Some(1000));
+        assert_eq!(end_mark(&mark[..MIN_SIZE - 1]), None);
+        let mut tally = Tally::default();
+        tally.count(&datagram(0, 5, MIN_SIZE), &mut Vec::new(), 6);
+        assert_eq!((tally.received, tally.altered), (1, 0));
+    }
+
+    #[test]
+    fn a_short_or_changed_datagram_counts_as_altered_and_is_not_timed() {
+        let mut tally = Tally::default();
+        let mut expected = Vec::new();
+        for len in [0, 1, 8, 16, MIN_SIZE - 1] {
+            tally.count(&datagram(0, 0, 64)[..len], &mut expected, 1);
+        }
+        let mut changed = datagram(0, 0, 64);
+        changed[40] ^= 1;
+        tally.count(&changed, &mut expected, 1);
+        assert_eq!((tally.received, tally.altered), (0, 6));
+        assert_eq!(tally.latency.times.count(), 0);
+        // The send time is the publisher's word: nothing covers it.
+        tally.count(&datagram(0, u64::MAX, 64), &mut expected, 1);
+        assert_eq!((tally.received, tally.altered), (1, 6));
+    }
+
+    #[test]
+    fn gaps_missing_and_late_datagrams_are_counted_and_every_one_received_is_timed() {
+        let mut tally = Tally::default();
+        let mut expected = Vec::new();
+        for seq in [0, 1, 3, 2, 7, 8] {
+            tally.count(
+                &datagram(seq, 100, 32),
+                &mut expected,
+                100 + 1_000 * (seq + 1),
+            );
+        }
+        tally.end(12);
+        assert_eq!(tally.received, 6);
+        assert_eq!(tally.gaps, 3, "before 3, before 7, after 8");
+        assert_eq!(tally.missing, 1 + 3 + 3);
+        assert_eq!(tally.late, 1);
+        assert_eq!(tally.latency.times.count(), 6);
+        assert_eq!(tally.latency.times.quantile_ns(0.0), 1_000);
+        assert_eq!(tally.latency.times.quantile_ns(1.0), 9_000);
+    }
+
+    #[test]
+    fn a_datagram_received_before_its_send_time_is_skewed_and_left_out() {
+        let mut latency = Latency::default();
+        latency.record(2_000, 1_000);
+        assert_eq!((latency.skewed, latency.times.count()), (1, 0));
+        assert_eq!(latency.percentiles_us(), None);
+        assert_eq!(latency.text(), "one-way us: none timed, 1 skewed");
+        latency.record(2_000, 2_000);
+        latency.record(0, u64::MAX);
+        assert_eq!((latency.skewed, latency.times.count()), (1, 2));
+        let [p50, _, _, max] = latency.percentiles_us().unwrap();
+        assert_eq!(p50, 0.0);
+        assert_eq!(max, u64::MAX as f64 / 1e3, "the maximum stays exact");
+    }
+
+    #[test]
+    fn the_percentiles_come_out_in_microseconds_in_the_line_and_the_json() {
+        let mut latency = Latency::default();
+        for us in 1..=1000u64 {
+            latency.record(10, 10 + us * 1_000);
+        }
+        latency.record(5, 4);
+        let [p50, p99, p999, max] = latency.percentiles_us().unwrap();
+        for (got, exact) in [(p50, 500.0), (p99, 990.0), (p999, 999.0), (max, 1000.0)] {
+            assert!((got - exact).abs() <= exact / 1000.0, "{got} for {exact}");
+        }
+        assert!(
+            latency.text().starts_with("one-way us: p50 500.")
+                && latency.text().ends_with(" max 1000.00, 1 skewed"),
+            "{}",
+            latency.text()
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&format!("{{{}}}", latency.json())).unwrap();
+        assert_eq!(json["max_us"].as_f64(), Some(1000.0));
+        assert_eq!(json["p999_us"].as_f64(), Some(p999));
+        assert_eq!(json["skewed"].as_u64(), Some(1));
+        let none: serde_json::Value =
+            serde_json::from_str(&format!("{{{}}}", Latency::default().json())).unwrap();
+        for key in ["p50_us", "p99_us", "p999_us", "max_us"] {
+            assert!(none[key].is_null(), "{key}: {none}");
+        }
+        assert_eq!(none["skewed"].as_u64(), Some(0));
+    }
+
+    #[test]
+    fn a_subscriber_keeps_256_receives_posted_unless_told_1_to_8192() {
+        let subscribe = |extra: &[&str]| {
+            Args::try_parse_from(
+                [&["feed", "subscribe", "--group", "239.1.1.1"][..], extra].concat(),
+            )
+        };
+        assert!(matches!(
+            subscribe(&[]).unwrap().role,
+            Role::Subscribe { receives: 256, .. }
+        ));
+        assert!(matches!(
+            subscribe(&["--receives", "8192"]).unwrap().role,
+            Role::Subscribe { receives: 8192, .. }
+        ));
+        for refused in ["0", "8193"] {
+            let err = subscribe(&["--receives", refused]).unwrap_err();
+            assert!(err.to_string().contains("must be 1 to 8192"), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_size_must_hold_the_number_the_time_and_the_end_marks_count() {
+        let publish = |size: &str| {
+            Args::try_parse_from(["feed", "publish", "--group", "239.1.1.1", "--size", size])
+        };
+        let refused = publish("23").unwrap_err();
+        assert!(
+            refused.to_string().contains("must be 24 to 4096"),
+            "{refused}"
+        );
+        assert!(matches!(
+            publish("24").unwrap().role,
+            Role::Publish { size: 24, .. }
+        ));
+    }
 }

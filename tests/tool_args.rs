@@ -406,9 +406,14 @@ fn feed_refuses_a_group_that_is_not_multicast_and_values_out_of_range() {
             "must be an IPv4 multicast address",
         ),
         (
-            &["publish", "--group", "239.1.1.1", "--size", "15"],
-            "--size 15",
-            "must be 16 to 4096",
+            &["publish", "--group", "239.1.1.1", "--size", "23"],
+            "--size 23",
+            "must be 24 to 4096",
+        ),
+        (
+            &["publish", "--group", "239.1.1.1", "--size", "4097"],
+            "--size 4097",
+            "must be 24 to 4096",
         ),
         (
             &["publish", "--group", "239.1.1.1", "--rate", "0"],
@@ -424,6 +429,16 @@ fn feed_refuses_a_group_that_is_not_multicast_and_values_out_of_range() {
             &["subscribe", "--group", "239.1.1.1", "--timeout", "0"],
             "--timeout 0",
             "must be 1 to 86400",
+        ),
+        (
+            &["subscribe", "--group", "239.1.1.1", "--receives", "0"],
+            "--receives 0",
+            "must be 1 to 8192",
+        ),
+        (
+            &["subscribe", "--group", "239.1.1.1", "--receives", "8193"],
+            "--receives 8193",
+            "must be 1 to 8192",
         ),
     ] {
         assert_refused("feed", args, flag, accepts);
