@@ -420,7 +420,7 @@ impl Ctx<'_> {
     pub fn signal_staged(&mut self, conn: ConnId) {
         self.touched = true;
         if let Some(conn) = self.conns.get_mut(conn.key()) {
-            conn.sq_mut().signal_last_staged();
+            conn.signal_last_staged();
         }
     }
 

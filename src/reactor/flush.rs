@@ -150,7 +150,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return;
         }
         if conn.sq().staged() != 0 {
-            conn.sq_mut().signal_last_staged();
+            conn.signal_last_staged();
         } else if tail {
             conn.stage_tail_signal();
         }
@@ -195,7 +195,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             counters.doorbells += 1;
             counters.requests += staged;
             if sparse {
-                conn.sq_mut().note_sparse_post(spell);
+                conn.note_sparse_post(spell);
             }
         }
         conn.post_staged()?;

@@ -186,13 +186,22 @@ impl<const N: usize> SendList<N> {
         true
     }
 
-    /// The flags and `wr_id` of staged request `index` (unit tests of the
-    /// reactor's signaling).
+    /// The flags, `wr_id` and bytes of staged request `index` (unit tests
+    /// of the reactor's staging).
     #[cfg(test)]
-    pub(crate) fn staged(&self, index: usize) -> Option<(SendFlags, u64)> {
+    pub(crate) fn staged_at(&self, index: usize) -> Option<(SendFlags, u64, u32)> {
         (index < self.len).then(|| {
             let wr = &self.wrs[index];
-            (SendFlags::from_bits_truncate(wr.send_flags), wr.wr_id)
+            let bytes = if wr.num_sge > 0 {
+                self.sges[index].length
+            } else {
+                0
+            };
+            (
+                SendFlags::from_bits_truncate(wr.send_flags),
+                wr.wr_id,
+                bytes,
+            )
         })
     }
 

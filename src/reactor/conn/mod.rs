@@ -19,12 +19,13 @@ use crate::verbs::{
     AccessFlags, LocalSlice, ProtectionDomain, QueuePair, Registration, RemoteSlice,
 };
 
+use super::idle::Spell;
 use super::table::wr_id::{self, direct_recv_tag, direct_send_tag};
 use super::{ConnId, ConnStats, DirectQp, ReactorConfig, SendError, SessionId};
 
 pub(crate) use credit::Arrival;
 use credit::Credits;
-pub(crate) use op::{ForwardOrigin, OpKind};
+pub(crate) use op::{ForwardOrigin, OpKind, SqOp};
 pub(crate) use ring::MAX_REPOST;
 use ring::RecvRing;
 use send_queue::SendQueue;
@@ -58,8 +59,8 @@ pub(crate) struct Conn {
     protocol_qpn: u64,
     /// Bytes of a slot, in both rings.
     slot_size: usize,
-    // Declared first: the QP is destroyed before the rings' registrations
-    // and the registrations requests hold. Only this connection posts on it
+    // Declared before the parts: the QP is destroyed before the rings'
+    // registrations and the registrations requests hold. Only this connection posts on it
     // (the reactor took it whole).
     qp: QueuePair,
     credits: Credits,
@@ -205,14 +206,24 @@ impl Conn {
         &self.sq
     }
 
-    /// The send side, to retire completed requests or signal the last.
+    /// Retires the oldest requests a signaled completion reports (see
+    /// [`SendQueue::retire_run`]).
     #[inline(always)]
-    pub(crate) fn sq_mut(&mut self) -> &mut SendQueue {
-        &mut self.sq
+    pub(crate) fn retire_run(&mut self, most: u32) -> (u32, SqOp, u32) {
+        self.sq.retire_run(most)
     }
 
-    /// Posting on a direct connection's QP: the QP with the tags its
-    /// requests' `wr_id`s carry.
+    /// Signals the last staged request.
+    pub(crate) fn signal_last_staged(&mut self) {
+        self.sq.signal_last_staged();
+    }
+
+    /// Notes a doorbell rung on sparse traffic in `spell`.
+    pub(crate) fn note_sparse_post(&mut self, spell: Spell) {
+        self.sq.note_sparse_post(spell);
+    }
+
+    /// A direct connection's QP, with the tags of its requests' `wr_id`s.
     #[inline]
     pub(crate) fn direct_qp(&mut self) -> Option<DirectQp<'_>> {
         (self.state == ConnState::Direct).then_some(DirectQp {
@@ -222,15 +233,13 @@ impl Conn {
         })
     }
 
-    /// Bytes registered for this connection alone: its own receive ring
-    /// (none with an SRQ) and its send slots.
+    /// Bytes registered for this connection alone (receive, send).
     pub(crate) fn registered_bytes(&self) -> (usize, usize) {
         (self.rq.registered_bytes(), self.sq.registered_bytes())
     }
 
-    /// Largest payload of one SEND: a slot less the room a user
-    /// immediate's trailer takes (the same with or without one, so a
-    /// received message can always be forwarded with an immediate).
+    /// Largest payload of one SEND: a slot less a user immediate's trailer
+    /// (with or without one, so any message can be forwarded with one).
     pub(crate) fn max_payload(&self) -> usize {
         self.slot_size - IMM_TRAILER_LEN
     }
@@ -267,7 +276,9 @@ impl Conn {
             return Err(SendError::too_large(capacity, self.max_payload()));
         }
         self.admit(true, true)?;
-        self.sq.stage_send(capacity, imm, fill, &mut self.credits)
+        // SAFETY: `admit` found room and a free slot, and `capacity` is at
+        // most a slot less a trailer (checked above).
+        unsafe { self.sq.stage_send(capacity, imm, fill, &mut self.credits) }
     }
 
     /// Stages a SEND of the `len`-byte payload that starts held receive
@@ -290,9 +301,11 @@ impl Conn {
             return Err(SendError::too_large(len, max));
         }
         self.admit(true, false)?;
-        Ok(self
-            .sq
-            .stage_forward(source, len, imm, origin, registration, &mut self.credits))
+        let credits = &mut self.credits;
+        // SAFETY: `admit` found room; the payload and trailer fit `source`
+        // (checked above); the caller holds `source`, a slot whose receive
+        // completed (`Ctx::forward` takes it from its `HeldRecv`).
+        Ok(unsafe { (self.sq).stage_forward(source, len, imm, origin, registration, credits) })
     }
 
     /// Stages a WRITE (or WRITE_WITH_IMM, which consumes a peer receive),
@@ -340,9 +353,8 @@ impl Conn {
         self.sq.post(&mut self.qp)
     }
 
-    /// Applies a receive count the peer sent (see
-    /// [`Credits::apply_peer_count`]). Returns true if this is the first
-    /// one: the connection is now established.
+    /// Applies a receive count the peer sent; true for the first, which
+    /// establishes the connection.
     #[inline]
     pub(crate) fn peer_credit(&mut self, count: u32) -> bool {
         if self.credits.apply_peer_count(count) && self.state == ConnState::Connecting {
@@ -352,12 +364,9 @@ impl Conn {
         false
     }
 
-    /// Counts a receive the peer consumed on this QP (see
-    /// [`Credits::count_receive`]): false for one beyond its grant, which
-    /// the caller answers by failing the connection with
-    /// [`overrun_error`](Self::overrun_error). With an SRQ, a peer takes
-    /// at most `srq_depth` receives beyond its grant before that (see
-    /// `ReactorConfig::srq_depth`).
+    /// Counts a receive the peer consumed: false for one beyond its grant
+    /// (see [`Credits::count_receive`]), answered with
+    /// [`overrun_error`](Self::overrun_error).
     #[inline]
     pub(crate) fn count_receive(&mut self) -> bool {
         self.credits.count_receive()
@@ -369,8 +378,7 @@ impl Conn {
         self.credits.overrun_error(self.qpn, self.rq.depth())
     }
 
-    /// Posts the whole own receive ring; called once at registration (with
-    /// an SRQ the reactor posted the receives, and the quota is granted).
+    /// Posts the receives; called once at registration.
     pub(crate) fn post_initial_receives(&mut self) -> crate::Result<()> {
         self.rq.post_initial(&mut self.qp, &mut self.credits)
     }
@@ -382,8 +390,7 @@ impl Conn {
         self.rq.queue(slot, closed, self.qpn);
     }
 
-    /// A receive completion names slot `slot` of the own ring: true if it
-    /// was posted (see [`RecvRing::consume`]).
+    /// A receive completed into `slot`: true if it was posted there.
     #[inline(always)]
     pub(crate) fn consume_recv(&mut self, slot: u32) -> bool {
         self.rq.consume(slot)
@@ -459,15 +466,13 @@ impl Conn {
         self.sq.signaling().has_unsignaled_tail() && self.state == ConnState::Established
     }
 
-    /// Makes the unsignaled tail complete: a signaled credit update (the one
-    /// request that needs no payload and only the reserved credit). Skipped
-    /// without a credit; the peer's next update brings one.
+    /// Makes the unsignaled tail complete with a signaled credit update
+    /// (the one request that needs no payload, only the reserved credit).
     pub(crate) fn stage_tail_signal(&mut self) {
         self.sq.stage_credit_update(&mut self.credits, true);
     }
 
-    /// Sends the first credit update; allowed before any credit is known
-    /// because our receive ring is posted and the peer retries on RNR.
+    /// Stages the first credit update.
     pub(crate) fn stage_initial_update(&mut self) {
         self.sq.stage_first_credit_update(&mut self.credits);
     }
@@ -498,23 +503,14 @@ impl Conn {
         self.rq.drop_own_pending();
     }
 
-    /// Retires the posted requests of a failed connection that a completion
-    /// of `seq` proves done (RC completes in order, and flushes complete
-    /// even unsignaled requests), calling `release` for each forward's
-    /// receive slot. Returns how many it retired.
+    /// Retires what a completion of `seq` on the failed connection proves
+    /// done (see [`SendQueue::retire_failed`]).
     pub(crate) fn retire_failed(
         &mut self,
         seq: u32,
-        mut release: impl FnMut(ConnId, u32, bool),
+        release: impl FnMut(ConnId, u32, bool),
     ) -> u32 {
-        let count = self.sq.retire_count(seq);
-        for _ in 0..count {
-            let (_, op) = self.sq.pop_oldest();
-            if let Some(origin) = op.origin(self.id) {
-                release(origin, op.slot, op.from_srq);
-            }
-        }
-        count
+        self.sq.retire_failed(seq, self.id, release)
     }
 
     /// True once failed or removed: nothing more is posted.

@@ -59,6 +59,8 @@ impl RecvRing {
         tag: u64,
         shared: Option<SharedRing>,
     ) -> crate::Result<Self> {
+        // `decode` takes the trailer off a slot.
+        debug_assert!(slot_size >= IMM_TRAILER_LEN);
         let is_shared = shared.is_some();
         let (region, ring, slots, registration) = match shared {
             Some(shared) => (None, shared.ring, shared.slots, shared.registration),
@@ -90,7 +92,7 @@ impl RecvRing {
 
     /// Replaces the `wr_id` tag (a direct connection's, whose receives its
     /// handler posts).
-    pub(crate) fn retag(&mut self, tag: u64) {
+    pub(super) fn retag(&mut self, tag: u64) {
         self.tag = tag;
     }
 
@@ -118,7 +120,7 @@ impl RecvRing {
     /// Posts the whole own ring on `qp`; called once at registration. With
     /// an SRQ the reactor posted the receives, and the quota is granted.
     /// Either way `credits` counts them.
-    pub(crate) fn post_initial(
+    pub(super) fn post_initial(
         &mut self,
         qp: &mut QueuePair,
         credits: &mut Credits,
@@ -140,7 +142,7 @@ impl RecvRing {
     /// `closed` (its own ring is dead). (An SRQ slot is the SRQ pool's to
     /// check, and goes back even from a closed connection.)
     #[inline]
-    pub(crate) fn queue(&mut self, slot: u32, closed: bool, qpn: u32) {
+    pub(super) fn queue(&mut self, slot: u32, closed: bool, qpn: u32) {
         if self.shared {
             if self.pending_len == self.pending.len() || slot >= self.slots {
                 return;
@@ -163,7 +165,7 @@ impl RecvRing {
     /// slot is posted (now consumed), false for a completion the ring
     /// cannot have produced.
     #[inline(always)]
-    pub(crate) fn consume(&mut self, slot: u32) -> bool {
+    pub(super) fn consume(&mut self, slot: u32) -> bool {
         self.ring_slots.consume(slot)
     }
 
@@ -194,7 +196,7 @@ impl RecvRing {
 
     /// Forgets the own ring's queued slots (a failed connection's ring is
     /// dead); SRQ slots stay queued, to go back.
-    pub(crate) fn drop_own_pending(&mut self) {
+    pub(super) fn drop_own_pending(&mut self) {
         if !self.shared {
             self.pending_len = 0;
         }
@@ -204,7 +206,7 @@ impl RecvRing {
     /// `ibv_post_recv`, and counts them in `credits`. (SRQ slots go back
     /// through [`take_shared`](Self::take_shared).)
     #[inline]
-    pub(crate) fn flush(&mut self, qp: &mut QueuePair, credits: &mut Credits) -> crate::Result<()> {
+    pub(super) fn flush(&mut self, qp: &mut QueuePair, credits: &mut Credits) -> crate::Result<()> {
         if self.shared {
             return Ok(());
         }
@@ -245,7 +247,7 @@ impl RecvRing {
     /// Hands every queued SRQ slot to `repost` (the reactor's SRQ) and
     /// counts them in `credits`.
     #[inline]
-    pub(crate) fn take_shared(&mut self, credits: &mut Credits, mut repost: impl FnMut(u32)) {
+    pub(super) fn take_shared(&mut self, credits: &mut Credits, mut repost: impl FnMut(u32)) {
         if !self.shared {
             return;
         }
@@ -367,7 +369,7 @@ impl RecvRing {
     /// Posts a receive into slot `slot` of the own ring on `qp` behind the
     /// ones posted, whatever its state, as a double post would (tests of
     /// the refusal of the completion that follows).
-    pub(crate) fn post_bypassing_the_guard(
+    pub(super) fn post_bypassing_the_guard(
         &mut self,
         qp: &mut QueuePair,
         slot: u32,

@@ -3,6 +3,7 @@
 //! selective signaling, the registrations requests hold until they are
 //! known complete, and the staged requests that go out with one doorbell.
 
+mod send_slots;
 mod signal;
 #[cfg(test)]
 mod tests;
@@ -15,10 +16,11 @@ use crate::verbs::{
 
 use super::credit::{Credits, send_imm};
 use super::op::{ForwardOrigin, Keep, OpKind, SqOp};
-use super::slots::{SendSlots, SlotSource};
+use super::slots::SlotSource;
 use super::{ConnId, IMM_TRAILER_LEN};
 use crate::reactor::idle::Spell;
 use crate::reactor::{ReactorConfig, SendError};
+use send_slots::SendSlots;
 use signal::Signaling;
 
 /// The mark in `SendQueue::unposted` of a refused doorbell (a count of
@@ -37,7 +39,7 @@ pub(crate) struct SendQueue {
     /// The top 32 bits of every request's `wr_id` (see `Conn::new`).
     tag: u64,
     /// Where SEND payloads are copied.
-    slots: SendSlots,
+    send_slots: SendSlots,
     /// `ops[seq % depth]` for every `seq` in `[done, next)`: posted or
     /// staged, not known complete.
     ops: Box<[SqOp]>,
@@ -87,7 +89,7 @@ impl SendQueue {
             .next_power_of_two();
         Ok(Self {
             tag,
-            slots: SendSlots::new(pd, slot_size, slots)?,
+            send_slots: SendSlots::new(pd, slot_size, slots)?,
             ops: vec![SqOp::default(); depth as usize].into_boxed_slice(),
             owned: std::iter::repeat_with(|| None)
                 .take(depth as usize)
@@ -106,7 +108,7 @@ impl SendQueue {
 
     /// Replaces the `wr_id` tag (a direct connection's, whose requests its
     /// handler posts).
-    pub(crate) fn retag(&mut self, tag: u64) {
+    pub(super) fn retag(&mut self, tag: u64) {
         self.tag = tag;
     }
 
@@ -123,7 +125,7 @@ impl SendQueue {
 
     /// Bytes registered for the send slots.
     pub(crate) fn registered_bytes(&self) -> usize {
-        self.slots.registered_bytes()
+        self.send_slots.registered_bytes()
     }
 
     /// Send-queue entries in use (posted or staged, not known complete).
@@ -134,7 +136,7 @@ impl SendQueue {
 
     /// Send slots in use.
     pub(crate) fn slots_used(&self) -> u32 {
-        self.slots.used()
+        self.send_slots.used()
     }
 
     /// Room for a request of a handler: a send-queue entry beyond the one
@@ -147,7 +149,7 @@ impl SendQueue {
     /// A free send slot.
     #[inline]
     pub(crate) fn has_free_slot(&self) -> bool {
-        self.slots.left() > 0
+        self.send_slots.left() > 0
     }
 
     /// Requests staged for the next doorbell.
@@ -160,7 +162,7 @@ impl SendQueue {
     /// an op of `Keep::Own` holds, `owned`), decides its signaling (always
     /// if `force_signal`), and stages it. The caller checked the room.
     #[inline(always)]
-    pub(crate) fn stage(
+    pub(super) fn stage(
         &mut self,
         request: SendDescriptor,
         op: SqOp,
@@ -185,7 +187,7 @@ impl SendQueue {
         let sq_left = self.depth - self.used();
         if self
             .signaling
-            .decide(force_signal, sq_left, self.slots.left())
+            .decide(force_signal, sq_left, self.send_slots.left())
         {
             flags |= SendFlags::SIGNALED;
         }
@@ -198,20 +200,26 @@ impl SendQueue {
     }
 
     /// Stages a SEND whose payload `fill` writes into the next free send
-    /// slot, `capacity` bytes at most (a slot less a trailer: the caller
-    /// checked), returning how many it wrote (`None`: stage nothing). A
-    /// user immediate goes in the slot right after the payload; the
-    /// request spends a credit of `credits`, whose receive count it
-    /// carries. The caller checked the room and the free slot.
+    /// slot, `capacity` bytes at most, returning how many it wrote (`None`:
+    /// stage nothing). A user immediate goes in the slot right after the
+    /// payload; the request spends a credit of `credits`, whose receive
+    /// count it carries.
+    ///
+    /// # Safety
+    ///
+    /// There is room ([`has_room`](Self::has_room)) and a free slot
+    /// ([`has_free_slot`](Self::has_free_slot)), and `capacity` and a
+    /// trailer fit a slot.
     #[inline]
-    pub(crate) fn stage_send(
+    pub(super) unsafe fn stage_send(
         &mut self,
         capacity: usize,
         imm: Option<u32>,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
         credits: &mut Credits,
     ) -> Result<u32, SendError> {
-        let Some(sge) = self.slots.fill(capacity, imm, fill) else {
+        // SAFETY: the caller's contract is `fill`'s.
+        let Some(sge) = (unsafe { self.send_slots.fill(capacity, imm, fill) }) else {
             return Err(SendError::Cancelled);
         };
         let count = credits.spend_on_send(message_kind(imm));
@@ -221,10 +229,17 @@ impl SendQueue {
 
     /// Stages a SEND of the `len`-byte payload that starts held receive
     /// slot `source` of `origin`, which is reposted when it completes. A
-    /// user immediate goes in the slot right after the payload (the caller
-    /// checked it fits). The request spends a credit of `credits`.
+    /// user immediate goes in the slot right after the payload. The request
+    /// spends a credit of `credits`.
+    ///
+    /// # Safety
+    ///
+    /// There is room ([`has_room`](Self::has_room)); the caller holds
+    /// `source` (its receive completed, and it is neither reposted nor sent
+    /// on until this forward completes); and the payload, and the trailer
+    /// if there is an immediate, fit it.
     #[inline]
-    pub(crate) fn stage_forward(
+    pub(super) unsafe fn stage_forward(
         &mut self,
         source: SlotSource,
         len: usize,
@@ -239,10 +254,8 @@ impl SendQueue {
         debug_assert!(len + imm.map_or(0, |_| IMM_TRAILER_LEN) <= source.size);
         let wire_len = match imm {
             Some(imm) => {
-                // SAFETY: the caller holds `source` (its receive completed
-                // and it is neither reposted nor sent on until this forward
-                // completes), and the trailer fits it (asserted above, and
-                // checked by the caller).
+                // SAFETY: the caller holds `source`, and the trailer fits
+                // it (this function's contract).
                 unsafe { source.write_trailer(len, imm) };
                 len + IMM_TRAILER_LEN
             }
@@ -263,7 +276,7 @@ impl SendQueue {
     /// receive: the caller spent its credit), signaled if `force_signal`
     /// or when selective signaling says so. The caller checked the room.
     #[inline]
-    pub(crate) fn stage_write(
+    pub(super) fn stage_write(
         &mut self,
         local: &LocalSlice<'_>,
         remote: RemoteSlice,
@@ -282,7 +295,7 @@ impl SendQueue {
     /// completion is the only sign its data has landed, and callers wait
     /// for it. The caller checked the room.
     #[inline(always)]
-    pub(crate) fn stage_read(&mut self, local: &LocalSlice<'_>, remote: RemoteSlice) -> u32 {
+    pub(super) fn stage_read(&mut self, local: &LocalSlice<'_>, remote: RemoteSlice) -> u32 {
         let request = SendDescriptor::read(Sge::from(local), remote);
         let (keep, owned) = self.keep(local.registration().id(), || {
             Some(local.registration().clone())
@@ -295,7 +308,7 @@ impl SendQueue {
     /// if there is room for it: the credit kept for it, and the send-queue
     /// entry kept for it. Skipped without room (the peer's next update
     /// brings a credit, and our next SEND announces the count anyway).
-    pub(crate) fn stage_credit_update(&mut self, credits: &mut Credits, force_signal: bool) {
+    pub(super) fn stage_credit_update(&mut self, credits: &mut Credits, force_signal: bool) {
         if credits.available() >= 1 && self.used() < self.depth && !self.batch.is_full() {
             self.push_credit_update(credits, force_signal);
         }
@@ -303,7 +316,7 @@ impl SendQueue {
 
     /// Stages the connection's first credit update, before any credit is
     /// known: our receive ring is posted, and the peer retries on RNR.
-    pub(crate) fn stage_first_credit_update(&mut self, credits: &mut Credits) {
+    pub(super) fn stage_first_credit_update(&mut self, credits: &mut Credits) {
         self.push_credit_update(credits, false);
     }
 
@@ -320,7 +333,7 @@ impl SendQueue {
 
     /// Signals the last staged request, so it and everything before it
     /// report completion without waiting for the signaling interval.
-    pub(crate) fn signal_last_staged(&mut self) {
+    pub(super) fn signal_last_staged(&mut self) {
         if self.batch.flag_last(SendFlags::SIGNALED) {
             self.signaling.signaled();
         }
@@ -345,7 +358,7 @@ impl SendQueue {
     /// registration it kept: the request is complete, so the device no
     /// longer uses the memory).
     #[inline(always)]
-    pub(crate) fn pop_oldest(&mut self) -> (u32, SqOp) {
+    pub(super) fn pop_oldest(&mut self) -> (u32, SqOp) {
         // Entries outside [done, next) are stale: never retire one.
         debug_assert!(self.used() > 0);
         let seq = self.done;
@@ -353,7 +366,7 @@ impl SendQueue {
         let op = self.ops[at];
         self.done = seq.wrapping_add(1);
         match (op.kind, op.keep) {
-            (OpKind::Send, _) => self.slots.release_oldest(),
+            (OpKind::Send, _) => self.send_slots.release_oldest(),
             (_, Keep::Cached) => self.kept_in_flight -= 1,
             (_, Keep::Own) => drop(self.owned[at].take()),
             (_, Keep::Nothing) => {}
@@ -367,7 +380,7 @@ impl SendQueue {
     /// that many in flight): the run one handler call reports. Returns the
     /// first's sequence number, the first, and how many retired.
     #[inline(always)]
-    pub(crate) fn retire_run(&mut self, most: u32) -> (u32, SqOp, u32) {
+    pub(super) fn retire_run(&mut self, most: u32) -> (u32, SqOp, u32) {
         let (seq, op) = self.pop_oldest();
         let mut run = 1;
         if matches!(op.kind, OpKind::Send | OpKind::Write | OpKind::Read) {
@@ -416,7 +429,7 @@ impl SendQueue {
     /// [`unwind`](Self::unwind) gives back (none if the provider did not
     /// say: all are then held as posted).
     #[inline]
-    pub(crate) fn post(&mut self, qp: &mut QueuePair) -> crate::Result<()> {
+    pub(super) fn post(&mut self, qp: &mut QueuePair) -> crate::Result<()> {
         // Never behind a refused request: the connection fails first
         // (`Reactor::fail_refused`), and `unwind` gives back the newest.
         debug_assert!(self.unposted == 0 || self.batch.is_empty());
@@ -455,7 +468,7 @@ impl SendQueue {
 
     /// Notes a doorbell rung on sparse traffic in `spell`.
     #[inline]
-    pub(crate) fn note_sparse_post(&mut self, spell: Spell) {
+    pub(super) fn note_sparse_post(&mut self, spell: Spell) {
         self.signaling.note_sparse_post(spell);
     }
 
@@ -463,7 +476,7 @@ impl SendQueue {
     /// those a refused doorbell left), newest first: what each holds goes
     /// now, and `release` gets back the receive slot of every forward
     /// among them (`on` is the connection they were staged on).
-    pub(crate) fn unwind(&mut self, on: ConnId, mut release: impl FnMut(ConnId, u32, bool)) {
+    pub(super) fn unwind(&mut self, on: ConnId, mut release: impl FnMut(ConnId, u32, bool)) {
         let unposted = self.batch.len() as u32 + (std::mem::take(&mut self.unposted) & !REFUSED);
         let posted_end = self.next.wrapping_sub(unposted);
         while self.next != posted_end {
@@ -472,7 +485,7 @@ impl SendQueue {
             let op = self.ops[at];
             self.next = seq;
             match (op.kind, op.keep) {
-                (OpKind::Send, _) => self.slots.release_newest(),
+                (OpKind::Send, _) => self.send_slots.release_newest(),
                 (_, Keep::Cached) => self.kept_in_flight -= 1,
                 (_, Keep::Own) => drop(self.owned[at].take()),
                 (_, Keep::Nothing) => {}
@@ -484,11 +497,31 @@ impl SendQueue {
         self.batch.clear();
     }
 
+    /// Retires the posted requests of a failed connection (`on`) that a
+    /// completion of `seq` proves done (RC completes in order, and flushes
+    /// complete even unsignaled requests), giving `release` the receive
+    /// slot of every forward among them. Returns how many it retired.
+    pub(super) fn retire_failed(
+        &mut self,
+        seq: u32,
+        on: ConnId,
+        mut release: impl FnMut(ConnId, u32, bool),
+    ) -> u32 {
+        let count = self.retire_count(seq);
+        for _ in 0..count {
+            let (_, op) = self.pop_oldest();
+            if let Some(origin) = op.origin(on) {
+                release(origin, op.slot, op.from_srq);
+            }
+        }
+        count
+    }
+
     /// Forgets the posted requests whose completions will never come (the
     /// QP is about to be destroyed), giving `release` the receive slot of
     /// every forward among them. Their registrations stay held until this
     /// queue drops, after the QP.
-    pub(crate) fn abandon_posted(
+    pub(super) fn abandon_posted(
         &mut self,
         on: ConnId,
         mut release: impl FnMut(ConnId, u32, bool),
@@ -506,7 +539,7 @@ impl SendQueue {
     /// behind those in flight, whose flushed completion names the newest of
     /// them and so retires them all. Nothing is staged (a failed
     /// connection unwound it).
-    pub(crate) fn post_drain(&mut self, qp: &mut QueuePair) {
+    pub(super) fn post_drain(&mut self, qp: &mut QueuePair) {
         if self.used() == 0 {
             return;
         }

@@ -3,14 +3,16 @@
 //! is posted: staging and retiring touch only the queue's own arrays.
 
 use super::*;
+use crate::reactor::conn::ring::RecvRing;
 use crate::verbs::{AccessFlags, CompletionQueue, Context, MemoryRegion, QpConfig};
 
 const TAG: u64 = 0x1234_5678 << 32;
 
 struct Fixture {
-    // Declared first: dropped before what it was made on.
-    sq: SendQueue,
+    // The QP first, as in a connection: destroyed before the queue's
+    // registrations.
     qp: QueuePair,
+    sq: SendQueue,
     _cq: CompletionQueue,
     pd: ProtectionDomain,
     _ctx: Context,
@@ -32,8 +34,8 @@ fn fixture() -> Fixture {
     };
     let sq = SendQueue::new(&pd, &qp, &config, 64, TAG).expect("a send queue");
     Fixture {
-        sq,
         qp,
+        sq,
         _cq: cq,
         pd,
         _ctx: ctx,
@@ -50,11 +52,24 @@ fn granted(count: u32) -> Credits {
     credits
 }
 
+/// `stage_send` with its contract checked first.
+fn send(
+    sq: &mut SendQueue,
+    capacity: usize,
+    imm: Option<u32>,
+    fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    credits: &mut Credits,
+) -> Result<u32, SendError> {
+    assert!(sq.has_room() && sq.has_free_slot() && capacity + IMM_TRAILER_LEN <= 64);
+    // SAFETY: checked just above.
+    unsafe { sq.stage_send(capacity, imm, fill, credits) }
+}
+
 fn signaled(sq: &SendQueue) -> Vec<bool> {
     (0..sq.staged())
         .map(|at| {
             sq.batch
-                .staged(at)
+                .staged_at(at)
                 .expect("staged")
                 .0
                 .contains(SendFlags::SIGNALED)
@@ -79,7 +94,7 @@ fn every_nth_request_is_signaled_and_more_when_room_runs_low() {
         "every 4th, then each once 4 entries are left"
     );
     assert_eq!(
-        f.sq.batch.staged(5).expect("staged").1,
+        f.sq.batch.staged_at(5).expect("staged").1,
         TAG | 5,
         "the wr_id is tag | seq"
     );
@@ -126,8 +141,7 @@ fn a_run_of_one_kind_is_reported_at_once_and_frees_its_slots() {
             buf[0] = byte;
             Some(1)
         };
-        f.sq.stage_send(8, Some(7), fill, &mut credits)
-            .expect("a slot");
+        send(&mut f.sq, 8, Some(7), fill, &mut credits).expect("a slot");
     }
     assert_eq!(credits.available(), 7, "each SEND spent a credit");
     f.sq.stage_credit_update(&mut credits, false);
@@ -147,7 +161,7 @@ fn a_run_of_one_kind_is_reported_at_once_and_frees_its_slots() {
 fn a_cancelled_send_takes_no_slot_and_no_credit() {
     let mut f = fixture();
     let mut credits = granted(10);
-    let refused = f.sq.stage_send(8, None, |_| None, &mut credits);
+    let refused = send(&mut f.sq, 8, None, |_| None, &mut credits);
     assert!(matches!(refused, Err(SendError::Cancelled)));
     assert_eq!(
         (f.sq.slots_used(), f.sq.used(), credits.available()),
@@ -163,14 +177,34 @@ fn the_payload_and_the_immediate_trailer_go_on_the_wire() {
         buf[..3].copy_from_slice(b"abc");
         Some(3)
     };
-    f.sq.stage_send(8, Some(0xAABB_CCDD), fill, &mut credits)
-        .expect("a slot");
-    let sge = f.sq.batch.staged(0).map(|_| ());
-    assert!(sge.is_some());
-    assert_eq!(f.sq.slots.used(), 1);
+    send(&mut f.sq, 8, Some(0xAABB_CCDD), fill, &mut credits).expect("a slot");
+    let (_, _, wire_len) = f.sq.batch.staged_at(0).expect("staged");
+    assert_eq!(wire_len, 7, "3 bytes of payload and the 4 of the immediate");
+    assert_eq!(f.sq.send_slots.used(), 1);
     // The slot's bytes: the payload, then the immediate (little-endian).
-    let wire = f.sq.slots.written(0, 7);
+    let wire = f.sq.send_slots.written(0, 7);
     assert_eq!(wire, b"abc\xDD\xCC\xBB\xAA");
+}
+
+#[test]
+fn a_credit_update_that_spends_the_last_credit_is_signaled() {
+    let mut f = fixture();
+    let mut credits = granted(2);
+    for _ in 0..3 {
+        f.sq.stage_credit_update(&mut credits, false);
+    }
+    assert_eq!(
+        signaled(&f.sq),
+        [false, true],
+        "the second spent the last; no third"
+    );
+    assert_eq!(credits.available(), 0);
+    f.sq.stage_first_credit_update(&mut credits);
+    assert_eq!(
+        f.sq.staged(),
+        3,
+        "the first update goes even without a credit"
+    );
 }
 
 #[test]
@@ -178,26 +212,46 @@ fn unwinding_gives_back_everything_the_device_never_saw() {
     let mut f = fixture();
     let mut credits = granted(10);
     for _ in 0..2 {
-        f.sq.stage_send(8, None, |_| Some(0), &mut credits)
-            .expect("a slot");
+        send(&mut f.sq, 8, None, |_| Some(0), &mut credits).expect("a slot");
     }
-    let region =
-        f.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
-            .expect("an MR");
+    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+    let region = f.pd.alloc_mr(64, access).expect("an MR");
     let remote = region
         .remote()
         .expect("remote")
         .slice(0, 8)
         .expect("in bounds");
-    let local = region.slice(0, 8).expect("in bounds");
-    f.sq.stage_write(&local, remote, None, false);
-    let mut released = 0;
-    f.sq.unwind(crate::reactor::config::slab_key_for_tests(1), |_, _, _| {
-        released += 1
+    f.sq.stage_write(&region.slice(0, 8).expect("in bounds"), remote, None, false);
+    let origin_ring = RecvRing::new(&f.pd, 64, 4, 1, 0, None).expect("a ring");
+    let origin = ForwardOrigin {
+        conn: crate::reactor::config::slab_key_for_tests(2),
+        slot: 3,
+        from_srq: false,
+    };
+    let source = origin_ring.source(3).expect("in the ring");
+    let registration = Some(origin_ring.registration().clone());
+    assert!(f.sq.has_room() && 8 + IMM_TRAILER_LEN <= source.size());
+    // SAFETY: checked just above; the ring's slot 3 is nobody's (nothing is
+    // posted).
+    unsafe {
+        f.sq.stage_forward(source, 8, Some(1), origin, registration, &mut credits)
+    };
+    let mut released = Vec::new();
+    let on = crate::reactor::config::slab_key_for_tests(1);
+    f.sq.unwind(on, |conn, slot, from_srq| {
+        released.push((conn, slot, from_srq))
     });
     assert_eq!((f.sq.used(), f.sq.slots_used(), f.sq.staged()), (0, 0, 0));
     assert_eq!(f.sq.kept_in_flight, 0);
-    assert_eq!(released, 0, "no forward among them");
+    assert!(
+        f.sq.owned.iter().all(Option::is_none),
+        "what they held is dropped"
+    );
+    assert_eq!(
+        released,
+        [(origin.conn, 3, false)],
+        "the forward's slot goes back"
+    );
     assert!(f.sq.can_ring_alone());
 }
 
@@ -245,7 +299,11 @@ fn one_registration_is_kept_by_count_and_others_by_handle() {
 fn sizes_are_powers_of_two_within_the_qp() {
     let f = fixture();
     assert_eq!(
-        (f.sq.depth, f.sq.signaling.interval(), f.sq.slots.left()),
+        (
+            f.sq.depth,
+            f.sq.signaling.interval(),
+            f.sq.send_slots.left()
+        ),
         (16, 4, 8)
     );
     let odd = ReactorConfig {
@@ -257,5 +315,9 @@ fn sizes_are_powers_of_two_within_the_qp() {
     let sq = SendQueue::new(&f.pd, &f.qp, &odd, 64, TAG).expect("a send queue");
     assert_eq!(sq.depth, 16, "rounded down: seq wraps continuously");
     assert_eq!(sq.signaling.interval(), 8, "at most half the queue");
-    assert_eq!(sq.slots.left(), 16, "at least two intervals, rounded up");
+    assert_eq!(
+        sq.send_slots.left(),
+        16,
+        "at least two intervals, rounded up"
+    );
 }
