@@ -5,6 +5,7 @@
 
 mod send_slots;
 mod signal;
+mod sizes;
 #[cfg(test)]
 mod tests;
 
@@ -22,6 +23,8 @@ use crate::reactor::idle::Spell;
 use crate::reactor::{ReactorConfig, SendError};
 use send_slots::SendSlots;
 use signal::Signaling;
+use sizes::Sizes;
+pub(crate) use sizes::{MIN_SQ_DEPTH, sq_room};
 
 /// The mark in `SendQueue::unposted` of a refused doorbell (a count of
 /// requests never reaches it: a send queue is far smaller).
@@ -29,9 +32,6 @@ const REFUSED: u32 = 1 << 31;
 
 /// Most requests staged for one QP in one pass (one doorbell).
 const MAX_STAGED: usize = 64;
-
-/// The fewest send-queue entries a connection works with.
-pub(crate) const MIN_SQ_DEPTH: u32 = 4;
 
 /// A connection's send side: sized at registration, it only moves indices
 /// around preallocated arrays afterwards.
@@ -78,15 +78,11 @@ impl SendQueue {
         slot_size: usize,
         tag: u64,
     ) -> crate::Result<Self> {
-        // A power of two, so the ring index stays continuous when seq wraps.
-        let depth = prev_power_of_two(sq_room(config, qp).max(MIN_SQ_DEPTH));
-        let signal_interval = config.signal_interval.clamp(1, depth / 2);
-        // Powers of two, so ring positions are masks, not divisions (a DIV
-        // on every message shows up in latency, under emulation most of all).
-        let slots = config
-            .send_slots
-            .max(2 * signal_interval)
-            .next_power_of_two();
+        let Sizes {
+            depth,
+            signal_interval,
+            slots,
+        } = Sizes::of(config, qp);
         Ok(Self {
             tag,
             send_slots: SendSlots::new(pd, slot_size, slots)?,
@@ -565,18 +561,4 @@ fn message_kind(imm: Option<u32>) -> u32 {
         Some(_) => send_imm::MESSAGE_WITH_IMM,
         None => send_imm::MESSAGE,
     }
-}
-
-/// The send-queue entries of `qp` the reactor may use before rounding: its
-/// configured depth, at most the QP's, less the entries the QP's window
-/// binds hold (until a signaled completion retires them, which the reactor
-/// does not track: it leaves them their entries for good).
-pub(crate) fn sq_room(config: &ReactorConfig, qp: &QueuePair) -> u32 {
-    config
-        .sq_depth
-        .min(qp.max_send_wr().saturating_sub(qp.bound_windows()))
-}
-
-fn prev_power_of_two(n: u32) -> u32 {
-    1 << (31 - n.leading_zeros())
 }
