@@ -77,7 +77,7 @@ impl CmId {
                 "rdma_connect(UD): the id is already connecting or connected",
             ));
         }
-        let mut param = ud_conn_param(qp, private_data);
+        let mut param = ud_conn_param(qp.qpn(), private_data);
         // SAFETY: the id is live and bound (it has a QP); the parameters and
         // the private data they point at are read during the call.
         self.call("rdma_connect(UD)", None, |id| unsafe {
@@ -104,7 +104,7 @@ impl CmId {
                 "rdma_accept(UD): the request was already answered",
             ));
         }
-        let mut param = ud_conn_param(qp, private_data);
+        let mut param = ud_conn_param(qp.qpn(), private_data);
         // SAFETY: the id is live; the parameters and private data are read
         // during the call.
         self.call("rdma_accept(UD)", None, |id| unsafe {
@@ -125,7 +125,7 @@ impl CmId {
 
 /// The parameters a datagram connect or accept sends: the QP number and
 /// the private data (no READ depths or retries: there is no connection).
-fn ud_conn_param(qp: &UdQueuePair, private_data: &[u8]) -> sys::rdma_conn_param {
+fn ud_conn_param(qpn: u32, private_data: &[u8]) -> sys::rdma_conn_param {
     sys::rdma_conn_param {
         private_data: if private_data.is_empty() {
             ptr::null()
@@ -134,7 +134,34 @@ fn ud_conn_param(qp: &UdQueuePair, private_data: &[u8]) -> sys::rdma_conn_param 
         },
         // Both callers checked the length against a limit below 256.
         private_data_len: private_data.len() as u8,
-        qp_num: qp.qpn(),
+        qp_num: qpn,
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_datagram_connect_names_the_qp_and_carries_only_the_private_data() {
+        let data = [7u8; MAX_UD_CONNECT_PRIVATE_DATA];
+        let param = ud_conn_param(0x12_3456, &data);
+        assert_eq!(param.qp_num, 0x12_3456);
+        assert_eq!(param.private_data, data.as_ptr().cast());
+        assert_eq!(usize::from(param.private_data_len), data.len());
+        assert_eq!(
+            (
+                param.responder_resources,
+                param.initiator_depth,
+                param.retry_count,
+                param.rnr_retry_count,
+                param.srq
+            ),
+            (0, 0, 0, 0, 0)
+        );
+        let empty = ud_conn_param(1, &[]);
+        assert!(empty.private_data.is_null());
+        assert_eq!(empty.private_data_len, 0);
     }
 }
