@@ -290,6 +290,53 @@ fn rpings_server_runs_only_when_told_it_serves_anyone() {
     assert_refused_output(&run("rping", &args), "rping", &args, "-s", "--insecure");
 }
 
+#[test]
+fn udaddy_refuses_bad_values_and_a_server_not_told_it_answers_anyone() {
+    // udaddy takes no device: it opens the one its address routes to,
+    // only after these checks.
+    for (args, flag, accepts) in [
+        (&["-b", "127.0.0.1"][..], "--insecure", "add --insecure"),
+        (
+            &["-s", "127.0.0.1", "--insecure"],
+            "--insecure",
+            "only the server takes it",
+        ),
+        (
+            &["-s", "no-such-host.invalid"],
+            "-s no-such-host.invalid",
+            "must be a host name or address",
+        ),
+        (
+            &["--insecure", "-b", "no-such-host.invalid"],
+            "-b no-such-host.invalid",
+            "must be a host name or address",
+        ),
+        (
+            &["-s", "127.0.0.1", "-C", "0"],
+            "-C 0",
+            "must be 1 to 100000",
+        ),
+        (&["-s", "127.0.0.1", "-S", "0"], "-S 0", "must be 1 to 4096"),
+        (
+            &["-s", "127.0.0.1", "-S", "4097"],
+            "-S 4097",
+            "must be 1 to 4096",
+        ),
+        (
+            &["--insecure", "--port", "0"],
+            "--port 0",
+            "must be 1 to 65535",
+        ),
+        (
+            &["-s", "127.0.0.1", "--timeout", "0"],
+            "--timeout 0",
+            "must be 1 to 3600",
+        ),
+    ] {
+        assert_refused_output(&run("udaddy", args), "udaddy", args, flag, accepts);
+    }
+}
+
 /// An argument the chosen mode would ignore is refused, naming both.
 #[test]
 fn echo_refuses_arguments_its_mode_would_ignore() {
@@ -383,6 +430,7 @@ fn every_tools_help_says_what_the_tool_does() {
             "Latency and bandwidth over the verbs layer alone",
         ),
         ("feed", "Multicast feed"),
+        ("udaddy", "UD datagrams through the connection manager"),
     ] {
         let out = run(tool, &["--help"]);
         let stdout = String::from_utf8_lossy(&out.stdout);

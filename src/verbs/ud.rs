@@ -10,6 +10,7 @@
 //! source ([`WorkCompletion::src_qp`], and the GRH) is all a receiver knows
 //! of who sent it, and it is whatever the sender wrote.
 
+use std::any::Any;
 use std::fmt;
 use std::marker::PhantomData;
 use std::net::{Ipv4Addr, UdpSocket};
@@ -146,6 +147,10 @@ pub struct UdQueuePair {
     /// The multicast groups joined, each with the socket that holds this
     /// host's IP membership of it; left before the QP is destroyed.
     groups: Vec<(Gid, UdpSocket)>,
+    /// The rdma_cm id the QP was created on ([`cm::CmId::create_ud_qp`](super::cm::CmId::create_ud_qp)),
+    /// kept so that the id is destroyed only after the QP.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    anchor: Option<Arc<dyn Any + Send + Sync>>,
     // Held so that the CQs and the PD outlive the QP: dropped after it is
     // destroyed in Drop.
     _send_cq: Arc<CqInner>,
@@ -268,6 +273,7 @@ impl ProtectionDomain {
             next_entry: 0,
             link_layer: port_attr.link_layer,
             groups: Vec::new(),
+            anchor: None,
             _send_cq: send_cq.inner,
             _recv_cq: recv_cq.inner,
             pd: Arc::clone(&self.inner),
@@ -291,6 +297,25 @@ impl UdQueuePair {
     /// The largest payload [`UdSend::inline`] may carry on this QP.
     pub fn max_inline_data(&self) -> u32 {
         self.max_inline_data
+    }
+
+    /// The port the QP sends and receives on.
+    pub fn port(&self) -> u8 {
+        self.port
+    }
+
+    /// Keeps `anchor` alive until after the QP is destroyed.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    pub(super) fn anchor_to(&mut self, anchor: Arc<dyn Any + Send + Sync>) {
+        self.anchor = Some(anchor);
+    }
+
+    /// True if the QP was anchored to exactly this object.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    pub(super) fn is_anchored_to<T: Any + Send + Sync>(&self, anchor: &Arc<T>) -> bool {
+        self.anchor
+            .as_ref()
+            .is_some_and(|own| std::ptr::addr_eq(Arc::as_ptr(own), Arc::as_ptr(anchor)))
     }
 
     fn modify(&self, attr: &mut sys::ibv_qp_attr, mask: u32, verb: &'static str) -> Result<()> {
@@ -353,6 +378,43 @@ impl UdQueuePair {
         // `attr` is fully initialised.
         let raw = unsafe { sys::ibv_create_ah(self.pd.pd.as_ptr(), &mut attr) };
         let ah = check_ptr(raw, "ibv_create_ah", &self.pd.ctx.name)?;
+        Ok(UdDestination {
+            handle: Arc::new(AddressHandle {
+                ah,
+                pd: Arc::clone(&self.pd),
+            }),
+            qpn,
+            qkey,
+        })
+    }
+
+    /// Where to send datagrams for QP `qpn` (with Q_Key `qkey`) at the
+    /// address `attr` describes, as the connection manager reports a
+    /// datagram peer (`rdma_ud_param`). The attributes come from the
+    /// peer's answer: refused unless they are for this QP's port and `qpn`
+    /// is a QP number (24 bits).
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    pub(super) fn destination_from_ah_attr(
+        &self,
+        attr: &sys::ibv_ah_attr,
+        qpn: u32,
+        qkey: u32,
+    ) -> Result<UdDestination> {
+        if attr.port_num != self.port {
+            return Err(Error::InvalidArgument(
+                "the peer's address handle attributes are for another port than the QP's",
+            ));
+        }
+        if qpn > MULTICAST_QPN {
+            return Err(Error::InvalidArgument(
+                "the peer's QP number is wider than 24 bits",
+            ));
+        }
+        let mut attr = *attr;
+        // SAFETY: the PD is live (held by the destination from here on) and
+        // `attr` is an initialised copy the verb only reads.
+        let raw = unsafe { sys::ibv_create_ah(self.pd.pd.as_ptr(), &mut attr) };
+        let ah = check_ptr(raw, "ibv_create_ah(rdma_cm)", &self.pd.ctx.name)?;
         Ok(UdDestination {
             handle: Arc::new(AddressHandle {
                 ah,
@@ -582,6 +644,11 @@ impl UdDestination {
     /// The remote QP number (0xffffff for a multicast group).
     pub fn qpn(&self) -> u32 {
         self.qpn
+    }
+
+    /// The Q_Key the datagrams carry.
+    pub fn qkey(&self) -> u32 {
+        self.qkey
     }
 }
 

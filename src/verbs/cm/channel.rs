@@ -164,7 +164,19 @@ impl EventChannel {
     /// Creates an id for reliable connections (`RDMA_PS_TCP`) whose events
     /// arrive on this channel.
     pub fn create_id(&self) -> Result<CmId> {
-        CmId::create(&self.inner)
+        CmId::create(&self.inner, false)
+    }
+
+    /// Creates an id for unreliable datagrams (`RDMA_PS_UDP`, rdma-core's
+    /// `udaddy`) whose events arrive on this channel: its QP is a
+    /// [`UdQueuePair`](super::super::UdQueuePair) ([`CmId::create_ud_qp`]),
+    /// the active side's [`connect_ud`](CmId::connect_ud) is answered by an
+    /// `Established` event carrying the peer's QP
+    /// ([`CmEvent::ud_destination`](super::CmEvent::ud_destination)), and
+    /// the passive side answers a request with
+    /// [`ConnectRequest::accept_ud`](super::ConnectRequest::accept_ud).
+    pub fn create_ud_id(&self) -> Result<CmId> {
+        CmId::create(&self.inner, true)
     }
 
     /// The channel's file descriptor (readable when an event is pending).
@@ -229,7 +241,7 @@ impl EventChannel {
         let request = if kind == CmEventKind::ConnectRequest {
             // SAFETY: librdmacm made this id for the request; from here on
             // it is ours (and destroyed by the CmId).
-            Some(unsafe { CmId::adopt(&self.inner, &mut guard, id) })
+            Some(unsafe { CmId::adopt(&self.inner, &mut guard, id, owner.is_datagram()) })
         } else {
             None
         };

@@ -58,6 +58,12 @@ impl CmId {
         srq: Option<&SrqAttachment>,
         config: &QpConfig,
     ) -> Result<QueuePair> {
+        if self.is_datagram() {
+            return Err(Error::InvalidArgument(
+                "CmId::create_qp: the id is for datagrams (EventChannel::create_ud_id): \
+                 its QP comes from CmId::create_ud_qp",
+            ));
+        }
         let (verbs, port) = self.bound_device(NOT_BOUND)?;
         if pd.inner.ctx.ctx != verbs {
             return Err(Error::InvalidArgument(

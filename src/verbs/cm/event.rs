@@ -7,8 +7,10 @@ use std::sync::Arc;
 
 use arrayvec::ArrayVec;
 
+use crate::error::{Error, Result};
 use crate::sys;
 
+use super::super::{UdDestination, UdQueuePair};
 use super::id::{CmId, CmIdInner, CmToken};
 use super::{CmEventKind, ConnParams, ConnectRequest};
 
@@ -99,24 +101,31 @@ impl CmEvent {
     /// reject or establishment), padded by the transport beyond what the
     /// peer sent; empty when there is none.
     pub fn private_data(&self) -> &[u8] {
-        let conn = self.conn_raw();
-        if conn.private_data.is_null() || conn.private_data_len == 0 {
+        // Both views of the union begin with the private data and its
+        // length (`rdma_conn_param` and `rdma_ud_param` alike).
+        let (data, len) = if self.owner.is_datagram() {
+            let ud = self.ud_raw();
+            (ud.private_data, ud.private_data_len)
+        } else {
+            let conn = self.conn_raw();
+            (conn.private_data, conn.private_data_len)
+        };
+        if data.is_null() || len == 0 {
             return &[];
         }
         // SAFETY: librdmacm points it into the event's own buffer of
-        // `private_data_len` bytes, valid until acknowledged.
-        unsafe {
-            std::slice::from_raw_parts(
-                conn.private_data.cast::<u8>(),
-                usize::from(conn.private_data_len),
-            )
-        }
+        // `len` bytes, valid until acknowledged.
+        unsafe { std::slice::from_raw_parts(data.cast::<u8>(), usize::from(len)) }
     }
 
     /// The connection parameters that came with it, from this side's
     /// point of view (a request's `responder_resources` is what the peer
-    /// wants us to serve).
+    /// wants us to serve). All zeros for an event of a datagram id, which
+    /// has no connection.
     pub fn conn_params(&self) -> ConnParams {
+        if self.owner.is_datagram() {
+            return ConnParams::default();
+        }
         let conn = self.conn_raw();
         ConnParams {
             responder_resources: conn.responder_resources,
@@ -128,10 +137,42 @@ impl CmEvent {
         }
     }
 
+    /// Where to send the peer's datagrams, from the `Established` event of
+    /// a datagram id ([`CmId::connect_ud`]): the peer's QP number and
+    /// Q_Key, with an address handle made in `qp`'s PD from the address
+    /// the connection manager resolved (`param.ud.ah_attr`).
+    ///
+    /// `InvalidArgument` for any other event, for a `qp` not created on
+    /// the event's id, and for attributes not fit for `qp` (another port,
+    /// a QP number wider than 24 bits: they come from the peer's answer).
+    pub fn ud_destination(&self, qp: &UdQueuePair) -> Result<UdDestination> {
+        if self.kind != CmEventKind::Established || !self.owner.is_datagram() {
+            return Err(Error::InvalidArgument(
+                "CmEvent::ud_destination: only the Established event of a datagram id \
+                 (EventChannel::create_ud_id) carries a UD peer",
+            ));
+        }
+        if !qp.is_anchored_to(&self.owner) {
+            return Err(Error::InvalidArgument(
+                "CmEvent::ud_destination: the QP was not created on the event's id",
+            ));
+        }
+        let ud = self.ud_raw();
+        qp.destination_from_ah_attr(&ud.ah_attr, ud.qp_num, ud.qkey)
+    }
+
     fn conn_raw(&self) -> &sys::rdma_conn_param {
-        // SAFETY: every event of a connected (RDMA_PS_TCP) id carries the
-        // connection view of the union, which is all our ids are.
+        // SAFETY: an event of an id in the TCP port space carries the
+        // connection view of the union (callers check `is_datagram`); both
+        // views are plain data, valid for any bytes.
         unsafe { &self.event().param.conn }
+    }
+
+    fn ud_raw(&self) -> &sys::rdma_ud_param {
+        // SAFETY: an event of an id in the UDP port space carries the UD
+        // view of the union (callers check `is_datagram`); both views are
+        // plain data, valid for any bytes.
+        unsafe { &self.event().param.ud }
     }
 
     /// The connect request this event carries (once; `None` for any other

@@ -44,6 +44,10 @@ impl CmToken {
 pub(crate) struct CmIdInner {
     raw: NonNull<sys::rdma_cm_id>,
     token: CmToken,
+    /// True for an id in the UDP port space (`RDMA_PS_UDP`): datagrams,
+    /// a [`UdQueuePair`](super::super::UdQueuePair), and events carrying
+    /// the UD view of their parameters.
+    datagram: bool,
     /// The channel the id's events arrive on (changed only by
     /// [`CmId::migrate`], holding both channels' locks). Dropped after the
     /// id is destroyed: the channel goes last.
@@ -83,14 +87,22 @@ impl CmIdInner {
         self.token
     }
 
+    /// True for an id in the UDP port space.
+    pub(crate) fn is_datagram(&self) -> bool {
+        self.datagram
+    }
+
     /// The channel the id is on now.
     fn channel(&self) -> Arc<ChannelInner> {
         Arc::clone(&self.channel.lock().unwrap_or_else(PoisonError::into_inner))
     }
 }
 
-/// An rdma_cm id for reliable connections: resolve and connect (active
-/// side), or bind, listen and take connect requests (passive side).
+/// An rdma_cm id: resolve and connect (active side), or bind, listen and
+/// take connect requests (passive side). Reliable connections with a
+/// [`QueuePair`](super::super::QueuePair) ([`EventChannel::create_id`](super::EventChannel::create_id)),
+/// or datagrams with a [`UdQueuePair`](super::super::UdQueuePair)
+/// ([`EventChannel::create_ud_id`](super::EventChannel::create_ud_id)).
 ///
 /// Operations are asynchronous: each reports its outcome as an event on
 /// the [`EventChannel`](super::EventChannel) the id was created from. The
@@ -120,6 +132,7 @@ impl fmt::Debug for CmId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CmId")
             .field("token", &self.inner.token)
+            .field("datagram", &self.inner.datagram)
             .field("local", &self.local_addr())
             .field("peer", &self.peer_addr())
             .finish()
@@ -127,14 +140,19 @@ impl fmt::Debug for CmId {
 }
 
 impl CmId {
-    pub(super) fn create(channel: &Arc<ChannelInner>) -> Result<Self> {
+    /// A new id on `channel`: in the UDP port space (`RDMA_PS_UDP`) if
+    /// `datagram`, else in the TCP one (`RDMA_PS_TCP`).
+    pub(super) fn create(channel: &Arc<ChannelInner>, datagram: bool) -> Result<Self> {
+        let space = if datagram {
+            sys::RDMA_PS_UDP
+        } else {
+            sys::RDMA_PS_TCP
+        };
         let mut registry = channel.lock();
         let mut raw: *mut sys::rdma_cm_id = ptr::null_mut();
         // SAFETY: the channel is live (we hold an Arc and its lock); `raw`
         // is a valid out-pointer; the id is destroyed in CmIdInner::drop.
-        let rc = unsafe {
-            sys::rdma_create_id(channel.raw(), &mut raw, ptr::null_mut(), sys::RDMA_PS_TCP)
-        };
+        let rc = unsafe { sys::rdma_create_id(channel.raw(), &mut raw, ptr::null_mut(), space) };
         let raw = match NonNull::new(raw) {
             Some(raw) if rc == 0 => raw,
             _ => {
@@ -145,10 +163,11 @@ impl CmId {
                 });
             }
         };
-        Ok(Self::register(channel, &mut registry, raw))
+        Ok(Self::register(channel, &mut registry, raw, datagram))
     }
 
-    /// Takes ownership of the id librdmacm made for a connect request.
+    /// Takes ownership of the id librdmacm made for a connect request to a
+    /// listener in the UDP port space if `datagram`, else in the TCP one.
     ///
     /// # Safety
     /// `raw` must be the new id of a connect request just taken from
@@ -158,19 +177,22 @@ impl CmId {
         channel: &Arc<ChannelInner>,
         registry: &mut Registry,
         raw: *mut sys::rdma_cm_id,
+        datagram: bool,
     ) -> Self {
         let raw = NonNull::new(raw).expect("a connect request carries its new id");
-        Self::register(channel, registry, raw)
+        Self::register(channel, registry, raw, datagram)
     }
 
     fn register(
         channel: &Arc<ChannelInner>,
         registry: &mut Registry,
         raw: NonNull<sys::rdma_cm_id>,
+        datagram: bool,
     ) -> Self {
         let inner = Arc::new(CmIdInner {
             raw,
             token: CmToken::next(),
+            datagram,
             channel: Mutex::new(Arc::clone(channel)),
         });
         registry.insert(&inner);
@@ -183,6 +205,12 @@ impl CmId {
     /// What names this id in its channel's events.
     pub fn token(&self) -> CmToken {
         self.inner.token
+    }
+
+    /// True for an id in the UDP port space ([`EventChannel::create_ud_id`](super::EventChannel::create_ud_id)),
+    /// and for a connect request's id to a listener there.
+    pub fn is_datagram(&self) -> bool {
+        self.inner.datagram
     }
 
     /// Runs `call` on the raw id under the channel's lock and turns a

@@ -29,7 +29,8 @@ pub enum CmEventKind {
     Unreachable,
     /// The peer rejected the request (status: the transport's reason).
     Rejected,
-    /// The connection is up.
+    /// The connection is up; for a datagram id's `connect_ud`, the peer
+    /// answered with its QP (`CmEvent::ud_destination`).
     Established,
     /// The connection is gone: the peer disconnected, or its process died
     /// and its kernel tore its side down. A host that dies, or a network
@@ -129,7 +130,7 @@ impl CmEventKind {
             Self::RouteResolved => "rdma_resolve_route",
             Self::ConnectRequest => "rdma_listen (waiting for a connect request)",
             Self::ConnectResponse => "rdma_connect",
-            Self::Established => "rdma_accept",
+            Self::Established => "rdma_accept (rdma_connect for a datagram id)",
             Self::Disconnected => "rdma_disconnect",
             _ => "rdma_get_cm_event",
         }

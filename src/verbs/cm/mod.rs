@@ -31,6 +31,19 @@
 //! # Ok::<(), rdma_comm_core::Error>(())
 //! ```
 //!
+//! # Datagrams
+//!
+//! An id from [`EventChannel::create_ud_id`] is in the UDP port space
+//! (`RDMA_PS_UDP`, as rdma-core's `udaddy` uses): no connection, only the
+//! exchange of QP numbers. The active side resolves as above, creates a
+//! [`UdQueuePair`](super::UdQueuePair) on the id
+//! ([`CmId::create_ud_qp`]), posts its receives and calls
+//! [`CmId::connect_ud`]; the `Established` event that answers carries the
+//! peer's QP ([`CmEvent::ud_destination`]). The passive side answers each
+//! request with [`ConnectRequest::accept_ud`] and a UD QP of the request's
+//! id, then answers each datagram at the address its completion gives
+//! ([`UdQueuePair::reply_destination`](super::UdQueuePair::reply_destination)).
+//!
 //! # Ownership
 //!
 //! - The QP is the crate's own [`QueuePair`](super::QueuePair), created in
@@ -65,6 +78,8 @@ mod channel;
 #[cfg(feature = "rdma_cm")]
 mod connect;
 #[cfg(feature = "rdma_cm")]
+mod datagram;
+#[cfg(feature = "rdma_cm")]
 mod device;
 #[cfg(feature = "rdma_cm")]
 mod event;
@@ -95,6 +110,11 @@ pub const MAX_CONNECT_PRIVATE_DATA: usize = 56;
 pub const MAX_ACCEPT_PRIVATE_DATA: usize = 196;
 /// Private data a reject can carry.
 pub const MAX_REJECT_PRIVATE_DATA: usize = 148;
+/// Private data a datagram connect request can carry
+/// (`CmId::connect_ud`; InfiniBand and RoCE, `RDMA_PS_UDP`).
+pub const MAX_UD_CONNECT_PRIVATE_DATA: usize = 180;
+/// Private data a datagram accept can carry (`ConnectRequest::accept_ud`).
+pub const MAX_UD_ACCEPT_PRIVATE_DATA: usize = 136;
 #[cfg(feature = "rdma_cm")]
 /// The largest private data buffer an event has (`RDMA_MAX_PRIVATE_DATA`).
 const MAX_PRIVATE_DATA: usize = 256;

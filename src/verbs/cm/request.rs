@@ -8,7 +8,7 @@ use arrayvec::ArrayVec;
 
 use crate::error::Result;
 
-use super::super::QueuePair;
+use super::super::{QueuePair, UdQueuePair};
 use super::{CmId, ConnParams};
 
 /// A connect request: the new id for the connection, the peer's private
@@ -55,7 +55,7 @@ impl ConnectRequest {
 
     /// What the peer asked for, from our side: `responder_resources` is how
     /// many READs it wants to have outstanding at us, `initiator_depth` how
-    /// many it will serve.
+    /// many it will serve (all zeros for a datagram request).
     pub fn requested(&self) -> ConnParams {
         self.requested
     }
@@ -76,6 +76,25 @@ impl ConnectRequest {
             // The QP holds the id, so dropping the request would not
             // destroy it: say no now rather than leave the peer waiting
             // for its connect timeout.
+            let _ = self.id.reject(&[]);
+            return Err(err);
+        }
+        Ok(self.id)
+    }
+
+    /// Answers a datagram request (to a listener made with
+    /// [`EventChannel::create_ud_id`](super::EventChannel::create_ud_id))
+    /// with `qp` (made by the request's id with
+    /// [`create_ud_qp`](CmId::create_ud_qp); post its receives first) and
+    /// up to 136 bytes of `private_data`: the peer learns the QP's number
+    /// and Q_Key and gets its `Established` event. No event follows on this
+    /// side; the peer's datagrams arrive on `qp`, and
+    /// [`UdQueuePair::reply_destination`] answers each. On failure the
+    /// peer is rejected.
+    pub fn accept_ud(mut self, qp: &UdQueuePair, private_data: &[u8]) -> Result<CmId> {
+        if let Err(err) = self.id.accept_ud(qp, private_data) {
+            // The QP holds the id, so dropping the request would not
+            // destroy it: say no now.
             let _ = self.id.reject(&[]);
             return Err(err);
         }
