@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use rdma_comm_core::Error;
+use rdma_comm_core::error::CmFailure;
 use rdma_comm_core::verbs::cm::{CmEventKind, CmId, EventChannel};
 use rdma_comm_core::verbs::*;
 
@@ -161,5 +162,51 @@ verbs_test! {
             other.connect_ud(&qp, &[0; 181]),
             Err(Error::InvalidArgument(_))
         ));
+    }
+}
+
+verbs_test! {
+    /// With nothing listening, or a listener that says no, the answer to a
+    /// datagram connect is Unreachable; a datagram request's reject carries
+    /// at most 136 bytes; a datagram id has no connection to end.
+    fn a_datagram_connect_nobody_takes_is_unreachable() {
+        let channel = EventChannel::new().unwrap();
+        let mut id = resolved(&channel, addr());
+        let ctx = id.context().unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16, None).unwrap();
+        let qp = id.create_ud_qp(&pd, &cq, &cq, &UdConfig::default()).unwrap();
+        id.connect_ud(&qp, &[]).unwrap();
+        let unreachable = |result: Result<_, Error>| {
+            matches!(
+                result,
+                Err(Error::Cm {
+                    cause: CmFailure::Event { got: CmEventKind::Unreachable, .. },
+                    ..
+                })
+            )
+        };
+        assert!(unreachable(channel.expect(&id, CmEventKind::Established, T)), "no listener");
+        assert!(matches!(id.disconnect(), Err(Error::InvalidArgument(_))));
+
+        let at = addr();
+        let server_channel = EventChannel::new().unwrap();
+        let mut listener = server_channel.create_ud_id().unwrap();
+        listener.bind(at).unwrap();
+        listener.listen(4).unwrap();
+        let mut id = resolved(&channel, at);
+        let ctx = id.context().unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16, None).unwrap();
+        let qp = id.create_ud_qp(&pd, &cq, &cq, &UdConfig::default()).unwrap();
+        id.connect_ud(&qp, &[]).unwrap();
+        let mut event = server_channel
+            .expect(&listener, CmEventKind::ConnectRequest, T)
+            .unwrap();
+        let request = event.take_request().expect("a request carries its id");
+        drop(event);
+        // Refused before anything goes out; the request, dropped, says no.
+        assert!(matches!(request.reject(&[0; 137]), Err(Error::InvalidArgument(_))));
+        assert!(unreachable(channel.expect(&id, CmEventKind::Established, T)), "refused");
     }
 }

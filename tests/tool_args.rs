@@ -311,10 +311,11 @@ fn udaddy_refuses_bad_values_and_a_server_not_told_it_answers_anyone() {
             "-b no-such-host.invalid",
             "must be a host name or address",
         ),
+        (&["-s", "127.0.0.1", "-C", "0"], "-C 0", "must be 1 to 4096"),
         (
-            &["-s", "127.0.0.1", "-C", "0"],
-            "-C 0",
-            "must be 1 to 100000",
+            &["-s", "127.0.0.1", "-C", "4097"],
+            "-C 4097",
+            "must be 1 to 4096",
         ),
         (&["-s", "127.0.0.1", "-S", "0"], "-S 0", "must be 1 to 4096"),
         (

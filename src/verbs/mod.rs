@@ -55,7 +55,7 @@ pub use srq::{SharedReceiveQueue, SrqAttachment};
 pub(crate) use srq::{refuse_srq_recvs_after, srq_posted_wr_ids};
 pub use ud::{
     GRH_BYTES, RDMA_UDP_QKEY, UdConfig, UdDestination, UdEndpoint, UdQueuePair, UdSend,
-    datagram_payload,
+    datagram_payload, datagram_sender,
 };
 pub use wc::{WcOpcode, WcStatus};
 pub use wr::{Batch, RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};

@@ -764,11 +764,49 @@ pub fn datagram_payload(wc: &WorkCompletion) -> Option<std::ops::Range<usize>> {
     (end >= GRH_BYTES).then_some(GRH_BYTES..end)
 }
 
+/// The GID the datagram whose receive buffer began with `grh` came from:
+/// the GRH's source GID, or on RoCE v2 over IPv4 the IPv4 header's source
+/// address as an IPv4-mapped GID. `None` when neither header is there (a
+/// completion without a GRH, [`WorkCompletion::has_grh`]). Like every
+/// header of a datagram it is the sender's own word: a filter, not an
+/// authentication.
+pub fn datagram_sender(grh: &[u8; GRH_BYTES]) -> Option<Gid> {
+    // Where the IPv4 header sits in the GRH's place (its last 20 bytes).
+    const IPV4: usize = GRH_BYTES - 20;
+    if grh[0] >> 4 == 6 {
+        let mut raw = [0; 16];
+        raw.copy_from_slice(&grh[8..24]);
+        return Some(Gid(raw));
+    }
+    (grh[IPV4] >> 4 == 4).then(|| {
+        let source = &grh[IPV4 + 12..IPV4 + 16];
+        Gid::from_ipv4(std::net::Ipv4Addr::new(
+            source[0], source[1], source[2], source[3],
+        ))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
+
+    #[test]
+    fn the_sender_is_read_from_a_grh_or_from_an_ipv4_header_in_its_place() {
+        let mut grh = [0; GRH_BYTES];
+        assert_eq!(datagram_sender(&grh), None, "neither header");
+        grh[20] = 0x45;
+        grh[32..36].copy_from_slice(&[10, 78, 0, 2]);
+        let v4 = Gid::from_ipv4(Ipv4Addr::new(10, 78, 0, 2));
+        assert_eq!(datagram_sender(&grh), Some(v4), "RoCE v2 over IPv4");
+        let mut grh = [0; GRH_BYTES];
+        grh[0] = 0x60;
+        grh[8..24].copy_from_slice(&[0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8]);
+        let sender = datagram_sender(&grh).expect("an IPv6 GRH");
+        assert_eq!(sender.0[..2], [0xfe, 0x80]);
+        assert_eq!(sender.0[8..], [1, 2, 3, 4, 5, 6, 7, 8]);
+    }
 
     #[test]
     fn an_ipv4_mapped_gid_round_trips() {

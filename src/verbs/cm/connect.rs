@@ -13,6 +13,7 @@ use super::id::{NOT_BOUND, Progress};
 use super::transition::{self, ReadDepths};
 use super::{
     CmId, ConnParams, MAX_ACCEPT_PRIVATE_DATA, MAX_CONNECT_PRIVATE_DATA, MAX_REJECT_PRIVATE_DATA,
+    MAX_UD_ACCEPT_PRIVATE_DATA,
 };
 
 impl CmId {
@@ -181,12 +182,21 @@ impl CmId {
 
     /// Rejects the connect request this id came with.
     pub(super) fn reject(&mut self, private_data: &[u8]) -> Result<()> {
+        // A datagram request's answer carries less than a connection's.
+        let (max, refusal) = match self.is_datagram() {
+            true => (
+                MAX_UD_ACCEPT_PRIVATE_DATA,
+                "rdma_reject(UD): private data is limited to 136 bytes",
+            ),
+            false => (
+                MAX_REJECT_PRIVATE_DATA,
+                "rdma_reject: private data is limited to 148 bytes",
+            ),
+        };
         let len = u8::try_from(private_data.len())
             .ok()
-            .filter(|&len| usize::from(len) <= MAX_REJECT_PRIVATE_DATA)
-            .ok_or(Error::InvalidArgument(
-                "rdma_reject: private data is limited to 148 bytes",
-            ))?;
+            .filter(|&len| usize::from(len) <= max)
+            .ok_or(Error::InvalidArgument(refusal))?;
         // SAFETY: the id is live; the private data is read during the call.
         self.call("rdma_reject", None, |id| unsafe {
             sys::rdma_reject(id, private_data.as_ptr().cast(), len)

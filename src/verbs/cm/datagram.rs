@@ -61,10 +61,12 @@ impl CmId {
     }
 
     /// Asks the listener at the resolved address for its QP (after
-    /// `RouteResolved`), naming `qp` (created on this id) and carrying up
-    /// to 180 bytes of `private_data`. The answer arrives as `Established`
-    /// (then [`CmEvent::ud_destination`](super::CmEvent::ud_destination)
-    /// is where to send), `Unreachable` or `Rejected`.
+    /// `RouteResolved`) for `qp` (created on this id), with up to 180
+    /// bytes of `private_data`. The answer arrives as `Established` (then
+    /// [`CmEvent::ud_destination`](super::CmEvent::ud_destination) is where
+    /// to send), or as `Unreachable` when nothing listens there or the
+    /// listener refused. The peer learns `qp`'s number only from the
+    /// datagrams it gets.
     pub fn connect_ud(&mut self, qp: &UdQueuePair, private_data: &[u8]) -> Result<()> {
         if private_data.len() > MAX_UD_CONNECT_PRIVATE_DATA {
             return Err(Error::InvalidArgument(

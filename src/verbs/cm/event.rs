@@ -10,7 +10,12 @@ use arrayvec::ArrayVec;
 use crate::error::{Error, Result};
 use crate::sys;
 
-use super::super::{UdDestination, UdQueuePair};
+use super::super::{RDMA_UDP_QKEY, UdDestination, UdQueuePair};
+
+/// The QP numbers a datagram peer can answer with: none of the special
+/// QPs 0 and 1, and not the multicast QPN 0xffffff.
+const FIRST_PEER_QPN: u32 = 2;
+const LAST_PEER_QPN: u32 = 0x00ff_fffe;
 use super::id::{CmId, CmIdInner, CmToken};
 use super::{CmEventKind, ConnParams, ConnectRequest};
 
@@ -143,8 +148,11 @@ impl CmEvent {
     /// the connection manager resolved (`param.ud.ah_attr`).
     ///
     /// `InvalidArgument` for any other event, for a `qp` not created on
-    /// the event's id, and for attributes not fit for `qp` (another port,
-    /// a QP number wider than 24 bits: they come from the peer's answer).
+    /// the event's id, and for what the peer answered when it is not a
+    /// datagram peer's: a QP number outside 2 to 0xfffffe (no special QP,
+    /// no multicast group) or a Q_Key other than [`RDMA_UDP_QKEY`], the
+    /// one every datagram id uses. The address handle's attributes are our
+    /// own kernel's, from the path it resolved.
     pub fn ud_destination(&self, qp: &UdQueuePair) -> Result<UdDestination> {
         if self.kind != CmEventKind::Established || !self.owner.is_datagram() {
             return Err(Error::InvalidArgument(
@@ -158,20 +166,29 @@ impl CmEvent {
             ));
         }
         let ud = self.ud_raw();
+        if !(FIRST_PEER_QPN..=LAST_PEER_QPN).contains(&ud.qp_num) || ud.qkey != RDMA_UDP_QKEY {
+            return Err(Error::InvalidArgument(
+                "CmEvent::ud_destination: the peer answered with a QP number outside \
+                 2 to 0xfffffe or a Q_Key other than RDMA_UDP_QKEY",
+            ));
+        }
         qp.destination_from_ah_attr(&ud.ah_attr, ud.qp_num, ud.qkey)
     }
 
     fn conn_raw(&self) -> &sys::rdma_conn_param {
-        // SAFETY: an event of an id in the TCP port space carries the
-        // connection view of the union (callers check `is_datagram`); both
-        // views are plain data, valid for any bytes.
+        // SAFETY: both views of the union are plain data (integers, and a
+        // pointer only read with its length), valid for any bytes; which
+        // one librdmacm filled depends on the event and the port space, and
+        // the callers read this one only for ids that are not datagram
+        // ids, whose events all carry it.
         unsafe { &self.event().param.conn }
     }
 
     fn ud_raw(&self) -> &sys::rdma_ud_param {
-        // SAFETY: an event of an id in the UDP port space carries the UD
-        // view of the union (callers check `is_datagram`); both views are
-        // plain data, valid for any bytes.
+        // SAFETY: as for `conn_raw`: plain data either way. The callers
+        // read this view whole only for a datagram id's `Established`,
+        // which librdmacm fills with it, and otherwise only the private
+        // data and its length, where both views agree.
         unsafe { &self.event().param.ud }
     }
 

@@ -418,7 +418,14 @@ impl CmId {
     /// created to the error state): its owner moves it with
     /// [`QueuePair::set_error`](super::super::QueuePair::set_error) to flush
     /// what is posted, or drops it.
+    ///
+    /// `InvalidArgument` on a datagram id, which has no connection.
     pub fn disconnect(&mut self) -> Result<()> {
+        if self.is_datagram() {
+            return Err(Error::InvalidArgument(
+                "rdma_disconnect: a datagram id has no connection to end",
+            ));
+        }
         // SAFETY: the id is live; librdmacm checks that it has a device.
         self.call("rdma_disconnect", None, |id| unsafe {
             sys::rdma_disconnect(id)

@@ -48,7 +48,8 @@ impl ConnectRequest {
     }
 
     /// The private data of the request (as padded by the transport: up to
-    /// 56 bytes on InfiniBand and RoCE, zeros after what the peer sent).
+    /// 56 bytes on InfiniBand and RoCE, 180 for a datagram request, zeros
+    /// after what the peer sent).
     pub fn private_data(&self) -> &[u8] {
         &self.private_data
     }
@@ -101,8 +102,9 @@ impl ConnectRequest {
         Ok(self.id)
     }
 
-    /// Rejects the request with up to 148 bytes of `private_data`, which the
-    /// peer gets with its `Rejected` event.
+    /// Rejects the request with up to 148 bytes of `private_data` (136 for
+    /// a datagram request), which the peer gets with its `Rejected` event
+    /// (`Unreachable`, with the status only, for a datagram request).
     pub fn reject(mut self, private_data: &[u8]) -> Result<()> {
         self.id.reject(private_data)
     }
