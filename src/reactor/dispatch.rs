@@ -207,7 +207,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     // flight).
                     let (seq, op, run) = conn.retire_run(left);
                     left -= run;
-                    match op.kind {
+                    match op.kind() {
                         OpKind::Send => handler.on_sends_complete(&mut ctx, id, seq, run),
                         OpKind::Write => handler.on_writes_complete(&mut ctx, id, seq, run),
                         OpKind::Read => handler.on_reads_complete(&mut ctx, id, seq, run),
@@ -215,14 +215,14 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                             // A slot back in the SRQ pool's batch needs
                             // this pass's flush, which a retire alone does
                             // not ask for.
-                            if let Some(origin) = op.origin(id) {
+                            if let Some(origin) = op.forward_origin(id) {
                                 return_forwarded(
                                     ctx.conns,
                                     &mut self.srq,
                                     &mut self.idle,
-                                    origin,
-                                    op.slot,
-                                    op.from_srq,
+                                    origin.conn,
+                                    origin.slot,
+                                    origin.from_srq,
                                 );
                             }
                             handler.on_sends_complete(&mut ctx, id, seq, 1);

@@ -10,15 +10,15 @@ use crate::reactor::slab::Key;
 /// request holds by handle, the rare case, waits in `SendQueue::owned` beside it).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct SqOp {
-    pub(crate) kind: OpKind,
+    kind: OpKind,
     /// For a forward: the slot is one of the reactor's SRQ.
-    pub(crate) from_srq: bool,
+    from_srq: bool,
     /// For a WRITE, READ or forward: how the registration of the local
     /// memory it points at is held until the request is known complete, so
     /// the memory stays registered and mapped while the device may use it.
-    pub(crate) keep: Keep,
+    keep: Keep,
     /// For a forward, the receive slot of its origin to repost.
-    pub(crate) slot: u32,
+    slot: u32,
     /// For a forward: the slab index and generation of the connection
     /// whose receive slot this SEND carried. It is of the same reactor
     /// (`Ctx::forward` refuses another's), so its owner is this
@@ -85,16 +85,30 @@ impl SqOp {
         }
     }
 
-    /// For a forward staged on connection `on`: the connection its
-    /// receive slot came from.
+    /// What kind of request it is.
+    #[inline(always)]
+    pub(crate) fn kind(&self) -> OpKind {
+        self.kind
+    }
+
+    /// How it holds its local memory's registration.
+    #[inline(always)]
+    pub(super) fn keep(&self) -> Keep {
+        self.keep
+    }
+
+    /// For a forward staged on connection `on`: the connection and receive
+    /// slot it came from, to give back once it completes.
     #[inline]
-    pub(crate) fn origin(&self, on: ConnId) -> Option<ConnId> {
-        (self.kind == OpKind::Forward).then(|| {
-            ConnId(Key {
+    pub(crate) fn forward_origin(&self, on: ConnId) -> Option<ForwardOrigin> {
+        (self.kind == OpKind::Forward).then(|| ForwardOrigin {
+            conn: ConnId(Key {
                 index: self.origin_index,
                 generation: self.origin_generation,
                 owner: on.key().owner,
-            })
+            }),
+            slot: self.slot,
+            from_srq: self.from_srq,
         })
     }
 }

@@ -170,7 +170,7 @@ impl SendQueue {
         let at = (seq & (self.depth - 1)) as usize;
         // An own handle goes with `Keep::Own` and nothing else, and the
         // op that had this position before took its handle when it retired.
-        debug_assert_eq!(op.keep == Keep::Own, owned.is_some());
+        debug_assert_eq!(op.keep() == Keep::Own, owned.is_some());
         debug_assert!(self.owned[at].is_none());
         self.ops[at] = op;
         if let Some(owned) = owned {
@@ -361,7 +361,7 @@ impl SendQueue {
         let at = (seq & (self.depth - 1)) as usize;
         let op = self.ops[at];
         self.done = seq.wrapping_add(1);
-        match (op.kind, op.keep) {
+        match (op.kind(), op.keep()) {
             (OpKind::Send, _) => self.send_slots.release_oldest(),
             (_, Keep::Cached) => self.kept_in_flight -= 1,
             (_, Keep::Own) => drop(self.owned[at].take()),
@@ -379,8 +379,10 @@ impl SendQueue {
     pub(super) fn retire_run(&mut self, most: u32) -> (u32, SqOp, u32) {
         let (seq, op) = self.pop_oldest();
         let mut run = 1;
-        if matches!(op.kind, OpKind::Send | OpKind::Write | OpKind::Read) {
-            while run < most && self.ops[(self.done & (self.depth - 1)) as usize].kind == op.kind {
+        if matches!(op.kind(), OpKind::Send | OpKind::Write | OpKind::Read) {
+            while run < most
+                && self.ops[(self.done & (self.depth - 1)) as usize].kind() == op.kind()
+            {
                 self.pop_oldest();
                 run += 1;
             }
@@ -480,14 +482,14 @@ impl SendQueue {
             let at = (seq & (self.depth - 1)) as usize;
             let op = self.ops[at];
             self.next = seq;
-            match (op.kind, op.keep) {
+            match (op.kind(), op.keep()) {
                 (OpKind::Send, _) => self.send_slots.release_newest(),
                 (_, Keep::Cached) => self.kept_in_flight -= 1,
                 (_, Keep::Own) => drop(self.owned[at].take()),
                 (_, Keep::Nothing) => {}
             }
-            if let Some(origin) = op.origin(on) {
-                release(origin, op.slot, op.from_srq);
+            if let Some(origin) = op.forward_origin(on) {
+                release(origin.conn, origin.slot, origin.from_srq);
             }
         }
         self.batch.clear();
@@ -506,8 +508,8 @@ impl SendQueue {
         let count = self.retire_count(seq);
         for _ in 0..count {
             let (_, op) = self.pop_oldest();
-            if let Some(origin) = op.origin(on) {
-                release(origin, op.slot, op.from_srq);
+            if let Some(origin) = op.forward_origin(on) {
+                release(origin.conn, origin.slot, origin.from_srq);
             }
         }
         count
@@ -525,8 +527,8 @@ impl SendQueue {
         while self.done != self.next {
             let op = self.ops[(self.done & (self.depth - 1)) as usize];
             self.done = self.done.wrapping_add(1);
-            if let Some(origin) = op.origin(on) {
-                release(origin, op.slot, op.from_srq);
+            if let Some(origin) = op.forward_origin(on) {
+                release(origin.conn, origin.slot, origin.from_srq);
             }
         }
     }

@@ -148,12 +148,12 @@ fn a_run_of_one_kind_is_reported_at_once_and_frees_its_slots() {
     assert_eq!(f.sq.slots_used(), 3);
     let (_, first, run) = f.sq.retire_run(4);
     assert_eq!(
-        (first.kind, run),
+        (first.kind(), run),
         (OpKind::Send, 3),
         "the credit update is not in the run"
     );
     assert_eq!(f.sq.slots_used(), 0);
-    assert_eq!(f.sq.retire_run(4).1.kind, OpKind::Credit);
+    assert_eq!(f.sq.retire_run(4).1.kind(), OpKind::Credit);
     assert_eq!(f.sq.used(), 0);
 }
 
