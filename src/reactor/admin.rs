@@ -350,7 +350,7 @@ pub(super) fn return_forwarded(
     let key = origin.key();
     if let Some(origin) = conns.get_mut_quiet(key) {
         origin.queue_repost(slot);
-        if origin.rq().is_due() || origin.is_closed() {
+        if origin.rq().is_due() || origin.state().is_closed() {
             conns.touch(key.index);
         } else if origin.rq().has_pending() {
             conns.park(key.index);

@@ -52,7 +52,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 completed: Completed::Direct,
                 conn,
             }) => {
-                if !wc.is_success() || conn.is_closed() {
+                if !wc.is_success() || conn.state().is_closed() {
                     let wc = *self.completions.wc(at);
                     self.direct_unusual(key, &wc);
                     return;
@@ -70,7 +70,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 completed,
                 conn,
             }) => {
-                if !wc.is_success() || conn.is_closed() {
+                if !wc.is_success() || conn.state().is_closed() {
                     let wc = *self.completions.wc(at);
                     self.dispatch_unusual(key, &wc, completed);
                     return;
@@ -237,7 +237,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 if let Some(conn) = ctx.conns.get(key) {
                     debug_assert!(
                         ctx.conns.is_listed(TOUCHED, key.index)
-                            || conn.is_closed()
+                            || conn.state().is_closed()
                             || (conn.is_quiet() && !conn.rq().is_due()),
                         "a retire left connection {} work for a flush it does not ask for",
                         conn.qpn()

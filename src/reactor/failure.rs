@@ -19,7 +19,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     #[inline(never)]
     pub(super) fn direct_unusual(&mut self, key: Key, wc: &WorkCompletion) {
-        if self.conns.get(key).is_some_and(|c| !c.is_closed()) {
+        if self.conns.get(key).is_some_and(|c| !c.state().is_closed()) {
             let error = wc
                 .ok()
                 .err()
@@ -38,7 +38,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if wc.wr_id() == BIND_WR_ID
             && let Some(key) = self.bound_on(wc.qp_num())
         {
-            if !wc.is_success() && self.conns.get(key).is_some_and(|c| !c.is_closed()) {
+            if !wc.is_success() && self.conns.get(key).is_some_and(|c| !c.state().is_closed()) {
                 let error = wc
                     .ok()
                     .err()
@@ -78,7 +78,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             conn.queue_repost(slot);
             self.idle.work_left();
         }
-        if !conn.is_closed() {
+        if !conn.state().is_closed() {
             let error = wc
                 .ok()
                 .err()
@@ -171,7 +171,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             if self
                 .conns
                 .get(id.key())
-                .is_some_and(|conn| !conn.is_closed())
+                .is_some_and(|conn| !conn.state().is_closed())
             {
                 self.fail(id, error);
             }

@@ -86,7 +86,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return;
         };
         self.counters.flush_visits += 1;
-        if conn.is_closed() {
+        if conn.state().is_closed() {
             self.flush_closed(index, left);
             return;
         }

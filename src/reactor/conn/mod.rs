@@ -39,6 +39,8 @@ pub(crate) use state::ConnState;
 /// `credit::send_imm`), so a payload that fits a packet goes in one.
 pub(crate) const IMM_TRAILER_LEN: usize = 4;
 
+/// One connection of the reactor: its QP, credits, receive side and send
+/// side, and the rules that span them.
 pub(crate) struct Conn {
     id: ConnId,
     session: SessionId,
@@ -59,9 +61,9 @@ pub(crate) struct Conn {
     protocol_qpn: u64,
     /// Bytes of a slot, in both rings.
     slot_size: usize,
-    // Declared before the parts: the QP is destroyed before the rings'
-    // registrations and the registrations requests hold. Only this connection posts on it
-    // (the reactor took it whole).
+    // Declared before the parts, so it is destroyed before the rings'
+    // registrations and those requests hold. Only this connection posts on
+    // it (the reactor took it whole).
     qp: QueuePair,
     credits: Credits,
     rq: RecvRing,
@@ -386,7 +388,7 @@ impl Conn {
     /// Queues receive slot `slot` for reposting (see [`RecvRing::queue`]).
     #[inline]
     pub(crate) fn queue_repost(&mut self, slot: u32) {
-        let closed = self.is_closed();
+        let closed = self.state.is_closed();
         self.rq.queue(slot, closed, self.qpn);
     }
 
@@ -432,7 +434,7 @@ impl Conn {
     /// fuller batch or a longer idle spell.
     #[inline]
     pub(crate) fn is_unsettled(&self) -> bool {
-        if self.is_closed() {
+        if self.state.is_closed() {
             self.rq.owes_shared_slots()
         } else {
             self.open_leftovers().0
@@ -511,12 +513,6 @@ impl Conn {
         release: impl FnMut(ConnId, u32, bool),
     ) -> u32 {
         self.sq.retire_failed(seq, self.id, release)
-    }
-
-    /// True once failed or removed: nothing more is posted.
-    #[inline]
-    pub(crate) fn is_closed(&self) -> bool {
-        self.state.is_closed()
     }
 
     /// Stops the QP (outstanding work is flushed) and fails the
