@@ -124,6 +124,14 @@ impl SendQueue {
         self.send_slots.registered_bytes()
     }
 
+    /// Where op `seq` is in `ops` (and `owned`): a mask of the ring's own
+    /// length, which the optimiser sees is in bounds (no check on an
+    /// index).
+    #[inline(always)]
+    fn position(&self, seq: u32) -> usize {
+        seq as usize & (self.ops.len() - 1)
+    }
+
     /// Send-queue entries in use (posted or staged, not known complete).
     #[inline]
     pub(crate) fn used(&self) -> u32 {
@@ -167,7 +175,7 @@ impl SendQueue {
     ) -> u32 {
         let seq = self.next;
         self.next = seq.wrapping_add(1);
-        let at = (seq & (self.depth - 1)) as usize;
+        let at = self.position(seq);
         // An own handle goes with `Keep::Own` and nothing else, and the
         // op that had this position before took its handle when it retired.
         debug_assert_eq!(op.keep() == Keep::Own, owned.is_some());
@@ -358,7 +366,7 @@ impl SendQueue {
         // Entries outside [done, next) are stale: never retire one.
         debug_assert!(self.used() > 0);
         let seq = self.done;
-        let at = (seq & (self.depth - 1)) as usize;
+        let at = self.position(seq);
         let op = self.ops[at];
         self.done = seq.wrapping_add(1);
         match (op.kind(), op.keep()) {
@@ -381,7 +389,7 @@ impl SendQueue {
         let mut run = 1;
         if matches!(op.kind(), OpKind::Send | OpKind::Write | OpKind::Read) {
             while run < most
-                && self.ops[(self.done & (self.depth - 1)) as usize].kind() == op.kind()
+                && self.ops[self.position(self.done)].kind() == op.kind()
             {
                 self.pop_oldest();
                 run += 1;
@@ -479,7 +487,7 @@ impl SendQueue {
         let posted_end = self.next.wrapping_sub(unposted);
         while self.next != posted_end {
             let seq = self.next.wrapping_sub(1);
-            let at = (seq & (self.depth - 1)) as usize;
+            let at = self.position(seq);
             let op = self.ops[at];
             self.next = seq;
             match (op.kind(), op.keep()) {
@@ -525,7 +533,7 @@ impl SendQueue {
         mut release: impl FnMut(ConnId, u32, bool),
     ) {
         while self.done != self.next {
-            let op = self.ops[(self.done & (self.depth - 1)) as usize];
+            let op = self.ops[self.position(self.done)];
             self.done = self.done.wrapping_add(1);
             if let Some(origin) = op.forward_origin(on) {
                 release(origin.conn, origin.slot, origin.from_srq);
