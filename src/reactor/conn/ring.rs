@@ -101,12 +101,6 @@ impl RecvRing {
         self.tag
     }
 
-    /// The `wr_id` of a receive into slot `slot` of the own ring.
-    #[inline(always)]
-    fn wr_id(&self, slot: u32) -> u64 {
-        self.tag | u64::from(slot)
-    }
-
     /// Receives the connection may have outstanding.
     pub(crate) fn depth(&self) -> u32 {
         self.depth
@@ -213,14 +207,15 @@ impl RecvRing {
         let mut start = 0;
         while start < self.pending_len {
             let end = (start + MAX_REPOST).min(self.pending_len);
-            for at in start..end {
-                let slot = self.pending[at];
+            for &slot in &self.pending[start..end] {
                 // SAFETY: the own ring's region is held here, and the
                 // connection destroys its QP before dropping this (field
                 // order); a slot in `pending` is consumed, so its bytes are
                 // no one's.
-                let request =
-                    unsafe { recv_request(self.ring, self.slot_size, self.wr_id(slot), slot) };
+                let request = unsafe {
+                    // The tag tops the slot: its `wr_id` (`wr_id::recv`).
+                    recv_request(self.ring, self.slot_size, self.tag | u64::from(slot), slot)
+                };
                 // At most MAX_REPOST pushes into a batch emptied by each post.
                 let _ = self.batch.push(request);
                 // Posted from here on: if the device refuses part of the
@@ -376,7 +371,8 @@ impl RecvRing {
     ) -> crate::Result<()> {
         // SAFETY: the own ring's region is held here, and the connection
         // destroys its QP before dropping this.
-        let request = unsafe { recv_request(self.ring, self.slot_size, self.wr_id(slot), slot) };
+        let request =
+            unsafe { recv_request(self.ring, self.slot_size, self.tag | u64::from(slot), slot) };
         let _ = self.batch.push(request);
         self.post_batch(qp)
     }

@@ -388,9 +388,7 @@ impl SendQueue {
         let (seq, op) = self.pop_oldest();
         let mut run = 1;
         if matches!(op.kind(), OpKind::Send | OpKind::Write | OpKind::Read) {
-            while run < most
-                && self.ops[self.position(self.done)].kind() == op.kind()
-            {
+            while run < most && self.ops[self.position(self.done)].kind() == op.kind() {
                 self.pop_oldest();
                 run += 1;
             }
