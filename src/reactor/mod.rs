@@ -66,7 +66,9 @@
 //! completion), the completions (CQs, poll buffers, the spin loan), the
 //! pass engine (poll, dispatch, flush), the idle policy (when idle passes
 //! repost and signal tails, and when traffic is sparse), the [`Stopper`],
-//! and per connection (`conn/`) rings, credits and send staging.
+//! and per connection (`conn/`) the owned parts of a connection: its
+//! credits, receive ring and send queue (with its send slots, signaling
+//! and sizes).
 
 mod admin;
 mod completions;

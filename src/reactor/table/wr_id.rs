@@ -201,8 +201,8 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// A connection's tags made once (`Conn::send_wr_id`,
-        /// `Conn::recv_wr_id`: the id with value 0) with a value OR-ed in
+        /// A connection's tags made once (`SendQueue`'s and `RecvRing`'s
+        /// tags: the id with value 0) with a value OR-ed in
         /// are the ids encoded whole.
         #[test]
         fn tag_with_a_value_is_the_whole_id(
