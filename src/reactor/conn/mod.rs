@@ -30,14 +30,8 @@ pub(crate) use ring::MAX_REPOST;
 use ring::RecvRing;
 use send_queue::SendQueue;
 pub(crate) use send_queue::{MIN_SQ_DEPTH, sq_room};
-pub(crate) use slots::{Ring, SharedRing, SlotSource, recv_request};
+pub(crate) use slots::{IMM_TRAILER_LEN, Ring, SharedRing, SlotSource, recv_request};
 pub(crate) use state::ConnState;
-
-/// Bytes of every slot kept back for the trailer of a SEND that carries a
-/// user immediate: the immediate itself, after the payload. Every SEND of
-/// the reactor is a SEND_WITH_IMM whose immediate carries the credit (see
-/// `credit::send_imm`), so a payload that fits a packet goes in one.
-pub(crate) const IMM_TRAILER_LEN: usize = 4;
 
 /// One connection of the reactor: its QP, credits, receive side and send
 /// side, and the rules that span them.

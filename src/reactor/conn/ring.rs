@@ -7,9 +7,8 @@ use crate::verbs::{
     AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, Registration,
 };
 
-use super::IMM_TRAILER_LEN;
 use super::credit::{Arrival, Credits, send_imm};
-use super::slots::{Ring, RingSlots, SharedRing, SlotSource, recv_request};
+use super::slots::{IMM_TRAILER_LEN, Ring, RingSlots, SharedRing, SlotSource, recv_request};
 
 /// Most receives reposted with one `ibv_post_recv`.
 pub(crate) const MAX_REPOST: usize = 64;

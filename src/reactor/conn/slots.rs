@@ -5,7 +5,11 @@
 
 use crate::verbs::{MemoryRegion, RecvRequest, Registration};
 
-use super::IMM_TRAILER_LEN;
+/// Bytes of every slot kept back for the trailer of a SEND that carries a
+/// user immediate: the immediate itself, after the payload. Every SEND of
+/// the reactor is a SEND_WITH_IMM whose immediate carries the credit (see
+/// `credit::send_imm`), so a payload that fits a packet goes in one.
+pub(crate) const IMM_TRAILER_LEN: usize = 4;
 
 /// A reactor's shared receive queue as a connection sees it: the ring its
 /// receives land in and the ring's size. The reactor reposts its slots.

@@ -17,8 +17,8 @@ use crate::verbs::{
 
 use super::credit::{Credits, send_imm};
 use super::op::{ForwardOrigin, Keep, OpKind, SqOp};
-use super::slots::SlotSource;
-use super::{ConnId, IMM_TRAILER_LEN};
+use super::slots::{IMM_TRAILER_LEN, SlotSource};
+use crate::reactor::ConnId;
 use crate::reactor::idle::Spell;
 use crate::reactor::{ReactorConfig, SendError};
 use send_slots::SendSlots;

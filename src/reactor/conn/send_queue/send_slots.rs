@@ -2,8 +2,7 @@
 
 use crate::verbs::{AccessFlags, MemoryRegion, ProtectionDomain, Sge};
 
-use super::super::IMM_TRAILER_LEN;
-use super::super::slots::Ring;
+use super::super::slots::{IMM_TRAILER_LEN, Ring};
 
 /// A connection's send slots: SEND payloads are copied into them, and
 /// they are used and released in send-queue order, `in_use` of them from
