@@ -1,7 +1,8 @@
 //! Datagrams through the connection manager (`verbs::cm` datagram ids,
 //! `RDMA_PS_UDP`) in one process: both sides over rxe0 at 10.77.0.1, each
 //! on a channel of its own; and a multicast group joined and left through
-//! the connection manager.
+//! the connection manager (its traffic crosses two guests with mckey in
+//! `tools/faults`' multicast-cm scenario).
 //!
 //! Gating: `verbs_test!` (tools/test runs these in the Soft-RoCE guest,
 //! which has rdma_ucm loaded).
