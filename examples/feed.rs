@@ -5,9 +5,16 @@
 //! and how long each took from publisher to subscriber.
 //!
 //! ```text
-//! feed publish --group 239.1.1.1 [--count 1000] [--rate 10000] [--size 64] [-d DEV] [-x GID]
-//! feed subscribe --group 239.1.1.1 [--timeout 30] [--count N [--raw]] [--receives 256] [--json] [-d DEV] [-x GID]
+//! feed publish --group 239.1.1.1 [--count 1000] [--rate 10000] [--size 64] [-d DEV] [-x GID | --cm ADDR]
+//! feed subscribe --group 239.1.1.1 [--timeout 30] [--count N [--raw]] [--receives 256] [--json] [-d DEV] [-x GID | --cm ADDR]
 //! ```
+//!
+//! By default the QP is attached to the group directly (`ibv_attach_mcast`,
+//! with this host's IP membership of the group held through a socket);
+//! with `--cm ADDR` both sides join through the connection manager
+//! (`rdma_join_multicast`) from the local address ADDR, as rdma-core's
+//! `mckey -b ADDR` does, and send to where the join event says the group
+//! is.
 //!
 //! A datagram carries its sequence number, the publisher's clock when it
 //! was sent (nanoseconds since the Unix epoch, `CLOCK_REALTIME`) and a
@@ -22,7 +29,7 @@
 //! meaningful on one host, or across hosts synchronised with PTP. It exits
 //! non-zero if it received nothing or anything altered.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -31,6 +38,7 @@ mod common;
 mod rtt;
 
 use clap::{Parser, Subcommand};
+use rdma_comm_core::verbs::cm::{CmEventKind, CmId, EventChannel};
 use rdma_comm_core::verbs::*;
 use rtt::RttRecorder;
 
@@ -99,6 +107,12 @@ struct GroupArgs {
     /// GID index (default: the RoCE v2 IPv4-mapped GID).
     #[arg(short = 'x', long)]
     gid_index: Option<u32>,
+    /// Join through the connection manager (rdma_cm), as rdma-core's
+    /// mckey does, from ADDR, this host's IPv4 address on the device to
+    /// use (mckey's -b); the device is the one ADDR is on, so neither -d
+    /// nor -x goes with it.
+    #[arg(long, value_name = "ADDR", value_parser = local_address)]
+    cm: Option<Ipv4Addr>,
 }
 
 fn multicast_group(text: &str) -> Result<Ipv4Addr, String> {
@@ -106,6 +120,26 @@ fn multicast_group(text: &str) -> Result<Ipv4Addr, String> {
         Ok(group) if group.is_multicast() => Ok(group),
         _ => Err("must be an IPv4 multicast address (224.0.0.0/4)".into()),
     }
+}
+
+fn local_address(text: &str) -> Result<Ipv4Addr, String> {
+    match text.parse::<Ipv4Addr>() {
+        Ok(addr) if !addr.is_unspecified() && !addr.is_multicast() && !addr.is_broadcast() => {
+            Ok(addr)
+        }
+        _ => Err("must be an IPv4 address of this host (mckey's -b)".into()),
+    }
+}
+
+/// Refuses what the flags cannot mean together, before anything is opened.
+fn check(group: &GroupArgs) -> Result<(), common::Refusal> {
+    if group.cm.is_some() && (group.device.is_some() || group.gid_index.is_some()) {
+        return Err(common::Refusal::of(
+            "--cm",
+            "the device and GID are those of its address: give no -d or -x with it",
+        ));
+    }
+    Ok(())
 }
 
 /// The sequence number of the end mark.
@@ -117,6 +151,12 @@ const PATTERN_AT: usize = 16;
 /// The smallest datagram: the sequence number, the send time, and the end
 /// mark's count where the others have their pattern.
 const MIN_SIZE: usize = PATTERN_AT + 8;
+/// How long the connection manager may take to resolve the group's
+/// address from the local one (mckey's 2 s).
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long to wait for the connection manager's answer to a resolve or a
+/// join.
+const CM_WAIT: Duration = Duration::from_secs(10);
 /// How many times the end mark goes out (UD may drop some).
 const END_REPEATS: u32 = 5;
 /// Receives kept posted by default, each the GRH and the largest datagram.
@@ -129,6 +169,10 @@ const RECV_LEN: usize = GRH_BYTES + 4096;
 fn main() -> ExitCode {
     common::init_logging();
     let args: Args = common::parse("feed");
+    let (Role::Publish { group, .. } | Role::Subscribe { group, .. }) = &args.role;
+    if let Err(refusal) = check(group) {
+        return refusal.exit("feed");
+    }
     let outcome = match args.role {
         Role::Publish {
             group,
@@ -162,13 +206,75 @@ fn main() -> ExitCode {
     }
 }
 
-/// A UD QP on the chosen device for `receives` posted receives, with a CQ
-/// of its own.
-fn open(
-    group: &GroupArgs,
-    receives: usize,
-) -> rdma_comm_core::Result<(ProtectionDomain, CompletionQueue, UdQueuePair)> {
-    let ctx = Context::open_default(group.device.as_deref())?;
+/// A member of the group: a UD QP with a CQ of its own, and with
+/// `--cm` the connection manager's id it was created on.
+struct Member {
+    qp: UdQueuePair,
+    cq: CompletionQueue,
+    pd: ProtectionDomain,
+    cm: Option<Cm>,
+}
+
+/// The connection manager's id of a `--cm` member, and its channel.
+struct Cm {
+    channel: EventChannel,
+    id: CmId,
+}
+
+impl Cm {
+    /// Joins `group` for `qp` and waits for the join, which attaches the
+    /// QP; where to send to the group.
+    fn join(&self, qp: &mut UdQueuePair, group: Ipv4Addr) -> rdma_comm_core::Result<UdDestination> {
+        self.id.join_multicast(qp, IpAddr::V4(group))?;
+        let joined = self
+            .channel
+            .expect(&self.id, CmEventKind::MulticastJoin, CM_WAIT)?;
+        joined.attach_group(qp)
+    }
+}
+
+impl Member {
+    /// Where to send to the group: its GID, or with `--cm` where the join
+    /// event says it is (the QP joins it for that).
+    fn group_destination(&mut self, group: Ipv4Addr) -> rdma_comm_core::Result<UdDestination> {
+        match &self.cm {
+            None => self.qp.group_destination(Gid::from_ipv4(group)),
+            Some(cm) => cm.join(&mut self.qp, group),
+        }
+    }
+
+    /// Receives the group's datagrams from now on.
+    fn subscribe(&mut self, group: Ipv4Addr) -> rdma_comm_core::Result<()> {
+        match &self.cm {
+            None => self.qp.join(Gid::from_ipv4(group)),
+            Some(cm) => {
+                cm.join(&mut self.qp, group)?;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A member with `receives` posted receives: on the chosen device, or
+/// with `--cm` on an id bound to the local address's device, which has
+/// resolved the group's address from it (as mckey does).
+fn open(group: &GroupArgs, receives: usize) -> rdma_comm_core::Result<Member> {
+    let (ctx, cm) = match group.cm {
+        None => (Context::open_default(group.device.as_deref())?, None),
+        Some(local) => {
+            let channel = EventChannel::new()?;
+            let mut id = channel.create_ud_id()?;
+            let local = SocketAddr::from((local, 0));
+            id.bind(local)?;
+            id.resolve_addr(
+                Some(local),
+                SocketAddr::from((group.group, 0)),
+                RESOLVE_TIMEOUT,
+            )?;
+            channel.expect(&id, CmEventKind::AddrResolved, CM_WAIT)?;
+            (id.context()?, Some(Cm { channel, id }))
+        }
+    };
     let pd = ctx.alloc_pd()?;
     let cq = ctx.create_cq(2 * receives as u32, None)?;
     let config = UdConfig {
@@ -176,8 +282,11 @@ fn open(
         gid_index: group.gid_index,
         ..UdConfig::default()
     };
-    let qp = pd.create_ud_qp(&cq, &cq, &config)?;
-    Ok((pd, cq, qp))
+    let qp = match &cm {
+        None => pd.create_ud_qp(&cq, &cq, &config)?,
+        Some(cm) => cm.id.create_ud_qp(&pd, &cq, &cq, &config)?,
+    };
+    Ok(Member { qp, cq, pd, cm })
 }
 
 /// Datagram `seq`'s bytes: its number, the send time `sent_ns`, then a
@@ -220,16 +329,17 @@ fn realtime_ns() -> u64 {
 }
 
 fn publish(args: &GroupArgs, count: u64, rate: u64, size: usize) -> rdma_comm_core::Result<bool> {
-    let (pd, mut cq, mut qp) = open(args, RECEIVES)?;
-    if size > qp.max_datagram() as usize {
+    let mut member = open(args, RECEIVES)?;
+    if size > member.qp.max_datagram() as usize {
         eprintln!(
             "feed: --size {size}: larger than the port's MTU ({} B)",
-            qp.max_datagram()
+            member.qp.max_datagram()
         );
         return Ok(false);
     }
-    let mut tx = pd.alloc_mr(size, AccessFlags::empty())?;
-    let to_group = qp.group_destination(Gid::from_ipv4(args.group))?;
+    let mut tx = member.pd.alloc_mr(size, AccessFlags::empty())?;
+    let to_group = member.group_destination(args.group)?;
+    let Member { mut qp, mut cq, .. } = member;
     let interval = Duration::from_secs_f64(1.0 / rate as f64);
     let mut datagram = vec![0; size];
     let started = Instant::now();
@@ -388,16 +498,27 @@ fn subscribe(
     count: Option<u64>,
     receives: usize,
 ) -> rdma_comm_core::Result<bool> {
-    let (pd, mut cq, mut qp) = open(args, receives)?;
-    let rx = pd.alloc_mr(receives * RECV_LEN, AccessFlags::LOCAL_WRITE)?;
+    let mut member = open(args, receives)?;
+    let rx = member
+        .pd
+        .alloc_mr(receives * RECV_LEN, AccessFlags::LOCAL_WRITE)?;
     for slot in 0..receives {
-        qp.post_recv(&mut RecvRequest::new(
+        member.qp.post_recv(&mut RecvRequest::new(
             slot as u64,
             rx.slice(slot * RECV_LEN, RECV_LEN)?,
         )?)?;
     }
-    qp.join(Gid::from_ipv4(args.group))?;
-    eprintln!("feed: subscribed to {}", args.group);
+    member.subscribe(args.group)?;
+    eprintln!(
+        "feed: subscribed to {}{}",
+        args.group,
+        if member.cm.is_some() {
+            " through rdma_cm"
+        } else {
+            ""
+        }
+    );
+    let Member { mut qp, mut cq, .. } = member;
     let mut tally = Tally::default();
     let (mut datagram, mut expected) = (vec![0; RECV_LEN], Vec::new());
     let mut wcs = [WorkCompletion::default(); 32];
@@ -613,6 +734,36 @@ mod tests {
         for refused in ["0", "8193"] {
             let err = subscribe(&["--receives", refused]).unwrap_err();
             assert!(err.to_string().contains("must be 1 to 8192"), "{err}");
+        }
+    }
+
+    #[test]
+    fn cm_takes_a_local_address_and_neither_a_device_nor_a_gid() {
+        let subscribe = |extra: &[&str]| -> Result<GroupArgs, clap::Error> {
+            let args = Args::try_parse_from(
+                [&["feed", "subscribe", "--group", "239.1.1.1"][..], extra].concat(),
+            )?;
+            match args.role {
+                Role::Subscribe { group, .. } => Ok(group),
+                Role::Publish { group, .. } => Ok(group),
+            }
+        };
+        let group = subscribe(&["--cm", "10.78.0.1"]).unwrap();
+        assert_eq!(group.cm, Some(Ipv4Addr::new(10, 78, 0, 1)));
+        assert!(check(&group).is_ok());
+        assert!(check(&subscribe(&[]).unwrap()).is_ok());
+        for refused in ["0.0.0.0", "239.1.1.1", "255.255.255.255", "host", "::1"] {
+            let err = subscribe(&["--cm", refused]).unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains("must be an IPv4 address of this host"),
+                "{refused}: {err}"
+            );
+        }
+        for other in [&["-d", "rxe0"][..], &["-x", "1"]] {
+            let group = subscribe(&[&["--cm", "10.78.0.1"][..], other].concat()).unwrap();
+            let refusal = check(&group).unwrap_err().to_string();
+            assert!(refusal.starts_with("--cm: "), "{refusal}");
         }
     }
 

@@ -1,13 +1,15 @@
 //! Datagrams through the connection manager (`verbs::cm` datagram ids,
 //! `RDMA_PS_UDP`) in one process: both sides over rxe0 at 10.77.0.1, each
-//! on a channel of its own.
+//! on a channel of its own; and a multicast group joined and left through
+//! the connection manager (its traffic crosses two guests with mckey in
+//! `tools/faults`' multicast-cm scenario).
 //!
 //! Gating: `verbs_test!` (tools/test runs these in the Soft-RoCE guest,
 //! which has rdma_ucm loaded).
 
 mod util;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
@@ -208,5 +210,76 @@ verbs_test! {
         // Refused before anything goes out; the request, dropped, says no.
         assert!(matches!(request.reject(&[0; 137]), Err(Error::InvalidArgument(_))));
         assert!(unreachable(channel.expect(&id, CmEventKind::Established, T)), "refused");
+    }
+}
+
+verbs_test! {
+    /// mckey's join: the MulticastJoin event attaches the QP and gives the
+    /// group's destination; the QP joins a group one way only; a leave
+    /// while the group's event is held ends the membership when that event
+    /// goes; the QP's drop leaves what it still holds.
+    fn a_qp_joins_a_group_through_the_connection_manager_and_leaves_it() {
+        let channel = EventChannel::new().unwrap();
+        let mut id = channel.create_ud_id().unwrap();
+        let group = IpAddr::from([239, 1, 2, 3]);
+        let gid = Gid::from_ipv4(Ipv4Addr::new(239, 1, 2, 3));
+        id.resolve_addr(Some(SocketAddr::from(([10, 77, 0, 1], 0))), SocketAddr::new(group, 0), T)
+            .unwrap();
+        channel.expect(&id, CmEventKind::AddrResolved, T).unwrap();
+        let ctx = id.context().unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16, None).unwrap();
+        let mut qp = id.create_ud_qp(&pd, &cq, &cq, &UdConfig::default()).unwrap();
+        assert!(matches!(
+            id.join_multicast(&mut qp, IpAddr::from([10, 77, 0, 9])),
+            Err(Error::InvalidArgument(_))
+        ), "not a group");
+
+        id.join_multicast(&mut qp, group).unwrap();
+        assert!(matches!(id.join_multicast(&mut qp, group), Err(Error::InvalidArgument(_))), "joined already");
+        let joined = channel.expect(&id, CmEventKind::MulticastJoin, T).unwrap();
+        assert_eq!(joined.group(), Some(group));
+        assert!(joined.private_data().is_empty());
+        assert!(matches!(joined.ud_destination(&qp), Err(Error::InvalidArgument(_))));
+        let to_group = joined.attach_group(&mut qp).unwrap();
+        assert_eq!((to_group.qpn(), to_group.qkey()), (0x00ff_ffff, RDMA_UDP_QKEY));
+        drop(joined);
+        // Each way of joining has its own leave, and a group is joined one way.
+        assert!(matches!(qp.leave(gid), Err(Error::InvalidArgument(_))));
+        assert!(matches!(qp.join(gid), Err(Error::InvalidArgument(_))));
+        id.leave_multicast(&mut qp, group).unwrap();
+        assert!(matches!(id.leave_multicast(&mut qp, group), Err(Error::InvalidArgument(_))), "left already");
+
+        // Left while its event is held: the event's drop leaves it (a leave
+        // then would wait for the acknowledgement, here for ever).
+        id.join_multicast(&mut qp, group).unwrap();
+        let joined = channel.expect(&id, CmEventKind::MulticastJoin, T).unwrap();
+        id.leave_multicast(&mut qp, group).unwrap();
+        assert!(matches!(joined.attach_group(&mut qp), Err(Error::InvalidArgument(_))), "left");
+        drop(joined);
+
+        // Joined with the verbs, left with the verbs.
+        qp.join(gid).unwrap();
+        assert!(matches!(id.leave_multicast(&mut qp, group), Err(Error::InvalidArgument(_))));
+        qp.leave(gid).unwrap();
+
+        // A QP of another id, and a reliable id, are refused.
+        let mut other = channel.create_ud_id().unwrap();
+        other.resolve_addr(Some(SocketAddr::from(([10, 77, 0, 1], 0))), SocketAddr::new(group, 0), T)
+            .unwrap();
+        channel.expect(&other, CmEventKind::AddrResolved, T).unwrap();
+        assert!(matches!(other.join_multicast(&mut qp, group), Err(Error::InvalidArgument(_))));
+        let rc = channel.create_id().unwrap();
+        assert!(matches!(rc.join_multicast(&mut qp, group), Err(Error::InvalidArgument(_))));
+
+        // Joined again and left by the QP's drop; then the id goes too.
+        id.join_multicast(&mut qp, group).unwrap();
+        channel
+            .expect(&id, CmEventKind::MulticastJoin, T)
+            .unwrap()
+            .attach_group(&mut qp)
+            .unwrap();
+        drop(qp);
+        drop(id);
     }
 }

@@ -489,6 +489,41 @@ fn feed_refuses_a_group_that_is_not_multicast_and_values_out_of_range() {
             "--receives 8193",
             "must be 1 to 8192",
         ),
+        (
+            &["subscribe", "--group", "239.1.1.1", "--cm", "nonsense"],
+            "--cm nonsense",
+            "must be an IPv4 address of this host",
+        ),
+        (
+            &["publish", "--group", "239.1.1.1", "--cm", "239.1.1.2"],
+            "--cm 239.1.1.2",
+            "must be an IPv4 address of this host",
+        ),
+        (
+            &["publish", "--group", "239.1.1.1", "--cm", "0.0.0.0"],
+            "--cm 0.0.0.0",
+            "must be an IPv4 address of this host",
+        ),
+        // With a good address, -d (which assert_refused adds) and -x are
+        // refused: the device is the address's.
+        (
+            &["subscribe", "--group", "239.1.1.1", "--cm", "192.0.2.1"],
+            "--cm",
+            "give no -d or -x with it",
+        ),
+        (
+            &[
+                "publish",
+                "--group",
+                "239.1.1.1",
+                "--cm",
+                "192.0.2.1",
+                "-x",
+                "1",
+            ],
+            "--cm",
+            "give no -d or -x with it",
+        ),
     ] {
         assert_refused("feed", args, flag, accepts);
     }
@@ -500,4 +535,13 @@ fn feed_refuses_a_group_that_is_not_multicast_and_values_out_of_range() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains(NO_DEVICE), "{stderr}");
+    // With --cm, as far as the connection manager: no RDMA device, or none
+    // with that address (192.0.2.1 is for documentation only).
+    let out = run(
+        "feed",
+        &["subscribe", "--group", "239.1.1.1", "--cm", "192.0.2.1"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("feed: rdma_"), "{stderr}");
 }

@@ -41,7 +41,7 @@ const _: () = assert!(std::mem::size_of::<sys::ibv_grh>() == GRH_BYTES);
 pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
 
 /// The QP number a datagram to a multicast group is addressed to.
-const MULTICAST_QPN: u32 = 0x00ff_ffff;
+pub(super) const MULTICAST_QPN: u32 = 0x00ff_ffff;
 
 /// Q_Keys with the top bit set are privileged (controlled by the kernel).
 const CONTROLLED_QKEY: u32 = 0x8000_0000;
@@ -144,9 +144,10 @@ pub struct UdQueuePair {
     /// Sends posted, modulo the entries: the next one's place in `in_flight`.
     next_entry: usize,
     link_layer: LinkLayer,
-    /// The multicast groups joined, each with the socket that holds this
-    /// host's IP membership of it; left before the QP is destroyed.
-    groups: Vec<(Gid, UdpSocket)>,
+    /// The multicast groups joined, each under the GID of its address and
+    /// with what holds this host's membership of it; left before the QP
+    /// is destroyed.
+    groups: Vec<(Gid, Membership)>,
     /// The rdma_cm id the QP was created on ([`cm::CmId::create_ud_qp`](super::cm::CmId::create_ud_qp)),
     /// kept so that the id is destroyed only after the QP.
     #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
@@ -178,7 +179,9 @@ impl fmt::Debug for UdQueuePair {
 impl Drop for UdQueuePair {
     fn drop(&mut self) {
         for (group, membership) in std::mem::take(&mut self.groups) {
-            if let Err(err) = self.detach(&group) {
+            if let Some((gid, lid)) = membership.attachment(group)
+                && let Err(err) = self.detach(&gid, lid)
+            {
                 log::warn!("{err}");
             }
             drop(membership);
@@ -468,9 +471,19 @@ impl UdQueuePair {
     /// an IGMP-snooping switch, would not deliver the group's packets. Not
     /// on InfiniBand, where a group is joined through the subnet manager
     /// ([`Error::Unsupported`]).
+    ///
+    /// Joining a group the QP has joined already does nothing; a group it
+    /// joined through the connection manager (`cm::CmId::join_multicast`)
+    /// is refused.
     pub fn join(&mut self, group: Gid) -> Result<()> {
-        if self.groups.iter().any(|(joined, _)| *joined == group) {
-            return Ok(());
+        match self.membership(group) {
+            Some(Membership::Ip { .. }) => return Ok(()),
+            Some(Membership::Cm { .. }) => {
+                return Err(Error::InvalidArgument(
+                    "join: the QP joined this group through the connection manager",
+                ));
+            }
+            None => {}
         }
         let Some(address) = group.ipv4_mapped().filter(Ipv4Addr::is_multicast) else {
             return Err(Error::InvalidArgument(
@@ -506,27 +519,149 @@ impl UdQueuePair {
             &self.pd.ctx.name,
             Some(self.local.qpn),
         )?;
-        self.groups.push((group, membership));
+        self.groups.push((
+            group,
+            Membership::Ip {
+                _socket: membership,
+            },
+        ));
         Ok(())
     }
 
-    /// Leaves multicast group `group`: the QP is detached from it and this
-    /// QP's IP membership of it ends.
+    /// Leaves multicast group `group` joined with [`join`](Self::join):
+    /// the QP is detached from it and this QP's IP membership of it ends.
+    /// A group joined through the connection manager is left with
+    /// `cm::CmId::leave_multicast`.
     pub fn leave(&mut self, group: Gid) -> Result<()> {
-        let Some(at) = self.groups.iter().position(|(joined, _)| *joined == group) else {
-            return Err(Error::InvalidArgument(
-                "leave: the QP has not joined this group",
-            ));
+        let at = match self.groups.iter().position(|(joined, _)| *joined == group) {
+            Some(at) if matches!(self.groups[at].1, Membership::Ip { .. }) => at,
+            Some(_) => {
+                return Err(Error::InvalidArgument(
+                    "leave: the QP joined this group through the connection manager \
+                     (CmId::leave_multicast leaves it)",
+                ));
+            }
+            None => {
+                return Err(Error::InvalidArgument(
+                    "leave: the QP has not joined this group",
+                ));
+            }
         };
-        self.detach(&group)?;
+        self.detach(&group, 0)?;
         self.groups.swap_remove(at);
         Ok(())
     }
 
-    fn detach(&self, group: &Gid) -> Result<()> {
+    fn membership(&self, group: Gid) -> Option<&Membership> {
+        self.groups
+            .iter()
+            .find(|(joined, _)| *joined == group)
+            .map(|(_, membership)| membership)
+    }
+
+    /// True if the QP joined the group `key` names, either way.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    pub(super) fn has_joined(&self, key: Gid) -> bool {
+        self.membership(key).is_some()
+    }
+
+    /// Records a join through the connection manager of the group `key`
+    /// names (the GID of its address), held by `group` until the QP leaves
+    /// it; the QP is attached once the join is reported
+    /// ([`attach_cm_group`](Self::attach_cm_group)). The caller checked
+    /// that the QP had not joined it.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    pub(super) fn add_cm_group(&mut self, key: Gid, group: Arc<dyn Any + Send + Sync>) {
+        self.groups.push((
+            key,
+            Membership::Cm {
+                attached: None,
+                group,
+            },
+        ));
+    }
+
+    /// Attaches the QP to the group held by `group` (recorded with
+    /// [`add_cm_group`](Self::add_cm_group)), at the GID and LID its join
+    /// event reported. `InvalidArgument` when this QP holds no such group
+    /// (another QP's, or one it left).
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    pub(super) fn attach_cm_group<T: Any + Send + Sync>(
+        &mut self,
+        group: &Arc<T>,
+        mgid: Gid,
+        mlid: u16,
+    ) -> Result<()> {
+        let Some(at) = self.groups.iter().position(|(_, membership)| {
+            matches!(membership, Membership::Cm { group: own, .. }
+                if std::ptr::addr_eq(Arc::as_ptr(own), Arc::as_ptr(group)))
+        }) else {
+            return Err(Error::InvalidArgument(
+                "the join event is of a group this QP did not join, or left",
+            ));
+        };
+        let current = match &self.groups[at].1 {
+            Membership::Cm { attached, .. } => *attached,
+            Membership::Ip { .. } => None,
+        };
+        match current {
+            Some(now) if now == (mgid, mlid) => return Ok(()),
+            Some((old, old_lid)) => self.detach(&old, old_lid)?,
+            None => {}
+        }
+        if let Membership::Cm { attached, .. } = &mut self.groups[at].1 {
+            *attached = None;
+        }
+        let gid = sys::ibv_gid { raw: mgid.0 };
+        // SAFETY: the QP is live and `gid` is an aligned, initialised GID.
+        let rc = unsafe { sys::ibv_attach_mcast(self.qp.as_ptr(), &gid, mlid) };
+        check_rc(
+            rc,
+            "ibv_attach_mcast(rdma_cm)",
+            &self.pd.ctx.name,
+            Some(self.local.qpn),
+        )?;
+        if let Membership::Cm { attached, .. } = &mut self.groups[at].1 {
+            *attached = Some((mgid, mlid));
+        }
+        Ok(())
+    }
+
+    /// Detaches the QP from the group `key` names, joined through the
+    /// connection manager, and hands back what holds the group (whose
+    /// release leaves it). A failed detach keeps the membership.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    pub(super) fn remove_cm_group(&mut self, key: Gid) -> Result<Arc<dyn Any + Send + Sync>> {
+        let at = match self.groups.iter().position(|(joined, _)| *joined == key) {
+            Some(at) if matches!(self.groups[at].1, Membership::Cm { .. }) => at,
+            Some(_) => {
+                return Err(Error::InvalidArgument(
+                    "leave_multicast: the QP joined this group with UdQueuePair::join \
+                     (UdQueuePair::leave leaves it)",
+                ));
+            }
+            None => {
+                return Err(Error::InvalidArgument(
+                    "leave_multicast: the QP has not joined this group",
+                ));
+            }
+        };
+        if let Some((gid, lid)) = self.groups[at].1.attachment(key) {
+            self.detach(&gid, lid)?;
+        }
+        match self.groups.swap_remove(at).1 {
+            Membership::Cm { group, .. } => Ok(group),
+            // Not so: `at` was found as a connection manager's above.
+            Membership::Ip { .. } => Err(Error::InvalidArgument(
+                "leave_multicast: the QP joined this group with UdQueuePair::join",
+            )),
+        }
+    }
+
+    fn detach(&self, group: &Gid, lid: u16) -> Result<()> {
         let gid = sys::ibv_gid { raw: group.0 };
         // SAFETY: the QP is live and `gid` is an aligned, initialised GID.
-        let rc = unsafe { sys::ibv_detach_mcast(self.qp.as_ptr(), &gid, 0) };
+        let rc = unsafe { sys::ibv_detach_mcast(self.qp.as_ptr(), &gid, lid) };
         check_rc(
             rc,
             "ibv_detach_mcast",
@@ -617,6 +752,32 @@ impl UdQueuePair {
             self.local.qpn,
             posted,
         ))
+    }
+}
+
+/// What holds a QP's membership of a multicast group.
+enum Membership {
+    /// Joined with [`UdQueuePair::join`]: attached to the group's GID, and
+    /// the socket that holds this host's IP membership of it.
+    Ip { _socket: UdpSocket },
+    /// Joined through the connection manager: attached to the GID and LID
+    /// its join event reported, once it came; `group` holds the
+    /// connection manager's membership, which ends when the last holder
+    /// (this, or an unacknowledged event of the group) lets go.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    Cm {
+        attached: Option<(Gid, u16)>,
+        group: Arc<dyn Any + Send + Sync>,
+    },
+}
+
+impl Membership {
+    /// The GID and LID the QP is attached to for the group `key` names.
+    fn attachment(&self, key: Gid) -> Option<(Gid, u16)> {
+        match self {
+            Self::Ip { .. } => Some((key, 0)),
+            Self::Cm { attached, .. } => *attached,
+        }
     }
 }
 

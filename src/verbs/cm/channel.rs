@@ -15,6 +15,7 @@ use super::CmEventKind;
 use super::event::CmEvent;
 use super::id::{CmId, CmIdInner};
 use super::last_errno;
+use super::multicast::Group;
 
 /// The channel itself, shared by its handle, every id on it and every
 /// event taken from it; destroyed after all of them.
@@ -37,6 +38,11 @@ pub(crate) struct ChannelInner {
 #[derive(Default)]
 pub(crate) struct Registry {
     by_addr: HashMap<usize, Weak<CmIdInner>>,
+    /// The multicast groups joined on the channel's ids, by the number
+    /// each join gave librdmacm as its context (which its events carry),
+    /// never reused. A group is removed when it is left; its events that
+    /// arrive after are acknowledged at once.
+    groups: HashMap<u64, Weak<Group>>,
 }
 
 impl Registry {
@@ -58,6 +64,18 @@ impl Registry {
 
     fn find(&self, raw: *mut sys::rdma_cm_id) -> Option<Arc<CmIdInner>> {
         self.by_addr.get(&(raw as usize)).and_then(Weak::upgrade)
+    }
+
+    pub(crate) fn insert_group(&mut self, context: u64, group: &Arc<Group>) {
+        self.groups.insert(context, Arc::downgrade(group));
+    }
+
+    pub(crate) fn remove_group(&mut self, context: u64) {
+        self.groups.remove(&context);
+    }
+
+    fn find_group(&self, context: u64) -> Option<Arc<Group>> {
+        self.groups.get(&context).and_then(Weak::upgrade)
     }
 }
 
@@ -233,9 +251,27 @@ impl EventChannel {
                 unsafe { sys::rdma_ack_cm_event(raw.as_ptr()) };
                 continue;
             };
-            break Ok(Some((raw, kind, owner, id)));
+            // A multicast event holds its group, which is left only once
+            // no event of it is unacknowledged (librdmacm's leave waits
+            // for that).
+            let group = if kind.is_multicast() {
+                // SAFETY: librdmacm gives a multicast event the UD view of
+                // the parameters and sets their private data to the join's
+                // context, which is one of our numbers (never dereferenced).
+                let context = unsafe { raw.as_ref().param.ud.private_data }.addr() as u64;
+                let Some(group) = guard.find_group(context) else {
+                    // The group was left meanwhile.
+                    // SAFETY: the event is valid and acknowledged once.
+                    unsafe { sys::rdma_ack_cm_event(raw.as_ptr()) };
+                    continue;
+                };
+                Some(group)
+            } else {
+                None
+            };
+            break Ok(Some((raw, kind, owner, id, group)));
         };
-        let Some((raw, kind, owner, id)) = taken? else {
+        let Some((raw, kind, owner, id, group)) = taken? else {
             return Ok(None);
         };
         let request = if kind == CmEventKind::ConnectRequest {
@@ -247,7 +283,9 @@ impl EventChannel {
         };
         drop(guard);
         // SAFETY: `raw` is an unacknowledged event; CmEvent acknowledges it.
-        Ok(Some(unsafe { CmEvent::new(raw, kind, owner, request) }))
+        Ok(Some(unsafe {
+            CmEvent::new(raw, kind, owner, request, group)
+        }))
     }
 
     /// Waits up to `timeout` (for ever with `None`) for the next event;

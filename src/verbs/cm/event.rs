@@ -2,12 +2,13 @@
 //! acknowledged (`rdma_ack_cm_event`) when dropped.
 
 use std::fmt;
+use std::net::IpAddr;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use arrayvec::ArrayVec;
 
-use crate::error::{Error, Result};
+use crate::error::{CmFailure, Error, Result};
 use crate::sys;
 
 use super::super::{RDMA_UDP_QKEY, UdDestination, UdQueuePair};
@@ -17,12 +18,14 @@ use super::super::{RDMA_UDP_QKEY, UdDestination, UdQueuePair};
 const FIRST_PEER_QPN: u32 = 2;
 const LAST_PEER_QPN: u32 = 0x00ff_fffe;
 use super::id::{CmId, CmIdInner, CmToken};
+use super::multicast::{self, Group};
 use super::{CmEventKind, ConnParams, ConnectRequest};
 
 /// One connection-manager event, acknowledged when dropped.
 ///
 /// It keeps the id it is about alive (an id's destruction waits for its
-/// events' acknowledgements, so it could not finish while this is held).
+/// events' acknowledgements, so it could not finish while this is held),
+/// and a multicast event its group (so is leaving it).
 pub struct CmEvent {
     raw: NonNull<sys::rdma_cm_event>,
     kind: CmEventKind,
@@ -30,6 +33,9 @@ pub struct CmEvent {
     request: Option<CmId>,
     /// The id the event counts against: the listener for a connect request.
     owner: Arc<CmIdInner>,
+    /// The group a multicast event is about; dropped after the
+    /// acknowledgement, so that leaving it does not wait for this event.
+    group: Option<Arc<Group>>,
 }
 
 // SAFETY: the event is ours until acknowledged, from any thread; it is
@@ -60,18 +66,21 @@ impl Drop for CmEvent {
 impl CmEvent {
     /// # Safety
     /// `raw` must be an unacknowledged event of the channel `owner` is on,
-    /// counting against `owner`; `request` the new id of a connect request.
+    /// counting against `owner`; `request` the new id of a connect request;
+    /// `group` the group of a multicast event.
     pub(super) unsafe fn new(
         raw: NonNull<sys::rdma_cm_event>,
         kind: CmEventKind,
         owner: Arc<CmIdInner>,
         request: Option<CmId>,
+        group: Option<Arc<Group>>,
     ) -> Self {
         Self {
             raw,
             kind,
             request,
             owner,
+            group,
         }
     }
 
@@ -106,6 +115,10 @@ impl CmEvent {
     /// reject or establishment), padded by the transport beyond what the
     /// peer sent; empty when there is none.
     pub fn private_data(&self) -> &[u8] {
+        if self.kind.is_multicast() {
+            // librdmacm puts the join's context there.
+            return &[];
+        }
         // Both views of the union begin with the private data and its
         // length (`rdma_conn_param` and `rdma_ud_param` alike).
         let (data, len) = if self.owner.is_datagram() {
@@ -172,6 +185,55 @@ impl CmEvent {
                  2 to 0xfffffe or a Q_Key other than RDMA_UDP_QKEY",
             ));
         }
+        qp.destination_from_ah_attr(&ud.ah_attr, ud.qp_num, ud.qkey)
+    }
+
+    /// The multicast group a `MulticastJoin` or `MulticastError` event is
+    /// about ([`CmId::join_multicast`]); `None` for any other event.
+    pub fn group(&self) -> Option<IpAddr> {
+        self.group.as_ref().map(|group| group.addr().ip())
+    }
+
+    /// Attaches `qp` to the group this `MulticastJoin` event reports joined
+    /// ([`CmId::join_multicast`] for `qp`), so that it receives the group's
+    /// datagrams, and returns where to send to the group: an address handle
+    /// made in `qp`'s PD from the event's `param.ud.ah_attr`, QP number
+    /// 0xffffff and the group's Q_Key.
+    ///
+    /// A `MulticastError` event is the join's failure: [`Error::Cm`] with
+    /// [`CmFailure::Event`] naming it and its status.
+    /// `InvalidArgument` for any other event, for a `qp` that did not join
+    /// the group (or left it), and for parameters not fit for `qp` (another
+    /// port, another Q_Key, not a multicast GID or QP number).
+    pub fn attach_group(&self, qp: &mut UdQueuePair) -> Result<UdDestination> {
+        let group = match (self.kind, &self.group) {
+            (CmEventKind::MulticastJoin, Some(group)) => group,
+            (CmEventKind::MulticastError, Some(group)) => {
+                return Err(Error::Cm {
+                    op: "rdma_join_multicast",
+                    peer: Some(group.addr()),
+                    cause: CmFailure::Event {
+                        got: self.kind,
+                        status: self.status(),
+                        expected: Some(CmEventKind::MulticastJoin),
+                    },
+                });
+            }
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "CmEvent::attach_group: only a MulticastJoin event \
+                     (after CmId::join_multicast) reports a joined group",
+                ));
+            }
+        };
+        if !qp.is_anchored_to(&self.owner) {
+            return Err(Error::InvalidArgument(
+                "CmEvent::attach_group: the QP was not created on the event's id",
+            ));
+        }
+        let ud = self.ud_raw();
+        let joined = multicast::joined(ud, qp.port(), qp.endpoint().qkey)?;
+        qp.attach_cm_group(group, joined.mgid, joined.mlid)?;
         qp.destination_from_ah_attr(&ud.ah_attr, ud.qp_num, ud.qkey)
     }
 

@@ -92,8 +92,13 @@ impl CmIdInner {
         self.datagram
     }
 
+    /// The raw id, for calls made holding its channel's lock.
+    pub(super) fn raw(&self) -> *mut sys::rdma_cm_id {
+        self.raw.as_ptr()
+    }
+
     /// The channel the id is on now.
-    fn channel(&self) -> Arc<ChannelInner> {
+    pub(super) fn channel(&self) -> Arc<ChannelInner> {
         Arc::clone(&self.channel.lock().unwrap_or_else(PoisonError::into_inner))
     }
 }

@@ -39,9 +39,11 @@ pub enum CmEventKind {
     Disconnected,
     /// The device the id is bound to was removed; destroy the id.
     DeviceRemoval,
-    /// A multicast join completed (datagram ids only).
+    /// A multicast join completed (datagram ids only): attach the QP with
+    /// `CmEvent::attach_group`, which says where to send to the group.
     MulticastJoin,
-    /// A multicast join failed (datagram ids only).
+    /// A multicast join failed, or a joined group was lost (datagram ids
+    /// only).
     MulticastError,
     /// The address's network device changed its hardware address.
     AddrChange,
@@ -77,7 +79,7 @@ impl CmEventKind {
 
     /// True for the events that end an operation or a connection in
     /// failure (address, route and connect errors, unreachable, rejected,
-    /// disconnected, device removal).
+    /// disconnected, device removal, a multicast error).
     pub fn is_failure(self) -> bool {
         matches!(
             self,
@@ -88,7 +90,14 @@ impl CmEventKind {
                 | Self::Rejected
                 | Self::Disconnected
                 | Self::DeviceRemoval
+                | Self::MulticastError
         )
+    }
+
+    /// True for the events about a multicast group (`MulticastJoin`,
+    /// `MulticastError`).
+    pub fn is_multicast(self) -> bool {
+        matches!(self, Self::MulticastJoin | Self::MulticastError)
     }
 }
 
@@ -132,6 +141,7 @@ impl CmEventKind {
             Self::ConnectResponse => "rdma_connect",
             Self::Established => "rdma_accept (rdma_connect for a datagram id)",
             Self::Disconnected => "rdma_disconnect",
+            Self::MulticastJoin => "rdma_join_multicast",
             _ => "rdma_get_cm_event",
         }
     }

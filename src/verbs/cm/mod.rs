@@ -44,6 +44,16 @@
 //! id, then answers each datagram at the address its completion gives
 //! ([`UdQueuePair::reply_destination`](super::UdQueuePair::reply_destination)).
 //!
+//! # Multicast
+//!
+//! A datagram id's QP joins a multicast group by its IP address as
+//! rdma-core's `mckey` does: bind the id to a device (resolve the group's
+//! address from a local one), create the QP on it, post its receives and
+//! call [`CmId::join_multicast`]; the `MulticastJoin` event's
+//! [`CmEvent::attach_group`] attaches the QP and says where to send to the
+//! group (`MulticastError` is the join's failure).
+//! [`CmId::leave_multicast`], or dropping the QP, leaves it.
+//!
 //! # Ownership
 //!
 //! - The QP is the crate's own [`QueuePair`](super::QueuePair), created in
@@ -86,6 +96,8 @@ mod event;
 #[cfg(feature = "rdma_cm")]
 mod id;
 mod kind;
+#[cfg(feature = "rdma_cm")]
+mod multicast;
 #[cfg(feature = "rdma_cm")]
 mod request;
 #[cfg(feature = "rdma_cm")]
