@@ -256,6 +256,12 @@ verbs_test! {
         let joined = channel.expect(&id, CmEventKind::MulticastJoin, T).unwrap();
         id.leave_multicast(&mut qp, group).unwrap();
         assert!(matches!(joined.attach_group(&mut qp), Err(Error::InvalidArgument(_))), "left");
+        // The id holds the group until the event goes: joining it again now
+        // would let the pending leave end the new membership.
+        assert!(
+            matches!(id.join_multicast(&mut qp, group), Err(Error::InvalidArgument(_))),
+            "the leave is pending"
+        );
         drop(joined);
 
         // Joined with the verbs, left with the verbs.

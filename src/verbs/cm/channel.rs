@@ -25,7 +25,8 @@ pub(crate) struct ChannelInner {
     /// `rdma_destroy_id` and `rdma_ack_cm_event` (which run in `Drop`s and
     /// must not wait for it): the library writes an id's fields while it
     /// processes that id's events, so this keeps our reads of them, and
-    /// our calls, from racing with it.
+    /// our calls, from racing with it. A multicast group's drop takes it
+    /// to leave the group, so no QP or event is dropped while it is held.
     ids: Mutex<Registry>,
 }
 
@@ -72,6 +73,14 @@ impl Registry {
 
     pub(crate) fn remove_group(&mut self, context: u64) {
         self.groups.remove(&context);
+    }
+
+    /// Whether a join of `addr` on the id `id` is still held.
+    pub(crate) fn holds_group(&self, id: &Arc<CmIdInner>, addr: std::net::SocketAddr) -> bool {
+        self.groups
+            .values()
+            .filter_map(Weak::upgrade)
+            .any(|group| group.is_of(id, addr))
     }
 
     fn find_group(&self, context: u64) -> Option<Arc<Group>> {

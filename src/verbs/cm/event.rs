@@ -25,7 +25,8 @@ use super::{CmEventKind, ConnParams, ConnectRequest};
 ///
 /// It keeps the id it is about alive (an id's destruction waits for its
 /// events' acknowledgements, so it could not finish while this is held),
-/// and a multicast event its group (so is leaving it).
+/// and a multicast event its group (so the group is not left, which would
+/// wait for this acknowledgement, until this is dropped).
 pub struct CmEvent {
     raw: NonNull<sys::rdma_cm_event>,
     kind: CmEventKind,
@@ -232,9 +233,11 @@ impl CmEvent {
             ));
         }
         let ud = self.ud_raw();
-        let joined = multicast::joined(ud, qp.port(), qp.endpoint().qkey)?;
+        let joined = multicast::joined(ud, qp.port(), qp.endpoint().qkey, group.addr().ip())?;
+        // The destination first: a QP is attached only if all went well.
+        let destination = qp.destination_from_ah_attr(&ud.ah_attr, ud.qp_num, ud.qkey)?;
         qp.attach_cm_group(group, joined.mgid, joined.mlid)?;
-        qp.destination_from_ah_attr(&ud.ah_attr, ud.qp_num, ud.qkey)
+        Ok(destination)
     }
 
     fn conn_raw(&self) -> &sys::rdma_conn_param {
@@ -248,9 +251,9 @@ impl CmEvent {
 
     fn ud_raw(&self) -> &sys::rdma_ud_param {
         // SAFETY: as for `conn_raw`: plain data either way. The callers
-        // read this view whole only for a datagram id's `Established`,
-        // which librdmacm fills with it, and otherwise only the private
-        // data and its length, where both views agree.
+        // read this view whole only for a datagram id's `Established` and
+        // `MulticastJoin`, which librdmacm fills with it, and otherwise
+        // only the private data and its length, where both views agree.
         unsafe { &self.event().param.ud }
     }
 

@@ -38,6 +38,11 @@ impl Group {
         self.addr
     }
 
+    /// True for a join of `addr` on the id `id`.
+    pub(super) fn is_of(&self, id: &Arc<CmIdInner>, addr: SocketAddr) -> bool {
+        Arc::ptr_eq(&self.id, id) && self.addr == addr
+    }
+
     /// Leaves the group (`rdma_leave_multicast`) and forgets it, unless an
     /// unacknowledged event still holds it (librdmacm's leave would wait
     /// for its acknowledgement): then the drop of the last such event
@@ -123,8 +128,8 @@ impl CmId {
     ///
     /// The outcome arrives as `MulticastJoin`, whose
     /// [`attach_group`](super::CmEvent::attach_group) attaches `qp` and
-    /// says where to send to the group, or `MulticastError`. On RoCE the
-    /// kernel joins the group's IP group for this host (IGMP) as well.
+    /// says where to send to the group, or `MulticastError`. On RoCE v2
+    /// the kernel joins the group's IP group for this host (IGMP) as well.
     ///
     /// The QP holds the membership: [`leave_multicast`](Self::leave_multicast)
     /// ends it, and so does dropping the QP. `InvalidArgument` for a
@@ -159,6 +164,16 @@ impl CmId {
         let context = next_context();
         let channel = self.inner.channel();
         let mut registry = channel.lock();
+        // librdmacm keeps one membership per address on an id and leaves
+        // the first it finds: a second join of the address (by another QP
+        // of the id, or while a leave waits for an event to be dropped)
+        // would make the pending leave end the new membership.
+        if registry.holds_group(&self.inner, addr) {
+            return Err(Error::InvalidArgument(
+                "rdma_join_multicast: this id holds the group already (joined by \
+                 another of its QPs, or left while one of its events is held)",
+            ));
+        }
         let mut raw_addr = RawAddr::new(addr);
         // SAFETY: the id is live and we hold its channel's lock; the
         // address is read during the call; the context is a number
@@ -221,11 +236,16 @@ pub(super) struct Joined {
 }
 
 /// Checks a `MulticastJoin` event's parameters (`param.ud`) for a QP on
-/// `port` with Q_Key `qkey`: the multicast QP number, the QP's own Q_Key
-/// (a datagram with another one would be dropped), the QP's port and a
-/// multicast GID (an IPv4-mapped multicast address on RoCE v2, `ff..` on
-/// InfiniBand and RoCE v1).
-pub(super) fn joined(ud: &sys::rdma_ud_param, port: u8, qkey: u32) -> Result<Joined> {
+/// `port` with Q_Key `qkey` that joined `group`: the multicast QP number,
+/// the QP's own Q_Key (a datagram with another one would be dropped), the
+/// QP's port, and the GID the kernel maps `group` to (see
+/// [`is_gid_of`]).
+pub(super) fn joined(
+    ud: &sys::rdma_ud_param,
+    port: u8,
+    qkey: u32,
+    group: IpAddr,
+) -> Result<Joined> {
     if ud.qp_num != MULTICAST_QPN {
         return Err(Error::InvalidArgument(
             "the join event's QP number is not the multicast one (0xffffff)",
@@ -243,16 +263,30 @@ pub(super) fn joined(ud: &sys::rdma_ud_param, port: u8, qkey: u32) -> Result<Joi
     }
     // SAFETY: both views of the GID union are 16 bytes of plain data.
     let mgid = Gid(unsafe { ud.ah_attr.grh.dgid.raw });
-    let multicast = mgid.0[0] == 0xff || mgid.ipv4_mapped().is_some_and(|ip| ip.is_multicast());
-    if !multicast {
+    if !is_gid_of(&mgid, group) {
         return Err(Error::InvalidArgument(
-            "the join event's GID is not a multicast one",
+            "the join event's GID is not the one of the group joined",
         ));
     }
     Ok(Joined {
         mgid,
         mlid: ud.ah_attr.dlid,
     })
+}
+
+/// Whether `mgid` is the GID the kernel joins for `group`: on RoCE v2 the
+/// address itself (IPv4-mapped), on RoCE v1 and InfiniBand an `ff..` GID
+/// that ends with the address's low bits (all 4 bytes of an IPv4 one, the
+/// last 10 of an IPv6 one).
+fn is_gid_of(mgid: &Gid, group: IpAddr) -> bool {
+    if *mgid == group_key(group) {
+        return true;
+    }
+    mgid.0[0] == 0xff
+        && match group {
+            IpAddr::V4(v4) => mgid.0[12..] == v4.octets(),
+            IpAddr::V6(v6) => mgid.0[6..] == v6.octets()[6..],
+        }
 }
 
 #[cfg(test)]
@@ -280,33 +314,43 @@ mod tests {
         let group = Ipv4Addr::new(239, 1, 1, 1);
         let mut ud = roce_join(group);
         assert_eq!(
-            joined(&ud, 1, RDMA_UDP_QKEY).unwrap(),
+            joined(&ud, 1, RDMA_UDP_QKEY, group.into()).unwrap(),
             Joined {
                 mgid: Gid::from_ipv4(group),
                 mlid: 0
             }
         );
-        // InfiniBand (and RoCE v1): an ff.. GID and the group's LID.
+        // InfiniBand (and RoCE v1): an ff.. GID ending with the address,
+        // and the group's LID.
         let mut ib = [0u8; 16];
         ib[0] = 0xff;
         ib[1] = 0x12;
+        ib[12..].copy_from_slice(&group.octets());
         ud.ah_attr.grh.dgid.raw = ib;
         ud.ah_attr.dlid = 0xc001;
         assert_eq!(
-            joined(&ud, 1, RDMA_UDP_QKEY).unwrap(),
+            joined(&ud, 1, RDMA_UDP_QKEY, group.into()).unwrap(),
             Joined {
                 mgid: Gid(ib),
                 mlid: 0xc001
             }
         );
+        let v6: Ipv6Addr = "ff0e::1:2".parse().unwrap();
+        ud.ah_attr.grh.dgid.raw = v6.octets();
+        assert!(joined(&ud, 1, RDMA_UDP_QKEY, v6.into()).is_ok(), "IPv6");
     }
 
     #[test]
-    fn a_join_event_unfit_for_the_qp_is_refused() {
-        let good = roce_join(Ipv4Addr::new(239, 1, 1, 1));
+    fn a_join_event_unfit_for_the_qp_or_the_group_is_refused() {
+        let group = Ipv4Addr::new(239, 1, 1, 1);
+        let good = roce_join(group);
         let refused = |ud: sys::rdma_ud_param, port, qkey| {
-            matches!(joined(&ud, port, qkey), Err(Error::InvalidArgument(_)))
+            matches!(
+                joined(&ud, port, qkey, group.into()),
+                Err(Error::InvalidArgument(_))
+            )
         };
+        assert!(!refused(good, 1, RDMA_UDP_QKEY));
         assert!(refused(good, 2, RDMA_UDP_QKEY), "another port");
         assert!(refused(good, 1, RDMA_UDP_QKEY + 1), "another Q_Key");
         let mut unicast_qpn = good;
@@ -315,6 +359,17 @@ mod tests {
         let mut unicast = good;
         unicast.ah_attr.grh.dgid.raw = Gid::from_ipv4(Ipv4Addr::new(10, 78, 0, 1)).0;
         assert!(refused(unicast, 1, RDMA_UDP_QKEY), "a unicast GID");
+        let mut other = good;
+        other.ah_attr.grh.dgid.raw = Gid::from_ipv4(Ipv4Addr::new(239, 1, 1, 2)).0;
+        assert!(refused(other, 1, RDMA_UDP_QKEY), "another group");
+        let mut other_ib = good;
+        let mut gid = Gid::from_ipv4(Ipv4Addr::new(239, 1, 1, 2)).0;
+        gid[0] = 0xff;
+        other_ib.ah_attr.grh.dgid.raw = gid;
+        assert!(
+            refused(other_ib, 1, RDMA_UDP_QKEY),
+            "another group's ff.. GID"
+        );
         let mut zero = good;
         zero.ah_attr.grh.dgid.raw = [0; 16];
         assert!(refused(zero, 1, RDMA_UDP_QKEY), "no GID");
