@@ -22,7 +22,7 @@
 //! or at any point for the client, is a failure (exit status 1).
 
 use std::collections::VecDeque;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -148,33 +148,13 @@ fn check(args: &Args) -> std::result::Result<Addrs, common::Refusal> {
         }
     };
     Ok(Addrs {
-        target: socket_addr("-a", host, args.port)?,
+        target: common::host("-a", host, args.port)?,
         source: args
             .source
             .as_deref()
-            .map(|source| socket_addr("-I", source, 0))
+            .map(|source| common::host("-I", source, 0))
             .transpose()?,
     })
-}
-
-/// `flag`'s ADDR (a name or an address) with `port`.
-fn socket_addr(
-    flag: &str,
-    host: &str,
-    port: u16,
-) -> std::result::Result<SocketAddr, common::Refusal> {
-    let refuse = |why: String| {
-        common::Refusal::new(
-            flag,
-            host,
-            format!("must be a host name or address ({why})"),
-        )
-    };
-    (host, port)
-        .to_socket_addrs()
-        .map_err(|err| refuse(err.to_string()))?
-        .next()
-        .ok_or_else(|| refuse("it has no address".into()))
 }
 
 /// The client's ping data, exactly as rping writes it: `rdma-ping-N: `,

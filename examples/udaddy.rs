@@ -23,7 +23,7 @@
 //! datagrams went each way, 1 otherwise (a timeout, an error). As with
 //! udaddy, both sides must use the same `-C` and `-S`.
 
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -121,40 +121,20 @@ fn check(args: &Args) -> std::result::Result<(SocketAddr, Option<SocketAddr>), c
         )),
         None => {
             let bind = args.bind.as_deref().unwrap_or("0.0.0.0");
-            Ok((socket_addr("-b", bind, args.port)?, None))
+            Ok((common::host("-b", bind, args.port)?, None))
         }
         Some(_) if args.insecure => Err(common::Refusal::of(
             "--insecure",
             "only the server takes it (the client is -s ADDR)",
         )),
         Some(server) => Ok((
-            socket_addr("-s", server, args.port)?,
+            common::host("-s", server, args.port)?,
             args.bind
                 .as_deref()
-                .map(|source| socket_addr("-b", source, 0))
+                .map(|source| common::host("-b", source, 0))
                 .transpose()?,
         )),
     }
-}
-
-/// `flag`'s ADDR (a name or an address) with `port`.
-fn socket_addr(
-    flag: &str,
-    host: &str,
-    port: u16,
-) -> std::result::Result<SocketAddr, common::Refusal> {
-    let refuse = |why: String| {
-        common::Refusal::new(
-            flag,
-            host,
-            format!("must be a host name or address ({why})"),
-        )
-    };
-    (host, port)
-        .to_socket_addrs()
-        .map_err(|err| refuse(err.to_string()))?
-        .next()
-        .ok_or_else(|| refuse("it has no address".into()))
 }
 
 /// A UD QP's CQs and buffers: a receive slot of GRH + size for each

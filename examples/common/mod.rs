@@ -12,8 +12,8 @@ use rdma_comm_core::verbs::QpConfig;
 mod refusal;
 #[allow(unused_imports)] // Each tool uses some of them.
 pub use refusal::{
-    Refusal, address, at_least, core_list, distinct_usable_cores, parse, parse_adjusted, range,
-    reason,
+    Refusal, address, at_least, core_list, distinct_usable_cores, host, parse, parse_adjusted,
+    range, reason,
 };
 
 /// Starts the logger before anything else: the library's warnings and

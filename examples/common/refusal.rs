@@ -143,6 +143,23 @@ pub fn address(argument: &str, text: &str) -> Result<Vec<SocketAddr>, Refusal> {
     Ok(addrs)
 }
 
+/// Checks that `host`, given as `argument`, is a host name or address
+/// that resolves; its first address, with `port`.
+pub fn host(argument: &str, host: &str, port: u16) -> Result<SocketAddr, Refusal> {
+    let refuse = |why: String| {
+        Refusal::new(
+            argument,
+            host,
+            format!("must be a host name or address ({why})"),
+        )
+    };
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|err| refuse(err.to_string()))?
+        .next()
+        .ok_or_else(|| refuse("it has no address".into()))
+}
+
 /// Checks a core list given as `argument` ("0,2,4-7"): it parses, names
 /// no core twice, only cores this process may run on, and at least
 /// `needed` of them. The cores, in order.
