@@ -25,7 +25,7 @@ use super::cq::{CqInner, CqSource, WorkCompletion};
 use super::device::{Gid, LinkLayer};
 use super::mr::LocalSlice;
 use super::pd::{PdInner, ProtectionDomain};
-use super::qp::{PostRecvFn, PostSendFn, destroy_qp, post, post_fns};
+use super::qp::{Anchor, PostRecvFn, PostSendFn, destroy_qp, post, post_fns};
 use super::requests::sealed::{Request, Seal};
 use super::requests::{self, RecvRequests};
 use super::wc::WcOpcode;
@@ -151,7 +151,7 @@ pub struct UdQueuePair {
     /// The rdma_cm id the QP was created on ([`cm::CmId::create_ud_qp`](super::cm::CmId::create_ud_qp)),
     /// kept so that the id is destroyed only after the QP.
     #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
-    anchor: Option<Arc<dyn Any + Send + Sync>>,
+    anchor: Anchor,
     // Held so that the CQs and the PD outlive the QP: dropped after it is
     // destroyed in Drop.
     _send_cq: Arc<CqInner>,
@@ -276,7 +276,7 @@ impl ProtectionDomain {
             next_entry: 0,
             link_layer: port_attr.link_layer,
             groups: Vec::new(),
-            anchor: None,
+            anchor: Anchor::default(),
             _send_cq: send_cq.inner,
             _recv_cq: recv_cq.inner,
             pd: Arc::clone(&self.inner),
@@ -310,15 +310,13 @@ impl UdQueuePair {
     /// Keeps `anchor` alive until after the QP is destroyed.
     #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
     pub(super) fn anchor_to(&mut self, anchor: Arc<dyn Any + Send + Sync>) {
-        self.anchor = Some(anchor);
+        self.anchor.set(anchor);
     }
 
     /// True if the QP was anchored to exactly this object.
     #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
     pub(super) fn is_anchored_to<T: Any + Send + Sync>(&self, anchor: &Arc<T>) -> bool {
-        self.anchor
-            .as_ref()
-            .is_some_and(|own| std::ptr::addr_eq(Arc::as_ptr(own), Arc::as_ptr(anchor)))
+        self.anchor.is(anchor)
     }
 
     fn modify(&self, attr: &mut sys::ibv_qp_attr, mask: u32, verb: &'static str) -> Result<()> {
@@ -377,25 +375,13 @@ impl UdQueuePair {
         attr.grh.dgid.raw = gid.0;
         attr.grh.sgid_index = self.gid_index as u8;
         attr.grh.hop_limit = 64;
-        // SAFETY: the PD is live (held by the destination from here on) and
-        // `attr` is fully initialised.
-        let raw = unsafe { sys::ibv_create_ah(self.pd.pd.as_ptr(), &mut attr) };
-        let ah = check_ptr(raw, "ibv_create_ah", &self.pd.ctx.name)?;
-        Ok(UdDestination {
-            handle: Arc::new(AddressHandle {
-                ah,
-                pd: Arc::clone(&self.pd),
-            }),
-            qpn,
-            qkey,
-        })
+        self.create_destination(attr, "ibv_create_ah", qpn, qkey)
     }
 
     /// Where to send datagrams for QP `qpn` (with Q_Key `qkey`) at the
     /// address `attr` describes, as the connection manager reports a
-    /// datagram peer (`rdma_ud_param`). The attributes come from the
-    /// peer's answer: refused unless they are for this QP's port and `qpn`
-    /// is a QP number (24 bits).
+    /// datagram peer or a group (`rdma_ud_param`): refused unless the
+    /// attributes are for this QP's port and `qpn` is a QP number (24 bits).
     #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
     pub(super) fn destination_from_ah_attr(
         &self,
@@ -413,11 +399,34 @@ impl UdQueuePair {
                 "the peer's QP number is wider than 24 bits",
             ));
         }
-        let mut attr = *attr;
+        self.create_destination(*attr, "ibv_create_ah(rdma_cm)", qpn, qkey)
+    }
+
+    /// Creates an address handle from `attr` in this QP's PD (`verb` names
+    /// the call in an error) and makes it a destination.
+    fn create_destination(
+        &self,
+        mut attr: sys::ibv_ah_attr,
+        verb: &'static str,
+        qpn: u32,
+        qkey: u32,
+    ) -> Result<UdDestination> {
         // SAFETY: the PD is live (held by the destination from here on) and
         // `attr` is an initialised copy the verb only reads.
         let raw = unsafe { sys::ibv_create_ah(self.pd.pd.as_ptr(), &mut attr) };
-        let ah = check_ptr(raw, "ibv_create_ah(rdma_cm)", &self.pd.ctx.name)?;
+        self.adopt_ah(raw, verb, qpn, qkey)
+    }
+
+    /// Makes `raw`, what `verb` returned for an address handle in this
+    /// QP's PD (null on failure, with errno set), a destination.
+    fn adopt_ah(
+        &self,
+        raw: *mut sys::ibv_ah,
+        verb: &'static str,
+        qpn: u32,
+        qkey: u32,
+    ) -> Result<UdDestination> {
+        let ah = check_ptr(raw, verb, &self.pd.ctx.name)?;
         Ok(UdDestination {
             handle: Arc::new(AddressHandle {
                 ah,
@@ -451,15 +460,7 @@ impl UdQueuePair {
         let raw = unsafe {
             sys::ibv_create_ah_from_wc(self.pd.pd.as_ptr(), &mut wc, &mut header, self.port)
         };
-        let ah = check_ptr(raw, "ibv_create_ah_from_wc", &self.pd.ctx.name)?;
-        Ok(UdDestination {
-            handle: Arc::new(AddressHandle {
-                ah,
-                pd: Arc::clone(&self.pd),
-            }),
-            qpn: wc.src_qp,
-            qkey: self.local.qkey,
-        })
+        self.adopt_ah(raw, "ibv_create_ah_from_wc", wc.src_qp, self.local.qkey)
     }
 
     /// Joins multicast group `group`, the IPv4-mapped GID of a multicast

@@ -125,7 +125,7 @@ pub struct QueuePair {
     /// The rdma_cm id the QP was created on ([`cm::CmId::create_qp`](super::cm::CmId::create_qp)),
     /// kept so that the id is destroyed only after the QP.
     #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
-    anchor: Option<Arc<dyn Any + Send + Sync>>,
+    anchor: Anchor,
 }
 
 // SAFETY: libibverbs QPs may be used from any thread, and posting is internally
@@ -161,6 +161,27 @@ impl Drop for QueuePair {
         if let Err(err) = check_rc(rc, "ibv_destroy_qp", &self.pd.ctx.name, Some(self.qpn)) {
             log::error!("{err}");
         }
+    }
+}
+
+/// What a QP keeps alive until after it is destroyed (the connection
+/// manager's id it was created on), and can be asked about.
+#[derive(Default)]
+pub(super) struct Anchor(Option<Arc<dyn Any + Send + Sync>>);
+
+impl Anchor {
+    /// Keeps `anchor`.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    pub(super) fn set(&mut self, anchor: Arc<dyn Any + Send + Sync>) {
+        self.0 = Some(anchor);
+    }
+
+    /// True if it keeps exactly this object.
+    #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
+    pub(super) fn is<T: Any + Send + Sync>(&self, anchor: &Arc<T>) -> bool {
+        self.0
+            .as_ref()
+            .is_some_and(|own| std::ptr::addr_eq(Arc::as_ptr(own), Arc::as_ptr(anchor)))
     }
 }
 
@@ -299,7 +320,7 @@ impl ProtectionDomain {
             send_cq: send_cq.inner,
             recv_cq: recv_cq.inner,
             pd: Arc::clone(&self.inner),
-            anchor: None,
+            anchor: Anchor::default(),
         };
         qp.enter_init()?;
         Ok(qp)
@@ -459,15 +480,13 @@ impl QueuePair {
     /// Keeps `anchor` alive until after the QP is destroyed.
     #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
     pub(super) fn anchor_to(&mut self, anchor: Arc<dyn Any + Send + Sync>) {
-        self.anchor = Some(anchor);
+        self.anchor.set(anchor);
     }
 
     /// True if the QP was anchored to exactly this object.
     #[cfg_attr(not(feature = "rdma_cm"), allow(dead_code))]
     pub(super) fn is_anchored_to<T: Any + Send + Sync>(&self, anchor: &Arc<T>) -> bool {
-        self.anchor
-            .as_ref()
-            .is_some_and(|own| std::ptr::addr_eq(Arc::as_ptr(own), Arc::as_ptr(anchor)))
+        self.anchor.is(anchor)
     }
 
     /// How this QP was configured (READ depths clamped to the device).
