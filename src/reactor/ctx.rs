@@ -22,6 +22,13 @@ pub struct Ctx<'a> {
     /// Set when a call may have staged work or queued a repost, so an idle
     /// pass knows whether it has anything to flush.
     pub(super) touched: bool,
+    /// The slot of the connection a completion callback was called for
+    /// (`u32::MAX` outside one), which the reactor settles itself once the
+    /// callback returns: what the callback stages on it does not list it
+    /// for the pass's flush.
+    pub(super) own: u32,
+    /// Whether the callback staged work on [`own`](Self::own).
+    pub(super) own_staged: bool,
     /// What callbacks leave for the end of the pass.
     pub(super) deferred: &'a mut Deferred,
     /// In `on_idle`: the reactor's CQs, lent for a spin ([`Ctx::spin`]).
@@ -71,6 +78,8 @@ impl<'a> Ctx<'a> {
             reactor,
             current: None,
             touched: false,
+            own: u32::MAX,
+            own_staged: false,
             deferred,
             loan: None,
         }
@@ -135,7 +144,20 @@ impl Ctx<'_> {
     #[inline]
     fn conn(&mut self, conn: ConnId) -> Result<&mut Conn, SendError> {
         self.touched = true;
-        self.conns.get_mut(conn.key()).ok_or(SendError::Closed)
+        self.target(conn).ok_or(SendError::Closed)
+    }
+
+    /// Connection `conn`, to stage work on: listed for the pass's flush,
+    /// unless it is the one the callback was called for, which the reactor
+    /// flushes after the callback (noted in `own_staged`).
+    #[inline(always)]
+    fn target(&mut self, conn: ConnId) -> Option<&mut Conn> {
+        // The slot alone decides: the lookup checks the rest of the id.
+        if conn.key().index == self.own {
+            self.own_staged = true;
+            return self.conns.get_mut_quiet(conn.key());
+        }
+        self.conns.get_mut(conn.key())
     }
 
     /// A received message of `len` payload bytes whose slot the handler may
@@ -272,7 +294,7 @@ impl Ctx<'_> {
             from_srq: origin.rq().uses_srq(),
         };
         let len = held.len as usize;
-        let Some(target) = self.conns.get_mut(to.key()) else {
+        let Some(target) = self.target(to) else {
             return Err((SendError::Closed, held));
         };
         // The usual case: the target keeps the origin's ring registration
@@ -290,7 +312,7 @@ impl Ctx<'_> {
         else {
             return Err((SendError::Foreign, held));
         };
-        let Some(target) = self.conns.get_mut(to.key()) else {
+        let Some(target) = self.target(to) else {
             return Err((SendError::Closed, held));
         };
         target

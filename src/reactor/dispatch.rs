@@ -10,8 +10,6 @@ use crate::verbs::WcOpcode;
 
 use super::conn::{Arrival, OpKind};
 use super::slab::Key;
-#[cfg(debug_assertions)]
-use super::slab::TOUCHED;
 use super::table::{Completed, Entry, Refusal};
 use super::{ConnId, Ctx, Handler, PeerLink, Reactor, SessionId};
 
@@ -42,6 +40,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// pass (`LEAN`: no connection of the reactor's own protocol), only a
     /// direct connection's completion is looked up inline; any other goes
     /// to a call of its own.
+    ///
+    /// A delivered receive, and a callback's work on the connection it was
+    /// called for, leave that connection to the flush through
+    /// [`ConnTable::settle`](super::table::ConnTable::settle).
     #[inline(always)]
     pub(super) fn route<const LEAN: bool>(&mut self, at: usize) {
         let wc = self.completions.wc(at);
@@ -116,6 +118,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                                 Ok(Arrival::Credit(count)) => {
                                     conn.queue_repost(slot);
                                     if !conn.peer_credit(count) {
+                                        self.conns.settle(key.index);
                                         return;
                                     }
                                     conn.answer_first_credit();
@@ -142,13 +145,20 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// Completion `at`, refused by the table: in a lean pass, one that is
-    /// no direct connection's is routed in full; an SRQ slot reclaimed
-    /// leaves a repost for the flush; anything else is no connection's.
+    /// no direct connection's is routed in full (and a connection it
+    /// leaves due is listed instead, for the lean pass's chores: only a
+    /// full pass flushes the due one); an SRQ slot reclaimed leaves a
+    /// repost for the flush; anything else is no connection's.
     #[cold]
     #[inline(never)]
     fn refused(&mut self, at: usize, refusal: Refusal) {
         match refusal {
-            Refusal::NotDirect => self.route::<false>(at),
+            Refusal::NotDirect => {
+                self.route::<false>(at);
+                if let Some(index) = self.conns.take_due() {
+                    self.conns.touch(index);
+                }
+            }
             Refusal::Reclaimed => self.idle.work_left(),
             _ => {
                 let wc = *self.completions.wc(at);
@@ -160,13 +170,21 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Calls the handler of `session` with what completion brought
     /// connection `key` (`id`), and does what the call leaves: the
     /// message's slot queued for reposting unless held, forwards' slots
-    /// given back as their sends retire.
+    /// given back as their sends retire, and the connection settled for
+    /// the flush if the delivery or the callback left it work.
     #[inline(always)]
     fn deliver(&mut self, key: Key, session: SessionId, id: ConnId, delivery: Delivery) {
+        // A receive leaves its connection work (its slot's repost, a credit
+        // update that may be due); a retire leaves none of its own.
+        let received = !matches!(delivery, Delivery::Retired { .. });
         let Some(handler) = self.sessions.handler_mut(session) else {
+            if received {
+                self.conns.settle(key.index);
+            }
             return;
         };
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+        ctx.own = key.index;
         match delivery {
             Delivery::WriteImm { imm, len } => handler.on_write_imm(&mut ctx, id, imm, len),
             Delivery::Established => handler.on_established(&mut ctx, id),
@@ -191,7 +209,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 let data = unsafe { std::slice::from_raw_parts(data.0, data.1) };
                 handler.on_message(&mut ctx, id, data, imm);
                 if ctx.current.is_some()
-                    && let Some(conn) = ctx.conns.get_mut(key)
+                    && let Some(conn) = ctx.conns.get_mut_quiet(key)
                 {
                     conn.queue_repost(slot);
                 }
@@ -200,7 +218,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 let mut left = count;
                 while left > 0 {
                     let Some(conn) = ctx.conns.get_mut_quiet(key) else {
-                        return;
+                        break;
                     };
                     // A run of one kind retires whole, for one handler
                     // call (`retire_count` vouched for `left` ops in
@@ -232,11 +250,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 }
                 // Not listed for the flush by the retire (see
                 // `ConnTable::lookup`): then the flush has nothing to do
-                // for it.
+                // for it unless the callbacks staged on it (settled below).
                 #[cfg(debug_assertions)]
                 if let Some(conn) = ctx.conns.get(key) {
                     debug_assert!(
-                        ctx.conns.is_listed(TOUCHED, key.index)
+                        ctx.own_staged
+                            || ctx.conns.is_settled(key.index)
                             || conn.state().is_closed()
                             || (conn.is_quiet() && !conn.rq().is_due()),
                         "a retire left connection {} work for a flush it does not ask for",
@@ -244,6 +263,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     );
                 }
             }
+        }
+        if received || ctx.own_staged {
+            ctx.conns.settle(key.index);
         }
     }
 }

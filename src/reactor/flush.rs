@@ -61,6 +61,28 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.idle.flush_ended(left);
     }
 
+    /// Flushes connection `index` alone, as the pass's flush would: the
+    /// one a pass's completions left due (see `ConnTable::settle`), so the
+    /// flush has no walk to make for it. A doorbell rung alone that the
+    /// device refused must fail its connection before anything else is
+    /// posted, which the pass's flush does first: then it is listed for
+    /// that flush instead.
+    #[inline]
+    pub(super) fn flush_one(&mut self, index: u32) {
+        if !self.deferred.refused.is_empty() {
+            self.conns.touch(index);
+            return;
+        }
+        let mut left = Leftovers::default();
+        self.flush_index(index, false, false, &mut left);
+        self.idle.flush_ended(left);
+        // Slots handed to the SRQ pool wait in its batch for the pass's
+        // flush, which posts them.
+        if self.srq.as_ref().is_some_and(SrqPool::has_unposted) {
+            self.idle.work_left();
+        }
+    }
+
     /// Flushes every connection on slab list `list`, walked in place: what
     /// the walk lists again (work left for the next pass) goes to the end
     /// and stays listed.

@@ -175,6 +175,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         for cq in 0..self.completions.cq_count() {
             loop {
                 let n = self.completions.poll(cq)?;
+                if !LEAN && n != 0 && done == 0 {
+                    // Before the routing: the flush of the connection it
+                    // leaves due asks whether traffic is sparse.
+                    self.idle.found_completions();
+                }
                 for at in 0..n {
                     self.route::<LEAN>(at);
                 }
@@ -183,6 +188,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     break;
                 }
             }
+        }
+        // The connection the completions left work (most passes' only
+        // one), flushed without the walk of the touched list. (A lean pass
+        // has no connection of the reactor's protocol to leave any.)
+        if !LEAN && let Some(index) = self.conns.take_due() {
+            self.flush_one(index);
         }
         if !LEAN && settled > 0 {
             self.conns.release_quarantine(settled);
@@ -203,7 +214,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             touched
         } else {
-            self.idle.found_completions();
+            if LEAN {
+                self.idle.found_completions();
+            }
             false
         };
         if !LEAN {

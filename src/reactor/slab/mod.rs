@@ -104,13 +104,14 @@ impl<T> Slab<T> {
     /// of them on every busy pass. Listing is by construction: a record can
     /// only change through `&mut`, and every `&mut` path of the slab lists,
     /// except [`get_by_index_quiet`](Self::get_by_index_quiet), whose
-    /// caller lists what it leaves unfinished, and
-    /// [`get_mut_quiet`](Self::get_mut_quiet) and
-    /// [`get_by_index_if`](Self::get_by_index_if) told not to, for changes
-    /// that leave the flush nothing to do: a direct connection's, and a
-    /// retired send's (the dispatch checks this in debug builds); and a
-    /// forward's slot given back to its origin, whose caller lists or
-    /// parks the origin as the flush's visit would.
+    /// caller lists what it leaves unfinished,
+    /// [`get_by_index_if`](Self::get_by_index_if), whose caller lists what
+    /// the change left work or flushes it itself, and
+    /// [`get_mut_quiet`](Self::get_mut_quiet), for changes that leave the
+    /// flush nothing to do (a direct connection's, a retired send's: the
+    /// dispatch checks this in debug builds) or whose caller lists or
+    /// flushes the record itself (a forward's slot given back to its
+    /// origin, a callback's work on the connection it was called for).
     pub(crate) fn tracking(mut self) -> Self {
         self.tracking = true;
         self
@@ -403,19 +404,17 @@ impl<T> Slab<T> {
         entry.value.as_mut()
     }
 
-    /// The record at `index` with its key, if `accept` takes it (`Ok`);
-    /// listed as touched only then, and only if `accept` says so
-    /// (`Ok(true)`). `vacant` is the error when no record is there. One
-    /// lookup for a caller that must vet a record (a completion's claim to
-    /// be its) before it counts as changed. `accept` may change the record
-    /// only as it takes it (a receive completion's slot marked consumed),
-    /// since a refusal lists nothing.
+    /// The record at `index` with its key, if `accept` takes it (`Ok`),
+    /// not listed: one lookup for a caller that must vet a record (a
+    /// completion's claim to be its) and lists it, or has it flushed, once
+    /// it knows what the change left. `vacant` is the error when no record
+    /// is there.
     #[inline]
     pub(crate) fn get_by_index_if<E>(
         &mut self,
         index: u32,
         vacant: E,
-        accept: impl FnOnce(Key, &mut T) -> Result<bool, E>,
+        accept: impl FnOnce(Key, &mut T) -> Result<(), E>,
     ) -> Result<(Key, &mut T), E> {
         let Some(entry) = self.entries.get_mut(index as usize) else {
             return Err(vacant);
@@ -428,10 +427,7 @@ impl<T> Slab<T> {
         let Some(value) = entry.value.as_mut() else {
             return Err(vacant);
         };
-        let list = accept(key, value)?;
-        if self.tracking && list {
-            list_entry(&mut self.lists[TOUCHED], &mut entry.listed[TOUCHED], index);
-        }
+        accept(key, value)?;
         Ok((key, value))
     }
 

@@ -32,6 +32,10 @@ use wr_id::{MAX_CONNS, WrKind};
 /// The connections of one reactor.
 pub(crate) struct ConnTable {
     slab: Slab<Conn>,
+    /// The first connection a pass's completions left work for the flush
+    /// (see [`settle`](Self::settle)): flushed right after them, without
+    /// a walk of the touched list.
+    due: Option<u32>,
 }
 
 /// What a vetted completion is to its connection.
@@ -94,14 +98,15 @@ impl ConnTable {
             .quarantining()
             .tracking()
             .reserving(reserve)?;
-        Ok(Self { slab })
+        Ok(Self { slab, due: None })
     }
 
-    /// Whose completion `wr_id` of QP `qpn` is: its connection (listed for
-    /// the flush unless the completion leaves the flush nothing to do: a
-    /// retired send, a direct connection's), or why it is none. With
-    /// `DIRECT_ONLY`, ids of anything but a direct connection are refused
-    /// as [`Refusal::NotDirect`] after one mask and compare.
+    /// Whose completion `wr_id` of QP `qpn` is: its connection, or why it
+    /// is none. Nothing is listed for the flush: the caller
+    /// [settles](Self::settle) the connection once it knows what the
+    /// completion left it. With `DIRECT_ONLY`, ids of anything but a
+    /// direct connection are refused as [`Refusal::NotDirect`] after one
+    /// mask and compare.
     #[inline(always)]
     pub(crate) fn lookup<const DIRECT_ONLY: bool>(
         &mut self,
@@ -125,11 +130,6 @@ impl ConnTable {
             WrKind::SrqRecv => return self.vet_srq(wr_id, qpn, srq),
             WrKind::Unknown => return Err(Refusal::Foreign),
         };
-        // A retired send is not listed for the flush: retiring only frees
-        // queue room and send slots, and a connection whose work waited
-        // for them is listed already (the flush that could not post it
-        // listed it again), as is one whose handler stages more from the
-        // completion callback.
         // A receive into a slot of the connection's own ring that is not
         // posted (or not any more) is none the device can have filled
         // through it: a stranger's too, refused before a byte of the slot
@@ -159,9 +159,9 @@ impl ConnTable {
                     if !conn.consume_recv(slot) {
                         return Err(Refusal::NotPosted);
                     }
-                    Ok(true)
+                    Ok(())
                 }
-                _ => Ok(false),
+                _ => Ok(()),
             }
         };
         let (key, conn) = self.slab.get_by_index_if(index, Refusal::Foreign, vet)?;
@@ -172,8 +172,7 @@ impl ConnTable {
         })
     }
 
-    /// A direct connection's completion: its connection, not listed (a
-    /// direct connection leaves the flush nothing to do).
+    /// A direct connection's completion: its connection.
     #[inline(always)]
     fn vet_direct(&mut self, index: u32, generation: u32, qpn: u32) -> Result<Entry<'_>, Refusal> {
         let vet = |key: Key, conn: &mut Conn| {
@@ -184,7 +183,7 @@ impl ConnTable {
             } else if !conn.is_direct() {
                 Err(Refusal::WrongKind)
             } else {
-                Ok(false)
+                Ok(())
             }
         };
         let (key, conn) = self.slab.get_by_index_if(index, Refusal::Foreign, vet)?;
@@ -216,7 +215,7 @@ impl ConnTable {
         // does not serve.
         let Some((key, conn)) = pool
             .owner(qpn)
-            .and_then(|key| Some((key, self.slab.get_mut(key)?)))
+            .and_then(|key| Some((key, self.slab.get_mut_quiet(key)?)))
         else {
             pool.reclaim(slot);
             return Err(Refusal::Reclaimed);
@@ -286,6 +285,33 @@ impl ConnTable {
         self.slab.touch(index);
     }
 
+    /// A completion left connection `index` work for the flush: the first
+    /// such connection of a pass is held as due, for the pass to flush
+    /// right after its completions ([`take_due`](Self::take_due)); any
+    /// other is listed for the flush's walk. A pass's completions are
+    /// mostly one connection's, which then costs no walk.
+    #[inline(always)]
+    pub(crate) fn settle(&mut self, index: u32) {
+        match self.due {
+            None => self.due = Some(index),
+            Some(due) if due == index => {}
+            Some(_) => self.slab.touch(index),
+        }
+    }
+
+    /// Whether connection `index` is due or listed for the flush (debug
+    /// checks, tests).
+    #[cfg(any(test, debug_assertions))]
+    pub(crate) fn is_settled(&self, index: u32) -> bool {
+        self.due == Some(index) || self.slab.is_listed(super::slab::TOUCHED, index)
+    }
+
+    /// The connection held as due, taken.
+    #[inline(always)]
+    pub(crate) fn take_due(&mut self) -> Option<u32> {
+        self.due.take()
+    }
+
     /// Parks connection `index` for the idle-time flush.
     #[inline]
     pub(crate) fn park(&mut self, index: u32) {
@@ -328,8 +354,8 @@ impl ConnTable {
         self.slab.release_quarantine(count);
     }
 
-    /// Whether entry `index` is on slab list `list` (debug checks, tests).
-    #[cfg(any(test, debug_assertions))]
+    /// Whether entry `index` is on slab list `list`.
+    #[cfg(test)]
     pub(crate) fn is_listed(&self, list: usize, index: u32) -> bool {
         self.slab.is_listed(list, index)
     }

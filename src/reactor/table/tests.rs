@@ -96,22 +96,42 @@ fn a_connections_own_completions_are_its() {
         f.look(send(conn, 9), qpn),
         Ok((conn, Completed::Send { seq: 9 }))
     );
-    assert!(
-        !f.table.is_listed(TOUCHED, conn.index),
-        "a retired send leaves the flush nothing"
-    );
     assert_eq!(
         f.look(recv(conn, 3), qpn),
         Ok((conn, Completed::Recv { slot: 3 }))
     );
-    assert!(f.table.is_listed(TOUCHED, conn.index), "a receive lists it");
     let (direct, direct_qpn) = (f.direct, f.direct_qpn);
     for tag in [direct_send_tag(direct), direct_recv_tag(direct)] {
         let want = Ok((direct, Completed::Direct));
         assert_eq!(f.look(tag | 0xfeed, direct_qpn), want);
         assert_eq!(f.look_direct(tag | 0xfeed, direct_qpn), want);
     }
-    assert!(!f.table.is_listed(TOUCHED, direct.index));
+    // The dispatch settles what a completion left (see the next test).
+    for key in [conn, direct] {
+        assert!(!f.table.is_settled(key.index), "a lookup lists nothing");
+    }
+}
+
+#[test]
+fn the_first_connection_settled_is_due_and_the_others_are_listed() {
+    let mut f = fixture();
+    let (first, second) = (f.conn.index, f.direct.index);
+    assert_eq!(f.table.take_due(), None);
+    f.table.settle(first);
+    f.table.settle(first);
+    assert!(f.table.is_settled(first));
+    assert!(
+        !f.table.is_listed(TOUCHED, first),
+        "the due connection needs no walk"
+    );
+    f.table.settle(second);
+    assert!(f.table.is_listed(TOUCHED, second), "a second one is walked");
+    assert_eq!(f.table.take_due(), Some(first));
+    assert_eq!(f.table.take_due(), None, "taken once");
+    assert!(!f.table.is_settled(first));
+    // The next pass starts afresh: the first connection it settles is due.
+    f.table.settle(second);
+    assert_eq!(f.table.take_due(), Some(second));
 }
 
 #[test]
