@@ -17,7 +17,10 @@
 //! - the receiver's registered receive memory, in all and per connection
 //!   (with an SRQ it is the SRQ's ring, fixed by its depth);
 //! - the process's resident memory growth per connection (both ends: the
-//!   sender's and the receiver's QPs, rings and provider queues).
+//!   sender's and the receiver's QPs, rings and provider queues), and how
+//!   much of it is the provider's queues (the rings the device maps into
+//!   the process: their size follows the queue depths and the inline room,
+//!   see `ReactorConfig::for_traffic`).
 //!
 //! Every connection gets the same credit window (`--window`), with or
 //! without the SRQ, so only the number of connections changes.
@@ -89,7 +92,7 @@ struct Point {
     conns: u32,
     mpps: f64,
     receive_bytes: usize,
-    rss_growth: Option<u64>,
+    rss_growth: Option<Resident>,
 }
 
 /// Most connections of one count (`--conns`).
@@ -126,8 +129,15 @@ fn run(args: &Args) -> Result<()> {
         args.size, args.messages, args.window, args.batch, args.in_flight
     );
     println!(
-        "{:<6} {:>7} {:>10} {:>8} {:>16} {:>14} {:>16}",
-        "srq", "conns", "Mpps", "x first", "recv mem [KiB]", "per conn [B]", "RSS/conn [KiB]"
+        "{:<6} {:>7} {:>10} {:>8} {:>16} {:>14} {:>16} {:>18}",
+        "srq",
+        "conns",
+        "Mpps",
+        "x first",
+        "recv mem [KiB]",
+        "per conn [B]",
+        "RSS/conn [KiB]",
+        "queues/conn [KiB]"
     );
     let mut series = Vec::new();
     for &srq in modes {
@@ -135,18 +145,21 @@ fn run(args: &Args) -> Result<()> {
         for &conns in &args.conns {
             let point = measure(args, conns, srq, largest)?;
             let first = points.first().map_or(point.mpps, |p| p.mpps);
+            let per_conn = |bytes: u64| format!("{:.1}", bytes as f64 / 1024.0 / f64::from(conns));
             println!(
-                "{:<6} {:>7} {:>10.4} {:>8.2} {:>16.1} {:>14} {:>16}",
+                "{:<6} {:>7} {:>10.4} {:>8.2} {:>16.1} {:>14} {:>16} {:>18}",
                 if srq { "on" } else { "off" },
                 conns,
                 point.mpps,
                 point.mpps / first,
                 point.receive_bytes as f64 / 1024.0,
                 point.receive_bytes / conns as usize,
-                point.rss_growth.map_or("-".into(), |b| format!(
-                    "{:.1}",
-                    b as f64 / 1024.0 / f64::from(conns)
-                )),
+                point
+                    .rss_growth
+                    .map_or("-".into(), |grown| per_conn(grown.total)),
+                point
+                    .rss_growth
+                    .map_or("-".into(), |grown| per_conn(grown.queues)),
             );
             points.push(point);
         }
@@ -293,7 +306,7 @@ fn measure(args: &Args, conns: u32, srq: bool, largest: u32) -> Result<Point> {
         receive_bytes,
         rss_growth: rss_before
             .zip(rss_after)
-            .map(|(before, after)| after.saturating_sub(before)),
+            .map(|(before, after)| after.since(before)),
     })
 }
 
@@ -306,7 +319,7 @@ fn send_all(
     addr: std::net::SocketAddr,
     key: &AuthKey,
     memory: &mpsc::Receiver<MemoryUse>,
-) -> Result<(f64, usize, Option<u64>, u64)> {
+) -> Result<(f64, usize, Option<Resident>, u64)> {
     pin(1);
     let ctx = Context::open_default(args.dev.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
@@ -515,12 +528,50 @@ fn pin(core: usize) {
     }
 }
 
-/// The process's resident memory (Linux), if it can be read.
-fn resident_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+/// The process's resident memory (Linux), in all and in the provider's
+/// queues (the QPs', CQs' and SRQs' rings the device maps into the process).
+#[derive(Clone, Copy, Debug, Default)]
+struct Resident {
+    total: u64,
+    queues: u64,
+}
+
+impl Resident {
+    /// What grew from `before` to `self`.
+    fn since(self, before: Resident) -> Resident {
+        Resident {
+            total: self.total.saturating_sub(before.total),
+            queues: self.queues.saturating_sub(before.queues),
+        }
+    }
+}
+
+/// The process's resident memory, read from `/proc/self/smaps`, if it can
+/// be read.
+fn resident_bytes() -> Option<Resident> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut resident = Resident::default();
+    let mut in_queue = false;
+    for line in smaps.lines() {
+        let mut fields = line.split_whitespace();
+        let first = fields.next().unwrap_or("");
+        if first.ends_with(':') {
+            if first == "Rss:" {
+                let kib: u64 = fields.next()?.parse().ok()?;
+                resident.total += kib * 1024;
+                if in_queue {
+                    resident.queues += kib * 1024;
+                }
+            }
+        } else {
+            // A mapping's header: range, permissions, offset, device,
+            // inode, then the path if it has one.
+            in_queue = fields
+                .nth(4)
+                .is_some_and(|path| path.starts_with("/dev/infiniband/"));
+        }
+    }
+    Some(resident)
 }
 
 /// Lifts the soft limit on open files to `wanted` (up to the hard limit).

@@ -68,7 +68,9 @@ pub struct ReactorConfig {
     /// Consumed receives are reposted in batches of this many (fewer after
     /// a few empty busy-poll passes, or before the reactor sleeps).
     pub repost_batch: u32,
-    /// Send-queue depth per QP (rounded down to a power of two).
+    /// Send-queue entries per QP (at most what the QP allows). Providers
+    /// round a send queue up to a power of two, Soft-RoCE after adding
+    /// one: a depth of 2^k - 1 is the one that costs no memory for nothing.
     pub sq_depth: u32,
     /// Send slots per QP.
     pub send_slots: u32,
@@ -127,7 +129,7 @@ impl Default for ReactorConfig {
             recv_depth: 128,
             srq_depth: 0,
             repost_batch: 16,
-            sq_depth: 256,
+            sq_depth: 255,
             send_slots: 64,
             signal_interval: 16,
             max_inline: 64,
@@ -135,6 +137,23 @@ impl Default for ReactorConfig {
             peer_check_interval: Some(PEER_CHECK_INTERVAL),
             reserve_connections: 0,
         }
+    }
+}
+
+/// Inline room a provider gives a send-queue entry's one scatter-gather
+/// entry anyway: what [`ReactorConfig::for_traffic`] asks for when its
+/// SENDs do not fit the default room.
+const LEAST_INLINE: u32 = 16;
+
+/// The inline room for SENDs of up to `payload` bytes (see
+/// [`ReactorConfig::for_traffic`]).
+fn inline_room(payload: usize) -> u32 {
+    let default = ReactorConfig::default().max_inline as usize;
+    let wire = payload.saturating_add(super::SLOT_RESERVE);
+    if wire <= default {
+        (wire.next_multiple_of(LEAST_INLINE as usize) as u32).max(LEAST_INLINE)
+    } else {
+        LEAST_INLINE
     }
 }
 
@@ -148,10 +167,16 @@ const MAX_CQ_ENTRIES: u32 = 32_000;
 impl ReactorConfig {
     /// The one sizing rule the tools share: SENDs of up to `payload` bytes,
     /// `depth` receives and send slots per connection (a window of `depth`
-    /// messages in flight each way), twice that in send-queue entries, and
+    /// messages in flight each way), twice that in send-queue entries (at
+    /// least 64, rounded to one fewer than a power of two), and
     /// CQs that absorb `connections` such connections (spread over several
     /// CQs when one would be too large), whose records are reserved up
-    /// front. Reposts go out in quarter windows.
+    /// front. Reposts go out in quarter windows. The inline room is what
+    /// such a SEND takes (with the trailer a user immediate needs), if it
+    /// fits the default, and otherwise the least a provider gives: a
+    /// provider sizes every send-queue entry for the inline room asked for
+    /// (Soft-RoCE: 208 bytes plus the room, rounded up to a power of two),
+    /// so room no SEND uses costs every connection memory.
     ///
     /// ```
     /// # use rdma_comm_core::reactor::*;
@@ -165,7 +190,8 @@ impl ReactorConfig {
             recv_depth: depth,
             repost_batch: (depth / 4).max(1),
             send_slots: depth,
-            sq_depth: (2 * depth).max(64),
+            sq_depth: (2 * depth).max(64).next_power_of_two() - 1,
+            max_inline: inline_room(payload),
             ..Self::default()
         };
         config.absorbing(connections)
@@ -307,4 +333,22 @@ pub(crate) fn slab_key_for_tests(index: u32) -> ConnId {
         generation: 1,
         owner: 0,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_inline_room_fits_the_traffics_sends_and_no_more() {
+        // A SEND takes its payload and the trailer a user immediate needs.
+        for (payload, room) in [(0, 16), (8, 16), (12, 16), (13, 32), (44, 48), (60, 64)] {
+            assert_eq!(inline_room(payload), room, "payload {payload}");
+            assert_eq!(ReactorConfig::for_traffic(payload, 16, 1).max_inline, room);
+        }
+        // Too large to go inline under the default room: the least room.
+        for payload in [61, 64, 4096, usize::MAX] {
+            assert_eq!(inline_room(payload), LEAST_INLINE, "payload {payload}");
+        }
+    }
 }

@@ -40,14 +40,15 @@ pub(crate) struct SendQueue {
     tag: u64,
     /// Where SEND payloads are copied.
     send_slots: SendSlots,
-    /// `ops[seq % depth]` for every `seq` in `[done, next)`: posted or
-    /// staged, not known complete.
+    /// `ops[seq % ops.len()]` for every `seq` in `[done, next)`: posted or
+    /// staged, not known complete (at most `depth` of them).
     ops: Box<[SqOp]>,
     /// Beside `ops`: the registration handle of an op that holds one of
     /// its own (`Keep::Own`), None elsewhere. The connection destroys its
     /// QP before dropping this, so a handle never outlives its use by the
     /// device.
     owned: Box<[Option<Registration>]>,
+    /// Send-queue entries in use at most.
     depth: u32,
     next: u32,
     done: u32,
@@ -68,8 +69,7 @@ pub(crate) struct SendQueue {
 
 impl SendQueue {
     /// The send side of a connection on `qp`: a send queue of the
-    /// configured depth (at most the QP's room, rounded down to a power of
-    /// two), signaled every `signal_interval` requests, and send slots of
+    /// configured depth (at most the QP's room), signaled every `signal_interval` requests, and send slots of
     /// `slot_size` bytes registered on `pd`. `tag` tops every `wr_id`.
     pub(crate) fn new(
         pd: &ProtectionDomain,
@@ -80,15 +80,16 @@ impl SendQueue {
     ) -> crate::Result<Self> {
         let Sizes {
             depth,
+            ring,
             signal_interval,
             slots,
         } = Sizes::of(config, qp);
         Ok(Self {
             tag,
             send_slots: SendSlots::new(pd, slot_size, slots)?,
-            ops: vec![SqOp::default(); depth as usize].into_boxed_slice(),
+            ops: vec![SqOp::default(); ring as usize].into_boxed_slice(),
             owned: std::iter::repeat_with(|| None)
-                .take(depth as usize)
+                .take(ring as usize)
                 .collect(),
             depth,
             next: 0,
