@@ -43,9 +43,9 @@ pub(crate) enum Keep {
     /// It points at the connection's own send ring (or nothing).
     #[default]
     Nothing,
-    /// The connection's kept registration (`SendQueue::kept`), counted in
-    /// `kept_in_flight`: the common case of one buffer region used over and
-    /// over costs no atomic reference count per request.
+    /// The registration the connection holds by count
+    /// (`RegistrationCache`): the common case of one buffer region used
+    /// over and over costs no atomic reference count per request.
     Cached,
     /// A handle of its own, in `SendQueue::owned` at the op's position.
     Own,

@@ -3,6 +3,7 @@
 //! selective signaling, the registrations requests hold until they are
 //! known complete, and the staged requests that go out with one doorbell.
 
+mod registration_cache;
 mod send_slots;
 mod signal;
 mod sizes;
@@ -21,6 +22,7 @@ use super::slots::{IMM_TRAILER_LEN, SlotSource};
 use crate::reactor::ConnId;
 use crate::reactor::idle::Spell;
 use crate::reactor::{ReactorConfig, SendError};
+use registration_cache::RegistrationCache;
 use send_slots::SendSlots;
 use signal::Signaling;
 use sizes::Sizes;
@@ -61,10 +63,9 @@ pub(crate) struct SendQueue {
     max_inline: u32,
     /// The requests staged this pass: one doorbell.
     batch: SendList<MAX_STAGED>,
-    /// The registration requests keep by count instead of by handle (see
-    /// [`Keep`]), and how many in flight use it.
-    kept: Option<Registration>,
-    kept_in_flight: u32,
+    /// The registration requests hold by count instead of by handle (see
+    /// [`Keep`]).
+    cache: RegistrationCache,
 }
 
 impl SendQueue {
@@ -98,8 +99,7 @@ impl SendQueue {
             signaling: Signaling::new(signal_interval),
             max_inline: qp.max_inline_data(),
             batch: SendList::new(),
-            kept: None,
-            kept_in_flight: 0,
+            cache: RegistrationCache::default(),
         })
     }
 
@@ -271,7 +271,7 @@ impl SendQueue {
             len: wire_len as u32,
             lkey: source.lkey,
         };
-        let (keep, owned) = self.keep(source.registration_id, || registration);
+        let (keep, owned) = self.cache.hold(source.registration_id, || registration);
         let count = credits.spend_on_send(message_kind(imm));
         let request = SendDescriptor::send(sge, Some(count));
         self.stage(request, SqOp::forward(origin, keep), owned, false)
@@ -289,7 +289,7 @@ impl SendQueue {
         force_signal: bool,
     ) -> u32 {
         let request = SendDescriptor::write(Sge::from(local), remote, imm);
-        let (keep, owned) = self.keep(local.registration().id(), || {
+        let (keep, owned) = self.cache.hold(local.registration().id(), || {
             Some(local.registration().clone())
         });
         let op = SqOp::holding(OpKind::Write, keep);
@@ -302,7 +302,7 @@ impl SendQueue {
     #[inline(always)]
     pub(super) fn stage_read(&mut self, local: &LocalSlice<'_>, remote: RemoteSlice) -> u32 {
         let request = SendDescriptor::read(Sge::from(local), remote);
-        let (keep, owned) = self.keep(local.registration().id(), || {
+        let (keep, owned) = self.cache.hold(local.registration().id(), || {
             Some(local.registration().clone())
         });
         let op = SqOp::holding(OpKind::Read, keep);
@@ -372,7 +372,7 @@ impl SendQueue {
         self.done = seq.wrapping_add(1);
         match (op.kind(), op.keep()) {
             (OpKind::Send, _) => self.send_slots.release_oldest(),
-            (_, Keep::Cached) => self.kept_in_flight -= 1,
+            (_, Keep::Cached) => self.cache.release(),
             (_, Keep::Own) => drop(self.owned[at].take()),
             (_, Keep::Nothing) => {}
         }
@@ -397,36 +397,11 @@ impl SendQueue {
         (seq, op, run)
     }
 
-    /// True if the kept registration is the one `id` names.
+    /// True if the registration requests hold by count is the one `id`
+    /// names.
     #[inline]
     pub(crate) fn keeps(&self, id: usize) -> bool {
-        self.kept.as_ref().is_some_and(|kept| kept.id() == id)
-    }
-
-    /// Holds the registration `id` names for one more request: through the
-    /// kept one if it is that (no reference count touched), else a handle
-    /// from `handle`, which becomes the kept one when nothing in flight
-    /// uses the old, or else is returned for the op to own.
-    #[inline]
-    fn keep(
-        &mut self,
-        id: usize,
-        handle: impl FnOnce() -> Option<Registration>,
-    ) -> (Keep, Option<Registration>) {
-        if self.keeps(id) {
-            self.kept_in_flight += 1;
-            return (Keep::Cached, None);
-        }
-        let Some(registration) = handle() else {
-            return (Keep::Nothing, None);
-        };
-        if self.kept_in_flight == 0 {
-            self.kept = Some(registration);
-            self.kept_in_flight = 1;
-            (Keep::Cached, None)
-        } else {
-            (Keep::Own, Some(registration))
-        }
+        self.cache.holds(id)
     }
 
     /// Rings the doorbell of `qp` for everything staged. After a failed
@@ -491,7 +466,7 @@ impl SendQueue {
             self.next = seq;
             match (op.kind(), op.keep()) {
                 (OpKind::Send, _) => self.send_slots.release_newest(),
-                (_, Keep::Cached) => self.kept_in_flight -= 1,
+                (_, Keep::Cached) => self.cache.release(),
                 (_, Keep::Own) => drop(self.owned[at].take()),
                 (_, Keep::Nothing) => {}
             }

@@ -242,7 +242,7 @@ fn unwinding_gives_back_everything_the_device_never_saw() {
         released.push((conn, slot, from_srq))
     });
     assert_eq!((f.sq.used(), f.sq.slots_used(), f.sq.staged()), (0, 0, 0));
-    assert_eq!(f.sq.kept_in_flight, 0);
+    assert_eq!(f.sq.cache.in_flight(), 0);
     assert!(
         f.sq.owned.iter().all(Option::is_none),
         "what they held is dropped"
@@ -274,7 +274,7 @@ fn one_registration_is_kept_by_count_and_others_by_handle() {
     write(&mut f.sq, &a);
     write(&mut f.sq, &a);
     assert!(f.sq.keeps(a.registration().id()));
-    assert_eq!(f.sq.kept_in_flight, 2, "no handle cloned for the second");
+    assert_eq!(f.sq.cache.in_flight(), 2, "no handle cloned for the second");
     let at = write(&mut f.sq, &b) as usize;
     assert!(
         f.sq.owned[at].is_some(),
@@ -287,7 +287,7 @@ fn one_registration_is_kept_by_count_and_others_by_handle() {
         f.sq.owned.iter().all(Option::is_none),
         "retiring drops the handle"
     );
-    assert_eq!(f.sq.kept_in_flight, 0);
+    assert_eq!(f.sq.cache.in_flight(), 0);
     write(&mut f.sq, &b);
     assert!(
         f.sq.keeps(b.registration().id()),
