@@ -174,20 +174,28 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// the flush if the delivery or the callback left it work.
     #[inline(always)]
     fn deliver(&mut self, key: Key, session: SessionId, id: ConnId, delivery: Delivery) {
-        // A receive leaves its connection work (its slot's repost, a credit
-        // update that may be due); a retire leaves none of its own.
-        let received = !matches!(delivery, Delivery::Retired { .. });
         let Some(handler) = self.sessions.handler_mut(session) else {
-            if received {
+            // A receive leaves its connection work (its slot's repost, a
+            // credit update that may be due); a retire leaves none.
+            if !matches!(delivery, Delivery::Retired { .. }) {
                 self.conns.settle(key.index);
             }
             return;
         };
         let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
         ctx.own = key.index;
-        match delivery {
-            Delivery::WriteImm { imm, len } => handler.on_write_imm(&mut ctx, id, imm, len),
-            Delivery::Established => handler.on_established(&mut ctx, id),
+        // Whether the delivery leaves the connection work for the flush: a
+        // receive does (see above); a retire only through what the
+        // callbacks staged on it.
+        let left_work = match delivery {
+            Delivery::WriteImm { imm, len } => {
+                handler.on_write_imm(&mut ctx, id, imm, len);
+                true
+            }
+            Delivery::Established => {
+                handler.on_established(&mut ctx, id);
+                true
+            }
             Delivery::Message {
                 established,
                 slot,
@@ -213,6 +221,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 {
                     conn.queue_repost(slot);
                 }
+                true
             }
             Delivery::Retired { count } => {
                 let mut left = count;
@@ -262,9 +271,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                         conn.qpn()
                     );
                 }
+                ctx.own_staged
             }
-        }
-        if received || ctx.own_staged {
+        };
+        if left_work {
             ctx.conns.settle(key.index);
         }
     }
