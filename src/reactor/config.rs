@@ -167,8 +167,8 @@ const MAX_CQ_ENTRIES: u32 = 32_000;
 impl ReactorConfig {
     /// The one sizing rule the tools share: SENDs of up to `payload` bytes,
     /// `depth` receives and send slots per connection (a window of `depth`
-    /// messages in flight each way), twice that in send-queue entries (at
-    /// least 64, rounded to one fewer than a power of two), and
+    /// messages in flight each way), about twice that in send-queue
+    /// entries (one fewer than a power of two, at least 63), and
     /// CQs that absorb `connections` such connections (spread over several
     /// CQs when one would be too large), whose records are reserved up
     /// front. Reposts go out in quarter windows. The inline room is what
@@ -176,7 +176,8 @@ impl ReactorConfig {
     /// fits the default, and otherwise the least a provider gives: a
     /// provider sizes every send-queue entry for the inline room asked for
     /// (Soft-RoCE: 208 bytes plus the room, rounded up to a power of two),
-    /// so room no SEND uses costs every connection memory.
+    /// so room no SEND uses costs every connection memory. (A WRITE goes
+    /// inline only within that room too.)
     ///
     /// ```
     /// # use rdma_comm_core::reactor::*;

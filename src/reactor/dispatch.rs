@@ -155,9 +155,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         match refusal {
             Refusal::NotDirect => {
                 self.route::<false>(at);
-                if let Some(index) = self.conns.take_due() {
-                    self.conns.touch(index);
-                }
+                self.conns.list_due();
             }
             Refusal::Reclaimed => self.idle.work_left(),
             _ => {
@@ -257,25 +255,23 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                         OpKind::Credit => {}
                     }
                 }
-                // Not listed for the flush by the retire (see
-                // `ConnTable::lookup`): then the flush has nothing to do
-                // for it unless the callbacks staged on it (settled below).
-                #[cfg(debug_assertions)]
-                if let Some(conn) = ctx.conns.get(key) {
-                    debug_assert!(
-                        ctx.own_staged
-                            || ctx.conns.is_settled(key.index)
-                            || conn.state().is_closed()
-                            || (conn.is_quiet() && !conn.rq().is_due()),
-                        "a retire left connection {} work for a flush it does not ask for",
-                        conn.qpn()
-                    );
-                }
                 ctx.own_staged
             }
         };
         if left_work {
             ctx.conns.settle(key.index);
+        }
+        // Whatever the delivery and its callbacks left the connection, the
+        // flush sees: it is due or listed, or has nothing for a flush.
+        #[cfg(debug_assertions)]
+        if let Some(conn) = ctx.conns.get(key) {
+            debug_assert!(
+                ctx.conns.is_settled(key.index)
+                    || conn.state().is_closed()
+                    || (conn.is_quiet() && !conn.rq().is_due()),
+                "a delivery left connection {} work the flush does not see",
+                conn.qpn()
+            );
         }
     }
 }

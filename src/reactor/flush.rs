@@ -24,6 +24,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     pub(super) fn flush(&mut self, tidy: bool, signal_tails: bool) {
         // `fail` may leave work again while we walk.
         self.idle.flush_begins();
+        // A connection still due here was left by a pass a failed poll cut
+        // short (a pass flushes its due one itself): the walk takes it.
+        self.conns.list_due();
         // Before the walk, which could otherwise post behind a request
         // whose doorbell the device refused.
         if !self.deferred.refused.is_empty() {

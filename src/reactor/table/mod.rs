@@ -306,6 +306,16 @@ impl ConnTable {
         self.due == Some(index) || self.slab.is_listed(super::slab::TOUCHED, index)
     }
 
+    /// Lists the connection held as due for the flush's walk instead: for
+    /// a pass that will not flush it itself (a lean one), and for a walk
+    /// after a pass a failed poll cut short.
+    #[inline]
+    pub(crate) fn list_due(&mut self) {
+        if let Some(index) = self.due.take() {
+            self.slab.touch(index);
+        }
+    }
+
     /// The connection held as due, taken.
     #[inline(always)]
     pub(crate) fn take_due(&mut self) -> Option<u32> {

@@ -132,6 +132,11 @@ fn the_first_connection_settled_is_due_and_the_others_are_listed() {
     // The next pass starts afresh: the first connection it settles is due.
     f.table.settle(second);
     assert_eq!(f.table.take_due(), Some(second));
+    // A pass that will not flush it lists it for the walk instead.
+    f.table.settle(first);
+    f.table.list_due();
+    assert_eq!(f.table.take_due(), None);
+    assert!(f.table.is_listed(TOUCHED, first), "walked instead");
 }
 
 #[test]

@@ -64,6 +64,11 @@ impl Handler for Probe {
             let held = ctx.hold().expect("in on_message");
             seen.held.push(held);
         }
+        drop(seen);
+        due::when_received(ctx, conn);
+    }
+    fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, _: u32) {
+        due::when_sent(ctx, conn);
     }
     fn on_error(&mut self, ctx: &mut Ctx<'_>, _: ConnId, error: &Error) {
         let mut seen = self.0.borrow_mut();
@@ -348,6 +353,7 @@ impl RawPeer {
 }
 
 mod direct;
+mod due;
 mod ids;
 mod now;
 mod qpn_reuse;
