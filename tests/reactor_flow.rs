@@ -108,7 +108,7 @@ fn slow_receiver(srq_depth: u32) {
     };
     let mut sink_reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config.clone()).unwrap();
     let mut stream_reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config).unwrap();
-    let before = rnr_counters(&device);
+    let before = quiet_rnr_counters(&device);
     let total = 30_000;
     let (sent, received) = add_stream(
         &pd,
@@ -143,7 +143,7 @@ fn slow_receiver(srq_depth: u32) {
         sent.errors.load(Ordering::Relaxed) + received.errors.load(Ordering::Relaxed),
         0
     );
-    let after = rnr_counters(&device);
+    let after = quiet_rnr_counters(&device);
     println!("RNR NAKs received/sent: before {before:?}, after {after:?}");
     assert_eq!(after, before, "flow control let an RNR happen");
 }
@@ -157,7 +157,7 @@ verbs_test! {
         let mut sink_reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config.clone()).unwrap();
         let mut relay_reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config.clone()).unwrap();
         let mut stream_reactor: Reactor<BoxedHandler> = Reactor::new(&pd, config).unwrap();
-        let before = rnr_counters(&device);
+        let before = quiet_rnr_counters(&device);
         let total = 20_000;
         let max = 500;
 
@@ -219,7 +219,7 @@ verbs_test! {
         let most_waiting = relayed.limit.load(Ordering::Relaxed);
         println!("relay held at most {most_waiting} messages waiting for downstream credit");
         assert!(most_waiting <= 16, "the relay held more than its receive ring");
-        let after = rnr_counters(&device);
+        let after = quiet_rnr_counters(&device);
         println!("RNR NAKs received/sent: before {before:?}, after {after:?}");
         assert_eq!(after, before, "flow control let an RNR happen");
     }

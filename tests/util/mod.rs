@@ -66,6 +66,23 @@ pub fn rnr_counters(device: &str) -> (u64, u64) {
     (read("rcvd_rnr_err"), read("send_rnr_err"))
 }
 
+/// [`rnr_counters`] once they hold still (two reads 200 ms apart agree;
+/// for at most 10 s): QPs of a process that ran before (a test binary that
+/// provokes RNRs on purpose, a killed peer) may still be retrying, and a
+/// test that compares the counters counts only RNRs of its own time.
+pub fn quiet_rnr_counters(device: &str) -> (u64, u64) {
+    let mut last = rnr_counters(device);
+    for _ in 0..50 {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let now = rnr_counters(device);
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    last
+}
+
 /// Two RC QPs on one device, connected to each other, each with its own CQ.
 pub struct Pair {
     pub a: QueuePair,
