@@ -7,7 +7,8 @@ use std::cell::RefCell;
 
 use crate::verbs::{AccessFlags, Context, refuse_sends_after};
 
-use super::{ConnId, Ctx, Reactor, add_pair, reactor, run_until, run_within, send};
+use super::now::sq_used;
+use super::{ConnId, Ctx, add_pair, reactor, run_until, run_within, send};
 
 /// Something a handler does from a callback, given the connection.
 type Action = Box<dyn FnOnce(&mut Ctx<'_>, ConnId)>;
@@ -38,10 +39,6 @@ pub(super) fn when_sent(ctx: &mut Ctx<'_>, conn: ConnId) {
 /// flushes what waits: what arrives within them went out with the pass
 /// that staged it.
 const FEW_PASSES: usize = 5;
-
-fn sq_used(reactor: &Reactor<super::Probe, ()>, conn: ConnId) -> u32 {
-    reactor.conn_stats(conn).expect("a live connection").sq_used
-}
 
 /// A request an `on_message` callback stages on its own connection behind
 /// a doorbell the device refused (rung alone from the same callback) is

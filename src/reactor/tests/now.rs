@@ -38,7 +38,7 @@ fn region(pd: &ProtectionDomain) -> MemoryRegion {
 }
 
 /// Send-queue entries `conn` has in use (posted or staged, not retired).
-fn sq_used(reactor: &Reactor<super::Probe, ()>, conn: ConnId) -> u32 {
+pub(super) fn sq_used(reactor: &Reactor<super::Probe, ()>, conn: ConnId) -> u32 {
     reactor.conn_stats(conn).expect("a live connection").sq_used
 }
 
