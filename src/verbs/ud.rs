@@ -511,15 +511,7 @@ impl UdQueuePair {
                 what: "joining the multicast group's IP group (IP_ADD_MEMBERSHIP)",
                 source,
             })?;
-        let gid = sys::ibv_gid { raw: group.0 };
-        // SAFETY: the QP is live and `gid` is an aligned, initialised GID.
-        let rc = unsafe { sys::ibv_attach_mcast(self.qp.as_ptr(), &gid, 0) };
-        check_rc(
-            rc,
-            "ibv_attach_mcast",
-            &self.pd.ctx.name,
-            Some(self.local.qpn),
-        )?;
+        self.attach(&group, 0, "ibv_attach_mcast")?;
         self.groups.push((
             group,
             Membership::Ip {
@@ -613,15 +605,7 @@ impl UdQueuePair {
         if let Membership::Cm { attached, .. } = &mut self.groups[at].1 {
             *attached = None;
         }
-        let gid = sys::ibv_gid { raw: mgid.0 };
-        // SAFETY: the QP is live and `gid` is an aligned, initialised GID.
-        let rc = unsafe { sys::ibv_attach_mcast(self.qp.as_ptr(), &gid, mlid) };
-        check_rc(
-            rc,
-            "ibv_attach_mcast(rdma_cm)",
-            &self.pd.ctx.name,
-            Some(self.local.qpn),
-        )?;
+        self.attach(&mgid, mlid, "ibv_attach_mcast(rdma_cm)")?;
         if let Membership::Cm { attached, .. } = &mut self.groups[at].1 {
             *attached = Some((mgid, mlid));
         }
@@ -657,6 +641,15 @@ impl UdQueuePair {
                 "leave_multicast: the QP joined this group with UdQueuePair::join",
             )),
         }
+    }
+
+    /// Attaches the QP to `group` (`lid`: 0 on RoCE), naming the call
+    /// `verb` in an error.
+    fn attach(&self, group: &Gid, lid: u16, verb: &'static str) -> Result<()> {
+        let gid = sys::ibv_gid { raw: group.0 };
+        // SAFETY: the QP is live and `gid` is an aligned, initialised GID.
+        let rc = unsafe { sys::ibv_attach_mcast(self.qp.as_ptr(), &gid, lid) };
+        check_rc(rc, verb, &self.pd.ctx.name, Some(self.local.qpn))
     }
 
     fn detach(&self, group: &Gid, lid: u16) -> Result<()> {
