@@ -330,7 +330,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 /// of a gone connection's own ring went with the ring.) A free function,
 /// so a pass can call it while a handler's `Ctx` borrows the connections.
 /// Always inlined: on a forward's completion it is the data path, and a
-/// plain `#[inline]` left it out there (+17 Ir per SEND round trip).
+/// plain `#[inline]` leaves it out there (17 Ir more per SEND round trip).
 ///
 /// The connection is listed for the flush only if the slot completes a
 /// repost batch (or the connection is closed: the flush hands its SRQ

@@ -35,7 +35,7 @@ enum Delivery {
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Routes completion `at` of `wcs`, read in place (a copy of the
-    /// 48-byte completion per message was about 15 Ir): only the rare
+    /// 48-byte completion per message costs about 15 Ir): only the rare
     /// paths that hand it to a method of the reactor copy it. In a lean
     /// pass (`LEAN`: no connection of the reactor's own protocol), only a
     /// direct connection's completion is looked up inline; any other goes
@@ -82,7 +82,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     // credits and queues the slot for reposting if the
                     // handler gets no hold of it. The cold paths are
                     // called in place: a refusal carried out in a result
-                    // joined the delivery's path (about 40 Ir a send
+                    // would join the delivery's path (about 40 Ir a send
                     // round trip).
                     Completed::Recv { slot } => {
                         // A receive beyond what the peer was granted: it

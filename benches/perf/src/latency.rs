@@ -149,8 +149,8 @@ impl LatencyClient {
         let local = buffer.slice(size, size).map_err(SendError::Invalid)?;
         // Staged, not rung now: `write_now` signals every WRITE, and on
         // this ping-pong (one signaled in 16 otherwise) the completion it
-        // adds cost more than the flush it saves (guest, callgrind: 1087 ->
-        // 1259 Ir per round trip). A READ is signaled anyway.
+        // adds costs more than the flush it saves (in the guest, about 170
+        // Ir more per round trip). A READ is signaled anyway.
         ctx.write(conn, &local, remote, imm)
     }
 

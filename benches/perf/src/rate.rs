@@ -50,7 +50,7 @@ impl RateMarks {
     /// A sender whose completions come in bursts of its batch marks once a
     /// burst, as perftest stamps once a completion: marks within a burst
     /// are nanoseconds apart and tell the peak nothing, and a clock read
-    /// per message cost the reactor's protocol rows about 50 Ir a message.
+    /// per message costs the reactor's protocol rows about 50 Ir a message.
     pub(crate) fn new(iters: u64, every: u64, clock: Clock) -> Self {
         let stride = iters.div_ceil(MAX_MARKS).max(every).max(1);
         Self {
