@@ -144,7 +144,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return;
         };
         let (handler, conns) = record.handler_and_conns();
-        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+        let mut ctx = Ctx::new(
+            &mut self.conns,
+            &self.stop,
+            self.id,
+            &mut self.deferred,
+            &mut self.datagrams,
+        );
         for &conn in conns {
             handler.on_established(&mut ctx, conn);
         }

@@ -177,6 +177,12 @@ impl Completions {
         cq
     }
 
+    /// The CQ the next QP takes, round-robin with the specs', and its index.
+    pub(super) fn next_cq(&mut self) -> (usize, SharedCq) {
+        let index = self.next % self.cqs.len();
+        (index, self.next_shared())
+    }
+
     /// Every CQ, for a server to hand its peers in turn; `None` with one CQ.
     pub(super) fn spread(&self) -> Option<CqSpread> {
         (self.cqs.len() > 1)

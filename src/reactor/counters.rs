@@ -15,6 +15,8 @@ pub struct Counters {
     /// Messages handed to handlers: SENDs (`on_message`) and
     /// WRITE_WITH_IMMs (`on_write_imm`), not credit updates.
     pub messages: u64,
+    /// Datagrams handed to handlers (`on_datagram`).
+    pub datagrams: u64,
     /// Send-queue requests posted (SENDs, WRITEs, READs, forwards, credit
     /// updates).
     pub requests: u64,

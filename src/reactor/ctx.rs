@@ -4,10 +4,11 @@
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use crate::verbs::{LocalSlice, RemoteSlice};
+use crate::verbs::{LocalSlice, RemoteSlice, UdDestination};
 
 use super::completions::Completions;
 use super::conn::{Conn, ConnState, ForwardOrigin};
+use super::datagram::{DatagramId, DatagramTable};
 use super::table::ConnTable;
 use super::{ConnId, SendError, SessionId};
 
@@ -33,6 +34,8 @@ pub struct Ctx<'a> {
     pub(super) deferred: &'a mut Deferred,
     /// In `on_idle`: the reactor's CQs, lent for a spin ([`Ctx::spin`]).
     pub(super) loan: Option<&'a mut Completions>,
+    /// The datagram endpoints ([`Ctx::send_datagram`]).
+    pub(super) datagrams: &'a mut DatagramTable,
 }
 
 /// Work callbacks leave for the reactor to do after them.
@@ -71,6 +74,7 @@ impl<'a> Ctx<'a> {
         stop: &'a AtomicBool,
         reactor: ReactorId,
         deferred: &'a mut Deferred,
+        datagrams: &'a mut DatagramTable,
     ) -> Self {
         Self {
             conns,
@@ -82,6 +86,7 @@ impl<'a> Ctx<'a> {
             own_staged: false,
             deferred,
             loan: None,
+            datagrams,
         }
     }
 }
@@ -188,6 +193,26 @@ impl Ctx<'_> {
         if !self.deferred.removals.contains(&session) {
             self.deferred.removals.push(session);
         }
+    }
+
+    /// Stages a datagram of `data` (copied into a registered send slot of
+    /// endpoint `dgram`) to `to`, which the endpoint's QP made
+    /// ([`Reactor::datagram`](super::Reactor::datagram)); it goes out with
+    /// the endpoint's other datagrams of this pass, one doorbell. Refused
+    /// with [`SendError::WouldBlock`] while the send queue is full (the
+    /// next completions make room), [`SendError::TooLarge`] above the
+    /// port's MTU, [`SendError::Closed`] for a failed endpoint or one of
+    /// another reactor, and [`SendError::Invalid`] for a destination of
+    /// another protection domain. Nothing tells the sender whether a
+    /// datagram arrived.
+    #[inline]
+    pub fn send_datagram(
+        &mut self,
+        dgram: DatagramId,
+        to: &UdDestination,
+        data: &[u8],
+    ) -> Result<(), SendError> {
+        self.datagrams.stage(dgram, to, data)
     }
 
     /// Stages a SEND of `data` (copied into a registered send slot).

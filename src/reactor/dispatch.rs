@@ -10,7 +10,7 @@ use crate::verbs::WcOpcode;
 
 use super::conn::{Arrival, OpKind};
 use super::slab::Key;
-use super::table::{Completed, Entry, Refusal};
+use super::table::{Completed, Entry, Refusal, wr_id};
 use super::{ConnId, Ctx, Handler, PeerLink, Reactor, SessionId};
 
 /// What a completion brings the handler, once the connection has done
@@ -63,7 +63,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 let Some(handler) = self.sessions.handler_mut(session) else {
                     return;
                 };
-                let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+                let mut ctx = Ctx::new(
+                    &mut self.conns,
+                    &self.stop,
+                    self.id,
+                    &mut self.deferred,
+                    &mut self.datagrams,
+                );
                 // The low half of the id is the handler's (see `direct`).
                 handler.on_direct_completion(&mut ctx, id, wr_id as u32, wc);
             }
@@ -152,6 +158,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     #[inline(never)]
     fn refused(&mut self, at: usize, refusal: Refusal) {
+        if let Some((endpoint, kind)) = wr_id::decode_datagram(self.completions.wc(at).wr_id()) {
+            self.route_datagram(at, endpoint, kind);
+            return;
+        }
         match refusal {
             Refusal::NotDirect => {
                 self.route::<false>(at);
@@ -180,7 +190,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             return;
         };
-        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+        let mut ctx = Ctx::new(
+            &mut self.conns,
+            &self.stop,
+            self.id,
+            &mut self.deferred,
+            &mut self.datagrams,
+        );
         ctx.own = key.index;
         // Whether the delivery leaves the connection work for the flush: a
         // receive does (see above); a retire only through what the

@@ -196,7 +196,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         conn.stop_qp();
         let session = conn.session();
         self.release_forwarded(released);
-        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+        let mut ctx = Ctx::new(
+            &mut self.conns,
+            &self.stop,
+            self.id,
+            &mut self.deferred,
+            &mut self.datagrams,
+        );
         if let Some(record) = self.sessions.get_mut(session) {
             // A failed completion or a credit overrun names its peer.
             let error = error.with_peer(record.link().peer());

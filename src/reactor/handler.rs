@@ -4,7 +4,7 @@ use crate::error::Error;
 use crate::session::PeerStatus;
 use crate::verbs::WorkCompletion;
 
-use super::{ConnId, Ctx, SessionId};
+use super::{ConnId, Ctx, DatagramId, DatagramSource, SessionId};
 
 /// Callbacks a session implements. Only `on_message` is required.
 ///
@@ -105,6 +105,23 @@ pub trait Handler {
         completion: &WorkCompletion,
     ) {
     }
+    /// A datagram arrived on endpoint `dgram`
+    /// ([`Reactor::add_datagram`](super::Reactor::add_datagram)) from
+    /// where `source` says (its claim, not a proof: filter on it before
+    /// reading `data`). `data` is the payload, as long as the device
+    /// reported, valid only during the call. Datagrams lost on the way
+    /// are not told: a sequence number in the payload shows the gaps.
+    fn on_datagram(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dgram: DatagramId,
+        source: &DatagramSource<'_>,
+        data: &[u8],
+    ) {
+    }
+    /// A completion of endpoint `dgram` failed, or the device refused a
+    /// post: the endpoint receives and sends no more.
+    fn on_datagram_error(&mut self, ctx: &mut Ctx<'_>, dgram: DatagramId, error: &Error) {}
     /// A pass found no completions (busy poll) or a wait timed out. A
     /// reactor of direct connections only lends its CQs here: the
     /// handler of a direct connection may spin on them
@@ -189,6 +206,18 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         (**self).on_idle(ctx)
     }
+    fn on_datagram(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dgram: DatagramId,
+        source: &DatagramSource<'_>,
+        data: &[u8],
+    ) {
+        (**self).on_datagram(ctx, dgram, source, data)
+    }
+    fn on_datagram_error(&mut self, ctx: &mut Ctx<'_>, dgram: DatagramId, error: &Error) {
+        (**self).on_datagram_error(ctx, dgram, error)
+    }
     fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
         (**self).on_peer_gone(ctx, session, status)
     }
@@ -241,6 +270,18 @@ impl<H: Handler> Handler for std::rc::Rc<std::cell::RefCell<H>> {
     }
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         self.borrow_mut().on_idle(ctx)
+    }
+    fn on_datagram(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dgram: DatagramId,
+        source: &DatagramSource<'_>,
+        data: &[u8],
+    ) {
+        self.borrow_mut().on_datagram(ctx, dgram, source, data)
+    }
+    fn on_datagram_error(&mut self, ctx: &mut Ctx<'_>, dgram: DatagramId, error: &Error) {
+        self.borrow_mut().on_datagram_error(ctx, dgram, error)
     }
     fn on_peer_gone(&mut self, ctx: &mut Ctx<'_>, session: SessionId, status: &PeerStatus) {
         self.borrow_mut().on_peer_gone(ctx, session, status)

@@ -76,6 +76,7 @@ mod config;
 mod conn;
 mod counters;
 mod ctx;
+mod datagram;
 mod direct;
 mod dispatch;
 mod failure;
@@ -111,6 +112,7 @@ use crate::verbs::ProtectionDomain;
 use completions::Completions;
 use conn::{Conn, IMM_TRAILER_LEN};
 use ctx::{Deferred, ReactorId};
+use datagram::DatagramTable;
 use idle::IdlePolicy;
 use sessions::Sessions;
 use srq_pool::SrqPool;
@@ -125,6 +127,7 @@ pub(crate) use config::slab_key_for_tests;
 pub use config::{ConnId, EventMode, ReactorConfig, SendError, SessionId};
 pub use counters::{ConnStats, Counters, MemoryUse};
 pub use ctx::{Ctx, HeldRecv};
+pub use datagram::{DatagramId, DatagramSource};
 pub use direct::DirectQp;
 pub use handler::Handler;
 pub use pass_timer::PassTimer;
@@ -173,6 +176,9 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     /// What callbacks left for after the pass (removals, SRQ slots).
     deferred: Deferred,
     peer_timer: Option<PassTimer>,
+    /// The datagram endpoints, and their handlers (by endpoint index).
+    datagrams: DatagramTable,
+    datagram_handlers: Vec<H>,
     /// Completions no connection of ours posted (ignored).
     foreign_completions: u64,
     /// Running totals ([`Reactor::counters`]).
@@ -252,6 +258,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 lone_doorbells: 0,
             },
             peer_timer,
+            datagrams: DatagramTable::new(id.0),
+            datagram_handlers: Vec::new(),
             foreign_completions: 0,
             counters: Counters::default(),
             fired: Vec::with_capacity(wait::MAX_EVENTS),
@@ -332,7 +340,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// that comes from outside the handlers, such as commands other threads
     /// queued.
     pub fn with_ctx<R>(&mut self, stage: impl FnOnce(&mut Ctx<'_>) -> R) -> R {
-        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+        let mut ctx = Ctx::new(
+            &mut self.conns,
+            &self.stop,
+            self.id,
+            &mut self.deferred,
+            &mut self.datagrams,
+        );
         let result = stage(&mut ctx);
         if ctx.touched {
             self.idle.work_left();
@@ -352,8 +366,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.srq.as_ref().map(|pool| pool.available)
     }
 
-    /// Memory registered for the connections' rings now (walks the
-    /// connections: not for the data path).
+    /// Memory registered for the connections' rings and the datagram
+    /// endpoints' slots now (walks them: not for the data path).
     pub fn memory(&self) -> MemoryUse {
         let mut usage = MemoryUse {
             receive_bytes: self.srq.as_ref().map_or(0, SrqPool::registered_bytes),
@@ -364,6 +378,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             usage.receive_bytes += receive;
             usage.send_bytes += send;
             usage.connections += 1;
+        }
+        for (_, endpoint) in self.datagrams.iter() {
+            let (receive, send) = endpoint.registered_bytes();
+            usage.receive_bytes += receive;
+            usage.send_bytes += send;
         }
         usage
     }

@@ -219,6 +219,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             false
         };
+        if self.datagrams.has_work(done == 0) {
+            self.flush_datagrams(done == 0);
+        }
         if !LEAN {
             // The peer timer is read after the flush (`chores`): read here,
             // it makes the protocol's pass dearer (`tools/instr-count --host`).
@@ -254,7 +257,16 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     fn empty_pass<const LEAN: bool>(&mut self) -> bool {
         self.counters.empty_passes += 1;
         self.idle.found_none();
-        let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+        let mut ctx = Ctx::new(
+            &mut self.conns,
+            &self.stop,
+            self.id,
+            &mut self.deferred,
+            &mut self.datagrams,
+        );
+        for handler in &mut self.datagram_handlers {
+            handler.on_idle(&mut ctx);
+        }
         if !LEAN {
             for (_, session) in self.sessions.iter_mut() {
                 session.handler_mut().on_idle(&mut ctx);

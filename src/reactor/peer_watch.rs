@@ -89,7 +89,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             log::warn!("polling before telling of peers gone: {err}");
         }
         for (session, status) in gone {
-            let mut ctx = Ctx::new(&mut self.conns, &self.stop, self.id, &mut self.deferred);
+            let mut ctx = Ctx::new(
+                &mut self.conns,
+                &self.stop,
+                self.id,
+                &mut self.deferred,
+                &mut self.datagrams,
+            );
             if let Some(handler) = self.sessions.handler_mut(session) {
                 handler.on_peer_gone(&mut ctx, session, &status);
             }

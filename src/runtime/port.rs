@@ -124,6 +124,7 @@ pub(crate) struct StatCells {
     flush_visits: AtomicU64,
     foreign_completions: AtomicU64,
     reclaimed_receives: AtomicU64,
+    datagrams: AtomicU64,
     sessions: AtomicU64,
     commands: AtomicU64,
     thread_id: AtomicU64,
@@ -144,6 +145,7 @@ impl StatCells {
         store(&self.flush_visits, counters.flush_visits);
         store(&self.foreign_completions, counters.foreign_completions);
         store(&self.reclaimed_receives, counters.reclaimed_receives);
+        store(&self.datagrams, counters.datagrams);
         store(&self.sessions, sessions as u64);
         store(&self.commands, commands);
     }
@@ -279,6 +281,7 @@ impl Port {
                 flush_visits: load(&cells.flush_visits),
                 foreign_completions: load(&cells.foreign_completions),
                 reclaimed_receives: load(&cells.reclaimed_receives),
+                datagrams: load(&cells.datagrams),
             },
             submit_latency: (load(&cells.traced[0]) > 0).then(|| SubmitLatency {
                 samples: load(&cells.traced[0]),

@@ -53,6 +53,7 @@ pub use requests::{RecvRequests, SendRequests};
 pub use srq::{SharedReceiveQueue, SrqAttachment};
 #[cfg(test)]
 pub(crate) use srq::{refuse_srq_recvs_after, srq_posted_wr_ids};
+pub(crate) use ud::UdSendList;
 pub use ud::{
     GRH_BYTES, RDMA_UDP_QKEY, UdConfig, UdDestination, UdEndpoint, UdQueuePair, UdSend,
     datagram_payload, datagram_sender,

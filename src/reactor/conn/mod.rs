@@ -30,7 +30,7 @@ pub(crate) use ring::MAX_REPOST;
 use ring::RecvRing;
 use send_queue::SendQueue;
 pub(crate) use send_queue::{MIN_SQ_DEPTH, sq_room};
-pub(crate) use slots::{IMM_TRAILER_LEN, Ring, SharedRing, SlotSource, recv_request};
+pub(crate) use slots::{IMM_TRAILER_LEN, Ring, RingSlots, SharedRing, SlotSource, recv_request};
 pub(crate) use state::ConnState;
 
 /// One connection of the reactor: its QP, credits, receive side and send

@@ -138,7 +138,7 @@ impl RingSlots {
     /// True if consumed `slot` is now queued for reposting; false if it is
     /// posted or queued already.
     #[inline(always)]
-    pub(super) fn queue(&mut self, slot: u32) -> bool {
+    pub(crate) fn queue(&mut self, slot: u32) -> bool {
         self.step(slot, SlotState::Consumed, SlotState::Queued)
     }
 
@@ -146,7 +146,7 @@ impl RingSlots {
     /// list the flush posts from, so it is queued: no check but in debug
     /// builds.)
     #[inline(always)]
-    pub(super) fn post(&mut self, slot: u32) {
+    pub(crate) fn post(&mut self, slot: u32) {
         if let Some(state) = self.states.get_mut(slot as usize) {
             debug_assert_eq!(
                 *state,
@@ -181,9 +181,16 @@ impl Ring {
         }
     }
 
+    /// Where slot `slot` of `slot_size` bytes starts in memory (the
+    /// caller dereferences it only inside the ring's registration).
+    #[inline]
+    pub(crate) fn slot_ptr(&self, slot: u32, slot_size: usize) -> *mut u8 {
+        self.ptr.wrapping_add(slot as usize * slot_size)
+    }
+
     /// The registered address of slot `slot`.
     #[inline]
-    pub(super) fn slot_addr(&self, slot: u32, slot_size: usize) -> u64 {
+    pub(crate) fn slot_addr(&self, slot: u32, slot_size: usize) -> u64 {
         self.addr + u64::from(slot) * slot_size as u64
     }
 }

@@ -142,6 +142,54 @@ pub(crate) fn decode(wr_id: u64) -> (u32, u32, WrKind) {
     (index, generation, kind)
 }
 
+/// Bits between the kind and the index that name a datagram endpoint in
+/// its requests' ids: endpoints are numbered below 2^6, so the direct
+/// bit above them is never set.
+const ENDPOINT_SHIFT: u32 = 32 + KIND_BITS;
+/// Most datagram endpoints a reactor holds.
+pub(crate) const MAX_ENDPOINTS: usize = 1 << 6;
+/// The index no connection has: datagram endpoints' requests carry it.
+const DATAGRAM_INDEX: u64 = MAX_CONNS as u64;
+
+/// A receive into slot `slot` of datagram endpoint `endpoint`.
+#[inline]
+pub(crate) fn datagram_recv(endpoint: u32, slot: u32) -> u64 {
+    datagram(endpoint, KIND_RECV, slot)
+}
+
+/// Send `seq` of datagram endpoint `endpoint`.
+#[inline]
+pub(crate) fn datagram_send(endpoint: u32, seq: u32) -> u64 {
+    datagram(endpoint, KIND_SEND, seq)
+}
+
+#[inline]
+fn datagram(endpoint: u32, kind: u64, value: u32) -> u64 {
+    debug_assert!((endpoint as usize) < MAX_ENDPOINTS);
+    (DATAGRAM_INDEX << (64 - INDEX_BITS))
+        | (u64::from(endpoint) % MAX_ENDPOINTS as u64) << ENDPOINT_SHIFT
+        | (kind << 32)
+        | u64::from(value)
+}
+
+/// The endpoint and kind of a datagram endpoint's `wr_id`, or `None` for
+/// any other (connections' ids, SRQ receives', window binds', strangers').
+#[inline]
+pub(crate) fn decode_datagram(wr_id: u64) -> Option<(u32, WrKind)> {
+    let mask_between = ((1u64 << (64 - INDEX_BITS - ENDPOINT_SHIFT)) - 1) << ENDPOINT_SHIFT;
+    let endpoint_bits = (MAX_ENDPOINTS as u64 - 1) << ENDPOINT_SHIFT;
+    if wr_id >> (64 - INDEX_BITS) != DATAGRAM_INDEX || wr_id & mask_between & !endpoint_bits != 0 {
+        return None;
+    }
+    let endpoint = ((wr_id >> ENDPOINT_SHIFT) & (MAX_ENDPOINTS as u64 - 1)) as u32;
+    let value = wr_id as u32;
+    match (wr_id >> 32) & ((1 << KIND_BITS) - 1) {
+        KIND_RECV => Some((endpoint, WrKind::Recv { slot: value })),
+        KIND_SEND => Some((endpoint, WrKind::Send { seq: value })),
+        _ => None,
+    }
+}
+
 /// True if `generation` (as decoded) is that of `conn`.
 #[inline]
 pub(crate) fn same_generation(conn: Key, generation: u32) -> bool {
@@ -201,6 +249,20 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// An id taken for a datagram endpoint's is exactly the one that
+        /// endpoint's request would carry: no other id is.
+        #[test]
+        fn a_datagram_id_is_decoded_only_from_its_own_encoding(wr_id: u64) {
+            if let Some((endpoint, kind)) = decode_datagram(wr_id) {
+                let again = match kind {
+                    WrKind::Recv { slot } => datagram_recv(endpoint, slot),
+                    WrKind::Send { seq } => datagram_send(endpoint, seq),
+                    _ => unreachable!("decode_datagram gives a receive or a send"),
+                };
+                proptest::prop_assert_eq!(again, wr_id);
+            }
+        }
+
         /// A connection's tags made once (`SendQueue`'s and `RecvRing`'s
         /// tags: the id with value 0) with a value OR-ed in
         /// are the ids encoded whole.
@@ -239,6 +301,45 @@ mod tests {
             proptest::prop_assert_eq!(found, index);
             proptest::prop_assert!(same_generation(conn, bits));
         }
+    }
+
+    #[test]
+    fn datagram_ids_are_no_connections_and_no_connections_ids_are_datagrams() {
+        for endpoint in [0, 1, MAX_ENDPOINTS as u32 - 1] {
+            for (wr_id, want) in [
+                (datagram_recv(endpoint, 7), WrKind::Recv { slot: 7 }),
+                (
+                    datagram_send(endpoint, u32::MAX),
+                    WrKind::Send { seq: u32::MAX },
+                ),
+            ] {
+                assert_eq!(decode_datagram(wr_id), Some((endpoint, want)));
+                assert_eq!(
+                    decode(wr_id).0,
+                    MAX_CONNS as u32,
+                    "an index no connection has"
+                );
+                let (_, _, kind) = decode(wr_id);
+                assert!(!is_direct(wr_id, kind));
+                assert_eq!(decode_direct(wr_id), None);
+            }
+        }
+        let conn = Key {
+            index: MAX_CONNS as u32 - 1,
+            generation: u32::MAX,
+            owner: 1,
+        };
+        for wr_id in [
+            recv(conn, 1),
+            send(conn, 1),
+            direct_send_tag(conn) | 5,
+            srq_recv(1, 0),
+            crate::verbs::BIND_WR_ID,
+        ] {
+            assert_eq!(decode_datagram(wr_id), None, "{wr_id:#x}");
+        }
+        // An SRQ receive whose tag sets every bit is still the SRQ's.
+        assert_eq!(decode_datagram(srq_recv(1, u64::MAX)), None);
     }
 
     #[test]

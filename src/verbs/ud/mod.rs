@@ -31,6 +31,9 @@ use super::requests::{self, RecvRequests};
 use super::wc::WcOpcode;
 use super::{check_ptr, check_rc};
 
+mod batch;
+pub(crate) use batch::UdSendList;
+
 /// Bytes of the global routing header at the start of every UD receive
 /// buffer (on RoCE v2 over IPv4, the IPv4 header in its last 20).
 pub const GRH_BYTES: usize = 40;

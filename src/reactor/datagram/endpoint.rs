@@ -1,0 +1,202 @@
+//! One datagram endpoint ([`Endpoint`]): a UD QP on the reactor's CQs
+//! with its receive ring and its send side.
+
+use crate::error::Error;
+use crate::verbs::{Gid, ProtectionDomain, UdConfig, UdDestination, UdQueuePair, WorkCompletion};
+
+use super::super::SendError;
+use super::receives::{Landed, Receives};
+use super::sends::Sends;
+
+/// What a vetted completion of an endpoint brings.
+#[derive(Debug)]
+pub(crate) enum Arrived {
+    /// A datagram in receive slot `slot`.
+    Datagram { slot: u32, landed: Landed },
+    /// Signaled sends retired: nothing for the handler.
+    Retired,
+    /// A completion that failed: the endpoint is failed now.
+    Failed(Error),
+    /// Nothing this endpoint posted, or one of a failed endpoint's.
+    Ignored,
+}
+
+/// A UD QP on the reactor's CQs, its receive ring and its send side.
+pub(crate) struct Endpoint {
+    // Declared first: destroyed before the rings are deregistered.
+    qp: UdQueuePair,
+    receives: Receives,
+    sends: Sends,
+    failed: bool,
+    /// A refused post failed the endpoint: its handler is to be told.
+    report: Option<Error>,
+}
+
+// SAFETY: the raw pointers in the rings point into this endpoint's own
+// regions (and, in the receive batch, at requests rebuilt before each
+// post); moving the endpoint to another thread moves none of that memory.
+unsafe impl Send for Endpoint {}
+
+impl Endpoint {
+    /// Creates the QP with `create`, its rings on `pd`, and posts every
+    /// receive.
+    pub(crate) fn new(
+        pd: &ProtectionDomain,
+        index: u32,
+        config: &UdConfig,
+        create: impl FnOnce(&UdConfig) -> crate::Result<UdQueuePair>,
+    ) -> crate::Result<Self> {
+        if config.max_send_wr < 2 {
+            return Err(Error::InvalidArgument(
+                "UdConfig::max_send_wr: a datagram endpoint needs at least 2",
+            ));
+        }
+        let qp = create(config)?;
+        let max = qp.max_datagram();
+        let receives = Receives::new(pd, index, config.max_recv_wr, max)?;
+        let sends = Sends::new(pd, index, config.max_send_wr, max, qp.max_inline_data())?;
+        let mut endpoint = Self {
+            qp,
+            receives,
+            sends,
+            failed: false,
+            report: None,
+        };
+        endpoint.receives.flush(&mut endpoint.qp)?;
+        Ok(endpoint)
+    }
+
+    /// The QP: its number, what peers need to reach it, destinations.
+    pub(crate) fn qp(&self) -> &UdQueuePair {
+        &self.qp
+    }
+
+    /// Joins multicast group `group`.
+    pub(crate) fn join(&mut self, group: Gid) -> crate::Result<()> {
+        self.qp.join(group)
+    }
+
+    /// Leaves multicast group `group`.
+    pub(crate) fn leave(&mut self, group: Gid) -> crate::Result<()> {
+        self.qp.leave(group)
+    }
+
+    /// Bytes registered for the receive ring and the send slots.
+    pub(crate) fn registered_bytes(&self) -> (usize, usize) {
+        (
+            self.receives.registered_bytes(),
+            self.sends.registered_bytes(),
+        )
+    }
+
+    /// Vets completion `wc`, which names this endpoint as a receive into
+    /// `slot` or send `seq` (`receive`), and says what it brings.
+    #[inline]
+    pub(crate) fn complete(&mut self, wc: &WorkCompletion, receive: bool, value: u32) -> Arrived {
+        if wc.qp_num() != self.qp.qpn() || self.failed {
+            return Arrived::Ignored;
+        }
+        if !wc.is_success() {
+            self.failed = true;
+            return Arrived::Failed(
+                wc.ok()
+                    .err()
+                    .unwrap_or(Error::InvalidArgument("failed datagram completion")),
+            );
+        }
+        if !receive {
+            self.sends.retire(value);
+            return Arrived::Retired;
+        }
+        match self.receives.consume(value, wc.byte_len()) {
+            Ok(landed) => Arrived::Datagram {
+                slot: value,
+                landed,
+            },
+            Err(consumed) => {
+                if consumed {
+                    self.receives.queue(value);
+                }
+                Arrived::Ignored
+            }
+        }
+    }
+
+    /// Datagram slot `slot` was read: it goes back to the device. Returns
+    /// whether enough wait for a repost batch.
+    #[inline]
+    pub(crate) fn release(&mut self, slot: u32) -> bool {
+        self.receives.queue(slot);
+        self.receives.is_due()
+    }
+
+    /// Stages `data` to `to`; a full list is posted at once.
+    #[inline]
+    pub(crate) fn stage(&mut self, to: &UdDestination, data: &[u8]) -> Result<(), SendError> {
+        if self.failed {
+            return Err(SendError::Closed);
+        }
+        self.qp.check_destination(to).map_err(SendError::Invalid)?;
+        if self.sends.stage(to, data)? {
+            self.post_sends();
+            if self.failed {
+                return Err(SendError::Closed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Rings the doorbell for the staged datagrams; returns how many
+    /// went. A refused post fails the endpoint.
+    #[inline]
+    pub(crate) fn post_sends(&mut self) -> usize {
+        match self.sends.flush(&mut self.qp) {
+            Ok(posted) => posted,
+            Err(error) => {
+                self.post_failed(error);
+                0
+            }
+        }
+    }
+
+    /// The device refused a post: the endpoint is failed, and its handler
+    /// is told after the pass.
+    #[cold]
+    fn post_failed(&mut self, error: Error) {
+        self.failed = true;
+        self.report = Some(error);
+    }
+
+    /// Whether a refused post failed it and its handler is not told yet.
+    pub(crate) fn has_report(&self) -> bool {
+        self.report.is_some()
+    }
+
+    /// The error of a refused post, once.
+    pub(crate) fn take_report(&mut self) -> Option<Error> {
+        self.report.take()
+    }
+
+    /// Whether datagrams wait for the doorbell.
+    #[inline]
+    pub(crate) fn has_staged(&self) -> bool {
+        self.sends.has_staged()
+    }
+
+    /// Posts the receives waiting to go back (all of them if `all`, else
+    /// only a full batch). A refused post fails the endpoint.
+    pub(crate) fn post_receives(&mut self, all: bool) {
+        if !(self.receives.is_due() || all && self.receives.has_pending()) || self.failed {
+            return;
+        }
+        if let Err(error) = self.receives.flush(&mut self.qp) {
+            self.post_failed(error);
+        }
+    }
+
+    /// Whether receives wait to be posted again.
+    #[inline]
+    pub(crate) fn has_pending_receives(&self) -> bool {
+        self.receives.has_pending()
+    }
+}

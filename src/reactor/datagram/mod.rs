@@ -1,0 +1,240 @@
+//! Datagram endpoints: unreliable datagrams and multicast on the reactor's
+//! CQs, beside its connections.
+//!
+//! An endpoint ([`Reactor::add_datagram`](super::Reactor::add_datagram))
+//! is a UD QP the reactor creates on its shared CQs, with a ring of
+//! receives posted ahead of traffic and reposted in batches, and send
+//! slots its handler's datagrams are copied into
+//! ([`Ctx::send_datagram`](super::Ctx::send_datagram)); a pass's datagrams
+//! go out with one doorbell per endpoint, and only one send in every half
+//! send queue asks for a completion. Its handler gets each datagram in
+//! [`Handler::on_datagram`](super::Handler::on_datagram), with the source
+//! it claims, before reading any of its bytes.
+//!
+//! Nothing here allocates after the endpoint is added.
+
+mod endpoint;
+mod reactor;
+mod receives;
+mod sends;
+mod window;
+
+use std::fmt;
+
+use crate::verbs::{GRH_BYTES, Gid, UdDestination, datagram_sender};
+
+use super::SendError;
+use super::table::wr_id::MAX_ENDPOINTS;
+pub(crate) use endpoint::{Arrived, Endpoint};
+
+/// A datagram endpoint of one reactor
+/// ([`Reactor::add_datagram`](super::Reactor::add_datagram)). Ids are
+/// never reused: another reactor's id, or one of a reactor that is gone,
+/// names nothing.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DatagramId {
+    reactor: u64,
+    index: u32,
+}
+
+impl fmt::Debug for DatagramId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DatagramId({}.{})", self.reactor, self.index)
+    }
+}
+
+/// Where a datagram says it came from: the sending QP's number and, when
+/// the datagram carried a routing header, its GID. Both are the sender's
+/// own word, anyone on the fabric can claim any: a filter, not an
+/// authentication (see the security docs).
+#[derive(Clone, Copy)]
+pub struct DatagramSource<'a> {
+    qpn: u32,
+    grh: Option<&'a [u8; GRH_BYTES]>,
+}
+
+impl DatagramSource<'_> {
+    /// The sending QP's number.
+    #[inline]
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// The sender's GID, read from the routing header (on RoCE v2 over
+    /// IPv4, its source address as an IPv4-mapped GID); `None` if the
+    /// datagram had none.
+    #[inline]
+    pub fn gid(&self) -> Option<Gid> {
+        self.grh.and_then(datagram_sender)
+    }
+}
+
+impl fmt::Debug for DatagramSource<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DatagramSource")
+            .field("qpn", &self.qpn)
+            .field("gid", &self.gid())
+            .finish()
+    }
+}
+
+/// The datagram endpoints of one reactor, and which of them have work for
+/// the end of the pass.
+pub(crate) struct DatagramTable {
+    owner: u64,
+    endpoints: Vec<Endpoint>,
+    /// Endpoints with datagrams staged or a repost batch due, one bit each.
+    work: u64,
+}
+
+const _: () = assert!(MAX_ENDPOINTS <= u64::BITS as usize);
+
+impl DatagramTable {
+    /// No endpoints; ids name reactor `owner`.
+    pub(crate) fn new(owner: u64) -> Self {
+        Self {
+            owner,
+            endpoints: Vec::new(),
+            work: 0,
+        }
+    }
+
+    /// The index the next endpoint takes, if there is room for one.
+    pub(crate) fn next_index(&self) -> crate::Result<u32> {
+        if self.endpoints.len() >= MAX_ENDPOINTS {
+            return Err(crate::Error::InvalidArgument(
+                "Reactor::add_datagram: a reactor holds at most 64 datagram endpoints",
+            ));
+        }
+        Ok(self.endpoints.len() as u32)
+    }
+
+    /// Holds `endpoint`, made for [`next_index`](Self::next_index).
+    pub(crate) fn push(&mut self, endpoint: Endpoint) -> DatagramId {
+        let index = self.endpoints.len() as u32;
+        self.endpoints.push(endpoint);
+        DatagramId {
+            reactor: self.owner,
+            index,
+        }
+    }
+
+    /// The id of endpoint `index`.
+    #[inline]
+    pub(crate) fn id(&self, index: u32) -> DatagramId {
+        DatagramId {
+            reactor: self.owner,
+            index,
+        }
+    }
+
+    /// Endpoint `id`, if it is this reactor's.
+    pub(crate) fn get(&self, id: DatagramId) -> Option<&Endpoint> {
+        (id.reactor == self.owner)
+            .then(|| self.endpoints.get(id.index as usize))
+            .flatten()
+    }
+
+    /// Endpoint `id`, mutably, if it is this reactor's.
+    pub(crate) fn get_mut(&mut self, id: DatagramId) -> Option<&mut Endpoint> {
+        if id.reactor != self.owner {
+            return None;
+        }
+        self.endpoints.get_mut(id.index as usize)
+    }
+
+    /// Every endpoint with its id.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (DatagramId, &Endpoint)> {
+        self.endpoints
+            .iter()
+            .enumerate()
+            .map(|(index, endpoint)| (self.id(index as u32), endpoint))
+    }
+
+    /// A completion naming endpoint `index` (a receive into slot `value`,
+    /// or send `value`): what it brings, vetted by the endpoint.
+    #[inline]
+    pub(crate) fn complete(
+        &mut self,
+        index: u32,
+        wc: &crate::verbs::WorkCompletion,
+        receive: bool,
+        value: u32,
+    ) -> Arrived {
+        match self.endpoints.get_mut(index as usize) {
+            Some(endpoint) => endpoint.complete(wc, receive, value),
+            None => Arrived::Ignored,
+        }
+    }
+
+    /// Datagram slot `slot` of endpoint `index` was read: it goes back.
+    #[inline]
+    pub(crate) fn release(&mut self, index: u32, slot: u32) {
+        if let Some(endpoint) = self.endpoints.get_mut(index as usize)
+            && endpoint.release(slot)
+        {
+            self.work |= 1 << index;
+        }
+    }
+
+    /// Stages `data` to `to` on endpoint `id`, for the end of the pass.
+    #[inline]
+    pub(crate) fn stage(
+        &mut self,
+        id: DatagramId,
+        to: &UdDestination,
+        data: &[u8],
+    ) -> Result<(), SendError> {
+        let Some(endpoint) = self.get_mut(id) else {
+            return Err(SendError::Closed);
+        };
+        let staged = endpoint.stage(to, data);
+        // Also after a refusal: a full list posted and refused leaves an
+        // error to report.
+        self.work |= 1 << id.index;
+        staged
+    }
+
+    /// Whether the end of the pass has work here: datagrams staged, a
+    /// repost batch due, or, on an idle pass (`idle`), any receive to
+    /// post again.
+    #[inline(always)]
+    pub(crate) fn has_work(&self, idle: bool) -> bool {
+        self.work != 0 || idle && self.endpoints.iter().any(Endpoint::has_pending_receives)
+    }
+
+    /// Rings each endpoint's doorbell for its staged datagrams and posts
+    /// its receives (a full batch, or all of them if `idle`). Returns the
+    /// datagrams posted, the doorbells rung, and the endpoints a refused
+    /// post failed (one bit each: [`take_report`](Self::take_report)).
+    pub(crate) fn flush(&mut self, idle: bool) -> (u64, u64, u64) {
+        let (mut requests, mut doorbells, mut failed) = (0, 0, 0);
+        let work = std::mem::take(&mut self.work);
+        for (index, endpoint) in self.endpoints.iter_mut().enumerate() {
+            if work & (1 << index) == 0 && !idle {
+                continue;
+            }
+            if endpoint.has_staged() {
+                let posted = endpoint.post_sends();
+                requests += posted as u64;
+                doorbells += u64::from(posted != 0);
+            }
+            endpoint.post_receives(idle);
+            if endpoint.has_report() {
+                failed |= 1 << index;
+            }
+        }
+        (requests, doorbells, failed)
+    }
+
+    /// The error a refused post failed endpoint `index` with, once.
+    pub(crate) fn take_report(&mut self, index: u32) -> Option<crate::Error> {
+        self.endpoints.get_mut(index as usize)?.take_report()
+    }
+}
+
+impl<'a> DatagramSource<'a> {
+    pub(crate) fn new(qpn: u32, grh: Option<&'a [u8; GRH_BYTES]>) -> Self {
+        Self { qpn, grh }
+    }
+}

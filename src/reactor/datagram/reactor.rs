@@ -1,0 +1,185 @@
+//! The reactor's side of its datagram endpoints: adding one, multicast
+//! membership, routing their completions to the handler, and their flush
+//! at the end of a pass.
+
+use crate::error::{Error, Result};
+use crate::verbs::{Gid, UdConfig, UdQueuePair};
+
+use super::super::table::wr_id::WrKind;
+use super::super::{Ctx, Handler, PeerLink, Reactor};
+use super::{Arrived, DatagramId, DatagramSource, Endpoint};
+
+impl<H: Handler, L: PeerLink> Reactor<H, L> {
+    /// Adds a datagram endpoint served by `handler`: a UD QP on the
+    /// reactor's CQs made as `config` asks (`max_recv_wr` receives posted
+    /// at once and kept posted, `max_send_wr` sends in flight at most, at
+    /// least 2), ready at once. Its datagrams go to
+    /// [`Handler::on_datagram`]; its handler sends with
+    /// [`Ctx::send_datagram`] and runs [`Handler::on_idle`] with the
+    /// others. Each receive and send slot is the port's MTU (plus the
+    /// 40-byte GRH for a receive), registered once. A reactor holds at
+    /// most 64 endpoints, for its life.
+    ///
+    /// Anyone on the fabric who learns the endpoint's QP number and Q_Key,
+    /// or a group it joined, can send to it: see the security docs.
+    pub fn add_datagram(&mut self, config: &UdConfig, handler: H) -> Result<DatagramId> {
+        let index = self.datagrams.next_index()?;
+        let (cq_index, cq) = self.completions.next_cq();
+        let charges = [(
+            cq_index,
+            config.max_send_wr.saturating_add(config.max_recv_wr),
+        )];
+        if !self.completions.can_absorb(&charges) {
+            return Err(Error::InvalidArgument(
+                "Reactor::add_datagram: the reactor's CQ has no room for the endpoint's queues (ReactorConfig::cq_size)",
+            ));
+        }
+        let pd = self.pd.clone();
+        let endpoint = Endpoint::new(&pd, index, config, |config| {
+            pd.create_ud_qp(&cq, &cq, config)
+        })?;
+        self.completions.charge(&charges);
+        self.datagram_handlers.push(handler);
+        let id = self.datagrams.push(endpoint);
+        log::info!(
+            "datagram endpoint {id:?}: UD QP {} with Q_Key {:#x} is open to anyone on the fabric who knows them",
+            self.datagrams.get(id).map_or(0, |e| e.qp().qpn()),
+            config.qkey,
+        );
+        Ok(id)
+    }
+
+    /// The UD QP of endpoint `id`: what peers need to reach it
+    /// ([`UdQueuePair::endpoint`]) and the destinations its handler sends
+    /// to ([`UdQueuePair::destination`], [`UdQueuePair::group_destination`]).
+    /// `None` for an id of another reactor.
+    pub fn datagram(&self, id: DatagramId) -> Option<&UdQueuePair> {
+        self.datagrams.get(id).map(Endpoint::qp)
+    }
+
+    /// Joins endpoint `id` to multicast group `group` (see
+    /// [`UdQueuePair::join`]): datagrams sent to the group reach its
+    /// handler from now on.
+    pub fn join(&mut self, id: DatagramId, group: Gid) -> Result<()> {
+        let endpoint = self.datagrams.get_mut(id).ok_or(Error::InvalidArgument(
+            "Reactor::join: a datagram endpoint of another reactor",
+        ))?;
+        endpoint.join(group)?;
+        log::info!("datagram endpoint {id:?} joined {group}: anyone on the fabric may send to it");
+        Ok(())
+    }
+
+    /// Takes endpoint `id` out of multicast group `group`.
+    pub fn leave(&mut self, id: DatagramId, group: Gid) -> Result<()> {
+        self.datagrams
+            .get_mut(id)
+            .ok_or(Error::InvalidArgument(
+                "Reactor::leave: a datagram endpoint of another reactor",
+            ))?
+            .leave(group)
+    }
+
+    /// The handler of endpoint `id`.
+    pub fn datagram_handler(&self, id: DatagramId) -> Option<&H> {
+        self.datagrams.get(id)?;
+        self.datagram_handlers.get(id_index(id))
+    }
+
+    /// The handler of endpoint `id`, mutably.
+    pub fn datagram_handler_mut(&mut self, id: DatagramId) -> Option<&mut H> {
+        self.datagrams.get(id)?;
+        self.datagram_handlers.get_mut(id_index(id))
+    }
+
+    /// Completion `at`, whose `wr_id` names endpoint `index` as `kind`:
+    /// a datagram goes to the handler and its slot back to the device; a
+    /// failed completion fails the endpoint and tells the handler.
+    #[inline(never)]
+    pub(in super::super) fn route_datagram(&mut self, at: usize, index: u32, kind: WrKind) {
+        let wc = self.completions.wc(at);
+        let (receive, value) = match kind {
+            WrKind::Recv { slot } => (true, slot),
+            WrKind::Send { seq } => (false, seq),
+            _ => return,
+        };
+        let id = self.datagrams.id(index);
+        match self.datagrams.complete(index, wc, receive, value) {
+            Arrived::Datagram { slot, landed } => {
+                self.counters.datagrams += 1;
+                // SAFETY: both lie in the endpoint's receive ring, registered
+                // while the reactor lives (endpoints are never removed); the
+                // slot is consumed and goes back to the device only after the
+                // handler returns (`release`), and nothing the handler can
+                // reach writes a receive ring.
+                let (grh, data) = unsafe {
+                    (
+                        &*landed.grh,
+                        std::slice::from_raw_parts(landed.payload, landed.len),
+                    )
+                };
+                let source = DatagramSource::new(wc.src_qp(), wc.has_grh().then_some(grh));
+                if let Some(handler) = self.datagram_handlers.get_mut(index as usize) {
+                    let mut ctx = Ctx::new(
+                        &mut self.conns,
+                        &self.stop,
+                        self.id,
+                        &mut self.deferred,
+                        &mut self.datagrams,
+                    );
+                    handler.on_datagram(&mut ctx, id, &source, data);
+                    if ctx.touched {
+                        self.idle.work_left();
+                    }
+                }
+                self.datagrams.release(index, slot);
+            }
+            Arrived::Retired => {}
+            Arrived::Failed(error) => self.datagram_failed(id, error),
+            Arrived::Ignored => {
+                let wc = *wc;
+                self.foreign(&wc);
+            }
+        }
+    }
+
+    /// Tells endpoint `id`'s handler that it failed.
+    #[cold]
+    fn datagram_failed(&mut self, id: DatagramId, error: Error) {
+        log::warn!("datagram endpoint {id:?} failed: {error}");
+        if let Some(handler) = self.datagram_handlers.get_mut(id_index(id)) {
+            let mut ctx = Ctx::new(
+                &mut self.conns,
+                &self.stop,
+                self.id,
+                &mut self.deferred,
+                &mut self.datagrams,
+            );
+            handler.on_datagram_error(&mut ctx, id, &error);
+        }
+    }
+
+    /// The end of a pass for the datagram endpoints: one doorbell each for
+    /// their staged datagrams, their reposts (all of them on an idle pass,
+    /// `idle`), and the handlers of those a refused post failed told.
+    #[inline(never)]
+    pub(in super::super) fn flush_datagrams(&mut self, idle: bool) {
+        let (requests, doorbells, failed) = self.datagrams.flush(idle);
+        self.counters.requests += requests;
+        self.counters.doorbells += doorbells;
+        if failed != 0 {
+            for index in 0..u64::BITS {
+                if failed & (1 << index) != 0
+                    && let Some(error) = self.datagrams.take_report(index)
+                {
+                    let id = self.datagrams.id(index);
+                    self.datagram_failed(id, error);
+                }
+            }
+        }
+    }
+}
+
+/// The index of endpoint `id` among the handlers (checked with the table).
+fn id_index(id: DatagramId) -> usize {
+    id.index as usize
+}

@@ -1,0 +1,235 @@
+//! The reactor's datagram endpoints on one device: a ping-pong between two
+//! endpoints with the source each datagram claims, a sender that outruns
+//! its send queue (refused for room, never stalled), a multicast group,
+//! and the refusals (size, another PD's destination, another reactor's
+//! endpoint). Gated as described in `tests/util/mod.rs`: runs in the
+//! Soft-RoCE guest.
+
+mod util;
+
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+
+use rdma_comm_core::Error;
+use rdma_comm_core::reactor::*;
+use rdma_comm_core::verbs::*;
+use util::*;
+
+/// What one endpoint's handler does and has seen.
+#[derive(Default)]
+struct Peer {
+    /// Where it sends: set once both endpoints exist.
+    to: Option<UdDestination>,
+    /// The QP number its datagrams must claim to come from.
+    expect_qpn: Option<u32>,
+    /// Reply to each datagram with the same bytes.
+    echo: bool,
+    /// Send this many in all from `on_idle`, as fast as the queue takes them.
+    burst: u64,
+    /// Ping-pong round trips to make (the pinger sends the first from `on_idle`).
+    rounds: u64,
+    sent: u64,
+    received: u64,
+    refused_for_room: u64,
+    wrong_source: u64,
+    altered: u64,
+    /// The next ping's number, and whether one is out.
+    next: u64,
+    waiting: bool,
+    errors: u64,
+}
+
+impl Handler for Peer {
+    fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
+
+    fn on_datagram(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dgram: DatagramId,
+        source: &DatagramSource<'_>,
+        data: &[u8],
+    ) {
+        self.received += 1;
+        if self.expect_qpn.is_some_and(|qpn| qpn != source.qpn()) || source.gid().is_none() {
+            self.wrong_source += 1;
+        }
+        if self.echo {
+            let to = self.to.as_ref().expect("a destination");
+            ctx.send_datagram(dgram, to, data)
+                .expect("an echo goes out");
+            return;
+        }
+        if self.rounds > 0 && data != self.next.to_le_bytes() {
+            self.altered += 1;
+        }
+        self.next += 1;
+        self.waiting = false;
+    }
+
+    fn on_datagram_error(&mut self, _: &mut Ctx<'_>, _: DatagramId, error: &Error) {
+        eprintln!("datagram endpoint failed: {error}");
+        self.errors += 1;
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        let Some(to) = self.to.as_ref() else { return };
+        let Some(dgram) = DGRAM.with(|d| d.get()) else {
+            return;
+        };
+        if self.rounds > 0 && !self.waiting && self.next < self.rounds {
+            ctx.send_datagram(dgram, to, &self.next.to_le_bytes())
+                .expect("a ping goes out");
+            self.sent += 1;
+            self.waiting = true;
+        }
+        while self.sent < self.burst {
+            match ctx.send_datagram(dgram, to, &self.sent.to_le_bytes()) {
+                Ok(()) => self.sent += 1,
+                Err(SendError::WouldBlock) => {
+                    self.refused_for_room += 1;
+                    break;
+                }
+                Err(other) => panic!("a burst datagram: {other}"),
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// The endpoint whose handler sends from `on_idle` (one per test thread).
+    static DGRAM: std::cell::Cell<Option<DatagramId>> = const { std::cell::Cell::new(None) };
+}
+
+fn reactor(pd: &ProtectionDomain) -> Reactor<Peer> {
+    Reactor::new(pd, ReactorConfig::default()).expect("a reactor")
+}
+
+fn run_until(
+    reactor: &mut Reactor<Peer>,
+    limit: Duration,
+    mut done: impl FnMut(&Reactor<Peer>) -> bool,
+) {
+    let start = Instant::now();
+    while !done(reactor) {
+        assert!(start.elapsed() < limit, "stalled: {:?}", reactor.counters());
+        reactor.turn().expect("a pass");
+    }
+}
+
+/// Two endpoints of one reactor, each handler with a destination to the other.
+fn pair(reactor: &mut Reactor<Peer>, a: Peer, b: Peer) -> (DatagramId, DatagramId) {
+    let config = UdConfig::default();
+    let a = reactor.add_datagram(&config, a).expect("endpoint a");
+    let b = reactor.add_datagram(&config, b).expect("endpoint b");
+    let (qp_a, qp_b) = (
+        reactor.datagram(a).expect("a"),
+        reactor.datagram(b).expect("b"),
+    );
+    let (to_b, to_a) = (
+        qp_a.destination(&qp_b.endpoint()).expect("a to b"),
+        qp_b.destination(&qp_a.endpoint()).expect("b to a"),
+    );
+    let (qpn_a, qpn_b) = (qp_a.qpn(), qp_b.qpn());
+    let peer_a = reactor.datagram_handler_mut(a).expect("a's handler");
+    peer_a.to = Some(to_b);
+    peer_a.expect_qpn = Some(qpn_b);
+    let peer_b = reactor.datagram_handler_mut(b).expect("b's handler");
+    peer_b.to = Some(to_a);
+    peer_b.expect_qpn = Some(qpn_a);
+    (a, b)
+}
+
+verbs_test! {
+    fn two_endpoints_ping_pong_and_each_datagram_names_its_source() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let mut reactor = reactor(&pd);
+        const ROUNDS: u64 = 2_000;
+        let pinger = Peer { rounds: ROUNDS, ..Peer::default() };
+        let echo = Peer { echo: true, ..Peer::default() };
+        let (a, b) = pair(&mut reactor, pinger, echo);
+        DGRAM.with(|d| d.set(Some(a)));
+        run_until(&mut reactor, Duration::from_secs(60), |r| {
+            r.datagram_handler(a).is_some_and(|p| p.next == ROUNDS)
+        });
+        let (pinger, echo) = (reactor.datagram_handler(a).unwrap(), reactor.datagram_handler(b).unwrap());
+        assert_eq!((pinger.received, echo.received), (ROUNDS, ROUNDS));
+        assert_eq!((pinger.altered, pinger.wrong_source, echo.wrong_source), (0, 0, 0));
+        assert_eq!(pinger.errors + echo.errors, 0);
+        let counters = reactor.counters();
+        assert_eq!(counters.datagrams, 2 * ROUNDS);
+        assert!(counters.requests >= 2 * ROUNDS, "{counters:?}");
+    }
+}
+
+verbs_test! {
+    fn a_sender_that_outruns_its_send_queue_is_refused_for_room_and_never_stalls() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let mut reactor = reactor(&pd);
+        const BURST: u64 = 50_000;
+        let sender = Peer { burst: BURST, ..Peer::default() };
+        let (a, b) = pair(&mut reactor, sender, Peer::default());
+        DGRAM.with(|d| d.set(Some(a)));
+        run_until(&mut reactor, Duration::from_secs(120), |r| {
+            r.datagram_handler(a).is_some_and(|p| p.sent == BURST)
+        });
+        // What is in flight lands (or is dropped) within a few passes.
+        for _ in 0..1_000 {
+            reactor.turn().expect("a pass");
+        }
+        let (sender, receiver) = (reactor.datagram_handler(a).unwrap(), reactor.datagram_handler(b).unwrap());
+        assert!(sender.refused_for_room > 0, "the send queue filled at least once");
+        assert!(receiver.received > 0 && receiver.received <= BURST, "{}", receiver.received);
+        assert_eq!(receiver.wrong_source, 0);
+        assert_eq!(sender.errors + receiver.errors, 0);
+        let counters = reactor.counters();
+        assert!(counters.doorbells < BURST, "datagrams share doorbells: {counters:?}");
+    }
+}
+
+verbs_test! {
+    fn a_datagram_to_a_joined_group_reaches_the_member() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let mut reactor = reactor(&pd);
+        let config = UdConfig::default();
+        let member = reactor.add_datagram(&config, Peer::default()).expect("a member");
+        let publisher = reactor.add_datagram(&config, Peer { rounds: 1, ..Peer::default() }).expect("a publisher");
+        let group = Gid::from_ipv4(Ipv4Addr::new(239, 1, 2, 3));
+        reactor.join(member, group).expect("joined");
+        let to_group = reactor.datagram(publisher).unwrap().group_destination(group).expect("the group");
+        reactor.datagram_handler_mut(publisher).unwrap().to = Some(to_group);
+        DGRAM.with(|d| d.set(Some(publisher)));
+        run_until(&mut reactor, Duration::from_secs(30), |r| {
+            r.datagram_handler(member).is_some_and(|p| p.received == 1)
+        });
+        reactor.leave(member, group).expect("left");
+        assert!(reactor.leave(member, group).is_err(), "not a member any more");
+    }
+}
+
+verbs_test! {
+    fn what_an_endpoint_cannot_send_is_refused() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let mut reactor = reactor(&pd);
+        let (a, _) = pair(&mut reactor, Peer::default(), Peer::default());
+        let mtu = reactor.datagram(a).unwrap().max_datagram() as usize;
+        let to = reactor.datagram_handler_mut(a).unwrap().to.take().expect("a destination");
+        let other_pd = ctx.alloc_pd().expect("another PD");
+        let mut other = Reactor::<Peer>::new(&other_pd, ReactorConfig::default()).expect("another reactor");
+        let foreign = other.add_datagram(&UdConfig::default(), Peer::default()).expect("its endpoint");
+        let foreign_to = other.datagram(foreign).unwrap().destination(&reactor.datagram(a).unwrap().endpoint()).expect("to a");
+        reactor.with_ctx(|ctx| {
+            let big = vec![0u8; mtu + 1];
+            assert!(matches!(ctx.send_datagram(a, &to, &big), Err(SendError::TooLarge { .. })));
+            assert!(matches!(ctx.send_datagram(a, &foreign_to, b"x"), Err(SendError::Invalid(_))));
+            assert!(matches!(ctx.send_datagram(foreign, &to, b"x"), Err(SendError::Closed)));
+            ctx.send_datagram(a, &to, &vec![7u8; mtu]).expect("a datagram of the MTU");
+        });
+        assert!(other.datagram(a).is_none(), "another reactor's id names nothing");
+        let small = UdConfig { max_send_wr: 1, ..UdConfig::default() };
+        assert!(matches!(reactor.add_datagram(&small, Peer::default()), Err(Error::InvalidArgument(_))));
+    }
+}
