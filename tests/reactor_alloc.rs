@@ -311,3 +311,30 @@ verbs_test! {
         }
     }
 }
+
+verbs_test! {
+    fn datagram_round_trips_allocate_nothing() {
+        use util::datagram::*;
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let mut reactor: Reactor<DatagramPeer> = Reactor::new(&pd, ReactorConfig::default()).unwrap();
+        let outcome = add_datagram_ping_pong(&mut reactor, WARM_UP);
+        reactor.run().unwrap();
+        assert_eq!(outcome.done.load(Ordering::Relaxed), WARM_UP, "warm-up completed");
+
+        assert_the_counter_counts();
+
+        let measured = MEASURED / 10;
+        outcome.limit.store(WARM_UP + measured, Ordering::Relaxed);
+        COUNTING.with(|c| c.set(true));
+        let result = reactor.run();
+        COUNTING.with(|c| c.set(false));
+        result.unwrap();
+
+        let allocations = ALLOCATIONS.with(Cell::get);
+        println!("{measured} datagram round trips through the reactor: {allocations} heap allocations");
+        assert_eq!(outcome.done.load(Ordering::Relaxed), WARM_UP + measured);
+        assert_eq!(outcome.errors.load(Ordering::Relaxed), 0);
+        assert_eq!(allocations, 0, "the datagram path allocated");
+    }
+}

@@ -121,3 +121,27 @@ verbs_test! {
         assert_eq!(busy, 0, "the direct path entered the kernel");
     }
 }
+
+verbs_test! {
+    /// A datagram ping-pong between two endpoints of one reactor, busy
+    /// polling, makes no syscalls besides doorbells either.
+    fn datagram_endpoints_make_no_syscalls_of_their_own() {
+        use util::datagram::*;
+        let counter = SyscallCounter::open()
+            .unwrap_or_else(|err| panic!("cannot count syscalls in this guest: {err}"));
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let config = ReactorConfig { peer_check_interval: None, ..ReactorConfig::default() };
+        let mut reactor: Reactor<DatagramPeer> = Reactor::new(&pd, config).unwrap();
+        let outcome = add_datagram_ping_pong(&mut reactor, 2_000);
+        reactor.run().unwrap();
+        outcome.limit.store(52_000, Ordering::Relaxed);
+        let mut result = Ok(());
+        let busy = counter.count(|| result = reactor.run()).unwrap();
+        result.unwrap();
+        assert_eq!(outcome.done.load(Ordering::Relaxed), 52_000);
+        assert_eq!(outcome.errors.load(Ordering::Relaxed), 0);
+        println!("50000 datagram round trips: {busy} syscalls besides doorbells");
+        assert_eq!(busy, 0, "the datagram path entered the kernel");
+    }
+}

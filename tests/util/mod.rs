@@ -8,6 +8,7 @@
 //! Soft-RoCE guest (`tools/rxe-vm`), where a missing device is a failure.
 #![allow(dead_code)]
 
+pub mod datagram;
 pub mod ping_pong;
 pub mod process;
 pub mod reactor;
