@@ -27,6 +27,7 @@ use std::time::Duration;
 
 #[path = "../common/mod.rs"]
 mod common;
+mod datagram;
 #[path = "../common/plot.rs"]
 mod plot;
 mod report;
@@ -92,6 +93,12 @@ struct Args {
     auth: common::AuthArgs,
     #[command(flatten)]
     transport: common::TransportArgs,
+    /// The transport service (both sides): reliable connections, or
+    /// unreliable datagrams on a datagram endpoint of the reactor (SEND
+    /// only, one stream, up to the port's MTU; as ib_send_lat and
+    /// ib_send_bw with -c UD).
+    #[arg(long = "transport", value_enum, default_value_t = ServiceArg::Rc)]
+    service: ServiceArg,
     #[command(flatten)]
     reactor: common::ReactorArgs,
     /// Direct connections (both sides): the handler posts requests built
@@ -122,6 +129,12 @@ enum OpArg {
     Write,
     WriteImm,
     Read,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ServiceArg {
+    Rc,
+    Ud,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -202,6 +215,14 @@ fn check(args: &mut Args) -> Result<(), common::Refusal> {
         return Err(Refusal::of(
             "--direct",
             "measures send, write and read on one stream",
+        ));
+    }
+    if args.service == ServiceArg::Ud
+        && (args.op != OpArg::Send || args.direct || streams > 1 || args.all)
+    {
+        return Err(Refusal::of(
+            "--transport",
+            "ud measures SEND on one stream, one size at a time (not --direct, --reactors or --all)",
         ));
     }
     if args.server {
@@ -460,6 +481,9 @@ fn endpoint_addr(args: &Args) -> &str {
 /// Runs every size on one stream (listening on or connecting to `addr`).
 fn measure(args: &Args, pd: &ProtectionDomain, addr: &str) -> rdma_comm_core::Result<Vec<Row>> {
     let mut rows = Vec::new();
+    if args.service == ServiceArg::Ud {
+        return Ok(vec![datagram::measure_ud(args, pd, addr, args.size)?]);
+    }
     for size in sizes(args) {
         let spec = spec(args, size);
         let mut reactor: Reactor<PerfHandler> = Reactor::new(pd, reactor_config(args, size))?;

@@ -4,7 +4,7 @@
 use rdma_comm_core::verbs::*;
 use rdma_perf::*;
 
-use crate::{Args, OpArg, TestArg, event_mode_label, plot};
+use crate::{Args, OpArg, ServiceArg, TestArg, event_mode_label, plot};
 
 pub(crate) fn print_banner(args: &Args, ctx: &Context) -> rdma_comm_core::Result<()> {
     let port = args
@@ -24,7 +24,11 @@ pub(crate) fn print_banner(args: &Args, ctx: &Context) -> rdma_comm_core::Result
         (OpArg::Read, TestArg::Bw) => "RDMA_Read BW Test",
     };
     println!("{}", "-".repeat(87));
-    println!("                    {title} (rdma-comm-core reactor)");
+    let service = match args.service {
+        ServiceArg::Rc => "",
+        ServiceArg::Ud => ", UD",
+    };
+    println!("                    {title} (rdma-comm-core reactor{service})");
     println!(
         " Device: {}  Port: {port}  GID index: {}  MTU: {}  Event mode: {}  Signal: every {}  Batch: {}",
         ctx.name(),

@@ -3,12 +3,15 @@
 use std::fmt;
 
 use rdma_comm_core::error::Error;
-use rdma_comm_core::reactor::{ConnId, Ctx, Handler, SessionId};
+use rdma_comm_core::reactor::{ConnId, Ctx, DatagramId, DatagramSource, Handler, SessionId};
 use rdma_comm_core::session::PeerStatus;
 
 use rdma_comm_core::verbs::WorkCompletion;
 
-use crate::{DirectClient, DirectServer, LatencyClient, RateSender, RateSink, Reflector};
+use crate::{
+    DirectClient, DirectServer, LatencyClient, RateSender, RateSink, Reflector, UdClient,
+    UdExchange, UdServer,
+};
 
 /// Any of the measurement roles, so one reactor type serves them all.
 #[allow(missing_docs, clippy::large_enum_variant)]
@@ -19,6 +22,9 @@ pub enum PerfHandler {
     Sink(RateSink),
     DirectClient(DirectClient),
     DirectServer(DirectServer),
+    UdExchange(UdExchange),
+    UdClient(UdClient),
+    UdServer(UdServer),
 }
 
 impl fmt::Debug for PerfHandler {
@@ -30,6 +36,9 @@ impl fmt::Debug for PerfHandler {
             PerfHandler::Sink(_) => "PerfHandler::Sink",
             PerfHandler::DirectClient(_) => "PerfHandler::DirectClient",
             PerfHandler::DirectServer(_) => "PerfHandler::DirectServer",
+            PerfHandler::UdExchange(_) => "PerfHandler::UdExchange",
+            PerfHandler::UdClient(_) => "PerfHandler::UdClient",
+            PerfHandler::UdServer(_) => "PerfHandler::UdServer",
         })
     }
 }
@@ -45,6 +54,9 @@ macro_rules! each_role {
             PerfHandler::Sink($h) => $call,
             PerfHandler::DirectClient($h) => $call,
             PerfHandler::DirectServer($h) => $call,
+            PerfHandler::UdExchange($h) => $call,
+            PerfHandler::UdClient($h) => $call,
+            PerfHandler::UdServer($h) => $call,
         }
     };
 }
@@ -98,6 +110,18 @@ impl Handler for PerfHandler {
     }
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         each_role!(self, h => h.on_idle(ctx))
+    }
+    fn on_datagram(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dgram: DatagramId,
+        source: &DatagramSource<'_>,
+        data: &[u8],
+    ) {
+        each_role!(self, h => h.on_datagram(ctx, dgram, source, data))
+    }
+    fn on_datagram_error(&mut self, ctx: &mut Ctx<'_>, dgram: DatagramId, error: &Error) {
+        each_role!(self, h => h.on_datagram_error(ctx, dgram, error))
     }
     /// A peer that leaves before the run ended fails it (the reactor's peer
     /// watch only runs while the run does). One that leaves after is

@@ -12,9 +12,11 @@
 //! round trip; READ reports the full time of one READ. Times come from the TSC
 //! (quanta). Bandwidth streams `iters` messages with at most `batch` requests
 //! per doorbell. Both sides end when the client sends a final marker message.
+//! The UD roles run the same tests on the reactor's datagram endpoints.
 #![deny(missing_docs, missing_debug_implementations)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod datagram;
 mod direct;
 mod handler;
 mod latency;
@@ -24,6 +26,7 @@ mod run_end;
 mod spec;
 mod stats;
 
+pub use datagram::{RESEND_AFTER, UdClient, UdExchange, UdServer};
 pub use direct::{DirectClient, DirectServer, MAX_BATCH, SIGNAL_EVERY};
 pub use handler::PerfHandler;
 pub use latency::{LatencyClient, Reflector};
