@@ -9,12 +9,15 @@
 //! feed subscribe --group 239.1.1.1 [--timeout 30] [--count N [--raw]] [--receives 256] [--json] [-d DEV] [-x GID | --cm ADDR]
 //! ```
 //!
-//! By default the QP is attached to the group directly (`ibv_attach_mcast`,
-//! with this host's IP membership of the group held through a socket);
-//! with `--cm ADDR` both sides join through the connection manager
-//! (`rdma_join_multicast`) from the local address ADDR, as rdma-core's
-//! `mckey -b ADDR` does, and send to where the join event says the group
-//! is.
+//! By default each side is a datagram endpoint of a reactor
+//! (`Reactor::add_datagram`): the publisher sends from `on_idle`, paced, and
+//! the subscriber counts in `on_datagram`; the endpoint is attached to the
+//! group directly (`Reactor::join`: `ibv_attach_mcast`, with this host's IP
+//! membership of the group held through a socket). With `--cm ADDR` both
+//! sides join through the connection manager (`rdma_join_multicast`) from
+//! the local address ADDR, as rdma-core's `mckey -b ADDR` does, on a UD QP
+//! of the connection manager's id, and send to where the join event says
+//! the group is.
 //!
 //! A datagram carries its sequence number, the publisher's clock when it
 //! was sent (nanoseconds since the Unix epoch, `CLOCK_REALTIME`) and a
@@ -38,6 +41,9 @@ mod common;
 mod rtt;
 
 use clap::{Parser, Subcommand};
+use rdma_comm_core::reactor::{
+    ConnId, Ctx, DatagramId, DatagramSource, Handler, Reactor, ReactorConfig, SendError,
+};
 use rdma_comm_core::verbs::cm::{CmEventKind, CmId, EventChannel};
 use rdma_comm_core::verbs::*;
 use rtt::RttRecorder;
@@ -159,6 +165,9 @@ const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
 const CM_WAIT: Duration = Duration::from_secs(10);
 /// How many times the end mark goes out (UD may drop some).
 const END_REPEATS: u32 = 5;
+/// How long a publisher's reactor keeps running after its last datagram
+/// was staged, so the send queue empties before the QP is destroyed.
+const LINGER: Duration = Duration::from_millis(100);
 /// Receives kept posted by default, each the GRH and the largest datagram.
 const RECEIVES: usize = 256;
 /// The most `--receives` takes: its CQ (twice as deep) stays within what
@@ -179,7 +188,27 @@ fn main() -> ExitCode {
             count,
             rate,
             size,
+        } if group.cm.is_none() => publish_from_reactor(&group, count, rate, size),
+        Role::Publish {
+            group,
+            count,
+            rate,
+            size,
         } => publish(&group, count, rate, size),
+        Role::Subscribe {
+            group,
+            timeout,
+            json,
+            raw,
+            count,
+            receives,
+        } if group.cm.is_none() => subscribe_on_reactor(
+            &group,
+            Duration::from_secs(timeout),
+            Sink::new(raw, count),
+            receives,
+        )
+        .map(|sink| sink.report(&group, json)),
         Role::Subscribe {
             group,
             timeout,
@@ -490,6 +519,290 @@ fn end_mark(datagram: &[u8]) -> Option<u64> {
     (datagram.len() >= MIN_SIZE && word(datagram, 0) == END).then(|| word(datagram, PATTERN_AT))
 }
 
+/// What a subscriber does with each datagram, on either path: counts it
+/// (raw, or checked against its number's pattern and timed), and says when
+/// to stop.
+struct Sink {
+    raw: bool,
+    count: Option<u64>,
+    tally: Tally,
+    expected: Vec<u8>,
+    first: Option<Instant>,
+    ended: bool,
+}
+
+impl Sink {
+    fn new(raw: bool, count: Option<u64>) -> Self {
+        Self {
+            raw,
+            count,
+            tally: Tally::default(),
+            expected: Vec::with_capacity(4096),
+            first: None,
+            ended: false,
+        }
+    }
+
+    /// Takes one received datagram's payload (`None`: a completion that
+    /// carried none), received at `received_ns` by this host's clock.
+    fn take(&mut self, payload: Option<&[u8]>, received_ns: u64) {
+        match payload {
+            // Any payload counts; its length is the completion's.
+            Some(_) if self.raw => {
+                self.first.get_or_insert_with(Instant::now);
+                self.tally.received += 1;
+            }
+            Some(bytes) => {
+                if let Some(total) = end_mark(bytes) {
+                    // It says how many were published: the last ones may be missing too.
+                    self.tally.end(total);
+                    self.ended = true;
+                } else {
+                    self.first.get_or_insert_with(Instant::now);
+                    self.tally.count(bytes, &mut self.expected, received_ns);
+                }
+            }
+            None if self.raw => {}
+            None => self.tally.altered += 1,
+        }
+        if self.count.is_some_and(|count| self.tally.received >= count) {
+            self.ended = true;
+        }
+    }
+
+    /// Prints the summary line (or the JSON object); true if anything
+    /// came and nothing came altered.
+    fn report(&self, args: &GroupArgs, json: bool) -> bool {
+        let tally = &self.tally;
+        let ended = self.ended;
+        let secs = self
+            .first
+            .map_or(0.0, |first| first.elapsed().as_secs_f64());
+        let rate = if secs > 0.0 {
+            tally.received as f64 / secs
+        } else {
+            0.0
+        };
+        if json {
+            println!(
+                "{{\"group\":\"{}\",\"received\":{},\"gaps\":{},\"missing\":{},\"late\":{},\"altered\":{},\"ended\":{ended},\"rate\":{rate:.0},{}}}",
+                args.group,
+                tally.received,
+                tally.gaps,
+                tally.missing,
+                tally.late,
+                tally.altered,
+                tally.latency.json()
+            );
+        } else {
+            println!(
+                "received {} datagrams from {}: {} gaps ({} missing), {} late, {} altered, {} ({rate:.0}/s); {}",
+                tally.received,
+                args.group,
+                tally.gaps,
+                tally.missing,
+                tally.late,
+                tally.altered,
+                if ended {
+                    "ended"
+                } else {
+                    "no end mark before the timeout"
+                },
+                tally.latency.text(),
+            );
+        }
+        tally.received > 0 && tally.altered == 0
+    }
+}
+
+/// A feed's side on a reactor's datagram endpoint.
+enum FeedHandler {
+    Publisher(Publisher),
+    Subscriber(Sink),
+}
+
+/// Sends `count` datagrams to the group at `rate`, then the end mark.
+struct Publisher {
+    dgram: Option<DatagramId>,
+    to: Option<UdDestination>,
+    count: u64,
+    interval: Duration,
+    started: Option<Instant>,
+    /// The next datagram's number (the end marks count on past `count`).
+    seq: u64,
+    datagram: Vec<u8>,
+}
+
+impl Publisher {
+    fn is_done(&self) -> bool {
+        self.seq >= self.count + u64::from(END_REPEATS)
+    }
+}
+
+impl Handler for FeedHandler {
+    fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
+
+    fn on_datagram(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        _: DatagramId,
+        _: &DatagramSource<'_>,
+        data: &[u8],
+    ) {
+        if let Self::Subscriber(sink) = self {
+            // Read first: the time it came, not when it was looked at.
+            sink.take(Some(data), realtime_ns());
+            if sink.ended {
+                ctx.stop();
+            }
+        }
+    }
+
+    fn on_datagram_error(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        _: DatagramId,
+        error: &rdma_comm_core::Error,
+    ) {
+        eprintln!("feed: the endpoint failed: {error}");
+        ctx.stop();
+    }
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        let Self::Publisher(publisher) = self else {
+            return;
+        };
+        let (Some(dgram), Some(to)) = (publisher.dgram, publisher.to.as_ref()) else {
+            return;
+        };
+        let started = *publisher.started.get_or_insert_with(Instant::now);
+        while !publisher.is_done() {
+            let seq = publisher.seq.min(publisher.count);
+            if Instant::now() < started + publisher.interval.mul_f64(seq as f64) {
+                return;
+            }
+            let (count, datagram) = (publisher.count, &mut publisher.datagram);
+            if publisher.seq < count {
+                fill(datagram, publisher.seq, 0);
+            } else {
+                fill(datagram, END, 0);
+                datagram[PATTERN_AT..MIN_SIZE].copy_from_slice(&count.to_le_bytes());
+            }
+            // The clock is read last, just before the datagram is copied
+            // into its send slot: the latency a subscriber measures leaves
+            // out the publisher's pacing and filling.
+            stamp(datagram, realtime_ns());
+            match ctx.send_datagram(dgram, to, datagram) {
+                Ok(()) => publisher.seq += 1,
+                // The queue is full: the next pass tries again.
+                Err(SendError::WouldBlock) => return,
+                Err(err) => {
+                    eprintln!("feed: a datagram was refused: {err}");
+                    ctx.stop();
+                    return;
+                }
+            }
+        }
+        ctx.stop();
+    }
+}
+
+/// A reactor with one datagram endpoint of `receives` receives for `handler`.
+fn feed_reactor(
+    group: &GroupArgs,
+    receives: u32,
+    handler: FeedHandler,
+) -> rdma_comm_core::Result<(Reactor<FeedHandler>, DatagramId)> {
+    let ctx = Context::open_default(group.device.as_deref())?;
+    let pd = ctx.alloc_pd()?;
+    let sends = UdConfig::default().max_send_wr;
+    let config = ReactorConfig {
+        cq_size: (receives + sends).max(ReactorConfig::default().cq_size),
+        peer_check_interval: None,
+        ..ReactorConfig::default()
+    };
+    let mut reactor = Reactor::new(&pd, config)?;
+    let config = UdConfig {
+        max_recv_wr: receives,
+        gid_index: group.gid_index,
+        ..UdConfig::default()
+    };
+    let dgram = reactor.add_datagram(&config, handler)?;
+    Ok((reactor, dgram))
+}
+
+fn publish_from_reactor(
+    args: &GroupArgs,
+    count: u64,
+    rate: u64,
+    size: usize,
+) -> rdma_comm_core::Result<bool> {
+    let publisher = Publisher {
+        dgram: None,
+        to: None,
+        count,
+        interval: Duration::from_secs_f64(1.0 / rate as f64),
+        started: None,
+        seq: 0,
+        datagram: vec![0; size],
+    };
+    let (mut reactor, dgram) = feed_reactor(args, 1, FeedHandler::Publisher(publisher))?;
+    let qp = reactor
+        .datagram(dgram)
+        .ok_or(rdma_comm_core::Error::InvalidArgument(
+            "the endpoint vanished",
+        ))?;
+    if size > qp.max_datagram() as usize {
+        eprintln!(
+            "feed: --size {size}: larger than the port's MTU ({} B)",
+            qp.max_datagram()
+        );
+        return Ok(false);
+    }
+    let to_group = qp.group_destination(Gid::from_ipv4(args.group))?;
+    if let Some(FeedHandler::Publisher(publisher)) = reactor.datagram_handler_mut(dgram) {
+        publisher.dgram = Some(dgram);
+        publisher.to = Some(to_group);
+    }
+    let started = Instant::now();
+    reactor.run()?;
+    let secs = started.elapsed().as_secs_f64();
+    // The last datagrams leave the send queue before the QP goes.
+    let _reached = reactor.run_for(LINGER)?;
+    let done =
+        matches!(reactor.datagram_handler(dgram), Some(FeedHandler::Publisher(p)) if p.is_done());
+    if done {
+        println!(
+            "published {count} datagrams of {size} B to {} in {secs:.2} s ({:.0}/s)",
+            args.group,
+            count as f64 / secs
+        );
+    }
+    Ok(done)
+}
+
+fn subscribe_on_reactor(
+    args: &GroupArgs,
+    timeout: Duration,
+    sink: Sink,
+    receives: usize,
+) -> rdma_comm_core::Result<Sink> {
+    let (mut reactor, dgram) = feed_reactor(args, receives as u32, FeedHandler::Subscriber(sink))?;
+    reactor.join(dgram, Gid::from_ipv4(args.group))?;
+    eprintln!("feed: subscribed to {}", args.group);
+    let _ended = reactor.run_for(timeout)?;
+    let handler = reactor.datagram_handler_mut(dgram);
+    match handler
+        .map(|handler| std::mem::replace(handler, FeedHandler::Subscriber(Sink::new(false, None))))
+    {
+        Some(FeedHandler::Subscriber(sink)) => Ok(sink),
+        _ => Err(rdma_comm_core::Error::InvalidArgument(
+            "the subscriber vanished",
+        )),
+    }
+}
+
+/// `--cm`'s subscriber: a UD QP of the connection manager's id, polled here.
 fn subscribe(
     args: &GroupArgs,
     timeout: Duration,
@@ -509,91 +822,35 @@ fn subscribe(
         )?)?;
     }
     member.subscribe(args.group)?;
-    eprintln!(
-        "feed: subscribed to {}{}",
-        args.group,
-        if member.cm.is_some() {
-            " through rdma_cm"
-        } else {
-            ""
-        }
-    );
+    eprintln!("feed: subscribed to {} through rdma_cm", args.group);
     let Member { mut qp, mut cq, .. } = member;
-    let mut tally = Tally::default();
-    let (mut datagram, mut expected) = (vec![0; RECV_LEN], Vec::new());
+    let mut sink = Sink::new(raw, count);
+    let mut datagram = vec![0; RECV_LEN];
     let mut wcs = [WorkCompletion::default(); 32];
     let started = Instant::now();
-    let mut first: Option<Instant> = None;
-    let mut ended = false;
-    while !ended && started.elapsed() < timeout {
+    while !sink.ended && started.elapsed() < timeout {
         for wc in cq.poll(&mut wcs)? {
             // Read per completion, not per poll: a batch of 32 may have
             // arrived over a while.
             let received_ns = realtime_ns();
             wc.ok()?;
             let slot = wc.wr_id() as usize;
-            if raw {
-                // Any payload counts; its length is the completion's.
-                first.get_or_insert_with(Instant::now);
-                tally.received += u64::from(datagram_payload(wc).is_some());
-            } else if let Some(payload) = datagram_payload(wc) {
-                let bytes = &mut datagram[..payload.len()];
-                rx.read(slot * RECV_LEN + payload.start, bytes)?;
-                if let Some(total) = end_mark(bytes) {
-                    // It says how many were published: the last ones may be missing too.
-                    tally.end(total);
-                    ended = true;
-                } else {
-                    first.get_or_insert_with(Instant::now);
-                    tally.count(bytes, &mut expected, received_ns);
+            let payload = match datagram_payload(wc) {
+                Some(payload) => {
+                    let bytes = &mut datagram[..payload.len()];
+                    rx.read(slot * RECV_LEN + payload.start, bytes)?;
+                    Some(&bytes[..])
                 }
-            } else {
-                tally.altered += 1;
-            }
+                None => None,
+            };
+            sink.take(payload, received_ns);
             qp.post_recv(&mut RecvRequest::new(
                 slot as u64,
                 rx.slice(slot * RECV_LEN, RECV_LEN)?,
             )?)?;
-            if count.is_some_and(|count| tally.received >= count) {
-                ended = true;
-            }
         }
     }
-    let secs = first.map_or(0.0, |first| first.elapsed().as_secs_f64());
-    let rate = if secs > 0.0 {
-        tally.received as f64 / secs
-    } else {
-        0.0
-    };
-    if json {
-        println!(
-            "{{\"group\":\"{}\",\"received\":{},\"gaps\":{},\"missing\":{},\"late\":{},\"altered\":{},\"ended\":{ended},\"rate\":{rate:.0},{}}}",
-            args.group,
-            tally.received,
-            tally.gaps,
-            tally.missing,
-            tally.late,
-            tally.altered,
-            tally.latency.json()
-        );
-    } else {
-        println!(
-            "received {} datagrams from {}: {} gaps ({} missing), {} late, {} altered, {} ({rate:.0}/s); {}",
-            tally.received,
-            args.group,
-            tally.gaps,
-            tally.missing,
-            tally.late,
-            tally.altered,
-            if ended {
-                "ended"
-            } else {
-                "no end mark before the timeout"
-            },
-            tally.latency.text(),
-        );
-    }
-    Ok(tally.received > 0 && tally.altered == 0)
+    Ok(sink.report(args, json))
 }
 
 #[cfg(test)]
