@@ -78,8 +78,8 @@ pub use error::{Error, Result};
 pub mod prelude {
     pub use crate::error::{Error, Result};
     pub use crate::reactor::{
-        ConnId, Ctx, Ended, EventMode, Handler, HeldRecv, NoLink, Reactor, ReactorConfig,
-        SendError, SessionId, Stopper,
+        ConnId, Ctx, DatagramId, DatagramSource, Ended, EventMode, Handler, HeldRecv, NoLink,
+        Reactor, ReactorConfig, SendError, SessionId, Stopper,
     };
     pub use crate::runtime::{NewSession, Runtime, RuntimeConfig};
     pub use crate::session::{
@@ -109,6 +109,8 @@ mod doc_pages {
     pub struct Safety;
     #[doc = include_str!("../docs/reactor.md")]
     pub struct Reactor;
+    #[doc = include_str!("../docs/datagrams.md")]
+    pub struct Datagrams;
     #[doc = include_str!("../docs/runtime.md")]
     pub struct Runtime;
     #[doc = include_str!("../docs/testing.md")]
