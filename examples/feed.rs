@@ -168,6 +168,8 @@ const END_REPEATS: u32 = 5;
 /// How long a publisher's reactor keeps running after its last datagram
 /// was staged, so the send queue empties before the QP is destroyed.
 const LINGER: Duration = Duration::from_millis(100);
+/// Time between the end marks.
+const END_SPACING: Duration = Duration::from_millis(2);
 /// Receives kept posted by default, each the GRH and the largest datagram.
 const RECEIVES: usize = 256;
 /// The most `--receives` takes: its CQ (twice as deep) stays within what
@@ -631,11 +633,22 @@ struct Publisher {
     /// The next datagram's number (the end marks count on past `count`).
     seq: u64,
     datagram: Vec<u8>,
+    /// The run was asked to stop (once: the linger after it runs on).
+    stopped: bool,
 }
 
 impl Publisher {
     fn is_done(&self) -> bool {
         self.seq >= self.count + u64::from(END_REPEATS)
+    }
+
+    /// When the next datagram is due: paced at the rate, and the end
+    /// marks after the last one [`END_SPACING`] apart, so one lost burst
+    /// does not take them all.
+    fn due(&self, started: Instant) -> Instant {
+        let last = started + self.interval.mul_f64(self.seq.min(self.count) as f64);
+        let marks = self.seq.saturating_sub(self.count) as u32;
+        last + END_SPACING * marks
     }
 }
 
@@ -677,8 +690,7 @@ impl Handler for FeedHandler {
         };
         let started = *publisher.started.get_or_insert_with(Instant::now);
         while !publisher.is_done() {
-            let seq = publisher.seq.min(publisher.count);
-            if Instant::now() < started + publisher.interval.mul_f64(seq as f64) {
+            if Instant::now() < publisher.due(started) {
                 return;
             }
             let (count, datagram) = (publisher.count, &mut publisher.datagram);
@@ -698,12 +710,17 @@ impl Handler for FeedHandler {
                 Err(SendError::WouldBlock) => return,
                 Err(err) => {
                     eprintln!("feed: a datagram was refused: {err}");
+                    publisher.stopped = true;
                     ctx.stop();
                     return;
                 }
             }
         }
-        ctx.stop();
+        // Once: the run that lingers after this one keeps the reactor going.
+        if !publisher.stopped {
+            publisher.stopped = true;
+            ctx.stop();
+        }
     }
 }
 
@@ -745,10 +762,11 @@ fn publish_from_reactor(
         started: None,
         seq: 0,
         datagram: vec![0; size],
+        stopped: false,
     };
     let (mut reactor, dgram) = feed_reactor(args, 1, FeedHandler::Publisher(publisher))?;
     let qp = reactor
-        .datagram(dgram)
+        .datagram_qp(dgram)
         .ok_or(rdma_comm_core::Error::InvalidArgument(
             "the endpoint vanished",
         ))?;

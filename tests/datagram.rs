@@ -122,8 +122,8 @@ fn pair(reactor: &mut Reactor<Peer>, a: Peer, b: Peer) -> (DatagramId, DatagramI
     let a = reactor.add_datagram(&config, a).expect("endpoint a");
     let b = reactor.add_datagram(&config, b).expect("endpoint b");
     let (qp_a, qp_b) = (
-        reactor.datagram(a).expect("a"),
-        reactor.datagram(b).expect("b"),
+        reactor.datagram_qp(a).expect("a"),
+        reactor.datagram_qp(b).expect("b"),
     );
     let (to_b, to_a) = (
         qp_a.destination(&qp_b.endpoint()).expect("a to b"),
@@ -198,7 +198,7 @@ verbs_test! {
         let publisher = reactor.add_datagram(&config, Peer { rounds: 1, ..Peer::default() }).expect("a publisher");
         let group = Gid::from_ipv4(Ipv4Addr::new(239, 1, 2, 3));
         reactor.join(member, group).expect("joined");
-        let to_group = reactor.datagram(publisher).unwrap().group_destination(group).expect("the group");
+        let to_group = reactor.datagram_qp(publisher).unwrap().group_destination(group).expect("the group");
         reactor.datagram_handler_mut(publisher).unwrap().to = Some(to_group);
         DGRAM.with(|d| d.set(Some(publisher)));
         run_until(&mut reactor, Duration::from_secs(30), |r| {
@@ -215,12 +215,12 @@ verbs_test! {
         let pd = ctx.alloc_pd().expect("a PD");
         let mut reactor = reactor(&pd);
         let (a, _) = pair(&mut reactor, Peer::default(), Peer::default());
-        let mtu = reactor.datagram(a).unwrap().max_datagram() as usize;
+        let mtu = reactor.datagram_qp(a).unwrap().max_datagram() as usize;
         let to = reactor.datagram_handler_mut(a).unwrap().to.take().expect("a destination");
         let other_pd = ctx.alloc_pd().expect("another PD");
         let mut other = Reactor::<Peer>::new(&other_pd, ReactorConfig::default()).expect("another reactor");
         let foreign = other.add_datagram(&UdConfig::default(), Peer::default()).expect("its endpoint");
-        let foreign_to = other.datagram(foreign).unwrap().destination(&reactor.datagram(a).unwrap().endpoint()).expect("to a");
+        let foreign_to = other.datagram_qp(foreign).unwrap().destination(&reactor.datagram_qp(a).unwrap().endpoint()).expect("to a");
         reactor.with_ctx(|ctx| {
             let big = vec![0u8; mtu + 1];
             assert!(matches!(ctx.send_datagram(a, &to, &big), Err(SendError::TooLarge { .. })));
@@ -228,7 +228,7 @@ verbs_test! {
             assert!(matches!(ctx.send_datagram(foreign, &to, b"x"), Err(SendError::Closed)));
             ctx.send_datagram(a, &to, &vec![7u8; mtu]).expect("a datagram of the MTU");
         });
-        assert!(other.datagram(a).is_none(), "another reactor's id names nothing");
+        assert!(other.datagram_qp(a).is_none(), "another reactor's id names nothing");
         let small = UdConfig { max_send_wr: 1, ..UdConfig::default() };
         assert!(matches!(reactor.add_datagram(&small, Peer::default()), Err(Error::InvalidArgument(_))));
     }

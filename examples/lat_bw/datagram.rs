@@ -39,7 +39,7 @@ pub(crate) fn measure_ud(
     };
     let dgram = reactor.add_datagram(&config, role)?;
     let qp = reactor
-        .datagram(dgram)
+        .datagram_qp(dgram)
         .ok_or(rdma_comm_core::Error::InvalidArgument(
             "the endpoint vanished",
         ))?;
@@ -82,7 +82,7 @@ pub(crate) fn measure_ud(
     let (theirs, conn) = (exchange.peer(), exchange.conn());
     let theirs = theirs.ok_or_else(|| protocol(peer_addr, "no UD endpoint came"))?;
     let to = reactor
-        .datagram(dgram)
+        .datagram_qp(dgram)
         .ok_or(rdma_comm_core::Error::InvalidArgument(
             "the endpoint vanished",
         ))?

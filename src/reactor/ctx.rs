@@ -197,7 +197,7 @@ impl Ctx<'_> {
 
     /// Stages a datagram of `data` (copied into a registered send slot of
     /// endpoint `dgram`) to `to`, which the endpoint's QP made
-    /// ([`Reactor::datagram`](super::Reactor::datagram)); it goes out with
+    /// ([`Reactor::datagram_qp`](super::Reactor::datagram_qp)); it goes out with
     /// the endpoint's other datagrams of this pass, one doorbell. Refused
     /// with [`SendError::WouldBlock`] while the send queue is full (the
     /// next completions make room), [`SendError::TooLarge`] above the

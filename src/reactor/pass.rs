@@ -72,9 +72,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// waits: one asked for after a pass's last removals (by a handler
     /// told of a connection that pass's late flush failed) is the next
     /// pass's, and the receives it hands back must not wait for the idle
-    /// timeout.
+    /// timeout. Nor while datagrams wait for their doorbell.
     pub(crate) fn sleep_limit(&self) -> Duration {
-        if !self.deferred.removals.is_empty() {
+        // Datagrams staged after the pass's flush (by a handler told its
+        // endpoint failed, say) go out with the next pass, not after a sleep.
+        if !self.deferred.removals.is_empty() || self.datagrams.has_work(false) {
             return Duration::ZERO;
         }
         let mut timeout = self.config.idle_timeout;
@@ -365,6 +367,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // make for a long time.
         if late && (self.idle.is_unsettled() || self.conns.has_touched()) {
             self.flush(true, false);
+        }
+        // Datagrams the late callbacks staged.
+        if late && self.datagrams.has_work(false) {
+            self.flush_datagrams(false);
         }
     }
 

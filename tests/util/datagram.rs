@@ -185,7 +185,10 @@ pub fn add_datagram_ping_pong(
     let b = reactor
         .add_datagram(&config, DatagramPeer::Echo(echo))
         .expect("the echo's endpoint");
-    let (qp_a, qp_b) = (reactor.datagram(a).unwrap(), reactor.datagram(b).unwrap());
+    let (qp_a, qp_b) = (
+        reactor.datagram_qp(a).unwrap(),
+        reactor.datagram_qp(b).unwrap(),
+    );
     let to_b = qp_a.destination(&qp_b.endpoint()).expect("to the echo");
     let to_a = qp_b.destination(&qp_a.endpoint()).expect("to the pinger");
     if let Some(DatagramPeer::Pinger(pinger)) = reactor.datagram_handler_mut(a) {

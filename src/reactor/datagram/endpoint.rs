@@ -1,8 +1,10 @@
-//! One datagram endpoint ([`Endpoint`]): a UD QP on the reactor's CQs
+//! One datagram endpoint ([`DatagramEndpoint`]): a UD QP on the reactor's CQs
 //! with its receive ring and its send side.
 
 use crate::error::Error;
-use crate::verbs::{Gid, ProtectionDomain, UdConfig, UdDestination, UdQueuePair, WorkCompletion};
+use crate::verbs::{
+    Gid, ProtectionDomain, UdConfig, UdDestination, UdQueuePair, WcStatus, WorkCompletion,
+};
 
 use super::super::SendError;
 use super::receives::{Landed, Receives};
@@ -13,16 +15,18 @@ use super::sends::Sends;
 pub(crate) enum Arrived {
     /// A datagram in receive slot `slot`.
     Datagram { slot: u32, landed: Landed },
-    /// Signaled sends retired: nothing for the handler.
-    Retired,
-    /// A completion that failed: the endpoint is failed now.
+    /// Nothing for the handler: signaled sends retired, a receive that
+    /// failed on its own (its slot goes back) or one too short for a GRH,
+    /// or a completion of a failed endpoint.
+    Nothing,
+    /// A completion that failed the endpoint (its QP is in error).
     Failed(Error),
-    /// Nothing this endpoint posted, or one of a failed endpoint's.
-    Ignored,
+    /// Not this endpoint's: another QP's completion naming it.
+    Foreign,
 }
 
 /// A UD QP on the reactor's CQs, its receive ring and its send side.
-pub(crate) struct Endpoint {
+pub(crate) struct DatagramEndpoint {
     // Declared first: destroyed before the rings are deregistered.
     qp: UdQueuePair,
     receives: Receives,
@@ -30,14 +34,17 @@ pub(crate) struct Endpoint {
     failed: bool,
     /// A refused post failed the endpoint: its handler is to be told.
     report: Option<Error>,
+    /// Datagrams and doorbells a full list posted while staging, not yet
+    /// counted.
+    posted_early: (u64, u64),
 }
 
 // SAFETY: the raw pointers in the rings point into this endpoint's own
 // regions (and, in the receive batch, at requests rebuilt before each
 // post); moving the endpoint to another thread moves none of that memory.
-unsafe impl Send for Endpoint {}
+unsafe impl Send for DatagramEndpoint {}
 
-impl Endpoint {
+impl DatagramEndpoint {
     /// Creates the QP with `create`, its rings on `pd`, and posts every
     /// receive.
     pub(crate) fn new(
@@ -61,6 +68,7 @@ impl Endpoint {
             sends,
             failed: false,
             report: None,
+            posted_early: (0, 0),
         };
         endpoint.receives.flush(&mut endpoint.qp)?;
         Ok(endpoint)
@@ -90,23 +98,22 @@ impl Endpoint {
     }
 
     /// Vets completion `wc`, which names this endpoint as a receive into
-    /// `slot` or send `seq` (`receive`), and says what it brings.
+    /// slot `value` (`receive`) or as send `value`, and says what it
+    /// brings.
     #[inline]
     pub(crate) fn complete(&mut self, wc: &WorkCompletion, receive: bool, value: u32) -> Arrived {
-        if wc.qp_num() != self.qp.qpn() || self.failed {
-            return Arrived::Ignored;
+        if wc.qp_num() != self.qp.qpn() {
+            return Arrived::Foreign;
+        }
+        if self.failed {
+            return Arrived::Nothing;
         }
         if !wc.is_success() {
-            self.failed = true;
-            return Arrived::Failed(
-                wc.ok()
-                    .err()
-                    .unwrap_or(Error::InvalidArgument("failed datagram completion")),
-            );
+            return self.failed_completion(wc, receive, value);
         }
         if !receive {
             self.sends.retire(value);
-            return Arrived::Retired;
+            return Arrived::Nothing;
         }
         match self.receives.consume(value, wc.byte_len()) {
             Ok(landed) => Arrived::Datagram {
@@ -117,9 +124,31 @@ impl Endpoint {
                 if consumed {
                     self.receives.queue(value);
                 }
-                Arrived::Ignored
+                Arrived::Nothing
             }
         }
+    }
+
+    /// A failed completion: a receive that failed alone (not flushed by a
+    /// QP in error: a datagram longer than the slot, say) gives its slot
+    /// back and the endpoint goes on; anything else fails it.
+    #[cold]
+    fn failed_completion(&mut self, wc: &WorkCompletion, receive: bool, slot: u32) -> Arrived {
+        if receive && wc.status() != WcStatus::WR_FLUSH_ERR {
+            // Consumed (if it was posted) with no bytes to read.
+            if matches!(self.receives.consume(slot, 0), Err(true)) {
+                self.receives.queue(slot);
+            }
+            log::debug!("datagram receive failed alone, slot reposted: {wc:?}");
+            return Arrived::Nothing;
+        }
+        self.failed = true;
+        self.sends.drop_staged();
+        Arrived::Failed(
+            wc.ok()
+                .err()
+                .unwrap_or(Error::InvalidArgument("failed datagram completion")),
+        )
     }
 
     /// Datagram slot `slot` was read: it goes back to the device. Returns
@@ -136,9 +165,10 @@ impl Endpoint {
         if self.failed {
             return Err(SendError::Closed);
         }
-        self.qp.check_destination(to).map_err(SendError::Invalid)?;
-        if self.sends.stage(to, data)? {
-            self.post_sends();
+        if self.sends.stage(&self.qp, to, data)? {
+            let posted = self.post_sends() as u64;
+            self.posted_early.0 += posted;
+            self.posted_early.1 += u64::from(posted != 0);
             if self.failed {
                 return Err(SendError::Closed);
             }
@@ -150,6 +180,10 @@ impl Endpoint {
     /// went. A refused post fails the endpoint.
     #[inline]
     pub(crate) fn post_sends(&mut self) -> usize {
+        if self.failed {
+            self.sends.drop_staged();
+            return 0;
+        }
         match self.sends.flush(&mut self.qp) {
             Ok(posted) => posted,
             Err(error) => {
@@ -163,8 +197,11 @@ impl Endpoint {
     /// is told after the pass.
     #[cold]
     fn post_failed(&mut self, error: Error) {
-        self.failed = true;
-        self.report = Some(error);
+        if !self.failed {
+            self.failed = true;
+            self.report = Some(error);
+        }
+        self.sends.drop_staged();
     }
 
     /// Whether a refused post failed it and its handler is not told yet.
@@ -194,9 +231,22 @@ impl Endpoint {
         }
     }
 
-    /// Whether receives wait to be posted again.
+    /// Whether receives wait to be posted again (none do on a failed
+    /// endpoint).
     #[inline]
     pub(crate) fn has_pending_receives(&self) -> bool {
-        self.receives.has_pending()
+        !self.failed && self.receives.has_pending()
+    }
+
+    /// Whether a full batch of receives waits to be posted again.
+    #[inline]
+    pub(crate) fn has_due_receives(&self) -> bool {
+        !self.failed && self.receives.is_due()
+    }
+
+    /// Datagrams and doorbells posted while staging (a full list) since
+    /// the last call.
+    pub(crate) fn take_posted_early(&mut self) -> (u64, u64) {
+        std::mem::take(&mut self.posted_early)
     }
 }

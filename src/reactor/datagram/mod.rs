@@ -25,7 +25,7 @@ use crate::verbs::{GRH_BYTES, Gid, UdDestination, datagram_sender};
 
 use super::SendError;
 use super::table::wr_id::MAX_ENDPOINTS;
-pub(crate) use endpoint::{Arrived, Endpoint};
+pub(crate) use endpoint::{Arrived, DatagramEndpoint};
 
 /// A datagram endpoint of one reactor
 /// ([`Reactor::add_datagram`](super::Reactor::add_datagram)). Ids are
@@ -82,7 +82,7 @@ impl fmt::Debug for DatagramSource<'_> {
 /// the end of the pass.
 pub(crate) struct DatagramTable {
     owner: u64,
-    endpoints: Vec<Endpoint>,
+    endpoints: Vec<DatagramEndpoint>,
     /// Endpoints with datagrams staged or a repost batch due, one bit each.
     work: u64,
 }
@@ -110,7 +110,7 @@ impl DatagramTable {
     }
 
     /// Holds `endpoint`, made for [`next_index`](Self::next_index).
-    pub(crate) fn push(&mut self, endpoint: Endpoint) -> DatagramId {
+    pub(crate) fn push(&mut self, endpoint: DatagramEndpoint) -> DatagramId {
         let index = self.endpoints.len() as u32;
         self.endpoints.push(endpoint);
         DatagramId {
@@ -129,14 +129,14 @@ impl DatagramTable {
     }
 
     /// Endpoint `id`, if it is this reactor's.
-    pub(crate) fn get(&self, id: DatagramId) -> Option<&Endpoint> {
+    pub(crate) fn get(&self, id: DatagramId) -> Option<&DatagramEndpoint> {
         (id.reactor == self.owner)
             .then(|| self.endpoints.get(id.index as usize))
             .flatten()
     }
 
     /// Endpoint `id`, mutably, if it is this reactor's.
-    pub(crate) fn get_mut(&mut self, id: DatagramId) -> Option<&mut Endpoint> {
+    pub(crate) fn get_mut(&mut self, id: DatagramId) -> Option<&mut DatagramEndpoint> {
         if id.reactor != self.owner {
             return None;
         }
@@ -144,7 +144,7 @@ impl DatagramTable {
     }
 
     /// Every endpoint with its id.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (DatagramId, &Endpoint)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (DatagramId, &DatagramEndpoint)> {
         self.endpoints
             .iter()
             .enumerate()
@@ -161,10 +161,16 @@ impl DatagramTable {
         receive: bool,
         value: u32,
     ) -> Arrived {
-        match self.endpoints.get_mut(index as usize) {
-            Some(endpoint) => endpoint.complete(wc, receive, value),
-            None => Arrived::Ignored,
+        let Some(endpoint) = self.endpoints.get_mut(index as usize) else {
+            return Arrived::Foreign;
+        };
+        let arrived = endpoint.complete(wc, receive, value);
+        // A slot given back here (a failed or short receive) waits for a
+        // batch like any other.
+        if matches!(arrived, Arrived::Nothing) && endpoint.has_due_receives() {
+            self.work |= 1 << index;
         }
+        arrived
     }
 
     /// Datagram slot `slot` of endpoint `index` was read: it goes back.
@@ -200,7 +206,12 @@ impl DatagramTable {
     /// post again.
     #[inline(always)]
     pub(crate) fn has_work(&self, idle: bool) -> bool {
-        self.work != 0 || idle && self.endpoints.iter().any(Endpoint::has_pending_receives)
+        self.work != 0
+            || idle
+                && self
+                    .endpoints
+                    .iter()
+                    .any(DatagramEndpoint::has_pending_receives)
     }
 
     /// Rings each endpoint's doorbell for its staged datagrams and posts
@@ -214,6 +225,9 @@ impl DatagramTable {
             if work & (1 << index) == 0 && !idle {
                 continue;
             }
+            let (early, rung) = endpoint.take_posted_early();
+            requests += early;
+            doorbells += rung;
             if endpoint.has_staged() {
                 let posted = endpoint.post_sends();
                 requests += posted as u64;

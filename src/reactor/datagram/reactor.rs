@@ -7,7 +7,7 @@ use crate::verbs::{Gid, UdConfig, UdQueuePair};
 
 use super::super::table::wr_id::WrKind;
 use super::super::{Ctx, Handler, PeerLink, Reactor};
-use super::{Arrived, DatagramId, DatagramSource, Endpoint};
+use super::{Arrived, DatagramEndpoint, DatagramId, DatagramSource};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Adds a datagram endpoint served by `handler`: a UD QP on the
@@ -35,7 +35,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             ));
         }
         let pd = self.pd.clone();
-        let endpoint = Endpoint::new(&pd, index, config, |config| {
+        let endpoint = DatagramEndpoint::new(&pd, index, config, |config| {
             pd.create_ud_qp(&cq, &cq, config)
         })?;
         self.completions.charge(&charges);
@@ -53,8 +53,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// ([`UdQueuePair::endpoint`]) and the destinations its handler sends
     /// to ([`UdQueuePair::destination`], [`UdQueuePair::group_destination`]).
     /// `None` for an id of another reactor.
-    pub fn datagram(&self, id: DatagramId) -> Option<&UdQueuePair> {
-        self.datagrams.get(id).map(Endpoint::qp)
+    pub fn datagram_qp(&self, id: DatagramId) -> Option<&UdQueuePair> {
+        self.datagrams.get(id).map(DatagramEndpoint::qp)
     }
 
     /// Joins endpoint `id` to multicast group `group` (see
@@ -133,9 +133,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 }
                 self.datagrams.release(index, slot);
             }
-            Arrived::Retired => {}
+            Arrived::Nothing => {}
             Arrived::Failed(error) => self.datagram_failed(id, error),
-            Arrived::Ignored => {
+            Arrived::Foreign => {
                 let wc = *wc;
                 self.foreign(&wc);
             }

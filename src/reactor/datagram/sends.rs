@@ -61,11 +61,17 @@ impl Sends {
         self.region.len()
     }
 
-    /// Stages `data` to `to` (checked by the caller against the QP): its
-    /// bytes are copied into the next send slot. Returns whether the list
-    /// is full now (the caller posts it before staging more).
+    /// Stages `data` to `to`, a destination `qp` may send to: its bytes
+    /// are copied into the next send slot. Returns whether the list is
+    /// full now (the caller posts it on `qp` before staging more).
     #[inline]
-    pub(crate) fn stage(&mut self, to: &UdDestination, data: &[u8]) -> Result<bool, SendError> {
+    pub(crate) fn stage(
+        &mut self,
+        qp: &UdQueuePair,
+        to: &UdDestination,
+        data: &[u8],
+    ) -> Result<bool, SendError> {
+        qp.check_destination(to).map_err(SendError::Invalid)?;
         if data.len() > self.slot_size {
             return Err(SendError::too_large(data.len(), self.slot_size));
         }
@@ -86,8 +92,12 @@ impl Sends {
         };
         let inline = data.len() as u32 <= self.max_inline;
         let wr_id = wr_id::datagram_send(self.endpoint, seq);
-        // The list has room: a full one is posted before the next stage.
-        let _ = self.list.push(wr_id, local, to, inline, signaled);
+        // SAFETY: `local` is the slot just filled, in the region held here,
+        // at most `slot_size` (the MTU) long; the window gives the slot out
+        // again only once this send retired, so it stays unwritten until
+        // then; `to` was checked against `qp` above. The list has room: a
+        // full one is posted before the next stage.
+        let _ = unsafe { self.list.push(wr_id, local, to, inline, signaled) };
         Ok(self.list.is_full())
     }
 
@@ -104,6 +114,11 @@ impl Sends {
         let staged = self.list.len();
         qp.post_list(&mut self.list)?;
         Ok(staged)
+    }
+
+    /// Forgets the staged datagrams (the endpoint failed: they never go).
+    pub(crate) fn drop_staged(&mut self) {
+        self.list.clear();
     }
 
     /// Signaled send `seq` completed; false if it was not in flight.

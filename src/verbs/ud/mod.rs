@@ -676,11 +676,7 @@ impl UdQueuePair {
     /// datagram larger than the port's MTU ([`max_datagram`](Self::max_datagram)),
     /// an inline one larger than [`max_inline_data`](Self::max_inline_data).
     pub fn post_send(&mut self, request: &mut UdSend<'_>) -> Result<()> {
-        if !Arc::ptr_eq(&request.to.handle.pd, &self.pd) {
-            return Err(Error::ForeignHandle(
-                "a UdDestination of another protection domain than the QP's",
-            ));
-        }
+        self.check_destination(request.to)?;
         if request.sge.length > self.mtu {
             return Err(Error::InvalidArgument(
                 "a datagram larger than the port's MTU (UdQueuePair::max_datagram)",
@@ -736,6 +732,75 @@ impl UdQueuePair {
             rc,
             super::list::count_before(head, bad, len),
         )
+    }
+
+    /// Whether this QP may send to `to`: a destination of the QP's PD.
+    /// (The caller keeps each datagram within [`max_datagram`](Self::max_datagram).)
+    #[inline]
+    pub(crate) fn check_destination(&self, to: &UdDestination) -> Result<()> {
+        if !Arc::ptr_eq(&to.handle.pd, &self.pd) {
+            return Err(Error::ForeignHandle(
+                "a UdDestination of another protection domain than the QP's",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Posts every datagram of `list` with one `ibv_post_send` and empties
+    /// it, also when the post fails. Each posted datagram's address handle
+    /// is kept with its send-queue entry until the entry is reused.
+    pub(crate) fn post_list<const N: usize>(&mut self, list: &mut UdSendList<N>) -> Result<()> {
+        let len = list.len;
+        if len == 0 {
+            return Ok(());
+        }
+        list.len = 0;
+        // Links from pointers taken now: every one derives from these two,
+        // and nothing borrows the arrays again until the post returns.
+        let wrs = list.wrs.as_mut_ptr();
+        let sges = list.sges.as_mut_ptr();
+        for i in 0..len {
+            let next = if i + 1 < len {
+                wrs.wrapping_add(i + 1)
+            } else {
+                ptr::null_mut()
+            };
+            // SAFETY: i < len <= N, so entry i of both arrays exists; we
+            // hold `&mut list`, so nothing else accesses them.
+            unsafe {
+                (*wrs.add(i)).sg_list = sges.add(i);
+                (*wrs.add(i)).next = next;
+            }
+        }
+        let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
+        // SAFETY: a NULL-terminated list of `len` requests of this QP's
+        // kind, each with its SGE beside it (valid memory, as
+        // `UdSendList::push` requires) and an address handle of the QP's
+        // PD (`check_destination`, also a requirement of `push`) that
+        // `list.handles` holds for the call.
+        let rc = unsafe { (self.post_send_fn)(self.qp.as_ptr(), wrs, &mut bad) };
+        let posted = if rc == 0 {
+            len
+        } else {
+            super::list::count_before(wrs, bad, len)
+        };
+        for handle in &list.handles[..posted] {
+            // The entry's previous send was done before the queue took this
+            // one in its place: its handle may go.
+            let entry = &mut self.in_flight[self.next_entry];
+            if !entry
+                .as_ref()
+                .zip(handle.as_ref())
+                .is_some_and(|(a, b)| Arc::ptr_eq(a, b))
+            {
+                entry.clone_from(handle);
+            }
+            self.next_entry += 1;
+            if self.next_entry == self.in_flight.len() {
+                self.next_entry = 0;
+            }
+        }
+        self.post_error("ibv_post_send", rc, posted)
     }
 
     fn post_error(&self, verb: &'static str, rc: c_int, posted: usize) -> Result<()> {
@@ -799,6 +864,15 @@ impl fmt::Debug for UdDestination {
 }
 
 impl UdDestination {
+    /// The request's UD fields: the address handle, QP number and Q_Key.
+    fn address(&self) -> sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_3 {
+        sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_3 {
+            ah: self.handle.ah.as_ptr(),
+            remote_qpn: self.qpn,
+            remote_qkey: self.qkey,
+        }
+    }
+
     /// The remote QP number (0xffffff for a multicast group).
     pub fn qpn(&self) -> u32 {
         self.qpn
@@ -862,11 +936,7 @@ impl<'a> UdSend<'a> {
             num_sge: i32::from(sge.length > 0),
             ..Default::default()
         };
-        wr.wr.ud = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_3 {
-            ah: to.handle.ah.as_ptr(),
-            remote_qpn: to.qpn,
-            remote_qkey: to.qkey,
-        };
+        wr.wr.ud = to.address();
         Self {
             wr,
             sge,
