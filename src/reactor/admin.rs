@@ -11,7 +11,7 @@ use super::idle::IdlePolicy;
 use super::srq_pool::SrqPool;
 use super::table::ConnTable;
 use super::table::wr_id::MAX_CONNS;
-use super::{ConnId, Ctx, Handler, PeerLink, QpSource, Reactor, SessionId};
+use super::{ConnId, Handler, PeerLink, QpSource, Reactor, SessionId};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Takes over a connected QP source (an [`Endpoint`](crate::session::Endpoint)
@@ -144,13 +144,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return;
         };
         let (handler, conns) = record.handler_and_conns();
-        let mut ctx = Ctx::new(
-            &mut self.conns,
-            &self.stop,
-            self.id,
-            &mut self.deferred,
-            &mut self.datagrams,
-        );
+        let mut ctx = reactor_ctx!(self);
         for &conn in conns {
             handler.on_established(&mut ctx, conn);
         }

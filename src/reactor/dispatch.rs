@@ -11,7 +11,7 @@ use crate::verbs::WcOpcode;
 use super::conn::{Arrival, OpKind};
 use super::slab::Key;
 use super::table::{Completed, Entry, Refusal, wr_id};
-use super::{ConnId, Ctx, Handler, PeerLink, Reactor, SessionId};
+use super::{ConnId, Handler, PeerLink, Reactor, SessionId};
 
 /// What a completion brings the handler, once the connection has done
 /// its part (credits, reposts, the overrun check).
@@ -63,13 +63,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 let Some(handler) = self.sessions.handler_mut(session) else {
                     return;
                 };
-                let mut ctx = Ctx::new(
-                    &mut self.conns,
-                    &self.stop,
-                    self.id,
-                    &mut self.deferred,
-                    &mut self.datagrams,
-                );
+                let mut ctx = reactor_ctx!(self);
                 // The low half of the id is the handler's (see `direct`).
                 handler.on_direct_completion(&mut ctx, id, wr_id as u32, wc);
             }
@@ -190,13 +184,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             return;
         };
-        let mut ctx = Ctx::new(
-            &mut self.conns,
-            &self.stop,
-            self.id,
-            &mut self.deferred,
-            &mut self.datagrams,
-        );
+        let mut ctx = reactor_ctx!(self);
         ctx.own = key.index;
         // Whether the delivery leaves the connection work for the flush: a
         // receive does (see above); a retire only through what the

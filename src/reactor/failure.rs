@@ -9,7 +9,7 @@ use crate::verbs::{BIND_WR_ID, WorkCompletion};
 use super::conn::Conn;
 use super::slab::Key;
 use super::table::Completed;
-use super::{ConnId, Ctx, Handler, PeerLink, Reactor};
+use super::{ConnId, Handler, PeerLink, Reactor};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// A failed completion of a direct connection fails it (the first
@@ -196,13 +196,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         conn.stop_qp();
         let session = conn.session();
         self.release_forwarded(released);
-        let mut ctx = Ctx::new(
-            &mut self.conns,
-            &self.stop,
-            self.id,
-            &mut self.deferred,
-            &mut self.datagrams,
-        );
+        let mut ctx = reactor_ctx!(self);
         if let Some(record) = self.sessions.get_mut(session) {
             // A failed completion or a credit overrun names its peer.
             let error = error.with_peer(record.link().peer());

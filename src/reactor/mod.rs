@@ -70,6 +70,20 @@
 //! credits, receive ring and send queue (with its send slots, signaling
 //! and sizes).
 
+/// A [`Ctx`] over the reactor's parts, borrowed field by field so that a
+/// handler (in `sessions` or `datagram_handlers`) can be borrowed beside it.
+macro_rules! reactor_ctx {
+    ($reactor:ident) => {
+        $crate::reactor::Ctx::new(
+            &mut $reactor.conns,
+            &$reactor.stop,
+            $reactor.id,
+            &mut $reactor.deferred,
+            &mut $reactor.datagrams,
+        )
+    };
+}
+
 mod admin;
 mod completions;
 mod config;
@@ -340,13 +354,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// that comes from outside the handlers, such as commands other threads
     /// queued.
     pub fn with_ctx<R>(&mut self, stage: impl FnOnce(&mut Ctx<'_>) -> R) -> R {
-        let mut ctx = Ctx::new(
-            &mut self.conns,
-            &self.stop,
-            self.id,
-            &mut self.deferred,
-            &mut self.datagrams,
-        );
+        let mut ctx = reactor_ctx!(self);
         let result = stage(&mut ctx);
         if ctx.touched {
             self.idle.work_left();

@@ -11,7 +11,7 @@ use crate::error::Result;
 
 use super::completions::{POLL_BATCH, SpinsSettled};
 use super::srq_pool::SrqPool;
-use super::{Ctx, EventMode, Handler, PeerLink, Reactor};
+use super::{EventMode, Handler, PeerLink, Reactor};
 
 /// Longest sleep while SRQ receives wait to be posted again after a
 /// refused post.
@@ -259,13 +259,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     fn empty_pass<const LEAN: bool>(&mut self) -> bool {
         self.counters.empty_passes += 1;
         self.idle.found_none();
-        let mut ctx = Ctx::new(
-            &mut self.conns,
-            &self.stop,
-            self.id,
-            &mut self.deferred,
-            &mut self.datagrams,
-        );
+        let mut ctx = reactor_ctx!(self);
         for handler in &mut self.datagram_handlers {
             handler.on_idle(&mut ctx);
         }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use crate::session::PeerStatus;
 
 use super::sessions::Session;
-use super::{Ctx, Handler, PeerLink, Reactor, SessionId, Waiter};
+use super::{Handler, PeerLink, Reactor, SessionId, Waiter};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Asks every session's link whether its peer is still there; a session
@@ -89,13 +89,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             log::warn!("polling before telling of peers gone: {err}");
         }
         for (session, status) in gone {
-            let mut ctx = Ctx::new(
-                &mut self.conns,
-                &self.stop,
-                self.id,
-                &mut self.deferred,
-                &mut self.datagrams,
-            );
+            let mut ctx = reactor_ctx!(self);
             if let Some(handler) = self.sessions.handler_mut(session) {
                 handler.on_peer_gone(&mut ctx, session, &status);
             }

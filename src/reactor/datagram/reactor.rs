@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::verbs::{Gid, UdConfig, UdQueuePair};
 
 use super::super::table::wr_id::WrKind;
-use super::super::{Ctx, Handler, PeerLink, Reactor};
+use super::super::{Handler, PeerLink, Reactor};
 use super::{Arrived, DatagramEndpoint, DatagramId, DatagramSource};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
@@ -119,13 +119,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 };
                 let source = DatagramSource::new(wc.src_qp(), wc.has_grh().then_some(grh));
                 if let Some(handler) = self.datagram_handlers.get_mut(index as usize) {
-                    let mut ctx = Ctx::new(
-                        &mut self.conns,
-                        &self.stop,
-                        self.id,
-                        &mut self.deferred,
-                        &mut self.datagrams,
-                    );
+                    let mut ctx = reactor_ctx!(self);
                     handler.on_datagram(&mut ctx, id, &source, data);
                     if ctx.touched {
                         self.idle.work_left();
@@ -147,13 +141,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     fn datagram_failed(&mut self, id: DatagramId, error: Error) {
         log::warn!("datagram endpoint {id:?} failed: {error}");
         if let Some(handler) = self.datagram_handlers.get_mut(id_index(id)) {
-            let mut ctx = Ctx::new(
-                &mut self.conns,
-                &self.stop,
-                self.id,
-                &mut self.deferred,
-                &mut self.datagrams,
-            );
+            let mut ctx = reactor_ctx!(self);
             handler.on_datagram_error(&mut ctx, id, &error);
         }
     }
