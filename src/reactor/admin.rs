@@ -255,7 +255,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             pool.add_owner(conn.qpn(), id.key());
         }
         self.conns.insert(conn);
-        self.protocol_conns += 1;
+        self.full_pass_parts += 1;
         Ok(id)
     }
 
@@ -295,7 +295,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if !conn.is_direct() {
             // (Counted at insertion; saturating, as a drift would only cost
             // speed: either pass handles any completion.)
-            self.protocol_conns = self.protocol_conns.saturating_sub(1);
+            self.full_pass_parts = self.full_pass_parts.saturating_sub(1);
         }
         let mut released = Vec::new();
         conn.shut_down(|origin, slot, from_srq| released.push((origin, slot, from_srq)));

@@ -177,9 +177,10 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     completions: Completions,
     waiter: Waiter,
     pd: ProtectionDomain,
-    /// Connections of the reactor's own protocol (not direct): while there
-    /// are none, a pass takes the lean path.
-    protocol_conns: usize,
+    /// What the full pass serves: connections of the reactor's own
+    /// protocol (not direct ones) and datagram endpoints. While there are
+    /// none, a pass takes the lean path.
+    full_pass_parts: usize,
     /// When idle passes repost and signal tails, and whether traffic is
     /// sparse.
     idle: IdlePolicy,
@@ -260,7 +261,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             completions,
             waiter,
             pd: pd.clone(),
-            protocol_conns: 0,
+            full_pass_parts: 0,
             idle: IdlePolicy::default(),
             clock_stride: 1,
             stop: Arc::new(AtomicBool::new(false)),

@@ -109,7 +109,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// One pass of the kind the connections need.
     #[inline]
     pub(super) fn one_pass(&mut self) -> Result<usize> {
-        if self.protocol_conns != 0 {
+        if self.full_pass_parts != 0 {
             self.full_pass()
         } else {
             self.lean_pass()
@@ -123,7 +123,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// stopped.
     pub(super) fn busy_run(&mut self) -> Result<()> {
         while !self.stop.load(Ordering::Acquire) {
-            if self.protocol_conns != 0 {
+            if self.full_pass_parts != 0 {
                 self.passes::<false>()?;
             } else {
                 self.passes::<true>()?;
@@ -140,7 +140,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     fn passes<const LEAN: bool>(&mut self) -> Result<()> {
         loop {
             self.pass::<LEAN>()?;
-            if (self.protocol_conns == 0) != LEAN || self.stop.load(Ordering::Acquire) {
+            if (self.full_pass_parts == 0) != LEAN || self.stop.load(Ordering::Acquire) {
                 return Ok(());
             }
         }
@@ -221,9 +221,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             false
         };
-        if self.datagrams.has_work(done == 0) {
-            self.flush_datagrams(done == 0);
-        }
         if !LEAN {
             // The peer timer is read after the flush (`chores`): read here,
             // it makes the protocol's pass dearer (`tools/instr-count --host`).
@@ -260,12 +257,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.counters.empty_passes += 1;
         self.idle.found_none();
         let mut ctx = reactor_ctx!(self);
-        for handler in &mut self.datagram_handlers {
-            handler.on_idle(&mut ctx);
-        }
         if !LEAN {
             for (_, session) in self.sessions.iter_mut() {
                 session.handler_mut().on_idle(&mut ctx);
+            }
+            for handler in &mut self.datagram_handlers {
+                handler.on_idle(&mut ctx);
             }
             return ctx.touched;
         }
@@ -338,6 +335,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // until the reactor has been idle for a while.
         if touched || self.idle.is_unsettled() || tidy || signal_tails || self.conns.has_touched() {
             self.flush(tidy, signal_tails);
+        }
+        // The datagram endpoints' doorbells, and on an idle pass their
+        // reposts.
+        if self.datagrams.has_work(done == 0) {
+            self.flush_datagrams(done == 0);
         }
         // Here rather than in `turn`, so a loop of the user's own that calls
         // `poll_once` gets them too.

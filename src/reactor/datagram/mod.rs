@@ -85,6 +85,8 @@ pub(crate) struct DatagramTable {
     endpoints: Vec<DatagramEndpoint>,
     /// Endpoints with datagrams staged or a repost batch due, one bit each.
     work: u64,
+    /// Endpoints with any receive waiting to be posted again, one bit each.
+    pending: u64,
 }
 
 const _: () = assert!(MAX_ENDPOINTS <= u64::BITS as usize);
@@ -96,6 +98,7 @@ impl DatagramTable {
             owner,
             endpoints: Vec::new(),
             work: 0,
+            pending: 0,
         }
     }
 
@@ -167,8 +170,11 @@ impl DatagramTable {
         let arrived = endpoint.complete(wc, receive, value);
         // A slot given back here (a failed or short receive) waits for a
         // batch like any other.
-        if matches!(arrived, Arrived::Nothing) && endpoint.has_due_receives() {
-            self.work |= 1 << index;
+        if matches!(arrived, Arrived::Nothing) && endpoint.has_pending_receives() {
+            self.pending |= 1 << index;
+            if endpoint.has_due_receives() {
+                self.work |= 1 << index;
+            }
         }
         arrived
     }
@@ -176,10 +182,11 @@ impl DatagramTable {
     /// Datagram slot `slot` of endpoint `index` was read: it goes back.
     #[inline]
     pub(crate) fn release(&mut self, index: u32, slot: u32) {
-        if let Some(endpoint) = self.endpoints.get_mut(index as usize)
-            && endpoint.release(slot)
-        {
-            self.work |= 1 << index;
+        if let Some(endpoint) = self.endpoints.get_mut(index as usize) {
+            self.pending |= 1 << index;
+            if endpoint.release(slot) {
+                self.work |= 1 << index;
+            }
         }
     }
 
@@ -206,12 +213,8 @@ impl DatagramTable {
     /// post again.
     #[inline(always)]
     pub(crate) fn has_work(&self, idle: bool) -> bool {
-        self.work != 0
-            || idle
-                && self
-                    .endpoints
-                    .iter()
-                    .any(DatagramEndpoint::has_pending_receives)
+        // One test, branch-free in `idle`: every pass asks.
+        (self.work | self.pending & u64::from(idle).wrapping_neg()) != 0
     }
 
     /// Rings each endpoint's doorbell for its staged datagrams and posts
@@ -234,6 +237,9 @@ impl DatagramTable {
                 doorbells += u64::from(posted != 0);
             }
             endpoint.post_receives(idle);
+            if !endpoint.has_pending_receives() {
+                self.pending &= !(1 << index);
+            }
             if endpoint.has_report() {
                 failed |= 1 << index;
             }

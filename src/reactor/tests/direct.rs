@@ -415,23 +415,23 @@ fn direct_connections_work_beside_the_reactors_own_and_after_them() {
     let mut reactor = reactor(&pd);
     let (a, b) = direct_pair(&mut reactor, &pd);
     direct_send(&mut reactor, &a, &b);
-    assert_eq!(reactor.protocol_conns, 0, "direct connections only: lean");
+    assert_eq!(reactor.full_pass_parts, 0, "direct connections only: lean");
 
     let first = protocol_pair(&mut reactor, &pd);
-    assert_eq!(reactor.protocol_conns, 2);
+    assert_eq!(reactor.full_pass_parts, 2);
     direct_send(&mut reactor, &a, &b);
 
     for (session, _) in &first {
         assert!(reactor.remove(*session).is_some());
     }
     assert_eq!(
-        reactor.protocol_conns, 0,
+        reactor.full_pass_parts, 0,
         "the last protocol connection gone"
     );
     direct_send(&mut reactor, &a, &b);
 
     let second = protocol_pair(&mut reactor, &pd);
-    assert_eq!(reactor.protocol_conns, 2);
+    assert_eq!(reactor.full_pass_parts, 2);
     direct_send(&mut reactor, &a, &b);
     for (_, log) in &second {
         assert!(log.borrow().errors.is_empty());
@@ -452,7 +452,7 @@ fn a_lean_pass_removes_what_callbacks_remove_and_reuses_their_entries() {
     let mut reactor = reactor(&pd);
     let (a, b) = direct_pair(&mut reactor, &pd);
     let (c, d) = direct_pair(&mut reactor, &pd);
-    assert_eq!(reactor.protocol_conns, 0, "direct connections only: lean");
+    assert_eq!(reactor.full_pass_parts, 0, "direct connections only: lean");
 
     direct_send(&mut reactor, &a, &b);
     // Passes with nothing to do, then a's idle callback asks for b's
