@@ -625,8 +625,8 @@ enum FeedHandler {
 
 /// Sends `count` datagrams to the group at `rate`, then the end mark.
 struct Publisher {
-    dgram: Option<DatagramId>,
-    to: Option<UdDestination>,
+    dgram: DatagramId,
+    to: UdDestination,
     count: u64,
     interval: Duration,
     started: Option<Instant>,
@@ -685,9 +685,7 @@ impl Handler for FeedHandler {
         let Self::Publisher(publisher) = self else {
             return;
         };
-        let (Some(dgram), Some(to)) = (publisher.dgram, publisher.to.as_ref()) else {
-            return;
-        };
+        let (dgram, to) = (publisher.dgram, &publisher.to);
         let started = *publisher.started.get_or_insert_with(Instant::now);
         while !publisher.is_done() {
             if Instant::now() < publisher.due(started) {
@@ -728,7 +726,7 @@ impl Handler for FeedHandler {
 fn feed_reactor(
     group: &GroupArgs,
     receives: u32,
-    handler: FeedHandler,
+    make: impl FnOnce(DatagramId, &UdQueuePair) -> rdma_comm_core::Result<FeedHandler>,
 ) -> rdma_comm_core::Result<(Reactor<FeedHandler>, DatagramId)> {
     let ctx = Context::open_default(group.device.as_deref())?;
     let pd = ctx.alloc_pd()?;
@@ -744,7 +742,7 @@ fn feed_reactor(
         gid_index: group.gid_index,
         ..UdConfig::default()
     };
-    let dgram = reactor.add_datagram(&config, handler)?;
+    let dgram = reactor.add_datagram(&config, make)?;
     Ok((reactor, dgram))
 }
 
@@ -754,34 +752,31 @@ fn publish_from_reactor(
     rate: u64,
     size: usize,
 ) -> rdma_comm_core::Result<bool> {
-    let publisher = Publisher {
-        dgram: None,
-        to: None,
-        count,
-        interval: Duration::from_secs_f64(1.0 / rate as f64),
-        started: None,
-        seq: 0,
-        datagram: vec![0; size],
-        stopped: false,
+    let group = Gid::from_ipv4(args.group);
+    let made = feed_reactor(args, 1, |dgram, qp| {
+        if size > qp.max_datagram() as usize {
+            return Err(rdma_comm_core::Error::InvalidArgument(
+                "--size: larger than the port's MTU",
+            ));
+        }
+        Ok(FeedHandler::Publisher(Publisher {
+            dgram,
+            to: qp.group_destination(group)?,
+            count,
+            interval: Duration::from_secs_f64(1.0 / rate as f64),
+            started: None,
+            seq: 0,
+            datagram: vec![0; size],
+            stopped: false,
+        }))
+    });
+    let (mut reactor, dgram) = match made {
+        Err(rdma_comm_core::Error::InvalidArgument(why)) if why.starts_with("--size") => {
+            eprintln!("feed: --size {size}: larger than the port's MTU");
+            return Ok(false);
+        }
+        made => made?,
     };
-    let (mut reactor, dgram) = feed_reactor(args, 1, FeedHandler::Publisher(publisher))?;
-    let qp = reactor
-        .datagram_qp(dgram)
-        .ok_or(rdma_comm_core::Error::InvalidArgument(
-            "the endpoint vanished",
-        ))?;
-    if size > qp.max_datagram() as usize {
-        eprintln!(
-            "feed: --size {size}: larger than the port's MTU ({} B)",
-            qp.max_datagram()
-        );
-        return Ok(false);
-    }
-    let to_group = qp.group_destination(Gid::from_ipv4(args.group))?;
-    if let Some(FeedHandler::Publisher(publisher)) = reactor.datagram_handler_mut(dgram) {
-        publisher.dgram = Some(dgram);
-        publisher.to = Some(to_group);
-    }
     let started = Instant::now();
     reactor.run()?;
     let secs = started.elapsed().as_secs_f64();
@@ -805,7 +800,9 @@ fn subscribe_on_reactor(
     sink: Sink,
     receives: usize,
 ) -> rdma_comm_core::Result<Sink> {
-    let (mut reactor, dgram) = feed_reactor(args, receives as u32, FeedHandler::Subscriber(sink))?;
+    let (mut reactor, dgram) = feed_reactor(args, receives as u32, |_, _| {
+        Ok(FeedHandler::Subscriber(sink))
+    })?;
     reactor.join(dgram, Gid::from_ipv4(args.group))?;
     eprintln!("feed: subscribed to {}", args.group);
     let _ended = reactor.run_for(timeout)?;

@@ -86,7 +86,9 @@ pub mod prelude {
         AuthKey, ClientConfig, ClientSession, Endpoint, Export, PeerStatus, ServerConfig,
         ServerSession, Transport,
     };
-    pub use crate::verbs::{AccessFlags, Context, ProtectionDomain};
+    pub use crate::verbs::{
+        AccessFlags, Context, Gid, ProtectionDomain, UdConfig, UdDestination, UdQueuePair,
+    };
 }
 
 /// Compiles the code examples of the README and of every page in `docs/`

@@ -119,8 +119,12 @@ fn run_until(
 /// Two endpoints of one reactor, each handler with a destination to the other.
 fn pair(reactor: &mut Reactor<Peer>, a: Peer, b: Peer) -> (DatagramId, DatagramId) {
     let config = UdConfig::default();
-    let a = reactor.add_datagram(&config, a).expect("endpoint a");
-    let b = reactor.add_datagram(&config, b).expect("endpoint b");
+    let a = reactor
+        .add_datagram(&config, |_, _| Ok(a))
+        .expect("endpoint a");
+    let b = reactor
+        .add_datagram(&config, |_, _| Ok(b))
+        .expect("endpoint b");
     let (qp_a, qp_b) = (
         reactor.datagram_qp(a).expect("a"),
         reactor.datagram_qp(b).expect("b"),
@@ -194,12 +198,19 @@ verbs_test! {
         let pd = ctx.alloc_pd().expect("a PD");
         let mut reactor = reactor(&pd);
         let config = UdConfig::default();
-        let member = reactor.add_datagram(&config, Peer::default()).expect("a member");
-        let publisher = reactor.add_datagram(&config, Peer { rounds: 1, ..Peer::default() }).expect("a publisher");
         let group = Gid::from_ipv4(Ipv4Addr::new(239, 1, 2, 3));
+        let member = reactor.add_datagram(&config, |_, _| Ok(Peer::default())).expect("a member");
         reactor.join(member, group).expect("joined");
-        let to_group = reactor.datagram_qp(publisher).unwrap().group_destination(group).expect("the group");
-        reactor.datagram_handler_mut(publisher).unwrap().to = Some(to_group);
+        // The publisher is made with its destination, from its own QP.
+        let mut told = None;
+        let publisher = reactor
+            .add_datagram(&config, |id, qp| {
+                told = Some(id);
+                let to = Some(qp.group_destination(group)?);
+                Ok(Peer { rounds: 1, to, ..Peer::default() })
+            })
+            .expect("a publisher");
+        assert_eq!(told, Some(publisher), "the handler is made with its endpoint's id");
         DGRAM.with(|d| d.set(Some(publisher)));
         run_until(&mut reactor, Duration::from_secs(30), |r| {
             r.datagram_handler(member).is_some_and(|p| p.received == 1)
@@ -219,7 +230,7 @@ verbs_test! {
         let to = reactor.datagram_handler_mut(a).unwrap().to.take().expect("a destination");
         let other_pd = ctx.alloc_pd().expect("another PD");
         let mut other = Reactor::<Peer>::new(&other_pd, ReactorConfig::default()).expect("another reactor");
-        let foreign = other.add_datagram(&UdConfig::default(), Peer::default()).expect("its endpoint");
+        let foreign = other.add_datagram(&UdConfig::default(), |_, _| Ok(Peer::default())).expect("its endpoint");
         let foreign_to = other.datagram_qp(foreign).unwrap().destination(&reactor.datagram_qp(a).unwrap().endpoint()).expect("to a");
         reactor.with_ctx(|ctx| {
             let big = vec![0u8; mtu + 1];
@@ -229,7 +240,11 @@ verbs_test! {
             ctx.send_datagram(a, &to, &vec![7u8; mtu]).expect("a datagram of the MTU");
         });
         assert!(other.datagram_qp(a).is_none(), "another reactor's id names nothing");
+        let before = reactor.memory();
+        let refused = reactor.add_datagram(&UdConfig::default(), |_, _| Err(Error::InvalidArgument("no handler")));
+        assert!(matches!(refused, Err(Error::InvalidArgument("no handler"))), "the handler's error");
+        assert_eq!(reactor.memory(), before, "nothing of the refused endpoint is kept");
         let small = UdConfig { max_send_wr: 1, ..UdConfig::default() };
-        assert!(matches!(reactor.add_datagram(&small, Peer::default()), Err(Error::InvalidArgument(_))));
+        assert!(matches!(reactor.add_datagram(&small, |_, _| Ok(Peer::default())), Err(Error::InvalidArgument(_))));
     }
 }

@@ -37,7 +37,7 @@ pub(crate) fn measure_ud(
         (false, true) => PerfHandler::UdClient(UdClient::bandwidth(spec)),
         (false, false) => PerfHandler::UdClient(UdClient::latency(spec)),
     };
-    let dgram = reactor.add_datagram(&config, role)?;
+    let dgram = reactor.add_datagram(&config, |_, _| Ok(role))?;
     let qp = reactor
         .datagram_qp(dgram)
         .ok_or(rdma_comm_core::Error::InvalidArgument(

@@ -196,15 +196,17 @@ impl Ctx<'_> {
     }
 
     /// Stages a datagram of `data` (copied into a registered send slot of
-    /// endpoint `dgram`) to `to`, which the endpoint's QP made
-    /// ([`Reactor::datagram_qp`](super::Reactor::datagram_qp)); it goes out with
-    /// the endpoint's other datagrams of this pass, one doorbell. Refused
-    /// with [`SendError::WouldBlock`] while the send queue is full (the
-    /// next completions make room), [`SendError::TooLarge`] above the
-    /// port's MTU, [`SendError::Closed`] for a failed endpoint or one of
-    /// another reactor, and [`SendError::Invalid`] for a destination of
-    /// another protection domain. Nothing tells the sender whether a
-    /// datagram arrived.
+    /// endpoint `dgram`) to `to`, a destination made by a UD QP of the same
+    /// protection domain (the endpoint's own, from
+    /// [`Reactor::datagram_qp`](super::Reactor::datagram_qp) or
+    /// [`Reactor::add_datagram`](super::Reactor::add_datagram)'s `make`);
+    /// it goes out with the endpoint's other datagrams of this pass, one
+    /// doorbell, when the pass ends. Refused with [`SendError::WouldBlock`]
+    /// while the send queue is full (the next completions make room),
+    /// [`SendError::TooLarge`] above the port's MTU, [`SendError::Closed`]
+    /// for a failed endpoint or one of another reactor, and
+    /// [`SendError::Invalid`] for a destination of another protection
+    /// domain. Nothing tells the sender whether a datagram arrived.
     #[inline]
     pub fn send_datagram(
         &mut self,

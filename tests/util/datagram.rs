@@ -180,10 +180,10 @@ pub fn add_datagram_ping_pong(
         outcome: Arc::clone(&outcome),
     };
     let a = reactor
-        .add_datagram(&config, DatagramPeer::Pinger(pinger))
+        .add_datagram(&config, |_, _| Ok(DatagramPeer::Pinger(pinger)))
         .expect("the pinger's endpoint");
     let b = reactor
-        .add_datagram(&config, DatagramPeer::Echo(echo))
+        .add_datagram(&config, |_, _| Ok(DatagramPeer::Echo(echo)))
         .expect("the echo's endpoint");
     let (qp_a, qp_b) = (
         reactor.datagram_qp(a).unwrap(),

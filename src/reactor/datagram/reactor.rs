@@ -10,19 +10,46 @@ use super::super::{Handler, PeerLink, Reactor};
 use super::{Arrived, DatagramEndpoint, DatagramId, DatagramSource};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
-    /// Adds a datagram endpoint served by `handler`: a UD QP on the
-    /// reactor's CQs made as `config` asks (`max_recv_wr` receives posted
-    /// at once and kept posted, `max_send_wr` sends in flight at most, at
-    /// least 2), ready at once. Its datagrams go to
-    /// [`Handler::on_datagram`]; its handler sends with
-    /// [`Ctx::send_datagram`] and runs [`Handler::on_idle`] with the
-    /// others. Each receive and send slot is the port's MTU (plus the
-    /// 40-byte GRH for a receive), registered once. A reactor holds at
-    /// most 64 endpoints, for its life.
+    /// Adds a datagram endpoint: a UD QP on the reactor's CQs made as
+    /// `config` asks (`max_recv_wr` receives posted at once and kept
+    /// posted, `max_send_wr` sends in flight at most, at least 2), ready at
+    /// once, and the handler `make` builds for it from its id and QP (where
+    /// a sender makes its destinations:
+    /// [`UdQueuePair::group_destination`], [`UdQueuePair::destination`]).
+    /// Its datagrams go to [`Handler::on_datagram`]; the handler sends with
+    /// [`Ctx::send_datagram`](crate::reactor::Ctx::send_datagram) and runs
+    /// [`Handler::on_idle`] with the others. Each receive and send slot is
+    /// the port's MTU (plus the 40-byte GRH for a receive), registered
+    /// once. A reactor holds at most 64 endpoints, for its life. An error
+    /// of `make` is returned, and the endpoint is not added.
     ///
     /// Anyone on the fabric who learns the endpoint's QP number and Q_Key,
     /// or a group it joined, can send to it: see the security docs.
-    pub fn add_datagram(&mut self, config: &UdConfig, handler: H) -> Result<DatagramId> {
+    ///
+    /// ```no_run
+    /// # use rdma_comm_core::prelude::*;
+    /// struct Publisher { feed: DatagramId, to: UdDestination, next: u64 }
+    /// impl Handler for Publisher {
+    ///     fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
+    ///     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    ///         // WouldBlock: the send queue is full; the next pass tries again.
+    ///         if ctx.send_datagram(self.feed, &self.to, &self.next.to_le_bytes()).is_ok() {
+    ///             self.next += 1;
+    ///         }
+    ///     }
+    /// }
+    /// # fn demo(reactor: &mut Reactor<Publisher>) -> rdma_comm_core::Result<()> {
+    /// let group = Gid::from_ipv4([239, 1, 1, 1].into());
+    /// reactor.add_datagram(&UdConfig::default(), |feed, qp| {
+    ///     Ok(Publisher { feed, to: qp.group_destination(group)?, next: 0 })
+    /// })?;
+    /// # Ok(()) }
+    /// ```
+    pub fn add_datagram(
+        &mut self,
+        config: &UdConfig,
+        make: impl FnOnce(DatagramId, &UdQueuePair) -> Result<H>,
+    ) -> Result<DatagramId> {
         let index = self.datagrams.next_index()?;
         let (cq_index, cq) = self.completions.next_cq();
         let charges = [(
@@ -38,6 +65,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let endpoint = DatagramEndpoint::new(&pd, index, config, |config| {
             pd.create_ud_qp(&cq, &cq, config)
         })?;
+        let handler = make(self.datagrams.id(index), endpoint.qp())?;
         self.completions.charge(&charges);
         self.datagram_handlers.push(handler);
         // Its completions and doorbells are the full pass's.

@@ -52,15 +52,15 @@ const CONTROLLED_QKEY: u32 = 0x8000_0000;
 /// How to create a UD QP.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UdConfig {
-    /// Send queue depth.
+    /// Send queue depth (default 256).
     pub max_send_wr: u32,
-    /// Receive queue depth.
+    /// Receive queue depth (default 256).
     pub max_recv_wr: u32,
-    /// Largest payload to send inline.
+    /// Largest payload to send inline (default 64).
     pub max_inline_data: u32,
     /// The Q_Key a datagram must carry to be taken (and the one this QP's
     /// datagrams to a group carry). Not one of the privileged ones (top bit
-    /// set).
+    /// set). Default: [`RDMA_UDP_QKEY`], rdma-core's.
     pub qkey: u32,
     /// The port (default: the first active one).
     pub port: Option<u8>,
@@ -363,7 +363,8 @@ impl UdQueuePair {
     }
 
     /// Where to send datagrams for the members of multicast group `group`
-    /// (joined with [`join`](Self::join)), with this QP's Q_Key.
+    /// (those that joined it, with [`join`](Self::join)), with this QP's
+    /// Q_Key. The sender need not join the group itself.
     pub fn group_destination(&self, group: Gid) -> Result<UdDestination> {
         self.destination_to(group, 0, MULTICAST_QPN, self.local.qkey)
     }
