@@ -165,6 +165,14 @@ impl IdlePolicy {
         self.reposts_left && self.idle_passes >= REPOST_IDLE_PASSES
     }
 
+    /// Whether the reactor has been idle long enough for receives waiting
+    /// for a fuller batch to go back now ([`REPOST_IDLE_PASSES`]), whoever
+    /// holds them: the datagram endpoints ask this.
+    #[inline(always)]
+    pub(super) fn idle_for_reposts(&self) -> bool {
+        self.idle_passes >= REPOST_IDLE_PASSES
+    }
+
     /// Whether the pass's flush signals out unsignaled tails now (which
     /// would otherwise never report completion): a tail is waiting and the
     /// reactor has been idle for [`TAIL_SIGNAL_IDLE_PASSES`]. Asked again
@@ -342,6 +350,20 @@ mod tests {
         // A completion starts the count again.
         policy.found_completions();
         assert!(!policy.repost_now());
+    }
+
+    #[test]
+    fn datagram_reposts_wait_for_the_same_idle_passes_whatever_the_connections_left() {
+        let mut policy = settled();
+        empty_passes(&mut policy, REPOST_IDLE_PASSES - 1);
+        assert!(!policy.idle_for_reposts());
+        policy.found_none();
+        assert!(
+            policy.idle_for_reposts() && !policy.repost_now(),
+            "no connection left any"
+        );
+        policy.found_completions();
+        assert!(!policy.idle_for_reposts());
     }
 
     #[test]

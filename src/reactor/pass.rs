@@ -336,10 +336,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if touched || self.idle.is_unsettled() || tidy || signal_tails || self.conns.has_touched() {
             self.flush(tidy, signal_tails);
         }
-        // The datagram endpoints' doorbells, and on an idle pass their
-        // reposts.
-        if self.datagrams.has_work(done == 0) {
-            self.flush_datagrams(done == 0);
+        // The datagram endpoints' doorbells, and once the reactor has been
+        // idle a while their reposts below a batch.
+        let datagram_tidy = self.idle.idle_for_reposts();
+        if self.datagrams.has_work(datagram_tidy) {
+            self.flush_datagrams(datagram_tidy);
         }
         // Here rather than in `turn`, so a loop of the user's own that calls
         // `poll_once` gets them too.
@@ -390,6 +391,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // unreported: signal it out first. Its completion (or, without a
         // credit, the peer's next credit update) then wakes us.
         self.flush(true, true);
+        if self.datagrams.has_work(true) {
+            self.flush_datagrams(true);
+        }
         self.idle.armed_for_sleep();
         self.completions.arm()?;
         self.one_pass()

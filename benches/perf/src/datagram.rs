@@ -66,6 +66,27 @@ fn read_mark(kind: u64, data: &[u8]) -> Option<u64> {
     (head == kind.to_le_bytes()).then(|| u64::from_le_bytes(count.try_into().unwrap_or([0; 8])))
 }
 
+/// Writes `seq` into the first bytes of `payload` (as many of its 8 as fit).
+#[inline]
+fn stamp(payload: &mut [u8], seq: u64) {
+    match payload.first_chunk_mut::<8>() {
+        Some(head) => *head = seq.to_le_bytes(),
+        None => {
+            let n = payload.len();
+            payload.copy_from_slice(&seq.to_le_bytes()[..n]);
+        }
+    }
+}
+
+/// Whether `data` starts with what [`stamp`] wrote for `seq`.
+#[inline]
+fn stamped(data: &[u8], seq: u64) -> bool {
+    match data.first_chunk::<8>() {
+        Some(head) => u64::from_le_bytes(*head) == seq,
+        None => data == &seq.to_le_bytes()[..data.len()],
+    }
+}
+
 /// The session's RC connection, which carries the UD endpoints' addresses
 /// each way, then the client's word that the run is over.
 #[derive(Debug)]
@@ -261,8 +282,7 @@ impl UdClient {
         let (Some(dgram), Some(to)) = (self.dgram, self.to.as_ref()) else {
             return;
         };
-        let n = self.payload.len().min(8);
-        self.payload[..n].copy_from_slice(&self.seq.to_le_bytes()[..n]);
+        stamp(&mut self.payload, self.seq);
         match ctx.send_datagram(dgram, to, &self.payload) {
             Ok(()) => {
                 self.started_at = now;
@@ -284,8 +304,7 @@ impl UdClient {
             self.first_at = self.clock.now();
         }
         while self.seq < total {
-            let n = self.payload.len().min(8);
-            self.payload[..n].copy_from_slice(&self.seq.to_le_bytes()[..n]);
+            stamp(&mut self.payload, self.seq);
             match ctx.send_datagram(dgram, to, &self.payload) {
                 Ok(()) => self.seq += 1,
                 Err(SendError::WouldBlock) => return,
@@ -327,11 +346,7 @@ impl Handler for UdClient {
             }
             return;
         }
-        let n = self.payload.len().min(8);
-        if !self.waiting
-            || data.len() != self.payload.len()
-            || data[..n] != self.seq.to_le_bytes()[..n]
-        {
+        if !self.waiting || data.len() != self.payload.len() || !stamped(data, self.seq) {
             // A late echo of a ping sent again.
             return;
         }
@@ -460,5 +475,11 @@ mod tests {
         assert_eq!(read_mark(END_MARK, &mark(END_MARK, 42)), Some(42));
         assert_eq!(read_mark(REPORT_MARK, &mark(END_MARK, 42)), None);
         assert_eq!(read_mark(END_MARK, &[0xff; 8]), None, "too short");
+        for len in [1, 7, 8, 64] {
+            let mut payload = vec![0; len];
+            stamp(&mut payload, 0x0102_0304_0506_0708);
+            assert!(stamped(&payload, 0x0102_0304_0506_0708), "{len}");
+            assert!(!stamped(&payload, 0x0102_0304_0506_0700), "{len}");
+        }
     }
 }

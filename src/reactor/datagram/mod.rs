@@ -223,11 +223,17 @@ impl DatagramTable {
     /// post failed (one bit each: [`take_report`](Self::take_report)).
     pub(crate) fn flush(&mut self, idle: bool) -> (u64, u64, u64) {
         let (mut requests, mut doorbells, mut failed) = (0, 0, 0);
-        let work = std::mem::take(&mut self.work);
-        for (index, endpoint) in self.endpoints.iter_mut().enumerate() {
-            if work & (1 << index) == 0 && !idle {
+        let mut todo = std::mem::take(&mut self.work);
+        if idle {
+            todo |= self.pending;
+        }
+        // The endpoints with work, by their bits.
+        while todo != 0 {
+            let index = todo.trailing_zeros();
+            todo &= todo - 1;
+            let Some(endpoint) = self.endpoints.get_mut(index as usize) else {
                 continue;
-            }
+            };
             let (early, rung) = endpoint.take_posted_early();
             requests += early;
             doorbells += rung;
