@@ -112,10 +112,14 @@ pub(crate) fn measure_ud(
         // Long enough for the word to go out (nothing stops it sooner).
         let _reached = reactor.run_for(Duration::from_millis(50))?;
     }
-    let Some(PerfHandler::UdClient(client)) = reactor.datagram_handler_mut(dgram) else {
+    // Taken out in exchange for a server role, which (unlike a client)
+    // calibrates no clock.
+    let taken = reactor
+        .datagram_handler_mut(dgram)
+        .map(|handler| std::mem::replace(handler, PerfHandler::UdServer(UdServer::new(false))));
+    let Some(PerfHandler::UdClient(client)) = taken else {
         return Err(protocol(peer_addr, "the endpoint's handler vanished"));
     };
-    let client = std::mem::replace(client, UdClient::latency(spec));
     if client.resent() > 0 {
         eprintln!(
             "lat_bw: {} datagrams went again for want of an answer within {:?}",

@@ -53,11 +53,11 @@ pub use requests::{RecvRequests, SendRequests};
 pub use srq::{SharedReceiveQueue, SrqAttachment};
 #[cfg(test)]
 pub(crate) use srq::{refuse_srq_recvs_after, srq_posted_wr_ids};
-pub(crate) use ud::UdSendList;
 pub use ud::{
     GRH_BYTES, RDMA_UDP_QKEY, UdConfig, UdDestination, UdEndpoint, UdQueuePair, UdSend,
     datagram_payload, datagram_sender,
 };
+pub(crate) use ud::{UdRecvSlots, UdSendList};
 pub use wc::{WcOpcode, WcStatus};
 pub use wr::{Batch, RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
 

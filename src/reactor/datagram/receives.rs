@@ -3,10 +3,10 @@
 //! the consumed ones waiting to be posted again in batches.
 
 use crate::verbs::{
-    AccessFlags, GRH_BYTES, MemoryRegion, ProtectionDomain, RecvBatch, UdQueuePair,
+    AccessFlags, GRH_BYTES, MemoryRegion, ProtectionDomain, UdQueuePair, UdRecvSlots,
 };
 
-use super::super::conn::{MAX_REPOST, Ring, RingSlots, recv_request};
+use super::super::conn::{MAX_REPOST, Ring, RingSlots};
 use super::super::table::wr_id;
 
 /// A datagram as it lies in its slot: the GRH's bytes, then the payload.
@@ -19,7 +19,6 @@ pub(crate) struct Landed {
 
 /// The receive side of a datagram endpoint.
 pub(crate) struct Receives {
-    endpoint: u32,
     ring: Ring,
     slot_size: usize,
     /// Where each slot is: posted, consumed or queued (a completion naming
@@ -28,7 +27,8 @@ pub(crate) struct Receives {
     /// Consumed slots waiting to be posted again (each at most once).
     pending: Box<[u32]>,
     pending_len: usize,
-    batch: RecvBatch<'static, MAX_REPOST>,
+    /// Each slot's receive, built once.
+    requests: UdRecvSlots,
     /// Reposts wait for this many, or for an idle pass.
     threshold: usize,
     /// The ring. The endpoint declares its QP first, so the QP is
@@ -47,19 +47,25 @@ impl Receives {
     ) -> crate::Result<Self> {
         let slot_size = GRH_BYTES + max_datagram as usize;
         let region = pd.alloc_mr(slot_size * count as usize, AccessFlags::LOCAL_WRITE)?;
+        let requests = UdRecvSlots::new(
+            region.addr(),
+            region.lkey(),
+            slot_size as u32,
+            count,
+            |slot| wr_id::datagram_recv(endpoint, slot),
+        )?;
         let mut slots = RingSlots::new(count);
         for slot in 0..count {
             // Fresh slots are no one's: queued for the first post.
             slots.queue(slot);
         }
         Ok(Self {
-            endpoint,
             ring: Ring::of(&region),
             slot_size,
             slots,
             pending: (0..count).collect(),
             pending_len: count as usize,
-            batch: RecvBatch::new(),
+            requests,
             threshold: (count as usize / 4).clamp(1, MAX_REPOST),
             region,
         })
@@ -118,23 +124,17 @@ impl Receives {
 
     /// Posts every queued slot on `qp`, [`MAX_REPOST`] per `ibv_post_recv`.
     pub(crate) fn flush(&mut self, qp: &mut UdQueuePair) -> crate::Result<()> {
-        let mut start = 0;
-        while start < self.pending_len {
-            let end = (start + MAX_REPOST).min(self.pending_len);
-            for &slot in &self.pending[start..end] {
-                let wr_id = wr_id::datagram_recv(self.endpoint, slot);
-                // SAFETY: the region is held here and outlives the QP (the
-                // endpoint's field order); a queued slot is consumed, so its
-                // bytes are no one's.
-                let request = unsafe { recv_request(self.ring, self.slot_size, wr_id, slot) };
-                // At most MAX_REPOST pushes into a batch emptied by each post.
-                let _ = self.batch.push(request);
+        for batch in self.pending[..self.pending_len].chunks(MAX_REPOST) {
+            for &slot in batch {
+                // Posted from here on: if the device refuses part of the
+                // batch, the endpoint fails and its ring is dead.
                 self.slots.post(slot);
             }
-            let posted = qp.post_recv(&mut self.batch);
-            self.batch.drop_posted(&posted);
-            posted?;
-            start = end;
+            // SAFETY: the requests describe this ring's region, held here
+            // and outliving the QP (the endpoint's field order), registered
+            // on the QP's PD; a queued slot is consumed, so its bytes are
+            // no one's, and `pending` holds each slot at most once.
+            unsafe { qp.post_slots(&mut self.requests, batch)? };
         }
         self.pending_len = 0;
         Ok(())

@@ -32,7 +32,9 @@ use super::wc::WcOpcode;
 use super::{check_ptr, check_rc};
 
 mod batch;
+mod recv_slots;
 pub(crate) use batch::UdSendList;
+pub(crate) use recv_slots::UdRecvSlots;
 
 /// Bytes of the global routing header at the start of every UD receive
 /// buffer (on RoCE v2 over IPv4, the IPv4 header in its last 20).
@@ -727,6 +729,57 @@ impl UdQueuePair {
         let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
         // SAFETY: `link` made a NULL-terminated list of `len` requests, each
         // pointing at its own SGE, inside `requests`, borrowed for the call.
+        let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
+        self.post_error(
+            "ibv_post_recv",
+            rc,
+            super::list::count_before(head, bad, len),
+        )
+    }
+
+    /// Posts the receives of `slots` (indices into `recvs`) with one
+    /// `ibv_post_recv`, linking their prebuilt requests. A slot out of
+    /// `recvs` refuses the whole post.
+    ///
+    /// # Safety
+    ///
+    /// The memory `recvs` describes is registered on this QP's PD and stays
+    /// so until every receive posted into it completed or the QP is
+    /// destroyed; no slot in `slots` is posted already or read by anyone
+    /// while posted; `slots` names each slot once.
+    pub(crate) unsafe fn post_slots(
+        &mut self,
+        recvs: &mut UdRecvSlots,
+        slots: &[u32],
+    ) -> Result<()> {
+        let len = slots.len();
+        if len == 0 {
+            return Ok(());
+        }
+        if slots.iter().any(|&slot| slot as usize >= recvs.len()) {
+            return Err(Error::InvalidArgument("a receive slot outside the ring"));
+        }
+        // Links from pointers taken now: every one derives from these two,
+        // and nothing borrows the arrays again until the post returns.
+        let wrs = recvs.wrs.as_mut_ptr();
+        let sges = recvs.sges.as_mut_ptr();
+        for (i, &slot) in slots.iter().enumerate() {
+            let next = match slots.get(i + 1) {
+                Some(&next) => wrs.wrapping_add(next as usize),
+                None => ptr::null_mut(),
+            };
+            // SAFETY: every slot is below the arrays' length (checked
+            // above), and we hold `&mut recvs`.
+            unsafe {
+                (*wrs.add(slot as usize)).sg_list = sges.add(slot as usize);
+                (*wrs.add(slot as usize)).next = next;
+            }
+        }
+        let head = wrs.wrapping_add(slots[0] as usize);
+        let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
+        // SAFETY: a NULL-terminated list of `len` distinct requests of
+        // `recvs`, each with its SGE, over memory the caller keeps
+        // registered and unread while posted (this function's contract).
         let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
         self.post_error(
             "ibv_post_recv",
