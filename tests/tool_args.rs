@@ -236,6 +236,19 @@ fn lat_bw_refuses_sizes_and_latency_runs_it_cannot_hold() {
         "--direct",
         "one stream",
     );
+    for other in [
+        &["--op", "write"][..],
+        &["--op", "send", "--direct"],
+        &["--op", "send", "--reactors", "2"],
+        &["--op", "send", "-a"],
+    ] {
+        assert_refused(
+            "lat_bw",
+            &[&connect[..], &["--transport", "ud"], other].concat(),
+            "--transport",
+            "ud measures SEND on one stream",
+        );
+    }
 }
 
 #[test]
