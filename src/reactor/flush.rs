@@ -237,6 +237,15 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 // connection's doing, so it does not fail the connection
                 // (the pass's end logs it).
                 conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
+                // Posted now, not with the pass's end: the credits just
+                // counted for them may be announced by a doorbell before
+                // that (a connection flushed again in the same pass), and a
+                // peer that spends them on an SRQ without these receives
+                // would meet an RNR. A refused post is retried at the
+                // pass's end.
+                if let Err(err) = pool.flush() {
+                    log::warn!("reposting SRQ receives: {err}");
+                }
                 Ok(())
             }
             _ => conn.flush_reposts(),
