@@ -79,8 +79,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let mut left = Leftovers::default();
         self.flush_index(index, false, false, &mut left);
         self.idle.flush_ended(left);
-        // Slots handed to the SRQ pool wait in its batch for the pass's
-        // flush, which posts them.
+        // Slots the SRQ refused wait in the pool for the pass's flush,
+        // which tries them again.
         if self.srq.as_ref().is_some_and(SrqPool::has_unposted) {
             self.idle.work_left();
         }
@@ -230,12 +230,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         match srq {
             Some(pool) if conn.rq().uses_srq() => {
                 // Every slot is offered even after a failed post: the pool
-                // keeps each one (in its batch, or stranded), and the end
-                // of the pass posts them or leaves them for the next
-                // (`flush`), where skipping it would lose it to the SRQ. A
-                // post the shared queue refused is none of this
-                // connection's doing, so it does not fail the connection
-                // (the pass's end logs it).
+                // keeps each one it could not post (in its batch, or
+                // stranded), and the end of the pass tries them again or
+                // leaves them for the next (`flush`), where skipping it
+                // would lose it to the SRQ. A post the shared queue refused
+                // is none of this connection's doing, so it does not fail
+                // the connection (the pass's end logs it).
                 conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
                 // Posted now, not with the pass's end: the credits just
                 // counted for them may be announced by a doorbell before
@@ -244,7 +244,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 // would meet an RNR. A refused post is retried at the
                 // pass's end.
                 if let Err(err) = pool.flush() {
-                    log::warn!("reposting SRQ receives: {err}");
+                    log::debug!("reposting SRQ receives (the pass's end tries again): {err}");
                 }
                 Ok(())
             }

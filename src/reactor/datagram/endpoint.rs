@@ -3,7 +3,7 @@
 
 use crate::error::Error;
 use crate::verbs::{
-    Gid, ProtectionDomain, UdConfig, UdDestination, UdQueuePair, WcStatus, WorkCompletion,
+    Gid, ProtectionDomain, SharedCq, UdConfig, UdDestination, UdQueuePair, WcStatus, WorkCompletion,
 };
 
 use super::super::SendError;
@@ -40,25 +40,27 @@ pub(crate) struct DatagramEndpoint {
 }
 
 // SAFETY: the raw pointers in the rings point into this endpoint's own
-// regions (and, in the receive batch, at requests rebuilt before each
-// post); moving the endpoint to another thread moves none of that memory.
+// regions and boxes (the requests' links, rewritten before each post);
+// moving the endpoint to another thread moves none of that memory.
 unsafe impl Send for DatagramEndpoint {}
 
 impl DatagramEndpoint {
-    /// Creates the QP with `create`, its rings on `pd`, and posts every
-    /// receive.
+    /// Creates the QP on `pd` and `cq` (for both queues), its rings on
+    /// `pd`, and posts every receive. The rings' memory and the QP share
+    /// the PD, and the QP, declared first, goes before the rings: what
+    /// the rings' posts ask of the QP they post on.
     pub(crate) fn new(
         pd: &ProtectionDomain,
+        cq: &SharedCq,
         index: u32,
         config: &UdConfig,
-        create: impl FnOnce(&UdConfig) -> crate::Result<UdQueuePair>,
     ) -> crate::Result<Self> {
         if config.max_send_wr < 2 {
             return Err(Error::InvalidArgument(
                 "UdConfig::max_send_wr: a datagram endpoint needs at least 2",
             ));
         }
-        let qp = create(config)?;
+        let qp = pd.create_ud_qp(cq, cq, config)?;
         let max = qp.max_datagram();
         let receives = Receives::new(pd, index, config.max_recv_wr, max)?;
         let sends = Sends::new(pd, index, config.max_send_wr, max, qp.max_inline_data())?;
@@ -70,7 +72,9 @@ impl DatagramEndpoint {
             report: None,
             posted_early: (0, 0),
         };
-        endpoint.receives.flush(&mut endpoint.qp)?;
+        // SAFETY: the endpoint's own QP, on `pd` like the ring, and declared
+        // before the ring so destroyed first.
+        unsafe { endpoint.receives.flush(&mut endpoint.qp)? };
         Ok(endpoint)
     }
 
@@ -184,7 +188,9 @@ impl DatagramEndpoint {
             self.sends.drop_staged();
             return 0;
         }
-        match self.sends.flush(&mut self.qp) {
+        // SAFETY: the endpoint's own QP, which staged them (`stage`), on
+        // the slots' PD and declared before them.
+        match unsafe { self.sends.flush(&mut self.qp) } {
             Ok(posted) => posted,
             Err(error) => {
                 self.post_failed(error);
@@ -226,7 +232,9 @@ impl DatagramEndpoint {
         if !(self.receives.is_due() || all && self.receives.has_pending()) || self.failed {
             return;
         }
-        if let Err(error) = self.receives.flush(&mut self.qp) {
+        // SAFETY: the endpoint's own QP, on the ring's PD and declared
+        // before it.
+        if let Err(error) = unsafe { self.receives.flush(&mut self.qp) } {
             self.post_failed(error);
         }
     }

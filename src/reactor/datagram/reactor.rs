@@ -61,10 +61,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 "Reactor::add_datagram: the reactor's CQ has no room for the endpoint's queues (ReactorConfig::cq_size)",
             ));
         }
-        let pd = self.pd.clone();
-        let endpoint = DatagramEndpoint::new(&pd, index, config, |config| {
-            pd.create_ud_qp(&cq, &cq, config)
-        })?;
+        let endpoint = DatagramEndpoint::new(&self.pd, &cq, index, config)?;
         let handler = make(self.datagrams.id(index), endpoint.qp())?;
         self.completions.charge(&charges);
         self.datagram_handlers.push(handler);

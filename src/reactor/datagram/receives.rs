@@ -123,17 +123,22 @@ impl Receives {
     }
 
     /// Posts every queued slot on `qp`, [`MAX_REPOST`] per `ibv_post_recv`.
-    pub(crate) fn flush(&mut self, qp: &mut UdQueuePair) -> crate::Result<()> {
+    ///
+    /// # Safety
+    ///
+    /// `qp` is the QP these receives are for: created on the PD the ring
+    /// is registered on, and destroyed before the ring is dropped.
+    pub(crate) unsafe fn flush(&mut self, qp: &mut UdQueuePair) -> crate::Result<()> {
         for batch in self.pending[..self.pending_len].chunks(MAX_REPOST) {
             for &slot in batch {
                 // Posted from here on: if the device refuses part of the
                 // batch, the endpoint fails and its ring is dead.
                 self.slots.post(slot);
             }
-            // SAFETY: the requests describe this ring's region, held here
-            // and outliving the QP (the endpoint's field order), registered
-            // on the QP's PD; a queued slot is consumed, so its bytes are
-            // no one's, and `pending` holds each slot at most once.
+            // SAFETY: the requests describe this ring's region, held here,
+            // registered on `qp`'s PD and outliving it (this function's
+            // contract); a queued slot is consumed, so its bytes are no
+            // one's, and `pending` holds each slot at most once.
             unsafe { qp.post_slots(&mut self.requests, batch)? };
         }
         self.pending_len = 0;

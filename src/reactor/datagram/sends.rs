@@ -75,6 +75,11 @@ impl Sends {
         if data.len() > self.slot_size {
             return Err(SendError::too_large(data.len(), self.slot_size));
         }
+        // A full list is posted before the next stage; were it not, no
+        // number may be taken for a datagram the list cannot hold.
+        if self.list.is_full() {
+            return Err(SendError::WouldBlock);
+        }
         let Some((seq, signaled)) = self.window.take() else {
             return Err(SendError::WouldBlock);
         };
@@ -95,8 +100,8 @@ impl Sends {
         // SAFETY: `local` is the slot just filled, in the region held here,
         // at most `slot_size` (the MTU) long; the window gives the slot out
         // again only once this send retired, so it stays unwritten until
-        // then; `to` was checked against `qp` above. The list has room: a
-        // full one is posted before the next stage.
+        // then; `to` was checked against `qp` above, and the list is posted
+        // on `qp` only (`flush`). It has room (checked above).
         let _ = unsafe { self.list.push(wr_id, local, to, inline, signaled) };
         Ok(self.list.is_full())
     }
@@ -109,8 +114,14 @@ impl Sends {
 
     /// Posts the staged datagrams with one `ibv_post_send`; returns how
     /// many it posted.
+    ///
+    /// # Safety
+    ///
+    /// `qp` is the QP the datagrams were staged for ([`stage`](Self::stage)
+    /// checked their destinations against it), created on the PD the slots
+    /// are registered on, and destroyed before the slots are dropped.
     #[inline]
-    pub(crate) fn flush(&mut self, qp: &mut UdQueuePair) -> crate::Result<usize> {
+    pub(crate) unsafe fn flush(&mut self, qp: &mut UdQueuePair) -> crate::Result<usize> {
         let staged = self.list.len();
         qp.post_list(&mut self.list)?;
         Ok(staged)

@@ -745,8 +745,9 @@ impl UdQueuePair {
     ///
     /// The memory `recvs` describes is registered on this QP's PD and stays
     /// so until every receive posted into it completed or the QP is
-    /// destroyed; no slot in `slots` is posted already or read by anyone
-    /// while posted; `slots` names each slot once.
+    /// destroyed; no slot in `slots` is posted already (on any QP), and
+    /// none is accessed by the CPU while posted; `slots` names each slot
+    /// once.
     pub(crate) unsafe fn post_slots(
         &mut self,
         recvs: &mut UdRecvSlots,
@@ -759,6 +760,14 @@ impl UdQueuePair {
         if slots.iter().any(|&slot| slot as usize >= recvs.len()) {
             return Err(Error::InvalidArgument("a receive slot outside the ring"));
         }
+        debug_assert!(
+            {
+                let mut seen = slots.to_vec();
+                seen.sort_unstable();
+                seen.windows(2).all(|pair| pair[0] != pair[1])
+            },
+            "a receive slot named twice"
+        );
         // Links from pointers taken now: every one derives from these two,
         // and nothing borrows the arrays again until the post returns.
         let wrs = recvs.wrs.as_mut_ptr();
@@ -781,6 +790,9 @@ impl UdQueuePair {
         // `recvs`, each with its SGE, over memory the caller keeps
         // registered and unread while posted (this function's contract).
         let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
+        if rc == 0 {
+            return Ok(());
+        }
         self.post_error(
             "ibv_post_recv",
             rc,
