@@ -43,6 +43,17 @@ impl From<&LocalSlice<'_>> for Sge {
     }
 }
 
+impl From<Sge> for sys::ibv_sge {
+    #[inline]
+    fn from(sge: Sge) -> Self {
+        Self {
+            addr: sge.addr,
+            length: sge.len,
+            lkey: sge.lkey,
+        }
+    }
+}
+
 /// What one request needs besides its `wr_id` and flags.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SendDescriptor {
@@ -168,10 +179,7 @@ impl<const N: usize> SendList<N> {
         if i >= N {
             return false;
         }
-        let sge = &mut self.sges[i];
-        sge.addr = request.local.addr;
-        sge.length = request.local.len;
-        sge.lkey = request.local.lkey;
+        self.sges[i] = request.local.into();
         let wr = &mut self.wrs[i];
         wr.wr_id = wr_id;
         wr.opcode = request.raw_opcode();

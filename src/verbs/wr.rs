@@ -269,11 +269,7 @@ impl<'a> Keep for WorkRequest<'a> {
 
 /// The scatter/gather entry of `local`.
 pub(super) fn sge(local: &LocalSlice<'_>) -> sys::ibv_sge {
-    sys::ibv_sge {
-        addr: local.addr,
-        length: local.len,
-        lkey: local.lkey,
-    }
+    super::list::Sge::from(local).into()
 }
 
 fn same_len(local: &LocalSlice<'_>, remote: &RemoteSlice) -> Result<()> {

@@ -87,10 +87,7 @@ impl<const N: usize> UdSendList<N> {
         if !held.as_ref().is_some_and(|h| Arc::ptr_eq(h, &to.handle)) {
             *held = Some(Arc::clone(&to.handle));
         }
-        let sge = &mut self.sges[i];
-        sge.addr = local.addr;
-        sge.length = local.len;
-        sge.lkey = local.lkey;
+        self.sges[i] = local.into();
         let wr = &mut self.wrs[i];
         wr.wr_id = wr_id;
         wr.num_sge = i32::from(local.len > 0);

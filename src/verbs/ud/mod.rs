@@ -730,11 +730,7 @@ impl UdQueuePair {
         // SAFETY: `link` made a NULL-terminated list of `len` requests, each
         // pointing at its own SGE, inside `requests`, borrowed for the call.
         let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
-        self.post_error(
-            "ibv_post_recv",
-            rc,
-            super::list::count_before(head, bad, len),
-        )
+        self.recv_posted(rc, head, bad, len)
     }
 
     /// Posts the receives of `slots` (indices into `recvs`) with one
@@ -791,14 +787,7 @@ impl UdQueuePair {
         // `recvs`, each with its SGE, over memory the caller keeps
         // registered and unread while posted (this function's contract).
         let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
-        if rc == 0 {
-            return Ok(());
-        }
-        self.post_error(
-            "ibv_post_recv",
-            rc,
-            super::list::count_before(head, bad, len),
-        )
+        self.recv_posted(rc, head, bad, len)
     }
 
     /// Whether this QP may send to `to`: a destination of the QP's PD.
@@ -868,6 +857,26 @@ impl UdQueuePair {
             }
         }
         self.post_error("ibv_post_send", rc, posted)
+    }
+
+    /// What `ibv_post_recv` of the `len` requests linked from `head`
+    /// returned (`rc`, and `bad`, where it stopped): how many it took is
+    /// counted only when it refused some.
+    fn recv_posted(
+        &self,
+        rc: c_int,
+        head: *mut sys::ibv_recv_wr,
+        bad: *mut sys::ibv_recv_wr,
+        len: usize,
+    ) -> Result<()> {
+        if rc == 0 {
+            return Ok(());
+        }
+        self.post_error(
+            "ibv_post_recv",
+            rc,
+            super::list::count_before(head, bad, len),
+        )
     }
 
     fn post_error(&self, verb: &'static str, rc: c_int, posted: usize) -> Result<()> {
