@@ -168,7 +168,7 @@ impl ReactorConfig {
     /// The one sizing rule the tools share: SENDs of up to `payload` bytes,
     /// `depth` receives and send slots per connection (a window of `depth`
     /// messages in flight each way), about twice that in send-queue
-    /// entries (one fewer than a power of two, at least 63), and
+    /// entries (one fewer than a power of two, at least 31), and
     /// CQs that absorb `connections` such connections (spread over several
     /// CQs when one would be too large), whose records are reserved up
     /// front. Reposts go out in quarter windows. The inline room is what
@@ -191,7 +191,7 @@ impl ReactorConfig {
             recv_depth: depth,
             repost_batch: (depth / 4).max(1),
             send_slots: depth,
-            sq_depth: (2 * depth).max(64).next_power_of_two() - 1,
+            sq_depth: (2 * depth).max(32).next_power_of_two() - 1,
             max_inline: inline_room(payload),
             ..Self::default()
         };

@@ -1,5 +1,6 @@
 //! A preallocated list of send work requests for a runtime that posts a
-//! batch per doorbell: `N` WRs and their SGEs. Staging writes the few fields
+//! batch per doorbell: WRs and their SGEs, as many as one doorbell can
+//! carry (the owner's send-queue depth), allocated once. Staging writes the few fields
 //! a request needs into the next entry in place, through typed setters;
 //! posting links the staged entries (two pointer stores each, from pointers
 //! taken at that moment, so no stored pointer outlives a later borrow of
@@ -130,23 +131,26 @@ impl SendDescriptor {
     }
 }
 
-/// Up to `N` send requests, preallocated and linked once.
-pub(crate) struct SendList<const N: usize> {
-    // Boxed: a list is large, and its owner moves.
-    wrs: Box<[sys::ibv_send_wr; N]>,
-    sges: Box<[sys::ibv_sge; N]>,
+/// Send requests up to a capacity fixed at creation, preallocated.
+pub(crate) struct SendList {
+    // Boxed: a list is large, and its owner moves. Both have the
+    // capacity's length.
+    wrs: Box<[sys::ibv_send_wr]>,
+    sges: Box<[sys::ibv_sge]>,
     len: usize,
 }
 
 // SAFETY: the only raw pointers inside are the links `post_with` writes
 // into the list's own boxes right before posting; they are not used after.
-unsafe impl<const N: usize> Send for SendList<N> {}
+unsafe impl Send for SendList {}
 
-impl<const N: usize> SendList<N> {
-    pub(crate) fn new() -> Self {
+impl SendList {
+    /// A list of room for `capacity` requests (at least one).
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
+        let capacity = capacity.max(1);
         Self {
-            wrs: Box::new([sys::ibv_send_wr::default(); N]),
-            sges: Box::new([sys::ibv_sge::default(); N]),
+            wrs: vec![sys::ibv_send_wr::default(); capacity].into_boxed_slice(),
+            sges: vec![sys::ibv_sge::default(); capacity].into_boxed_slice(),
             len: 0,
         }
     }
@@ -163,7 +167,7 @@ impl<const N: usize> SendList<N> {
 
     #[inline]
     pub(crate) fn is_full(&self) -> bool {
-        self.len == N
+        self.len >= self.wrs.len()
     }
 
     #[inline]
@@ -175,12 +179,12 @@ impl<const N: usize> SendList<N> {
     #[inline]
     pub(crate) fn push(&mut self, wr_id: u64, flags: SendFlags, request: &SendDescriptor) -> bool {
         let i = self.len;
-        // `>=`, not `==`: it also proves the indexing below in bounds.
-        if i >= N {
+        // Both arrays have the same length; `get_mut` proves each index in
+        // bounds with the one compare that refuses a full list.
+        let (Some(wr), Some(sge)) = (self.wrs.get_mut(i), self.sges.get_mut(i)) else {
             return false;
-        }
-        self.sges[i] = request.local.into();
-        let wr = &mut self.wrs[i];
+        };
+        *sge = request.local.into();
         wr.wr_id = wr_id;
         wr.opcode = request.raw_opcode();
         wr.send_flags = flags.bits();
@@ -247,7 +251,7 @@ impl<const N: usize> SendList<N> {
             } else {
                 std::ptr::null_mut()
             };
-            // SAFETY: i < len <= N, so entry i of both arrays exists; we
+            // SAFETY: i < len <= capacity, so entry i of both arrays exists; we
             // hold `&mut self`, so nothing else accesses them.
             unsafe {
                 (*wrs.add(i)).sg_list = sges.add(i);
@@ -294,7 +298,7 @@ mod tests {
 
     #[test]
     fn a_post_sees_exactly_the_staged_entries_and_the_list_is_mended() {
-        let mut list = SendList::<4>::new();
+        let mut list = SendList::with_capacity(4);
         let sge = Sge {
             addr: 0x1000,
             len: 8,

@@ -76,7 +76,7 @@ impl QueuePair {
     /// Posts every request staged in `list` with one doorbell and empties it
     /// (also on error: the caller fails the connection then).
     #[inline]
-    pub(crate) fn post_list<const N: usize>(&mut self, list: &mut SendList<N>) -> Result<()> {
+    pub(crate) fn post_list(&mut self, list: &mut SendList) -> Result<()> {
         list.post_with(|head, len| {
             // SAFETY: `post_with` hands a NULL-terminated list of `len`
             // requests in the list's own boxed arrays, alive for the call.

@@ -32,7 +32,9 @@ pub(crate) use sizes::{MIN_SQ_DEPTH, sq_room};
 /// requests never reaches it: a send queue is far smaller).
 const REFUSED: u32 = 1 << 31;
 
-/// Most requests staged for one QP in one pass (one doorbell).
+/// Most requests staged for one QP in one pass (one doorbell). A queue
+/// shallower than this stages at most its depth, and its list has only
+/// that room (each entry is about 150 bytes a connection keeps).
 const MAX_STAGED: usize = 64;
 
 /// A connection's send side: sized at registration, it only moves indices
@@ -62,7 +64,7 @@ pub(crate) struct SendQueue {
     signaling: Signaling,
     max_inline: u32,
     /// The requests staged this pass: one doorbell.
-    batch: SendList<MAX_STAGED>,
+    batch: SendList,
     /// The registration requests hold by count instead of by handle (see
     /// [`Keep`]).
     cache: RegistrationCache,
@@ -98,7 +100,7 @@ impl SendQueue {
             unposted: 0,
             signaling: Signaling::new(signal_interval),
             max_inline: qp.max_inline_data(),
-            batch: SendList::new(),
+            batch: SendList::with_capacity((depth as usize).min(MAX_STAGED)),
             cache: RegistrationCache::default(),
         })
     }
@@ -148,7 +150,10 @@ impl SendQueue {
     /// kept for a credit update, and a place in this pass's doorbell.
     #[inline]
     pub(crate) fn has_room(&self) -> bool {
-        self.used() + 1 < self.depth && !self.batch.is_full()
+        // The list holds `depth` requests, or `MAX_STAGED` when that is
+        // fewer; what is staged is in use too, so below the depth it is
+        // below the list's room as well.
+        self.used() + 1 < self.depth && self.batch.len() < MAX_STAGED
     }
 
     /// A free send slot.
