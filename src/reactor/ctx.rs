@@ -95,7 +95,8 @@ impl<'a> Ctx<'a> {
 /// with [`Ctx::hold`]. The slot is not reposted (so the peer gets one credit
 /// fewer) until the message is [released](Ctx::release) or
 /// [forwarded](Ctx::forward): holding messages is how a relay pushes
-/// back on its upstream. Dropping it leaks the slot for the connection's life.
+/// back on its upstream. Dropping it leaks the slot: for the connection's life
+/// on its own ring, for the reactor's on the SRQ.
 ///
 /// A held message belongs to the reactor and connection it arrived on: it
 /// is neither `Clone` nor constructible outside the reactor, and a [`Ctx`]

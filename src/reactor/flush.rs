@@ -237,15 +237,16 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 // is none of this connection's doing, so it does not fail
                 // the connection (the pass's end logs it).
                 conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
-                // Posted now, not with the pass's end: the credits just
-                // counted for them may be announced by a doorbell before
-                // that (a connection flushed again in the same pass), and a
-                // peer that spends them on an SRQ without these receives
-                // would meet an RNR. A refused post is retried at the
-                // pass's end.
-                if let Err(err) = pool.flush() {
-                    log::debug!("reposting SRQ receives (the pass's end tries again): {err}");
+                // Posted now, and credited only once posted: a credit
+                // announced for a receive the SRQ does not hold would let
+                // the peer meet an RNR. After a refusal the connection
+                // stays due, and its next flush (or the pass's end, for
+                // the pool) tries the post again.
+                let posted = pool.flush();
+                if let Err(err) = &posted {
+                    log::debug!("reposting SRQ receives (the next flush tries again): {err}");
                 }
+                conn.credit_shared(posted.is_ok());
                 Ok(())
             }
             _ => conn.flush_reposts(),

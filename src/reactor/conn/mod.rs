@@ -398,10 +398,19 @@ impl Conn {
         self.rq.flush(&mut self.qp, &mut self.credits)
     }
 
-    /// Hands every queued SRQ slot to `repost` and counts them as credits.
+    /// Hands every queued SRQ slot to `repost`; they count as credits once
+    /// [`credit_shared`](Self::credit_shared) hears the SRQ posted them.
     #[inline]
     pub(crate) fn take_shared_reposts(&mut self, repost: impl FnMut(u32)) {
-        self.rq.take_shared(&mut self.credits, repost);
+        self.rq.take_shared(repost);
+    }
+
+    /// Counts the SRQ slots handed back as credits if the SRQ has posted
+    /// everything given back to it (`posted`); otherwise the connection
+    /// stays due, to ask again with its next flush.
+    #[inline]
+    pub(crate) fn credit_shared(&mut self, posted: bool) {
+        self.rq.credit_shared(posted, &mut self.credits);
     }
 
     /// What an open connection has left after a flush: work any pass

@@ -35,8 +35,16 @@ pub(crate) struct RecvRing {
     pending: Box<[u32]>,
     pending_len: usize,
     batch: RecvBatch<'static, MAX_REPOST>,
-    /// Reposts wait for this many, or for an idle pass.
+    /// Reposts wait for this many, or for an idle pass (0 while SRQ slots
+    /// given back wait to be credited: see `uncredited`).
     threshold: usize,
+    /// The repost batch `threshold` holds otherwise.
+    repost_batch: usize,
+    /// SRQ slots handed back to the pool whose receives are not credited
+    /// yet: a connection counts them only once the SRQ has posted them, so
+    /// that no credit announces a receive the SRQ refused. While any wait,
+    /// the connection is due, and each flush asks the pool again.
+    uncredited: u32,
     /// The ring's registration (own or the SRQ's): forwards out of it keep
     /// a clone until they complete.
     registration: Registration,
@@ -70,6 +78,8 @@ impl RecvRing {
                 (Some(region), ring, depth, registration)
             }
         };
+        let repost_batch =
+            (repost_batch as usize).clamp(1, MAX_REPOST.min(depth as usize / 2).max(1));
         Ok(Self {
             tag,
             ring,
@@ -83,7 +93,9 @@ impl RecvRing {
             pending: vec![0; slots as usize].into_boxed_slice(),
             pending_len: 0,
             batch: RecvBatch::new(),
-            threshold: (repost_batch as usize).clamp(1, MAX_REPOST.min(depth as usize / 2).max(1)),
+            threshold: repost_batch,
+            repost_batch,
+            uncredited: 0,
             registration,
             region,
         })
@@ -238,18 +250,32 @@ impl RecvRing {
         posted
     }
 
-    /// Hands every queued SRQ slot to `repost` (the reactor's SRQ) and
-    /// counts them in `credits`.
+    /// Hands every queued SRQ slot to `repost` (the reactor's SRQ); they
+    /// are credited by [`credit_shared`](Self::credit_shared) once the SRQ
+    /// has posted them.
     #[inline]
-    pub(super) fn take_shared(&mut self, credits: &mut Credits, mut repost: impl FnMut(u32)) {
+    pub(super) fn take_shared(&mut self, mut repost: impl FnMut(u32)) {
         if !self.shared {
             return;
         }
         for &slot in &self.pending[..self.pending_len] {
             repost(slot);
         }
-        credits.add_posted(self.pending_len as u32);
+        self.uncredited += self.pending_len as u32;
         self.pending_len = 0;
+        // Due until credited: the next flush asks the pool again.
+        self.threshold = 0;
+    }
+
+    /// After the reactor's SRQ posted everything given back to it
+    /// (`posted`), counts the slots handed back in `credits`; otherwise
+    /// they stay uncredited, and the connection due.
+    #[inline]
+    pub(super) fn credit_shared(&mut self, posted: bool, credits: &mut Credits) {
+        if posted {
+            credits.add_posted(std::mem::take(&mut self.uncredited));
+            self.threshold = self.repost_batch;
+        }
     }
 
     /// Decodes a SEND of `len` bytes with immediate `imm` that landed in
@@ -493,9 +519,19 @@ mod tests {
         assert!(ring.owes_shared_slots());
         let mut credits = Credits::new(4);
         let mut back = Vec::new();
-        ring.take_shared(&mut credits, |slot| back.push(slot));
+        ring.take_shared(|slot| back.push(slot));
         assert_eq!(back, [7]);
-        assert_eq!(credits.outstanding(), 1, "counted as posted");
         assert!(!ring.has_pending());
+        assert_eq!(credits.outstanding(), 0, "not credited before the post");
+        assert!(ring.is_due(), "due until credited");
+        ring.credit_shared(false, &mut credits);
+        assert_eq!(credits.outstanding(), 0, "the SRQ refused the post");
+        assert!(ring.is_due(), "still due: the next flush asks again");
+        ring.queue(6, false, 1);
+        ring.take_shared(|slot| back.push(slot));
+        ring.credit_shared(true, &mut credits);
+        assert_eq!(back, [7, 6]);
+        assert_eq!(credits.outstanding(), 2, "both credited once posted");
+        assert!(!ring.is_due(), "the batch threshold again");
     }
 }

@@ -220,6 +220,7 @@ impl ConnTable {
             pool.reclaim(slot);
             return Err(Refusal::Reclaimed);
         };
+        pool.note_holder(slot, qpn);
         Ok(Entry {
             key,
             completed: Completed::Recv { slot },

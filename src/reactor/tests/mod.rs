@@ -362,3 +362,4 @@ mod run;
 mod sparse;
 mod spin;
 mod srq;
+mod srq_shares;
