@@ -94,7 +94,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let share = self.config.recv_depth.max(2);
         // (A direct connection is refused on a reactor with an SRQ.)
         if let Some(pool) = &mut self.srq {
-            pool.promise(share * qps.len() as u32)?;
+            let shares = share
+                .checked_mul(qps.len() as u32)
+                .ok_or(Error::InvalidArgument(
+                    "recv_depth times the session's QPs is beyond any SRQ",
+                ))?;
+            pool.promise(shares)?;
         }
         let count = qps.len() as u32;
         let mut conns = Vec::with_capacity(qps.len());
@@ -300,8 +305,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let mut released = Vec::new();
         conn.shut_down(|origin, slot, from_srq| released.push((origin, slot, from_srq)));
         if let Some(pool) = &mut self.srq {
-            pool.remove_owner(conn.qpn(), conn.rq().depth());
             conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
+            pool.remove_owner(conn.qpn(), conn.rq().depth(), conn.srq_slots_out());
         }
         // Dropping the connection destroys its QP before its rings.
         drop(conn);
@@ -357,7 +362,7 @@ pub(super) fn return_forwarded(
             idle.reposts_parked();
         }
     } else if from_srq && let Some(pool) = srq {
-        pool.give_back_noting(slot);
+        pool.give_back_orphan(slot);
         idle.work_left();
     }
 }

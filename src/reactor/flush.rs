@@ -51,8 +51,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             self.flush_list(PARKED, tidy, signal_tails, &mut left);
         }
         if let Some(pool) = &mut self.srq {
+            // Held messages of removed connections, released.
             for slot in self.deferred.srq_returns.drain(..) {
-                pool.give_back_noting(slot);
+                pool.give_back_orphan(slot);
             }
             if let Err(err) = pool.flush() {
                 log::error!("reposting SRQ receives: {err}");
@@ -210,6 +211,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         tail: bool,
         spell: Spell,
     ) -> Result<()> {
+        // SRQ slots a refused post left uncredited go before the doorbell:
+        // once the SRQ holds them, it announces their credits. (After it,
+        // nothing might announce them before the reactor sleeps.)
+        let early = repost && conn.rq().owes_credit();
+        if early && let Some(pool) = srq {
+            Self::repost_shared(conn, pool);
+        }
         conn.prepare_flush();
         let sparse = conn.sq().signaling().is_sparse(spell);
         if tail | sparse {
@@ -224,32 +232,34 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
         }
         conn.post_staged()?;
-        if !repost {
+        if !repost || early {
             return Ok(());
         }
         match srq {
             Some(pool) if conn.rq().uses_srq() => {
-                // Every slot is offered even after a failed post: the pool
-                // keeps each one it could not post (in its batch, or
-                // stranded), and the end of the pass tries them again or
-                // leaves them for the next (`flush`), where skipping it
-                // would lose it to the SRQ. A post the shared queue refused
-                // is none of this connection's doing, so it does not fail
-                // the connection (the pass's end logs it).
-                conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
-                // Posted now, and credited only once posted: a credit
-                // announced for a receive the SRQ does not hold would let
-                // the peer meet an RNR. After a refusal the connection
-                // stays due, and its next flush (or the pass's end, for
-                // the pool) tries the post again.
-                let posted = pool.flush();
-                if let Err(err) = &posted {
-                    log::debug!("reposting SRQ receives (the next flush tries again): {err}");
-                }
-                conn.credit_shared(posted.is_ok());
+                Self::repost_shared(conn, pool);
                 Ok(())
             }
             _ => conn.flush_reposts(),
         }
+    }
+
+    /// Gives the SRQ slots `conn` consumed back to `pool` and posts them.
+    /// Every slot is offered even after a failed post: the pool keeps each
+    /// one it could not post (in its batch, or stranded), and the end of
+    /// the pass tries them again or leaves them for the next (`flush`). A
+    /// post the shared queue refused is none of this connection's doing, so
+    /// it does not fail the connection (the pass's end logs it). Posted
+    /// now, and credited only once posted: a credit announced for a receive
+    /// the SRQ does not hold would let the peer meet an RNR. After a
+    /// refusal the connection stays due, and its next flush tries again.
+    #[inline]
+    fn repost_shared(conn: &mut Conn, pool: &mut SrqPool) {
+        conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
+        let posted = pool.flush();
+        if let Err(err) = &posted {
+            log::debug!("reposting SRQ receives (the next flush tries again): {err}");
+        }
+        conn.credit_shared(posted.is_ok());
     }
 }

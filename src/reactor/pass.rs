@@ -387,16 +387,36 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// Arms every CQ, then polls once more; returns what that pass handled.
     fn arm_and_poll(&mut self) -> Result<usize> {
-        // Sleeping with an unsignaled tail would leave its completions
-        // unreported: signal it out first. Its completion (or, without a
-        // credit, the peer's next credit update) then wakes us.
+        self.settle_for_sleep();
+        self.completions.arm()?;
+        self.pass_after_arming()
+    }
+
+    /// Before arming the CQs: nothing left that only a later pass would
+    /// post. Sleeping with an unsignaled tail would leave its completions
+    /// unreported: it is signaled out first. Its completion (or, without a
+    /// credit, the peer's next credit update) then wakes us.
+    pub(super) fn settle_for_sleep(&mut self) {
         self.flush(true, true);
         if self.datagrams.has_work(true) {
             self.flush_datagrams(true);
         }
         self.idle.armed_for_sleep();
-        self.completions.arm()?;
-        self.one_pass()
+    }
+
+    /// The pass after arming, which finds what raced the arming; returns
+    /// what it handled.
+    pub(super) fn pass_after_arming(&mut self) -> Result<usize> {
+        let done = self.one_pass()?;
+        // That pass counted what it reposted (its idle callbacks' releases,
+        // SRQ slots a refused post had left) after its doorbells: announce
+        // it now, or a peer waiting for those credits would wait for as
+        // long as the reactor sleeps. What this posts completes as any
+        // request does, which wakes the armed CQs.
+        if done == 0 && self.conns.has_touched() {
+            self.flush(true, true);
+        }
+        Ok(done)
     }
 
     /// Removes the sessions callbacks asked to remove.

@@ -12,13 +12,13 @@
 //! by a QP the reactor does not serve (not yet added, or removed) goes back
 //! to the SRQ instead of being lost.
 //!
-//! Shares are promised only out of slots that can come back to the SRQ: a
+//! Shares are promised only out of slots the SRQ holds or will hold: a
 //! removed connection's share is free again at once, but the slots it
 //! still had out (held by a handler, or in a forward on another
 //! connection) are counted as orphans until they come back, and a newcomer
-//! is promised a share only if the promised shares and the orphans fit the
-//! SRQ. Otherwise the newcomer's peer, keeping to its credits, could find
-//! the SRQ short of receives.
+//! is promised a share only if the promised shares, the orphans and the
+//! slots waiting for a refused post fit the SRQ. Otherwise the newcomer's
+//! peer, keeping to its credits, could find the SRQ short of receives.
 
 use std::hash::{BuildHasher, RandomState};
 
@@ -39,14 +39,11 @@ pub(super) struct SrqPool {
     region: MemoryRegion,
     /// Sum of the connections' shares.
     promised: u32,
-    /// Slots a removed connection consumed that have not come back yet
+    /// Slots removed connections consumed that have not come back yet
     /// (held by a handler, or in a forward on another connection): no
-    /// share may count on them.
+    /// share may count on them. They come back through
+    /// [`give_back_orphan`](Self::give_back_orphan).
     orphaned: u32,
-    /// The QP number that consumed each slot, while it is consumed
-    /// ([`NO_HOLDER`] otherwise, and [`ORPHAN`] once that QP's connection
-    /// is gone): what a removal counts as orphans.
-    holders: Vec<u32>,
     /// (QP number, connection), sorted: which connection consumed an SRQ
     /// receive. An entry goes with its connection, so a receive of a
     /// connection that is gone never reaches another; a newcomer whose QP
@@ -81,13 +78,6 @@ pub(super) struct SrqPool {
 /// The mark in `SrqPool::posted_ids` of a stranded slot: no posted slot's
 /// `wr_id` (whose kind bits are set) and not 0.
 const STRANDED: u64 = 1;
-
-/// The mark in `SrqPool::holders` of a slot no served connection holds
-/// (posted, queued, stranded, or consumed by a QP the reactor does not
-/// serve on its way back). QP numbers have 24 bits: no QP has it.
-const NO_HOLDER: u32 = u32::MAX;
-/// The mark in `SrqPool::holders` of a slot a removed connection had out.
-const ORPHAN: u32 = u32::MAX - 1;
 
 // SAFETY: the ring pointer and the batch point into `region`, which the
 // pool owns; moving the pool to another thread moves their owner too.
@@ -127,7 +117,6 @@ impl SrqPool {
             region,
             promised: 0,
             orphaned: 0,
-            holders: vec![NO_HOLDER; slots as usize],
             owners,
             returning: RecvBatch::new(),
             stranded: Vec::with_capacity(slots as usize),
@@ -163,9 +152,14 @@ impl SrqPool {
 
     /// Reserves `shares` receives for new connections, or refuses: the
     /// shares promised already, the slots removed connections still have
-    /// out, and these must fit the SRQ.
+    /// out, the slots a refused post left unposted, and these must fit the
+    /// SRQ.
     pub(super) fn promise(&mut self, shares: u32) -> Result<()> {
-        let bound = self.promised.saturating_add(self.orphaned);
+        let unposted = (self.returning.len() + self.stranded.len()) as u32;
+        let bound = self
+            .promised
+            .saturating_add(self.orphaned)
+            .saturating_add(unposted);
         if bound.saturating_add(shares) > self.shared.slots {
             return Err(Error::InvalidArgument(
                 "the reactor's SRQ cannot give these connections their recv_depth shares (raise srq_depth, or wait for removed connections' held and forwarded messages to come back)",
@@ -186,28 +180,22 @@ impl SrqPool {
         self.owners.sort_unstable();
     }
 
-    /// Forgets a connection that is going, and gives back its share; the
-    /// slots its QP `qpn` consumed that are still out (given back already,
-    /// they hold none) become orphans until they come back. Walks every
-    /// slot: not for the data path.
-    pub(super) fn remove_owner(&mut self, qpn: u32, share: u32) {
+    /// Forgets the connection of QP `qpn` as it goes, and gives back its
+    /// share; the `out` slots it consumed and has not given back (held by
+    /// its handler, or in forwards on other connections) are orphans until
+    /// they come back.
+    pub(super) fn remove_owner(&mut self, qpn: u32, share: u32, out: u32) {
         self.owners.retain(|&(q, _)| q != qpn);
         self.promised = self.promised.saturating_sub(share);
-        for holder in &mut self.holders {
-            if *holder == qpn {
-                *holder = ORPHAN;
-                self.orphaned += 1;
-            }
-        }
+        self.orphaned = self.orphaned.saturating_add(out);
     }
 
-    /// Notes that QP `qpn`, a served connection's, consumed `slot` (just
-    /// claimed): a removal counts the slots its QP still has out.
+    /// Gives back a slot of a removed connection (released by a handler,
+    /// or its forward done): one orphan fewer.
     #[inline]
-    pub(super) fn note_holder(&mut self, slot: u32, qpn: u32) {
-        if let Some(holder) = self.holders.get_mut(slot as usize) {
-            *holder = qpn;
-        }
+    pub(super) fn give_back_orphan(&mut self, slot: u32) {
+        self.orphaned = self.orphaned.saturating_sub(1);
+        self.give_back_noting(slot);
     }
 
     /// Slots removed connections still have out.
@@ -303,11 +291,6 @@ impl SrqPool {
             refuse_give_back(slot);
             return;
         }
-        // Back from whoever had it: an orphan no longer.
-        if self.holders[slot as usize] == ORPHAN {
-            self.orphaned -= 1;
-        }
-        self.holders[slot as usize] = NO_HOLDER;
         self.posts = self.posts.wrapping_add(1);
         // Never 0, which marks a slot that is not posted.
         let tag = self.tag_key.hash_one((slot, self.posts)) | 1;

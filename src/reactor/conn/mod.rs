@@ -405,6 +405,19 @@ impl Conn {
         self.rq.take_shared(repost);
     }
 
+    /// An SRQ receive was routed to this connection (see
+    /// [`srq_slots_out`](Self::srq_slots_out)).
+    #[inline]
+    pub(crate) fn note_srq_receive(&mut self) {
+        self.rq.note_shared_receive();
+    }
+
+    /// SRQ slots this connection consumed and has not given back: held by
+    /// its handler or in forwards on other connections.
+    pub(crate) fn srq_slots_out(&self) -> u32 {
+        self.rq.shared_out()
+    }
+
     /// Counts the SRQ slots handed back as credits if the SRQ has posted
     /// everything given back to it (`posted`); otherwise the connection
     /// stays due, to ask again with its next flush.

@@ -45,6 +45,11 @@ pub(crate) struct RecvRing {
     /// that no credit announces a receive the SRQ refused. While any wait,
     /// the connection is due, and each flush asks the pool again.
     uncredited: u32,
+    /// SRQ slots this connection consumed, and those it queued to go back
+    /// (both cumulative, wrapping): the difference is what it has out,
+    /// held by its handler or in forwards, which its removal orphans.
+    shared_taken: u32,
+    shared_queued: u32,
     /// The ring's registration (own or the SRQ's): forwards out of it keep
     /// a clone until they complete.
     registration: Registration,
@@ -96,6 +101,8 @@ impl RecvRing {
             threshold: repost_batch,
             repost_batch,
             uncredited: 0,
+            shared_taken: 0,
+            shared_queued: 0,
             registration,
             region,
         })
@@ -163,7 +170,27 @@ impl RecvRing {
         if let Some(entry) = self.pending.get_mut(self.pending_len) {
             *entry = slot;
             self.pending_len += 1;
+            if self.shared {
+                self.shared_queued = self.shared_queued.wrapping_add(1);
+            }
         }
+    }
+
+    /// An SRQ receive was routed to this connection.
+    #[inline]
+    pub(super) fn note_shared_receive(&mut self) {
+        self.shared_taken = self.shared_taken.wrapping_add(1);
+    }
+
+    /// SRQ slots this connection consumed and has not queued to go back.
+    pub(super) fn shared_out(&self) -> u32 {
+        self.shared_taken.wrapping_sub(self.shared_queued)
+    }
+
+    /// True while SRQ slots handed back wait to be credited.
+    #[inline]
+    pub(crate) fn owes_credit(&self) -> bool {
+        self.uncredited != 0
     }
 
     /// A receive completion names slot `slot` of the own ring: true if that

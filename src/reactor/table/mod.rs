@@ -220,7 +220,7 @@ impl ConnTable {
             pool.reclaim(slot);
             return Err(Refusal::Reclaimed);
         };
-        pool.note_holder(slot, qpn);
+        conn.note_srq_receive();
         Ok(Entry {
             key,
             completed: Completed::Recv { slot },

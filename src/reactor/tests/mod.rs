@@ -45,6 +45,8 @@ struct Seen {
     /// Held messages forwarded on a connection when the handler is told of
     /// an error (once).
     forward_on_error: Option<(ConnId, Vec<HeldRecv>)>,
+    /// Held messages released by the next `on_idle`.
+    release_on_idle: Vec<HeldRecv>,
 }
 
 #[derive(Debug, Default)]
@@ -81,6 +83,13 @@ impl Handler for Probe {
         }
         drop(seen);
         now::when_told(ctx);
+    }
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        for held in std::mem::take(&mut self.0.borrow_mut().release_on_idle) {
+            if let Err((err, _)) = ctx.release(held) {
+                panic!("releasing: {err}");
+            }
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 
 use super::srq::errors_of;
 use super::*;
+use crate::reactor::SendError;
 use crate::reactor::pass::SRQ_RETRY;
 use crate::verbs::refuse_srq_recvs_after;
 
@@ -147,5 +148,173 @@ fn an_srq_slot_is_credited_only_once_the_srq_holds_it_again() {
         origin.seen.borrow().messages.len() == (HELD + 2 * SRQ_SHARE) as usize
     });
     let ends = [("origin", &origin), ("source", &source)];
+    assert!(errors_of(&ends).is_empty(), "{:?}", errors_of(&ends));
+}
+
+/// Sends from `source` until its credits run out, `origin`'s handler
+/// holding every message: the held messages.
+fn exhaust(reactor: &mut Reactor<Probe, ()>, origin: &End, source: &End) -> Vec<HeldRecv> {
+    origin.seen.borrow_mut().hold = true;
+    let mut sent = 0;
+    // A send is refused for room in the send queue or send slots too,
+    // which completions free: each round sends until refused, then idles
+    // long enough for every completion, repost, update and tail, until
+    // only the credits refuse.
+    for _round in 0..8 {
+        loop {
+            match reactor.with_ctx(|ctx| ctx.send(source.conn, b"m", None)) {
+                Ok(_) => sent += 1,
+                Err(SendError::WouldBlock) => break,
+                Err(err) => panic!("sending: {err}"),
+            }
+        }
+        for _ in 0..4 * crate::reactor::idle::TAIL_SIGNAL_IDLE_PASSES {
+            reactor.turn().expect("an idle pass");
+        }
+        let blocked = matches!(
+            reactor.with_ctx(|ctx| ctx.send(source.conn, b"x", None)),
+            Err(SendError::WouldBlock)
+        );
+        if !blocked {
+            sent += 1;
+            continue;
+        }
+        assert_eq!(origin.seen.borrow().held.len(), sent, "every message held");
+        origin.seen.borrow_mut().hold = false;
+        return std::mem::take(&mut origin.seen.borrow_mut().held);
+    }
+    panic!("the peer never ran out of credits ({sent} sent)");
+}
+
+/// Whether `origin` has put on the wire (posted) credits for its peer to
+/// send again, and owes it no update.
+fn announced(reactor: &Reactor<Probe, ()>, origin: &End) -> bool {
+    let origin = reactor.conns.get(origin.conn.key()).expect("origin");
+    let credits = origin.credits();
+    origin.is_quiet() && credits.granted().wrapping_sub(credits.received()) >= 2
+}
+
+/// A peer out of credits, and the messages that took them released by
+/// the handler's `on_idle` in the pass a reactor makes after arming its
+/// CQs to sleep: their receives are reposted after that pass's doorbells,
+/// and announced before the reactor sleeps (nothing else would wake it).
+/// On the connection's own ring and on the SRQ.
+#[test]
+fn credits_the_last_pass_before_a_sleep_reposts_are_announced() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    for mut reactor in [super::reactor(&pd), srq_reactor(&pd)] {
+        let (origin, source) = add_pair(&mut reactor, &pd);
+        let held = exhaust(&mut reactor, &origin, &source);
+        origin.seen.borrow_mut().release_on_idle = held;
+        // What a reactor does before it sleeps (the loopback device arms
+        // no CQ).
+        reactor.settle_for_sleep();
+        assert_eq!(
+            reactor.pass_after_arming().expect("a pass"),
+            0,
+            "nothing completed"
+        );
+        assert!(origin.seen.borrow().release_on_idle.is_empty(), "released");
+        assert!(
+            announced(&reactor, &origin),
+            "the credits are on their way before the sleep"
+        );
+        run_until(&mut reactor, "the peer may send again", |reactor| {
+            let source = reactor.conns.get(source.conn.key()).expect("source");
+            source.credits().available() >= 2
+        });
+    }
+}
+
+/// A peer out of credits; its messages released, and the SRQ refuses the
+/// post the connection's flush makes of them as the reactor prepares to
+/// sleep (the pool's post at the pass's end succeeds): the credits are
+/// counted and announced before the reactor sleeps.
+#[test]
+fn credits_a_refused_srq_post_delayed_are_announced_before_a_sleep() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    let held = exhaust(&mut reactor, &origin, &source);
+    let pool = reactor.srq.as_ref().expect("an SRQ reactor");
+    refuse_srq_recvs_after(pool.srq(), 0);
+    reactor.with_ctx(|ctx| {
+        for message in held {
+            if let Err((err, _)) = ctx.release(message) {
+                panic!("releasing: {err}");
+            }
+        }
+    });
+    reactor.settle_for_sleep();
+    assert_eq!(
+        reactor.pass_after_arming().expect("a pass"),
+        0,
+        "nothing completed"
+    );
+    assert_eq!(reactor.srq_posted(), Some(SRQ_DEPTH), "all posted");
+    assert!(
+        announced(&reactor, &origin),
+        "the credits are on their way before the sleep"
+    );
+    send(&mut reactor, source.conn, b"again");
+    run_until(&mut reactor, "the peer's next message", |_| {
+        origin
+            .seen
+            .borrow()
+            .messages
+            .last()
+            .is_some_and(|m| m == b"again")
+    });
+}
+
+/// Slots a removed connection's handler held come back while the SRQ
+/// refuses their post: no orphans any more, but not on the SRQ either, so
+/// a newcomer's share must not count on them until a pass posts them.
+#[test]
+fn slots_a_refused_post_left_unposted_are_promised_to_no_newcomer() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    let (relay, sink) = add_pair(&mut reactor, &pd);
+    let held = hold(&mut reactor, &origin, &source);
+    reactor.remove(origin.session).expect("origin's session");
+    assert_eq!(orphaned(&reactor), HELD);
+    // The pass that takes them back, and the one `add` makes first.
+    let pool = reactor.srq.as_ref().expect("an SRQ reactor");
+    refuse_srq_recvs_after(pool.srq(), 0);
+    refuse_srq_recvs_after(pool.srq(), 0);
+    reactor.with_ctx(|ctx| {
+        for message in held {
+            if let Err((err, _)) = ctx.release(message) {
+                panic!("releasing: {err}");
+            }
+        }
+    });
+    reactor.turn().expect("the pass that takes them back");
+    assert_eq!(orphaned(&reactor), 0, "no orphans any more");
+    let [a, b] = connected_qps(&mut reactor, &pd, AccessFlags::empty());
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    match reactor.add(vec![a, b], Probe(seen)) {
+        Err(Error::InvalidArgument(what)) => assert!(what.contains("shares"), "{what}"),
+        other => panic!("a newcomer promised slots the SRQ does not hold: {other:?}"),
+    }
+    // The next add's pass posts them: the newcomers fit.
+    let (late, late_peer) = add_pair(&mut reactor, &pd);
+    send(&mut reactor, late_peer.conn, b"welcome");
+    run_until(&mut reactor, "the newcomer's message", |_| {
+        late.seen.borrow().messages.len() == 1
+    });
+    let ends = [
+        ("relay", &relay),
+        ("sink", &sink),
+        ("late", &late),
+        ("late's peer", &late_peer),
+    ];
     assert!(errors_of(&ends).is_empty(), "{:?}", errors_of(&ends));
 }
