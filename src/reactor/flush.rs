@@ -211,13 +211,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         tail: bool,
         spell: Spell,
     ) -> Result<()> {
-        // SRQ slots a refused post left uncredited go before the doorbell:
-        // once the SRQ holds them, it announces their credits. (After it,
-        // nothing might announce them before the reactor sleeps.)
-        let early = repost && conn.rq().owes_credit();
-        if early && let Some(pool) = srq {
-            Self::repost_shared(conn, pool);
-        }
         conn.prepare_flush();
         let sparse = conn.sq().signaling().is_sparse(spell);
         if tail | sparse {
@@ -232,7 +225,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
         }
         conn.post_staged()?;
-        if !repost || early {
+        if !repost {
             return Ok(());
         }
         match srq {

@@ -159,6 +159,8 @@ impl RecvRing {
             if self.pending_len == self.pending.len() || slot >= self.slots {
                 return;
             }
+            // There is room: it is queued below.
+            self.shared_queued = self.shared_queued.wrapping_add(1);
         } else if closed {
             return;
         } else if !self.ring_slots.queue(slot) {
@@ -170,9 +172,6 @@ impl RecvRing {
         if let Some(entry) = self.pending.get_mut(self.pending_len) {
             *entry = slot;
             self.pending_len += 1;
-            if self.shared {
-                self.shared_queued = self.shared_queued.wrapping_add(1);
-            }
         }
     }
 
@@ -185,12 +184,6 @@ impl RecvRing {
     /// SRQ slots this connection consumed and has not queued to go back.
     pub(super) fn shared_out(&self) -> u32 {
         self.shared_taken.wrapping_sub(self.shared_queued)
-    }
-
-    /// True while SRQ slots handed back wait to be credited.
-    #[inline]
-    pub(crate) fn owes_credit(&self) -> bool {
-        self.uncredited != 0
     }
 
     /// A receive completion names slot `slot` of the own ring: true if that

@@ -106,6 +106,15 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             .leave(group)
     }
 
+    /// Drops the reactor (its endpoints' QPs destroyed with it) and hands
+    /// back the endpoints' handlers, in the order they were added: for a
+    /// runtime reactor's last act.
+    pub(crate) fn into_datagram_handlers(mut self) -> Vec<H> {
+        let handlers = std::mem::take(&mut self.datagram_handlers);
+        drop(self);
+        handlers
+    }
+
     /// The handler of endpoint `id`.
     pub fn datagram_handler(&self, id: DatagramId) -> Option<&H> {
         self.datagrams.get(id)?;
