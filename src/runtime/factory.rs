@@ -5,9 +5,9 @@
 use std::net::SocketAddr;
 
 use crate::error::{Error, Result};
-use crate::reactor::{ConnId, Ctx, Handler, SessionId};
+use crate::reactor::{ConnId, Ctx, DatagramId, DatagramSource, Handler, SessionId};
 use crate::session::{Endpoint, PeerHello, PeerStatus};
-use crate::verbs::WorkCompletion;
+use crate::verbs::{UdQueuePair, WorkCompletion};
 
 use super::port::Seat;
 
@@ -20,6 +20,22 @@ pub struct NewSession<'a> {
     pub endpoint: &'a Endpoint,
     /// What the peer said in its hello (sessions a listener accepted).
     pub hello: Option<&'a PeerHello>,
+}
+
+/// A datagram endpoint a reactor opens as it starts
+/// ([`RuntimeConfig::datagrams`](super::RuntimeConfig::datagrams)), as its
+/// handler's factory sees it.
+#[derive(Debug)]
+pub struct NewDatagram<'a> {
+    /// The reactor that serves it.
+    pub reactor: usize,
+    /// Its id on that reactor: what its handler, and the sessions' handlers
+    /// of the same reactor, send datagrams with
+    /// ([`Ctx::send_datagram`](crate::reactor::Ctx::send_datagram)).
+    pub id: DatagramId,
+    /// Its UD QP: what peers need to reach it
+    /// ([`UdQueuePair::endpoint`]) and the destinations it sends to.
+    pub qp: &'a UdQueuePair,
 }
 
 /// Builds handlers; runs on the reactor threads (so it is shared: `Sync`),
@@ -51,6 +67,19 @@ pub trait HandlerFactory: Send + Sync + 'static {
     /// [`refused`](Self::refused) is told why.
     fn build(&self, session: &NewSession<'_>) -> Result<Self::Handler>;
 
+    /// The handler of a datagram endpoint its reactor opens as it starts
+    /// ([`RuntimeConfig::datagrams`](super::RuntimeConfig::datagrams)),
+    /// built on that reactor's thread before it serves anything. An error
+    /// stops the runtime from starting ([`Runtime::start`](super::Runtime::start)
+    /// returns it). Refuses by default: a runtime with datagram endpoints
+    /// needs a factory that builds their handlers.
+    fn build_datagram(&self, datagram: &NewDatagram<'_>) -> Result<Self::Handler> {
+        let _ = datagram;
+        Err(Error::InvalidArgument(
+            "RuntimeConfig::datagrams: the handler factory builds no datagram handlers (implement HandlerFactory::build_datagram)",
+        ))
+    }
+
     /// A session that reached `reactor` was not served: `build` or the
     /// reactor refused it (its QPs not on the reactor's CQs, no room left).
     /// Logs by default.
@@ -78,10 +107,11 @@ where
     }
 }
 
-/// A handler and the seat that counts its session on its reactor.
+/// A handler and the seat that counts its session on its reactor (none
+/// for a datagram endpoint's, which is no session).
 pub(crate) struct Seated<H> {
     pub(crate) handler: H,
-    pub(crate) _seat: Seat,
+    pub(crate) _seat: Option<Seat>,
 }
 
 impl<H: Handler> Handler for Seated<H> {
@@ -136,6 +166,19 @@ impl<H: Handler> Handler for Seated<H> {
         completion: &WorkCompletion,
     ) {
         self.handler.on_direct_completion(ctx, conn, id, completion)
+    }
+    #[inline]
+    fn on_datagram(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dgram: DatagramId,
+        source: &DatagramSource<'_>,
+        data: &[u8],
+    ) {
+        self.handler.on_datagram(ctx, dgram, source, data)
+    }
+    fn on_datagram_error(&mut self, ctx: &mut Ctx<'_>, dgram: DatagramId, error: &Error) {
+        self.handler.on_datagram_error(ctx, dgram, error)
     }
     #[inline]
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {

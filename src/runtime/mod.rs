@@ -66,10 +66,10 @@ use crate::reactor::{Counters, EventMode, ReactorConfig};
 use crate::session::{
     Endpoint, QpHome, QpSpec, Refusal, ServerConfig, ServerSession, ServerShutdown,
 };
-use crate::verbs::{AccessFlags, ProtectionDomain};
+use crate::verbs::{AccessFlags, Gid, ProtectionDomain, UdConfig};
 
 pub use cores::{CoreChoice, CorePlan, parse_core_list};
-pub use factory::{HandlerFactory, NewSession};
+pub use factory::{HandlerFactory, NewDatagram, NewSession};
 pub use policy::{ChooseFn, PlacementPolicy, ReactorLoad};
 pub use submit::{INLINE_PAYLOAD, SubmitError, Submitter};
 pub use trace::SubmitLatency;
@@ -115,6 +115,25 @@ pub struct RuntimeConfig {
     /// after new samples. At most 64 commands a pass are sampled. Off by
     /// default.
     pub trace_submissions: bool,
+    /// Datagram endpoints (UD QPs on a reactor's CQs, see
+    /// [`Reactor::add_datagram`](crate::reactor::Reactor::add_datagram))
+    /// each reactor opens as it starts, before it serves anything; their
+    /// handlers come from [`HandlerFactory::build_datagram`]. Each is open
+    /// to anyone on the fabric (it logs so). None by default.
+    pub datagrams: Vec<DatagramPlan>,
+}
+
+/// A datagram endpoint a runtime reactor opens as it starts
+/// ([`RuntimeConfig::datagrams`]).
+#[derive(Debug, Clone, Default)]
+pub struct DatagramPlan {
+    /// The reactor that serves it: below [`RuntimeConfig::reactors`].
+    pub reactor: usize,
+    /// Its UD QP's depths, inline room, Q_Key, port and GID.
+    pub config: UdConfig,
+    /// Multicast groups (IPv4-mapped GIDs of multicast addresses) it joins
+    /// before the reactor serves anything.
+    pub groups: Vec<Gid>,
 }
 
 impl Default for RuntimeConfig {
@@ -129,6 +148,7 @@ impl Default for RuntimeConfig {
             submit_slot_size: 1024,
             thread_name: "rdma-reactor".into(),
             trace_submissions: false,
+            datagrams: Vec::new(),
         }
     }
 }
@@ -301,6 +321,16 @@ impl Runtime {
                 config.submit_ring, config.submit_slot_size
             )));
         }
+        if let Some(misplaced) = config
+            .datagrams
+            .iter()
+            .find(|datagram| datagram.reactor >= config.reactors)
+        {
+            return Err(Error::Runtime(format!(
+                "RuntimeConfig::datagrams: reactor {} of {} reactors",
+                misplaced.reactor, config.reactors
+            )));
+        }
         let device = pd.context().name().to_string();
         let plan = CorePlan::choose(&device, config.reactors, &config.cores)?;
         let mut reactor_config = config.reactor.clone();
@@ -348,6 +378,12 @@ impl Runtime {
                 pd: pd.clone(),
                 config: reactor_config.clone(),
                 factory: Arc::clone(&factory),
+                datagrams: config
+                    .datagrams
+                    .iter()
+                    .filter(|datagram| datagram.reactor == port.index)
+                    .cloned()
+                    .collect(),
                 trace: shared.trace_clock.clone(),
                 ready: ready_tx,
             };

@@ -11,7 +11,8 @@ use crate::error::{Error, Result};
 use crate::reactor::{EventMode, Reactor, ReactorConfig, SendError};
 use crate::verbs::{AccessFlags, ProtectionDomain};
 
-use super::factory::{HandlerFactory, NewSession, Seated};
+use super::DatagramPlan;
+use super::factory::{HandlerFactory, NewDatagram, NewSession, Seated};
 use super::port::{Arrival, Incoming, Port, Setup};
 use super::submit::Consumer;
 use super::trace::Tracer;
@@ -30,6 +31,8 @@ pub(crate) struct Start<F> {
     pub(crate) pd: ProtectionDomain,
     pub(crate) config: ReactorConfig,
     pub(crate) factory: Arc<F>,
+    /// The datagram endpoints this reactor opens as it starts.
+    pub(crate) datagrams: Vec<DatagramPlan>,
     /// The clock of traced submissions.
     pub(crate) trace: Option<Clock>,
     pub(crate) ready: SyncSender<Result<()>>,
@@ -44,10 +47,15 @@ pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
         pd,
         config,
         factory,
+        datagrams,
         trace,
         ready,
     } = start;
-    let mut reactor = match set_up::<F>(&port, &pd, config) {
+    let set_up = set_up::<F>(&port, &pd, config).and_then(|mut reactor| {
+        open_datagrams(&mut reactor, &datagrams, &*factory, port.index)?;
+        Ok(reactor)
+    });
+    let mut reactor = match set_up {
         Ok(reactor) => {
             port.running
                 .store(true, std::sync::atomic::Ordering::Release);
@@ -98,8 +106,40 @@ pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
             factory.stopped(port.index, handler);
         }
     }
-    drop(reactor);
+    // The datagram endpoints' handlers too, once their QPs are destroyed
+    // with the reactor.
+    for seated in reactor.into_datagram_handlers() {
+        factory.stopped(port.index, seated.handler);
+    }
     result.map_err(|err| Error::Runtime(format!("reactor {} failed: {err}", port.index)))
+}
+
+/// Opens the datagram endpoints `datagrams` on reactor `index`, each with
+/// a handler from `factory`, and joins their groups.
+fn open_datagrams<F: HandlerFactory>(
+    reactor: &mut Reactor<Seated<F::Handler>>,
+    datagrams: &[DatagramPlan],
+    factory: &F,
+    index: usize,
+) -> Result<()> {
+    for plan in datagrams {
+        let id = reactor.add_datagram(&plan.config, |id, qp| {
+            let datagram = NewDatagram {
+                reactor: index,
+                id,
+                qp,
+            };
+            let handler = factory.build_datagram(&datagram)?;
+            Ok(Seated {
+                handler,
+                _seat: None,
+            })
+        })?;
+        for &group in &plan.groups {
+            reactor.join(id, group)?;
+        }
+    }
+    Ok(())
 }
 
 fn set_up<F: HandlerFactory>(
@@ -206,7 +246,7 @@ impl<F: HandlerFactory> Worker<'_, F> {
                             endpoint,
                             Seated {
                                 handler,
-                                _seat: seat,
+                                _seat: Some(seat),
                             },
                         )
                     });

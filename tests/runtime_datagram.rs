@@ -1,0 +1,202 @@
+//! Datagram endpoints on a runtime's reactors (`RuntimeConfig::datagrams`):
+//! a reactor opens its endpoint and joins a multicast group before it
+//! serves anything, its handler (built on its thread by the factory) takes
+//! every datagram a publisher sends to the group, and comes back to the
+//! factory when the runtime stops; a factory that builds no datagram
+//! handlers, or a plan for a reactor the runtime does not have, stops the
+//! runtime from starting. Gated as in `tests/util/mod.rs`: runs in the
+//! Soft-RoCE guest.
+
+mod util;
+
+use std::net::Ipv4Addr;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use rdma_comm_core::Error;
+use rdma_comm_core::reactor::*;
+use rdma_comm_core::runtime::*;
+use rdma_comm_core::verbs::*;
+use util::runtime::*;
+use util::*;
+
+/// Datagrams the publisher sends.
+const DATAGRAMS: u64 = 300;
+/// Most datagrams in flight to the subscriber: within its receive ring.
+const AHEAD: u64 = 32;
+
+fn group() -> Gid {
+    Gid::from_ipv4(Ipv4Addr::new(239, 1, 2, 5))
+}
+
+/// The subscriber on a runtime reactor: counts the datagrams that carry
+/// the next number in order (its count shared with the test, which paces
+/// the publisher by it), and those that do not.
+struct Subscriber {
+    /// Not `Send`: the factory builds it on its reactor's thread.
+    reactor: Rc<usize>,
+    in_order: Arc<AtomicU64>,
+    out_of_order: u64,
+}
+
+impl Handler for Subscriber {
+    fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
+
+    fn on_datagram(&mut self, _: &mut Ctx<'_>, _: DatagramId, _: &DatagramSource<'_>, data: &[u8]) {
+        let next = self.in_order.load(Ordering::Relaxed);
+        if data == next.to_le_bytes() {
+            self.in_order.store(next + 1, Ordering::Relaxed);
+        } else {
+            self.out_of_order += 1;
+        }
+    }
+}
+
+/// Builds subscribers for datagram endpoints and refuses sessions; hands
+/// the subscribers that come back to the test.
+struct Feed {
+    in_order: Arc<AtomicU64>,
+    built: mpsc::Sender<(usize, u32)>,
+    back: mpsc::Sender<(usize, u64, u64)>,
+}
+
+impl HandlerFactory for Feed {
+    type Handler = Subscriber;
+
+    fn build(&self, _: &NewSession<'_>) -> rdma_comm_core::Result<Subscriber> {
+        Err(Error::InvalidArgument("this runtime serves no sessions"))
+    }
+
+    fn build_datagram(&self, datagram: &NewDatagram<'_>) -> rdma_comm_core::Result<Subscriber> {
+        let _ = self.built.send((datagram.reactor, datagram.qp.qpn()));
+        Ok(Subscriber {
+            reactor: Rc::new(datagram.reactor),
+            in_order: Arc::clone(&self.in_order),
+            out_of_order: 0,
+        })
+    }
+
+    fn stopped(&self, reactor: usize, handler: Subscriber) {
+        assert_eq!(
+            *handler.reactor, reactor,
+            "back from the reactor that served it"
+        );
+        let _ = self.back.send((
+            reactor,
+            handler.in_order.load(Ordering::Relaxed),
+            handler.out_of_order,
+        ));
+    }
+}
+
+/// Sends numbered datagrams to the group from `on_idle`, at most `AHEAD`
+/// beyond what the subscriber has taken.
+struct Publisher {
+    to: UdDestination,
+    sent: u64,
+    taken: Arc<AtomicU64>,
+    id: Option<DatagramId>,
+}
+
+impl Handler for Publisher {
+    fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        let Some(id) = self.id else { return };
+        let taken = self.taken.load(Ordering::Relaxed);
+        if taken >= DATAGRAMS {
+            ctx.stop();
+            return;
+        }
+        while self.sent < DATAGRAMS && self.sent < taken + AHEAD {
+            if ctx
+                .send_datagram(id, &self.to, &self.sent.to_le_bytes())
+                .is_err()
+            {
+                break;
+            }
+            self.sent += 1;
+        }
+    }
+}
+
+fn one_subscriber(reactors: usize, on: usize) -> RuntimeConfig {
+    RuntimeConfig {
+        reactors,
+        reactor: blocking(1),
+        datagrams: vec![DatagramPlan {
+            reactor: on,
+            config: UdConfig::default(),
+            groups: vec![group()],
+        }],
+        ..RuntimeConfig::default()
+    }
+}
+
+verbs_test! {
+    fn a_runtime_reactor_takes_a_groups_datagrams_on_its_endpoint() {
+        let _serial = serial();
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let in_order = Arc::new(AtomicU64::new(0));
+        let (built_tx, built) = mpsc::channel();
+        let (back_tx, back) = mpsc::channel();
+        let factory = Feed { in_order: Arc::clone(&in_order), built: built_tx, back: back_tx };
+        let runtime = Runtime::start(&pd, one_subscriber(2, 1), factory).expect("the runtime");
+        let (reactor, qpn) = built.try_recv().expect("built before start returned");
+        assert_eq!(reactor, 1, "on the reactor its plan names");
+        assert!(qpn > 0);
+
+        // A publisher on a reactor of the test's own; the subscriber joined
+        // the group before the runtime started.
+        let mut publisher = Reactor::<Publisher>::new(&pd, ReactorConfig::default()).unwrap();
+        let id = publisher
+            .add_datagram(&UdConfig::default(), |_, qp| {
+                Ok(Publisher { to: qp.group_destination(group())?, sent: 0, taken: Arc::clone(&in_order), id: None })
+            })
+            .expect("the publisher's endpoint");
+        publisher.datagram_handler_mut(id).unwrap().id = Some(id);
+        let start = Instant::now();
+        while in_order.load(Ordering::Relaxed) < DATAGRAMS {
+            assert!(start.elapsed() < DEADLINE, "{} of {DATAGRAMS} arrived", in_order.load(Ordering::Relaxed));
+            publisher.turn().expect("a publisher pass");
+        }
+        let stats = runtime.stats();
+        assert!(stats[1].counters.datagrams >= DATAGRAMS, "counted on reactor 1: {:?}", stats[1].counters);
+
+        runtime.stop();
+        runtime.join().expect("joined");
+        let (reactor, taken, out_of_order) = back.try_recv().expect("the subscriber came back");
+        assert_eq!((reactor, taken, out_of_order), (1, DATAGRAMS, 0));
+        assert!(back.try_recv().is_err(), "one endpoint, one handler");
+    }
+}
+
+verbs_test! {
+    fn a_runtime_whose_datagram_plans_cannot_be_served_does_not_start() {
+        let _serial = serial();
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        // A factory of sessions only: it builds no datagram handler.
+        let sessions_only = |_: &NewSession<'_>| Ok::<_, Error>(Subscriber {
+            reactor: Rc::new(0),
+            in_order: Arc::new(AtomicU64::new(0)),
+            out_of_order: 0,
+        });
+        match Runtime::start(&pd, one_subscriber(1, 0), sessions_only) {
+            Err(err) => assert!(err.to_string().contains("build_datagram"), "{err}"),
+            Ok(_) => panic!("started without datagram handlers"),
+        }
+        let (built_tx, built) = mpsc::channel();
+        let (back_tx, _back) = mpsc::channel();
+        let factory = Feed { in_order: Arc::new(AtomicU64::new(0)), built: built_tx, back: back_tx };
+        match Runtime::start(&pd, one_subscriber(1, 1), factory) {
+            Err(err) => assert!(err.to_string().contains("reactor 1 of 1"), "{err}"),
+            Ok(_) => panic!("started with a plan for reactor 1 of 1"),
+        }
+        assert!(built.try_recv().is_err(), "checked before any reactor started");
+    }
+}
