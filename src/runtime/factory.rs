@@ -87,9 +87,13 @@ pub trait HandlerFactory: Send + Sync + 'static {
         log::warn!("reactor {reactor} did not take the session of {peer}: {error}");
     }
 
-    /// Reactor `reactor` stopped while it still served a session: its
-    /// handler comes back here (after the session's QPs are destroyed and
-    /// its peer told goodbye), for results it holds. Drops it by default.
+    /// Reactor `reactor` stopped while it still served a session or a
+    /// datagram endpoint: the handler comes back here, on the reactor's
+    /// thread, for results it holds: first each session's (after its QPs
+    /// are destroyed and its peer told goodbye), then each endpoint's
+    /// (after the reactor and the endpoints' QPs are gone). A session
+    /// removed before (`Ctx::remove_session`) drops its handler then.
+    /// Drops it by default.
     fn stopped(&self, reactor: usize, handler: Self::Handler) {
         let _ = (reactor, handler);
     }

@@ -295,9 +295,18 @@ impl Runtime {
     /// reactor over `pd`; `factory` builds every session's handler on the
     /// thread that serves it. Returns once every reactor is up.
     ///
+    /// Each reactor opens the datagram endpoints
+    /// [`RuntimeConfig::datagrams`] plans for it, builds their handlers
+    /// ([`HandlerFactory::build_datagram`]) and joins their groups before
+    /// this returns.
+    ///
     /// # Errors
-    /// [`Error::Runtime`] when the cores do not suffice or a reactor cannot
-    /// be pinned, created or spawned (the others are stopped again).
+    /// [`Error::Runtime`] when the cores do not suffice, a datagram plan
+    /// names a reactor beyond `reactors`, or a reactor cannot be pinned,
+    /// created or spawned; the error of a datagram endpoint that cannot be
+    /// opened, built or joined (on InfiniBand a join is
+    /// [`Error::Unsupported`]: the groups of RoCE v2 only). The reactors
+    /// started are stopped again.
     pub fn start<F: HandlerFactory>(
         pd: &ProtectionDomain,
         config: RuntimeConfig,
