@@ -408,12 +408,21 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// what it handled.
     pub(super) fn pass_after_arming(&mut self) -> Result<usize> {
         let done = self.one_pass()?;
-        // That pass counted what it reposted (its idle callbacks' releases,
-        // SRQ slots a refused post had left) after its doorbells: announce
-        // it now, or a peer waiting for those credits would wait for as
-        // long as the reactor sleeps. What this posts completes as any
-        // request does, which wakes the armed CQs.
-        if done == 0 && self.conns.has_touched() {
+        if done != 0 {
+            return Ok(done);
+        }
+        // That pass's idle callbacks may have released receives (fewer
+        // than a batch are only parked) and its flush credited SRQ slots
+        // a refused post had left, after its doorbells: a peer waiting for
+        // those credits would wait for as long as the reactor sleeps. The
+        // first idle flush reposts them, the second announces what the
+        // first counted. (Bounded: work that cannot go out, a credit
+        // update without a credit say, waits for the completion that
+        // makes room, which wakes the armed CQs as what these post does.)
+        for _ in 0..2 {
+            if !self.conns.has_touched() && !self.idle.owes_flush() {
+                break;
+            }
             self.flush(true, true);
         }
         Ok(done)

@@ -153,7 +153,9 @@ impl SrqPool {
     /// Reserves `shares` receives for new connections, or refuses: the
     /// shares promised already, the slots removed connections still have
     /// out, the slots a refused post left unposted, and these must fit the
-    /// SRQ.
+    /// SRQ. (Unposted slots of live connections are counted in their
+    /// shares too: while the SRQ refuses posts, a newcomer that would fit
+    /// may be refused, never one that would not.)
     pub(super) fn promise(&mut self, shares: u32) -> Result<()> {
         let unposted = (self.returning.len() + self.stranded.len()) as u32;
         let bound = self

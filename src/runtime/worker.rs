@@ -52,8 +52,17 @@ pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
         ready,
     } = start;
     let set_up = set_up::<F>(&port, &pd, config).and_then(|mut reactor| {
-        open_datagrams(&mut reactor, &datagrams, &*factory, port.index)?;
-        Ok(reactor)
+        match open_datagrams(&mut reactor, &datagrams, &*factory, port.index) {
+            Ok(()) => Ok(reactor),
+            Err(err) => {
+                // The handlers built before the failure come back as a
+                // stopping reactor's do.
+                for seated in reactor.into_datagram_handlers() {
+                    factory.stopped(port.index, seated.handler);
+                }
+                Err(err)
+            }
+        }
     });
     let mut reactor = match set_up {
         Ok(reactor) => {

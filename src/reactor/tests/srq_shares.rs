@@ -318,3 +318,70 @@ fn slots_a_refused_post_left_unposted_are_promised_to_no_newcomer() {
     ];
     assert!(errors_of(&ends).is_empty(), "{:?}", errors_of(&ends));
 }
+
+/// As [`credits_the_last_pass_before_a_sleep_reposts_are_announced`],
+/// releasing one message fewer than a repost batch (parked, not due): the
+/// receives are reposted and announced before the sleep all the same.
+#[test]
+fn a_release_below_a_repost_batch_before_a_sleep_is_announced() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    for mut reactor in [super::reactor(&pd), srq_reactor(&pd)] {
+        let (origin, source) = add_pair(&mut reactor, &pd);
+        let mut held = exhaust(&mut reactor, &origin, &source);
+        let depth = reactor
+            .conns
+            .get(origin.conn.key())
+            .expect("origin")
+            .rq()
+            .depth();
+        let batch = reactor.config.repost_batch.min(depth / 2) as usize;
+        let rest = held.split_off(batch - 1);
+        origin.seen.borrow_mut().release_on_idle = held;
+        reactor.settle_for_sleep();
+        assert_eq!(
+            reactor.pass_after_arming().expect("a pass"),
+            0,
+            "nothing completed"
+        );
+        assert!(
+            announced(&reactor, &origin),
+            "the credits are on their way before the sleep"
+        );
+        reactor.with_ctx(|ctx| {
+            for message in rest {
+                if let Err((err, _)) = ctx.release(message) {
+                    panic!("releasing: {err}");
+                }
+            }
+        });
+    }
+}
+
+/// The SRQ refuses the post the pass after arming makes of receives its
+/// idle callback released (the pool's post at its end succeeds): they are
+/// credited and announced before the sleep all the same.
+#[test]
+fn a_refused_srq_post_in_the_pass_after_arming_is_announced() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = srq_reactor(&pd);
+    let (origin, source) = add_pair(&mut reactor, &pd);
+    let held = exhaust(&mut reactor, &origin, &source);
+    origin.seen.borrow_mut().release_on_idle = held;
+    reactor.settle_for_sleep();
+    let pool = reactor.srq.as_ref().expect("an SRQ reactor");
+    refuse_srq_recvs_after(pool.srq(), 0);
+    assert_eq!(
+        reactor.pass_after_arming().expect("a pass"),
+        0,
+        "nothing completed"
+    );
+    assert_eq!(reactor.srq_posted(), Some(SRQ_DEPTH), "all posted");
+    assert!(
+        announced(&reactor, &origin),
+        "the credits are on their way before the sleep"
+    );
+}
