@@ -1,8 +1,9 @@
 //! Datagram endpoints on a runtime's reactors (`RuntimeConfig::datagrams`):
 //! a reactor opens its endpoint and joins a multicast group before it
-//! serves anything, its handler (built on its thread by the factory) takes
-//! every datagram a publisher sends to the group, and comes back to the
-//! factory when the runtime stops; a factory that builds no datagram
+//! serves anything (or its handler joins from a callback, `Ctx::join`),
+//! its handler (built on its thread by the factory) takes every datagram a
+//! publisher sends to the group, and comes back to the factory when the
+//! runtime stops; a factory that builds no datagram
 //! handlers, or a plan for a reactor the runtime does not have, stops the
 //! runtime from starting. Gated as in `tests/util/mod.rs`: runs in the
 //! Soft-RoCE guest.
@@ -40,10 +41,20 @@ struct Subscriber {
     reactor: Rc<usize>,
     in_order: Arc<AtomicU64>,
     out_of_order: u64,
+    /// The endpoint, and a group to join from the first `on_idle`.
+    join: Option<(DatagramId, Gid)>,
+    joined: Arc<AtomicU64>,
 }
 
 impl Handler for Subscriber {
     fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
+
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+        if let Some((id, group)) = self.join.take() {
+            ctx.join(id, group).expect("joined from a callback");
+            self.joined.store(1, Ordering::Release);
+        }
+    }
 
     fn on_datagram(&mut self, _: &mut Ctx<'_>, _: DatagramId, _: &DatagramSource<'_>, data: &[u8]) {
         let next = self.in_order.load(Ordering::Relaxed);
@@ -59,6 +70,9 @@ impl Handler for Subscriber {
 /// the subscribers that come back to the test.
 struct Feed {
     in_order: Arc<AtomicU64>,
+    /// Join the group from the handler's first `on_idle`, not at start.
+    join_later: bool,
+    joined: Arc<AtomicU64>,
     built: mpsc::Sender<(usize, u32)>,
     back: mpsc::Sender<(usize, u64, u64)>,
 }
@@ -76,6 +90,8 @@ impl HandlerFactory for Feed {
             reactor: Rc::new(datagram.reactor),
             in_order: Arc::clone(&self.in_order),
             out_of_order: 0,
+            join: self.join_later.then_some((datagram.id, group())),
+            joined: Arc::clone(&self.joined),
         })
     }
 
@@ -123,55 +139,93 @@ impl Handler for Publisher {
     }
 }
 
-fn one_subscriber(reactors: usize, on: usize) -> RuntimeConfig {
+fn one_subscriber(reactors: usize, on: usize, join_later: bool) -> RuntimeConfig {
     RuntimeConfig {
         reactors,
         reactor: blocking(1),
         datagrams: vec![DatagramPlan {
             reactor: on,
             config: UdConfig::default(),
-            groups: vec![group()],
+            groups: if join_later { vec![] } else { vec![group()] },
         }],
         ..RuntimeConfig::default()
     }
 }
 
+/// A runtime whose reactor 1 subscribes to the group (at start, or from
+/// its handler's first `on_idle`), fed by a publisher on a reactor of the
+/// test's own.
+fn subscribe_and_publish(join_later: bool) {
+    let ctx = open_device();
+    let pd = ctx.alloc_pd().unwrap();
+    let in_order = Arc::new(AtomicU64::new(0));
+    let joined = Arc::new(AtomicU64::new(0));
+    let (built_tx, built) = mpsc::channel();
+    let (back_tx, back) = mpsc::channel();
+    let factory = Feed {
+        in_order: Arc::clone(&in_order),
+        join_later,
+        joined: Arc::clone(&joined),
+        built: built_tx,
+        back: back_tx,
+    };
+    let runtime =
+        Runtime::start(&pd, one_subscriber(2, 1, join_later), factory).expect("the runtime");
+    let (reactor, qpn) = built.try_recv().expect("built before start returned");
+    assert_eq!(reactor, 1, "on the reactor its plan names");
+    assert!(qpn > 0);
+    let start = Instant::now();
+    while join_later && joined.load(Ordering::Acquire) == 0 {
+        assert!(start.elapsed() < DEADLINE, "the handler never joined");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+
+    // A publisher on a reactor of the test's own.
+    let mut publisher = Reactor::<Publisher>::new(&pd, ReactorConfig::default()).unwrap();
+    let id = publisher
+        .add_datagram(&UdConfig::default(), |_, qp| {
+            Ok(Publisher {
+                to: qp.group_destination(group())?,
+                sent: 0,
+                taken: Arc::clone(&in_order),
+                id: None,
+            })
+        })
+        .expect("the publisher's endpoint");
+    publisher.datagram_handler_mut(id).unwrap().id = Some(id);
+    while in_order.load(Ordering::Relaxed) < DATAGRAMS {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "{} of {DATAGRAMS} arrived",
+            in_order.load(Ordering::Relaxed)
+        );
+        publisher.turn().expect("a publisher pass");
+    }
+    let stats = runtime.stats();
+    assert!(
+        stats[1].counters.datagrams >= DATAGRAMS,
+        "counted on reactor 1: {:?}",
+        stats[1].counters
+    );
+
+    runtime.stop();
+    runtime.join().expect("joined");
+    let (reactor, taken, out_of_order) = back.try_recv().expect("the subscriber came back");
+    assert_eq!((reactor, taken, out_of_order), (1, DATAGRAMS, 0));
+    assert!(back.try_recv().is_err(), "one endpoint, one handler");
+}
+
 verbs_test! {
     fn a_runtime_reactor_takes_a_groups_datagrams_on_its_endpoint() {
         let _serial = serial();
-        let ctx = open_device();
-        let pd = ctx.alloc_pd().unwrap();
-        let in_order = Arc::new(AtomicU64::new(0));
-        let (built_tx, built) = mpsc::channel();
-        let (back_tx, back) = mpsc::channel();
-        let factory = Feed { in_order: Arc::clone(&in_order), built: built_tx, back: back_tx };
-        let runtime = Runtime::start(&pd, one_subscriber(2, 1), factory).expect("the runtime");
-        let (reactor, qpn) = built.try_recv().expect("built before start returned");
-        assert_eq!(reactor, 1, "on the reactor its plan names");
-        assert!(qpn > 0);
+        subscribe_and_publish(false);
+    }
+}
 
-        // A publisher on a reactor of the test's own; the subscriber joined
-        // the group before the runtime started.
-        let mut publisher = Reactor::<Publisher>::new(&pd, ReactorConfig::default()).unwrap();
-        let id = publisher
-            .add_datagram(&UdConfig::default(), |_, qp| {
-                Ok(Publisher { to: qp.group_destination(group())?, sent: 0, taken: Arc::clone(&in_order), id: None })
-            })
-            .expect("the publisher's endpoint");
-        publisher.datagram_handler_mut(id).unwrap().id = Some(id);
-        let start = Instant::now();
-        while in_order.load(Ordering::Relaxed) < DATAGRAMS {
-            assert!(start.elapsed() < DEADLINE, "{} of {DATAGRAMS} arrived", in_order.load(Ordering::Relaxed));
-            publisher.turn().expect("a publisher pass");
-        }
-        let stats = runtime.stats();
-        assert!(stats[1].counters.datagrams >= DATAGRAMS, "counted on reactor 1: {:?}", stats[1].counters);
-
-        runtime.stop();
-        runtime.join().expect("joined");
-        let (reactor, taken, out_of_order) = back.try_recv().expect("the subscriber came back");
-        assert_eq!((reactor, taken, out_of_order), (1, DATAGRAMS, 0));
-        assert!(back.try_recv().is_err(), "one endpoint, one handler");
+verbs_test! {
+    fn a_runtime_endpoints_handler_joins_a_group_from_a_callback() {
+        let _serial = serial();
+        subscribe_and_publish(true);
     }
 }
 
@@ -185,15 +239,23 @@ verbs_test! {
             reactor: Rc::new(0),
             in_order: Arc::new(AtomicU64::new(0)),
             out_of_order: 0,
+            join: None,
+            joined: Arc::new(AtomicU64::new(0)),
         });
-        match Runtime::start(&pd, one_subscriber(1, 0), sessions_only) {
+        match Runtime::start(&pd, one_subscriber(1, 0, false), sessions_only) {
             Err(err) => assert!(err.to_string().contains("build_datagram"), "{err}"),
             Ok(_) => panic!("started without datagram handlers"),
         }
         let (built_tx, built) = mpsc::channel();
         let (back_tx, _back) = mpsc::channel();
-        let factory = Feed { in_order: Arc::new(AtomicU64::new(0)), built: built_tx, back: back_tx };
-        match Runtime::start(&pd, one_subscriber(1, 1), factory) {
+        let factory = Feed {
+            in_order: Arc::new(AtomicU64::new(0)),
+            join_later: false,
+            joined: Arc::new(AtomicU64::new(0)),
+            built: built_tx,
+            back: back_tx,
+        };
+        match Runtime::start(&pd, one_subscriber(1, 1, false), factory) {
             Err(err) => assert!(err.to_string().contains("reactor 1 of 1"), "{err}"),
             Ok(_) => panic!("started with a plan for reactor 1 of 1"),
         }

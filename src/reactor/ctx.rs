@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use crate::verbs::{LocalSlice, RemoteSlice, UdDestination};
+use crate::verbs::{Gid, LocalSlice, RemoteSlice, UdDestination};
 
 use super::completions::Completions;
 use super::conn::{Conn, ConnState, ForwardOrigin};
@@ -216,6 +216,21 @@ impl Ctx<'_> {
         data: &[u8],
     ) -> Result<(), SendError> {
         self.datagrams.stage(dgram, to, data)
+    }
+
+    /// Joins datagram endpoint `dgram` to multicast group `group` (see
+    /// [`Reactor::join`](super::Reactor::join)), from a callback: how a
+    /// runtime's handlers, which have no `Reactor`, change what they
+    /// subscribe to. A control-path call (the host's IP membership and the
+    /// device's attach are syscalls), not one for every message.
+    pub fn join(&mut self, dgram: DatagramId, group: Gid) -> crate::Result<()> {
+        self.datagrams.join(dgram, group)
+    }
+
+    /// Takes datagram endpoint `dgram` out of multicast group `group`, from
+    /// a callback.
+    pub fn leave(&mut self, dgram: DatagramId, group: Gid) -> crate::Result<()> {
+        self.datagrams.leave(dgram, group)
     }
 
     /// Stages a SEND of `data` (copied into a registered send slot).

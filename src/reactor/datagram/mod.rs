@@ -146,6 +146,27 @@ impl DatagramTable {
         self.endpoints.get_mut(id.index as usize)
     }
 
+    /// Joins endpoint `id` to multicast group `group`, saying so.
+    pub(crate) fn join(&mut self, id: DatagramId, group: Gid) -> crate::Result<()> {
+        let endpoint = self.get_mut(id).ok_or(crate::Error::InvalidArgument(
+            "join: a datagram endpoint of another reactor",
+        ))?;
+        endpoint.join(group)?;
+        log::info!("datagram endpoint {id:?} joined {group}: anyone on the fabric may send to it");
+        Ok(())
+    }
+
+    /// Takes endpoint `id` out of multicast group `group`.
+    pub(crate) fn leave(&mut self, id: DatagramId, group: Gid) -> crate::Result<()> {
+        self.get_mut(id)
+            .ok_or(crate::Error::InvalidArgument(
+                "leave: a datagram endpoint of another reactor",
+            ))?
+            .leave(group)?;
+        log::info!("datagram endpoint {id:?} left {group}");
+        Ok(())
+    }
+
     /// Every endpoint with its id.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (DatagramId, &DatagramEndpoint)> {
         self.endpoints

@@ -87,23 +87,15 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Joins endpoint `id` to multicast group `group` (see
     /// [`UdQueuePair::join`]): datagrams sent to the group reach its
     /// handler from now on.
+    /// ([`Ctx::join`](super::super::Ctx::join) does the same from a
+    /// callback.)
     pub fn join(&mut self, id: DatagramId, group: Gid) -> Result<()> {
-        let endpoint = self.datagrams.get_mut(id).ok_or(Error::InvalidArgument(
-            "Reactor::join: a datagram endpoint of another reactor",
-        ))?;
-        endpoint.join(group)?;
-        log::info!("datagram endpoint {id:?} joined {group}: anyone on the fabric may send to it");
-        Ok(())
+        self.datagrams.join(id, group)
     }
 
     /// Takes endpoint `id` out of multicast group `group`.
     pub fn leave(&mut self, id: DatagramId, group: Gid) -> Result<()> {
-        self.datagrams
-            .get_mut(id)
-            .ok_or(Error::InvalidArgument(
-                "Reactor::leave: a datagram endpoint of another reactor",
-            ))?
-            .leave(group)
+        self.datagrams.leave(id, group)
     }
 
     /// Drops the reactor (its endpoints' QPs destroyed with it) and hands
