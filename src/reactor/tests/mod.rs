@@ -200,6 +200,17 @@ fn add_pair_across(
     panic!("the pair across two reactors never established");
 }
 
+/// Releases every held message, as a callback would.
+fn release_all(reactor: &mut Reactor<Probe, ()>, held: Vec<HeldRecv>) {
+    reactor.with_ctx(|ctx| {
+        for message in held {
+            if let Err((err, _)) = ctx.release(message) {
+                panic!("releasing: {err}");
+            }
+        }
+    });
+}
+
 /// Forwards every held message on `to`, from a callback's `ctx`.
 fn forward_all(ctx: &mut Ctx<'_>, to: ConnId, held: Vec<HeldRecv>) {
     for message in held {

@@ -214,13 +214,7 @@ fn srq_slots_a_refused_repost_strands_go_back_with_a_later_pass() {
     for _ in 0..REFUSED {
         refuse_srq_recvs_after(pool.srq(), 0);
     }
-    reactor.with_ctx(|ctx| {
-        for held in held {
-            if let Err((err, _)) = ctx.release(held) {
-                panic!("releasing: {err}");
-            }
-        }
-    });
+    release_all(&mut reactor, held);
     reactor.turn().expect("the pass that gives the slots back");
     let account = srq_account(&reactor);
     assert!(
@@ -375,13 +369,7 @@ fn a_removed_srq_connection_gives_back_its_held_and_forwarded_slots_once() {
             "slot {slot} back while held or in flight"
         );
     }
-    reactor.with_ctx(|ctx| {
-        for message in held {
-            if let Err((err, _)) = ctx.release(message) {
-                panic!("releasing: {err}");
-            }
-        }
-    });
+    release_all(&mut reactor, held);
     run_until_srq_whole(&mut reactor, "every slot back");
     let (foreign, reclaimed) = ignored(&reactor);
     assert_eq!(reclaimed - reclaimed_before, 2, "the two unpolled receives");
@@ -424,13 +412,7 @@ fn a_failed_srq_connection_gives_back_its_held_and_forwarded_slots_once() {
         );
     }
 
-    reactor.with_ctx(|ctx| {
-        for message in held {
-            if let Err((err, _)) = ctx.release(message) {
-                panic!("releasing: {err}");
-            }
-        }
-    });
+    release_all(&mut reactor, held);
     run_until_srq_whole(&mut reactor, "every slot back");
     assert_eq!(sink.seen.borrow().messages, [vec![1; 8], vec![2; 8]]);
     assert_eq!(origin.seen.borrow().errors.len(), 1, "still told once");

@@ -49,33 +49,16 @@ fn slots_a_removed_connection_has_out_are_promised_to_no_newcomer() {
 
     reactor.remove(origin.session).expect("origin's session");
     assert_eq!(orphaned(&reactor), HELD, "18 held and 2 forwarded");
-    let access = AccessFlags::empty();
-    let [a, b] = connected_qps(&mut reactor, &pd, access);
-    let seen = Rc::new(RefCell::new(Seen::default()));
-    let refused = reactor.add(vec![a, b], Probe(seen));
-    match refused {
-        Err(Error::InvalidArgument(what)) => assert!(what.contains("shares"), "{what}"),
-        other => panic!("a newcomer promised slots still out: {other:?}"),
-    }
+    refuse_a_newcomer(&mut reactor, &pd);
 
     // The forwards complete, and the held messages are released: every
     // slot is back, none is an orphan, and the newcomers fit.
-    reactor.with_ctx(|ctx| {
-        for message in held {
-            if let Err((err, _)) = ctx.release(message) {
-                panic!("releasing: {err}");
-            }
-        }
-    });
+    release_all(&mut reactor, held);
     run_until(&mut reactor, "the orphans back", |reactor| {
         orphaned(reactor) == 0
     });
     assert_eq!(sink.seen.borrow().messages.len(), 2, "both forwarded");
-    let (late, late_peer) = add_pair(&mut reactor, &pd);
-    send(&mut reactor, late_peer.conn, b"welcome");
-    run_until(&mut reactor, "the newcomer's message", |_| {
-        late.seen.borrow().messages.len() == 1
-    });
+    let (late, late_peer) = welcome_a_newcomer(&mut reactor, &pd);
     let ends = [
         ("source", &source),
         ("relay", &relay),
@@ -84,6 +67,26 @@ fn slots_a_removed_connection_has_out_are_promised_to_no_newcomer() {
         ("late's peer", &late_peer),
     ];
     assert!(errors_of(&ends).is_empty(), "{:?}", errors_of(&ends));
+}
+
+/// A pair of newcomers (two shares) the SRQ cannot back: refused.
+fn refuse_a_newcomer(reactor: &mut Reactor<Probe, ()>, pd: &ProtectionDomain) {
+    let [a, b] = connected_qps(reactor, pd, AccessFlags::empty());
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    match reactor.add(vec![a, b], Probe(seen)) {
+        Err(Error::InvalidArgument(what)) => assert!(what.contains("shares"), "{what}"),
+        other => panic!("newcomers promised slots the SRQ does not hold: {other:?}"),
+    }
+}
+
+/// A pair of newcomers, added, and a message between them.
+fn welcome_a_newcomer(reactor: &mut Reactor<Probe, ()>, pd: &ProtectionDomain) -> (End, End) {
+    let (late, late_peer) = add_pair(reactor, pd);
+    send(reactor, late_peer.conn, b"welcome");
+    run_until(reactor, "the newcomer's message", |_| {
+        late.seen.borrow().messages.len() == 1
+    });
+    (late, late_peer)
 }
 
 /// Receives the connection `end` has granted its peer and not yet seen
@@ -116,13 +119,7 @@ fn an_srq_slot_is_credited_only_once_the_srq_holds_it_again() {
     let pool = reactor.srq.as_ref().expect("an SRQ reactor");
     refuse_srq_recvs_after(pool.srq(), 0);
     refuse_srq_recvs_after(pool.srq(), 0);
-    reactor.with_ctx(|ctx| {
-        for message in held {
-            if let Err((err, _)) = ctx.release(message) {
-                panic!("releasing: {err}");
-            }
-        }
-    });
+    release_all(&mut reactor, held);
     reactor.turn().expect("the pass that gives the slots back");
     let (queued, stranded) = reactor.srq.as_ref().expect("an SRQ").unposted();
     assert_eq!(queued.len() + stranded.len(), HELD as usize, "all refused");
@@ -194,6 +191,21 @@ fn announced(reactor: &Reactor<Probe, ()>, origin: &End) -> bool {
     origin.is_quiet() && credits.granted().wrapping_sub(credits.received()) >= 2
 }
 
+/// The pass a reactor makes after arming its CQs to sleep (the loopback
+/// device arms none): it finds nothing, and `origin`'s credits are on
+/// their way.
+fn pass_after_arming_announces(reactor: &mut Reactor<Probe, ()>, origin: &End) {
+    assert_eq!(
+        reactor.pass_after_arming().expect("a pass"),
+        0,
+        "nothing completed"
+    );
+    assert!(
+        announced(reactor, origin),
+        "the credits are on their way before the sleep"
+    );
+}
+
 /// A peer out of credits, and the messages that took them released by
 /// the handler's `on_idle` in the pass a reactor makes after arming its
 /// CQs to sleep: their receives are reposted after that pass's doorbells,
@@ -211,16 +223,8 @@ fn credits_the_last_pass_before_a_sleep_reposts_are_announced() {
         // What a reactor does before it sleeps (the loopback device arms
         // no CQ).
         reactor.settle_for_sleep();
-        assert_eq!(
-            reactor.pass_after_arming().expect("a pass"),
-            0,
-            "nothing completed"
-        );
+        pass_after_arming_announces(&mut reactor, &origin);
         assert!(origin.seen.borrow().release_on_idle.is_empty(), "released");
-        assert!(
-            announced(&reactor, &origin),
-            "the credits are on their way before the sleep"
-        );
         run_until(&mut reactor, "the peer may send again", |reactor| {
             let source = reactor.conns.get(source.conn.key()).expect("source");
             source.credits().available() >= 2
@@ -242,24 +246,10 @@ fn credits_a_refused_srq_post_delayed_are_announced_before_a_sleep() {
     let held = exhaust(&mut reactor, &origin, &source);
     let pool = reactor.srq.as_ref().expect("an SRQ reactor");
     refuse_srq_recvs_after(pool.srq(), 0);
-    reactor.with_ctx(|ctx| {
-        for message in held {
-            if let Err((err, _)) = ctx.release(message) {
-                panic!("releasing: {err}");
-            }
-        }
-    });
+    release_all(&mut reactor, held);
     reactor.settle_for_sleep();
-    assert_eq!(
-        reactor.pass_after_arming().expect("a pass"),
-        0,
-        "nothing completed"
-    );
+    pass_after_arming_announces(&mut reactor, &origin);
     assert_eq!(reactor.srq_posted(), Some(SRQ_DEPTH), "all posted");
-    assert!(
-        announced(&reactor, &origin),
-        "the credits are on their way before the sleep"
-    );
     send(&mut reactor, source.conn, b"again");
     run_until(&mut reactor, "the peer's next message", |_| {
         origin
@@ -289,27 +279,12 @@ fn slots_a_refused_post_left_unposted_are_promised_to_no_newcomer() {
     let pool = reactor.srq.as_ref().expect("an SRQ reactor");
     refuse_srq_recvs_after(pool.srq(), 0);
     refuse_srq_recvs_after(pool.srq(), 0);
-    reactor.with_ctx(|ctx| {
-        for message in held {
-            if let Err((err, _)) = ctx.release(message) {
-                panic!("releasing: {err}");
-            }
-        }
-    });
+    release_all(&mut reactor, held);
     reactor.turn().expect("the pass that takes them back");
     assert_eq!(orphaned(&reactor), 0, "no orphans any more");
-    let [a, b] = connected_qps(&mut reactor, &pd, AccessFlags::empty());
-    let seen = Rc::new(RefCell::new(Seen::default()));
-    match reactor.add(vec![a, b], Probe(seen)) {
-        Err(Error::InvalidArgument(what)) => assert!(what.contains("shares"), "{what}"),
-        other => panic!("a newcomer promised slots the SRQ does not hold: {other:?}"),
-    }
+    refuse_a_newcomer(&mut reactor, &pd);
     // The next add's pass posts them: the newcomers fit.
-    let (late, late_peer) = add_pair(&mut reactor, &pd);
-    send(&mut reactor, late_peer.conn, b"welcome");
-    run_until(&mut reactor, "the newcomer's message", |_| {
-        late.seen.borrow().messages.len() == 1
-    });
+    let (late, late_peer) = welcome_a_newcomer(&mut reactor, &pd);
     let ends = [
         ("relay", &relay),
         ("sink", &sink),
@@ -340,22 +315,8 @@ fn a_release_below_a_repost_batch_before_a_sleep_is_announced() {
         let rest = held.split_off(batch - 1);
         origin.seen.borrow_mut().release_on_idle = held;
         reactor.settle_for_sleep();
-        assert_eq!(
-            reactor.pass_after_arming().expect("a pass"),
-            0,
-            "nothing completed"
-        );
-        assert!(
-            announced(&reactor, &origin),
-            "the credits are on their way before the sleep"
-        );
-        reactor.with_ctx(|ctx| {
-            for message in rest {
-                if let Err((err, _)) = ctx.release(message) {
-                    panic!("releasing: {err}");
-                }
-            }
-        });
+        pass_after_arming_announces(&mut reactor, &origin);
+        release_all(&mut reactor, rest);
     }
 }
 
@@ -374,14 +335,6 @@ fn a_refused_srq_post_in_the_pass_after_arming_is_announced() {
     reactor.settle_for_sleep();
     let pool = reactor.srq.as_ref().expect("an SRQ reactor");
     refuse_srq_recvs_after(pool.srq(), 0);
-    assert_eq!(
-        reactor.pass_after_arming().expect("a pass"),
-        0,
-        "nothing completed"
-    );
+    pass_after_arming_announces(&mut reactor, &origin);
     assert_eq!(reactor.srq_posted(), Some(SRQ_DEPTH), "all posted");
-    assert!(
-        announced(&reactor, &origin),
-        "the credits are on their way before the sleep"
-    );
 }
