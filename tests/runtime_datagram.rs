@@ -41,6 +41,8 @@ struct Subscriber {
     reactor: Rc<usize>,
     in_order: Arc<AtomicU64>,
     out_of_order: u64,
+    /// The endpoint it was built for.
+    id: Option<DatagramId>,
     /// The endpoint, and a group to join from the first `on_idle`.
     join: Option<(DatagramId, Gid)>,
     joined: Arc<AtomicU64>,
@@ -90,15 +92,21 @@ impl HandlerFactory for Feed {
             reactor: Rc::new(datagram.reactor),
             in_order: Arc::clone(&self.in_order),
             out_of_order: 0,
+            id: Some(datagram.id),
             join: self.join_later.then_some((datagram.id, group())),
             joined: Arc::clone(&self.joined),
         })
     }
 
-    fn stopped(&self, reactor: usize, handler: Subscriber) {
+    fn stopped(&self, _: usize, _: Subscriber) {
+        panic!("no session was served: only the endpoint's handler comes back");
+    }
+
+    fn datagram_stopped(&self, reactor: usize, id: DatagramId, handler: Subscriber) {
         assert_eq!(
-            *handler.reactor, reactor,
-            "back from the reactor that served it"
+            (*handler.reactor, Some(id)),
+            (reactor, handler.id),
+            "back from the reactor and endpoint it was built for"
         );
         let _ = self.back.send((
             reactor,
@@ -239,6 +247,7 @@ verbs_test! {
             reactor: Rc::new(0),
             in_order: Arc::new(AtomicU64::new(0)),
             out_of_order: 0,
+            id: None,
             join: None,
             joined: Arc::new(AtomicU64::new(0)),
         });

@@ -87,15 +87,22 @@ pub trait HandlerFactory: Send + Sync + 'static {
         log::warn!("reactor {reactor} did not take the session of {peer}: {error}");
     }
 
-    /// Reactor `reactor` stopped while it still served a session or a
-    /// datagram endpoint: the handler comes back here, on the reactor's
-    /// thread, for results it holds: first each session's (after its QPs
-    /// are destroyed and its peer told goodbye), then each endpoint's
-    /// (after the reactor and the endpoints' QPs are gone). A session
-    /// removed before (`Ctx::remove_session`) drops its handler then.
-    /// Drops it by default.
+    /// Reactor `reactor` stopped while it still served a session: its
+    /// handler comes back here, on the reactor's thread, for results it
+    /// holds (after the session's QPs are destroyed and its peer told
+    /// goodbye). A session removed before (`Ctx::remove_session`) drops its
+    /// handler then. Drops it by default.
     fn stopped(&self, reactor: usize, handler: Self::Handler) {
         let _ = (reactor, handler);
+    }
+
+    /// Reactor `reactor` stopped (or failed to start) with datagram
+    /// endpoint `id` open: its handler comes back here, on the reactor's
+    /// thread, after the sessions' and after the endpoints' QPs are gone.
+    /// Hands it to [`stopped`](Self::stopped) by default.
+    fn datagram_stopped(&self, reactor: usize, id: DatagramId, handler: Self::Handler) {
+        let _ = id;
+        self.stopped(reactor, handler);
     }
 }
 

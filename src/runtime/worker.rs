@@ -57,8 +57,8 @@ pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
             Err(err) => {
                 // The handlers built before the failure come back as a
                 // stopping reactor's do.
-                for seated in reactor.into_datagram_handlers() {
-                    factory.stopped(port.index, seated.handler);
+                for (id, seated) in reactor.into_datagram_handlers() {
+                    factory.datagram_stopped(port.index, id, seated.handler);
                 }
                 Err(err)
             }
@@ -117,8 +117,8 @@ pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
     }
     // The datagram endpoints' handlers too, once their QPs are destroyed
     // with the reactor.
-    for seated in reactor.into_datagram_handlers() {
-        factory.stopped(port.index, seated.handler);
+    for (id, seated) in reactor.into_datagram_handlers() {
+        factory.datagram_stopped(port.index, id, seated.handler);
     }
     result.map_err(|err| Error::Runtime(format!("reactor {} failed: {err}", port.index)))
 }

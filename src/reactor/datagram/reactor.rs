@@ -99,12 +99,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     }
 
     /// Drops the reactor (its endpoints' QPs destroyed with it) and hands
-    /// back the endpoints' handlers, in the order they were added: for a
-    /// runtime reactor's last act.
-    pub(crate) fn into_datagram_handlers(mut self) -> Vec<H> {
+    /// back the endpoints' handlers with their ids, in the order they were
+    /// added: for a runtime reactor's last act.
+    pub(crate) fn into_datagram_handlers(mut self) -> Vec<(DatagramId, H)> {
         let handlers = std::mem::take(&mut self.datagram_handlers);
+        let ids: Vec<DatagramId> = self.datagrams.iter().map(|(id, _)| id).collect();
         drop(self);
-        handlers
+        ids.into_iter().zip(handlers).collect()
     }
 
     /// The handler of endpoint `id`.
