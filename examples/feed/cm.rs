@@ -159,15 +159,14 @@ pub(crate) fn publish(
     Ok(true)
 }
 
-/// `--cm`'s subscriber: a UD QP of the connection manager's id, polled here.
+/// `--cm`'s subscriber: a UD QP of the connection manager's id, polled here
+/// into `sink` until it has seen the end or `timeout` passes.
 pub(crate) fn subscribe(
     args: &GroupArgs,
     timeout: Duration,
-    json: bool,
-    raw: bool,
-    count: Option<u64>,
+    mut sink: Sink,
     receives: usize,
-) -> rdma_comm_core::Result<bool> {
+) -> rdma_comm_core::Result<Sink> {
     let mut member = open(args, receives)?;
     let rx = member
         .pd
@@ -181,7 +180,6 @@ pub(crate) fn subscribe(
     member.subscribe(args.group)?;
     eprintln!("feed: subscribed to {} through rdma_cm", args.group);
     let Member { mut qp, mut cq, .. } = member;
-    let mut sink = Sink::new(raw, count);
     let mut datagram = vec![0; RECV_LEN];
     let mut wcs = [WorkCompletion::default(); 32];
     let started = Instant::now();
@@ -207,5 +205,5 @@ pub(crate) fn subscribe(
             )?)?;
         }
     }
-    Ok(sink.report(args, json))
+    Ok(sink)
 }

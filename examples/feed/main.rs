@@ -170,13 +170,10 @@ fn main() -> ExitCode {
             count,
             rate,
             size,
-        } if group.cm.is_none() => publish_from_reactor(&group, count, rate, size),
-        Role::Publish {
-            group,
-            count,
-            rate,
-            size,
-        } => publish(&group, count, rate, size),
+        } => match group.cm {
+            None => publish_from_reactor(&group, count, rate, size),
+            Some(_) => publish(&group, count, rate, size),
+        },
         Role::Subscribe {
             group,
             timeout,
@@ -184,28 +181,14 @@ fn main() -> ExitCode {
             raw,
             count,
             receives,
-        } if group.cm.is_none() => subscribe_on_reactor(
-            &group,
-            Duration::from_secs(timeout),
-            Sink::new(raw, count),
-            receives,
-        )
-        .map(|sink| sink.report(&group, json)),
-        Role::Subscribe {
-            group,
-            timeout,
-            json,
-            raw,
-            count,
-            receives,
-        } => subscribe(
-            &group,
-            Duration::from_secs(timeout),
-            json,
-            raw,
-            count,
-            receives,
-        ),
+        } => {
+            let (timeout, sink) = (Duration::from_secs(timeout), Sink::new(raw, count));
+            match group.cm {
+                None => subscribe_on_reactor(&group, timeout, sink, receives),
+                Some(_) => subscribe(&group, timeout, sink, receives),
+            }
+            .map(|sink| sink.report(&group, json))
+        }
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,
