@@ -47,10 +47,13 @@
 //! # Ok::<(), rdma_comm_core::Error>(())
 //! ```
 
+mod config;
 mod cores;
 mod factory;
+mod handle;
 mod policy;
 mod port;
+mod stats;
 mod submit;
 mod trace;
 mod worker;
@@ -62,161 +65,21 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
-use crate::reactor::{Counters, EventMode, ReactorConfig};
-use crate::session::{
-    Endpoint, QpHome, QpSpec, Refusal, ServerConfig, ServerSession, ServerShutdown,
-};
-use crate::verbs::{AccessFlags, Gid, ProtectionDomain, UdConfig};
+use crate::reactor::{EventMode, ReactorConfig};
+use crate::session::{QpHome, Refusal, ServerConfig, ServerSession, ServerShutdown};
+use crate::verbs::ProtectionDomain;
 
+pub use config::{DatagramPlan, MAX_SUBMIT_RING, MAX_SUBMIT_SLOT, RuntimeConfig};
 pub use cores::{CoreChoice, CorePlan, parse_core_list};
 pub use factory::{HandlerFactory, NewDatagram, NewSession};
+pub use handle::RuntimeHandle;
 pub use policy::{ChooseFn, PlacementPolicy, ReactorLoad};
+pub use stats::ReactorStats;
 pub use submit::{INLINE_PAYLOAD, SubmitError, Submitter};
 pub use trace::SubmitLatency;
 
 use policy::Chooser;
 use port::{Arrival, Incoming, Port, Seat};
-
-/// Largest payload slot of a submission ring entry.
-pub const MAX_SUBMIT_SLOT: usize = 1 << 20;
-/// Most commands in one submission ring.
-pub const MAX_SUBMIT_RING: usize = 1 << 16;
-
-/// How many reactors, where, and how sessions and commands reach them.
-#[derive(Debug, Clone)]
-pub struct RuntimeConfig {
-    /// Reactor threads, one per core.
-    pub reactors: usize,
-    /// Which cores they are pinned to.
-    pub cores: CoreChoice,
-    /// Every reactor's configuration (event mode, queue depths, CQs sized
-    /// for the sessions one reactor serves: see [`ReactorConfig::absorbing`]).
-    /// In the Blocking and Epoll modes the runtime sleeps until woken
-    /// ([`ReactorConfig::sleeping_until_woken`]) unless `idle_timeout` is
-    /// set shorter than the default's.
-    pub reactor: ReactorConfig,
-    /// How sessions are spread over the reactors.
-    pub policy: PlacementPolicy,
-    /// Sessions and rings waiting in each reactor's arrival queue at most.
-    pub arrival_queue: usize,
-    /// Commands in each submission ring (rounded up to a power of two).
-    pub submit_ring: usize,
-    /// Payload bytes each submission ring entry can carry beyond the
-    /// [`INLINE_PAYLOAD`] that fit in the command (0: inline only; at most
-    /// [`MAX_SUBMIT_SLOT`]).
-    pub submit_slot_size: usize,
-    /// Name prefix of the reactor threads (`NAME-0`, `NAME-1`, ...).
-    pub thread_name: String,
-    /// Measure how long submitted commands wait until the pass that posts
-    /// them has returned from its doorbells (the end of that pass:
-    /// [`ReactorStats::submit_latency`]): one TSC read per command on the
-    /// submitting thread, one per pass that staged commands on the reactor,
-    /// and a walk over the histogram when the statistics are published
-    /// after new samples. At most 64 commands a pass are sampled. Off by
-    /// default.
-    pub trace_submissions: bool,
-    /// Datagram endpoints (UD QPs on a reactor's CQs, see
-    /// [`Reactor::add_datagram`](crate::reactor::Reactor::add_datagram))
-    /// each reactor opens as it starts, before it serves anything; their
-    /// handlers come from [`HandlerFactory::build_datagram`]. Each is open
-    /// to anyone on the fabric (it logs so). None by default.
-    pub datagrams: Vec<DatagramPlan>,
-}
-
-/// A datagram endpoint a runtime reactor opens as it starts
-/// ([`RuntimeConfig::datagrams`]).
-#[derive(Debug, Clone, Default)]
-pub struct DatagramPlan {
-    /// The reactor that serves it: below [`RuntimeConfig::reactors`].
-    pub reactor: usize,
-    /// Its UD QP's depths, inline room, Q_Key, port and GID.
-    pub config: UdConfig,
-    /// Multicast groups (IPv4-mapped GIDs of multicast addresses) it joins
-    /// before the reactor serves anything.
-    pub groups: Vec<Gid>,
-}
-
-impl Default for RuntimeConfig {
-    fn default() -> Self {
-        Self {
-            reactors: 1,
-            cores: CoreChoice::NearDevice,
-            reactor: ReactorConfig::default(),
-            policy: PlacementPolicy::RoundRobin,
-            arrival_queue: 256,
-            submit_ring: 1024,
-            submit_slot_size: 1024,
-            thread_name: "rdma-reactor".into(),
-            trace_submissions: false,
-            datagrams: Vec::new(),
-        }
-    }
-}
-
-/// What one reactor has done, as last published (before each sleep, every
-/// 1024 passes, and when it stopped).
-#[derive(Debug, Clone, PartialEq)]
-pub struct ReactorStats {
-    /// The reactor's index.
-    pub reactor: usize,
-    /// The core it is pinned to.
-    pub core: Option<usize>,
-    /// Its thread's OS id (for `perf`, `top -H`, `/proc`).
-    pub thread_id: u64,
-    /// Still running.
-    pub running: bool,
-    /// Sessions it serves.
-    pub sessions: usize,
-    /// Commands from submission rings it staged.
-    pub commands: u64,
-    /// Passes, completions, messages, requests, doorbells, sleeps.
-    pub counters: Counters,
-    /// How long submitted commands waited until their doorbell, with
-    /// [`RuntimeConfig::trace_submissions`].
-    pub submit_latency: Option<SubmitLatency>,
-}
-
-impl ReactorStats {
-    /// The share of passes that found nothing to do (see
-    /// [`Counters::idle_fraction`]).
-    pub fn idle_fraction(&self) -> f64 {
-        self.counters.idle_fraction()
-    }
-}
-
-impl fmt::Display for ReactorStats {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let c = &self.counters;
-        let core = self
-            .core
-            .map_or("unpinned".to_string(), |core| format!("core {core}"));
-        write!(
-            f,
-            "reactor {} ({core}): {} sessions, {} passes ({:.0} % idle), {} completions, {} messages, {} requests in {} doorbells, {} sleeps, {} submitted commands",
-            self.reactor,
-            self.sessions,
-            c.passes,
-            100.0 * self.idle_fraction(),
-            c.completions,
-            c.messages,
-            c.requests,
-            c.doorbells,
-            c.sleeps,
-            self.commands
-        )?;
-        if let Some(latency) = &self.submit_latency {
-            write!(
-                f,
-                "; submit to doorbell: p50 {:.1} us, p99 {:.1} us, max {:.1} us over {} commands",
-                latency.p50_ns as f64 / 1e3,
-                latency.p99_ns as f64 / 1e3,
-                latency.max_ns as f64 / 1e3,
-                latency.samples
-            )?;
-        }
-        Ok(())
-    }
-}
 
 /// What every handle shares.
 struct Shared {
@@ -256,27 +119,11 @@ pub struct Runtime {
     routers: Vec<JoinHandle<()>>,
 }
 
-/// Controls a runtime from any thread: stop it or one reactor, read the
-/// statistics, hand sessions to reactors, open submission rings. Cheap to
-/// clone.
-#[derive(Clone)]
-pub struct RuntimeHandle {
-    shared: Arc<Shared>,
-}
-
 impl fmt::Debug for Runtime {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Runtime")
             .field("plan", &self.plan)
             .field("policy", &self.shared.chooser.policy)
-            .finish()
-    }
-}
-
-impl fmt::Debug for RuntimeHandle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RuntimeHandle")
-            .field("reactors", &self.shared.ports.len())
             .finish()
     }
 }
@@ -630,176 +477,5 @@ impl Shared {
             port.refuse_queued(&self.refused);
         }
         Ok(())
-    }
-}
-
-impl RuntimeHandle {
-    /// Number of reactors.
-    pub fn reactors(&self) -> usize {
-        self.shared.ports.len()
-    }
-
-    /// The protection domain every reactor's QPs and regions belong to.
-    pub fn pd(&self) -> &ProtectionDomain {
-        &self.shared.pd
-    }
-
-    /// A server configuration with the reactors' QP settings and
-    /// `remote_access` granted to peers; pass it to [`Runtime::serve`]
-    /// after setting exports, limits and the key (it has none: a server
-    /// without one refuses to start unless `insecure_open` says so).
-    pub fn server_config(&self, remote_access: AccessFlags) -> ServerConfig {
-        let mut qp = self.shared.ports[0]
-            .setup
-            .get()
-            .map(|setup| setup.qp_config().clone())
-            .unwrap_or_default();
-        qp.remote_access = remote_access;
-        ServerConfig {
-            qp,
-            ..ServerConfig::default()
-        }
-    }
-
-    /// A QP spec on reactor `reactor`'s CQs (round-robin over them) and
-    /// SRQ, with its queue depths, for a client the application connects
-    /// and then hands over with [`adopt`](Self::adopt).
-    ///
-    /// # Errors
-    /// [`Error::Runtime`] for an index out of range or a reactor not running.
-    pub fn qp_spec(
-        &self,
-        reactor: usize,
-        name: impl Into<String>,
-        remote_access: AccessFlags,
-    ) -> Result<QpSpec> {
-        let port = self.shared.port(reactor)?;
-        let setup = port
-            .setup
-            .get()
-            .filter(|_| port.is_open())
-            .ok_or_else(|| Error::Runtime(format!("reactor {reactor} is not running")))?;
-        Ok(setup.qp_spec(name.into(), remote_access))
-    }
-
-    /// The reactor the policy picks for a session without a hello (round
-    /// robin, or the fewest sessions).
-    ///
-    /// # Errors
-    /// [`Error::Runtime`] when no reactor runs.
-    pub fn choose_reactor(&self) -> Result<usize> {
-        self.shared.choose(None).map_err(Error::Runtime)
-    }
-
-    /// Hands a connected endpoint, whose QPs were built from
-    /// [`qp_spec`](Self::qp_spec)`(reactor, ..)`, to that reactor: its
-    /// factory builds the handler there and the reactor serves it.
-    ///
-    /// # Errors
-    /// [`Error::Runtime`] when the reactor has stopped or its arrival queue
-    /// is full (the endpoint is dropped, telling the peer goodbye). A
-    /// reactor that stops while the endpoint is on its way hands it to the
-    /// factory's [`refused`](HandlerFactory::refused) instead.
-    pub fn adopt(&self, reactor: usize, endpoint: Endpoint) -> Result<()> {
-        let port = self.shared.port(reactor)?;
-        let arrival = Arrival::Session(Box::new(Incoming {
-            endpoint,
-            seat: Seat::new(&port.seats),
-            hello: None,
-        }));
-        self.shared.deliver(reactor, arrival)
-    }
-
-    /// Opens a submission ring from the calling thread to reactor
-    /// `reactor`: see [`Submitter`].
-    ///
-    /// # Errors
-    /// [`Error::Runtime`] when the reactor has stopped or its arrival queue
-    /// is full.
-    pub fn submitter(&self, reactor: usize) -> Result<Submitter> {
-        let (producer, consumer) = submit::ring(
-            self.shared.submit_ring,
-            self.shared.submit_slot_size,
-            self.shared.trace_clock.clone(),
-        );
-        self.shared.deliver(reactor, Arrival::Ring(consumer))?;
-        Ok(Submitter::new(
-            producer,
-            Arc::clone(self.shared.port(reactor)?),
-        ))
-    }
-
-    /// Stops every reactor (each drops its sessions, telling their peers
-    /// goodbye) and every listener. [`Runtime::join`] then returns.
-    pub fn stop(&self) {
-        for port in &self.shared.ports {
-            port.ask_to_stop();
-        }
-        self.stop_listeners();
-    }
-
-    /// Wakes every reactor for a pass, so its handlers' `on_idle` runs: for
-    /// state shared across reactors (a handler on one reactor that must act
-    /// on what a handler on another one posted). Costs one eventfd write
-    /// per reactor, sleeping or not (a busy one runs an extra pass). Meant
-    /// for phase boundaries, not per message. A handle kept by a handler or
-    /// the factory keeps the runtime's shared state (its PD, CQ handles,
-    /// listeners) alive until that handle is dropped: drop it when done.
-    pub fn wake_all(&self) {
-        for port in &self.shared.ports {
-            if let Some(setup) = port.setup.get() {
-                setup.waker.wake();
-            }
-        }
-    }
-
-    /// Stops reactor `reactor` only; new sessions go to the others.
-    ///
-    /// # Errors
-    /// [`Error::Runtime`] for an index out of range.
-    pub fn stop_reactor(&self, reactor: usize) -> Result<()> {
-        self.shared.port(reactor)?.ask_to_stop();
-        Ok(())
-    }
-
-    fn stop_listeners(&self) {
-        let listeners = self
-            .shared
-            .listeners
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        for listener in listeners.iter() {
-            listener.shutdown();
-        }
-    }
-
-    /// Handshakes in progress on the runtime's listeners (each ends within
-    /// its handshake timeout): a server that stops after its last peer can
-    /// let them end on their own first.
-    pub fn pending_handshakes(&self) -> usize {
-        let listeners = self
-            .shared
-            .listeners
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        listeners
-            .iter()
-            .map(ServerShutdown::pending_handshakes)
-            .sum()
-    }
-
-    /// Each reactor's statistics, as last published.
-    pub fn stats(&self) -> Vec<ReactorStats> {
-        self.shared
-            .ports
-            .iter()
-            .map(|port| port.snapshot())
-            .collect()
-    }
-
-    /// How many sessions each reactor has been given and not yet dropped
-    /// (handshakes in flight and queued sessions included).
-    pub fn loads(&self) -> Vec<ReactorLoad> {
-        self.shared.loads()
     }
 }
