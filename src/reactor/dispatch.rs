@@ -13,26 +13,6 @@ use super::slab::Key;
 use super::table::{Completed, Entry, Refusal, wr_id};
 use super::{ConnId, Handler, PeerLink, Reactor, SessionId};
 
-/// What a completion brings the handler, once the connection has done
-/// its part (credits, reposts, the overrun check).
-enum Delivery {
-    /// A WRITE_WITH_IMM landed.
-    WriteImm { imm: u32, len: u32 },
-    /// The peer's first credit: the connection is usable.
-    Established,
-    /// A message in receive slot `slot` (payload address and length),
-    /// maybe with the peer's first credit.
-    Message {
-        established: bool,
-        slot: u32,
-        data: (*const u8, usize),
-        imm: Option<u32>,
-        from_srq: bool,
-    },
-    /// Signaled send-queue work done: this many ops retire.
-    Retired { count: u32 },
-}
-
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Routes completion `at` of `wcs`, read in place (a copy of the
     /// 48-byte completion per message costs about 15 Ir): only the rare
@@ -77,7 +57,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     self.dispatch_unusual(key, &wc, completed);
                     return;
                 }
-                let delivery = match completed {
+                match completed {
                     // The connection counts and checks the peer's
                     // credits and queues the slot for reposting if the
                     // handler gets no hold of it. The cold paths are
@@ -95,50 +75,50 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                         if wc.opcode() == WcOpcode::RECV_RDMA_WITH_IMM {
                             conn.queue_repost(slot);
                             self.counters.messages += 1;
-                            Delivery::WriteImm {
-                                imm: wc.imm().unwrap_or(0),
-                                len,
-                            }
-                        } else {
-                            match conn.rq().decode(slot, len, wc.imm()) {
-                                Ok(Arrival::Message { count, data, imm }) => {
-                                    self.counters.messages += 1;
-                                    let established = conn.peer_credit(count);
-                                    if established {
-                                        conn.answer_first_credit();
-                                    }
-                                    Delivery::Message {
-                                        established,
-                                        slot,
-                                        data,
-                                        imm,
-                                        from_srq: conn.rq().uses_srq(),
-                                    }
-                                }
-                                Ok(Arrival::Credit(count)) => {
-                                    conn.queue_repost(slot);
-                                    if !conn.peer_credit(count) {
-                                        self.conns.settle(key.index);
-                                        return;
-                                    }
+                            let imm = wc.imm().unwrap_or(0);
+                            let (session, id) = (conn.session(), conn.id());
+                            self.deliver_write_imm(key, session, id, imm, len);
+                            return;
+                        }
+                        match conn.rq().decode(slot, len, wc.imm()) {
+                            Ok(Arrival::Message { count, data, imm }) => {
+                                self.counters.messages += 1;
+                                let established = conn.peer_credit(count);
+                                if established {
                                     conn.answer_first_credit();
-                                    Delivery::Established
                                 }
-                                Err(what) => {
-                                    self.malformed(key, slot, what);
+                                let message = Message {
+                                    established,
+                                    slot,
+                                    data,
+                                    imm,
+                                    from_srq: conn.rq().uses_srq(),
+                                };
+                                let (session, id) = (conn.session(), conn.id());
+                                self.deliver_message(key, session, id, message);
+                            }
+                            Ok(Arrival::Credit(count)) => {
+                                conn.queue_repost(slot);
+                                if !conn.peer_credit(count) {
+                                    self.conns.settle(key.index);
                                     return;
                                 }
+                                conn.answer_first_credit();
+                                let (session, id) = (conn.session(), conn.id());
+                                self.deliver_established(key, session, id);
                             }
+                            Err(what) => self.malformed(key, slot, what),
                         }
                     }
-                    Completed::Send { seq } => match conn.sq().retire_count(seq) {
-                        0 => return,
-                        count => Delivery::Retired { count },
-                    },
-                    Completed::Direct => return,
-                };
-                let (session, id) = (conn.session(), conn.id());
-                self.deliver(key, session, id, delivery);
+                    Completed::Send { seq } => {
+                        let count = conn.sq().retire_count(seq);
+                        if count != 0 {
+                            let (session, id) = (conn.session(), conn.id());
+                            self.deliver_retired(key, session, id, count);
+                        }
+                    }
+                    Completed::Direct => {}
+                }
             }
             Err(refusal) => self.refused(at, refusal),
         }
@@ -169,113 +149,150 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
-    /// Calls the handler of `session` with what completion brought
-    /// connection `key` (`id`), and does what the call leaves: the
-    /// message's slot queued for reposting unless held, forwards' slots
-    /// given back as their sends retire, and the connection settled for
-    /// the flush if the delivery or the callback left it work.
+    /// Calls the handler of `session` with a WRITE_WITH_IMM that landed on
+    /// connection `key` (`id`); the connection is settled for the flush
+    /// (its slot's repost).
     #[inline(always)]
-    fn deliver(&mut self, key: Key, session: SessionId, id: ConnId, delivery: Delivery) {
+    fn deliver_write_imm(&mut self, key: Key, session: SessionId, id: ConnId, imm: u32, len: u32) {
+        if let Some(handler) = self.sessions.handler_mut(session) {
+            let mut ctx = reactor_ctx!(self);
+            ctx.own = key.index;
+            handler.on_write_imm(&mut ctx, id, imm, len);
+        }
+        self.conns.settle(key.index);
+    }
+
+    /// Tells the handler of `session` that connection `key` (`id`) is
+    /// established by the peer's first credit; settled for the flush.
+    #[cold]
+    fn deliver_established(&mut self, key: Key, session: SessionId, id: ConnId) {
+        if let Some(handler) = self.sessions.handler_mut(session) {
+            let mut ctx = reactor_ctx!(self);
+            ctx.own = key.index;
+            handler.on_established(&mut ctx, id);
+        }
+        self.conns.settle(key.index);
+    }
+
+    /// Calls the handler of `session` with a message that arrived on
+    /// connection `key` (`id`): its slot is queued for reposting unless
+    /// the handler holds it, and the connection is settled for the flush.
+    #[inline(always)]
+    fn deliver_message(&mut self, key: Key, session: SessionId, id: ConnId, message: Message) {
+        let Message {
+            established,
+            slot,
+            data,
+            imm,
+            from_srq,
+        } = message;
         let Some(handler) = self.sessions.handler_mut(session) else {
-            // A receive leaves its connection work (its slot's repost, a
-            // credit update that may be due); a retire leaves none.
-            if !matches!(delivery, Delivery::Retired { .. }) {
-                self.conns.settle(key.index);
+            if let Some(conn) = self.conns.get_mut_quiet(key) {
+                conn.queue_repost(slot);
             }
+            self.conns.settle(key.index);
             return;
         };
         let mut ctx = reactor_ctx!(self);
         ctx.own = key.index;
-        // Whether the delivery leaves the connection work for the flush: a
-        // receive does (see above); a retire only through what the
-        // callbacks staged on it.
-        let left_work = match delivery {
-            Delivery::WriteImm { imm, len } => {
-                handler.on_write_imm(&mut ctx, id, imm, len);
-                true
-            }
-            Delivery::Established => {
-                handler.on_established(&mut ctx, id);
-                true
-            }
-            Delivery::Message {
-                established,
-                slot,
-                data,
-                imm,
-                from_srq,
-            } => {
-                if established {
-                    handler.on_established(&mut ctx, id);
-                }
-                ctx.offer(id, slot, data.1 as u32, from_srq);
-                // SAFETY: the bytes live in the connection's receive ring,
-                // registered while the connection lives, which is past this
-                // call (removals wait for the end of the pass); the slot is
-                // reposted only after the handler returns (or releases its
-                // hold), so the NIC does not write it meanwhile, and nothing
-                // reachable through `ctx` writes these bytes either (a
-                // forward with an immediate writes only the 4 after them).
-                let data = unsafe { std::slice::from_raw_parts(data.0, data.1) };
-                handler.on_message(&mut ctx, id, data, imm);
-                if ctx.current.is_some()
-                    && let Some(conn) = ctx.conns.get_mut_quiet(key)
-                {
-                    conn.queue_repost(slot);
-                }
-                true
-            }
-            Delivery::Retired { count } => {
-                let mut left = count;
-                while left > 0 {
-                    let Some(conn) = ctx.conns.get_mut_quiet(key) else {
-                        break;
-                    };
-                    // A run of one kind retires whole, for one handler
-                    // call (`retire_count` vouched for `left` ops in
-                    // flight).
-                    let (seq, op, run) = conn.retire_run(left);
-                    left -= run;
-                    match op.kind() {
-                        OpKind::Send => handler.on_sends_complete(&mut ctx, id, seq, run),
-                        OpKind::Write => handler.on_writes_complete(&mut ctx, id, seq, run),
-                        OpKind::Read => handler.on_reads_complete(&mut ctx, id, seq, run),
-                        OpKind::Forward => {
-                            // A slot back in the SRQ pool's batch needs
-                            // this pass's flush, which a retire alone does
-                            // not ask for.
-                            if let Some(origin) = op.forward_origin(id) {
-                                return_forwarded(
-                                    ctx.conns,
-                                    &mut self.srq,
-                                    &mut self.idle,
-                                    origin.conn,
-                                    origin.slot,
-                                    origin.from_srq,
-                                );
-                            }
-                            handler.on_sends_complete(&mut ctx, id, seq, 1);
-                        }
-                        OpKind::Credit => {}
-                    }
-                }
-                ctx.own_staged
-            }
+        if established {
+            handler.on_established(&mut ctx, id);
+        }
+        ctx.offer(id, slot, data.1 as u32, from_srq);
+        // SAFETY: the bytes live in the connection's receive ring,
+        // registered while the connection lives, which is past this call
+        // (removals wait for the end of the pass); the slot is reposted
+        // only after the handler returns (or releases its hold), so the
+        // NIC does not write it meanwhile, and nothing reachable through
+        // `ctx` writes these bytes either (a forward with an immediate
+        // writes only the 4 after them).
+        let data = unsafe { std::slice::from_raw_parts(data.0, data.1) };
+        handler.on_message(&mut ctx, id, data, imm);
+        if ctx.current.is_some()
+            && let Some(conn) = ctx.conns.get_mut_quiet(key)
+        {
+            conn.queue_repost(slot);
+        }
+        ctx.conns.settle(key.index);
+        self.debug_check_settled(key);
+    }
+
+    /// Retires the `count` oldest send-queue ops of connection `key`
+    /// (`id`), calling the handler of `session` once per run of one kind,
+    /// and gives forwards' slots back. The connection is settled for the
+    /// flush only if the callbacks staged work on it.
+    #[inline(always)]
+    fn deliver_retired(&mut self, key: Key, session: SessionId, id: ConnId, count: u32) {
+        let Some(handler) = self.sessions.handler_mut(session) else {
+            return;
         };
-        if left_work {
+        let mut ctx = reactor_ctx!(self);
+        ctx.own = key.index;
+        let mut left = count;
+        while left > 0 {
+            let Some(conn) = ctx.conns.get_mut_quiet(key) else {
+                break;
+            };
+            // A run of one kind retires whole, for one handler call
+            // (`retire_count` vouched for `left` ops in flight).
+            let (seq, op, run) = conn.retire_run(left);
+            left -= run;
+            match op.kind() {
+                OpKind::Send => handler.on_sends_complete(&mut ctx, id, seq, run),
+                OpKind::Write => handler.on_writes_complete(&mut ctx, id, seq, run),
+                OpKind::Read => handler.on_reads_complete(&mut ctx, id, seq, run),
+                OpKind::Forward => {
+                    // A slot back in the SRQ pool's batch needs this pass's
+                    // flush, which a retire alone does not ask for.
+                    if let Some(origin) = op.forward_origin(id) {
+                        return_forwarded(
+                            ctx.conns,
+                            &mut self.srq,
+                            &mut self.idle,
+                            origin.conn,
+                            origin.slot,
+                            origin.from_srq,
+                        );
+                    }
+                    handler.on_sends_complete(&mut ctx, id, seq, 1);
+                }
+                OpKind::Credit => {}
+            }
+        }
+        if ctx.own_staged {
             ctx.conns.settle(key.index);
         }
-        // Whatever the delivery and its callbacks left the connection, the
-        // flush sees: it is due or listed, or has nothing for a flush.
+        self.debug_check_settled(key);
+    }
+
+    /// Whatever a delivery and its callbacks left connection `key`, the
+    /// flush sees: it is due or listed, or has nothing for a flush.
+    #[inline(always)]
+    fn debug_check_settled(&self, key: Key) {
         #[cfg(debug_assertions)]
-        if let Some(conn) = ctx.conns.get(key) {
+        if let Some(conn) = self.conns.get(key) {
             debug_assert!(
-                ctx.conns.is_settled(key.index)
+                self.conns.is_settled(key.index)
                     || conn.state().is_closed()
                     || (conn.is_quiet() && !conn.rq().is_due()),
                 "a delivery left connection {} work the flush does not see",
                 conn.qpn()
             );
         }
+        #[cfg(not(debug_assertions))]
+        let _ = key;
     }
+}
+
+/// A message a receive brought, once the connection has done its part
+/// (credits, the overrun check): for the handler.
+struct Message {
+    /// The peer's first credit came with it: the connection is usable.
+    established: bool,
+    /// The receive slot it landed in.
+    slot: u32,
+    /// The payload's address and length.
+    data: (*const u8, usize),
+    imm: Option<u32>,
+    from_srq: bool,
 }
