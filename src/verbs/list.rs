@@ -1,14 +1,21 @@
 //! A preallocated list of send work requests for a runtime that posts a
 //! batch per doorbell: WRs and their SGEs, as many as one doorbell can
-//! carry (the owner's send-queue depth), allocated once. Staging writes the few fields
-//! a request needs into the next entry in place, through typed setters;
-//! posting links the staged entries (two pointer stores each, from pointers
-//! taken at that moment, so no stored pointer outlives a later borrow of
-//! the arrays) and posts them. Nothing is zeroed or copied per message
-//! (perftest's way of reusing its WR, for a whole batch).
+//! carry (the owner's send-queue depth), allocated once and linked once
+//! (each WR to its SGE and to the next WR). Staging writes the few fields
+//! a request needs into the next entry in place; posting cuts the chain
+//! after the last staged entry, posts, and mends it. Nothing is zeroed,
+//! copied or linked per message (perftest's way of reusing its WR, for a
+//! whole batch).
+//!
+//! The arrays are held as raw pointers from the moment they are
+//! allocated, and every access, the links included, derives from those
+//! pointers: no reference to the arrays is ever made that could outdate
+//! the stored links.
 //!
 //! Entries carry raw addresses and keys, so the list is crate-private: the
 //! reactor, which owns the memory its requests point at, is its one user.
+
+use std::ptr::NonNull;
 
 use crate::sys;
 
@@ -131,26 +138,48 @@ impl SendDescriptor {
     }
 }
 
-/// Send requests up to a capacity fixed at creation, preallocated.
+/// Send requests up to a capacity fixed at creation, preallocated and
+/// linked.
 pub(crate) struct SendList {
-    // Boxed: a list is large, and its owner moves. Both have the
-    // capacity's length.
-    wrs: Box<[sys::ibv_send_wr]>,
-    sges: Box<[sys::ibv_sge]>,
+    /// `capacity` WRs, each linked to its SGE and to the next WR (the last
+    /// to none), from a leaked boxed slice; freed in `drop`.
+    wrs: NonNull<sys::ibv_send_wr>,
+    /// `capacity` SGEs, from a leaked boxed slice; freed in `drop`.
+    sges: NonNull<sys::ibv_sge>,
+    capacity: usize,
     len: usize,
 }
 
-// SAFETY: the only raw pointers inside are the links `post_with` writes
-// into the list's own boxes right before posting; they are not used after.
+// SAFETY: the list owns both arrays (nothing else points into them but
+// their own links), so moving it to another thread moves sole ownership.
 unsafe impl Send for SendList {}
 
 impl SendList {
     /// A list of room for `capacity` requests (at least one).
     pub(crate) fn with_capacity(capacity: usize) -> Self {
         let capacity = capacity.max(1);
+        let wrs = vec![sys::ibv_send_wr::default(); capacity].into_boxed_slice();
+        let sges = vec![sys::ibv_sge::default(); capacity].into_boxed_slice();
+        let wrs = NonNull::from(Box::leak(wrs)).cast::<sys::ibv_send_wr>();
+        let sges = NonNull::from(Box::leak(sges)).cast::<sys::ibv_sge>();
+        for i in 0..capacity {
+            let next = if i + 1 < capacity {
+                wrs.as_ptr().wrapping_add(i + 1)
+            } else {
+                std::ptr::null_mut()
+            };
+            // SAFETY: i < capacity, the length of both fresh arrays, which
+            // only this list points into.
+            unsafe {
+                let wr = wrs.as_ptr().add(i);
+                (*wr).sg_list = sges.as_ptr().add(i);
+                (*wr).next = next;
+            }
+        }
         Self {
-            wrs: vec![sys::ibv_send_wr::default(); capacity].into_boxed_slice(),
-            sges: vec![sys::ibv_sge::default(); capacity].into_boxed_slice(),
+            wrs,
+            sges,
+            capacity,
             len: 0,
         }
     }
@@ -167,7 +196,7 @@ impl SendList {
 
     #[inline]
     pub(crate) fn is_full(&self) -> bool {
-        self.len >= self.wrs.len()
+        self.len >= self.capacity
     }
 
     #[inline]
@@ -179,21 +208,25 @@ impl SendList {
     #[inline]
     pub(crate) fn push(&mut self, wr_id: u64, flags: SendFlags, request: &SendDescriptor) -> bool {
         let i = self.len;
-        // Both arrays have the same length; `get_mut` proves each index in
-        // bounds with the one compare that refuses a full list.
-        let (Some(wr), Some(sge)) = (self.wrs.get_mut(i), self.sges.get_mut(i)) else {
+        if i >= self.capacity {
             return false;
-        };
-        *sge = request.local.into();
-        wr.wr_id = wr_id;
-        wr.opcode = request.raw_opcode();
-        wr.send_flags = flags.bits();
-        // A zero-length request carries no SGE (a credit update).
-        wr.num_sge = i32::from(request.local.len > 0);
+        }
         let (remote_addr, rkey) = request.remote.map_or((0, 0), |r| (r.addr, r.rkey));
-        wr.wr.rdma.remote_addr = remote_addr;
-        wr.wr.rdma.rkey = rkey;
-        wr.__bindgen_anon_1.imm_data = request.imm.unwrap_or(0).to_be();
+        // SAFETY: i < capacity, so entry i of both arrays exists; `&mut
+        // self` keeps anything else from reaching them. The links are left
+        // as they are.
+        unsafe {
+            *self.sges.as_ptr().add(i) = request.local.into();
+            let wr = self.wrs.as_ptr().add(i);
+            (*wr).wr_id = wr_id;
+            (*wr).opcode = request.raw_opcode();
+            (*wr).send_flags = flags.bits();
+            // A zero-length request carries no SGE (a credit update).
+            (*wr).num_sge = i32::from(request.local.len > 0);
+            (*wr).wr.rdma.remote_addr = remote_addr;
+            (*wr).wr.rdma.rkey = rkey;
+            (*wr).__bindgen_anon_1.imm_data = request.imm.unwrap_or(0).to_be();
+        }
         self.len = i + 1;
         true
     }
@@ -203,12 +236,14 @@ impl SendList {
     #[cfg(test)]
     pub(crate) fn staged_at(&self, index: usize) -> Option<(SendFlags, u64, u32)> {
         (index < self.len).then(|| {
-            let wr = &self.wrs[index];
-            let bytes = if wr.num_sge > 0 {
-                self.sges[index].length
-            } else {
-                0
+            // SAFETY: index < len <= capacity.
+            let (wr, sge) = unsafe {
+                (
+                    &*self.wrs.as_ptr().add(index),
+                    &*self.sges.as_ptr().add(index),
+                )
             };
+            let bytes = if wr.num_sge > 0 { sge.length } else { 0 };
             (
                 SendFlags::from_bits_truncate(wr.send_flags),
                 wr.wr_id,
@@ -222,7 +257,8 @@ impl SendList {
     pub(crate) fn flag_last(&mut self, flags: SendFlags) -> bool {
         match self.len.checked_sub(1) {
             Some(last) => {
-                self.wrs[last].send_flags |= flags.bits();
+                // SAFETY: last < len <= capacity; `&mut self` is exclusive.
+                unsafe { (*self.wrs.as_ptr().add(last)).send_flags |= flags.bits() };
                 true
             }
             None => false,
@@ -241,24 +277,39 @@ impl SendList {
             return Ok(());
         }
         self.len = 0;
-        // Links from pointers taken now: every one derives from these two,
-        // and nothing borrows the arrays again until `post` returns.
-        let wrs = self.wrs.as_mut_ptr();
-        let sges = self.sges.as_mut_ptr();
-        for i in 0..len {
-            let next = if i + 1 < len {
-                wrs.wrapping_add(i + 1)
-            } else {
-                std::ptr::null_mut()
-            };
-            // SAFETY: i < len <= capacity, so entry i of both arrays exists; we
-            // hold `&mut self`, so nothing else accesses them.
-            unsafe {
-                (*wrs.add(i)).sg_list = sges.add(i);
-                (*wrs.add(i)).next = next;
-            }
+        let head = self.wrs.as_ptr();
+        // SAFETY: len - 1 < capacity; `&mut self` is exclusive.
+        let last = unsafe { head.add(len - 1) };
+        if len == self.capacity {
+            // The last entry's link is null already.
+            return post(head, len);
         }
-        post(wrs, len)
+        // Cut after the last staged entry, and mend the chain after the
+        // post (the next entry's address, as linked at creation).
+        // SAFETY: as above; nothing else reads the list during `post` but
+        // the provider, which only reads it.
+        unsafe { (*last).next = std::ptr::null_mut() };
+        let posted = post(head, len);
+        // SAFETY: as above.
+        unsafe { (*last).next = head.add(len) };
+        posted
+    }
+}
+
+impl Drop for SendList {
+    fn drop(&mut self) {
+        // SAFETY: both pointers came from leaked boxed slices of `capacity`
+        // entries, and are freed only here.
+        unsafe {
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.wrs.as_ptr(),
+                self.capacity,
+            )));
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.sges.as_ptr(),
+                self.capacity,
+            )));
+        }
     }
 }
 
@@ -334,5 +385,45 @@ mod tests {
             Ok(())
         })
         .unwrap();
+    }
+
+    #[test]
+    fn a_refused_post_mends_the_list_and_each_entry_keeps_its_sge() {
+        let mut list = SendList::with_capacity(3);
+        let sge = |addr| Sge {
+            addr,
+            len: 8,
+            lkey: 1,
+        };
+        assert!(list.push(
+            1,
+            SendFlags::empty(),
+            &SendDescriptor::send(sge(0x10), None)
+        ));
+        let refused = list.post_with(|head, len| {
+            assert_eq!(count_before(head, std::ptr::null_mut(), 10), len);
+            Err(crate::Error::InvalidArgument("refused"))
+        });
+        assert!(refused.is_err());
+        assert!(list.is_empty(), "emptied also when refused");
+        for id in 0..3 {
+            let request = SendDescriptor::send(sge(0x100 * (id + 1)), None);
+            assert!(list.push(id, SendFlags::empty(), &request));
+        }
+        let mut seen = Vec::new();
+        list.post_with(|head, len| {
+            assert_eq!(len, 3);
+            let mut cur = head;
+            while !cur.is_null() {
+                // SAFETY: the list's own entries and SGEs, alive during the
+                // call.
+                let (wr, sge) = unsafe { (&*cur, &*(*cur).sg_list) };
+                seen.push((wr.wr_id, sge.addr));
+                cur = wr.next;
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, [(0, 0x100), (1, 0x200), (2, 0x300)]);
     }
 }
