@@ -338,6 +338,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // Rung from callbacks, which cannot reach these (one request each).
         counters.doorbells += self.deferred.lone_doorbells;
         counters.requests += self.deferred.lone_doorbells;
+        // The datagram endpoints count their own posts.
+        let datagrams = self.datagrams.posted();
+        counters.doorbells += datagrams.doorbells;
+        counters.requests += datagrams.requests;
         counters
     }
 

@@ -138,27 +138,30 @@ impl SendDescriptor {
     }
 }
 
-/// Send requests up to a capacity fixed at creation, preallocated and
-/// linked.
-pub(crate) struct SendList {
-    /// `capacity` WRs, each linked to its SGE and to the next WR (the last
-    /// to none), from a leaked boxed slice; freed in `drop`.
+/// Send work requests with their SGEs, preallocated and linked once: each
+/// WR to its SGE and to the next WR (the last to none). A post hands out
+/// the first `len` as one NULL-terminated list ([`post_with`](Self::post_with)).
+/// Shared by the reactor's lists of connection requests ([`SendList`]) and
+/// of datagrams (`UdSendList`).
+pub(crate) struct SendChain {
+    /// `capacity` WRs, from a leaked boxed slice; freed in `drop`.
     wrs: NonNull<sys::ibv_send_wr>,
     /// `capacity` SGEs, from a leaked boxed slice; freed in `drop`.
     sges: NonNull<sys::ibv_sge>,
     capacity: usize,
-    len: usize,
 }
 
-// SAFETY: the list owns both arrays (nothing else points into them but
+// SAFETY: the chain owns both arrays (nothing else points into them but
 // their own links), so moving it to another thread moves sole ownership.
-unsafe impl Send for SendList {}
+unsafe impl Send for SendChain {}
 
-impl SendList {
-    /// A list of room for `capacity` requests (at least one).
-    pub(crate) fn with_capacity(capacity: usize) -> Self {
+impl SendChain {
+    /// `capacity` requests (at least one), each set up by `init` (its
+    /// constant fields; the links are the chain's).
+    pub(crate) fn new(capacity: usize, init: impl Fn(&mut sys::ibv_send_wr)) -> Self {
         let capacity = capacity.max(1);
-        let wrs = vec![sys::ibv_send_wr::default(); capacity].into_boxed_slice();
+        let mut wrs = vec![sys::ibv_send_wr::default(); capacity].into_boxed_slice();
+        wrs.iter_mut().for_each(init);
         let sges = vec![sys::ibv_sge::default(); capacity].into_boxed_slice();
         let wrs = NonNull::from(Box::leak(wrs)).cast::<sys::ibv_send_wr>();
         let sges = NonNull::from(Box::leak(sges)).cast::<sys::ibv_sge>();
@@ -169,7 +172,7 @@ impl SendList {
                 std::ptr::null_mut()
             };
             // SAFETY: i < capacity, the length of both fresh arrays, which
-            // only this list points into.
+            // only this chain points into.
             unsafe {
                 let wr = wrs.as_ptr().add(i);
                 (*wr).sg_list = sges.as_ptr().add(i);
@@ -180,6 +183,102 @@ impl SendList {
             wrs,
             sges,
             capacity,
+        }
+    }
+
+    /// How many requests the chain holds.
+    #[inline]
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Request `i` and its SGE, to fill in (everything but `sg_list` and
+    /// `next`, which are the chain's); `None` beyond the capacity.
+    #[inline(always)]
+    pub(crate) fn entry(&mut self, i: usize) -> Option<(&mut sys::ibv_send_wr, &mut sys::ibv_sge)> {
+        if i >= self.capacity {
+            return None;
+        }
+        // SAFETY: i < capacity, so entry i of both arrays exists; the
+        // borrows are derived from the arrays' own pointers and `&mut self`
+        // keeps anything else from reaching them while they live.
+        unsafe {
+            Some((
+                &mut *self.wrs.as_ptr().add(i),
+                &mut *self.sges.as_ptr().add(i),
+            ))
+        }
+    }
+
+    /// Request `i`, to read (`None` beyond the capacity).
+    #[cfg(test)]
+    pub(crate) fn get(&self, i: usize) -> Option<(&sys::ibv_send_wr, &sys::ibv_sge)> {
+        if i >= self.capacity {
+            return None;
+        }
+        // SAFETY: as in `entry`, shared.
+        unsafe { Some((&*self.wrs.as_ptr().add(i), &*self.sges.as_ptr().add(i))) }
+    }
+
+    /// Hands the first `len` requests (1 to the capacity) to `post` as one
+    /// NULL-terminated list, with `len`: the chain is cut after the last
+    /// one for the call and mended after it. Returns what `post` returns.
+    #[inline]
+    pub(crate) fn post_with<T>(
+        &mut self,
+        len: usize,
+        post: impl FnOnce(*mut sys::ibv_send_wr) -> T,
+    ) -> T {
+        debug_assert!(len >= 1 && len <= self.capacity);
+        let len = len.clamp(1, self.capacity);
+        let head = self.wrs.as_ptr();
+        if len == self.capacity {
+            // The last entry's link is null already.
+            return post(head);
+        }
+        // SAFETY: len - 1 < len < capacity; `&mut self` is exclusive, and
+        // nothing but the provider reads the chain during `post`, which
+        // only reads it. The mended link is the next entry's address, as
+        // linked at creation.
+        unsafe {
+            let last = head.add(len - 1);
+            (*last).next = std::ptr::null_mut();
+            let posted = post(head);
+            (*last).next = head.add(len);
+            posted
+        }
+    }
+}
+
+impl Drop for SendChain {
+    fn drop(&mut self) {
+        // SAFETY: both pointers came from leaked boxed slices of `capacity`
+        // entries, and are freed only here.
+        unsafe {
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.wrs.as_ptr(),
+                self.capacity,
+            )));
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.sges.as_ptr(),
+                self.capacity,
+            )));
+        }
+    }
+}
+
+/// Send requests up to a capacity fixed at creation, preallocated and
+/// linked ([`SendChain`]).
+pub(crate) struct SendList {
+    chain: SendChain,
+    len: usize,
+}
+
+impl SendList {
+    /// A list of room for `capacity` requests (at least one).
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
+        Self {
+            chain: SendChain::new(capacity, |_| {}),
             len: 0,
         }
     }
@@ -196,7 +295,7 @@ impl SendList {
 
     #[inline]
     pub(crate) fn is_full(&self) -> bool {
-        self.len >= self.capacity
+        self.len >= self.chain.capacity()
     }
 
     #[inline]
@@ -208,25 +307,19 @@ impl SendList {
     #[inline]
     pub(crate) fn push(&mut self, wr_id: u64, flags: SendFlags, request: &SendDescriptor) -> bool {
         let i = self.len;
-        if i >= self.capacity {
+        let Some((wr, sge)) = self.chain.entry(i) else {
             return false;
-        }
+        };
+        *sge = request.local.into();
         let (remote_addr, rkey) = request.remote.map_or((0, 0), |r| (r.addr, r.rkey));
-        // SAFETY: i < capacity, so entry i of both arrays exists; `&mut
-        // self` keeps anything else from reaching them. The links are left
-        // as they are.
-        unsafe {
-            *self.sges.as_ptr().add(i) = request.local.into();
-            let wr = self.wrs.as_ptr().add(i);
-            (*wr).wr_id = wr_id;
-            (*wr).opcode = request.raw_opcode();
-            (*wr).send_flags = flags.bits();
-            // A zero-length request carries no SGE (a credit update).
-            (*wr).num_sge = i32::from(request.local.len > 0);
-            (*wr).wr.rdma.remote_addr = remote_addr;
-            (*wr).wr.rdma.rkey = rkey;
-            (*wr).__bindgen_anon_1.imm_data = request.imm.unwrap_or(0).to_be();
-        }
+        wr.wr_id = wr_id;
+        wr.opcode = request.raw_opcode();
+        wr.send_flags = flags.bits();
+        // A zero-length request carries no SGE (a credit update).
+        wr.num_sge = i32::from(request.local.len > 0);
+        wr.wr.rdma.remote_addr = remote_addr;
+        wr.wr.rdma.rkey = rkey;
+        wr.__bindgen_anon_1.imm_data = request.imm.unwrap_or(0).to_be();
         self.len = i + 1;
         true
     }
@@ -235,30 +328,27 @@ impl SendList {
     /// of the reactor's staging).
     #[cfg(test)]
     pub(crate) fn staged_at(&self, index: usize) -> Option<(SendFlags, u64, u32)> {
-        (index < self.len).then(|| {
-            // SAFETY: index < len <= capacity.
-            let (wr, sge) = unsafe {
-                (
-                    &*self.wrs.as_ptr().add(index),
-                    &*self.sges.as_ptr().add(index),
-                )
-            };
-            let bytes = if wr.num_sge > 0 { sge.length } else { 0 };
-            (
-                SendFlags::from_bits_truncate(wr.send_flags),
-                wr.wr_id,
-                bytes,
-            )
-        })
+        if index >= self.len {
+            return None;
+        }
+        let (wr, sge) = self.chain.get(index)?;
+        let bytes = if wr.num_sge > 0 { sge.length } else { 0 };
+        Some((
+            SendFlags::from_bits_truncate(wr.send_flags),
+            wr.wr_id,
+            bytes,
+        ))
     }
 
     /// Adds `flags` to the last staged request; false when none is staged.
     #[inline]
     pub(crate) fn flag_last(&mut self, flags: SendFlags) -> bool {
-        match self.len.checked_sub(1) {
-            Some(last) => {
-                // SAFETY: last < len <= capacity; `&mut self` is exclusive.
-                unsafe { (*self.wrs.as_ptr().add(last)).send_flags |= flags.bits() };
+        let Some(last) = self.len.checked_sub(1) else {
+            return false;
+        };
+        match self.chain.entry(last) {
+            Some((wr, _)) => {
+                wr.send_flags |= flags.bits();
                 true
             }
             None => false,
@@ -272,44 +362,11 @@ impl SendList {
         &mut self,
         post: impl FnOnce(*mut sys::ibv_send_wr, usize) -> crate::Result<()>,
     ) -> crate::Result<()> {
-        let len = self.len;
+        let len = std::mem::take(&mut self.len);
         if len == 0 {
             return Ok(());
         }
-        self.len = 0;
-        let head = self.wrs.as_ptr();
-        // SAFETY: len - 1 < capacity; `&mut self` is exclusive.
-        let last = unsafe { head.add(len - 1) };
-        if len == self.capacity {
-            // The last entry's link is null already.
-            return post(head, len);
-        }
-        // Cut after the last staged entry, and mend the chain after the
-        // post (the next entry's address, as linked at creation).
-        // SAFETY: as above; nothing else reads the list during `post` but
-        // the provider, which only reads it.
-        unsafe { (*last).next = std::ptr::null_mut() };
-        let posted = post(head, len);
-        // SAFETY: as above.
-        unsafe { (*last).next = head.add(len) };
-        posted
-    }
-}
-
-impl Drop for SendList {
-    fn drop(&mut self) {
-        // SAFETY: both pointers came from leaked boxed slices of `capacity`
-        // entries, and are freed only here.
-        unsafe {
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
-                self.wrs.as_ptr(),
-                self.capacity,
-            )));
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
-                self.sges.as_ptr(),
-                self.capacity,
-            )));
-        }
+        self.chain.post_with(len, |head| post(head, len))
     }
 }
 

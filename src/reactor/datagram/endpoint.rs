@@ -34,13 +34,13 @@ pub(crate) struct DatagramEndpoint {
     failed: bool,
     /// A refused post failed the endpoint: its handler is to be told.
     report: Option<Error>,
-    /// Datagrams and doorbells a full list posted while staging, not yet
-    /// counted.
-    posted_early: (u64, u64),
+    /// Datagrams posted, and the doorbells that posted them, for the
+    /// reactor's counters (read with them: nothing counts per pass).
+    posted: PostCount,
 }
 
 // SAFETY: the raw pointers in the rings point into this endpoint's own
-// regions and boxes (the requests' links, rewritten before each post);
+// regions and boxes (the requests' links, into the lists' own arrays);
 // moving the endpoint to another thread moves none of that memory.
 unsafe impl Send for DatagramEndpoint {}
 
@@ -70,7 +70,7 @@ impl DatagramEndpoint {
             sends,
             failed: false,
             report: None,
-            posted_early: (0, 0),
+            posted: PostCount::default(),
         };
         // SAFETY: the endpoint's own QP, on `pd` like the ring, and declared
         // before the ring so destroyed first.
@@ -170,9 +170,7 @@ impl DatagramEndpoint {
             return Err(SendError::Closed);
         }
         if self.sends.stage(&self.qp, to, data)? {
-            let posted = self.post_sends() as u64;
-            self.posted_early.0 += posted;
-            self.posted_early.1 += u64::from(posted != 0);
+            self.post_sends();
             if self.failed {
                 return Err(SendError::Closed);
             }
@@ -180,23 +178,46 @@ impl DatagramEndpoint {
         Ok(())
     }
 
-    /// Rings the doorbell for the staged datagrams; returns how many
-    /// went. A refused post fails the endpoint.
+    /// Rings the doorbell for the staged datagrams. A refused post fails
+    /// the endpoint.
     #[inline]
-    pub(crate) fn post_sends(&mut self) -> usize {
+    fn post_sends(&mut self) {
         if self.failed {
             self.sends.drop_staged();
-            return 0;
+            return;
         }
         // SAFETY: the endpoint's own QP, which staged them (`stage`), on
         // the slots' PD and declared before them.
         match unsafe { self.sends.flush(&mut self.qp) } {
-            Ok(posted) => posted,
-            Err(error) => {
-                self.post_failed(error);
-                0
+            Ok(posted) => {
+                self.posted.requests += posted as u64;
+                self.posted.doorbells += u64::from(posted != 0);
             }
+            Err(error) => self.post_failed(error),
         }
+    }
+
+    /// The end of a pass: the staged datagrams' doorbell, and the receives
+    /// waiting to go back if a batch is due (all of them if `idle`).
+    /// Returns whether receives still wait (none do on a failed endpoint)
+    /// and whether a refused post failed it with a report for its handler.
+    #[inline]
+    pub(crate) fn flush(&mut self, idle: bool) -> Flushed {
+        if self.sends.has_staged() {
+            self.post_sends();
+        }
+        if self.receives.is_due() || idle && self.receives.has_pending() {
+            self.post_receives();
+        }
+        Flushed {
+            pending: !self.failed && self.receives.has_pending(),
+            report: self.report.is_some(),
+        }
+    }
+
+    /// Datagrams posted and the doorbells that posted them, so far.
+    pub(crate) fn posted(&self) -> PostCount {
+        self.posted
     }
 
     /// The device refused a post: the endpoint is failed, and its handler
@@ -210,26 +231,16 @@ impl DatagramEndpoint {
         self.sends.drop_staged();
     }
 
-    /// Whether a refused post failed it and its handler is not told yet.
-    pub(crate) fn has_report(&self) -> bool {
-        self.report.is_some()
-    }
-
     /// The error of a refused post, once.
     pub(crate) fn take_report(&mut self) -> Option<Error> {
         self.report.take()
     }
 
-    /// Whether datagrams wait for the doorbell.
-    #[inline]
-    pub(crate) fn has_staged(&self) -> bool {
-        self.sends.has_staged()
-    }
-
-    /// Posts the receives waiting to go back (all of them if `all`, else
-    /// only a full batch). A refused post fails the endpoint.
-    pub(crate) fn post_receives(&mut self, all: bool) {
-        if !(self.receives.is_due() || all && self.receives.has_pending()) || self.failed {
+    /// Posts the receives waiting to go back. A refused post fails the
+    /// endpoint.
+    #[inline(never)]
+    fn post_receives(&mut self) {
+        if self.failed {
             return;
         }
         // SAFETY: the endpoint's own QP, on the ring's PD and declared
@@ -251,10 +262,19 @@ impl DatagramEndpoint {
     pub(crate) fn has_due_receives(&self) -> bool {
         !self.failed && self.receives.is_due()
     }
+}
 
-    /// Datagrams and doorbells posted while staging (a full list) since
-    /// the last call.
-    pub(crate) fn take_posted_early(&mut self) -> (u64, u64) {
-        std::mem::take(&mut self.posted_early)
-    }
+/// What [`DatagramEndpoint::flush`] left.
+pub(crate) struct Flushed {
+    /// Receives still wait to be posted again.
+    pub(crate) pending: bool,
+    /// A refused post failed the endpoint: its handler is to be told.
+    pub(crate) report: bool,
+}
+
+/// Datagrams posted and the doorbells that posted them.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct PostCount {
+    pub(crate) requests: u64,
+    pub(crate) doorbells: u64,
 }

@@ -25,7 +25,7 @@ use crate::verbs::{GRH_BYTES, Gid, UdDestination, datagram_sender};
 
 use super::SendError;
 use super::table::wr_id::MAX_ENDPOINTS;
-pub(crate) use endpoint::{Arrived, DatagramEndpoint};
+pub(crate) use endpoint::{Arrived, DatagramEndpoint, Flushed, PostCount};
 
 /// A datagram endpoint of one reactor
 /// ([`Reactor::add_datagram`](super::Reactor::add_datagram)). Ids are
@@ -240,10 +240,11 @@ impl DatagramTable {
 
     /// Rings each endpoint's doorbell for its staged datagrams and posts
     /// its receives (a full batch, or all of them if `idle`). Returns the
-    /// datagrams posted, the doorbells rung, and the endpoints a refused
-    /// post failed (one bit each: [`take_report`](Self::take_report)).
-    pub(crate) fn flush(&mut self, idle: bool) -> (u64, u64, u64) {
-        let (mut requests, mut doorbells, mut failed) = (0, 0, 0);
+    /// endpoints a refused post failed (one bit each:
+    /// [`take_report`](Self::take_report)).
+    #[inline]
+    pub(crate) fn flush(&mut self, idle: bool) -> u64 {
+        let mut failed = 0;
         let mut todo = std::mem::take(&mut self.work);
         if idle {
             todo |= self.pending;
@@ -255,23 +256,27 @@ impl DatagramTable {
             let Some(endpoint) = self.endpoints.get_mut(index as usize) else {
                 continue;
             };
-            let (early, rung) = endpoint.take_posted_early();
-            requests += early;
-            doorbells += rung;
-            if endpoint.has_staged() {
-                let posted = endpoint.post_sends();
-                requests += posted as u64;
-                doorbells += u64::from(posted != 0);
-            }
-            endpoint.post_receives(idle);
-            if !endpoint.has_pending_receives() {
+            let Flushed { pending, report } = endpoint.flush(idle);
+            if !pending {
                 self.pending &= !(1 << index);
             }
-            if endpoint.has_report() {
+            if report {
                 failed |= 1 << index;
             }
         }
-        (requests, doorbells, failed)
+        failed
+    }
+
+    /// Datagrams every endpoint posted and the doorbells that posted them,
+    /// so far.
+    pub(crate) fn posted(&self) -> PostCount {
+        self.endpoints.iter().map(DatagramEndpoint::posted).fold(
+            PostCount::default(),
+            |sum, posted| PostCount {
+                requests: sum.requests + posted.requests,
+                doorbells: sum.doorbells + posted.doorbells,
+            },
+        )
     }
 
     /// The error a refused post failed endpoint `index` with, once.

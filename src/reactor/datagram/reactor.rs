@@ -183,9 +183,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     #[inline(never)]
     pub(in super::super) fn flush_datagrams(&mut self, idle: bool) {
-        let (requests, doorbells, failed) = self.datagrams.flush(idle);
-        self.counters.requests += requests;
-        self.counters.doorbells += doorbells;
+        let failed = self.datagrams.flush(idle);
         if failed != 0 {
             for index in 0..u64::BITS {
                 if failed & (1 << index) != 0

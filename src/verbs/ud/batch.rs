@@ -7,16 +7,15 @@ use std::sync::Arc;
 
 use crate::sys;
 
-use super::super::list::Sge;
+use super::super::list::{SendChain, Sge};
 use super::{AddressHandle, UdDestination};
 
-/// Up to `N` datagrams, preallocated, each holding the address handle it
-/// goes to until the list is posted (the handler's destination may be
-/// dropped in between).
+/// Up to `N` datagrams, preallocated and linked ([`SendChain`]: SENDs,
+/// each with its SGE), each holding the address handle it goes to until
+/// the list is posted (the handler's destination may be dropped in
+/// between).
 pub(crate) struct UdSendList<const N: usize> {
-    // Boxed: a list is large, and its owner moves.
-    pub(super) wrs: Box<[sys::ibv_send_wr; N]>,
-    pub(super) sges: Box<[sys::ibv_sge; N]>,
+    pub(super) chain: SendChain,
     /// The handle of each staged datagram. An entry keeps its handle after
     /// the post, so a sender that keeps sending to one destination pays no
     /// reference count per datagram.
@@ -24,20 +23,10 @@ pub(crate) struct UdSendList<const N: usize> {
     pub(super) len: usize,
 }
 
-// SAFETY: the raw pointers inside are the links `post` writes into the
-// list's own boxes right before posting (unused after) and the address
-// handles of `handles`, which the list holds.
-unsafe impl<const N: usize> Send for UdSendList<N> {}
-
 impl<const N: usize> UdSendList<N> {
     pub(crate) fn new() -> Self {
-        let mut wrs = Box::new([sys::ibv_send_wr::default(); N]);
-        for wr in wrs.iter_mut() {
-            wr.opcode = sys::IBV_WR_SEND;
-        }
         Self {
-            wrs,
-            sges: Box::new([sys::ibv_sge::default(); N]),
+            chain: SendChain::new(N, |wr| wr.opcode = sys::IBV_WR_SEND),
             handles: Box::new(std::array::from_fn(|_| None)),
             len: 0,
         }
@@ -69,6 +58,8 @@ impl<const N: usize> UdSendList<N> {
     /// `inline`, the provider reads it by address at the post); `to` was
     /// checked with [`UdQueuePair::check_destination`] for the QP the list
     /// is posted on.
+    ///
+    /// [`UdQueuePair::check_destination`]: super::UdQueuePair::check_destination
     #[inline]
     pub(crate) unsafe fn push(
         &mut self,
@@ -79,16 +70,14 @@ impl<const N: usize> UdSendList<N> {
         signaled: bool,
     ) -> bool {
         let i = self.len;
-        // `>=`, not `==`: it also proves the indexing below in bounds.
-        if i >= N {
+        // Both are `N` long: one bound proves both.
+        let (Some(held), Some((wr, sge))) = (self.handles.get_mut(i), self.chain.entry(i)) else {
             return false;
-        }
-        let held = &mut self.handles[i];
+        };
         if !held.as_ref().is_some_and(|h| Arc::ptr_eq(h, &to.handle)) {
             *held = Some(Arc::clone(&to.handle));
         }
-        self.sges[i] = local.into();
-        let wr = &mut self.wrs[i];
+        *sge = local.into();
         wr.wr_id = wr_id;
         wr.num_sge = i32::from(local.len > 0);
         wr.send_flags = (if inline { sys::IBV_SEND_INLINE } else { 0 })

@@ -503,34 +503,21 @@ impl UdQueuePair {
             return Ok(());
         }
         list.len = 0;
-        // Links from pointers taken now: every one derives from these two,
-        // and nothing borrows the arrays again until the post returns.
-        let wrs = list.wrs.as_mut_ptr();
-        let sges = list.sges.as_mut_ptr();
-        for i in 0..len {
-            let next = if i + 1 < len {
-                wrs.wrapping_add(i + 1)
-            } else {
-                ptr::null_mut()
-            };
-            // SAFETY: i < len <= N, so entry i of both arrays exists; we
-            // hold `&mut list`, so nothing else accesses them.
-            unsafe {
-                (*wrs.add(i)).sg_list = sges.add(i);
-                (*wrs.add(i)).next = next;
-            }
-        }
+        let post_send = self.post_send_fn;
+        let qp = self.qp.as_ptr();
         let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
-        // SAFETY: a NULL-terminated list of `len` requests of this QP's
-        // kind, each with its SGE beside it (valid memory, as
-        // `UdSendList::push` requires) and an address handle of the QP's
-        // PD (`check_destination`, also a requirement of `push`) that
-        // `list.handles` holds for the call.
-        let rc = unsafe { (self.post_send_fn)(self.qp.as_ptr(), wrs, &mut bad) };
+        let (rc, head) = list.chain.post_with(len, |head| {
+            // SAFETY: a NULL-terminated list of `len` requests of this QP's
+            // kind, each with its SGE (valid memory, as `UdSendList::push`
+            // requires) and an address handle of the QP's PD
+            // (`check_destination`, also a requirement of `push`) that
+            // `list.handles` holds for the call.
+            (unsafe { post_send(qp, head, &mut bad) }, head)
+        });
         let posted = if rc == 0 {
             len
         } else {
-            super::list::count_before(wrs, bad, len)
+            super::list::count_before(head, bad, len)
         };
         for handle in &list.handles[..posted] {
             // The entry's previous send was done before the queue took this
