@@ -192,21 +192,22 @@ impl SendChain {
         self.capacity
     }
 
-    /// Request `i` and its SGE, to fill in (everything but `sg_list` and
-    /// `next`, which are the chain's); `None` beyond the capacity.
+    /// Request `i`, to fill in through [`ChainEntry`]'s setters (which
+    /// leave the links alone); `None` beyond the capacity.
     #[inline(always)]
-    pub(crate) fn entry(&mut self, i: usize) -> Option<(&mut sys::ibv_send_wr, &mut sys::ibv_sge)> {
+    pub(crate) fn entry(&mut self, i: usize) -> Option<ChainEntry<'_>> {
         if i >= self.capacity {
             return None;
         }
         // SAFETY: i < capacity, so entry i of both arrays exists; the
-        // borrows are derived from the arrays' own pointers and `&mut self`
-        // keeps anything else from reaching them while they live.
+        // borrows are derived from the arrays' own pointers (as the links
+        // are), and `&mut self` keeps anything else from reaching them
+        // while they live.
         unsafe {
-            Some((
-                &mut *self.wrs.as_ptr().add(i),
-                &mut *self.sges.as_ptr().add(i),
-            ))
+            Some(ChainEntry {
+                wr: &mut *self.wrs.as_ptr().add(i),
+                sge: &mut *self.sges.as_ptr().add(i),
+            })
         }
     }
 
@@ -220,33 +221,121 @@ impl SendChain {
         unsafe { Some((&*self.wrs.as_ptr().add(i), &*self.sges.as_ptr().add(i))) }
     }
 
-    /// Hands the first `len` requests (1 to the capacity) to `post` as one
-    /// NULL-terminated list, with `len`: the chain is cut after the last
-    /// one for the call and mended after it. Returns what `post` returns.
+    /// Hands the first `len` requests to `post` as one NULL-terminated
+    /// list: the chain is cut after the last one for the call and mended
+    /// after it (also if `post` unwinds). Returns what `post` returns, or
+    /// `nothing` (`post` not called) for a `len` of 0 or beyond the
+    /// capacity.
+    ///
+    /// The list `post` gets holds `len` requests, each with its one SGE (or
+    /// none: `num_sge` is 0 or 1, [`ChainEntry::set_local`]), as their
+    /// setters left them; whether their memory and handles are valid is the
+    /// fillers' to vouch for.
     #[inline]
     pub(crate) fn post_with<T>(
         &mut self,
         len: usize,
+        nothing: T,
         post: impl FnOnce(*mut sys::ibv_send_wr) -> T,
     ) -> T {
-        debug_assert!(len >= 1 && len <= self.capacity);
-        let len = len.clamp(1, self.capacity);
+        if len == 0 || len > self.capacity {
+            return nothing;
+        }
         let head = self.wrs.as_ptr();
         if len == self.capacity {
             // The last entry's link is null already.
             return post(head);
         }
-        // SAFETY: len - 1 < len < capacity; `&mut self` is exclusive, and
-        // nothing but the provider reads the chain during `post`, which
-        // only reads it. The mended link is the next entry's address, as
-        // linked at creation.
-        unsafe {
+        // SAFETY: 1 <= len < capacity, so entries len - 1 and len exist;
+        // `&mut self` is exclusive. The cut makes entry len - 1 the list's
+        // last, the links before it being as created (only this function
+        // writes a link, and the guard restores it).
+        let _mend = unsafe {
             let last = head.add(len - 1);
             (*last).next = std::ptr::null_mut();
-            let posted = post(head);
-            (*last).next = head.add(len);
-            posted
-        }
+            Mend {
+                last,
+                next: head.add(len),
+            }
+        };
+        post(head)
+    }
+}
+
+/// Restores a cut link of a [`SendChain`] when dropped: after the post,
+/// and if the post unwinds.
+struct Mend {
+    last: *mut sys::ibv_send_wr,
+    next: *mut sys::ibv_send_wr,
+}
+
+impl Drop for Mend {
+    #[inline(always)]
+    fn drop(&mut self) {
+        // SAFETY: `last` is an entry of the chain that cut it
+        // (`SendChain::post_with`), which is still borrowed exclusively
+        // while this guard lives; `next` is the entry after it.
+        unsafe { (*self.last).next = self.next };
+    }
+}
+
+/// One request of a [`SendChain`], to fill in. The setters never touch its
+/// links (`next`, `sg_list`), and `num_sge` is 0 or 1: the chain stays a
+/// list of requests each with its own SGE.
+pub(crate) struct ChainEntry<'a> {
+    wr: &'a mut sys::ibv_send_wr,
+    sge: &'a mut sys::ibv_sge,
+}
+
+impl ChainEntry<'_> {
+    /// The request's id.
+    #[inline(always)]
+    pub(crate) fn set_id(&mut self, wr_id: u64) {
+        self.wr.wr_id = wr_id;
+    }
+
+    /// The operation.
+    #[inline(always)]
+    pub(crate) fn set_opcode(&mut self, opcode: sys::ibv_wr_opcode) {
+        self.wr.opcode = opcode;
+    }
+
+    /// The send flags (`IBV_SEND_*`).
+    #[inline(always)]
+    pub(crate) fn set_flags(&mut self, flags: u32) {
+        self.wr.send_flags = flags;
+    }
+
+    /// Adds send flags.
+    #[inline(always)]
+    pub(crate) fn add_flags(&mut self, flags: u32) {
+        self.wr.send_flags |= flags;
+    }
+
+    /// The local memory: one SGE, or none for zero bytes.
+    #[inline(always)]
+    pub(crate) fn set_local(&mut self, local: Sge) {
+        *self.sge = local.into();
+        self.wr.num_sge = i32::from(local.len > 0);
+    }
+
+    /// The remote memory of a WRITE or READ (zeros for a SEND).
+    #[inline(always)]
+    pub(crate) fn set_remote(&mut self, remote_addr: u64, rkey: u32) {
+        self.wr.wr.rdma.remote_addr = remote_addr;
+        self.wr.wr.rdma.rkey = rkey;
+    }
+
+    /// The immediate, in host order.
+    #[inline(always)]
+    pub(crate) fn set_imm(&mut self, imm: u32) {
+        self.wr.__bindgen_anon_1.imm_data = imm.to_be();
+    }
+
+    /// A UD SEND's address (its address handle, QP number and Q_Key).
+    #[inline(always)]
+    pub(crate) fn set_ud(&mut self, ud: sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_3) {
+        self.wr.wr.ud = ud;
     }
 }
 
@@ -307,19 +396,16 @@ impl SendList {
     #[inline]
     pub(crate) fn push(&mut self, wr_id: u64, flags: SendFlags, request: &SendDescriptor) -> bool {
         let i = self.len;
-        let Some((wr, sge)) = self.chain.entry(i) else {
+        let Some(mut entry) = self.chain.entry(i) else {
             return false;
         };
-        *sge = request.local.into();
         let (remote_addr, rkey) = request.remote.map_or((0, 0), |r| (r.addr, r.rkey));
-        wr.wr_id = wr_id;
-        wr.opcode = request.raw_opcode();
-        wr.send_flags = flags.bits();
-        // A zero-length request carries no SGE (a credit update).
-        wr.num_sge = i32::from(request.local.len > 0);
-        wr.wr.rdma.remote_addr = remote_addr;
-        wr.wr.rdma.rkey = rkey;
-        wr.__bindgen_anon_1.imm_data = request.imm.unwrap_or(0).to_be();
+        entry.set_local(request.local);
+        entry.set_id(wr_id);
+        entry.set_opcode(request.raw_opcode());
+        entry.set_flags(flags.bits());
+        entry.set_remote(remote_addr, rkey);
+        entry.set_imm(request.imm.unwrap_or(0));
         self.len = i + 1;
         true
     }
@@ -347,8 +433,8 @@ impl SendList {
             return false;
         };
         match self.chain.entry(last) {
-            Some((wr, _)) => {
-                wr.send_flags |= flags.bits();
+            Some(mut entry) => {
+                entry.add_flags(flags.bits());
                 true
             }
             None => false,
@@ -363,20 +449,23 @@ impl SendList {
         post: impl FnOnce(*mut sys::ibv_send_wr, usize) -> crate::Result<()>,
     ) -> crate::Result<()> {
         let len = std::mem::take(&mut self.len);
-        if len == 0 {
-            return Ok(());
-        }
-        self.chain.post_with(len, |head| post(head, len))
+        self.chain.post_with(len, Ok(()), |head| post(head, len))
     }
 }
 
-/// How many list nodes precede `bad` (all of them if `bad` is not in the list).
-pub(super) fn count_before<W: NextPtr>(head: *mut W, bad: *mut W, len: usize) -> usize {
+/// How many list nodes precede `bad` (all `len` if `bad` is not among the
+/// first `len`).
+///
+/// # Safety
+///
+/// The first `len` nodes from `head`, following their `next` links (up to
+/// a null one), are valid requests.
+pub(super) unsafe fn count_before<W: NextPtr>(head: *mut W, bad: *mut W, len: usize) -> usize {
     let mut cur = head;
     let mut n = 0;
     while !cur.is_null() && cur != bad && n < len {
-        // SAFETY: `cur` walks the list the caller built and just posted; it
-        // is still alive in the caller, and at most `len` nodes are visited.
+        // SAFETY: `cur` is one of the first `len` nodes (n < len), valid
+        // by the caller's word.
         cur = unsafe { (*cur).next_ptr() };
         n += 1;
     }
@@ -438,7 +527,8 @@ mod tests {
         }
         assert!(!list.push(9, SendFlags::empty(), &SendDescriptor::send(sge, None)));
         list.post_with(|head, len| {
-            assert_eq!(count_before(head, std::ptr::null_mut(), 10), len);
+            // SAFETY: the list just handed over, alive during the call.
+            assert_eq!(unsafe { count_before(head, std::ptr::null_mut(), 10) }, len);
             Ok(())
         })
         .unwrap();
@@ -458,7 +548,8 @@ mod tests {
             &SendDescriptor::send(sge(0x10), None)
         ));
         let refused = list.post_with(|head, len| {
-            assert_eq!(count_before(head, std::ptr::null_mut(), 10), len);
+            // SAFETY: the list just handed over, alive during the call.
+            assert_eq!(unsafe { count_before(head, std::ptr::null_mut(), 10) }, len);
             Err(crate::Error::InvalidArgument("refused"))
         });
         assert!(refused.is_err());
@@ -482,5 +573,36 @@ mod tests {
         })
         .unwrap();
         assert_eq!(seen, [(0, 0x100), (1, 0x200), (2, 0x300)]);
+    }
+
+    #[test]
+    fn a_chain_posts_only_counts_it_holds_and_mends_after_a_panic() {
+        let mut chain = SendChain::new(3, |_| {});
+        assert_eq!(
+            chain.post_with(0, None, |_| Some(0)),
+            None,
+            "nothing to post"
+        );
+        assert_eq!(
+            chain.post_with(4, None, |_| Some(4)),
+            None,
+            "beyond the capacity"
+        );
+        let length = |head: *mut sys::ibv_send_wr| {
+            // SAFETY: the chain's own list, alive during the call.
+            Some(unsafe { count_before(head, std::ptr::null_mut(), 10) })
+        };
+        assert_eq!(chain.post_with(3, None, length), Some(3), "all of it");
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            chain.post_with(1, (), |_| panic!("a post that unwinds"));
+        }));
+        assert!(unwound.is_err());
+        assert_eq!(chain.post_with(1, None, length), Some(1));
+        assert_eq!(
+            chain.post_with(3, None, length),
+            Some(3),
+            "mended after the panic"
+        );
+        assert_eq!(chain.post_with(2, None, length), Some(2));
     }
 }

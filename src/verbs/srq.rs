@@ -223,12 +223,14 @@ impl SharedReceiveQueue {
         if rc == 0 {
             return Ok(());
         }
+        // SAFETY: the list just posted, still inside `requests`.
+        let posted = unsafe { super::list::count_before(head, bad, len) };
         Err(Error::Post {
             verb: "ibv_post_srq_recv",
             errno: rc.abs(),
             device: Arc::clone(&self.inner.pd.ctx.name),
             qpn: 0,
-            posted: super::list::count_before(head, bad, len),
+            posted,
         })
     }
 

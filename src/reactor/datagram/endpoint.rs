@@ -39,9 +39,11 @@ pub(crate) struct DatagramEndpoint {
     posted: PostCount,
 }
 
-// SAFETY: the raw pointers in the rings point into this endpoint's own
-// regions and boxes (the requests' links, into the lists' own arrays);
-// moving the endpoint to another thread moves none of that memory.
+// SAFETY: the raw pointers in the rings and lists point into this
+// endpoint's own regions and arrays (the requests' links among them), or
+// at address handles that `Arc`s of the send list and the QP keep alive
+// and that may be used from any thread (`AddressHandle` is `Send` and
+// `Sync`); moving the endpoint to another thread moves none of that.
 unsafe impl Send for DatagramEndpoint {}
 
 impl DatagramEndpoint {

@@ -150,7 +150,9 @@ impl QueuePair {
         if rc == 0 {
             Ok(())
         } else {
-            Err(self.post_error(verb, rc, list::count_before(head, bad, len)))
+            // SAFETY: the list just posted, valid as the caller vouches.
+            let posted = unsafe { list::count_before(head, bad, len) };
+            Err(self.post_error(verb, rc, posted))
         }
     }
 
@@ -165,7 +167,9 @@ impl QueuePair {
         if rc == 0 {
             Ok(())
         } else {
-            Err(self.post_error("ibv_post_recv", rc, list::count_before(head, bad, len)))
+            // SAFETY: the list just posted, valid as the caller vouches.
+            let posted = unsafe { list::count_before(head, bad, len) };
+            Err(self.post_error("ibv_post_recv", rc, posted))
         }
     }
 

@@ -15,12 +15,12 @@ use super::{AddressHandle, UdDestination};
 /// the list is posted (the handler's destination may be dropped in
 /// between).
 pub(crate) struct UdSendList<const N: usize> {
-    pub(super) chain: SendChain,
+    chain: SendChain,
     /// The handle of each staged datagram. An entry keeps its handle after
     /// the post, so a sender that keeps sending to one destination pays no
     /// reference count per datagram.
-    pub(super) handles: Box<[Option<Arc<AddressHandle>>; N]>,
-    pub(super) len: usize,
+    handles: Box<[Option<Arc<AddressHandle>>; N]>,
+    len: usize,
 }
 
 impl<const N: usize> UdSendList<N> {
@@ -71,19 +71,38 @@ impl<const N: usize> UdSendList<N> {
     ) -> bool {
         let i = self.len;
         // Both are `N` long: one bound proves both.
-        let (Some(held), Some((wr, sge))) = (self.handles.get_mut(i), self.chain.entry(i)) else {
+        let (Some(held), Some(mut entry)) = (self.handles.get_mut(i), self.chain.entry(i)) else {
             return false;
         };
         if !held.as_ref().is_some_and(|h| Arc::ptr_eq(h, &to.handle)) {
             *held = Some(Arc::clone(&to.handle));
         }
-        *sge = local.into();
-        wr.wr_id = wr_id;
-        wr.num_sge = i32::from(local.len > 0);
-        wr.send_flags = (if inline { sys::IBV_SEND_INLINE } else { 0 })
-            | (if signaled { sys::IBV_SEND_SIGNALED } else { 0 });
-        wr.wr.ud = to.address();
+        entry.set_local(local);
+        entry.set_id(wr_id);
+        entry.set_flags(
+            (if inline { sys::IBV_SEND_INLINE } else { 0 })
+                | (if signaled { sys::IBV_SEND_SIGNALED } else { 0 }),
+        );
+        entry.set_ud(to.address());
         self.len = i + 1;
         true
+    }
+
+    /// Hands the staged datagrams to `post` as one NULL-terminated list
+    /// (head, length) with the address handles they go to, and empties the
+    /// list (also when posting fails). `None` when nothing is staged.
+    ///
+    /// Every request `post` gets was filled by [`push`](Self::push), whose
+    /// caller vouched for its memory and destination; its handle is in the
+    /// slice, at its position, for the call and after it.
+    #[inline]
+    pub(super) fn post_with<T>(
+        &mut self,
+        post: impl FnOnce(*mut sys::ibv_send_wr, usize, &[Option<Arc<AddressHandle>>]) -> T,
+    ) -> Option<T> {
+        let len = std::mem::take(&mut self.len);
+        let handles = &self.handles[..len.min(N)];
+        self.chain
+            .post_with(len, None, |head| Some(post(head, len, handles)))
     }
 }

@@ -422,7 +422,8 @@ impl UdQueuePair {
         // SAFETY: `link` made a NULL-terminated list of `len` requests, each
         // pointing at its own SGE, inside `requests`, borrowed for the call.
         let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
-        self.recv_posted(rc, head, bad, len)
+        // SAFETY: the list just posted, still alive here.
+        unsafe { self.recv_posted(rc, head, bad, len) }
     }
 
     /// Posts the receives of `slots` (indices into `recvs`) with one
@@ -479,7 +480,8 @@ impl UdQueuePair {
         // `recvs`, each with its SGE, over memory the caller keeps
         // registered and unread while posted (this function's contract).
         let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
-        self.recv_posted(rc, head, bad, len)
+        // SAFETY: the list just posted, still alive here.
+        unsafe { self.recv_posted(rc, head, bad, len) }
     }
 
     /// Whether this QP may send to `to`: a destination of the QP's PD.
@@ -498,50 +500,55 @@ impl UdQueuePair {
     /// it, also when the post fails. Each posted datagram's address handle
     /// is kept with its send-queue entry until the entry is reused.
     pub(crate) fn post_list<const N: usize>(&mut self, list: &mut UdSendList<N>) -> Result<()> {
-        let len = list.len;
-        if len == 0 {
-            return Ok(());
-        }
-        list.len = 0;
         let post_send = self.post_send_fn;
         let qp = self.qp.as_ptr();
-        let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
-        let (rc, head) = list.chain.post_with(len, |head| {
+        let posted = list.post_with(|head, len, handles| {
+            let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
             // SAFETY: a NULL-terminated list of `len` requests of this QP's
-            // kind, each with its SGE (valid memory, as `UdSendList::push`
-            // requires) and an address handle of the QP's PD
-            // (`check_destination`, also a requirement of `push`) that
-            // `list.handles` holds for the call.
-            (unsafe { post_send(qp, head, &mut bad) }, head)
+            // kind, each with at most one SGE (valid memory, as
+            // `UdSendList::push` requires) and an address handle of the
+            // QP's PD (`check_destination`, also a requirement of `push`)
+            // that `handles` holds for the call.
+            let rc = unsafe { post_send(qp, head, &mut bad) };
+            let posted = if rc == 0 {
+                len
+            } else {
+                // SAFETY: the list just posted, still cut at `len`.
+                unsafe { super::list::count_before(head, bad, len) }
+            };
+            // Each posted datagram's handle stays with its send-queue entry.
+            for handle in &handles[..posted] {
+                // The entry's previous send was done before the queue took
+                // this one in its place: its handle may go.
+                let entry = &mut self.in_flight[self.next_entry];
+                if !entry
+                    .as_ref()
+                    .zip(handle.as_ref())
+                    .is_some_and(|(a, b)| Arc::ptr_eq(a, b))
+                {
+                    entry.clone_from(handle);
+                }
+                self.next_entry += 1;
+                if self.next_entry == self.in_flight.len() {
+                    self.next_entry = 0;
+                }
+            }
+            (rc, posted)
         });
-        let posted = if rc == 0 {
-            len
-        } else {
-            super::list::count_before(head, bad, len)
+        let Some((rc, posted)) = posted else {
+            return Ok(());
         };
-        for handle in &list.handles[..posted] {
-            // The entry's previous send was done before the queue took this
-            // one in its place: its handle may go.
-            let entry = &mut self.in_flight[self.next_entry];
-            if !entry
-                .as_ref()
-                .zip(handle.as_ref())
-                .is_some_and(|(a, b)| Arc::ptr_eq(a, b))
-            {
-                entry.clone_from(handle);
-            }
-            self.next_entry += 1;
-            if self.next_entry == self.in_flight.len() {
-                self.next_entry = 0;
-            }
-        }
         self.post_error("ibv_post_send", rc, posted)
     }
 
     /// What `ibv_post_recv` of the `len` requests linked from `head`
     /// returned (`rc`, and `bad`, where it stopped): how many it took is
     /// counted only when it refused some.
-    fn recv_posted(
+    ///
+    /// # Safety
+    ///
+    /// `head` starts a NULL-terminated list of `len` valid requests.
+    unsafe fn recv_posted(
         &self,
         rc: c_int,
         head: *mut sys::ibv_recv_wr,
@@ -551,11 +558,9 @@ impl UdQueuePair {
         if rc == 0 {
             return Ok(());
         }
-        self.post_error(
-            "ibv_post_recv",
-            rc,
-            super::list::count_before(head, bad, len),
-        )
+        // SAFETY: this function's contract.
+        let posted = unsafe { super::list::count_before(head, bad, len) };
+        self.post_error("ibv_post_recv", rc, posted)
     }
 
     fn post_error(&self, verb: &'static str, rc: c_int, posted: usize) -> Result<()> {
