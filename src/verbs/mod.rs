@@ -26,6 +26,7 @@ mod mw;
 mod pd;
 mod qp;
 mod qp_config;
+mod recv_slots;
 pub(crate) mod requests;
 mod srq;
 mod ud;
@@ -49,15 +50,16 @@ pub use mw::{BIND_WR_ID, BoundWindow, MemoryWindow};
 pub use pd::ProtectionDomain;
 pub use qp::{QpEndpoint, QpState, QueuePair};
 pub use qp_config::QpConfig;
+pub(crate) use recv_slots::RecvSlots;
 pub use requests::{RecvRequests, SendRequests};
 pub use srq::{SharedReceiveQueue, SrqAttachment};
 #[cfg(test)]
 pub(crate) use srq::{refuse_srq_recvs_after, srq_posted_wr_ids};
+pub(crate) use ud::UdSendList;
 pub use ud::{
     GRH_BYTES, RDMA_UDP_QKEY, UdConfig, UdDestination, UdEndpoint, UdQueuePair, UdSend,
     datagram_payload, datagram_sender,
 };
-pub(crate) use ud::{UdRecvSlots, UdSendList};
 pub use wc::{WcOpcode, WcStatus};
 pub use wr::{Batch, RecvBatch, RecvRequest, SendBatch, SendFlags, WorkRequest};
 

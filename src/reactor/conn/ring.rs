@@ -4,11 +4,11 @@
 //! and the views of a received message's bytes.
 
 use crate::verbs::{
-    AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvBatch, Registration,
+    AccessFlags, MemoryRegion, ProtectionDomain, QueuePair, RecvSlots, Registration,
 };
 
 use super::credit::{Arrival, Credits, send_imm};
-use super::slots::{IMM_TRAILER_LEN, Ring, RingSlots, SharedRing, SlotSource, recv_request};
+use super::slots::{IMM_TRAILER_LEN, Ring, RingSlots, SharedRing, SlotSource};
 
 /// Most receives reposted with one `ibv_post_recv`.
 pub(crate) const MAX_REPOST: usize = 64;
@@ -34,7 +34,9 @@ pub(crate) struct RecvRing {
     /// suffices.
     pending: Box<[u32]>,
     pending_len: usize,
-    batch: RecvBatch<'static, MAX_REPOST>,
+    /// Each slot's receive of the own ring, built once (none with an SRQ,
+    /// whose pool posts its slots).
+    requests: Option<RecvSlots>,
     /// Reposts wait for this many, or for an idle pass (0 while SRQ slots
     /// given back wait to be credited: see `uncredited`).
     threshold: usize,
@@ -74,13 +76,21 @@ impl RecvRing {
         // `decode` takes the trailer off a slot.
         debug_assert!(slot_size >= IMM_TRAILER_LEN);
         let is_shared = shared.is_some();
-        let (region, ring, slots, registration) = match shared {
-            Some(shared) => (None, shared.ring, shared.slots, shared.registration),
+        let (region, ring, slots, registration, requests) = match shared {
+            Some(shared) => (None, shared.ring, shared.slots, shared.registration, None),
             None => {
                 let region = pd.alloc_mr(slot_size * depth as usize, AccessFlags::LOCAL_WRITE)?;
                 let ring = Ring::of(&region);
                 let registration = region.registration().clone();
-                (Some(region), ring, depth, registration)
+                // The tag tops each slot's `wr_id` (`wr_id::recv`).
+                let requests = RecvSlots::new(
+                    region.addr(),
+                    region.lkey(),
+                    slot_size as u32,
+                    depth,
+                    |slot| tag | u64::from(slot),
+                );
+                (Some(region), ring, depth, registration, Some(requests))
             }
         };
         let repost_batch =
@@ -97,7 +107,7 @@ impl RecvRing {
             // than its quota; every one of them must find its way back.
             pending: vec![0; slots as usize].into_boxed_slice(),
             pending_len: 0,
-            batch: RecvBatch::new(),
+            requests,
             threshold: repost_batch,
             repost_batch,
             uncredited: 0,
@@ -112,6 +122,9 @@ impl RecvRing {
     /// handler posts).
     pub(super) fn retag(&mut self, tag: u64) {
         self.tag = tag;
+        if let Some(requests) = &mut self.requests {
+            requests.retag(|slot| tag | u64::from(slot));
+        }
     }
 
     /// The tag that tops every receive's `wr_id`.
@@ -232,42 +245,30 @@ impl RecvRing {
     /// through [`take_shared`](Self::take_shared).)
     #[inline]
     pub(super) fn flush(&mut self, qp: &mut QueuePair, credits: &mut Credits) -> crate::Result<()> {
-        if self.shared {
+        // None with an SRQ.
+        let Some(requests) = &mut self.requests else {
             return Ok(());
-        }
+        };
         let mut start = 0;
         while start < self.pending_len {
             let end = (start + MAX_REPOST).min(self.pending_len);
-            for &slot in &self.pending[start..end] {
-                // SAFETY: the own ring's region is held here, and the
-                // connection destroys its QP before dropping this (field
-                // order); a slot in `pending` is consumed, so its bytes are
-                // no one's.
-                let request = unsafe {
-                    // The tag tops the slot: its `wr_id` (`wr_id::recv`).
-                    recv_request(self.ring, self.slot_size, self.tag | u64::from(slot), slot)
-                };
-                // At most MAX_REPOST pushes into a batch emptied by each post.
-                let _ = self.batch.push(request);
+            let batch = &self.pending[start..end];
+            for &slot in batch {
                 // Posted from here on: if the device refuses part of the
                 // batch, the connection fails and its ring is dead.
                 self.ring_slots.post(slot);
             }
-            self.post_batch(qp)?;
+            // SAFETY: the own ring's region, which `requests` describes, is
+            // held here, and the connection destroys its QP before dropping
+            // this (field order); a slot in `pending` is consumed and in it
+            // once (`queue`), so it is posted nowhere and its bytes are no
+            // one's.
+            unsafe { qp.post_slots(requests, batch) }?;
             credits.add_posted((end - start) as u32);
             start = end;
         }
         self.pending_len = 0;
         Ok(())
-    }
-
-    /// Posts the batch with one `ibv_post_recv` and drops what went in
-    /// (all of it, but on a partial post, which fails the connection).
-    #[inline]
-    fn post_batch(&mut self, qp: &mut QueuePair) -> crate::Result<()> {
-        let posted = qp.post_recv(&mut self.batch);
-        self.batch.drop_posted(&posted);
-        posted
     }
 
     /// Hands every queued SRQ slot to `repost` (the reactor's SRQ); they
@@ -414,12 +415,14 @@ impl RecvRing {
         qp: &mut QueuePair,
         slot: u32,
     ) -> crate::Result<()> {
+        let requests = self
+            .requests
+            .as_mut()
+            .ok_or(crate::Error::InvalidArgument("no own ring"))?;
         // SAFETY: the own ring's region is held here, and the connection
-        // destroys its QP before dropping this.
-        let request =
-            unsafe { recv_request(self.ring, self.slot_size, self.tag | u64::from(slot), slot) };
-        let _ = self.batch.push(request);
-        self.post_batch(qp)
+        // destroys its QP before dropping this; the test posts it twice on
+        // purpose, which the loopback device takes as a NIC would.
+        unsafe { qp.post_slots(requests, &[slot]) }
     }
 }
 

@@ -3,7 +3,7 @@
 //! the consumed ones waiting to be posted again in batches.
 
 use crate::verbs::{
-    AccessFlags, GRH_BYTES, MemoryRegion, ProtectionDomain, UdQueuePair, UdRecvSlots,
+    AccessFlags, GRH_BYTES, MemoryRegion, ProtectionDomain, RecvSlots, UdQueuePair,
 };
 
 use super::super::conn::{MAX_REPOST, Ring, RingSlots};
@@ -28,7 +28,7 @@ pub(crate) struct Receives {
     pending: Box<[u32]>,
     pending_len: usize,
     /// Each slot's receive, built once.
-    requests: UdRecvSlots,
+    requests: RecvSlots,
     /// Reposts wait for this many, or for an idle pass.
     threshold: usize,
     /// The ring. The endpoint declares its QP first, so the QP is
@@ -47,13 +47,13 @@ impl Receives {
     ) -> crate::Result<Self> {
         let slot_size = GRH_BYTES + max_datagram as usize;
         let region = pd.alloc_mr(slot_size * count as usize, AccessFlags::LOCAL_WRITE)?;
-        let requests = UdRecvSlots::new(
+        let requests = RecvSlots::new(
             region.addr(),
             region.lkey(),
             slot_size as u32,
             count,
             |slot| wr_id::datagram_recv(endpoint, slot),
-        )?;
+        );
         let mut slots = RingSlots::new(count);
         for slot in 0..count {
             // Fresh slots are no one's: queued for the first post.

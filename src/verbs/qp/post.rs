@@ -13,6 +13,7 @@ use crate::sys;
 use super::super::BIND_WR_ID;
 use super::super::list::{self, SendList};
 use super::super::mw::{WindowSlot, ZERO_BASED_BIND};
+use super::super::recv_slots::RecvSlots;
 use super::super::requests::sealed::{Request, Seal};
 use super::super::requests::{self, RecvRequests, SendRequests};
 use super::QueuePair;
@@ -71,6 +72,28 @@ impl QueuePair {
         let head = requests::link(requests);
         // SAFETY: as in `post_send`.
         unsafe { self.post_recv_raw(head, len) }
+    }
+
+    /// Posts the receives of `slots` (indices into `recvs`, in that order)
+    /// with one `ibv_post_recv`, linking their prebuilt requests. A slot
+    /// out of `recvs` refuses the whole post.
+    ///
+    /// # Safety
+    ///
+    /// The memory `recvs` describes is registered on this QP's PD and stays
+    /// so until every receive posted into it completed or the QP is
+    /// destroyed; no slot in `slots` is posted already (on any QP), and
+    /// none is accessed by the CPU while posted; `slots` names each slot
+    /// once.
+    #[inline]
+    pub(crate) unsafe fn post_slots(&mut self, recvs: &mut RecvSlots, slots: &[u32]) -> Result<()> {
+        recvs.post_with(slots, |head, len| {
+            // SAFETY: a NULL-terminated list of `len` distinct requests of
+            // `recvs`, each with its SGE, over memory the caller keeps
+            // registered and unread while posted (this function's
+            // contract).
+            unsafe { self.post_recv_raw(head, len) }
+        })
     }
 
     /// Posts every request staged in `list` with one doorbell and empties it

@@ -25,6 +25,7 @@ use super::device::{Gid, LinkLayer};
 use super::mr::LocalSlice;
 use super::pd::{PdInner, ProtectionDomain};
 use super::qp::{Anchor, PostRecvFn, PostSendFn, destroy_qp, post, post_fns};
+use super::recv_slots::RecvSlots;
 use super::requests::sealed::{Request, Seal};
 use super::requests::{self, RecvRequests};
 use super::wc::WcOpcode;
@@ -33,12 +34,10 @@ use super::{check_ptr, check_rc};
 mod batch;
 mod destination;
 mod multicast;
-mod recv_slots;
 pub(crate) use batch::UdSendList;
 use destination::AddressHandle;
 pub use destination::UdDestination;
 use multicast::Membership;
-pub(crate) use recv_slots::UdRecvSlots;
 
 /// Bytes of the global routing header at the start of every UD receive
 /// buffer (on RoCE v2 over IPv4, the IPv4 header in its last 20).
@@ -437,51 +436,24 @@ impl UdQueuePair {
     /// destroyed; no slot in `slots` is posted already (on any QP), and
     /// none is accessed by the CPU while posted; `slots` names each slot
     /// once.
-    pub(crate) unsafe fn post_slots(
-        &mut self,
-        recvs: &mut UdRecvSlots,
-        slots: &[u32],
-    ) -> Result<()> {
-        let len = slots.len();
-        if len == 0 {
-            return Ok(());
+    pub(crate) unsafe fn post_slots(&mut self, recvs: &mut RecvSlots, slots: &[u32]) -> Result<()> {
+        if (recvs.slot_size() as usize) < GRH_BYTES {
+            return Err(Error::InvalidArgument(
+                "a UD receive must hold the 40-byte GRH before the payload",
+            ));
         }
-        if slots.iter().any(|&slot| slot as usize >= recvs.len()) {
-            return Err(Error::InvalidArgument("a receive slot outside the ring"));
-        }
-        // Without allocating: the data path allocates nothing, in debug
-        // builds too (a repost names at most a few dozen slots).
-        debug_assert!(
-            slots
-                .iter()
-                .enumerate()
-                .all(|(i, slot)| !slots[i + 1..].contains(slot)),
-            "a receive slot named twice"
-        );
-        // Links from pointers taken now: every one derives from these two,
-        // and nothing borrows the arrays again until the post returns.
-        let wrs = recvs.wrs.as_mut_ptr();
-        let sges = recvs.sges.as_mut_ptr();
-        for (i, &slot) in slots.iter().enumerate() {
-            let next = match slots.get(i + 1) {
-                Some(&next) => wrs.wrapping_add(next as usize),
-                None => ptr::null_mut(),
-            };
-            // SAFETY: every slot is below the arrays' length (checked
-            // above), and we hold `&mut recvs`.
-            unsafe {
-                (*wrs.add(slot as usize)).sg_list = sges.add(slot as usize);
-                (*wrs.add(slot as usize)).next = next;
-            }
-        }
-        let head = wrs.wrapping_add(slots[0] as usize);
-        let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
-        // SAFETY: a NULL-terminated list of `len` distinct requests of
-        // `recvs`, each with its SGE, over memory the caller keeps
-        // registered and unread while posted (this function's contract).
-        let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
-        // SAFETY: the list just posted, still alive here.
-        unsafe { self.recv_posted(rc, head, bad, len) }
+        let post_recv = self.post_recv_fn;
+        let qp = self.qp.as_ptr();
+        recvs.post_with(slots, |head, len| {
+            let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
+            // SAFETY: a NULL-terminated list of `len` distinct requests of
+            // `recvs`, each with its SGE, over memory the caller keeps
+            // registered and unread while posted (this function's
+            // contract).
+            let rc = unsafe { post_recv(qp, head, &mut bad) };
+            // SAFETY: the list just posted, still linked.
+            unsafe { self.recv_posted(rc, head, bad, len) }
+        })
     }
 
     /// Whether this QP may send to `to`: a destination of the QP's PD.

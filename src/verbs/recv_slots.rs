@@ -1,0 +1,150 @@
+//! Receives of a ring of equal slots, each request built once
+//! ([`RecvSlots`]): a repost only links the requests of the slots that go
+//! back, in the order given, and posts them with one `ibv_post_recv`
+//! ([`QueuePair::post_slots`](super::QueuePair::post_slots) for a
+//! connection's own ring, `UdQueuePair::post_slots` for a datagram
+//! endpoint's).
+
+use crate::error::{Error, Result};
+use crate::sys;
+
+/// One receive request per slot of a ring, with its SGE, built once.
+pub(crate) struct RecvSlots {
+    // Boxed: the owner moves, the requests do not.
+    wrs: Box<[sys::ibv_recv_wr]>,
+    sges: Box<[sys::ibv_sge]>,
+    slot_size: u32,
+}
+
+// SAFETY: the raw pointers inside are the links `post_with` writes into
+// the boxes right before posting (unused after).
+unsafe impl Send for RecvSlots {}
+
+impl RecvSlots {
+    /// `count` receives of `slot_size` bytes each, slot `i` at `addr + i *
+    /// slot_size` under `lkey`, carrying `wr_id(i)`. Describing memory
+    /// posts nothing; the posting verbs say what posting asks of it.
+    pub(crate) fn new(
+        addr: u64,
+        lkey: u32,
+        slot_size: u32,
+        count: u32,
+        wr_id: impl Fn(u32) -> u64,
+    ) -> Self {
+        let sges = (0..count)
+            .map(|slot| sys::ibv_sge {
+                addr: addr + u64::from(slot) * u64::from(slot_size),
+                length: slot_size,
+                lkey,
+            })
+            .collect();
+        let wrs = (0..count)
+            .map(|slot| sys::ibv_recv_wr {
+                wr_id: wr_id(slot),
+                num_sge: i32::from(slot_size > 0),
+                ..Default::default()
+            })
+            .collect();
+        Self {
+            wrs,
+            sges,
+            slot_size,
+        }
+    }
+
+    /// Gives every slot's request the id `wr_id(slot)`.
+    pub(crate) fn retag(&mut self, wr_id: impl Fn(u32) -> u64) {
+        for (slot, wr) in (0..).zip(self.wrs.iter_mut()) {
+            wr.wr_id = wr_id(slot);
+        }
+    }
+
+    /// Slots described.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.wrs.len()
+    }
+
+    /// Bytes of each slot.
+    pub(crate) fn slot_size(&self) -> u32 {
+        self.slot_size
+    }
+
+    /// Links the requests of `slots` (in that order, none twice, at least
+    /// one) into one NULL-terminated list and hands it to `post` with its
+    /// length. A slot out of the ring refuses the whole post.
+    pub(crate) fn post_with(
+        &mut self,
+        slots: &[u32],
+        post: impl FnOnce(*mut sys::ibv_recv_wr, usize) -> Result<()>,
+    ) -> Result<()> {
+        let Some(&first) = slots.first() else {
+            return Ok(());
+        };
+        if slots.iter().any(|&slot| slot as usize >= self.wrs.len()) {
+            return Err(Error::InvalidArgument("a receive slot outside the ring"));
+        }
+        // Without allocating: the data path allocates nothing, in debug
+        // builds too (a repost names at most a few dozen slots). A slot
+        // named twice would link a cycle.
+        debug_assert!(
+            slots
+                .iter()
+                .enumerate()
+                .all(|(i, slot)| !slots[i + 1..].contains(slot)),
+            "a receive slot named twice"
+        );
+        // Links from pointers taken now: every one derives from these two,
+        // and nothing borrows the arrays again until the post returns.
+        let wrs = self.wrs.as_mut_ptr();
+        let sges = self.sges.as_mut_ptr();
+        for (i, &slot) in slots.iter().enumerate() {
+            let next = match slots.get(i + 1) {
+                Some(&next) => wrs.wrapping_add(next as usize),
+                None => std::ptr::null_mut(),
+            };
+            // SAFETY: every slot is below the arrays' length (checked
+            // above), and we hold `&mut self`.
+            unsafe {
+                (*wrs.add(slot as usize)).sg_list = sges.add(slot as usize);
+                (*wrs.add(slot as usize)).next = next;
+            }
+        }
+        post(wrs.wrapping_add(first as usize), slots.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_slot_has_its_request_and_a_post_links_the_slots_in_order() {
+        let mut slots = RecvSlots::new(0x1000, 7, 100, 3, |slot| 0xab00 + u64::from(slot));
+        assert_eq!(slots.len(), 3);
+        assert_eq!(slots.sges[2].addr, 0x1000 + 200);
+        assert_eq!((slots.sges[2].length, slots.sges[2].lkey), (100, 7));
+        assert_eq!(slots.wrs[1].wr_id, 0xab01);
+        let mut seen = Vec::new();
+        slots
+            .post_with(&[2, 0], |head, len| {
+                assert_eq!(len, 2);
+                let mut cur = head;
+                while !cur.is_null() {
+                    // SAFETY: the list just linked, alive during the call.
+                    let (wr, sge) = unsafe { (&*cur, &*(*cur).sg_list) };
+                    seen.push((wr.wr_id, sge.addr));
+                    cur = wr.next;
+                }
+                Ok(())
+            })
+            .expect("posted");
+        assert_eq!(seen, [(0xab02, 0x1000 + 200), (0xab00, 0x1000)]);
+        slots.retag(|slot| 0xcd00 + u64::from(slot));
+        assert_eq!(slots.wrs[2].wr_id, 0xcd02);
+        assert!(matches!(
+            slots.post_with(&[3], |_, _| Ok(())),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+}
