@@ -70,9 +70,11 @@ impl RecvSlots {
         self.slot_size
     }
 
-    /// Links the requests of `slots` (in that order, none twice, at least
-    /// one) into one NULL-terminated list and hands it to `post` with its
-    /// length. A slot out of the ring refuses the whole post.
+    /// Links the requests of `slots` (in that order) into one
+    /// NULL-terminated list and hands it to `post` with its length; no
+    /// slot posts nothing. A slot out of the ring refuses the whole post.
+    /// A slot named twice would shorten the list (its link is overwritten):
+    /// the posting verbs' callers name each once.
     pub(crate) fn post_with(
         &mut self,
         slots: &[u32],
@@ -85,8 +87,7 @@ impl RecvSlots {
             return Err(Error::InvalidArgument("a receive slot outside the ring"));
         }
         // Without allocating: the data path allocates nothing, in debug
-        // builds too (a repost names at most a few dozen slots). A slot
-        // named twice would link a cycle.
+        // builds too (a repost names at most a few dozen slots).
         debug_assert!(
             slots
                 .iter()

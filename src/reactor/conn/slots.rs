@@ -142,19 +142,13 @@ impl RingSlots {
         self.step(slot, SlotState::Consumed, SlotState::Queued)
     }
 
-    /// Queued `slot` goes to the device. (Only `queue` puts a slot in the
-    /// list the flush posts from, so it is queued: no check but in debug
-    /// builds.)
+    /// Queued `slot` goes to the device: true if it was queued (it is
+    /// posted now), false (nothing changes) if it is not. Only `queue`
+    /// puts a slot in the list a flush posts from, and once: checked here
+    /// all the same, as a slot posted twice would lose a receive.
     #[inline(always)]
-    pub(crate) fn post(&mut self, slot: u32) {
-        if let Some(state) = self.states.get_mut(slot as usize) {
-            debug_assert_eq!(
-                *state,
-                SlotState::Queued,
-                "receive slot {slot} posted unqueued"
-            );
-            *state = SlotState::Posted;
-        }
+    pub(crate) fn post(&mut self, slot: u32) -> bool {
+        self.step(slot, SlotState::Queued, SlotState::Posted)
     }
 
     /// Whether `slot` is posted (tests).
@@ -206,8 +200,9 @@ mod tests {
         assert!(slots.queue(0));
         assert!(!slots.queue(0), "queued twice");
         assert!(!slots.consume(0), "a queued slot is not posted");
-        slots.post(0);
+        assert!(slots.post(0));
         assert!(slots.is_posted(0));
+        assert!(!slots.post(0), "posted twice");
         assert!(!slots.queue(0), "queued while posted");
         assert!(slots.consume(0));
         assert!(!slots.consume(0), "consumed twice");

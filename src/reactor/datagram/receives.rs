@@ -45,15 +45,14 @@ impl Receives {
         count: u32,
         max_datagram: u32,
     ) -> crate::Result<Self> {
+        // The GRH lands before the payload; one SGE describes a slot.
         let slot_size = GRH_BYTES + max_datagram as usize;
+        let sge_len = u32::try_from(slot_size)
+            .map_err(|_| crate::Error::InvalidArgument("a datagram slot of 4 GiB or more"))?;
         let region = pd.alloc_mr(slot_size * count as usize, AccessFlags::LOCAL_WRITE)?;
-        let requests = RecvSlots::new(
-            region.addr(),
-            region.lkey(),
-            slot_size as u32,
-            count,
-            |slot| wr_id::datagram_recv(endpoint, slot),
-        );
+        let requests = RecvSlots::new(region.addr(), region.lkey(), sge_len, count, |slot| {
+            wr_id::datagram_recv(endpoint, slot)
+        });
         let mut slots = RingSlots::new(count);
         for slot in 0..count {
             // Fresh slots are no one's: queued for the first post.
@@ -132,13 +131,20 @@ impl Receives {
         for batch in self.pending[..self.pending_len].chunks(MAX_REPOST) {
             for &slot in batch {
                 // Posted from here on: if the device refuses part of the
-                // batch, the endpoint fails and its ring is dead.
-                self.slots.post(slot);
+                // batch, the endpoint fails and its ring is dead. A slot
+                // that was not queued (none is: `queue` lists each slot
+                // once) would be posted twice: the endpoint fails instead.
+                if !self.slots.post(slot) {
+                    return Err(crate::Error::InvalidArgument(
+                        "a datagram receive slot reposted without being queued",
+                    ));
+                }
             }
             // SAFETY: the requests describe this ring's region, held here,
             // registered on `qp`'s PD and outliving it (this function's
-            // contract); a queued slot is consumed, so its bytes are no
-            // one's, and `pending` holds each slot at most once.
+            // contract); each slot of `batch` was queued (checked above,
+            // once each), so the device holds none of them and the CPU reads
+            // none of them until its receive completes.
             unsafe { qp.post_slots(&mut self.requests, batch)? };
         }
         self.pending_len = 0;
@@ -163,7 +169,7 @@ mod tests {
         );
         // As a flush would, without a QP.
         for slot in 0..4 {
-            receives.slots.post(slot);
+            assert!(receives.slots.post(slot));
         }
         receives.pending_len = 0;
         let landed = receives
