@@ -83,9 +83,6 @@ impl RecvSlots {
         let Some(&first) = slots.first() else {
             return Ok(());
         };
-        if slots.iter().any(|&slot| slot as usize >= self.wrs.len()) {
-            return Err(Error::InvalidArgument("a receive slot outside the ring"));
-        }
         // Without allocating: the data path allocates nothing, in debug
         // builds too (a repost names at most a few dozen slots).
         debug_assert!(
@@ -95,24 +92,44 @@ impl RecvSlots {
                 .all(|(i, slot)| !slots[i + 1..].contains(slot)),
             "a receive slot named twice"
         );
+        let count = self.wrs.len();
+        if first as usize >= count {
+            return Err(out_of_ring());
+        }
         // Links from pointers taken now: every one derives from these two,
-        // and nothing borrows the arrays again until the post returns.
+        // and nothing borrows the arrays again until the post returns. Each
+        // slot links to the next once that one is known to be in the ring;
+        // a slot beyond it refuses the post with nothing posted (links left
+        // behind are rewritten by the next post before it uses them).
         let wrs = self.wrs.as_mut_ptr();
         let sges = self.sges.as_mut_ptr();
-        for (i, &slot) in slots.iter().enumerate() {
-            let next = match slots.get(i + 1) {
-                Some(&next) => wrs.wrapping_add(next as usize),
-                None => std::ptr::null_mut(),
-            };
-            // SAFETY: every slot is below the arrays' length (checked
-            // above), and we hold `&mut self`.
-            unsafe {
-                (*wrs.add(slot as usize)).sg_list = sges.add(slot as usize);
-                (*wrs.add(slot as usize)).next = next;
+        let mut at = first as usize;
+        for &next in &slots[1..] {
+            let next = next as usize;
+            if next >= count {
+                return Err(out_of_ring());
             }
+            // SAFETY: `at` and `next` are below the arrays' length (checked
+            // as each was reached), and we hold `&mut self`.
+            unsafe {
+                (*wrs.add(at)).sg_list = sges.add(at);
+                (*wrs.add(at)).next = wrs.add(next);
+            }
+            at = next;
+        }
+        // SAFETY: as above, for the last slot.
+        unsafe {
+            (*wrs.add(at)).sg_list = sges.add(at);
+            (*wrs.add(at)).next = std::ptr::null_mut();
         }
         post(wrs.wrapping_add(first as usize), slots.len())
     }
+}
+
+/// The refusal of a post naming a slot beyond the ring.
+#[cold]
+fn out_of_ring() -> Error {
+    Error::InvalidArgument("a receive slot outside the ring")
 }
 
 #[cfg(test)]
@@ -143,9 +160,24 @@ mod tests {
         assert_eq!(seen, [(0xab02, 0x1000 + 200), (0xab00, 0x1000)]);
         slots.retag(|slot| 0xcd00 + u64::from(slot));
         assert_eq!(slots.wrs[2].wr_id, 0xcd02);
-        assert!(matches!(
-            slots.post_with(&[3], |_, _| Ok(())),
-            Err(Error::InvalidArgument(_))
-        ));
+        for outside in [&[3][..], &[1, 3], &[0, 2, 7]] {
+            assert!(matches!(
+                slots.post_with(outside, |_, _| panic!("nothing is posted")),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+        // The links a refused post left are rewritten by the next.
+        let mut ids = Vec::new();
+        slots
+            .post_with(&[1], |head, len| {
+                assert_eq!(len, 1);
+                // SAFETY: the list just linked, alive during the call.
+                let wr = unsafe { &*head };
+                ids.push(wr.wr_id);
+                assert!(wr.next.is_null(), "one request");
+                Ok(())
+            })
+            .expect("posted");
+        assert_eq!(ids, [0xcd01]);
     }
 }
