@@ -305,8 +305,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let mut released = Vec::new();
         conn.shut_down(|origin, slot, from_srq| released.push((origin, slot, from_srq)));
         if let Some(pool) = &mut self.srq {
-            conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
-            pool.remove_owner(conn.qpn(), conn.rq().depth(), conn.srq_slots_out());
+            conn.rq_mut()
+                .take_shared(|slot| pool.give_back_noting(slot));
+            pool.remove_owner(conn.qpn(), conn.rq().depth(), conn.rq().shared_out());
         }
         // Dropping the connection destroys its QP before its rings.
         drop(conn);

@@ -485,7 +485,7 @@ impl Ctx<'_> {
     pub fn signal_staged(&mut self, conn: ConnId) {
         self.touched = true;
         if let Some(conn) = self.conns.get_mut(conn.key()) {
-            conn.signal_last_staged();
+            conn.sq_mut().signal_last_staged();
         }
     }
 

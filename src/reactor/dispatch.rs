@@ -235,7 +235,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             };
             // A run of one kind retires whole, for one handler call
             // (`retire_count` vouched for `left` ops in flight).
-            let (seq, op, run) = conn.retire_run(left);
+            let (seq, op, run) = conn.sq_mut().retire_run(left);
             left -= run;
             match op.kind() {
                 OpKind::Send => handler.on_sends_complete(&mut ctx, id, seq, run),

@@ -176,7 +176,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return;
         }
         if conn.sq().staged() != 0 {
-            conn.signal_last_staged();
+            conn.sq_mut().signal_last_staged();
         } else if tail {
             conn.stage_tail_signal();
         }
@@ -189,7 +189,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             return;
         };
         if let Some(pool) = &mut self.srq {
-            conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
+            conn.rq_mut()
+                .take_shared(|slot| pool.give_back_noting(slot));
         }
         let (unsettled, reposts, tail) = conn.leftovers();
         self.note_left(index, left, unsettled, reposts, tail);
@@ -221,7 +222,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             counters.doorbells += 1;
             counters.requests += staged;
             if sparse {
-                conn.note_sparse_post(spell);
+                conn.sq_mut().note_sparse_post(spell);
             }
         }
         conn.post_staged()?;
@@ -248,7 +249,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// refusal the connection stays due, and its next flush tries again.
     #[inline]
     fn repost_shared(conn: &mut Conn, pool: &mut SrqPool) {
-        conn.take_shared_reposts(|slot| pool.give_back_noting(slot));
+        conn.rq_mut()
+            .take_shared(|slot| pool.give_back_noting(slot));
         let posted = pool.flush();
         if let Err(err) = &posted {
             log::debug!("reposting SRQ receives (the next flush tries again): {err}");

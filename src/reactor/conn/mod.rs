@@ -19,13 +19,12 @@ use crate::verbs::{
     AccessFlags, LocalSlice, ProtectionDomain, QueuePair, Registration, RemoteSlice,
 };
 
-use super::idle::Spell;
 use super::table::wr_id::{self, direct_recv_tag, direct_send_tag};
 use super::{ConnId, ConnStats, DirectQp, ReactorConfig, SendError, SessionId};
 
 pub(crate) use credit::Arrival;
 use credit::Credits;
-pub(crate) use op::{ForwardOrigin, OpKind, SqOp};
+pub(crate) use op::{ForwardOrigin, OpKind};
 pub(crate) use ring::MAX_REPOST;
 use ring::RecvRing;
 use send_queue::SendQueue;
@@ -202,21 +201,18 @@ impl Conn {
         &self.sq
     }
 
-    /// Retires the oldest requests a signaled completion reports (see
-    /// [`SendQueue::retire_run`]).
+    /// The receive side, for what concerns it alone (the rules that span
+    /// the parts are `Conn`'s).
     #[inline(always)]
-    pub(crate) fn retire_run(&mut self, most: u32) -> (u32, SqOp, u32) {
-        self.sq.retire_run(most)
+    pub(crate) fn rq_mut(&mut self) -> &mut RecvRing {
+        &mut self.rq
     }
 
-    /// Signals the last staged request.
-    pub(crate) fn signal_last_staged(&mut self) {
-        self.sq.signal_last_staged();
-    }
-
-    /// Notes a doorbell rung on sparse traffic in `spell`.
-    pub(crate) fn note_sparse_post(&mut self, spell: Spell) {
-        self.sq.note_sparse_post(spell);
+    /// The send side, for what concerns it alone (the rules that span the
+    /// parts are `Conn`'s).
+    #[inline(always)]
+    pub(crate) fn sq_mut(&mut self) -> &mut SendQueue {
+        &mut self.sq
     }
 
     /// A direct connection's QP, with the tags of its requests' `wr_id`s.
@@ -386,36 +382,10 @@ impl Conn {
         self.rq.queue(slot, closed, self.qpn);
     }
 
-    /// A receive completed into `slot`: true if it was posted there.
-    #[inline(always)]
-    pub(crate) fn consume_recv(&mut self, slot: u32) -> bool {
-        self.rq.consume(slot)
-    }
-
     /// Reposts the own ring's queued slots and counts them as credits.
     #[inline]
     pub(crate) fn flush_reposts(&mut self) -> crate::Result<()> {
         self.rq.flush(&mut self.qp, &mut self.credits)
-    }
-
-    /// Hands every queued SRQ slot to `repost`; they count as credits once
-    /// [`credit_shared`](Self::credit_shared) hears the SRQ posted them.
-    #[inline]
-    pub(crate) fn take_shared_reposts(&mut self, repost: impl FnMut(u32)) {
-        self.rq.take_shared(repost);
-    }
-
-    /// An SRQ receive was routed to this connection (see
-    /// [`srq_slots_out`](Self::srq_slots_out)).
-    #[inline]
-    pub(crate) fn note_srq_receive(&mut self) {
-        self.rq.note_shared_receive();
-    }
-
-    /// SRQ slots this connection consumed and has not given back: held by
-    /// its handler or in forwards on other connections.
-    pub(crate) fn srq_slots_out(&self) -> u32 {
-        self.rq.shared_out()
     }
 
     /// Counts the SRQ slots handed back as credits if the SRQ has posted

@@ -156,7 +156,7 @@ impl ConnTable {
                     if conn.rq().uses_srq() {
                         return Err(Refusal::WrongKind);
                     }
-                    if !conn.consume_recv(slot) {
+                    if !conn.rq_mut().consume(slot) {
                         return Err(Refusal::NotPosted);
                     }
                     Ok(())
@@ -220,7 +220,7 @@ impl ConnTable {
             pool.reclaim(slot);
             return Err(Refusal::Reclaimed);
         };
-        conn.note_srq_receive();
+        conn.rq_mut().note_shared_receive();
         Ok(Entry {
             key,
             completed: Completed::Recv { slot },

@@ -343,7 +343,7 @@ impl SendQueue {
 
     /// Signals the last staged request, so it and everything before it
     /// report completion without waiting for the signaling interval.
-    pub(super) fn signal_last_staged(&mut self) {
+    pub(crate) fn signal_last_staged(&mut self) {
         if self.batch.flag_last(SendFlags::SIGNALED) {
             self.signaling.signaled();
         }
@@ -390,7 +390,7 @@ impl SendQueue {
     /// that many in flight): the run one handler call reports. Returns the
     /// first's sequence number, the first, and how many retired.
     #[inline(always)]
-    pub(super) fn retire_run(&mut self, most: u32) -> (u32, SqOp, u32) {
+    pub(crate) fn retire_run(&mut self, most: u32) -> (u32, SqOp, u32) {
         let (seq, op) = self.pop_oldest();
         let mut run = 1;
         if matches!(op.kind(), OpKind::Send | OpKind::Write | OpKind::Read) {
@@ -453,7 +453,7 @@ impl SendQueue {
 
     /// Notes a doorbell rung on sparse traffic in `spell`.
     #[inline]
-    pub(super) fn note_sparse_post(&mut self, spell: Spell) {
+    pub(crate) fn note_sparse_post(&mut self, spell: Spell) {
         self.signaling.note_sparse_post(spell);
     }
 
