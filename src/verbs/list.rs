@@ -489,6 +489,50 @@ impl NextPtr for sys::ibv_recv_wr {
     }
 }
 
+/// The `wr_id` and first SGE address of each request of a list (tests of
+/// the lists' linking).
+#[cfg(test)]
+pub(super) trait Listed: NextPtr {
+    /// # Safety
+    /// `sg_list` points at a valid SGE.
+    unsafe fn id_and_addr(&self) -> (u64, u64);
+}
+
+#[cfg(test)]
+impl Listed for sys::ibv_send_wr {
+    unsafe fn id_and_addr(&self) -> (u64, u64) {
+        // SAFETY: the caller's.
+        (self.wr_id, unsafe { (*self.sg_list).addr })
+    }
+}
+
+#[cfg(test)]
+impl Listed for sys::ibv_recv_wr {
+    unsafe fn id_and_addr(&self) -> (u64, u64) {
+        // SAFETY: the caller's.
+        (self.wr_id, unsafe { (*self.sg_list).addr })
+    }
+}
+
+/// Each request's `wr_id` and SGE address, from `head` to the null link.
+///
+/// # Safety
+/// `head` starts a NULL-terminated list of valid requests, each with a
+/// valid SGE.
+#[cfg(test)]
+pub(super) unsafe fn ids_and_addrs<W: Listed>(head: *mut W) -> Vec<(u64, u64)> {
+    let mut seen = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: the caller's.
+        unsafe {
+            seen.push((*cur).id_and_addr());
+            cur = (*cur).next_ptr();
+        }
+    }
+    seen
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -561,14 +605,8 @@ mod tests {
         let mut seen = Vec::new();
         list.post_with(|head, len| {
             assert_eq!(len, 3);
-            let mut cur = head;
-            while !cur.is_null() {
-                // SAFETY: the list's own entries and SGEs, alive during the
-                // call.
-                let (wr, sge) = unsafe { (&*cur, &*(*cur).sg_list) };
-                seen.push((wr.wr_id, sge.addr));
-                cur = wr.next;
-            }
+            // SAFETY: the list's own entries and SGEs, alive during the call.
+            seen = unsafe { ids_and_addrs(head) };
             Ok(())
         })
         .unwrap();

@@ -147,13 +147,8 @@ mod tests {
         slots
             .post_with(&[2, 0], |head, len| {
                 assert_eq!(len, 2);
-                let mut cur = head;
-                while !cur.is_null() {
-                    // SAFETY: the list just linked, alive during the call.
-                    let (wr, sge) = unsafe { (&*cur, &*(*cur).sg_list) };
-                    seen.push((wr.wr_id, sge.addr));
-                    cur = wr.next;
-                }
+                // SAFETY: the list just linked, alive during the call.
+                seen = unsafe { super::super::list::ids_and_addrs(head) };
                 Ok(())
             })
             .expect("posted");
