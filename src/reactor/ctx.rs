@@ -16,8 +16,6 @@ use super::{ConnId, SendError, SessionId};
 pub struct Ctx<'a> {
     pub(super) conns: &'a mut ConnTable,
     pub(super) stop: &'a AtomicBool,
-    /// The reactor this context belongs to: held messages carry it.
-    pub(super) reactor: ReactorId,
     /// In `on_message`: the message's receive slot, until the handler holds it.
     pub(super) current: Option<HeldRecv>,
     /// Set when a call may have staged work or queued a repost, so an idle
@@ -72,14 +70,12 @@ impl<'a> Ctx<'a> {
     pub(super) fn new(
         conns: &'a mut ConnTable,
         stop: &'a AtomicBool,
-        reactor: ReactorId,
         deferred: &'a mut Deferred,
         datagrams: &'a mut DatagramTable,
     ) -> Self {
         Self {
             conns,
             stop,
-            reactor,
             current: None,
             touched: false,
             own: u32::MAX,
@@ -105,7 +101,7 @@ impl<'a> Ctx<'a> {
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "a held receive slot is only reposted by release or forward"]
 pub struct HeldRecv {
-    reactor: ReactorId,
+    /// The connection it arrived on, whose id also names its reactor.
     conn: ConnId,
     slot: u32,
     /// The slot is one of the reactor's SRQ (it goes back there even if
@@ -141,7 +137,7 @@ impl fmt::Debug for Ctx<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Ctx")
             .field("conns", &self.conns.len())
-            .field("reactor", &self.reactor)
+            .field("reactor", &self.conns.owner())
             .finish()
     }
 }
@@ -170,7 +166,6 @@ impl Ctx<'_> {
     /// hold, for `on_message`.
     pub(super) fn offer(&mut self, conn: ConnId, slot: u32, len: u32, from_srq: bool) {
         self.current = Some(HeldRecv {
-            reactor: self.reactor,
             conn,
             slot,
             from_srq,
@@ -181,9 +176,7 @@ impl Ctx<'_> {
     /// The connection a held message came from, if it is this reactor's
     /// and that connection is still the one it arrived on.
     fn held_origin(&self, held: &HeldRecv) -> Option<&Conn> {
-        if held.reactor != self.reactor {
-            return None;
-        }
+        // The lookup checks the key's owner (the reactor) too.
         self.conns.get(held.conn.key())
     }
 
@@ -302,7 +295,7 @@ impl Ctx<'_> {
     /// reactor comes back with [`SendError::Foreign`], to be released there.
     pub fn release(&mut self, held: HeldRecv) -> Result<(), (SendError, HeldRecv)> {
         self.touched = true;
-        if held.reactor != self.reactor {
+        if held.conn.key().owner != self.conns.owner() {
             return Err((SendError::Foreign, held));
         }
         match self.conns.get_mut(held.conn.key()) {

@@ -77,7 +77,6 @@ macro_rules! reactor_ctx {
         $crate::reactor::Ctx::new(
             &mut $reactor.conns,
             &$reactor.stop,
-            $reactor.id,
             &mut $reactor.deferred,
             &mut $reactor.datagrams,
         )
@@ -187,7 +186,6 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     /// Busy passes between clock readings in `run_for`, as learned so far.
     clock_stride: u32,
     stop: Arc<AtomicBool>,
-    id: ReactorId,
     /// What callbacks left for after the pass (removals, SRQ slots).
     deferred: Deferred,
     peer_timer: Option<PassTimer>,
@@ -243,6 +241,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 EventMode::BusyPoll => PassTimer::new(every),
                 _ => PassTimer::reading_every_pass(every),
             });
+        // Every id of the reactor's connections, sessions and endpoints
+        // names it.
         let id = ReactorId::next();
         let reserve = config.reserve_connections as usize;
         let conns = ConnTable::new(id.0, reserve).map_err(reservation_refused)?;
@@ -265,7 +265,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             idle: IdlePolicy::default(),
             clock_stride: 1,
             stop: Arc::new(AtomicBool::new(false)),
-            id,
             deferred: Deferred {
                 removals,
                 srq_returns: Vec::with_capacity(srq_slots),

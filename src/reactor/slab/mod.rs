@@ -370,6 +370,12 @@ impl<T> Slab<T> {
         }
     }
 
+    /// The owner every key of this slab names.
+    #[inline]
+    pub(crate) fn owner(&self) -> u64 {
+        self.owner
+    }
+
     #[inline]
     pub(crate) fn get(&self, key: Key) -> Option<&T> {
         self.entry(key)?.value.as_ref()

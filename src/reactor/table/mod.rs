@@ -246,6 +246,13 @@ impl ConnTable {
         self.slab.remove(id.key())
     }
 
+    /// The reactor whose connections these are (the owner every key
+    /// names).
+    #[inline]
+    pub(crate) fn owner(&self) -> u64 {
+        self.slab.owner()
+    }
+
     /// Live connections.
     pub(crate) fn len(&self) -> usize {
         self.slab.len()
