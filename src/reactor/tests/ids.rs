@@ -88,3 +88,44 @@ fn ids_of_an_entrys_first_tenant_never_reach_a_newcomer_after_its_last() {
     });
     assert!(ends, "no newcomer got anything of the first tenant's");
 }
+
+/// A held message names its reactor through its connection's id: another
+/// reactor's `Ctx` gives it back as foreign (release, forward, its bytes)
+/// even where that reactor has a connection at the same index and
+/// generation, and its own reactor takes it.
+#[test]
+fn a_held_message_is_foreign_to_another_reactor_with_the_same_index() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let mut other = super::reactor(&pd);
+    let (here, peer) = add_pair(&mut reactor, &pd);
+    let (namesake, _) = add_pair(&mut other, &pd);
+    assert_eq!(
+        (here.conn.key().index, here.conn.key().generation),
+        (namesake.conn.key().index, namesake.conn.key().generation),
+        "the same index and generation on both reactors"
+    );
+    here.seen.borrow_mut().hold = true;
+    send(&mut reactor, peer.conn, b"kept");
+    run_until(&mut reactor, "the message held", |_| {
+        here.seen.borrow().held.len() == 1
+    });
+    let held = here.seen.borrow_mut().held.pop().expect("one held");
+    let held = other.with_ctx(|ctx| {
+        assert_eq!(ctx.held_bytes(&held), None, "not readable there");
+        let held = match ctx.forward(namesake.conn, held, None) {
+            Err((SendError::Foreign, held)) => held,
+            other => panic!("forwarded from another reactor: {other:?}"),
+        };
+        match ctx.release(held) {
+            Err((SendError::Foreign, held)) => held,
+            other => panic!("released on another reactor: {other:?}"),
+        }
+    });
+    reactor.with_ctx(|ctx| {
+        assert_eq!(ctx.held_bytes(&held), Some(&b"kept"[..]));
+        ctx.release(held).expect("released at home");
+    });
+}
