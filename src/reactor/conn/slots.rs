@@ -147,8 +147,26 @@ impl RingSlots {
     /// puts a slot in the list a flush posts from, and once: checked here
     /// all the same, as a slot posted twice would lose a receive.
     #[inline(always)]
-    pub(crate) fn post(&mut self, slot: u32) -> bool {
+    fn post(&mut self, slot: u32) -> bool {
         self.step(slot, SlotState::Queued, SlotState::Posted)
+    }
+
+    /// Marks every slot of `batch` posted, as a repost about to go to the
+    /// device. A slot that was not queued (none is: `queue` lists each
+    /// slot once) would be posted twice: refused, and its ring (the
+    /// caller's connection or endpoint) fails instead. Posted from here
+    /// on: if the device refuses part of the batch, the ring is dead.
+    #[inline]
+    pub(crate) fn post_queued(&mut self, batch: &[u32]) -> crate::Result<()> {
+        let mut all_queued = true;
+        for &slot in batch {
+            all_queued &= self.post(slot);
+        }
+        if all_queued {
+            Ok(())
+        } else {
+            Err(not_queued())
+        }
     }
 
     /// Whether `slot` is posted (tests).
@@ -156,6 +174,12 @@ impl RingSlots {
     pub(crate) fn is_posted(&self, slot: u32) -> bool {
         self.states.get(slot as usize) == Some(&SlotState::Posted)
     }
+}
+
+/// The refusal of a repost naming a slot that is not queued.
+#[cold]
+fn not_queued() -> crate::Error {
+    crate::Error::InvalidArgument("a receive slot reposted without being queued")
 }
 
 /// Where a registered ring of slots lives.
@@ -200,9 +224,9 @@ mod tests {
         assert!(slots.queue(0));
         assert!(!slots.queue(0), "queued twice");
         assert!(!slots.consume(0), "a queued slot is not posted");
-        assert!(slots.post(0));
+        slots.post_queued(&[0]).expect("queued");
         assert!(slots.is_posted(0));
-        assert!(!slots.post(0), "posted twice");
+        assert!(slots.post_queued(&[0]).is_err(), "posted twice");
         assert!(!slots.queue(0), "queued while posted");
         assert!(slots.consume(0));
         assert!(!slots.consume(0), "consumed twice");

@@ -129,17 +129,7 @@ impl Receives {
     /// is registered on, and destroyed before the ring is dropped.
     pub(crate) unsafe fn flush(&mut self, qp: &mut UdQueuePair) -> crate::Result<()> {
         for batch in self.pending[..self.pending_len].chunks(MAX_REPOST) {
-            for &slot in batch {
-                // Posted from here on: if the device refuses part of the
-                // batch, the endpoint fails and its ring is dead. A slot
-                // that was not queued (none is: `queue` lists each slot
-                // once) would be posted twice: the endpoint fails instead.
-                if !self.slots.post(slot) {
-                    return Err(crate::Error::InvalidArgument(
-                        "a datagram receive slot reposted without being queued",
-                    ));
-                }
-            }
+            self.slots.post_queued(batch)?;
             // SAFETY: the requests describe this ring's region, held here,
             // registered on `qp`'s PD and outliving it (this function's
             // contract); each slot of `batch` was queued (checked above,
@@ -168,9 +158,10 @@ mod tests {
             "all wait for the first post"
         );
         // As a flush would, without a QP.
-        for slot in 0..4 {
-            assert!(receives.slots.post(slot));
-        }
+        receives
+            .slots
+            .post_queued(&[0, 1, 2, 3])
+            .expect("all queued");
         receives.pending_len = 0;
         let landed = receives
             .consume(2, (GRH_BYTES + 10) as u32)

@@ -250,29 +250,15 @@ impl RecvRing {
         let Some(requests) = &mut self.requests else {
             return Ok(());
         };
-        let mut start = 0;
-        while start < self.pending_len {
-            let end = (start + MAX_REPOST).min(self.pending_len);
-            let batch = &self.pending[start..end];
-            // Posted from here on: if the device refuses part of the batch,
-            // the connection fails and its ring is dead. A slot that was not
-            // queued (none is: `queue` lists each slot once) would be posted
-            // twice: the connection fails instead.
-            let mut all_queued = true;
-            for &slot in batch {
-                all_queued &= self.ring_slots.post(slot);
-            }
-            if !all_queued {
-                return Err(not_queued());
-            }
+        for batch in self.pending[..self.pending_len].chunks(MAX_REPOST) {
+            self.ring_slots.post_queued(batch)?;
             // SAFETY: the own ring's region, which `requests` describes, is
             // held here, and the connection destroys its QP before dropping
             // this (field order); each slot of `batch` was queued (checked
             // above, once each), so the device holds none of them and the
             // CPU reads none of them until its receive completes.
             unsafe { qp.post_slots(requests, batch) }?;
-            credits.add_posted((end - start) as u32);
-            start = end;
+            credits.add_posted(batch.len() as u32);
         }
         self.pending_len = 0;
         Ok(())
@@ -433,12 +419,6 @@ impl RecvRing {
         // nothing reads the slot meanwhile.
         unsafe { qp.post_slots(requests, &[slot]) }
     }
-}
-
-/// The refusal of a repost naming a slot that is not queued.
-#[cold]
-fn not_queued() -> crate::Error {
-    crate::Error::InvalidArgument("a receive slot reposted without being queued")
 }
 
 /// A slot of a connection's own ring given back while posted or queued
