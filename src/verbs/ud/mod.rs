@@ -411,18 +411,13 @@ impl UdQueuePair {
             .iter()
             .any(|request| (request.local_sge().1 as usize) < GRH_BYTES)
         {
-            return Err(Error::InvalidArgument(
-                "a UD receive must hold the 40-byte GRH before the payload",
-            ));
+            return Err(no_room_for_the_grh());
         }
         let len = requests.len();
         let head = requests::link(requests);
-        let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
         // SAFETY: `link` made a NULL-terminated list of `len` requests, each
         // pointing at its own SGE, inside `requests`, borrowed for the call.
-        let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
-        // SAFETY: the list just posted, still alive here.
-        unsafe { self.recv_posted(rc, head, bad, len) }
+        unsafe { self.post_recv_raw(head, len) }
     }
 
     /// Posts the receives of `slots` (indices into `recvs`) with one
@@ -438,21 +433,14 @@ impl UdQueuePair {
     /// once.
     pub(crate) unsafe fn post_slots(&mut self, recvs: &mut RecvSlots, slots: &[u32]) -> Result<()> {
         if (recvs.slot_size() as usize) < GRH_BYTES {
-            return Err(Error::InvalidArgument(
-                "a UD receive must hold the 40-byte GRH before the payload",
-            ));
+            return Err(no_room_for_the_grh());
         }
-        let post_recv = self.post_recv_fn;
-        let qp = self.qp.as_ptr();
         recvs.post_with(slots, |head, len| {
-            let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
             // SAFETY: a NULL-terminated list of `len` distinct requests of
             // `recvs`, each with its SGE, over memory the caller keeps
             // registered and unread while posted (this function's
             // contract).
-            let rc = unsafe { post_recv(qp, head, &mut bad) };
-            // SAFETY: the list just posted, still linked.
-            unsafe { self.recv_posted(rc, head, bad, len) }
+            unsafe { self.post_recv_raw(head, len) }
         })
     }
 
@@ -513,24 +501,22 @@ impl UdQueuePair {
         self.post_error("ibv_post_send", rc, posted)
     }
 
-    /// What `ibv_post_recv` of the `len` requests linked from `head`
-    /// returned (`rc`, and `bad`, where it stopped): how many it took is
-    /// counted only when it refused some.
+    /// Posts the NULL-terminated list of `len` receives that starts at
+    /// `head` with one `ibv_post_recv`; a refusal says how many it took.
     ///
     /// # Safety
     ///
-    /// `head` starts a NULL-terminated list of `len` valid requests.
-    unsafe fn recv_posted(
-        &self,
-        rc: c_int,
-        head: *mut sys::ibv_recv_wr,
-        bad: *mut sys::ibv_recv_wr,
-        len: usize,
-    ) -> Result<()> {
+    /// `head` starts a NULL-terminated list of `len` valid requests, each
+    /// with its SGE, over memory registered on this QP's PD that stays so,
+    /// and unread by the CPU, while posted.
+    unsafe fn post_recv_raw(&mut self, head: *mut sys::ibv_recv_wr, len: usize) -> Result<()> {
+        let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
+        // SAFETY: this function's contract.
+        let rc = unsafe { (self.post_recv_fn)(self.qp.as_ptr(), head, &mut bad) };
         if rc == 0 {
             return Ok(());
         }
-        // SAFETY: this function's contract.
+        // SAFETY: the list just posted, valid by this function's contract.
         let posted = unsafe { super::list::count_before(head, bad, len) };
         self.post_error("ibv_post_recv", rc, posted)
     }
@@ -652,6 +638,12 @@ pub fn datagram_sender(grh: &[u8; GRH_BYTES]) -> Option<Gid> {
             source[0], source[1], source[2], source[3],
         ))
     })
+}
+
+/// The refusal of a UD receive too short for the GRH before its payload.
+#[cold]
+fn no_room_for_the_grh() -> Error {
+    Error::InvalidArgument("a UD receive must hold the 40-byte GRH before the payload")
 }
 
 #[cfg(test)]
