@@ -11,7 +11,7 @@ use crate::verbs::WcOpcode;
 use super::conn::{Arrival, OpKind};
 use super::slab::Key;
 use super::table::{Completed, Entry, Refusal, wr_id};
-use super::{ConnId, Handler, PeerLink, Reactor, SessionId};
+use super::{ConnId, Ctx, Handler, PeerLink, Reactor, SessionId};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Routes completion `at` of `wcs`, read in place (a copy of the
@@ -57,6 +57,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     self.dispatch_unusual(key, &wc, completed);
                     return;
                 }
+                let (session, id) = (conn.session(), conn.id());
                 match completed {
                     // The connection counts and checks the peer's
                     // credits and queues the slot for reposting if the
@@ -76,7 +77,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                             conn.queue_repost(slot);
                             self.counters.messages += 1;
                             let imm = wc.imm().unwrap_or(0);
-                            let (session, id) = (conn.session(), conn.id());
                             self.deliver_write_imm(key, session, id, imm, len);
                             return;
                         }
@@ -94,7 +94,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                                     imm,
                                     from_srq: conn.rq().uses_srq(),
                                 };
-                                let (session, id) = (conn.session(), conn.id());
                                 self.deliver_message(key, session, id, message);
                             }
                             Ok(Arrival::Credit(count)) => {
@@ -104,7 +103,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                                     return;
                                 }
                                 conn.answer_first_credit();
-                                let (session, id) = (conn.session(), conn.id());
                                 self.deliver_established(key, session, id);
                             }
                             Err(what) => self.malformed(key, slot, what),
@@ -113,7 +111,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     Completed::Send { seq } => {
                         let count = conn.sq().retire_count(seq);
                         if count != 0 {
-                            let (session, id) = (conn.session(), conn.id());
                             self.deliver_retired(key, session, id, count);
                         }
                     }
@@ -154,22 +151,34 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// (its slot's repost).
     #[inline(always)]
     fn deliver_write_imm(&mut self, key: Key, session: SessionId, id: ConnId, imm: u32, len: u32) {
-        if let Some(handler) = self.sessions.handler_mut(session) {
-            let mut ctx = reactor_ctx!(self);
-            ctx.own = key.index;
-            handler.on_write_imm(&mut ctx, id, imm, len);
-        }
-        self.conns.settle(key.index);
+        self.call_and_settle(key, session, |handler, ctx| {
+            handler.on_write_imm(ctx, id, imm, len);
+        });
     }
 
     /// Tells the handler of `session` that connection `key` (`id`) is
     /// established by the peer's first credit; settled for the flush.
     #[cold]
     fn deliver_established(&mut self, key: Key, session: SessionId, id: ConnId) {
+        self.call_and_settle(key, session, |handler, ctx| {
+            handler.on_established(ctx, id);
+        });
+    }
+
+    /// Makes `call` on the handler of `session` for a completion of
+    /// connection `key`, then settles the connection for the flush (a
+    /// receive leaves it work: its slot's repost, maybe a credit update).
+    #[inline(always)]
+    fn call_and_settle(
+        &mut self,
+        key: Key,
+        session: SessionId,
+        call: impl FnOnce(&mut H, &mut Ctx<'_>),
+    ) {
         if let Some(handler) = self.sessions.handler_mut(session) {
             let mut ctx = reactor_ctx!(self);
             ctx.own = key.index;
-            handler.on_established(&mut ctx, id);
+            call(handler, &mut ctx);
         }
         self.conns.settle(key.index);
     }
