@@ -281,8 +281,9 @@ fn forwarded_slots_come_back_to_a_live_origins_ring_when_the_reactor_idles() {
 /// was to carry, staged by another connection's error callback in the
 /// same flush, gives its slot back): the origin is parked past the walk,
 /// and the flush's end keeps what that said, so the next idle-time flush
-/// reposts the slot. (It once overwrote the flag with what its walk had
-/// seen, and the slot waited for the origin's next message.)
+/// reposts the slot. (A flush's end that overwrote the flag with what its
+/// walk had seen would leave the slot waiting for the origin's next
+/// message.)
 #[test]
 fn a_slot_given_back_during_the_parked_walk_is_reposted_by_the_next_idle_flush() {
     // SAFETY: every QP of the device is served from this thread.
