@@ -13,6 +13,8 @@ mod ring;
 mod send_queue;
 mod slots;
 mod state;
+#[cfg(test)]
+mod test_access;
 
 use crate::error::Error;
 use crate::verbs::{
@@ -537,19 +539,5 @@ impl Conn {
             send_slots_used: self.sq.slots_used(),
             credits: self.credits.available(),
         }
-    }
-}
-
-#[cfg(test)]
-impl Conn {
-    /// The credit counts.
-    pub(crate) fn credits(&self) -> &Credits {
-        &self.credits
-    }
-
-    /// Posts a receive into slot `slot` of the own ring whatever its state
-    /// (see [`RecvRing::post_bypassing_the_guard`]).
-    pub(crate) fn post_recv_bypassing_the_guard(&mut self, slot: u32) -> crate::Result<()> {
-        self.rq.post_bypassing_the_guard(&mut self.qp, slot)
     }
 }
