@@ -1,8 +1,8 @@
 //! The reactor's datagram endpoints on one device: a ping-pong between two
 //! endpoints with the source each datagram claims, a sender that outruns
 //! its send queue (refused for room, never stalled), a multicast group,
-//! and the refusals (size, another PD's destination, another reactor's
-//! endpoint). Gated as described in `tests/util/mod.rs`: runs in the
+//! the refusals (size, another PD's destination, another reactor's
+//! endpoint), and removal. Gated as described in `tests/util/mod.rs`: runs in the
 //! Soft-RoCE guest.
 
 mod util;
@@ -246,5 +246,59 @@ verbs_test! {
         assert_eq!(reactor.memory(), before, "nothing of the refused endpoint is kept");
         let small = UdConfig { max_send_wr: 1, ..UdConfig::default() };
         assert!(matches!(reactor.add_datagram(&small, |_, _| Ok(Peer::default())), Err(Error::InvalidArgument(_))));
+    }
+}
+
+verbs_test! {
+    fn a_removed_endpoint_is_gone_and_its_id_names_nothing() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let mut reactor = reactor(&pd);
+        let empty = reactor.memory();
+        const BURST: u64 = 5_000;
+        let sender = Peer { burst: BURST, ..Peer::default() };
+        let (a, b) = pair(&mut reactor, sender, Peer::default());
+        DGRAM.with(|d| d.set(Some(a)));
+        run_until(&mut reactor, Duration::from_secs(60), |r| {
+            r.datagram_handler(b).is_some_and(|p| p.received > 0)
+        });
+        // The receiver goes while the sender's burst to it is in flight.
+        let receiver = reactor.remove_datagram(b).expect("the handler comes back");
+        assert!(receiver.received > 0);
+        assert!(reactor.remove_datagram(b).is_none(), "removed once");
+        assert!(reactor.datagram_qp(b).is_none() && reactor.datagram_handler(b).is_none());
+        assert!(reactor.join(b, Gid::from_ipv4(Ipv4Addr::new(239, 1, 2, 4))).is_err());
+        // The rest of the burst goes to a QP that is gone: dropped, as any
+        // datagram nobody receives, and nothing fails or stalls.
+        run_until(&mut reactor, Duration::from_secs(120), |r| {
+            r.datagram_handler(a).is_some_and(|p| p.sent == BURST)
+        });
+        let to = reactor.datagram_handler_mut(a).unwrap().to.take().expect("a destination");
+        reactor.with_ctx(|ctx| {
+            assert!(matches!(ctx.send_datagram(b, &to, b"x"), Err(SendError::Closed)));
+        });
+        reactor.datagram_handler_mut(a).unwrap().to = Some(to);
+        assert_eq!(reactor.datagram_handler(a).unwrap().errors, 0);
+        // A callback's removal waits for the end of its pass; the sender
+        // goes with sends in flight, whose completions left on the CQ are
+        // nobody's concern.
+        reactor.datagram_handler_mut(a).unwrap().burst = 2 * BURST;
+        reactor.turn().expect("a pass");
+        reactor.with_ctx(|ctx| ctx.remove_datagram(a));
+        assert!(reactor.datagram_qp(a).is_some(), "removed when the pass ends");
+        reactor.turn().expect("a pass");
+        assert!(reactor.datagram_qp(a).is_none());
+        for _ in 0..100 {
+            reactor.turn().expect("a pass");
+        }
+        assert_eq!(reactor.counters().foreign_completions, 0);
+        assert_eq!(reactor.memory(), empty, "nothing of either endpoint is kept");
+        // Ids are never reused; a new endpoint works beside the gone ones.
+        let (c, d) = pair(&mut reactor, Peer { rounds: 10, ..Peer::default() }, Peer { echo: true, ..Peer::default() });
+        assert!(![a, b].contains(&c) && ![a, b].contains(&d));
+        DGRAM.with(|cell| cell.set(Some(c)));
+        run_until(&mut reactor, Duration::from_secs(30), |r| {
+            r.datagram_handler(c).is_some_and(|p| p.next == 10)
+        });
     }
 }

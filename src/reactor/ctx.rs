@@ -41,6 +41,8 @@ pub struct Ctx<'a> {
 pub(crate) struct Deferred {
     /// Sessions to remove after the pass.
     pub(crate) removals: Vec<SessionId>,
+    /// Datagram endpoints to remove after the pass.
+    pub(crate) datagram_removals: Vec<DatagramId>,
     /// SRQ slots of held messages whose connection is gone, to give back to
     /// the SRQ (capacity reserved for every SRQ slot: pushing never
     /// allocates).
@@ -186,6 +188,18 @@ impl Ctx<'_> {
     pub fn remove_session(&mut self, session: SessionId) {
         if !self.deferred.removals.contains(&session) {
             self.deferred.removals.push(session);
+        }
+    }
+
+    /// Asks the reactor to remove datagram endpoint `dgram` after this
+    /// pass, as [`Reactor::remove_datagram`](super::Reactor::remove_datagram)
+    /// does; its handler is then dropped. Until then it still receives,
+    /// and what it staged this pass is dropped with it. An id of another
+    /// reactor, or of an endpoint removed already, is ignored.
+    pub fn remove_datagram(&mut self, dgram: DatagramId) {
+        if self.datagrams.get(dgram).is_some() && !self.deferred.datagram_removals.contains(&dgram)
+        {
+            self.deferred.datagram_removals.push(dgram);
         }
     }
 

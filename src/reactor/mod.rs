@@ -191,7 +191,7 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     peer_timer: Option<PassTimer>,
     /// The datagram endpoints, and their handlers (by endpoint index).
     datagrams: DatagramTable,
-    datagram_handlers: Vec<H>,
+    datagram_handlers: Vec<Option<H>>,
     /// Completions no connection of ours posted (ignored).
     foreign_completions: u64,
     /// Running totals ([`Reactor::counters`]).
@@ -267,6 +267,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             stop: Arc::new(AtomicBool::new(false)),
             deferred: Deferred {
                 removals,
+                // Each endpoint is asked for once: pushing never allocates.
+                datagram_removals: Vec::with_capacity(table::wr_id::MAX_ENDPOINTS),
                 srq_returns: Vec::with_capacity(srq_slots),
                 refused: Vec::new(),
                 lone_doorbells: 0,

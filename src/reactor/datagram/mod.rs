@@ -79,14 +79,31 @@ impl fmt::Debug for DatagramSource<'_> {
 }
 
 /// The datagram endpoints of one reactor, and which of them have work for
-/// the end of the pass.
+/// the end of the pass. A removed endpoint leaves its place empty for the
+/// reactor's life, so its id never names another.
 pub(crate) struct DatagramTable {
     owner: u64,
-    endpoints: Vec<DatagramEndpoint>,
+    endpoints: Vec<Option<Seat>>,
     /// Endpoints with datagrams staged or a repost batch due, one bit each.
     work: u64,
     /// Endpoints with any receive waiting to be posted again, one bit each.
     pending: u64,
+    /// What removed endpoints posted, so the reactor's counters never go
+    /// back.
+    retired: PostCount,
+}
+
+/// An endpoint and the CQ entries the reactor promised it.
+struct Seat {
+    endpoint: DatagramEndpoint,
+    charge: CqCharge,
+}
+
+/// Entries of the reactor's CQ `cq` promised to an endpoint's queues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CqCharge {
+    pub(crate) cq: usize,
+    pub(crate) entries: u32,
 }
 
 const _: () = assert!(MAX_ENDPOINTS <= u64::BITS as usize);
@@ -99,6 +116,7 @@ impl DatagramTable {
             endpoints: Vec::new(),
             work: 0,
             pending: 0,
+            retired: PostCount::default(),
         }
     }
 
@@ -106,20 +124,45 @@ impl DatagramTable {
     pub(crate) fn next_index(&self) -> crate::Result<u32> {
         if self.endpoints.len() >= MAX_ENDPOINTS {
             return Err(crate::Error::InvalidArgument(
-                "Reactor::add_datagram: a reactor holds at most 64 datagram endpoints",
+                "Reactor::add_datagram: a reactor adds at most 64 datagram endpoints in its life",
             ));
         }
         Ok(self.endpoints.len() as u32)
     }
 
-    /// Holds `endpoint`, made for [`next_index`](Self::next_index).
-    pub(crate) fn push(&mut self, endpoint: DatagramEndpoint) -> DatagramId {
+    /// Holds `endpoint`, made for [`next_index`](Self::next_index), with
+    /// the CQ entries promised to it.
+    pub(crate) fn push(&mut self, endpoint: DatagramEndpoint, charge: CqCharge) -> DatagramId {
         let index = self.endpoints.len() as u32;
-        self.endpoints.push(endpoint);
+        self.endpoints.push(Some(Seat { endpoint, charge }));
         DatagramId {
             reactor: self.owner,
             index,
         }
+    }
+
+    /// Takes endpoint `id` out, with the CQ entries promised to it; its
+    /// place stays empty. `None` if it is another reactor's or gone.
+    pub(crate) fn remove(&mut self, id: DatagramId) -> Option<(DatagramEndpoint, CqCharge)> {
+        if id.reactor != self.owner {
+            return None;
+        }
+        let Seat { endpoint, charge } = self.endpoints.get_mut(id.index as usize)?.take()?;
+        self.work &= !(1 << id.index);
+        self.pending &= !(1 << id.index);
+        let posted = endpoint.posted();
+        self.retired.requests += posted.requests;
+        self.retired.doorbells += posted.doorbells;
+        Some((endpoint, charge))
+    }
+
+    /// Endpoint `index`, if it is not removed.
+    #[inline]
+    fn at(&mut self, index: u32) -> Option<&mut DatagramEndpoint> {
+        self.endpoints
+            .get_mut(index as usize)?
+            .as_mut()
+            .map(|seat| &mut seat.endpoint)
     }
 
     /// The id of endpoint `index`.
@@ -131,25 +174,29 @@ impl DatagramTable {
         }
     }
 
-    /// Endpoint `id`, if it is this reactor's.
+    /// Endpoint `id`, if it is this reactor's and not removed.
     pub(crate) fn get(&self, id: DatagramId) -> Option<&DatagramEndpoint> {
-        (id.reactor == self.owner)
-            .then(|| self.endpoints.get(id.index as usize))
-            .flatten()
+        if id.reactor != self.owner {
+            return None;
+        }
+        self.endpoints
+            .get(id.index as usize)?
+            .as_ref()
+            .map(|seat| &seat.endpoint)
     }
 
-    /// Endpoint `id`, mutably, if it is this reactor's.
+    /// Endpoint `id`, mutably, if it is this reactor's and not removed.
     pub(crate) fn get_mut(&mut self, id: DatagramId) -> Option<&mut DatagramEndpoint> {
         if id.reactor != self.owner {
             return None;
         }
-        self.endpoints.get_mut(id.index as usize)
+        self.at(id.index)
     }
 
     /// Joins endpoint `id` to multicast group `group`, saying so.
     pub(crate) fn join(&mut self, id: DatagramId, group: Gid) -> crate::Result<()> {
         let endpoint = self.get_mut(id).ok_or(crate::Error::InvalidArgument(
-            "join: a datagram endpoint of another reactor",
+            "join: a datagram endpoint of another reactor, or one removed",
         ))?;
         endpoint.join(group)?;
         log::info!("datagram endpoint {id:?} joined {group}: anyone on the fabric may send to it");
@@ -160,23 +207,28 @@ impl DatagramTable {
     pub(crate) fn leave(&mut self, id: DatagramId, group: Gid) -> crate::Result<()> {
         self.get_mut(id)
             .ok_or(crate::Error::InvalidArgument(
-                "leave: a datagram endpoint of another reactor",
+                "leave: a datagram endpoint of another reactor, or one removed",
             ))?
             .leave(group)?;
         log::info!("datagram endpoint {id:?} left {group}");
         Ok(())
     }
 
-    /// Every endpoint with its id.
+    /// Every endpoint not removed, with its id.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (DatagramId, &DatagramEndpoint)> {
         self.endpoints
             .iter()
             .enumerate()
-            .map(|(index, endpoint)| (self.id(index as u32), endpoint))
+            .filter_map(|(index, seat)| {
+                seat.as_ref()
+                    .map(|seat| (self.id(index as u32), &seat.endpoint))
+            })
     }
 
     /// A completion naming endpoint `index` (a receive into slot `value`,
-    /// or send `value`): what it brings, vetted by the endpoint.
+    /// or send `value`): what it brings, vetted by the endpoint. One of a
+    /// removed endpoint, left on the CQ when its QP went, brings nothing;
+    /// one naming an endpoint never added is a stranger's.
     #[inline]
     pub(crate) fn complete(
         &mut self,
@@ -185,8 +237,11 @@ impl DatagramTable {
         receive: bool,
         value: u32,
     ) -> Arrived {
-        let Some(endpoint) = self.endpoints.get_mut(index as usize) else {
+        let Some(seat) = self.endpoints.get_mut(index as usize) else {
             return Arrived::Foreign;
+        };
+        let Some(Seat { endpoint, .. }) = seat else {
+            return Arrived::Nothing;
         };
         let arrived = endpoint.complete(wc, receive, value);
         // A slot given back here (a failed or short receive) waits for a
@@ -203,9 +258,10 @@ impl DatagramTable {
     /// Datagram slot `slot` of endpoint `index` was read: it goes back.
     #[inline]
     pub(crate) fn release(&mut self, index: u32, slot: u32) {
-        if let Some(endpoint) = self.endpoints.get_mut(index as usize) {
+        if let Some(endpoint) = self.at(index) {
+            let due = endpoint.release(slot);
             self.pending |= 1 << index;
-            if endpoint.release(slot) {
+            if due {
                 self.work |= 1 << index;
             }
         }
@@ -253,7 +309,7 @@ impl DatagramTable {
         while todo != 0 {
             let index = todo.trailing_zeros();
             todo &= todo - 1;
-            let Some(endpoint) = self.endpoints.get_mut(index as usize) else {
+            let Some(endpoint) = self.at(index) else {
                 continue;
             };
             let Flushed { pending, report } = endpoint.flush(idle);
@@ -268,20 +324,19 @@ impl DatagramTable {
     }
 
     /// Datagrams every endpoint posted and the doorbells that posted them,
-    /// so far.
+    /// so far (removed ones' too).
     pub(crate) fn posted(&self) -> PostCount {
-        self.endpoints.iter().map(DatagramEndpoint::posted).fold(
-            PostCount::default(),
-            |sum, posted| PostCount {
+        self.iter()
+            .map(|(_, endpoint)| endpoint.posted())
+            .fold(self.retired, |sum, posted| PostCount {
                 requests: sum.requests + posted.requests,
                 doorbells: sum.doorbells + posted.doorbells,
-            },
-        )
+            })
     }
 
     /// The error a refused post failed endpoint `index` with, once.
     pub(crate) fn take_report(&mut self, index: u32) -> Option<crate::Error> {
-        self.endpoints.get_mut(index as usize)?.take_report()
+        self.at(index)?.take_report()
     }
 }
 

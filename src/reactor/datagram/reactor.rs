@@ -7,7 +7,7 @@ use crate::verbs::{Gid, UdConfig, UdQueuePair};
 
 use super::super::table::wr_id::WrKind;
 use super::super::{Handler, PeerLink, Reactor};
-use super::{Arrived, DatagramEndpoint, DatagramId, DatagramSource};
+use super::{Arrived, CqCharge, DatagramEndpoint, DatagramId, DatagramSource};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Adds a datagram endpoint: a UD QP on the reactor's CQs made as
@@ -20,8 +20,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// [`Ctx::send_datagram`](crate::reactor::Ctx::send_datagram) and runs
     /// [`Handler::on_idle`] with the others. Each receive and send slot is
     /// the port's MTU (plus the 40-byte GRH for a receive), registered
-    /// once. A reactor holds at most 64 endpoints, for its life. An error
-    /// of `make` is returned, and the endpoint is not added.
+    /// once. A reactor adds at most 64 endpoints in its life (ids are never
+    /// reused, [`remove_datagram`](Self::remove_datagram)'s included). An
+    /// error of `make` is returned, and the endpoint is not added.
     ///
     /// Anyone on the fabric who learns the endpoint's QP number and Q_Key,
     /// or a group it joined, can send to it: see the security docs.
@@ -52,10 +53,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     ) -> Result<DatagramId> {
         let index = self.datagrams.next_index()?;
         let (cq_index, cq) = self.completions.next_cq();
-        let charges = [(
-            cq_index,
-            config.max_send_wr.saturating_add(config.max_recv_wr),
-        )];
+        let charge = CqCharge {
+            cq: cq_index,
+            entries: config.max_send_wr.saturating_add(config.max_recv_wr),
+        };
+        let charges = [(charge.cq, charge.entries)];
         if !self.completions.can_absorb(&charges) {
             return Err(Error::InvalidArgument(
                 "Reactor::add_datagram: the reactor's CQ has no room for the endpoint's queues (ReactorConfig::cq_size)",
@@ -64,10 +66,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let endpoint = DatagramEndpoint::new(&self.pd, &cq, index, config)?;
         let handler = make(self.datagrams.id(index), endpoint.qp())?;
         self.completions.charge(&charges);
-        self.datagram_handlers.push(handler);
+        self.datagram_handlers.push(Some(handler));
         // Its completions and doorbells are the full pass's.
         self.full_pass_parts += 1;
-        let id = self.datagrams.push(endpoint);
+        let id = self.datagrams.push(endpoint, charge);
         log::info!(
             "datagram endpoint {id:?}: UD QP {} with Q_Key {:#x} is open to anyone on the fabric who knows them",
             self.datagrams.get(id).map_or(0, |e| e.qp().qpn()),
@@ -98,26 +100,58 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.datagrams.leave(id, group)
     }
 
+    /// Removes endpoint `id`: its QP is destroyed (which leaves its
+    /// multicast groups), its rings deregistered, the datagrams it staged
+    /// dropped and its CQ room given back, and its handler handed back.
+    /// Completions of it still on the CQ are ignored, and its id names
+    /// nothing from now on. `None` for an id of another reactor, or one
+    /// removed already. From a callback:
+    /// [`Ctx::remove_datagram`](crate::reactor::Ctx::remove_datagram).
+    pub fn remove_datagram(&mut self, id: DatagramId) -> Option<H> {
+        let (endpoint, charge) = self.datagrams.remove(id)?;
+        drop(endpoint);
+        // As for a removed connection: what its QP left on the CQ is
+        // polled by the next pass, before anything charged in its place
+        // can have traffic.
+        self.completions.discharge(&[(charge.cq, charge.entries)]);
+        self.full_pass_parts -= 1;
+        log::info!("datagram endpoint {id:?} removed");
+        self.datagram_handlers.get_mut(id_index(id))?.take()
+    }
+
+    /// Removes the endpoints callbacks asked to remove; their handlers
+    /// are dropped.
+    #[cold]
+    pub(in super::super) fn apply_datagram_removals(&mut self) {
+        while let Some(id) = self.deferred.datagram_removals.pop() {
+            drop(self.remove_datagram(id));
+        }
+    }
+
     /// Drops the reactor (its endpoints' QPs destroyed with it) and hands
-    /// back the endpoints' handlers with their ids, in the order they were
-    /// added: for a runtime reactor's last act.
+    /// back the handlers of the endpoints it still has, with their ids, in
+    /// the order they were added: for a runtime reactor's last act.
     pub(crate) fn into_datagram_handlers(mut self) -> Vec<(DatagramId, H)> {
         let handlers = std::mem::take(&mut self.datagram_handlers);
-        let ids: Vec<DatagramId> = self.datagrams.iter().map(|(id, _)| id).collect();
+        let owned: Vec<(DatagramId, H)> = handlers
+            .into_iter()
+            .enumerate()
+            .filter_map(|(index, handler)| Some((self.datagrams.id(index as u32), handler?)))
+            .collect();
         drop(self);
-        ids.into_iter().zip(handlers).collect()
+        owned
     }
 
     /// The handler of endpoint `id`.
     pub fn datagram_handler(&self, id: DatagramId) -> Option<&H> {
         self.datagrams.get(id)?;
-        self.datagram_handlers.get(id_index(id))
+        self.datagram_handlers.get(id_index(id))?.as_ref()
     }
 
     /// The handler of endpoint `id`, mutably.
     pub fn datagram_handler_mut(&mut self, id: DatagramId) -> Option<&mut H> {
         self.datagrams.get(id)?;
-        self.datagram_handlers.get_mut(id_index(id))
+        self.datagram_handlers.get_mut(id_index(id))?.as_mut()
     }
 
     /// Completion `at`, whose `wr_id` names endpoint `index` as `kind`:
@@ -136,10 +170,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             Arrived::Datagram { slot, landed } => {
                 self.counters.datagrams += 1;
                 // SAFETY: both lie in the endpoint's receive ring, registered
-                // while the reactor lives (endpoints are never removed); the
-                // slot is consumed and goes back to the device only after the
-                // handler returns (`release`), and nothing the handler can
-                // reach writes a receive ring.
+                // while the endpoint lives, which is past this call (a
+                // callback's removal waits for the end of the pass, and
+                // `remove_datagram` needs the reactor, which a callback
+                // cannot reach); the slot is consumed and goes back to the
+                // device only after the handler returns (`release`), and
+                // nothing the handler can reach writes a receive ring.
                 let (grh, data) = unsafe {
                     (
                         &*landed.grh,
@@ -147,7 +183,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     )
                 };
                 let source = DatagramSource::new(wc.src_qp(), wc.has_grh().then_some(grh));
-                if let Some(handler) = self.datagram_handlers.get_mut(index as usize) {
+                if let Some(Some(handler)) = self.datagram_handlers.get_mut(index as usize) {
                     let mut ctx = reactor_ctx!(self);
                     handler.on_datagram(&mut ctx, id, &source, data);
                     if ctx.touched {
@@ -169,7 +205,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     fn datagram_failed(&mut self, id: DatagramId, error: Error) {
         log::warn!("datagram endpoint {id:?} failed: {error}");
-        if let Some(handler) = self.datagram_handlers.get_mut(id_index(id)) {
+        if let Some(Some(handler)) = self.datagram_handlers.get_mut(id_index(id)) {
             let mut ctx = reactor_ctx!(self);
             handler.on_datagram_error(&mut ctx, id, &error);
         }
