@@ -1,6 +1,7 @@
 //! Datagram endpoints on a runtime's reactors (`RuntimeConfig::datagrams`):
 //! a reactor opens its endpoint and joins a multicast group before it
-//! serves anything (or its handler joins from a callback, `Ctx::join`),
+//! serves anything (or its handler joins from a callback, `Ctx::join`, or
+//! the endpoint is opened once the runtime runs, `RuntimeHandle::add_datagram`),
 //! its handler (built on its thread by the factory) takes every datagram a
 //! publisher sends to the group, and comes back to the factory when the
 //! runtime stops; a factory that builds no datagram
@@ -12,9 +13,9 @@ mod util;
 
 use std::net::Ipv4Addr;
 use std::rc::Rc;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use rdma_comm_core::Error;
@@ -46,7 +47,14 @@ struct Subscriber {
     /// The endpoint, and a group to join from the first `on_idle`.
     join: Option<(DatagramId, Gid)>,
     joined: Arc<AtomicU64>,
+    /// Asks its own reactor for an endpoint from its first `on_idle`, and
+    /// says how that went.
+    ask_own: Option<AskOwn>,
 }
+
+/// A handle to ask the reactor for an endpoint with, and where to say how
+/// that went.
+type AskOwn = (RuntimeHandle, mpsc::Sender<String>);
 
 impl Handler for Subscriber {
     fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
@@ -55,6 +63,13 @@ impl Handler for Subscriber {
         if let Some((id, group)) = self.join.take() {
             ctx.join(id, group).expect("joined from a callback");
             self.joined.store(1, Ordering::Release);
+        }
+        if let Some((handle, told)) = self.ask_own.take() {
+            let asked = handle.add_datagram(plan(*self.reactor, false));
+            let _ = told.send(match asked {
+                Ok(id) => format!("opened {id:?} on its own thread"),
+                Err(err) => err.to_string(),
+            });
         }
     }
 
@@ -75,6 +90,9 @@ struct Feed {
     /// Join the group from the handler's first `on_idle`, not at start.
     join_later: bool,
     joined: Arc<AtomicU64>,
+    /// Set once running: the next handler built asks its own reactor for an
+    /// endpoint, and says how that went here.
+    ask_own: Arc<Mutex<Option<AskOwn>>>,
     built: mpsc::Sender<(usize, u32)>,
     back: mpsc::Sender<(usize, u64, u64)>,
 }
@@ -95,6 +113,7 @@ impl HandlerFactory for Feed {
             id: Some(datagram.id),
             join: self.join_later.then_some((datagram.id, group())),
             joined: Arc::clone(&self.joined),
+            ask_own: self.ask_own.lock().unwrap().take(),
         })
     }
 
@@ -151,34 +170,71 @@ fn one_subscriber(reactors: usize, on: usize, join_later: bool) -> RuntimeConfig
     RuntimeConfig {
         reactors,
         reactor: blocking(1),
-        datagrams: vec![DatagramPlan {
-            reactor: on,
-            config: UdConfig::default(),
-            groups: if join_later { vec![] } else { vec![group()] },
-        }],
+        datagrams: vec![plan(on, join_later)],
         ..RuntimeConfig::default()
     }
 }
 
-/// A runtime whose reactor 1 subscribes to the group (at start, or from
-/// its handler's first `on_idle`), fed by a publisher on a reactor of the
-/// test's own.
-fn subscribe_and_publish(join_later: bool) {
+/// The subscriber's endpoint on reactor `on`, joined to the group at once
+/// unless its handler joins it later.
+fn plan(on: usize, join_later: bool) -> DatagramPlan {
+    DatagramPlan {
+        reactor: on,
+        config: UdConfig::default(),
+        groups: if join_later { vec![] } else { vec![group()] },
+    }
+}
+
+/// When the subscriber's endpoint is opened and joined.
+#[derive(Clone, Copy, PartialEq)]
+enum Subscribe {
+    /// Opened and joined as the reactor starts.
+    AtStart,
+    /// Opened at start, joined from its handler's first `on_idle`.
+    JoinFromCallback,
+    /// Opened and joined once the runtime runs.
+    OnceRunning,
+}
+
+/// A runtime whose reactor 1 subscribes to the group as `how` says, fed
+/// by a publisher on a reactor of the test's own.
+fn subscribe_and_publish(how: Subscribe) {
+    let join_later = how == Subscribe::JoinFromCallback;
     let ctx = open_device();
     let pd = ctx.alloc_pd().unwrap();
     let in_order = Arc::new(AtomicU64::new(0));
     let joined = Arc::new(AtomicU64::new(0));
     let (built_tx, built) = mpsc::channel();
     let (back_tx, back) = mpsc::channel();
+    let factory_ask_own = Arc::default();
     let factory = Feed {
         in_order: Arc::clone(&in_order),
         join_later,
         joined: Arc::clone(&joined),
+        ask_own: Arc::clone(&factory_ask_own),
         built: built_tx,
         back: back_tx,
     };
-    let runtime =
-        Runtime::start(&pd, one_subscriber(2, 1, join_later), factory).expect("the runtime");
+    let mut config = one_subscriber(2, 1, join_later);
+    if how == Subscribe::OnceRunning {
+        config.datagrams.clear();
+    }
+    let runtime = Runtime::start(&pd, config, factory).expect("the runtime");
+    let mut own_thread = None;
+    if how == Subscribe::OnceRunning {
+        assert!(built.try_recv().is_err(), "nothing planned at start");
+        let handle = runtime.handle();
+        let (told, asked) = mpsc::channel();
+        *factory_ask_own.lock().unwrap() = Some((handle.clone(), told));
+        own_thread = Some(asked);
+        handle
+            .add_datagram(plan(1, false))
+            .expect("opened on reactor 1");
+        assert!(
+            handle.add_datagram(plan(2, false)).is_err(),
+            "a reactor the runtime does not have"
+        );
+    }
     let (reactor, qpn) = built.try_recv().expect("built before start returned");
     assert_eq!(reactor, 1, "on the reactor its plan names");
     assert!(qpn > 0);
@@ -224,6 +280,12 @@ fn subscribe_and_publish(join_later: bool) {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 
+    if let Some(asked) = own_thread {
+        let told = asked
+            .recv_timeout(DEADLINE)
+            .expect("the handler asked its own reactor");
+        assert!(told.contains("own thread"), "{told}");
+    }
     runtime.stop();
     runtime.join().expect("joined");
     let (reactor, taken, out_of_order) = back.try_recv().expect("the subscriber came back");
@@ -232,16 +294,50 @@ fn subscribe_and_publish(join_later: bool) {
 }
 
 verbs_test! {
+    fn a_running_runtime_opens_an_endpoint_that_takes_a_groups_datagrams() {
+        let _serial = serial();
+        subscribe_and_publish(Subscribe::OnceRunning);
+    }
+}
+
+verbs_test! {
+    fn an_endpoint_asked_of_a_stopped_reactor_is_refused() {
+        let _serial = serial();
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().unwrap();
+        let (built_tx, built) = mpsc::channel();
+        let (back_tx, _back) = mpsc::channel();
+        let factory = Feed {
+            in_order: Arc::new(AtomicU64::new(0)),
+            join_later: false,
+            joined: Arc::new(AtomicU64::new(0)),
+            ask_own: Arc::default(),
+            built: built_tx,
+            back: back_tx,
+        };
+        let mut config = one_subscriber(1, 0, false);
+        config.datagrams.clear();
+        let runtime = Runtime::start(&pd, config, factory).expect("the runtime");
+        let handle = runtime.handle();
+        runtime.stop();
+        runtime.join().expect("joined");
+        let refused = handle.add_datagram(plan(0, false)).expect_err("the reactor stopped");
+        assert!(refused.to_string().contains("stopped"), "{refused}");
+        assert!(built.try_recv().is_err(), "no handler built for a stopped reactor");
+    }
+}
+
+verbs_test! {
     fn a_runtime_reactor_takes_a_groups_datagrams_on_its_endpoint() {
         let _serial = serial();
-        subscribe_and_publish(false);
+        subscribe_and_publish(Subscribe::AtStart);
     }
 }
 
 verbs_test! {
     fn a_runtime_endpoints_handler_joins_a_group_from_a_callback() {
         let _serial = serial();
-        subscribe_and_publish(true);
+        subscribe_and_publish(Subscribe::JoinFromCallback);
     }
 }
 
@@ -258,6 +354,7 @@ verbs_test! {
             id: None,
             join: None,
             joined: Arc::new(AtomicU64::new(0)),
+            ask_own: None,
         });
         match Runtime::start(&pd, one_subscriber(1, 0, false), sessions_only) {
             Err(err) => assert!(err.to_string().contains("build_datagram"), "{err}"),
@@ -269,6 +366,7 @@ verbs_test! {
             in_order: Arc::new(AtomicU64::new(0)),
             join_later: false,
             joined: Arc::new(AtomicU64::new(0)),
+            ask_own: Arc::default(),
             built: built_tx,
             back: back_tx,
         };

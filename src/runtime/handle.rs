@@ -7,10 +7,11 @@ use crate::error::{Error, Result};
 use crate::session::{Endpoint, QpSpec, ServerConfig, ServerShutdown};
 use crate::verbs::{AccessFlags, ProtectionDomain};
 
-use super::port::{Arrival, Incoming, Seat};
+use super::port::{Arrival, DatagramArrival, Incoming, Seat};
+use super::{DatagramPlan, ReactorLoad, ReactorStats, Shared, Submitter, submit};
 #[cfg(doc)]
 use super::{HandlerFactory, Runtime};
-use super::{ReactorLoad, ReactorStats, Shared, Submitter, submit};
+use crate::reactor::DatagramId;
 
 /// Controls a runtime from any thread: stop it or one reactor, read the
 /// statistics, hand sessions to reactors, open submission rings. Cheap to
@@ -103,6 +104,48 @@ impl RuntimeHandle {
             hello: None,
         }));
         self.shared.deliver(reactor, arrival)
+    }
+
+    /// Opens a datagram endpoint on reactor `plan.reactor` of the running
+    /// runtime, as [`RuntimeConfig::datagrams`](super::RuntimeConfig::datagrams)
+    /// does at start: the reactor creates it, has the factory's
+    /// [`build_datagram`](HandlerFactory::build_datagram) make its handler
+    /// on its thread, and joins `plan.groups`. Waits for the reactor, which
+    /// looks when idle and at least every few hundred busy passes, and
+    /// returns the endpoint's id. Its handler leaves as the others do:
+    /// [`Ctx::remove_datagram`](crate::reactor::Ctx::remove_datagram), or
+    /// [`datagram_stopped`](HandlerFactory::datagram_stopped) when the
+    /// reactor stops.
+    ///
+    /// # Errors
+    /// The reactor's or the factory's error when the endpoint cannot be
+    /// made, or a group not joined (the endpoint is then removed, and its
+    /// handler goes to `datagram_stopped`); [`Error::Runtime`] for a
+    /// reactor the runtime does not have, one that stopped, a full arrival
+    /// queue, and a call from the reactor's own thread (a handler of it),
+    /// which would wait for itself.
+    pub fn add_datagram(&self, plan: DatagramPlan) -> Result<DatagramId> {
+        let reactor = plan.reactor;
+        let port = self.shared.port(reactor)?;
+        if port
+            .setup
+            .get()
+            .is_some_and(|setup| setup.thread == std::thread::current().id())
+        {
+            return Err(Error::Runtime(format!(
+                "add_datagram on reactor {reactor}'s own thread: it would wait for itself"
+            )));
+        }
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        self.shared.deliver(
+            reactor,
+            Arrival::Datagram(Box::new(DatagramArrival { plan, reply })),
+        )?;
+        answer.recv().unwrap_or_else(|_| {
+            Err(Error::Runtime(format!(
+                "reactor {reactor} stopped before it opened the datagram endpoint"
+            )))
+        })
     }
 
     /// Opens a submission ring from the calling thread to reactor

@@ -4,18 +4,20 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
+use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, OnceLock};
+use std::thread::ThreadId;
 
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
 
-use crate::error::Error;
-use crate::reactor::{Counters, Waker};
+use crate::error::{Error, Result};
+use crate::reactor::{Counters, DatagramId, Waker};
 use crate::session::{CqChoice, Endpoint, PeerHello, QpSpec};
 use crate::verbs::{AccessFlags, QpConfig, SharedCq, SrqAttachment};
 
 use super::submit::Consumer;
-use super::{ReactorStats, SubmitLatency};
+use super::{DatagramPlan, ReactorStats, SubmitLatency};
 
 /// Something handed to a reactor thread.
 pub(crate) enum Arrival {
@@ -23,6 +25,16 @@ pub(crate) enum Arrival {
     Session(Box<Incoming>),
     /// A submission ring from an application thread.
     Ring(Consumer),
+    /// A datagram endpoint to open, and where to say how that went.
+    Datagram(Box<DatagramArrival>),
+}
+
+/// A datagram endpoint asked for after the runtime started
+/// ([`RuntimeHandle::add_datagram`](super::RuntimeHandle::add_datagram)).
+pub(crate) struct DatagramArrival {
+    pub(crate) plan: DatagramPlan,
+    /// Takes the endpoint's id, or why it was not opened.
+    pub(crate) reply: SyncSender<Result<DatagramId>>,
 }
 
 /// An established session on its way to its reactor.
@@ -54,6 +66,8 @@ impl Drop for Seat {
 /// What other threads need once the reactor is up.
 pub(crate) struct Setup {
     pub(crate) waker: Waker,
+    /// The reactor's thread.
+    pub(crate) thread: ThreadId,
     cqs: Vec<SharedCq>,
     srq: Option<SrqAttachment>,
     qp: QpConfig,
@@ -75,6 +89,7 @@ impl Setup {
         }
         Self {
             waker,
+            thread: std::thread::current().id(),
             cqs,
             srq,
             qp,
@@ -237,17 +252,27 @@ impl Port {
 
     /// Empties the queue of a reactor that stopped: each session goes to
     /// `refused` after its endpoint is dropped (telling the peer goodbye);
-    /// rings are dropped, and their submitters see the stop.
+    /// rings are dropped, and their submitters see the stop; each datagram
+    /// endpoint asked for is refused to the caller waiting for it.
     pub(crate) fn refuse_queued(&self, refused: impl Fn(usize, SocketAddr, &Error)) {
         while let Some(arrival) = self.arrivals.pop() {
-            if let Arrival::Session(incoming) = arrival {
-                let peer = incoming.endpoint.peer();
-                drop(incoming);
-                let err = Error::Runtime(format!(
-                    "reactor {} stopped before it took the session",
-                    self.index
-                ));
-                refused(self.index, peer, &err);
+            match arrival {
+                Arrival::Session(incoming) => {
+                    let peer = incoming.endpoint.peer();
+                    drop(incoming);
+                    let err = Error::Runtime(format!(
+                        "reactor {} stopped before it took the session",
+                        self.index
+                    ));
+                    refused(self.index, peer, &err);
+                }
+                Arrival::Datagram(asked) => {
+                    let _ = asked.reply.send(Err(Error::Runtime(format!(
+                        "reactor {} stopped before it opened the datagram endpoint",
+                        self.index
+                    ))));
+                }
+                Arrival::Ring(_) => {}
             }
         }
     }

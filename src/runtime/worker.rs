@@ -8,12 +8,12 @@ use std::sync::Arc;
 use std::sync::mpsc::SyncSender;
 
 use crate::error::{Error, Result};
-use crate::reactor::{EventMode, Reactor, ReactorConfig, SendError};
+use crate::reactor::{DatagramId, EventMode, Reactor, ReactorConfig, SendError};
 use crate::verbs::{AccessFlags, ProtectionDomain};
 
 use super::DatagramPlan;
 use super::factory::{HandlerFactory, NewDatagram, NewSession, Seated};
-use super::port::{Arrival, Incoming, Port, Setup};
+use super::port::{Arrival, DatagramArrival, Incoming, Port, Setup};
 use super::submit::Consumer;
 use super::trace::Tracer;
 use crate::clock::Clock;
@@ -132,23 +132,42 @@ fn open_datagrams<F: HandlerFactory>(
     index: usize,
 ) -> Result<()> {
     for plan in datagrams {
-        let id = reactor.add_datagram(&plan.config, |id, qp| {
-            let datagram = NewDatagram {
-                reactor: index,
-                id,
-                qp,
-            };
-            let handler = factory.build_datagram(&datagram)?;
-            Ok(Seated {
-                handler,
-                _seat: None,
-            })
-        })?;
-        for &group in &plan.groups {
-            reactor.join(id, group)?;
-        }
+        open_datagram(reactor, plan, factory, index)?;
     }
     Ok(())
+}
+
+/// Opens the datagram endpoint `plan` asks for on reactor `index`, with a
+/// handler from `factory`, and joins its groups. An endpoint that cannot
+/// join one is removed, and its handler goes to the factory's
+/// `datagram_stopped`.
+fn open_datagram<F: HandlerFactory>(
+    reactor: &mut Reactor<Seated<F::Handler>>,
+    plan: &DatagramPlan,
+    factory: &F,
+    index: usize,
+) -> Result<DatagramId> {
+    let id = reactor.add_datagram(&plan.config, |id, qp| {
+        let datagram = NewDatagram {
+            reactor: index,
+            id,
+            qp,
+        };
+        let handler = factory.build_datagram(&datagram)?;
+        Ok(Seated {
+            handler,
+            _seat: None,
+        })
+    })?;
+    for &group in &plan.groups {
+        if let Err(err) = reactor.join(id, group) {
+            if let Some(seated) = reactor.remove_datagram(id) {
+                factory.datagram_stopped(index, id, seated.handler);
+            }
+            return Err(err);
+        }
+    }
+    Ok(id)
 }
 
 fn set_up<F: HandlerFactory>(
@@ -238,6 +257,11 @@ impl<F: HandlerFactory> Worker<'_, F> {
         while let Some(arrival) = self.port.arrivals.pop() {
             match arrival {
                 Arrival::Ring(ring) => self.rings.push(ring),
+                Arrival::Datagram(asked) => {
+                    let DatagramArrival { plan, reply } = *asked;
+                    let opened = open_datagram(reactor, &plan, self.factory, self.port.index);
+                    let _ = reply.send(opened);
+                }
                 Arrival::Session(incoming) => {
                     let Incoming {
                         endpoint,
