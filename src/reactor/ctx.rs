@@ -41,8 +41,6 @@ pub struct Ctx<'a> {
 pub(crate) struct Deferred {
     /// Sessions to remove after the pass.
     pub(crate) removals: Vec<SessionId>,
-    /// Datagram endpoints to remove after the pass.
-    pub(crate) datagram_removals: Vec<DatagramId>,
     /// SRQ slots of held messages whose connection is gone, to give back to
     /// the SRQ (capacity reserved for every SRQ slot: pushing never
     /// allocates).
@@ -197,10 +195,7 @@ impl Ctx<'_> {
     /// and what it staged this pass is dropped with it. An id of another
     /// reactor, or of an endpoint removed already, is ignored.
     pub fn remove_datagram(&mut self, dgram: DatagramId) {
-        if self.datagrams.get(dgram).is_some() && !self.deferred.datagram_removals.contains(&dgram)
-        {
-            self.deferred.datagram_removals.push(dgram);
-        }
+        self.datagrams.mark_for_removal(dgram);
     }
 
     /// Stages a datagram of `data` (copied into a registered send slot of

@@ -267,8 +267,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             stop: Arc::new(AtomicBool::new(false)),
             deferred: Deferred {
                 removals,
-                // Each endpoint is asked for once: pushing never allocates.
-                datagram_removals: Vec::with_capacity(table::wr_id::MAX_ENDPOINTS),
                 srq_returns: Vec::with_capacity(srq_slots),
                 refused: Vec::new(),
                 lone_doorbells: 0,

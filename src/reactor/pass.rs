@@ -76,10 +76,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     pub(crate) fn sleep_limit(&self) -> Duration {
         // Datagrams staged after the pass's flush (by a handler told its
         // endpoint failed, say) go out with the next pass, not after a sleep.
-        if !self.deferred.removals.is_empty()
-            || !self.deferred.datagram_removals.is_empty()
-            || self.datagrams.has_work(false)
-        {
+        if !self.deferred.removals.is_empty() || self.datagrams.has_work(false) {
             return Duration::ZERO;
         }
         let mut timeout = self.config.idle_timeout;
@@ -249,7 +246,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             || self.conns.has_touched()
             || !self.deferred.srq_returns.is_empty()
             || !self.deferred.removals.is_empty()
-            || !self.deferred.datagram_removals.is_empty()
     }
 
     /// A pass found nothing: every handler's `on_idle`. Returns whether a
@@ -360,9 +356,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if !self.deferred.removals.is_empty() {
             self.apply_removals();
             late = true;
-        }
-        if !self.deferred.datagram_removals.is_empty() {
-            self.apply_datagram_removals();
         }
         // Peer checks and removals come after this pass's flush, and may
         // hand a connection receives to repost (a relay removed with

@@ -88,6 +88,9 @@ pub(crate) struct DatagramTable {
     work: u64,
     /// Endpoints with any receive waiting to be posted again, one bit each.
     pending: u64,
+    /// Endpoints a callback asked to remove, one bit each (also in `work`,
+    /// so the end of the pass sees them).
+    removing: u64,
     /// What removed endpoints posted, so the reactor's counters never go
     /// back.
     retired: PostCount,
@@ -116,6 +119,7 @@ impl DatagramTable {
             endpoints: Vec::new(),
             work: 0,
             pending: 0,
+            removing: 0,
             retired: PostCount::default(),
         }
     }
@@ -150,10 +154,25 @@ impl DatagramTable {
         let Seat { endpoint, charge } = self.endpoints.get_mut(id.index as usize)?.take()?;
         self.work &= !(1 << id.index);
         self.pending &= !(1 << id.index);
+        self.removing &= !(1 << id.index);
         let posted = endpoint.posted();
         self.retired.requests += posted.requests;
         self.retired.doorbells += posted.doorbells;
         Some((endpoint, charge))
+    }
+
+    /// Asks for endpoint `id` (if it is this reactor's and not removed) to
+    /// be removed at the end of the pass.
+    pub(crate) fn mark_for_removal(&mut self, id: DatagramId) {
+        if self.get(id).is_some() {
+            self.removing |= 1 << id.index;
+            self.work |= 1 << id.index;
+        }
+    }
+
+    /// The endpoints asked to be removed, one bit each, taken.
+    pub(crate) fn take_removals(&mut self) -> u64 {
+        std::mem::take(&mut self.removing)
     }
 
     /// Endpoint `index`, if it is not removed.

@@ -119,15 +119,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.datagram_handlers.get_mut(id_index(id))?.take()
     }
 
-    /// Removes the endpoints callbacks asked to remove; their handlers
-    /// are dropped.
-    #[cold]
-    pub(in super::super) fn apply_datagram_removals(&mut self) {
-        while let Some(id) = self.deferred.datagram_removals.pop() {
-            drop(self.remove_datagram(id));
-        }
-    }
-
     /// Drops the reactor (its endpoints' QPs destroyed with it) and hands
     /// back the handlers of the endpoints it still has, with their ids, in
     /// the order they were added: for a runtime reactor's last act.
@@ -211,14 +202,23 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
-    /// The end of a pass for the datagram endpoints: one doorbell each for
-    /// their staged datagrams, their reposts (all of them on an idle pass,
-    /// `idle`), and the handlers of those a refused post failed told.
+    /// The end of a pass for the datagram endpoints: the removals callbacks
+    /// asked for, one doorbell each for the others' staged datagrams, their
+    /// reposts (all of them on an idle pass, `idle`), and the handlers of
+    /// those a refused post failed told.
     // Cold for the pass's layout: most passes of most reactors have no
     // datagram to flush, and the branch to here costs them nothing more.
     #[cold]
     #[inline(never)]
     pub(in super::super) fn flush_datagrams(&mut self, idle: bool) {
+        // Endpoints callbacks asked to remove go first, with what they
+        // staged; their handlers are dropped.
+        let mut removals = self.datagrams.take_removals();
+        while removals != 0 {
+            let index = removals.trailing_zeros();
+            removals &= removals - 1;
+            drop(self.remove_datagram(self.datagrams.id(index)));
+        }
         let failed = self.datagrams.flush(idle);
         if failed != 0 {
             for index in 0..u64::BITS {
