@@ -37,6 +37,8 @@ struct Peer {
     next: u64,
     waiting: bool,
     errors: u64,
+    /// Remove its own endpoint from the callback of this many-th datagram.
+    remove_at: Option<u64>,
 }
 
 impl Handler for Peer {
@@ -50,6 +52,9 @@ impl Handler for Peer {
         data: &[u8],
     ) {
         self.received += 1;
+        if self.remove_at == Some(self.received) {
+            ctx.remove_datagram(dgram);
+        }
         if self.expect_qpn.is_some_and(|qpn| qpn != source.qpn()) || source.gid().is_none() {
             self.wrong_source += 1;
         }
@@ -300,5 +305,56 @@ verbs_test! {
         run_until(&mut reactor, Duration::from_secs(30), |r| {
             r.datagram_handler(c).is_some_and(|p| p.next == 10)
         });
+    }
+}
+
+verbs_test! {
+    fn a_handler_removes_its_own_endpoint_from_its_callback() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let mut reactor = reactor(&pd);
+        const BURST: u64 = 2_000;
+        let sender = Peer { burst: BURST, ..Peer::default() };
+        let receiver = Peer { remove_at: Some(10), ..Peer::default() };
+        let (a, b) = pair(&mut reactor, sender, receiver);
+        DGRAM.with(|d| d.set(Some(a)));
+        let requests = reactor.counters().requests;
+        run_until(&mut reactor, Duration::from_secs(60), |r| r.datagram_qp(b).is_none());
+        assert!(reactor.datagram_handler(b).is_none(), "dropped with its endpoint");
+        run_until(&mut reactor, Duration::from_secs(60), |r| {
+            r.datagram_handler(a).is_some_and(|p| p.sent == BURST)
+        });
+        assert_eq!(reactor.datagram_handler(a).unwrap().errors, 0);
+        let counters = reactor.counters();
+        assert!(counters.requests >= requests + BURST, "{counters:?}");
+        assert!(counters.datagrams >= 10, "{counters:?}");
+        let before = counters.requests;
+        assert!(reactor.remove_datagram(a).is_some());
+        assert!(reactor.counters().requests >= before, "a removed endpoint's posts still count");
+    }
+}
+
+verbs_test! {
+    fn a_removed_endpoints_cq_room_comes_free_after_the_next_pass() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let config = ReactorConfig { cq_count: 1, cq_size: 256, ..ReactorConfig::default() };
+        let mut reactor = Reactor::<Peer>::new(&pd, config).expect("a reactor");
+        let small = UdConfig { max_send_wr: 32, max_recv_wr: 32, ..UdConfig::default() };
+        let add = |reactor: &mut Reactor<Peer>| reactor.add_datagram(&small, |_, _| Ok(Peer::default()));
+        let mut added = Vec::new();
+        while let Ok(id) = add(&mut reactor) {
+            added.push(id);
+            assert!(added.len() < 64, "the CQ never filled");
+        }
+        assert!(added.len() >= 2, "{} endpoints fit", added.len());
+        let last = added.pop().unwrap();
+        assert!(reactor.remove_datagram(last).is_some());
+        // What its QP left on the CQ is polled by the next pass: until then
+        // its room is not handed out again.
+        assert!(matches!(add(&mut reactor), Err(Error::InvalidArgument(_))), "held until a pass");
+        reactor.turn().expect("a pass");
+        let again = add(&mut reactor).expect("room once a pass polled");
+        assert!(again != last, "ids are never reused");
     }
 }

@@ -67,7 +67,7 @@ impl Handler for Subscriber {
         if let Some((handle, told)) = self.ask_own.take() {
             let asked = handle.add_datagram(plan(*self.reactor, false));
             let _ = told.send(match asked {
-                Ok(id) => format!("opened {id:?} on its own thread"),
+                Ok(id) => format!("opened {id:?}"),
                 Err(err) => err.to_string(),
             });
         }
@@ -284,7 +284,7 @@ fn subscribe_and_publish(how: Subscribe) {
         let told = asked
             .recv_timeout(DEADLINE)
             .expect("the handler asked its own reactor");
-        assert!(told.contains("own thread"), "{told}");
+        assert!(told.contains("from the thread of reactor 1"), "{told}");
     }
     runtime.stop();
     runtime.join().expect("joined");
@@ -301,12 +301,12 @@ verbs_test! {
 }
 
 verbs_test! {
-    fn an_endpoint_asked_of_a_stopped_reactor_is_refused() {
+    fn an_endpoint_that_cannot_join_or_is_asked_of_a_stopped_reactor_is_refused() {
         let _serial = serial();
         let ctx = open_device();
         let pd = ctx.alloc_pd().unwrap();
         let (built_tx, built) = mpsc::channel();
-        let (back_tx, _back) = mpsc::channel();
+        let (back_tx, back) = mpsc::channel();
         let factory = Feed {
             in_order: Arc::new(AtomicU64::new(0)),
             join_later: false,
@@ -319,8 +319,19 @@ verbs_test! {
         config.datagrams.clear();
         let runtime = Runtime::start(&pd, config, factory).expect("the runtime");
         let handle = runtime.handle();
+        // A group that is no multicast address: the endpoint is made, its
+        // join fails, and it is removed again with its handler handed back.
+        let unicast = DatagramPlan {
+            groups: vec![Gid::from_ipv4(Ipv4Addr::new(10, 1, 2, 3))],
+            ..plan(0, false)
+        };
+        let refused = handle.add_datagram(unicast).expect_err("no multicast group");
+        assert!(refused.to_string().contains("multicast"), "{refused}");
+        assert!(built.try_recv().is_ok(), "its handler was built");
+        assert_eq!(back.try_recv().ok(), Some((0, 0, 0)), "and came back at once");
         runtime.stop();
         runtime.join().expect("joined");
+        assert!(back.try_recv().is_err(), "no other endpoint");
         let refused = handle.add_datagram(plan(0, false)).expect_err("the reactor stopped");
         assert!(refused.to_string().contains("stopped"), "{refused}");
         assert!(built.try_recv().is_err(), "no handler built for a stopped reactor");

@@ -67,6 +67,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         direct: bool,
     ) -> Result<SessionId> {
         let (qps, link) = source.into_parts();
+        self.completions.release_retired(self.counters.passes);
         let cq_charges = self.check_qps(&qps, direct)?;
         if self.srq.is_some() {
             // The SRQ's receives are told apart by QP number, and the kernel
@@ -282,7 +283,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         {
             self.waiter.unwatch(fd);
         }
-        self.completions.discharge(&record.cq_charges);
+        self.completions
+            .discharge(&record.cq_charges, self.counters.passes);
         for conn in record.conns {
             self.drop_conn(conn);
         }

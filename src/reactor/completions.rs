@@ -40,6 +40,11 @@ pub(super) struct Completions {
     spun: SpinState,
     /// CQ entries promised to connections (and the SRQ), by CQ.
     load: Vec<u32>,
+    /// Of `load`, the entries of QPs removed since the pass numbered
+    /// `retired_at` began: what those QPs left on the CQs is polled by the
+    /// next pass, and until it is, a newcomer may not count on their room.
+    retired: Vec<u32>,
+    retired_at: u64,
     /// Handed out so far round-robin: the next QP spec takes CQ
     /// `next % cqs.len()`.
     next: usize,
@@ -111,6 +116,8 @@ impl Completions {
         }
         Ok(Self {
             load: vec![config.srq_depth; cqs.len()],
+            retired: vec![0; cqs.len()],
+            retired_at: 0,
             cqs,
             channels,
             wcs: [WorkCompletion::default(); POLL_BATCH],
@@ -214,10 +221,26 @@ impl Completions {
         }
     }
 
-    /// Takes back what [`charge`](Self::charge) promised.
-    pub(super) fn discharge(&mut self, charges: &[(usize, u32)]) {
+    /// Takes back what [`charge`](Self::charge) promised to a QP removed
+    /// after pass `passes` began: the room comes free once a later pass
+    /// has polled the CQs ([`release_retired`](Self::release_retired)).
+    pub(super) fn discharge(&mut self, charges: &[(usize, u32)], passes: u64) {
+        self.release_retired(passes);
         for &(cq, entries) in charges {
-            self.load[cq] = self.load[cq].saturating_sub(entries);
+            let entries = entries.min(self.load[cq] - self.retired[cq]);
+            self.retired[cq] += entries;
+        }
+        self.retired_at = passes;
+    }
+
+    /// Frees the room of the QPs removed before pass `passes` began (the
+    /// count of passes begun so far): that pass has polled every CQ, so
+    /// whatever they left there is gone.
+    pub(super) fn release_retired(&mut self, passes: u64) {
+        if passes > self.retired_at {
+            for (load, retired) in self.load.iter_mut().zip(&mut self.retired) {
+                *load -= std::mem::take(retired);
+            }
         }
     }
 
@@ -403,10 +426,19 @@ mod tests {
             completions.can_absorb(&[(1, room)]),
             "CQs are charged apart"
         );
-        completions.discharge(&[(0, room)]);
+        // Removed during pass 7: the room is held until a later pass polled.
+        completions.discharge(&[(0, room)], 7);
+        assert!(!completions.can_absorb(&[(0, 1)]));
+        completions.release_retired(7);
+        assert!(
+            !completions.can_absorb(&[(0, 1)]),
+            "pass 7 may not have polled it"
+        );
+        completions.release_retired(8);
         assert!(completions.can_absorb(&[(0, room)]));
         // Taking back more than was promised saturates.
-        completions.discharge(&[(1, u32::MAX)]);
+        completions.discharge(&[(1, u32::MAX)], 8);
+        completions.release_retired(9);
         assert!(completions.can_absorb(&[(1, completions.cqs[1].capacity())]));
     }
 

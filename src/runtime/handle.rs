@@ -112,28 +112,35 @@ impl RuntimeHandle {
     /// [`build_datagram`](HandlerFactory::build_datagram) make its handler
     /// on its thread, and joins `plan.groups`. Waits for the reactor, which
     /// looks when idle and at least every few hundred busy passes, and
-    /// returns the endpoint's id. Its handler leaves as the others do:
-    /// [`Ctx::remove_datagram`](crate::reactor::Ctx::remove_datagram), or
+    /// returns the endpoint's id. A reactor adds at most 64 endpoints in its
+    /// life. The handler of an endpoint removed with
+    /// [`Ctx::remove_datagram`](crate::reactor::Ctx::remove_datagram) is
+    /// dropped on the reactor's thread; the others go to
     /// [`datagram_stopped`](HandlerFactory::datagram_stopped) when the
     /// reactor stops.
+    ///
+    /// Only threads other than the runtime's reactors may call it: a
+    /// handler or the factory, on a reactor's thread, would wait while
+    /// its reactor waits for it, or for another reactor that asks it.
     ///
     /// # Errors
     /// The reactor's or the factory's error when the endpoint cannot be
     /// made, or a group not joined (the endpoint is then removed, and its
     /// handler goes to `datagram_stopped`); [`Error::Runtime`] for a
     /// reactor the runtime does not have, one that stopped, a full arrival
-    /// queue, and a call from the reactor's own thread (a handler of it),
-    /// which would wait for itself.
+    /// queue, and a call from a reactor's thread.
     pub fn add_datagram(&self, plan: DatagramPlan) -> Result<DatagramId> {
         let reactor = plan.reactor;
-        let port = self.shared.port(reactor)?;
-        if port
-            .setup
-            .get()
-            .is_some_and(|setup| setup.thread == std::thread::current().id())
+        let here = std::thread::current().id();
+        if let Some(caller) = self
+            .shared
+            .ports
+            .iter()
+            .find(|port| port.setup.get().is_some_and(|setup| setup.thread == here))
         {
             return Err(Error::Runtime(format!(
-                "add_datagram on reactor {reactor}'s own thread: it would wait for itself"
+                "add_datagram from the thread of reactor {}: a reactor's thread must not wait for a reactor",
+                caller.index
             )));
         }
         let (reply, answer) = std::sync::mpsc::sync_channel(1);

@@ -456,14 +456,15 @@ impl Shared {
     /// returns `Ok`: the arrival was taken care of either way.
     fn deliver(&self, reactor: usize, arrival: Arrival) -> Result<()> {
         let port = self.port(reactor)?;
+        let what = arrival.what();
         if !port.is_open() {
             return Err(Error::Runtime(format!(
-                "reactor {reactor} has stopped: the session or ring was dropped"
+                "reactor {reactor} has stopped: the {what} was dropped"
             )));
         }
         if port.arrivals.push(arrival).is_err() {
             return Err(Error::Runtime(format!(
-                "reactor {reactor}'s arrival queue is full: the session or ring was dropped"
+                "reactor {reactor}'s arrival queue is full: the {what} was dropped"
             )));
         }
         port.nudge();

@@ -29,6 +29,17 @@ pub(crate) enum Arrival {
     Datagram(Box<DatagramArrival>),
 }
 
+impl Arrival {
+    /// What it is, for errors.
+    pub(crate) fn what(&self) -> &'static str {
+        match self {
+            Self::Session(_) => "session",
+            Self::Ring(_) => "submission ring",
+            Self::Datagram(_) => "datagram endpoint request",
+        }
+    }
+}
+
 /// A datagram endpoint asked for after the runtime started
 /// ([`RuntimeHandle::add_datagram`](super::RuntimeHandle::add_datagram)).
 pub(crate) struct DatagramArrival {
@@ -255,25 +266,23 @@ impl Port {
     /// rings are dropped, and their submitters see the stop; each datagram
     /// endpoint asked for is refused to the caller waiting for it.
     pub(crate) fn refuse_queued(&self, refused: impl Fn(usize, SocketAddr, &Error)) {
+        // Everything is taken off the queue before `refused` runs: a
+        // caller of `add_datagram` waiting here is answered (its reply
+        // dropped) even if `refused` panics.
+        let mut sessions = Vec::new();
         while let Some(arrival) = self.arrivals.pop() {
-            match arrival {
-                Arrival::Session(incoming) => {
-                    let peer = incoming.endpoint.peer();
-                    drop(incoming);
-                    let err = Error::Runtime(format!(
-                        "reactor {} stopped before it took the session",
-                        self.index
-                    ));
-                    refused(self.index, peer, &err);
-                }
-                Arrival::Datagram(asked) => {
-                    let _ = asked.reply.send(Err(Error::Runtime(format!(
-                        "reactor {} stopped before it opened the datagram endpoint",
-                        self.index
-                    ))));
-                }
-                Arrival::Ring(_) => {}
+            if let Arrival::Session(incoming) = arrival {
+                sessions.push(incoming);
             }
+        }
+        for incoming in sessions {
+            let peer = incoming.endpoint.peer();
+            drop(incoming);
+            let err = Error::Runtime(format!(
+                "reactor {} stopped before it took the session",
+                self.index
+            ));
+            refused(self.index, peer, &err);
         }
     }
 

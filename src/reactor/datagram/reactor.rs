@@ -52,6 +52,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         make: impl FnOnce(DatagramId, &UdQueuePair) -> Result<H>,
     ) -> Result<DatagramId> {
         let index = self.datagrams.next_index()?;
+        self.completions.release_retired(self.counters.passes);
         let (cq_index, cq) = self.completions.next_cq();
         let charge = CqCharge {
             cq: cq_index,
@@ -110,10 +111,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     pub fn remove_datagram(&mut self, id: DatagramId) -> Option<H> {
         let (endpoint, charge) = self.datagrams.remove(id)?;
         drop(endpoint);
-        // As for a removed connection: what its QP left on the CQ is
-        // polled by the next pass, before anything charged in its place
-        // can have traffic.
-        self.completions.discharge(&[(charge.cq, charge.entries)]);
+        // Its room comes free once the next pass has polled what the QP
+        // left on the CQ.
+        self.completions
+            .discharge(&[(charge.cq, charge.entries)], self.counters.passes);
         self.full_pass_parts -= 1;
         log::info!("datagram endpoint {id:?} removed");
         self.datagram_handlers.get_mut(id_index(id))?.take()
