@@ -358,3 +358,37 @@ verbs_test! {
         assert!(again != last, "ids are never reused");
     }
 }
+
+verbs_test! {
+    fn a_removed_endpoints_place_is_taken_again_after_a_pass_with_a_new_id() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let config = ReactorConfig { cq_count: 1, cq_size: 4096, ..ReactorConfig::default() };
+        let mut reactor = Reactor::<Peer>::new(&pd, config).expect("a reactor");
+        let tiny = UdConfig { max_send_wr: 4, max_recv_wr: 4, ..UdConfig::default() };
+        let add = |reactor: &mut Reactor<Peer>| reactor.add_datagram(&tiny, |_, _| Ok(Peer::default()));
+        let mut ids: Vec<DatagramId> = (0..64).map(|_| add(&mut reactor).expect("one of 64")).collect();
+        assert!(add(&mut reactor).is_err(), "64 at once");
+        let gone = ids.swap_remove(10);
+        assert!(reactor.remove_datagram(gone).is_some());
+        assert!(add(&mut reactor).is_err(), "its place is free once the next pass began");
+        reactor.poll_once().expect("a pass");
+        let taken = add(&mut reactor).expect("its place again");
+        assert!(taken != gone && !ids.contains(&taken), "a new id");
+        assert!(reactor.datagram_qp(gone).is_none(), "the old id names nothing");
+        assert!(reactor.remove_datagram(gone).is_none());
+        assert!(reactor.datagram_qp(taken).is_some());
+        // A reactor that serves for months adds and removes at will.
+        let mut seen = ids.clone();
+        seen.extend([gone, taken]);
+        assert!(reactor.remove_datagram(taken).is_some());
+        for _ in 0..200 {
+            reactor.poll_once().expect("a pass");
+            let id = add(&mut reactor).expect("a place");
+            assert!(!seen.contains(&id), "{id:?} came back");
+            seen.push(id);
+            assert!(reactor.remove_datagram(id).is_some());
+        }
+        assert_eq!(reactor.counters().foreign_completions, 0);
+    }
+}

@@ -112,8 +112,8 @@ impl RuntimeHandle {
     /// [`build_datagram`](HandlerFactory::build_datagram) make its handler
     /// on its thread, and joins `plan.groups`. Waits for the reactor, which
     /// looks when idle and at least every few hundred busy passes, and
-    /// returns the endpoint's id. A reactor adds at most 64 endpoints in its
-    /// life. The handler of an endpoint removed with
+    /// returns the endpoint's id. A reactor holds at most 64 endpoints at
+    /// once. The handler of an endpoint removed with
     /// [`Ctx::remove_datagram`](crate::reactor::Ctx::remove_datagram) is
     /// dropped on the reactor's thread; the others go to
     /// [`datagram_stopped`](HandlerFactory::datagram_stopped) when the

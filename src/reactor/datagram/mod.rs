@@ -29,17 +29,21 @@ pub(crate) use endpoint::{Arrived, DatagramEndpoint, Flushed, PostCount};
 
 /// A datagram endpoint of one reactor
 /// ([`Reactor::add_datagram`](super::Reactor::add_datagram)). Ids are
-/// never reused: another reactor's id, or one of a reactor that is gone,
-/// names nothing.
+/// never reused: a removed endpoint's id, another reactor's, or one of a
+/// reactor that is gone, names nothing.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DatagramId {
     reactor: u64,
+    /// Its place in the reactor's table (and in its requests' `wr_id`s),
+    /// which a later endpoint may take once it is removed.
     index: u32,
+    /// Which of the endpoints the reactor ever added it is: never reused.
+    serial: u64,
 }
 
 impl fmt::Debug for DatagramId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "DatagramId({}.{})", self.reactor, self.index)
+        write!(f, "DatagramId({}.{})", self.reactor, self.serial)
     }
 }
 
@@ -83,7 +87,9 @@ impl fmt::Debug for DatagramSource<'_> {
 /// reactor's life, so its id never names another.
 pub(crate) struct DatagramTable {
     owner: u64,
-    endpoints: Vec<Option<Seat>>,
+    places: Vec<Place>,
+    /// The serial of the next endpoint added.
+    next_serial: u64,
     /// Endpoints with datagrams staged or a repost batch due, one bit each.
     work: u64,
     /// Endpoints with any receive waiting to be posted again, one bit each.
@@ -94,6 +100,17 @@ pub(crate) struct DatagramTable {
     /// What removed endpoints posted, so the reactor's counters never go
     /// back.
     retired: PostCount,
+}
+
+/// A place of the table: the endpoint in it, if any.
+struct Place {
+    seat: Option<Seat>,
+    /// The serial of the endpoint in it, or of the last one.
+    serial: u64,
+    /// Passes begun when its last endpoint was removed: its requests' ids
+    /// may be on the CQs until a later pass has polled them, so no other
+    /// endpoint takes the place before then.
+    freed_at: u64,
 }
 
 /// An endpoint and the CQ entries the reactor promised it.
@@ -116,7 +133,8 @@ impl DatagramTable {
     pub(crate) fn new(owner: u64) -> Self {
         Self {
             owner,
-            endpoints: Vec::new(),
+            places: Vec::new(),
+            next_serial: 0,
             work: 0,
             pending: 0,
             removing: 0,
@@ -124,34 +142,66 @@ impl DatagramTable {
         }
     }
 
-    /// The index the next endpoint takes, if there is room for one.
-    pub(crate) fn next_index(&self) -> crate::Result<u32> {
-        if self.endpoints.len() >= MAX_ENDPOINTS {
-            return Err(crate::Error::InvalidArgument(
-                "Reactor::add_datagram: a reactor adds at most 64 datagram endpoints in its life",
-            ));
-        }
-        Ok(self.endpoints.len() as u32)
-    }
-
-    /// Holds `endpoint`, made for [`next_index`](Self::next_index), with
-    /// the CQ entries promised to it.
-    pub(crate) fn push(&mut self, endpoint: DatagramEndpoint, charge: CqCharge) -> DatagramId {
-        let index = self.endpoints.len() as u32;
-        self.endpoints.push(Some(Seat { endpoint, charge }));
-        DatagramId {
+    /// The id the next endpoint gets, `passes` passes having begun: a
+    /// place no endpoint ever had, or one whose endpoint was removed
+    /// before the last of them began. An error when all 64 are taken.
+    pub(crate) fn next_id(&self, passes: u64) -> crate::Result<DatagramId> {
+        let free = self
+            .places
+            .iter()
+            .position(|place| place.seat.is_none() && place.freed_at < passes);
+        let index = match free {
+            Some(index) => index,
+            None if self.places.len() < MAX_ENDPOINTS => self.places.len(),
+            None => {
+                return Err(crate::Error::InvalidArgument(
+                    "Reactor::add_datagram: a reactor holds at most 64 datagram endpoints (a removed one's place is free after the next pass)",
+                ));
+            }
+        };
+        Ok(DatagramId {
             reactor: self.owner,
-            index,
+            index: index as u32,
+            serial: self.next_serial,
+        })
+    }
+
+    /// Holds `endpoint`, made for `id` (the last [`next_id`](Self::next_id)),
+    /// with the CQ entries promised to it.
+    pub(crate) fn push(&mut self, id: DatagramId, endpoint: DatagramEndpoint, charge: CqCharge) {
+        debug_assert_eq!(id.serial, self.next_serial);
+        self.next_serial += 1;
+        let place = Place {
+            seat: Some(Seat { endpoint, charge }),
+            serial: id.serial,
+            freed_at: 0,
+        };
+        match self.places.get_mut(id.index as usize) {
+            Some(free) => *free = place,
+            None => self.places.push(place),
         }
     }
 
-    /// Takes endpoint `id` out, with the CQ entries promised to it; its
-    /// place stays empty. `None` if it is another reactor's or gone.
-    pub(crate) fn remove(&mut self, id: DatagramId) -> Option<(DatagramEndpoint, CqCharge)> {
-        if id.reactor != self.owner {
-            return None;
-        }
-        let Seat { endpoint, charge } = self.endpoints.get_mut(id.index as usize)?.take()?;
+    /// The place of endpoint `id`, if it is this reactor's and not
+    /// removed.
+    fn place_of(&self, id: DatagramId) -> Option<&Place> {
+        let place = self.places.get(id.index as usize)?;
+        (id.reactor == self.owner && place.serial == id.serial && place.seat.is_some())
+            .then_some(place)
+    }
+
+    /// Takes endpoint `id` out, with the CQ entries promised to it, while
+    /// `passes` passes have begun. `None` if it is another reactor's or
+    /// gone.
+    pub(crate) fn remove(
+        &mut self,
+        id: DatagramId,
+        passes: u64,
+    ) -> Option<(DatagramEndpoint, CqCharge)> {
+        self.place_of(id)?;
+        let place = &mut self.places[id.index as usize];
+        place.freed_at = passes;
+        let Seat { endpoint, charge } = place.seat.take()?;
         self.work &= !(1 << id.index);
         self.pending &= !(1 << id.index);
         self.removing &= !(1 << id.index);
@@ -175,40 +225,37 @@ impl DatagramTable {
         std::mem::take(&mut self.removing)
     }
 
-    /// Endpoint `index`, if it is not removed.
+    /// The endpoint in place `index`, if any.
     #[inline]
     fn at(&mut self, index: u32) -> Option<&mut DatagramEndpoint> {
-        self.endpoints
+        self.places
             .get_mut(index as usize)?
+            .seat
             .as_mut()
             .map(|seat| &mut seat.endpoint)
     }
 
-    /// The id of endpoint `index`.
+    /// The id of the endpoint in place `index` (or of the last one there).
     #[inline]
     pub(crate) fn id(&self, index: u32) -> DatagramId {
         DatagramId {
             reactor: self.owner,
             index,
+            serial: self
+                .places
+                .get(index as usize)
+                .map_or(u64::MAX, |place| place.serial),
         }
     }
 
     /// Endpoint `id`, if it is this reactor's and not removed.
     pub(crate) fn get(&self, id: DatagramId) -> Option<&DatagramEndpoint> {
-        if id.reactor != self.owner {
-            return None;
-        }
-        self.endpoints
-            .get(id.index as usize)?
-            .as_ref()
-            .map(|seat| &seat.endpoint)
+        self.place_of(id)?.seat.as_ref().map(|seat| &seat.endpoint)
     }
 
     /// Endpoint `id`, mutably, if it is this reactor's and not removed.
     pub(crate) fn get_mut(&mut self, id: DatagramId) -> Option<&mut DatagramEndpoint> {
-        if id.reactor != self.owner {
-            return None;
-        }
+        self.place_of(id)?;
         self.at(id.index)
     }
 
@@ -235,13 +282,12 @@ impl DatagramTable {
 
     /// Every endpoint not removed, with its id.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (DatagramId, &DatagramEndpoint)> {
-        self.endpoints
-            .iter()
-            .enumerate()
-            .filter_map(|(index, seat)| {
-                seat.as_ref()
-                    .map(|seat| (self.id(index as u32), &seat.endpoint))
-            })
+        self.places.iter().enumerate().filter_map(|(index, place)| {
+            place
+                .seat
+                .as_ref()
+                .map(|seat| (self.id(index as u32), &seat.endpoint))
+        })
     }
 
     /// A completion naming endpoint `index` (a receive into slot `value`,
@@ -256,10 +302,10 @@ impl DatagramTable {
         receive: bool,
         value: u32,
     ) -> Arrived {
-        let Some(seat) = self.endpoints.get_mut(index as usize) else {
+        let Some(place) = self.places.get_mut(index as usize) else {
             return Arrived::Foreign;
         };
-        let Some(Seat { endpoint, .. }) = seat else {
+        let Some(Seat { endpoint, .. }) = &mut place.seat else {
             return Arrived::Nothing;
         };
         let arrived = endpoint.complete(wc, receive, value);

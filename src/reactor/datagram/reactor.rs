@@ -20,9 +20,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// [`Ctx::send_datagram`](crate::reactor::Ctx::send_datagram) and runs
     /// [`Handler::on_idle`] with the others. Each receive and send slot is
     /// the port's MTU (plus the 40-byte GRH for a receive), registered
-    /// once. A reactor adds at most 64 endpoints in its life (ids are never
-    /// reused, [`remove_datagram`](Self::remove_datagram)'s included). An
-    /// error of `make` is returned, and the endpoint is not added.
+    /// once. A reactor holds at most 64 endpoints at once; a
+    /// [removed](Self::remove_datagram) one's place is free again once the
+    /// next pass has begun, and ids are never reused. An error of `make`
+    /// is returned, and the endpoint is not added.
     ///
     /// Anyone on the fabric who learns the endpoint's QP number and Q_Key,
     /// or a group it joined, can send to it: see the security docs.
@@ -51,7 +52,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         config: &UdConfig,
         make: impl FnOnce(DatagramId, &UdQueuePair) -> Result<H>,
     ) -> Result<DatagramId> {
-        let index = self.datagrams.next_index()?;
+        let id = self.datagrams.next_id(self.counters.passes)?;
         self.completions.release_retired(self.counters.passes);
         let (cq_index, cq) = self.completions.next_cq();
         let charge = CqCharge {
@@ -64,13 +65,16 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 "Reactor::add_datagram: the reactor's CQ has no room for the endpoint's queues (ReactorConfig::cq_size)",
             ));
         }
-        let endpoint = DatagramEndpoint::new(&self.pd, &cq, index, config)?;
-        let handler = make(self.datagrams.id(index), endpoint.qp())?;
+        let endpoint = DatagramEndpoint::new(&self.pd, &cq, id_index(id) as u32, config)?;
+        let handler = make(id, endpoint.qp())?;
         self.completions.charge(&charges);
-        self.datagram_handlers.push(Some(handler));
+        match self.datagram_handlers.get_mut(id_index(id)) {
+            Some(free) => *free = Some(handler),
+            None => self.datagram_handlers.push(Some(handler)),
+        }
         // Its completions and doorbells are the full pass's.
         self.full_pass_parts += 1;
-        let id = self.datagrams.push(endpoint, charge);
+        self.datagrams.push(id, endpoint, charge);
         log::info!(
             "datagram endpoint {id:?}: UD QP {} with Q_Key {:#x} is open to anyone on the fabric who knows them",
             self.datagrams.get(id).map_or(0, |e| e.qp().qpn()),
@@ -105,11 +109,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// multicast groups), its rings deregistered, the datagrams it staged
     /// dropped and its CQ room given back, and its handler handed back.
     /// Completions of it still on the CQ are ignored, and its id names
-    /// nothing from now on. `None` for an id of another reactor, or one
+    /// nothing from now on (a later endpoint may take its place among the
+    /// 64 once the next pass has begun, with an id of its own). `None` for an id of another reactor, or one
     /// removed already. From a callback:
     /// [`Ctx::remove_datagram`](crate::reactor::Ctx::remove_datagram).
     pub fn remove_datagram(&mut self, id: DatagramId) -> Option<H> {
-        let (endpoint, charge) = self.datagrams.remove(id)?;
+        let (endpoint, charge) = self.datagrams.remove(id, self.counters.passes)?;
         drop(endpoint);
         // Its room comes free once the next pass has polled what the QP
         // left on the CQ.
