@@ -97,6 +97,21 @@ struct Feed {
     back: mpsc::Sender<(usize, u64, u64)>,
 }
 
+impl Feed {
+    /// A factory that tells `built` of each handler it builds and `back`
+    /// of each that comes back; its subscribers join at start.
+    fn new(built: mpsc::Sender<(usize, u32)>, back: mpsc::Sender<(usize, u64, u64)>) -> Self {
+        Self {
+            in_order: Arc::default(),
+            join_later: false,
+            joined: Arc::default(),
+            ask_own: Arc::default(),
+            built,
+            back,
+        }
+    }
+}
+
 impl HandlerFactory for Feed {
     type Handler = Subscriber;
 
@@ -212,8 +227,7 @@ fn subscribe_and_publish(how: Subscribe) {
         join_later,
         joined: Arc::clone(&joined),
         ask_own: Arc::clone(&factory_ask_own),
-        built: built_tx,
-        back: back_tx,
+        ..Feed::new(built_tx, back_tx)
     };
     let mut config = one_subscriber(2, 1, join_later);
     if how == Subscribe::OnceRunning {
@@ -307,14 +321,7 @@ verbs_test! {
         let pd = ctx.alloc_pd().unwrap();
         let (built_tx, built) = mpsc::channel();
         let (back_tx, back) = mpsc::channel();
-        let factory = Feed {
-            in_order: Arc::new(AtomicU64::new(0)),
-            join_later: false,
-            joined: Arc::new(AtomicU64::new(0)),
-            ask_own: Arc::default(),
-            built: built_tx,
-            back: back_tx,
-        };
+        let factory = Feed::new(built_tx, back_tx);
         let mut config = one_subscriber(1, 0, false);
         config.datagrams.clear();
         let runtime = Runtime::start(&pd, config, factory).expect("the runtime");
@@ -373,14 +380,7 @@ verbs_test! {
         }
         let (built_tx, built) = mpsc::channel();
         let (back_tx, _back) = mpsc::channel();
-        let factory = Feed {
-            in_order: Arc::new(AtomicU64::new(0)),
-            join_later: false,
-            joined: Arc::new(AtomicU64::new(0)),
-            ask_own: Arc::default(),
-            built: built_tx,
-            back: back_tx,
-        };
+        let factory = Feed::new(built_tx, back_tx);
         match Runtime::start(&pd, one_subscriber(1, 1, false), factory) {
             Err(err) => assert!(err.to_string().contains("reactor 1 of 1"), "{err}"),
             Ok(_) => panic!("started with a plan for reactor 1 of 1"),
