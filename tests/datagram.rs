@@ -342,6 +342,7 @@ verbs_test! {
         let mut reactor = Reactor::<Peer>::new(&pd, config).expect("a reactor");
         let small = UdConfig { max_send_wr: 32, max_recv_wr: 32, ..UdConfig::default() };
         let add = |reactor: &mut Reactor<Peer>| reactor.add_datagram(&small, |_, _| Ok(Peer::default()));
+        reactor.poll_once().expect("a pass");
         let mut added = Vec::new();
         while let Ok(id) = add(&mut reactor) {
             added.push(id);
@@ -367,6 +368,7 @@ verbs_test! {
         let mut reactor = Reactor::<Peer>::new(&pd, config).expect("a reactor");
         let tiny = UdConfig { max_send_wr: 4, max_recv_wr: 4, ..UdConfig::default() };
         let add = |reactor: &mut Reactor<Peer>| reactor.add_datagram(&tiny, |_, _| Ok(Peer::default()));
+        reactor.poll_once().expect("a pass");
         let mut ids: Vec<DatagramId> = (0..64).map(|_| add(&mut reactor).expect("one of 64")).collect();
         assert!(add(&mut reactor).is_err(), "64 at once");
         let gone = ids.swap_remove(10);
@@ -378,16 +380,18 @@ verbs_test! {
         assert!(reactor.datagram_qp(gone).is_none(), "the old id names nothing");
         assert!(reactor.remove_datagram(gone).is_none());
         assert!(reactor.datagram_qp(taken).is_some());
-        // A reactor that serves for months adds and removes at will.
+        // A reactor that serves for months adds and removes at will, the
+        // other 63 places taken all along.
         let mut seen = ids.clone();
         seen.extend([gone, taken]);
-        assert!(reactor.remove_datagram(taken).is_some());
+        let mut last = taken;
         for _ in 0..200 {
+            assert!(reactor.remove_datagram(last).is_some());
+            assert!(add(&mut reactor).is_err(), "its place is held until a pass");
             reactor.poll_once().expect("a pass");
-            let id = add(&mut reactor).expect("a place");
-            assert!(!seen.contains(&id), "{id:?} came back");
-            seen.push(id);
-            assert!(reactor.remove_datagram(id).is_some());
+            last = add(&mut reactor).expect("its place");
+            assert!(!seen.contains(&last), "{last:?} came back");
+            seen.push(last);
         }
         assert_eq!(reactor.counters().foreign_completions, 0);
     }

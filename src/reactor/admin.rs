@@ -123,6 +123,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 // The shares of the connections that were never built.
                 pool.unpromise(share * (count - built));
             }
+            // Those built and dropped may have left completions on the
+            // CQs (their receives, flushed): their room is held as a
+            // removed connection's is, until a pass has polled them.
+            self.completions.charge(&cq_charges);
+            self.completions
+                .discharge(&cq_charges, self.counters.passes);
             return Err(err);
         }
         self.completions.charge(&cq_charges);

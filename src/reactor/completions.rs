@@ -40,8 +40,8 @@ pub(super) struct Completions {
     spun: SpinState,
     /// CQ entries promised to connections (and the SRQ), by CQ.
     load: Vec<u32>,
-    /// Of `load`, the entries of QPs removed since the pass numbered
-    /// `retired_at` began: what those QPs left on the CQs is polled by the
+    /// Of `load`, the entries of QPs removed when `retired_at` passes had
+    /// polled every CQ: what those QPs left on the CQs is polled by the
     /// next pass, and until it is, a newcomer may not count on their room.
     retired: Vec<u32>,
     retired_at: u64,
@@ -222,8 +222,8 @@ impl Completions {
     }
 
     /// Takes back what [`charge`](Self::charge) promised to a QP removed
-    /// after pass `passes` began: the room comes free once a later pass
-    /// has polled the CQs ([`release_retired`](Self::release_retired)).
+    /// when `passes` passes had polled every CQ: the room comes free once
+    /// a later pass has ([`release_retired`](Self::release_retired)).
     pub(super) fn discharge(&mut self, charges: &[(usize, u32)], passes: u64) {
         self.release_retired(passes);
         for &(cq, entries) in charges {
@@ -233,9 +233,9 @@ impl Completions {
         self.retired_at = passes;
     }
 
-    /// Frees the room of the QPs removed before pass `passes` began (the
-    /// count of passes begun so far): that pass has polled every CQ, so
-    /// whatever they left there is gone.
+    /// Frees the room of the QPs removed before the last of `passes`
+    /// passes (those that polled every CQ so far) began: whatever they
+    /// left on the CQs is gone.
     pub(super) fn release_retired(&mut self, passes: u64) {
         if passes > self.retired_at {
             for (load, retired) in self.load.iter_mut().zip(&mut self.retired) {

@@ -4,8 +4,9 @@
 /// Running totals of one reactor, since it was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counters {
-    /// Passes ([`Reactor::poll_once`](super::Reactor::poll_once) calls,
-    /// directly or through `turn`, `run` and `prepare_wait`).
+    /// Passes that polled every CQ
+    /// ([`Reactor::poll_once`](super::Reactor::poll_once) calls, directly
+    /// or through `turn`, `run` and `prepare_wait`).
     pub passes: u64,
     /// Passes that found no completion.
     pub empty_passes: u64,

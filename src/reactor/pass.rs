@@ -172,7 +172,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         // once every CQ has been polled empty below, no completion naming
         // them is left and their slab entries can take newcomers.
         let settled = self.conns.quarantined();
-        self.counters.passes += 1;
         let mut done = 0;
         for cq in 0..self.completions.cq_count() {
             loop {
@@ -191,6 +190,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 }
             }
         }
+        // Counted once every CQ is polled: what a QP removed before this
+        // pass left on them is gone, and its CQ room can be handed out
+        // (a pass a failed poll or a panic cut short does not count).
+        self.counters.passes += 1;
         // The connection the completions left work (most passes' only
         // one), flushed without the walk of the touched list. (A lean pass
         // has no connection of the reactor's protocol to leave any.)

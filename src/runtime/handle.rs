@@ -8,7 +8,7 @@ use crate::session::{Endpoint, QpSpec, ServerConfig, ServerShutdown};
 use crate::verbs::{AccessFlags, ProtectionDomain};
 
 use super::port::{Arrival, DatagramArrival, Incoming, Seat};
-use super::{DatagramPlan, ReactorLoad, ReactorStats, Shared, Submitter, submit};
+use super::{DatagramPlan, ReactorLoad, ReactorStats, Shared, Submitter, submit, worker};
 #[cfg(doc)]
 use super::{HandlerFactory, Runtime};
 use crate::reactor::DatagramId;
@@ -119,9 +119,9 @@ impl RuntimeHandle {
     /// [`datagram_stopped`](HandlerFactory::datagram_stopped) when the
     /// reactor stops.
     ///
-    /// Only threads other than the runtime's reactors may call it: a
-    /// handler or the factory, on a reactor's thread, would wait while
-    /// its reactor waits for it, or for another reactor that asks it.
+    /// Only threads that are no runtime's reactors may call it: a handler
+    /// or the factory, on a reactor's thread, would wait while its reactor
+    /// waits for it, or for another reactor that asks it.
     ///
     /// # Errors
     /// The reactor's or the factory's error when the endpoint cannot be
@@ -131,17 +131,11 @@ impl RuntimeHandle {
     /// queue, and a call from a reactor's thread.
     pub fn add_datagram(&self, plan: DatagramPlan) -> Result<DatagramId> {
         let reactor = plan.reactor;
-        let here = std::thread::current().id();
-        if let Some(caller) = self
-            .shared
-            .ports
-            .iter()
-            .find(|port| port.setup.get().is_some_and(|setup| setup.thread == here))
-        {
-            return Err(Error::Runtime(format!(
-                "add_datagram from the thread of reactor {}: a reactor's thread must not wait for a reactor",
-                caller.index
-            )));
+        if worker::on_reactor_thread() {
+            return Err(Error::Runtime(
+                "add_datagram from a runtime reactor's thread, which must not wait for a reactor"
+                    .into(),
+            ));
         }
         let (reply, answer) = std::sync::mpsc::sync_channel(1);
         self.shared.deliver(

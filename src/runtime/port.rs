@@ -6,7 +6,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
 use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, OnceLock};
-use std::thread::ThreadId;
 
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
@@ -77,8 +76,6 @@ impl Drop for Seat {
 /// What other threads need once the reactor is up.
 pub(crate) struct Setup {
     pub(crate) waker: Waker,
-    /// The reactor's thread.
-    pub(crate) thread: ThreadId,
     cqs: Vec<SharedCq>,
     srq: Option<SrqAttachment>,
     qp: QpConfig,
@@ -100,7 +97,6 @@ impl Setup {
         }
         Self {
             waker,
-            thread: std::thread::current().id(),
             cqs,
             srq,
             qp,

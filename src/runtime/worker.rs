@@ -25,6 +25,18 @@ const ARRIVAL_CHECK_PASSES: u32 = 256;
 /// sleeping, and at the end).
 const PUBLISH_PASSES: u32 = 1024;
 
+thread_local! {
+    /// Set on the thread of a runtime's reactor (of any runtime), for its
+    /// life.
+    static REACTOR_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is a runtime reactor's: one that must never
+/// wait for a reactor.
+pub(crate) fn on_reactor_thread() -> bool {
+    REACTOR_THREAD.with(std::cell::Cell::get)
+}
+
 /// Everything a reactor thread starts from.
 pub(crate) struct Start<F> {
     pub(crate) port: Arc<Port>,
@@ -42,6 +54,7 @@ pub(crate) struct Start<F> {
 /// with it every session it serves) is dropped on the way out, telling the
 /// peers goodbye.
 pub(crate) fn run<F: HandlerFactory>(start: Start<F>) -> Result<()> {
+    REACTOR_THREAD.with(|flag| flag.set(true));
     let Start {
         port,
         pd,

@@ -4,7 +4,7 @@
 use rdma_comm_core::reactor::DatagramId;
 
 fn make() -> DatagramId {
-    DatagramId { reactor: 1, index: 0 }
+    DatagramId { reactor: 1, index: 0, serial: 0 }
 }
 
 fn main() {

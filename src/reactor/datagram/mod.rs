@@ -83,8 +83,9 @@ impl fmt::Debug for DatagramSource<'_> {
 }
 
 /// The datagram endpoints of one reactor, and which of them have work for
-/// the end of the pass. A removed endpoint leaves its place empty for the
-/// reactor's life, so its id never names another.
+/// the end of the pass. A removed endpoint's place is taken again only
+/// once a pass has polled what its QP left on the CQs; ids carry a serial,
+/// so a removed endpoint's never names the one in its place.
 pub(crate) struct DatagramTable {
     owner: u64,
     places: Vec<Place>,
@@ -107,9 +108,9 @@ struct Place {
     seat: Option<Seat>,
     /// The serial of the endpoint in it, or of the last one.
     serial: u64,
-    /// Passes begun when its last endpoint was removed: its requests' ids
-    /// may be on the CQs until a later pass has polled them, so no other
-    /// endpoint takes the place before then.
+    /// Passes that had polled every CQ when its last endpoint was removed:
+    /// its requests' ids may be on the CQs until a later pass has polled
+    /// them, so no other endpoint takes the place before then.
     freed_at: u64,
 }
 
@@ -142,8 +143,8 @@ impl DatagramTable {
         }
     }
 
-    /// The id the next endpoint gets, `passes` passes having begun: a
-    /// place no endpoint ever had, or one whose endpoint was removed
+    /// The id the next endpoint gets, `passes` passes having polled every
+    /// CQ: a place no endpoint ever had, or one whose endpoint was removed
     /// before the last of them began. An error when all 64 are taken.
     pub(crate) fn next_id(&self, passes: u64) -> crate::Result<DatagramId> {
         let free = self
@@ -155,7 +156,7 @@ impl DatagramTable {
             None if self.places.len() < MAX_ENDPOINTS => self.places.len(),
             None => {
                 return Err(crate::Error::InvalidArgument(
-                    "Reactor::add_datagram: a reactor holds at most 64 datagram endpoints (a removed one's place is free after the next pass)",
+                    "Reactor::add_datagram: a reactor holds at most 64 datagram endpoints (a removed one's place is free once the next pass has polled the CQs)",
                 ));
             }
         };
@@ -190,9 +191,9 @@ impl DatagramTable {
             .then_some(place)
     }
 
-    /// Takes endpoint `id` out, with the CQ entries promised to it, while
-    /// `passes` passes have begun. `None` if it is another reactor's or
-    /// gone.
+    /// Takes endpoint `id` out, with the CQ entries promised to it, when
+    /// `passes` passes have polled every CQ. `None` if it is another
+    /// reactor's or gone.
     pub(crate) fn remove(
         &mut self,
         id: DatagramId,

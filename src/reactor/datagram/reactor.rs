@@ -22,7 +22,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// the port's MTU (plus the 40-byte GRH for a receive), registered
     /// once. A reactor holds at most 64 endpoints at once; a
     /// [removed](Self::remove_datagram) one's place is free again once the
-    /// next pass has begun, and ids are never reused. An error of `make`
+    /// next pass has polled the CQs, and ids are never reused. An error of `make`
     /// is returned, and the endpoint is not added.
     ///
     /// Anyone on the fabric who learns the endpoint's QP number and Q_Key,
@@ -110,7 +110,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// dropped and its CQ room given back, and its handler handed back.
     /// Completions of it still on the CQ are ignored, and its id names
     /// nothing from now on (a later endpoint may take its place among the
-    /// 64 once the next pass has begun, with an id of its own). `None` for an id of another reactor, or one
+    /// 64 once the next pass has polled the CQs, with an id of its own). `None` for an id of another reactor, or one
     /// removed already. From a callback:
     /// [`Ctx::remove_datagram`](crate::reactor::Ctx::remove_datagram).
     pub fn remove_datagram(&mut self, id: DatagramId) -> Option<H> {
@@ -127,7 +127,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
 
     /// Drops the reactor (its endpoints' QPs destroyed with it) and hands
     /// back the handlers of the endpoints it still has, with their ids, in
-    /// the order they were added: for a runtime reactor's last act.
+    /// the order of their places: for a runtime reactor's last act.
     pub(crate) fn into_datagram_handlers(mut self) -> Vec<(DatagramId, H)> {
         let handlers = std::mem::take(&mut self.datagram_handlers);
         let owned: Vec<(DatagramId, H)> = handlers

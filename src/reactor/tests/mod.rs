@@ -372,6 +372,7 @@ impl RawPeer {
     }
 }
 
+mod cq_room;
 mod direct;
 mod due;
 mod ids;
