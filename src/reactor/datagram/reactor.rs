@@ -208,6 +208,19 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
     }
 
+    /// Removes the endpoints callbacks asked to remove; their handlers are
+    /// dropped.
+    #[cold]
+    #[inline(never)]
+    fn apply_datagram_removals(&mut self) {
+        let mut removals = self.datagrams.take_removals();
+        while removals != 0 {
+            let index = removals.trailing_zeros();
+            removals &= removals - 1;
+            drop(self.remove_datagram(self.datagrams.id(index)));
+        }
+    }
+
     /// The end of a pass for the datagram endpoints: the removals callbacks
     /// asked for, one doorbell each for the others' staged datagrams, their
     /// reposts (all of them on an idle pass, `idle`), and the handlers of
@@ -218,12 +231,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[inline(never)]
     pub(in super::super) fn flush_datagrams(&mut self, idle: bool) {
         // Endpoints callbacks asked to remove go first, with what they
-        // staged; their handlers are dropped.
-        let mut removals = self.datagrams.take_removals();
-        while removals != 0 {
-            let index = removals.trailing_zeros();
-            removals &= removals - 1;
-            drop(self.remove_datagram(self.datagrams.id(index)));
+        // staged.
+        if self.datagrams.has_removals() {
+            self.apply_datagram_removals();
         }
         let failed = self.datagrams.flush(idle);
         if failed != 0 {
