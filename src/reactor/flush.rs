@@ -119,8 +119,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let repost = conn.rq().is_due() || (tidy && conn.rq().has_pending());
         let tail = signal_tails && conn.has_unsignaled_tail();
         // The walk visits only connections a pass touched or parked, so
-        // most have work: it is inline (a call's entry and exit were 5 %
-        // of the reactor's instructions per READ).
+        // most have work: it is inline (a call's entry and exit would be
+        // about 5 % of the reactor's instructions per READ).
         if (repost || tail || !conn.is_quiet())
             && let Err(error) =
                 Self::flush_conn(conn, &mut self.srq, &mut self.counters, repost, tail, spell)

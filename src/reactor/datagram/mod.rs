@@ -116,17 +116,11 @@ struct Place {
     freed_at: u64,
 }
 
-/// An endpoint and the CQ entries the reactor promised it.
+/// An endpoint and the CQ entries the reactor promised it, as a session's
+/// are kept: (CQ index, entries).
 struct Seat {
     endpoint: DatagramEndpoint,
-    charge: CqCharge,
-}
-
-/// Entries of the reactor's CQ `cq` promised to an endpoint's queues.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct CqCharge {
-    pub(crate) cq: usize,
-    pub(crate) entries: u32,
+    charge: (usize, u32),
 }
 
 const _: () = assert!(MAX_ENDPOINTS <= u64::BITS as usize);
@@ -172,7 +166,12 @@ impl DatagramTable {
 
     /// Holds `endpoint`, made for `id` (the last [`next_id`](Self::next_id)),
     /// with the CQ entries promised to it.
-    pub(crate) fn push(&mut self, id: DatagramId, endpoint: DatagramEndpoint, charge: CqCharge) {
+    pub(crate) fn push(
+        &mut self,
+        id: DatagramId,
+        endpoint: DatagramEndpoint,
+        charge: (usize, u32),
+    ) {
         debug_assert_eq!(id.serial, self.next_serial);
         self.next_serial += 1;
         self.serials[id.index as usize % MAX_ENDPOINTS] = id.serial;
@@ -202,7 +201,7 @@ impl DatagramTable {
         &mut self,
         id: DatagramId,
         passes: u64,
-    ) -> Option<(DatagramEndpoint, CqCharge)> {
+    ) -> Option<(DatagramEndpoint, (usize, u32))> {
         self.place_of(id)?;
         let place = &mut self.places[id.index as usize];
         place.freed_at = passes;

@@ -7,7 +7,7 @@ use crate::verbs::{Gid, UdConfig, UdQueuePair};
 
 use super::super::table::wr_id::WrKind;
 use super::super::{Handler, PeerLink, Reactor};
-use super::{Arrived, CqCharge, DatagramEndpoint, DatagramId, DatagramSource};
+use super::{Arrived, DatagramEndpoint, DatagramId, DatagramSource};
 
 impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Adds a datagram endpoint: a UD QP on the reactor's CQs made as
@@ -22,8 +22,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// the port's MTU (plus the 40-byte GRH for a receive), registered
     /// once. A reactor holds at most 64 endpoints at once; a
     /// [removed](Self::remove_datagram) one's place is free again once the
-    /// next pass has polled the CQs, and ids are never reused. An error of `make`
-    /// is returned, and the endpoint is not added.
+    /// next pass has polled the CQs, and ids are never reused. An error of
+    /// `make` is returned, and the endpoint is not added.
     ///
     /// Anyone on the fabric who learns the endpoint's QP number and Q_Key,
     /// or a group it joined, can send to it: see the security docs.
@@ -55,19 +55,18 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let id = self.datagrams.next_id(self.counters.passes)?;
         self.completions.release_retired(self.counters.passes);
         let (cq_index, cq) = self.completions.next_cq();
-        let charge = CqCharge {
-            cq: cq_index,
-            entries: config.max_send_wr.saturating_add(config.max_recv_wr),
-        };
-        let charges = [(charge.cq, charge.entries)];
-        if !self.completions.can_absorb(&charges) {
+        let charge = (
+            cq_index,
+            config.max_send_wr.saturating_add(config.max_recv_wr),
+        );
+        if !self.completions.can_absorb(&[charge]) {
             return Err(Error::InvalidArgument(
                 "Reactor::add_datagram: the reactor's CQ has no room for the endpoint's queues (ReactorConfig::cq_size)",
             ));
         }
         let endpoint = DatagramEndpoint::new(&self.pd, &cq, id_index(id) as u32, config)?;
         let handler = make(id, endpoint.qp())?;
-        self.completions.charge(&charges);
+        self.completions.charge(&[charge]);
         match self.datagram_handlers.get_mut(id_index(id)) {
             Some(free) => *free = Some(handler),
             None => self.datagram_handlers.push(Some(handler)),
@@ -110,16 +109,16 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// dropped and its CQ room given back, and its handler handed back.
     /// Completions of it still on the CQ are ignored, and its id names
     /// nothing from now on (a later endpoint may take its place among the
-    /// 64 once the next pass has polled the CQs, with an id of its own). `None` for an id of another reactor, or one
-    /// removed already. From a callback:
+    /// 64 once the next pass has polled the CQs, with an id of its own).
+    /// `None` for an id of another reactor, or one removed already. From a
+    /// callback:
     /// [`Ctx::remove_datagram`](crate::reactor::Ctx::remove_datagram).
     pub fn remove_datagram(&mut self, id: DatagramId) -> Option<H> {
         let (endpoint, charge) = self.datagrams.remove(id, self.counters.passes)?;
         drop(endpoint);
         // Its room comes free once the next pass has polled what the QP
         // left on the CQ.
-        self.completions
-            .discharge(&[(charge.cq, charge.entries)], self.counters.passes);
+        self.completions.discharge(&[charge], self.counters.passes);
         self.full_pass_parts -= 1;
         log::info!("datagram endpoint {id:?} removed");
         self.datagram_handlers.get_mut(id_index(id))?.take()
