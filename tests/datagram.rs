@@ -2,7 +2,7 @@
 //! endpoints with the source each datagram claims, a sender that outruns
 //! its send queue (refused for room, never stalled), a multicast group,
 //! the refusals (size, another PD's destination, another reactor's
-//! endpoint), and removal. Gated as described in `tests/util/mod.rs`: runs in the
+//! endpoint), removal, and the echoes of a burst sharing a doorbell. Gated as described in `tests/util/mod.rs`: runs in the
 //! Soft-RoCE guest.
 
 mod util;
@@ -168,6 +168,55 @@ verbs_test! {
         let counters = reactor.counters();
         assert_eq!(counters.datagrams, 2 * ROUNDS);
         assert!(counters.requests >= 2 * ROUNDS, "{counters:?}");
+    }
+}
+
+/// Endpoint `a` on reactor `ra` and `b` on `rb`, each handler with a
+/// destination to the other: each reactor's CQs hold only its own
+/// endpoint's completions.
+fn apart(
+    ra: &mut Reactor<Peer>,
+    rb: &mut Reactor<Peer>,
+    a: Peer,
+    b: Peer,
+) -> (DatagramId, DatagramId, UdDestination) {
+    let config = UdConfig::default();
+    let a = ra.add_datagram(&config, |_, _| Ok(a)).expect("endpoint a");
+    let b = rb.add_datagram(&config, |_, _| Ok(b)).expect("endpoint b");
+    let (qp_a, qp_b) = (ra.datagram_qp(a).expect("a"), rb.datagram_qp(b).expect("b"));
+    let to_b = qp_a.destination(&qp_b.endpoint()).expect("a to b");
+    let to_a = qp_b.destination(&qp_a.endpoint()).expect("b to a");
+    rb.datagram_handler_mut(b).expect("b's handler").to = Some(to_a);
+    (a, b, to_b)
+}
+
+verbs_test! {
+    fn the_echoes_of_a_burst_found_by_one_pass_share_one_doorbell() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let (mut ra, mut rb) = (reactor(&pd), reactor(&pd));
+        let echo = Peer { echo: true, ..Peer::default() };
+        let (a, _, to_b) = apart(&mut ra, &mut rb, Peer::default(), echo);
+        // A burst of 8 waits on b's CQ; one pass finds it, and each
+        // datagram's callback echoes it: the 8 echoes go in one doorbell.
+        const BURST: u64 = 8;
+        ra.with_ctx(|ctx| {
+            for n in 0..BURST {
+                ctx.send_datagram(a, &to_b, &n.to_le_bytes()).expect("a burst datagram");
+            }
+        });
+        ra.turn().expect("a's pass");
+        std::thread::sleep(Duration::from_millis(500));
+        let before = rb.counters();
+        rb.poll_once().expect("b's pass");
+        let after = rb.counters();
+        assert_eq!(after.datagrams - before.datagrams, BURST, "the burst arrived before the pass");
+        assert_eq!(after.requests - before.requests, BURST, "every echo went out");
+        assert_eq!(after.doorbells - before.doorbells, 1, "in one doorbell");
+        run_until(&mut ra, Duration::from_secs(30), |r| {
+            r.datagram_handler(a).is_some_and(|p| p.received == BURST)
+        });
+        assert_eq!(ra.datagram_handler(a).unwrap().errors, 0);
     }
 }
 
