@@ -4,8 +4,9 @@
 //! the endpoint is opened once the runtime runs, `RuntimeHandle::add_datagram`),
 //! its handler (built on its thread by the factory) takes every datagram a
 //! publisher sends to the group, and comes back to the factory when the
-//! runtime stops; a factory that builds no datagram
-//! handlers, or a plan for a reactor the runtime does not have, stops the
+//! runtime stops; asked from a reactor's thread (by a handler, or by the
+//! factory as it builds one), the runtime refuses at once; a factory that
+//! builds no datagram handlers, or a plan for a reactor the runtime does not have, stops the
 //! runtime from starting. Gated as in `tests/util/mod.rs`: runs in the
 //! Soft-RoCE guest.
 
@@ -67,11 +68,7 @@ impl Handler for Subscriber {
         if let Some((handle, told)) = self.ask_other.take() {
             // Another reactor than its own: no reactor's thread may wait
             // for one.
-            let asked = handle.add_datagram(plan(0, false));
-            let _ = told.send(match asked {
-                Ok(id) => format!("opened {id:?}"),
-                Err(err) => err.to_string(),
-            });
+            let _ = told.send(tell(handle.add_datagram(plan(0, false))));
         }
     }
 
@@ -85,6 +82,14 @@ impl Handler for Subscriber {
     }
 }
 
+/// How asking a reactor for an endpoint went, for the test to read.
+fn tell(asked: rdma_comm_core::Result<DatagramId>) -> String {
+    match asked {
+        Ok(id) => format!("opened {id:?}"),
+        Err(err) => err.to_string(),
+    }
+}
+
 /// Builds subscribers for datagram endpoints and refuses sessions; hands
 /// the subscribers that come back to the test.
 struct Feed {
@@ -95,6 +100,10 @@ struct Feed {
     /// Set once running: the next handler built asks reactor 0 for an
     /// endpoint, and says how that went here.
     ask_other: Arc<Mutex<Option<AskOther>>>,
+    /// Set once running: the factory asks reactor 0 for an endpoint while
+    /// it builds the next datagram handler (on its reactor's thread), and
+    /// says how that went here.
+    factory_asks: Arc<Mutex<Option<AskOther>>>,
     built: mpsc::Sender<(usize, u32)>,
     back: mpsc::Sender<(usize, u64, u64)>,
 }
@@ -108,6 +117,7 @@ impl Feed {
             join_later: false,
             joined: Arc::default(),
             ask_other: Arc::default(),
+            factory_asks: Arc::default(),
             built,
             back,
         }
@@ -122,6 +132,9 @@ impl HandlerFactory for Feed {
     }
 
     fn build_datagram(&self, datagram: &NewDatagram<'_>) -> rdma_comm_core::Result<Subscriber> {
+        if let Some((handle, told)) = self.factory_asks.lock().unwrap().take() {
+            let _ = told.send(tell(handle.add_datagram(plan(0, false))));
+        }
         let _ = self.built.send((datagram.reactor, datagram.qp.qpn()));
         Ok(Subscriber {
             reactor: Rc::new(datagram.reactor),
@@ -224,11 +237,13 @@ fn subscribe_and_publish(how: Subscribe) {
     let (built_tx, built) = mpsc::channel();
     let (back_tx, back) = mpsc::channel();
     let factory_ask_other = Arc::default();
+    let factory_asks = Arc::default();
     let factory = Feed {
         in_order: Arc::clone(&in_order),
         join_later,
         joined: Arc::clone(&joined),
         ask_other: Arc::clone(&factory_ask_other),
+        factory_asks: Arc::clone(&factory_asks),
         ..Feed::new(built_tx, back_tx)
     };
     let mut config = one_subscriber(2, 1, join_later);
@@ -241,7 +256,8 @@ fn subscribe_and_publish(how: Subscribe) {
         assert!(built.try_recv().is_err(), "nothing planned at start");
         let handle = runtime.handle();
         let (told, asked) = mpsc::channel();
-        *factory_ask_other.lock().unwrap() = Some((handle.clone(), told));
+        *factory_ask_other.lock().unwrap() = Some((handle.clone(), told.clone()));
+        *factory_asks.lock().unwrap() = Some((handle.clone(), told));
         own_thread = Some(asked);
         handle
             .add_datagram(plan(1, false))
@@ -297,10 +313,14 @@ fn subscribe_and_publish(how: Subscribe) {
     }
 
     if let Some(asked) = own_thread {
-        let told = asked
-            .recv_timeout(DEADLINE)
-            .expect("the handler asked reactor 0");
-        assert!(told.contains("reactor's thread"), "{told}");
+        // The factory asked while building the handler, and the handler
+        // from `on_idle`: both refused at once, neither waits for a reactor.
+        for who in ["the factory", "the handler"] {
+            let told = asked
+                .recv_timeout(DEADLINE)
+                .unwrap_or_else(|_| panic!("{who} asked reactor 0"));
+            assert!(told.contains("reactor's thread"), "{who}: {told}");
+        }
     }
     runtime.stop();
     runtime.join().expect("joined");
