@@ -6,9 +6,9 @@
 //! publisher sends to the group, and comes back to the factory when the
 //! runtime stops; asked from a reactor's thread (by a handler, or by the
 //! factory as it builds one), the runtime refuses at once; a factory that
-//! builds no datagram handlers, or a plan for a reactor the runtime does not have, stops the
-//! runtime from starting. Gated as in `tests/util/mod.rs`: runs in the
-//! Soft-RoCE guest.
+//! builds no datagram handlers, or a plan for a reactor the runtime does
+//! not have, stops the runtime from starting. Gated as in
+//! `tests/util/mod.rs`: runs in the Soft-RoCE guest.
 
 mod util;
 
