@@ -190,8 +190,14 @@ impl DatagramTable {
     #[inline]
     fn place_of(&self, id: DatagramId) -> Option<&Place> {
         let place = self.places.get(id.index as usize)?;
-        (id.reactor == self.owner && self.id(id.index).serial == id.serial && place.seat.is_some())
-            .then_some(place)
+        (self.names(id) && place.seat.is_some()).then_some(place)
+    }
+
+    /// Whether `id` is this reactor's and carries the serial of its
+    /// place's endpoint (or of the last one there): no bounds check.
+    #[inline]
+    fn names(&self, id: DatagramId) -> bool {
+        id.reactor == self.owner && self.id(id.index).serial == id.serial
     }
 
     /// Takes endpoint `id` out, with the CQ entries promised to it, when
@@ -266,11 +272,10 @@ impl DatagramTable {
     /// sent.
     #[inline]
     pub(crate) fn get_mut(&mut self, id: DatagramId) -> Option<&mut DatagramEndpoint> {
-        if id.reactor != self.owner || self.id(id.index).serial != id.serial {
+        if !self.names(id) {
             return None;
         }
-        let place = self.places.get_mut(id.index as usize)?;
-        place.seat.as_mut().map(|seat| &mut seat.endpoint)
+        self.at(id.index)
     }
 
     /// Joins endpoint `id` to multicast group `group`, saying so.
