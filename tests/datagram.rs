@@ -173,13 +173,13 @@ verbs_test! {
 
 /// Endpoint `a` on reactor `ra` and `b` on `rb`, so that each reactor's
 /// CQs hold only its own endpoint's completions; `b`'s handler gets a
-/// destination to `a`. Returns `a` and a destination to `b`.
+/// destination to `a`. Returns `a`, `b` and a destination to `b`.
 fn apart(
     ra: &mut Reactor<Peer>,
     rb: &mut Reactor<Peer>,
     a: Peer,
     b: Peer,
-) -> (DatagramId, UdDestination) {
+) -> (DatagramId, DatagramId, UdDestination) {
     let config = UdConfig::default();
     let a = ra.add_datagram(&config, |_, _| Ok(a)).expect("endpoint a");
     let b = rb.add_datagram(&config, |_, _| Ok(b)).expect("endpoint b");
@@ -187,7 +187,37 @@ fn apart(
     let to_b = qp_a.destination(&qp_b.endpoint()).expect("a to b");
     let to_a = qp_b.destination(&qp_a.endpoint()).expect("b to a");
     rb.datagram_handler_mut(b).expect("b's handler").to = Some(to_a);
-    (a, to_b)
+    (a, b, to_b)
+}
+
+verbs_test! {
+    fn a_removed_endpoints_landed_datagrams_are_stale_not_foreign() {
+        let ctx = open_device();
+        let pd = ctx.alloc_pd().expect("a PD");
+        let (mut ra, mut rb) = (reactor(&pd), reactor(&pd));
+        let (a, b, to_b) = apart(&mut ra, &mut rb, Peer::default(), Peer::default());
+        const BURST: u64 = 8;
+        ra.with_ctx(|ctx| {
+            for n in 0..BURST {
+                ctx.send_datagram(a, &to_b, &n.to_le_bytes()).expect("a burst datagram");
+            }
+        });
+        ra.turn().expect("a's pass");
+        // Time for the device to land all 8 on b's CQ, unpolled.
+        std::thread::sleep(Duration::from_secs(2));
+        let before = rb.counters();
+        let receiver = rb.remove_datagram(b).expect("b's handler");
+        assert_eq!(receiver.received, 0, "none polled before the removal");
+        // Soft-RoCE leaves a destroyed QP's completions on its CQ: the
+        // next passes poll them, and each is counted, none delivered.
+        for _ in 0..4 {
+            rb.poll_once().expect("a pass");
+        }
+        let after = rb.counters();
+        assert_eq!(after.stale_completions - before.stale_completions, BURST, "{after:?}");
+        assert_eq!(after.foreign_completions, before.foreign_completions, "none a stranger's");
+        assert_eq!(after.datagrams, before.datagrams, "none delivered");
+    }
 }
 
 verbs_test! {
@@ -196,7 +226,7 @@ verbs_test! {
         let pd = ctx.alloc_pd().expect("a PD");
         let (mut ra, mut rb) = (reactor(&pd), reactor(&pd));
         let echo = Peer { echo: true, ..Peer::default() };
-        let (a, to_b) = apart(&mut ra, &mut rb, Peer::default(), echo);
+        let (a, _, to_b) = apart(&mut ra, &mut rb, Peer::default(), echo);
         // A burst of 8 waits on b's CQ; one pass finds it, and each
         // datagram's callback echoes it: the 8 echoes go in one doorbell.
         const BURST: u64 = 8;
@@ -337,7 +367,7 @@ verbs_test! {
         assert_eq!(reactor.datagram_handler(a).unwrap().errors, 0);
         // A callback's removal waits for the end of its pass; the sender
         // goes with sends in flight, whose completions left on the CQ are
-        // nobody's concern.
+        // counted stale, never a stranger's.
         reactor.datagram_handler_mut(a).unwrap().burst = 2 * BURST;
         reactor.turn().expect("a pass");
         reactor.with_ctx(|ctx| ctx.remove_datagram(a));

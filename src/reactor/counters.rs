@@ -35,6 +35,11 @@ pub struct Counters {
     /// them (see [`QpSource`](super::QpSource); the window binds of a QP
     /// it serves are not counted).
     pub foreign_completions: u64,
+    /// Completions ignored because their connection or datagram endpoint
+    /// was removed: requests it posted that completed before its QP went,
+    /// polled after the removal. Expected after a removal under traffic,
+    /// unlike [`foreign_completions`](Self::foreign_completions).
+    pub stale_completions: u64,
     /// SRQ receives consumed by QPs the reactor does not serve (not yet
     /// added, or removed), whose slots it gave back to the SRQ.
     pub reclaimed_receives: u64,

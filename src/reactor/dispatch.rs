@@ -139,6 +139,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 self.conns.list_due();
             }
             Refusal::Reclaimed => self.idle.work_left(),
+            _ if self
+                .conns
+                .names_departed(self.completions.wc(at).wr_id(), refusal) =>
+            {
+                self.counters.stale_completions += 1;
+            }
             _ => {
                 let wc = *self.completions.wc(at);
                 self.foreign(&wc);

@@ -47,7 +47,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             }
             return;
         }
-        self.foreign_completions += 1;
+        self.counters.foreign_completions += 1;
         log::debug!("ignoring a completion no connection of this reactor posted: {wc:?}");
     }
 

@@ -192,8 +192,6 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     /// The datagram endpoints, and their handlers (by endpoint index).
     datagrams: DatagramTable,
     datagram_handlers: Vec<Option<H>>,
-    /// Completions no connection of ours posted (ignored).
-    foreign_completions: u64,
     /// Running totals ([`Reactor::counters`]).
     counters: Counters,
     /// Sessions whose link fd woke the last wait (reused: no allocation).
@@ -274,7 +272,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             peer_timer,
             datagrams: DatagramTable::new(id.0),
             datagram_handlers: Vec::new(),
-            foreign_completions: 0,
             counters: Counters::default(),
             fired: Vec::with_capacity(wait::MAX_EVENTS),
             recheck_at: None,
@@ -332,7 +329,6 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// requests, doorbells, sleeps, and what it ignored.
     pub fn counters(&self) -> Counters {
         let mut counters = self.counters;
-        counters.foreign_completions = self.foreign_completions;
         counters.reclaimed_receives = self.srq.as_ref().map_or(0, |pool| pool.reclaimed);
         // Rung from callbacks, which cannot reach these (one request each).
         counters.doorbells += self.deferred.lone_doorbells;

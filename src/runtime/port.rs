@@ -145,6 +145,7 @@ pub(crate) struct StatCells {
     sleeps: AtomicU64,
     flush_visits: AtomicU64,
     foreign_completions: AtomicU64,
+    stale_completions: AtomicU64,
     reclaimed_receives: AtomicU64,
     datagrams: AtomicU64,
     sessions: AtomicU64,
@@ -166,6 +167,7 @@ impl StatCells {
         store(&self.sleeps, counters.sleeps);
         store(&self.flush_visits, counters.flush_visits);
         store(&self.foreign_completions, counters.foreign_completions);
+        store(&self.stale_completions, counters.stale_completions);
         store(&self.reclaimed_receives, counters.reclaimed_receives);
         store(&self.datagrams, counters.datagrams);
         store(&self.sessions, sessions as u64);
@@ -310,6 +312,7 @@ impl Port {
                 sleeps: load(&cells.sleeps),
                 flush_visits: load(&cells.flush_visits),
                 foreign_completions: load(&cells.foreign_completions),
+                stale_completions: load(&cells.stale_completions),
                 reclaimed_receives: load(&cells.reclaimed_receives),
                 datagrams: load(&cells.datagrams),
             },

@@ -23,6 +23,8 @@ pub(crate) enum Arrived {
     Failed(Error),
     /// Not this endpoint's: another QP's completion naming it.
     Foreign,
+    /// A completion of an endpoint removed since it posted the request.
+    Stale,
 }
 
 /// A UD QP on the reactor's CQs, its receive ring and its send side.

@@ -311,8 +311,8 @@ impl DatagramTable {
 
     /// A completion naming endpoint `index` (a receive into slot `value`,
     /// or send `value`): what it brings, vetted by the endpoint. One of a
-    /// removed endpoint, left on the CQ when its QP went, brings nothing;
-    /// one naming an endpoint never added is a stranger's.
+    /// removed endpoint, left on the CQ when its QP went, is stale; one
+    /// naming an endpoint never added is a stranger's.
     #[inline]
     pub(crate) fn complete(
         &mut self,
@@ -324,8 +324,9 @@ impl DatagramTable {
         let Some(place) = self.places.get_mut(index as usize) else {
             return Arrived::Foreign;
         };
+        // A place exists once an endpoint took it: an empty one had one.
         let Some(Seat { endpoint, .. }) = &mut place.seat else {
-            return Arrived::Nothing;
+            return Arrived::Stale;
         };
         let arrived = endpoint.complete(wc, receive, value);
         // A slot given back here (a failed or short receive) waits for a

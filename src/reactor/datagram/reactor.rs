@@ -189,6 +189,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 self.datagrams.release(index, slot);
             }
             Arrived::Nothing => {}
+            Arrived::Stale => self.counters.stale_completions += 1,
             Arrived::Failed(error) => self.datagram_failed(id, error),
             Arrived::Foreign => {
                 let wc = *wc;

@@ -459,6 +459,15 @@ impl<T> Slab<T> {
         entry.value.as_mut().map(|value| (key, value))
     }
 
+    /// Whether the entry at `index` held a record that was removed and
+    /// holds none now (free, quarantined or retired): an entry exists only
+    /// once a record was inserted in it.
+    pub(crate) fn is_vacated(&self, index: u32) -> bool {
+        self.entries
+            .get(index as usize)
+            .is_some_and(|entry| entry.value.is_none())
+    }
+
     /// Entries ever used (live, free or retired): bounds for index loops.
     #[inline]
     pub(crate) fn capacity_used(&self) -> u32 {

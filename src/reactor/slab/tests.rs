@@ -379,3 +379,16 @@ fn a_long_churn_stays_in_place() {
     }
     assert_eq!(slab.capacity_used(), 1);
 }
+
+#[test]
+fn only_an_entry_whose_record_was_removed_is_vacated() {
+    let mut slab = Slab::new(4, 1);
+    let a = slab.insert(1).unwrap();
+    assert!(!slab.is_vacated(a.index), "live");
+    assert!(!slab.is_vacated(a.index + 1), "never used");
+    assert_eq!(slab.remove(a), Some(1));
+    assert!(slab.is_vacated(a.index), "removed");
+    let b = slab.insert(2).unwrap();
+    assert_eq!(b.index, a.index);
+    assert!(!slab.is_vacated(b.index), "taken again");
+}

@@ -228,6 +228,22 @@ impl ConnTable {
         })
     }
 
+    /// Whether `wr_id`, which [`lookup`](Self::lookup) refused, is a request
+    /// of a connection that was removed (its entry empty now, or another
+    /// tenant's): a late completion of the reactor's own, not a stranger's.
+    /// An SRQ receive's id names no connection: never.
+    pub(crate) fn names_departed(&self, wr_id: u64, refusal: Refusal) -> bool {
+        let (index, _, kind) = wr_id::decode(wr_id);
+        match refusal {
+            Refusal::StaleGeneration => true,
+            Refusal::Foreign => {
+                matches!(kind, WrKind::Recv { .. } | WrKind::Send { .. })
+                    && self.slab.is_vacated(index)
+            }
+            _ => false,
+        }
+    }
+
     /// The id the next [`insert`](Self::insert) gives, or `None` when the
     /// table is full.
     pub(crate) fn vacant_id(&self) -> Option<ConnId> {

@@ -237,3 +237,37 @@ fn ids_nothing_of_the_table_posted_are_foreign() {
         "an SRQ receive without an SRQ"
     );
 }
+
+#[test]
+fn a_removed_connections_ids_are_departed_and_a_strangers_are_not() {
+    let mut f = fixture();
+    let (conn, qpn) = (f.conn, f.conn_qpn);
+    // Another tenant's generation at a live entry.
+    let earlier = Key {
+        generation: conn.generation.wrapping_sub(1),
+        ..conn
+    };
+    let refusal = f.look(send(earlier, 1), qpn).unwrap_err();
+    assert!(f.table.names_departed(send(earlier, 1), refusal));
+    // An index no connection ever had.
+    let never = Key { index: 3, ..conn };
+    let refusal = f.look(send(never, 1), qpn).unwrap_err();
+    assert_eq!(refusal, Refusal::Foreign);
+    assert!(!f.table.names_departed(send(never, 1), refusal));
+    // Ids that name no connection at all.
+    for wr_id in [BIND_WR_ID, srq_recv(1, 1), 0] {
+        assert!(
+            !f.table.names_departed(wr_id, Refusal::Foreign),
+            "{wr_id:#x}"
+        );
+    }
+    // The connection removed: its requests and receives are departed.
+    drop(f.table.remove(ConnId(conn)).expect("removed"));
+    for wr_id in [send(conn, 1), recv(conn, 1)] {
+        let refusal = f.look(wr_id, qpn).unwrap_err();
+        assert_eq!(refusal, Refusal::Foreign);
+        assert!(f.table.names_departed(wr_id, refusal), "{wr_id:#x}");
+    }
+    // A refusal of a live connection's own id is no departure.
+    assert!(!f.table.names_departed(send(f.direct, 1), Refusal::WrongQp));
+}

@@ -384,3 +384,4 @@ mod sparse;
 mod spin;
 mod srq;
 mod srq_shares;
+mod stale;
