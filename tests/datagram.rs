@@ -208,13 +208,20 @@ verbs_test! {
         let before = rb.counters();
         let receiver = rb.remove_datagram(b).expect("b's handler");
         assert_eq!(receiver.received, 0, "none polled before the removal");
-        // Soft-RoCE leaves a destroyed QP's completions on its CQ: the
-        // next passes poll them, and each is counted, none delivered.
+        // The next pass polls what the destroyed QP left on the CQ: each
+        // counted, none delivered. Soft-RoCE leaves all 8 there; a
+        // provider that cleans a destroyed QP's completions from its CQ
+        // (mlx5) leaves none.
         for _ in 0..4 {
             rb.poll_once().expect("a pass");
         }
         let after = rb.counters();
-        assert_eq!(after.stale_completions - before.stale_completions, BURST, "{after:?}");
+        let stale = after.stale_completions - before.stale_completions;
+        if ctx.name().starts_with("rxe") {
+            assert_eq!(stale, BURST, "{after:?}");
+        } else {
+            assert!(stale <= BURST, "{after:?}");
+        }
         assert_eq!(after.foreign_completions, before.foreign_completions, "none a stranger's");
         assert_eq!(after.datagrams, before.datagrams, "none delivered");
     }

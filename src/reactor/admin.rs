@@ -274,10 +274,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// Takes a session out of the reactor: its QPs are moved to the error
     /// state and destroyed, its receive rings and send slots deregistered,
     /// and the link and handler handed back (drop the link to tell the
-    /// peer). Completions still queued for it are ignored. Messages of this
-    /// session that another connection is forwarding still go out: the
-    /// forward keeps the receive ring registered until it completes. `None`
-    /// if the session is unknown.
+    /// peer). Completions still queued for it are ignored (counted in
+    /// [`Counters::stale_completions`](super::Counters::stale_completions)).
+    /// Messages of this session that another connection is forwarding
+    /// still go out: the forward keeps the receive ring registered until it
+    /// completes. `None` if the session is unknown.
     ///
     /// The session's records are freed and its ids reused (with a new
     /// generation), so a reactor that serves peers for months holds only

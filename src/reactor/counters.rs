@@ -36,9 +36,13 @@ pub struct Counters {
     /// it serves are not counted).
     pub foreign_completions: u64,
     /// Completions ignored because their connection or datagram endpoint
-    /// was removed: requests it posted that completed before its QP went,
-    /// polled after the removal. Expected after a removal under traffic,
-    /// unlike [`foreign_completions`](Self::foreign_completions).
+    /// was removed since it posted the request or receive: what completed
+    /// before its QP went, and the receives the removal flushed, polled by
+    /// the pass after the removal. Expected after a removal, unlike
+    /// [`foreign_completions`](Self::foreign_completions); how many the CQ
+    /// still holds is the provider's (Soft-RoCE keeps them, mlx5 cleans a
+    /// destroyed QP's from its CQ). A removed connection's SRQ receives
+    /// count as [`reclaimed_receives`](Self::reclaimed_receives) instead.
     pub stale_completions: u64,
     /// SRQ receives consumed by QPs the reactor does not serve (not yet
     /// added, or removed), whose slots it gave back to the SRQ.

@@ -125,7 +125,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// no direct connection's is routed in full (and a connection it
     /// leaves due is listed instead, for the lean pass's chores: only a
     /// full pass flushes the due one); an SRQ slot reclaimed leaves a
-    /// repost for the flush; anything else is no connection's.
+    /// repost for the flush; one a removed connection left is counted
+    /// stale; anything else is no connection's.
     #[cold]
     #[inline(never)]
     fn refused(&mut self, at: usize, refusal: Refusal) {
@@ -139,11 +140,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                 self.conns.list_due();
             }
             Refusal::Reclaimed => self.idle.work_left(),
-            _ if self
-                .conns
-                .names_departed(self.completions.wc(at).wr_id(), refusal) =>
-            {
+            Refusal::Foreign if self.conns.names_departed(self.completions.wc(at).wr_id()) => {
                 self.counters.stale_completions += 1;
+                log::trace!(
+                    "ignoring a completion of a removed connection: {:?}",
+                    self.completions.wc(at)
+                );
             }
             _ => {
                 let wc = *self.completions.wc(at);

@@ -114,6 +114,23 @@ struct Place {
     /// its requests' ids may be on the CQs until a later pass has polled
     /// them, so no other endpoint takes the place before then.
     freed_at: u64,
+    /// The QP number of its last endpoint, once removed: what tells that
+    /// endpoint's late completions from a stranger's.
+    departed_qpn: Option<u32>,
+}
+
+impl Place {
+    /// What a completion of QP `qpn` naming this empty place, polled after
+    /// `passes` passes, is: its removed endpoint's while no pass since the
+    /// removal has polled every CQ, else a stranger's.
+    #[cold]
+    fn departed(&self, qpn: u32, passes: u64) -> Arrived {
+        if self.departed_qpn == Some(qpn) && passes <= self.freed_at {
+            Arrived::Stale
+        } else {
+            Arrived::Foreign
+        }
+    }
 }
 
 /// An endpoint and the CQ entries the reactor promised it, as a session's
@@ -178,6 +195,7 @@ impl DatagramTable {
         let place = Place {
             seat: Some(Seat { endpoint, charge }),
             freed_at: 0,
+            departed_qpn: None,
         };
         match self.places.get_mut(id.index as usize) {
             Some(free) => *free = place,
@@ -212,6 +230,7 @@ impl DatagramTable {
         let place = &mut self.places[id.index as usize];
         place.freed_at = passes;
         let Seat { endpoint, charge } = place.seat.take()?;
+        place.departed_qpn = Some(endpoint.qp().qpn());
         self.work &= !(1 << id.index);
         self.pending &= !(1 << id.index);
         self.removing &= !(1 << id.index);
@@ -310,9 +329,11 @@ impl DatagramTable {
     }
 
     /// A completion naming endpoint `index` (a receive into slot `value`,
-    /// or send `value`): what it brings, vetted by the endpoint. One of a
-    /// removed endpoint, left on the CQ when its QP went, is stale; one
-    /// naming an endpoint never added is a stranger's.
+    /// or send `value`), polled by a pass after `passes` passes: what it
+    /// brings, vetted by the endpoint. One of an endpoint removed since it
+    /// posted it (its QP's, polled before a pass after the removal has
+    /// polled every CQ) is stale; any other naming no endpoint is a
+    /// stranger's.
     #[inline]
     pub(crate) fn complete(
         &mut self,
@@ -320,13 +341,13 @@ impl DatagramTable {
         wc: &crate::verbs::WorkCompletion,
         receive: bool,
         value: u32,
+        passes: u64,
     ) -> Arrived {
         let Some(place) = self.places.get_mut(index as usize) else {
             return Arrived::Foreign;
         };
-        // A place exists once an endpoint took it: an empty one had one.
         let Some(Seat { endpoint, .. }) = &mut place.seat else {
-            return Arrived::Stale;
+            return place.departed(wc.qp_num(), passes);
         };
         let arrived = endpoint.complete(wc, receive, value);
         // A slot given back here (a failed or short receive) waits for a
@@ -428,5 +449,33 @@ impl DatagramTable {
 impl<'a> DatagramSource<'a> {
     pub(crate) fn new(qpn: u32, grh: Option<&'a [u8; GRH_BYTES]>) -> Self {
         Self { qpn, grh }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_places_completion_is_stale_only_from_its_last_qp_while_it_drains() {
+        let removed_after = 7;
+        let place = Place {
+            seat: None,
+            freed_at: removed_after,
+            departed_qpn: Some(0x11),
+        };
+        let stale = |qpn, passes| matches!(place.departed(qpn, passes), Arrived::Stale);
+        assert!(stale(0x11, removed_after), "the pass after the removal");
+        assert!(!stale(0x12, removed_after), "another QP's");
+        assert!(
+            !stale(0x11, removed_after + 1),
+            "once a pass has drained the CQs"
+        );
+        let never = Place {
+            seat: None,
+            freed_at: 0,
+            departed_qpn: None,
+        };
+        assert!(matches!(never.departed(0x11, 0), Arrived::Foreign));
     }
 }

@@ -162,7 +162,10 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             _ => return,
         };
         let id = self.datagrams.id(index);
-        match self.datagrams.complete(index, wc, receive, value) {
+        match self
+            .datagrams
+            .complete(index, wc, receive, value, self.counters.passes)
+        {
             Arrived::Datagram { slot, landed } => {
                 self.counters.datagrams += 1;
                 // SAFETY: both lie in the endpoint's receive ring, registered

@@ -459,13 +459,17 @@ impl<T> Slab<T> {
         entry.value.as_mut().map(|value| (key, value))
     }
 
-    /// Whether the entry at `index` held a record that was removed and
-    /// holds none now (free, quarantined or retired): an entry exists only
-    /// once a record was inserted in it.
-    pub(crate) fn is_vacated(&self, index: u32) -> bool {
-        self.entries
-            .get(index as usize)
-            .is_some_and(|entry| entry.value.is_none())
+    /// The generation of the record last removed from the entry at
+    /// `index`, while the entry waits in quarantine (until
+    /// [`release_quarantine`](Self::release_quarantine): what the record
+    /// left behind may still be about); `None` for an entry that is live,
+    /// free, retired or never used. A walk over the quarantine: for cold
+    /// paths.
+    pub(crate) fn quarantined_generation(&self, index: u32) -> Option<u32> {
+        let entry = self.entries.get(index as usize)?;
+        // Removal moved a quarantined entry to its next generation.
+        (entry.value.is_none() && self.quarantine.contains(&index))
+            .then(|| entry.generation.wrapping_sub(1))
     }
 
     /// Entries ever used (live, free or retired): bounds for index loops.

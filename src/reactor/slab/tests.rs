@@ -381,14 +381,17 @@ fn a_long_churn_stays_in_place() {
 }
 
 #[test]
-fn only_an_entry_whose_record_was_removed_is_vacated() {
-    let mut slab = Slab::new(4, 1);
+fn only_a_quarantined_entry_names_its_departed_generation() {
+    let mut slab = Slab::new(4, 1).quarantining();
     let a = slab.insert(1).unwrap();
-    assert!(!slab.is_vacated(a.index), "live");
-    assert!(!slab.is_vacated(a.index + 1), "never used");
+    assert_eq!(slab.quarantined_generation(a.index), None, "live");
+    assert_eq!(slab.quarantined_generation(a.index + 1), None, "never used");
     assert_eq!(slab.remove(a), Some(1));
-    assert!(slab.is_vacated(a.index), "removed");
-    let b = slab.insert(2).unwrap();
-    assert_eq!(b.index, a.index);
-    assert!(!slab.is_vacated(b.index), "taken again");
+    assert_eq!(
+        slab.quarantined_generation(a.index),
+        Some(a.generation),
+        "removed"
+    );
+    slab.release_quarantine(1);
+    assert_eq!(slab.quarantined_generation(a.index), None, "free again");
 }

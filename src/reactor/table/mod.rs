@@ -229,19 +229,26 @@ impl ConnTable {
     }
 
     /// Whether `wr_id`, which [`lookup`](Self::lookup) refused, is a request
-    /// of a connection that was removed (its entry empty now, or another
-    /// tenant's): a late completion of the reactor's own, not a stranger's.
-    /// An SRQ receive's id names no connection: never.
-    pub(crate) fn names_departed(&self, wr_id: u64, refusal: Refusal) -> bool {
-        let (index, _, kind) = wr_id::decode(wr_id);
-        match refusal {
-            Refusal::StaleGeneration => true,
-            Refusal::Foreign => {
-                matches!(kind, WrKind::Recv { .. } | WrKind::Send { .. })
-                    && self.slab.is_vacated(index)
-            }
-            _ => false,
-        }
+    /// or receive of a connection removed since it posted it: its entry is
+    /// still in quarantine (until a pass has polled every CQ empty after
+    /// the removal, the only time such completions can be about) and the
+    /// id carries that connection's generation. A late completion of the
+    /// reactor's own, not a stranger's. Ids of no connection's kind (an
+    /// SRQ receive's, a window bind's) are never departed.
+    pub(crate) fn names_departed(&self, wr_id: u64) -> bool {
+        let (index, generation, kind) = wr_id::decode(wr_id);
+        matches!(kind, WrKind::Recv { .. } | WrKind::Send { .. })
+            && self
+                .slab
+                .quarantined_generation(index)
+                .is_some_and(|departed| {
+                    let key = Key {
+                        index,
+                        generation: departed,
+                        owner: self.owner(),
+                    };
+                    wr_id::same_generation(key, generation)
+                })
     }
 
     /// The id the next [`insert`](Self::insert) gives, or `None` when the
