@@ -190,26 +190,37 @@ fn apart(
     (a, b, to_b)
 }
 
+/// Datagrams of a burst that [`land_burst`] leaves on the receiver's CQ.
+const LANDED: u64 = 8;
+
+/// Sends `LANDED` datagrams from endpoint `a` of reactor `ra` to `to`,
+/// posted by one pass of `ra` in one doorbell, then waits 2 s for the
+/// device to land them on the receiver's CQ: they wait there, unpolled
+/// (nothing shows them without polling, which the test's next pass must
+/// do first).
+fn land_burst(ra: &mut Reactor<Peer>, a: DatagramId, to: &UdDestination) {
+    ra.with_ctx(|ctx| {
+        for n in 0..LANDED {
+            ctx.send_datagram(a, to, &n.to_le_bytes())
+                .expect("a burst datagram");
+        }
+    });
+    ra.turn().expect("a's pass");
+    std::thread::sleep(Duration::from_secs(2));
+}
+
 verbs_test! {
     fn a_removed_endpoints_landed_datagrams_are_stale_not_foreign() {
         let ctx = open_device();
         let pd = ctx.alloc_pd().expect("a PD");
         let (mut ra, mut rb) = (reactor(&pd), reactor(&pd));
         let (a, b, to_b) = apart(&mut ra, &mut rb, Peer::default(), Peer::default());
-        const BURST: u64 = 8;
-        ra.with_ctx(|ctx| {
-            for n in 0..BURST {
-                ctx.send_datagram(a, &to_b, &n.to_le_bytes()).expect("a burst datagram");
-            }
-        });
-        ra.turn().expect("a's pass");
-        // Time for the device to land all 8 on b's CQ, unpolled.
-        std::thread::sleep(Duration::from_secs(2));
+        land_burst(&mut ra, a, &to_b);
         let before = rb.counters();
         let receiver = rb.remove_datagram(b).expect("b's handler");
         assert_eq!(receiver.received, 0, "none polled before the removal");
         // The next pass polls what the destroyed QP left on the CQ: each
-        // counted, none delivered. Soft-RoCE leaves all 8 there; a
+        // counted, none delivered. Soft-RoCE leaves the whole burst there; a
         // provider that cleans a destroyed QP's completions from its CQ
         // (mlx5) leaves none.
         for _ in 0..4 {
@@ -218,9 +229,9 @@ verbs_test! {
         let after = rb.counters();
         let stale = after.stale_completions - before.stale_completions;
         if ctx.name().starts_with("rxe") {
-            assert_eq!(stale, BURST, "{after:?}");
+            assert_eq!(stale, LANDED, "{after:?}");
         } else {
-            assert!(stale <= BURST, "{after:?}");
+            assert!(stale <= LANDED, "{after:?}");
         }
         assert_eq!(after.foreign_completions, before.foreign_completions, "none a stranger's");
         assert_eq!(after.datagrams, before.datagrams, "none delivered");
@@ -234,26 +245,17 @@ verbs_test! {
         let (mut ra, mut rb) = (reactor(&pd), reactor(&pd));
         let echo = Peer { echo: true, ..Peer::default() };
         let (a, _, to_b) = apart(&mut ra, &mut rb, Peer::default(), echo);
-        // A burst of 8 waits on b's CQ; one pass finds it, and each
-        // datagram's callback echoes it: the 8 echoes go in one doorbell.
-        const BURST: u64 = 8;
-        ra.with_ctx(|ctx| {
-            for n in 0..BURST {
-                ctx.send_datagram(a, &to_b, &n.to_le_bytes()).expect("a burst datagram");
-            }
-        });
-        ra.turn().expect("a's pass");
-        // Time for the device to land all 8 (nothing shows them without
-        // polling b's CQ, which the measured pass must do first).
-        std::thread::sleep(Duration::from_secs(2));
+        // A burst waits on b's CQ; one pass finds it, and each datagram's
+        // callback echoes it: the echoes go in one doorbell.
+        land_burst(&mut ra, a, &to_b);
         let before = rb.counters();
         rb.poll_once().expect("b's pass");
         let after = rb.counters();
-        assert_eq!(after.datagrams - before.datagrams, BURST, "the burst arrived before the pass");
-        assert_eq!(after.requests - before.requests, BURST, "every echo went out");
+        assert_eq!(after.datagrams - before.datagrams, LANDED, "the burst arrived before the pass");
+        assert_eq!(after.requests - before.requests, LANDED, "every echo went out");
         assert_eq!(after.doorbells - before.doorbells, 1, "in one doorbell");
         run_until(&mut ra, Duration::from_secs(30), |r| {
-            r.datagram_handler(a).is_some_and(|p| p.received == BURST)
+            r.datagram_handler(a).is_some_and(|p| p.received == LANDED)
         });
         assert_eq!(ra.datagram_handler(a).unwrap().errors, 0);
     }
