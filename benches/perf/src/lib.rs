@@ -24,6 +24,7 @@ pub mod loopback;
 mod rate;
 mod run_end;
 mod spec;
+mod spread;
 mod stats;
 
 pub use datagram::{RESEND_AFTER, UdClient, UdExchange, UdServer};
@@ -33,4 +34,5 @@ pub use latency::{LatencyClient, Reflector};
 pub use rate::{RateSender, RateSink};
 pub use rdma_comm_core::clock::Clock;
 pub use spec::{DONE_MARKER, PerfBuffers, PerfOp, PerfSpec};
+pub use spread::{BATCH, IN_FLIGHT, SPREAD_SIZE, Spread, SpreadRun, SpreadSender};
 pub use stats::{BandwidthStats, LATENCY_HEADER, LatencyStats, bandwidth_header};
