@@ -1,8 +1,8 @@
 //! 64 B SENDs spread over many connections of one reactor on the loopback
 //! device: how the reactor's work per message grows with the connections
-//! it serves, counted where nothing depends on timing
-//! (`loopback_path send-spread MESSAGES CONNS`, which `tools/instr-count
-//! --host` runs at 1 and at 1024 connections).
+//! it serves, counted where nothing depends on timing (`spread_path
+//! MESSAGES CONNS`, which `tools/instr-count --host` runs at 1 and at 1024
+//! connections).
 //!
 //! Each connection is a session of its own on both ends, as `conn_scale`
 //! connects them: a sender streams its share of the messages, at most
@@ -27,11 +27,12 @@ pub const BATCH: usize = 16;
 pub const IN_FLIGHT: u64 = 64;
 
 /// What the senders of one run share: one reactor thread, so plain cells.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Shared {
+    /// The senders of the run: the reactor stops when all have finished.
+    senders: usize,
     in_flight: Cell<u64>,
     finished: Cell<usize>,
-    senders: Cell<usize>,
     failure: Cell<Option<&'static str>>,
 }
 
@@ -109,7 +110,7 @@ impl Handler for Spread {
         if sender.completed == sender.quota {
             let finished = shared.finished.get() + 1;
             shared.finished.set(finished);
-            if finished == shared.senders.get() {
+            if finished == shared.senders {
                 ctx.stop();
             }
         }
@@ -154,8 +155,12 @@ impl SpreadRun {
             ..ReactorConfig::for_traffic(SPREAD_SIZE, 16, 2 * conns)
         };
         let mut reactor = Reactor::new(pd, config)?;
-        let shared = Rc::new(Shared::default());
-        shared.senders.set(conns as usize);
+        let shared = Rc::new(Shared {
+            senders: conns as usize,
+            in_flight: Cell::new(0),
+            finished: Cell::new(0),
+            failure: Cell::new(None),
+        });
         let quota = messages.div_ceil(u64::from(conns)).max(1);
         for _ in 0..conns {
             let (sender_qp, sink_qp) = reactor.connected_pair(pd, AccessFlags::empty())?;
