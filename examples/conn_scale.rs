@@ -496,6 +496,12 @@ impl Handler for Sender {
         ctx.stop();
     }
 
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId) {
+        self.pump(ctx);
+    }
+
+    /// The start, and room the shared in-flight cap gives back, come
+    /// with no callback of this session's own.
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         self.pump(ctx);
     }

@@ -142,7 +142,7 @@ impl Handler for Echo {
         self.drain(ctx);
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId) {
         self.drain(ctx);
     }
 
@@ -234,9 +234,8 @@ impl Handler for Pinger {
         self.pump(ctx);
     }
 
-    /// Credits can come back in a credit update, which calls no handler:
-    /// try again once the reactor is idle.
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    /// A ping refused for want of credits goes out once they are back.
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId) {
         self.pump(ctx);
     }
 

@@ -101,7 +101,7 @@ fn main() -> ExitCode {
 /// The server's side of a session: sends each message back from its own
 /// receive slot (no copy). A message it cannot send yet (the client has no
 /// receive posted for it: `WouldBlock`) waits, in order, and goes out from
-/// `on_idle` or the next message. The reactor reposts a slot once its echo
+/// `on_writable` or the next message. The reactor reposts a slot once its echo
 /// is sent, and the client is granted only as many messages as there are
 /// slots, so at most `recv_depth` ever wait: the queue is sized for that
 /// up front and never grows.
@@ -142,7 +142,7 @@ impl Handler for Echo {
         self.drain(ctx);
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId) {
         self.drain(ctx);
     }
 
@@ -179,7 +179,7 @@ impl Client {
     }
 
     /// Sends the next message unless one is in flight. `WouldBlock` (the
-    /// server's receives not yet announced) is retried from `on_idle`.
+    /// server's receives not yet announced) is retried from `on_writable`.
     fn send_next(&mut self, ctx: &mut Ctx<'_>) {
         let Some(conn) = self.conn else { return };
         if self.sent > self.echoed || self.sent == self.count || !self.intact {
@@ -214,7 +214,7 @@ impl Handler for Client {
         self.send_next(ctx);
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId) {
         self.send_next(ctx);
     }
 

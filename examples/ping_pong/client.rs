@@ -159,7 +159,7 @@ impl Handler for Pinger {
         }
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId) {
         self.pump(ctx);
     }
 }

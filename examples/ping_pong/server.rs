@@ -191,8 +191,8 @@ impl Handler for Echoer {
         self.retire(ctx, session, outcome);
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        if let (Some(conn), false) = (self.conn, self.waiting.is_empty()) {
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        if !self.waiting.is_empty() {
             self.drain(ctx, conn);
         }
     }

@@ -421,7 +421,10 @@ impl Ctx<'_> {
         let Some(record) = self.alone(conn)? else {
             return self.read(conn, local, remote);
         };
-        let seq = record.stage_read(local, remote)?;
+        let seq = match record.stage_read(local, remote) {
+            Ok(seq) => seq,
+            Err(refused) => return Err(self.refused_alone(conn, refused)),
+        };
         let posted = record.post_staged();
         self.rang_alone(conn, posted);
         Ok(seq)
@@ -443,7 +446,10 @@ impl Ctx<'_> {
         let Some(record) = self.alone(conn)? else {
             return self.conn(conn)?.stage_write(local, remote, imm, true);
         };
-        let seq = record.stage_write(local, remote, imm, true)?;
+        let seq = match record.stage_write(local, remote, imm, true) {
+            Ok(seq) => seq,
+            Err(refused) => return Err(self.refused_alone(conn, refused)),
+        };
         let posted = record.post_staged();
         self.rang_alone(conn, posted);
         Ok(seq)
@@ -459,6 +465,18 @@ impl Ctx<'_> {
             .get_mut_quiet(conn.key())
             .ok_or(SendError::Closed)?;
         Ok(record.sq().can_ring_alone().then_some(record))
+    }
+
+    /// A request to ring alone on `conn` was refused: the connection is
+    /// listed for the flush all the same, which lists it as waiting for
+    /// room if that was why (staging through [`conn`](Self::conn) lists it
+    /// anyway).
+    #[cold]
+    #[inline(never)]
+    fn refused_alone(&mut self, conn: ConnId, refused: SendError) -> SendError {
+        self.touched = true;
+        self.conns.touch(conn.key().index);
+        refused
     }
 
     /// Counts a doorbell rung alone on `conn`; a refused one is left for

@@ -282,6 +282,26 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.debug_check_settled(key);
     }
 
+    /// At the end of a pass: tells the handlers of connections refused for
+    /// want of room whose room this pass's completions brought back
+    /// ([`Handler::on_writable`]). Returns whether a callback may have
+    /// staged work.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn tell_room(&mut self) -> bool {
+        let mut budget = self.conns.begin_room_walk();
+        let mut touched = false;
+        while let Some((session, id)) = self.conns.next_with_room(&mut budget) {
+            let Some(handler) = self.sessions.handler_mut(session) else {
+                continue;
+            };
+            let mut ctx = reactor_ctx!(self);
+            handler.on_writable(&mut ctx, id);
+            touched |= ctx.touched;
+        }
+        touched
+    }
+
     /// Whatever a delivery and its callbacks left connection `key`, the
     /// flush sees: it is due or listed, or has nothing for a flush.
     #[inline(always)]

@@ -17,14 +17,14 @@ use super::{ConnId, Ctx, DatagramId, DatagramSource, SessionId};
 /// peer has posted for this connection, and the reactor sends only what
 /// the peer has announced room for (its credits), so the peer never sees
 /// an RNR. Staging returns [`SendError::WouldBlock`](super::SendError::WouldBlock)
-/// when no credit or send-queue entry is left. Nothing is lost or queued
-/// then: keep the message and stage it again later, in order, from the
-/// next callback or from [`on_idle`](Self::on_idle), which runs whenever a
-/// pass finds nothing to do. Credits come back as the peer reposts the
-/// receives it consumed, with its next message or a credit update the
-/// reactor sends by itself, so a handler that retries from `on_idle` never
-/// stalls. A handler that keeps received messages ([`Ctx::hold`]) holds
-/// its own receives: the peer gets their credits back only once they are
+/// when no credit, send-queue entry or send slot is left. Nothing is lost
+/// or queued then: keep the message and stage it again, in order, from
+/// [`on_writable`](Self::on_writable), which the reactor calls once room
+/// is back. Credits come back as the peer reposts the receives it
+/// consumed, with its next message or a credit update the reactor sends
+/// by itself, so a handler that retries from `on_writable` never stalls.
+/// A handler that keeps received messages ([`Ctx::hold`]) holds its own
+/// receives: the peer gets their credits back only once they are
 /// released or forwarded. `examples/echo.rs` shows both rules.
 #[allow(unused_variables)]
 pub trait Handler {
@@ -34,6 +34,14 @@ pub trait Handler {
     fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {}
     /// A SEND arrived. `data` is valid only during the call.
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>);
+    /// A request staged on `conn` was refused with
+    /// [`SendError::WouldBlock`](super::SendError::WouldBlock), and a
+    /// completion since brought the room back: a SEND staged now is taken
+    /// (a credit, a send-queue entry and a send slot are free). Called once
+    /// per refusal, before the callback of the completion that brought the
+    /// room when it has one (a message), so a backlog goes out ahead of
+    /// the answer to it.
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {}
     /// A WRITE_WITH_IMM of `len` bytes landed in one of our exported regions.
     fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {}
     /// A SEND staged with sequence number `seq` completed locally, told by
@@ -170,6 +178,9 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
         (**self).on_message(ctx, conn, data, imm)
     }
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        (**self).on_writable(ctx, conn)
+    }
     fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
         (**self).on_write_imm(ctx, conn, imm, len)
     }
@@ -232,6 +243,9 @@ impl<H: Handler> Handler for std::rc::Rc<std::cell::RefCell<H>> {
     }
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
         self.borrow_mut().on_message(ctx, conn, data, imm)
+    }
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.borrow_mut().on_writable(ctx, conn)
     }
     fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
         self.borrow_mut().on_write_imm(ctx, conn, imm, len)

@@ -345,6 +345,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if self.datagrams.has_work(datagram_tidy) {
             self.flush_datagrams(datagram_tidy);
         }
+        // Handlers told that room is back (this pass's completions brought
+        // it) stage their backlog, which goes out now.
+        if self.conns.has_room_waits() && self.tell_room() {
+            self.flush(false, false);
+        }
         // Here rather than in `turn`, so a loop of the user's own that calls
         // `poll_once` gets them too.
         let mut late = false;

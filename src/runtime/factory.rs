@@ -138,6 +138,9 @@ impl<H: Handler> Handler for Seated<H> {
     fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
         self.handler.on_write_imm(ctx, conn, imm, len)
     }
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        self.handler.on_writable(ctx, conn)
+    }
     #[inline]
     fn on_send_complete(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, seq: u32) {
         self.handler.on_send_complete(ctx, conn, seq)

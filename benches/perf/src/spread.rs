@@ -123,6 +123,12 @@ impl Handler for Spread {
         ctx.stop();
     }
 
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, _: ConnId) {
+        if let Spread::Sender(sender) = self {
+            sender.pump(ctx);
+        }
+    }
+
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         if let Spread::Sender(sender) = self {
             sender.pump(ctx);

@@ -10,6 +10,7 @@
 mod credit;
 mod op;
 mod ring;
+mod room;
 mod send_queue;
 mod slots;
 mod state;
@@ -29,6 +30,7 @@ use credit::Credits;
 pub(crate) use op::{ForwardOrigin, OpKind};
 pub(crate) use ring::MAX_REPOST;
 use ring::RecvRing;
+use room::{Needs, RoomWait};
 use send_queue::SendQueue;
 pub(crate) use send_queue::{MIN_SQ_DEPTH, sq_room};
 pub(crate) use slots::{IMM_TRAILER_LEN, Ring, RingSlots, SharedRing, SlotSource, recv_request};
@@ -56,6 +58,9 @@ pub(crate) struct Conn {
     protocol_qpn: u64,
     /// Bytes of a slot, in both rings.
     slot_size: usize,
+    /// Whether requests were refused for want of room, and the handler
+    /// waits to be told it is back (`Handler::on_writable`).
+    room: RoomWait,
     // Declared before the parts, so it is destroyed before the rings'
     // registrations and those requests hold. Only this connection posts on
     // it (the reactor took it whole).
@@ -107,6 +112,7 @@ impl Conn {
             direct: false,
             protocol_qpn: u64::from(qp.qpn()),
             slot_size,
+            room: RoomWait::default(),
             qp,
             credits: Credits::new(recv_depth),
             rq,
@@ -238,9 +244,11 @@ impl Conn {
         self.slot_size - IMM_TRAILER_LEN
     }
 
-    /// Whether posting a request now would be refused, and why.
+    /// Whether posting a request now would be refused, and why. A refusal
+    /// for want of room is remembered: the handler is told once room is
+    /// back.
     #[inline]
-    fn admit(&self, consumes_recv: bool, needs_slot: bool) -> Result<(), SendError> {
+    fn admit(&mut self, consumes_recv: bool, needs_slot: bool) -> Result<(), SendError> {
         // One compare on the busy path, where the state is what it
         // almost always is.
         if self.state != ConnState::Established {
@@ -252,9 +260,41 @@ impl Conn {
             || (consumes_recv && self.credits.available() < 2)
             || (needs_slot && !self.sq.has_free_slot())
         {
-            return Err(SendError::WouldBlock);
+            return Err(self.refuse_for_room(Needs {
+                credit: consumes_recv,
+                slot: needs_slot,
+            }));
         }
         Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn refuse_for_room(&mut self, needs: Needs) -> SendError {
+        self.room.refused(needs);
+        SendError::WouldBlock
+    }
+
+    /// Whether the connection began waiting for room since the flush last
+    /// looked: the flush then lists it with the table, whose walk at the
+    /// end of each pass tells the handler once room is back.
+    #[inline(always)]
+    pub(crate) fn list_for_room(&mut self) -> bool {
+        self.room.list()
+    }
+
+    /// Whether a connection waiting for room has it back: every kind of
+    /// request refused since it began waiting would be taken now. It then
+    /// waits no more.
+    pub(crate) fn room_came_back(&mut self) -> bool {
+        let Some(needs) = self.room.needs() else {
+            return false;
+        };
+        let back = self.admit(needs.credit, needs.slot).is_ok();
+        if back {
+            self.room = RoomWait::default();
+        }
+        back
     }
 
     /// Stages a SEND whose payload `fill` writes into a free send slot of

@@ -47,6 +47,11 @@ struct Seen {
     forward_on_error: Option<(ConnId, Vec<HeldRecv>)>,
     /// Held messages released by the next `on_idle`.
     release_on_idle: Vec<HeldRecv>,
+    /// Each `on_writable`'s connection, and whether the SEND of
+    /// `send_when_writable` it made then (if any) was taken.
+    writable: Vec<(ConnId, bool)>,
+    /// What `on_writable` sends, if anything.
+    send_when_writable: Option<Vec<u8>>,
 }
 
 #[derive(Debug, Default)]
@@ -83,6 +88,14 @@ impl Handler for Probe {
         }
         drop(seen);
         now::when_told(ctx);
+    }
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        let mut seen = self.0.borrow_mut();
+        let taken = match &seen.send_when_writable {
+            Some(data) => ctx.send(conn, data, None).is_ok(),
+            None => false,
+        };
+        seen.writable.push((conn, taken));
     }
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
         for held in std::mem::take(&mut self.0.borrow_mut().release_on_idle) {
@@ -385,3 +398,4 @@ mod spin;
 mod srq;
 mod srq_shares;
 mod stale;
+mod writable;
