@@ -501,9 +501,15 @@ impl Handler for Sender {
     }
 
     /// The start, and room the shared in-flight cap gives back, come
-    /// with no callback of this session's own.
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    /// with no callback of this session's own: it looks while it has
+    /// messages to send.
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         self.pump(ctx);
+        if self.sent < self.quota {
+            Idle::Again
+        } else {
+            Idle::Done
+        }
     }
 }
 

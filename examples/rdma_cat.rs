@@ -288,8 +288,9 @@ impl Handler for Sender {
         self.status.broke(error);
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         self.pump(ctx);
+        Idle::Again
     }
 }
 
@@ -369,8 +370,9 @@ impl Handler for Receiver {
         self.status.broke(error);
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         self.try_ack(ctx);
+        Idle::Again
     }
 }
 
@@ -472,9 +474,10 @@ impl Handler for Relay {
             .get_or_insert_with(|| format!("{side}, after {} bytes: {error}", self.status.bytes));
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         self.drain(ctx);
         self.try_ack_upstream(ctx);
+        Idle::Again
     }
 }
 

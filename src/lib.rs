@@ -78,7 +78,7 @@ pub use error::{Error, Result};
 pub mod prelude {
     pub use crate::error::{Error, Result};
     pub use crate::reactor::{
-        ConnId, Ctx, DatagramId, DatagramSource, Ended, EventMode, Handler, HeldRecv, NoLink,
+        ConnId, Ctx, DatagramId, DatagramSource, Ended, EventMode, Handler, HeldRecv, Idle, NoLink,
         Reactor, ReactorConfig, SendError, SessionId, Stopper,
     };
     pub use crate::runtime::{NewSession, Runtime, RuntimeConfig};

@@ -76,10 +76,12 @@ impl Handler for Peer {
         self.errors += 1;
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        let Some(to) = self.to.as_ref() else { return };
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
+        let Some(to) = self.to.as_ref() else {
+            return Idle::Again;
+        };
         let Some(dgram) = DGRAM.with(|d| d.get()) else {
-            return;
+            return Idle::Again;
         };
         if self.rounds > 0 && !self.waiting && self.next < self.rounds {
             ctx.send_datagram(dgram, to, &self.next.to_le_bytes())
@@ -97,6 +99,7 @@ impl Handler for Peer {
                 Err(other) => panic!("a burst datagram: {other}"),
             }
         }
+        Idle::Again
     }
 }
 

@@ -680,10 +680,10 @@ impl Handler for Hoarder {
         }
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         self.idle += 1;
         if self.held.is_empty() || !self.idle.is_multiple_of(64) {
-            return;
+            return Idle::Again;
         }
         thread::sleep(Duration::from_millis(1));
         // Oldest first; sometimes only half, so the peer's credits come back
@@ -697,6 +697,7 @@ impl Handler for Hoarder {
         for held in self.held.drain(..count) {
             ctx.release(held).expect("a held receive of this reactor");
         }
+        Idle::Again
     }
 
     fn on_error(&mut self, _: &mut Ctx<'_>, conn: ConnId, error: &Error) {
@@ -749,8 +750,9 @@ impl Handler for Relay {
         self.outcome.errors.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         self.drain(ctx);
+        Idle::Again
     }
 }
 

@@ -261,8 +261,9 @@ impl Handler for Pinger {
         self.failure.get_or_insert_with(|| error.to_string());
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         self.pump(ctx);
+        Idle::Again
     }
 }
 

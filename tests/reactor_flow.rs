@@ -61,8 +61,9 @@ impl Handler for Relay {
         ctx.stop();
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         self.drain(ctx);
+        Idle::Again
     }
 }
 

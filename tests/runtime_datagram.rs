@@ -60,7 +60,7 @@ type AskOther = (RuntimeHandle, mpsc::Sender<String>);
 impl Handler for Subscriber {
     fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         if let Some((id, group)) = self.join.take() {
             ctx.join(id, group).expect("joined from a callback");
             self.joined.store(1, Ordering::Release);
@@ -70,6 +70,7 @@ impl Handler for Subscriber {
             // for one.
             let _ = told.send(tell(handle.add_datagram(plan(0, false))));
         }
+        Idle::Again
     }
 
     fn on_datagram(&mut self, _: &mut Ctx<'_>, _: DatagramId, _: &DatagramSource<'_>, data: &[u8]) {
@@ -177,12 +178,14 @@ struct Publisher {
 impl Handler for Publisher {
     fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        let Some(id) = self.id else { return };
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
+        let Some(id) = self.id else {
+            return Idle::Again;
+        };
         let taken = self.taken.load(Ordering::Relaxed);
         if taken >= DATAGRAMS {
             ctx.stop();
-            return;
+            return Idle::Again;
         }
         while self.sent < DATAGRAMS && self.sent < taken + AHEAD {
             if ctx
@@ -193,6 +196,7 @@ impl Handler for Publisher {
             }
             self.sent += 1;
         }
+        Idle::Again
     }
 }
 

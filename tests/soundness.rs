@@ -666,7 +666,7 @@ impl Handler for Holder {
         }
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         let mut stash = self.stash.lock().unwrap();
         if let Some(held) = stash.returned.take() {
             let intact = ctx
@@ -674,6 +674,7 @@ impl Handler for Holder {
                 .is_some_and(|bytes| bytes.len() == stream_len(0, self.max) && matches(bytes, 0));
             stash.on_a = Some((intact, format!("{:?}", ctx.release(held))));
         }
+        Idle::Again
     }
 }
 
@@ -690,11 +691,13 @@ impl Handler for Thief {
 
     fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         let mut stash = self.stash.lock().unwrap();
-        let Some(to) = self.to else { return };
+        let Some(to) = self.to else {
+            return Idle::Again;
+        };
         if stash.held.len() < 2 || stash.on_b.is_some() {
-            return;
+            return Idle::Again;
         }
         let second = stash.held.pop().unwrap();
         let first = stash.held.pop().unwrap();
@@ -708,6 +711,7 @@ impl Handler for Thief {
         };
         let release = format!("{:?}", ctx.release(second));
         stash.on_b = Some((bytes, forward, release, ctx.is_established(to)));
+        Idle::Again
     }
 }
 

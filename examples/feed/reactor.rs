@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use rdma_comm_core::reactor::{
-    ConnId, Ctx, DatagramId, DatagramSource, Handler, Reactor, ReactorConfig, SendError,
+    ConnId, Ctx, DatagramId, DatagramSource, Handler, Idle, Reactor, ReactorConfig, SendError,
 };
 use rdma_comm_core::verbs::*;
 
@@ -86,15 +86,15 @@ impl Handler for FeedHandler {
         ctx.stop();
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         let Self::Publisher(publisher) = self else {
-            return;
+            return Idle::Done;
         };
         let (dgram, to) = (publisher.dgram, &publisher.to);
         let started = *publisher.started.get_or_insert_with(Instant::now);
         while !publisher.is_done() {
             if Instant::now() < publisher.due(started) {
-                return;
+                return Idle::Again;
             }
             let (count, datagram) = (publisher.count, &mut publisher.datagram);
             if publisher.seq < count {
@@ -110,12 +110,12 @@ impl Handler for FeedHandler {
             match ctx.send_datagram(dgram, to, datagram) {
                 Ok(()) => publisher.seq += 1,
                 // The queue is full: the next pass tries again.
-                Err(SendError::WouldBlock) => return,
+                Err(SendError::WouldBlock) => return Idle::Again,
                 Err(err) => {
                     eprintln!("feed: a datagram was refused: {err}");
                     publisher.stopped = true;
                     ctx.stop();
-                    return;
+                    return Idle::Done;
                 }
             }
         }
@@ -124,6 +124,7 @@ impl Handler for FeedHandler {
             publisher.stopped = true;
             ctx.stop();
         }
+        Idle::Done
     }
 }
 

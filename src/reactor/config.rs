@@ -284,8 +284,10 @@ impl fmt::Debug for SessionId {
 /// Why a request was not staged.
 #[derive(Debug, thiserror::Error)]
 pub enum SendError {
-    /// No credit, send-queue entry or send slot right now: retry after a
-    /// completion or on the next `on_idle`.
+    /// No credit, send-queue entry or send slot right now: retry from
+    /// [`Handler::on_writable`](super::Handler::on_writable), which the
+    /// reactor calls once room is back (on a datagram endpoint, whose send
+    /// queue is full: after a completion or from `on_idle`).
     #[error("would block: the peer has no receive posted or the send queue is full")]
     WouldBlock,
     /// The payload exceeds the slot size.

@@ -130,11 +130,30 @@ pub trait Handler {
     /// A completion of endpoint `dgram` failed, or the device refused a
     /// post: the endpoint receives and sends no more.
     fn on_datagram_error(&mut self, ctx: &mut Ctx<'_>, dgram: DatagramId, error: &Error) {}
-    /// A pass found no completions (busy poll) or a wait timed out. A
-    /// reactor of direct connections only lends its CQs here: the
-    /// handler of a direct connection may spin on them
+    /// A pass found no completions (busy poll) or a wait timed out, and
+    /// this handler's last `on_idle` returned [`Idle::Again`] (or it has
+    /// not been called yet): what it returns now says whether it is
+    /// called on such passes again. The default returns [`Idle::Done`],
+    /// so a handler that does not implement it costs an empty pass
+    /// nothing. A reactor of direct connections only lends its CQs here:
+    /// the handler of a direct connection may spin on them
     /// ([`Ctx::spin`]).
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {}
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
+        Idle::Done
+    }
+}
+
+/// What a handler's [`on_idle`](Handler::on_idle) asks of the passes that
+/// find nothing after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Idle {
+    /// Call `on_idle` again on the next pass that finds nothing: for work
+    /// that no completion brings (pacing by the clock, draining a channel
+    /// fed by another thread, spinning on a direct connection).
+    Again,
+    /// Do not call this session's (or datagram endpoint's) `on_idle`
+    /// again.
+    Done,
 }
 
 /// Calls `each` with the sequence numbers `first`, `first + 1`, …
@@ -214,7 +233,7 @@ impl<H: Handler + ?Sized> Handler for Box<H> {
     ) {
         (**self).on_direct_completion(ctx, conn, id, completion)
     }
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         (**self).on_idle(ctx)
     }
     fn on_datagram(
@@ -282,7 +301,7 @@ impl<H: Handler> Handler for std::rc::Rc<std::cell::RefCell<H>> {
         self.borrow_mut()
             .on_direct_completion(ctx, conn, id, completion)
     }
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         self.borrow_mut().on_idle(ctx)
     }
     fn on_datagram(

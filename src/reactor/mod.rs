@@ -96,6 +96,7 @@ mod failure;
 mod flush;
 mod handler;
 mod idle;
+mod idle_list;
 mod pass;
 mod pass_timer;
 mod peer_watch;
@@ -125,7 +126,7 @@ use crate::verbs::ProtectionDomain;
 use completions::Completions;
 use conn::{Conn, IMM_TRAILER_LEN};
 use ctx::{Deferred, ReactorId};
-use datagram::DatagramTable;
+use datagram::{DatagramHandlers, DatagramTable};
 use idle::IdlePolicy;
 use sessions::Sessions;
 use srq_pool::SrqPool;
@@ -142,7 +143,7 @@ pub use counters::{ConnStats, Counters, MemoryUse};
 pub use ctx::{Ctx, HeldRecv};
 pub use datagram::{DatagramId, DatagramSource};
 pub use direct::DirectQp;
-pub use handler::Handler;
+pub use handler::{Handler, Idle};
 pub use pass_timer::PassTimer;
 pub use placement::{CorePreference, Placement, pin_current_thread, usable_cores};
 pub use source::{NoLink, PeerLink, QpSource};
@@ -191,7 +192,7 @@ pub struct Reactor<H: Handler, L: PeerLink = SessionLink> {
     peer_timer: Option<PassTimer>,
     /// The datagram endpoints, and their handlers (by endpoint index).
     datagrams: DatagramTable,
-    datagram_handlers: Vec<Option<H>>,
+    datagram_handlers: DatagramHandlers<H>,
     /// Running totals ([`Reactor::counters`]).
     counters: Counters,
     /// Sessions whose link fd woke the last wait (reused: no allocation).
@@ -271,7 +272,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             },
             peer_timer,
             datagrams: DatagramTable::new(id.0),
-            datagram_handlers: Vec::new(),
+            datagram_handlers: DatagramHandlers::default(),
             counters: Counters::default(),
             fired: Vec::with_capacity(wait::MAX_EVENTS),
             recheck_at: None,

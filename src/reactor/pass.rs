@@ -11,7 +11,7 @@ use crate::error::Result;
 
 use super::completions::{POLL_BATCH, SpinsSettled};
 use super::srq_pool::SrqPool;
-use super::{EventMode, Handler, PeerLink, Reactor};
+use super::{EventMode, Handler, Idle, PeerLink, Reactor};
 
 /// Longest sleep while SRQ receives wait to be posted again after a
 /// refused post.
@@ -251,31 +251,39 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             || !self.deferred.removals.is_empty()
     }
 
-    /// A pass found nothing: every handler's `on_idle`. Returns whether a
-    /// callback may have staged work. A lean pass (no connection of the
-    /// reactor's own protocol, whose tails and reposts count idle passes)
-    /// lends each handler the CQs for a spin on its own connections.
+    /// A pass found nothing: `on_idle` of the handlers that asked for it
+    /// ([`Idle::Again`], and newcomers), the others costing nothing.
+    /// Returns whether a callback may have staged work. A lean pass (no
+    /// connection of the reactor's own protocol, whose tails and reposts
+    /// count idle passes) lends each handler the CQs for a spin on its own
+    /// connections.
     #[inline(always)]
     fn empty_pass<const LEAN: bool>(&mut self) -> bool {
         self.counters.empty_passes += 1;
         self.idle.found_none();
         let mut ctx = reactor_ctx!(self);
-        if !LEAN {
-            for (_, session) in self.sessions.iter_mut() {
-                session.handler_mut().on_idle(&mut ctx);
-            }
-            for handler in self.datagram_handlers.iter_mut().flatten() {
-                handler.on_idle(&mut ctx);
-            }
-            return ctx.touched;
+        if LEAN {
+            self.completions.begin_loans();
+            ctx.loan = Some(&mut self.completions);
         }
-        self.completions.begin_loans();
-        ctx.loan = Some(&mut self.completions);
-        for (id, session) in self.sessions.iter_mut() {
+        let mut at = 0;
+        while let Some((id, handler)) = self.sessions.idle_at(at) {
             if let Some(loan) = ctx.loan.as_deref_mut() {
                 loan.lend_to(id);
             }
-            session.handler_mut().on_idle(&mut ctx);
+            match handler.on_idle(&mut ctx) {
+                Idle::Again => at += 1,
+                Idle::Done => self.sessions.idle_done(at),
+            }
+        }
+        if !LEAN {
+            let mut at = 0;
+            while let Some(handler) = self.datagram_handlers.idle_at(at) {
+                match handler.on_idle(&mut ctx) {
+                    Idle::Again => at += 1,
+                    Idle::Done => self.datagram_handlers.idle_done(at),
+                }
+            }
         }
         ctx.touched
     }

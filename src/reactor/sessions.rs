@@ -6,6 +6,7 @@ use std::collections::TryReserveError;
 
 use super::ConnId;
 use super::config::SessionId;
+use super::idle_list::IdleList;
 use super::slab::Slab;
 
 /// One session: its handler, its link to the peer and its connections.
@@ -66,6 +67,9 @@ impl<H, L> Session<H, L> {
 /// The sessions of one reactor.
 pub(crate) struct Sessions<H, L> {
     slab: Slab<Session<H, L>>,
+    /// The sessions whose handlers' `on_idle` runs on the next pass that
+    /// finds nothing, by slab index (a removal takes its index off).
+    idle: IdleList<u32>,
 }
 
 impl<H, L> Sessions<H, L> {
@@ -73,7 +77,10 @@ impl<H, L> Sessions<H, L> {
     /// ids name `owner` (a reactor's unique id).
     pub(crate) fn new(limit: usize, owner: u64, reserve: usize) -> Result<Self, TryReserveError> {
         let slab = Slab::new(limit, owner).reserving(reserve)?;
-        Ok(Self { slab })
+        Ok(Self {
+            slab,
+            idle: IdleList::with_capacity(reserve)?,
+        })
     }
 
     /// The id the next [`insert`](Self::insert) gives, or `None` when full.
@@ -96,12 +103,15 @@ impl<H, L> Sessions<H, L> {
             cq_charges,
             gone: false,
         };
-        self.slab.insert(session).map(SessionId)
+        let id = self.slab.insert(session).map(SessionId)?;
+        self.idle.join(id.0.index);
+        Some(id)
     }
 
     /// Takes session `id` out; its id is never given again.
     pub(crate) fn remove(&mut self, id: SessionId) -> Option<Removed<H, L>> {
         let session = self.slab.remove(id.0)?;
+        self.idle.leave(id.0.index);
         Some(Removed {
             handler: session.handler,
             link: session.link,
@@ -159,6 +169,31 @@ impl<H, L> Sessions<H, L> {
         self.slab
             .iter_mut()
             .map(|(key, session)| (SessionId(key), session))
+    }
+
+    /// The session at place `at` of the idle list, with its handler: a
+    /// walk asks from 0 up, and after [`idle_done`](Self::idle_done) asks
+    /// the same place again.
+    #[inline]
+    pub(crate) fn idle_at(&mut self, at: usize) -> Option<(SessionId, &mut H)> {
+        let index = self.idle.get(at)?;
+        // A listed index holds a live session: a removal takes its index
+        // off the list before the entry can take a newcomer.
+        let session = self.slab.get_by_index_quiet(index);
+        debug_assert!(session.is_some(), "a listed session is live");
+        session.map(|(key, session)| (SessionId(key), &mut session.handler))
+    }
+
+    /// The session at place `at` of the idle list asked not to be called
+    /// again ([`Idle::Done`](super::Idle::Done)).
+    pub(crate) fn idle_done(&mut self, at: usize) {
+        self.idle.drop_at(at);
+    }
+
+    /// Sessions whose handlers' `on_idle` runs on the next empty pass.
+    #[cfg(test)]
+    pub(crate) fn idle_len(&self) -> usize {
+        self.idle.len()
     }
 
     /// See [`Slab::age_vacant`].

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 
 use crate::error::{Error, Result};
-use crate::reactor::{ConnId, Ctx, DatagramId, DatagramSource, Handler, SessionId};
+use crate::reactor::{ConnId, Ctx, DatagramId, DatagramSource, Handler, Idle, SessionId};
 use crate::session::{Endpoint, PeerHello, PeerStatus};
 use crate::verbs::{UdQueuePair, WorkCompletion};
 
@@ -195,7 +195,7 @@ impl<H: Handler> Handler for Seated<H> {
         self.handler.on_datagram_error(ctx, dgram, error)
     }
     #[inline]
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         self.handler.on_idle(ctx)
     }
 }

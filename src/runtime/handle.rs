@@ -177,7 +177,8 @@ impl RuntimeHandle {
         self.stop_listeners();
     }
 
-    /// Wakes every reactor for a pass, so its handlers' `on_idle` runs: for
+    /// Wakes every reactor for a pass, so the `on_idle` of its handlers
+    /// that asked for it ([`Idle::Again`](crate::reactor::Idle::Again)) runs: for
     /// state shared across reactors (a handler on one reactor that must act
     /// on what a handler on another one posted). Costs one eventfd write
     /// per reactor, sleeping or not (a busy one runs an extra pass). Meant

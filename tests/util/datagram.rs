@@ -79,9 +79,9 @@ impl Handler for Pinger {
         self.outcome.errors.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         if self.outcome.done.load(Ordering::Relaxed) >= self.outcome.limit.load(Ordering::Relaxed) {
-            return;
+            return Idle::Again;
         }
         if !self.waiting {
             self.ping(ctx);
@@ -92,6 +92,7 @@ impl Handler for Pinger {
                 self.ping(ctx);
             }
         }
+        Idle::Again
     }
 }
 
@@ -151,9 +152,10 @@ impl Handler for DatagramPeer {
         }
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        if let Self::Pinger(pinger) = self {
-            pinger.on_idle(ctx);
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
+        match self {
+            Self::Pinger(pinger) => pinger.on_idle(ctx),
+            Self::Echo(_) => Idle::Done,
         }
     }
 }

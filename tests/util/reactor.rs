@@ -147,7 +147,7 @@ impl Handler for Pinger {
         ctx.stop();
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         // Resume after a WouldBlock, or after the limit was raised.
         let resumed = self.outcome.finished.load(Ordering::Acquire)
             && self.seq < self.outcome.limit.load(Ordering::Relaxed);
@@ -159,6 +159,7 @@ impl Handler for Pinger {
         {
             self.ping(ctx, conn);
         }
+        Idle::Again
     }
 }
 
@@ -294,8 +295,9 @@ impl Handler for Streamer {
         ctx.stop();
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         self.pump(ctx);
+        Idle::Again
     }
 }
 

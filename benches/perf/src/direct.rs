@@ -14,7 +14,7 @@
 //! [`Reactor::add_direct`]: rdma_comm_core::reactor::Reactor::add_direct
 
 use rdma_comm_core::error::Error;
-use rdma_comm_core::reactor::{ConnId, Ctx, DirectQp, Handler, SendError, Spin, Spun};
+use rdma_comm_core::reactor::{ConnId, Ctx, DirectQp, Handler, Idle, SendError, Spin, Spun};
 use rdma_comm_core::verbs::{
     Kept, RecvRequest, SendBatch, SendFlags, WcOpcode, WorkCompletion, WorkRequest,
 };
@@ -683,7 +683,16 @@ impl Handler for DirectClient {
     }
 
     #[inline]
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
+        self.when_idle(ctx);
+        Idle::Again
+    }
+}
+
+impl DirectClient {
+    /// What a pass that finds nothing does for this role.
+    #[inline]
+    fn when_idle(&mut self, ctx: &mut Ctx<'_>) {
         if self.spin {
             return self.spin_idle(ctx);
         }
@@ -854,7 +863,16 @@ impl Handler for DirectServer {
     }
 
     #[inline]
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
+        self.when_idle(ctx);
+        Idle::Again
+    }
+}
+
+impl DirectServer {
+    /// What a pass that finds nothing does for this role.
+    #[inline]
+    fn when_idle(&mut self, ctx: &mut Ctx<'_>) {
         if self.spin {
             return self.spin_idle(ctx);
         }

@@ -3,7 +3,7 @@
 use std::fmt;
 
 use rdma_comm_core::error::Error;
-use rdma_comm_core::reactor::{ConnId, Ctx, DatagramId, DatagramSource, Handler, SessionId};
+use rdma_comm_core::reactor::{ConnId, Ctx, DatagramId, DatagramSource, Handler, Idle, SessionId};
 use rdma_comm_core::session::PeerStatus;
 
 use rdma_comm_core::verbs::WorkCompletion;
@@ -108,7 +108,7 @@ impl Handler for PerfHandler {
     ) {
         each_role!(self, h => h.on_direct_completion(ctx, conn, id, completion))
     }
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         each_role!(self, h => h.on_idle(ctx))
     }
     fn on_datagram(

@@ -2,7 +2,7 @@
 //! reflector that answers them.
 
 use rdma_comm_core::error::Error;
-use rdma_comm_core::reactor::{ConnId, Ctx, Handler, SendError};
+use rdma_comm_core::reactor::{ConnId, Ctx, Handler, Idle, SendError};
 use rdma_comm_core::verbs::{MemoryRegion, RemoteSlice};
 
 use crate::run_end::RunEnd;
@@ -214,7 +214,15 @@ impl Handler for LatencyClient {
         self.end.completed(ctx, seq);
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
+        self.when_idle(ctx);
+        Idle::Again
+    }
+}
+
+impl LatencyClient {
+    /// What a pass that finds nothing does for this role.
+    fn when_idle(&mut self, ctx: &mut Ctx<'_>) {
         // The common case first: a ping is out and its answer comes as a
         // completion; nothing to do until then.
         if self.in_flight && self.spec.op != PerfOp::Write {
@@ -342,7 +350,15 @@ impl Handler for Reflector {
         ctx.stop();
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
+        self.when_idle(ctx);
+        Idle::Again
+    }
+}
+
+impl Reflector {
+    /// What a pass that finds nothing does for this role.
+    fn when_idle(&mut self, ctx: &mut Ctx<'_>) {
         // WRITE ping-pong: the client's WRITE changed the last byte of our
         // landing half; write that half straight back.
         if self.spec.op != PerfOp::Write {

@@ -2,7 +2,7 @@
 //! absorbs it.
 
 use rdma_comm_core::error::Error;
-use rdma_comm_core::reactor::{ConnId, Ctx, Handler, SendError};
+use rdma_comm_core::reactor::{ConnId, Ctx, Handler, Idle, SendError};
 
 use crate::run_end::RunEnd;
 use crate::{BandwidthStats, Clock, DONE_MARKER, PerfBuffers, PerfOp, PerfSpec};
@@ -262,7 +262,15 @@ impl Handler for RateSender {
         ctx.stop();
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
+        self.when_idle(ctx);
+        Idle::Again
+    }
+}
+
+impl RateSender {
+    /// What a pass that finds nothing does for this role.
+    fn when_idle(&mut self, ctx: &mut Ctx<'_>) {
         if self.end.begun() {
             self.end.retry(ctx, self.conn);
         } else {

@@ -16,7 +16,9 @@ use std::cell::Cell;
 use std::rc::Rc;
 
 use rdma_comm_core::Result;
-use rdma_comm_core::reactor::{ConnId, Ctx, Handler, NoLink, Reactor, ReactorConfig, SendError};
+use rdma_comm_core::reactor::{
+    ConnId, Ctx, Handler, Idle, NoLink, Reactor, ReactorConfig, SendError,
+};
 use rdma_comm_core::verbs::{AccessFlags, ProtectionDomain};
 
 /// Bytes per SEND.
@@ -129,9 +131,17 @@ impl Handler for Spread {
         }
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
-        if let Spread::Sender(sender) = self {
-            sender.pump(ctx);
+    /// The shared in-flight cap gives room back with no callback of this
+    /// sender's own: it looks again while it has messages to send.
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
+        let Spread::Sender(sender) = self else {
+            return Idle::Done;
+        };
+        sender.pump(ctx);
+        if sender.sent < sender.quota {
+            Idle::Again
+        } else {
+            Idle::Done
         }
     }
 }

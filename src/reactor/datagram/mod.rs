@@ -14,6 +14,7 @@
 //! Nothing here allocates after the endpoint is added.
 
 mod endpoint;
+mod handlers;
 mod reactor;
 mod receives;
 mod sends;
@@ -26,6 +27,7 @@ use crate::verbs::{GRH_BYTES, Gid, UdDestination, datagram_sender};
 use super::SendError;
 use super::table::wr_id::MAX_ENDPOINTS;
 pub(crate) use endpoint::{Arrived, DatagramEndpoint, Flushed, PostCount};
+pub(crate) use handlers::DatagramHandlers;
 
 /// A datagram endpoint of one reactor
 /// ([`Reactor::add_datagram`](super::Reactor::add_datagram)). Ids are

@@ -18,7 +18,8 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// [`UdQueuePair::group_destination`], [`UdQueuePair::destination`]).
     /// Its datagrams go to [`Handler::on_datagram`]; the handler sends with
     /// [`Ctx::send_datagram`](crate::reactor::Ctx::send_datagram) and runs
-    /// [`Handler::on_idle`] with the others. Each receive and send slot is
+    /// [`Handler::on_idle`] with the others (while it returns
+    /// [`Idle::Again`](crate::reactor::Idle::Again)). Each receive and send slot is
     /// the port's MTU (plus the 40-byte GRH for a receive), registered
     /// once. A reactor holds at most 64 endpoints at once; a
     /// [removed](Self::remove_datagram) one's place is free again once the
@@ -33,11 +34,12 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// struct Publisher { feed: DatagramId, to: UdDestination, next: u64 }
     /// impl Handler for Publisher {
     ///     fn on_message(&mut self, _: &mut Ctx<'_>, _: ConnId, _: &[u8], _: Option<u32>) {}
-    ///     fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    ///     fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
     ///         // WouldBlock: the send queue is full; the next pass tries again.
     ///         if ctx.send_datagram(self.feed, &self.to, &self.next.to_le_bytes()).is_ok() {
     ///             self.next += 1;
     ///         }
+    ///         Idle::Again
     ///     }
     /// }
     /// # fn demo(reactor: &mut Reactor<Publisher>) -> rdma_comm_core::Result<()> {
@@ -67,10 +69,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let endpoint = DatagramEndpoint::new(&self.pd, &cq, id_index(id) as u32, config)?;
         let handler = make(id, endpoint.qp())?;
         self.completions.charge(&[charge]);
-        match self.datagram_handlers.get_mut(id_index(id)) {
-            Some(free) => *free = Some(handler),
-            None => self.datagram_handlers.push(Some(handler)),
-        }
+        self.datagram_handlers.insert(id_index(id), handler);
         // Its completions and doorbells are the full pass's.
         self.full_pass_parts += 1;
         self.datagrams.push(id, endpoint, charge);
@@ -121,7 +120,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.completions.discharge(&[charge], self.counters.passes);
         self.full_pass_parts -= 1;
         log::info!("datagram endpoint {id:?} removed");
-        self.datagram_handlers.get_mut(id_index(id))?.take()
+        self.datagram_handlers.take(id_index(id))
     }
 
     /// Drops the reactor (its endpoints' QPs destroyed with it) and hands
@@ -130,6 +129,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     pub(crate) fn into_datagram_handlers(mut self) -> Vec<(DatagramId, H)> {
         let handlers = std::mem::take(&mut self.datagram_handlers);
         let owned: Vec<(DatagramId, H)> = handlers
+            .into_places()
             .into_iter()
             .enumerate()
             .filter_map(|(index, handler)| Some((self.datagrams.id(index as u32), handler?)))
@@ -141,13 +141,13 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// The handler of endpoint `id`.
     pub fn datagram_handler(&self, id: DatagramId) -> Option<&H> {
         self.datagrams.get(id)?;
-        self.datagram_handlers.get(id_index(id))?.as_ref()
+        self.datagram_handlers.get(id_index(id))
     }
 
     /// The handler of endpoint `id`, mutably.
     pub fn datagram_handler_mut(&mut self, id: DatagramId) -> Option<&mut H> {
         self.datagrams.get(id)?;
-        self.datagram_handlers.get_mut(id_index(id))?.as_mut()
+        self.datagram_handlers.get_mut(id_index(id))
     }
 
     /// Completion `at`, whose `wr_id` names endpoint `index` as `kind`:
@@ -182,7 +182,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     )
                 };
                 let source = DatagramSource::new(wc.src_qp(), wc.has_grh().then_some(grh));
-                if let Some(Some(handler)) = self.datagram_handlers.get_mut(index as usize) {
+                if let Some(handler) = self.datagram_handlers.get_mut(index as usize) {
                     let mut ctx = reactor_ctx!(self);
                     handler.on_datagram(&mut ctx, id, &source, data);
                     if ctx.touched {
@@ -205,7 +205,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     #[cold]
     fn datagram_failed(&mut self, id: DatagramId, error: Error) {
         log::warn!("datagram endpoint {id:?} failed: {error}");
-        if let Some(Some(handler)) = self.datagram_handlers.get_mut(id_index(id)) {
+        if let Some(handler) = self.datagram_handlers.get_mut(id_index(id)) {
             let mut ctx = reactor_ctx!(self);
             handler.on_datagram_error(&mut ctx, id, &error);
         }

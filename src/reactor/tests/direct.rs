@@ -13,7 +13,7 @@ use crate::verbs::{
     WorkCompletion, WorkRequest,
 };
 
-use super::super::{ConnId, Ctx, Handler, Reactor, ReactorConfig, SendError, SessionId};
+use super::super::{ConnId, Ctx, Handler, Idle, Reactor, ReactorConfig, SendError, SessionId};
 use super::{MAX_PASSES, connected_qps};
 
 /// What a direct handler saw: (id, opcode, bytes) of each completion, and
@@ -58,7 +58,7 @@ impl Handler for Direct {
         let entry = (id, completion.opcode(), completion.byte_len());
         self.0.borrow_mut().completions.push(entry);
     }
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         if let Some(session) = self.0.borrow_mut().remove_when_idle.take() {
             ctx.remove_session(session);
         }
@@ -69,6 +69,7 @@ impl Handler for Direct {
         {
             self.0.borrow_mut().idle_plan = Some(plan);
         }
+        Idle::Again
     }
     fn on_error(&mut self, _: &mut Ctx<'_>, _: ConnId, error: &Error) {
         self.0.borrow_mut().errors.push(error.to_string());

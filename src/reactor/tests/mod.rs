@@ -14,7 +14,7 @@ use crate::verbs::{
     reuse_qpn_next,
 };
 
-use super::{ConnId, Ctx, Handler, HeldRecv, Reactor, ReactorConfig, SessionId};
+use super::{ConnId, Ctx, Handler, HeldRecv, Idle, Reactor, ReactorConfig, SessionId};
 
 /// Passes a test waits for something before failing.
 const MAX_PASSES: usize = 100_000;
@@ -52,6 +52,11 @@ struct Seen {
     writable: Vec<(ConnId, bool)>,
     /// What `on_writable` sends, if anything.
     send_when_writable: Option<Vec<u8>>,
+    /// `on_idle` calls.
+    idle_calls: u32,
+    /// What `on_idle` returns once it has been called this often
+    /// (before: `Idle::Again`).
+    idle_done_after: Option<u32>,
 }
 
 #[derive(Debug, Default)]
@@ -97,11 +102,17 @@ impl Handler for Probe {
         };
         seen.writable.push((conn, taken));
     }
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         for held in std::mem::take(&mut self.0.borrow_mut().release_on_idle) {
             if let Err((err, _)) = ctx.release(held) {
                 panic!("releasing: {err}");
             }
+        }
+        let mut seen = self.0.borrow_mut();
+        seen.idle_calls += 1;
+        match seen.idle_done_after {
+            Some(calls) if seen.idle_calls >= calls => Idle::Done,
+            _ => Idle::Again,
         }
     }
 }
@@ -388,6 +399,7 @@ impl RawPeer {
 mod cq_room;
 mod direct;
 mod due;
+mod idle;
 mod ids;
 mod now;
 mod qpn_reuse;

@@ -497,11 +497,12 @@ impl Handler for PeerHandler {
         self.fail(format!("connection to rank {rank}: {error}"));
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) {
+    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
         if self.heed_abort(ctx) {
-            return;
+            return Idle::Again;
         }
         self.catch_up(ctx);
         self.report(ctx);
+        Idle::Again
     }
 }
