@@ -9,7 +9,7 @@ use super::admin::return_forwarded;
 use crate::verbs::WcOpcode;
 
 use super::conn::{Arrival, OpKind};
-use super::slab::Key;
+use super::slab::{Key, ROOM};
 use super::table::{Completed, Entry, Refusal, wr_id};
 use super::{ConnId, Ctx, Handler, PeerLink, Reactor, SessionId};
 
@@ -111,6 +111,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     Completed::Send { seq } => {
                         let count = conn.sq().retire_count(seq);
                         if count != 0 {
+                            // A handler waiting for room may have it now:
+                            // the flush looks.
+                            if conn.waits_for_room() {
+                                self.conns.settle(key.index);
+                            }
                             self.deliver_retired(key, session, id, count);
                         }
                     }
@@ -282,16 +287,27 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         self.debug_check_settled(key);
     }
 
-    /// At the end of a pass: tells the handlers of connections refused for
-    /// want of room whose room this pass's completions brought back
-    /// ([`Handler::on_writable`]). Returns whether a callback may have
-    /// staged work.
+    /// After the pass's flush: tells the handlers of connections refused
+    /// for want of room that the flush found with room back
+    /// ([`Handler::on_writable`]), unless something staged since took it
+    /// again. Returns whether a callback may have staged work.
     #[cold]
     #[inline(never)]
     pub(super) fn tell_room(&mut self) -> bool {
-        let mut budget = self.conns.begin_room_walk();
+        let listed = self.conns.begin_walk(ROOM);
         let mut touched = false;
-        while let Some((session, id)) = self.conns.next_with_room(&mut budget) {
+        for at in 0..listed {
+            let Some(index) = self.conns.unlist_at(ROOM, at) else {
+                break;
+            };
+            let Some((_, conn)) = self.conns.get_by_index_quiet(index) else {
+                continue;
+            };
+            if conn.state().is_closed() || !conn.has_room_back() {
+                continue;
+            }
+            conn.end_room_wait();
+            let (session, id) = (conn.session(), conn.id());
             let Some(handler) = self.sessions.handler_mut(session) else {
                 continue;
             };
@@ -299,6 +315,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
             handler.on_writable(&mut ctx, id);
             touched |= ctx.touched;
         }
+        self.conns.end_walk(ROOM);
         touched
     }
 

@@ -142,10 +142,11 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         }
         // Still open: a successful flush closes nothing.
         let (unsettled, reposts, tail) = conn.open_leftovers();
-        // A request refused for want of room touched the connection, so
-        // the flush that follows the refusal comes here and lists it.
-        if conn.list_for_room() {
-            self.conns.list_room_wait(key);
+        // A handler refused for want of room is told once it is back: the
+        // completions that bring it (credits, retired requests) list the
+        // connection for this flush.
+        if conn.waits_for_room() && conn.has_room_back() {
+            self.conns.list_room(index);
         }
         self.note_left(index, left, unsettled, reposts, tail);
     }

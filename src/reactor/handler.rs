@@ -34,13 +34,18 @@ pub trait Handler {
     fn on_established(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {}
     /// A SEND arrived. `data` is valid only during the call.
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>);
-    /// A request staged on `conn` was refused with
-    /// [`SendError::WouldBlock`](super::SendError::WouldBlock), and a
-    /// completion since brought the room back: a SEND staged now is taken
-    /// (a credit, a send-queue entry and a send slot are free). Called once
-    /// per refusal, before the callback of the completion that brought the
-    /// room when it has one (a message), so a backlog goes out ahead of
-    /// the answer to it.
+    /// Requests staged on `conn` were refused with
+    /// [`SendError::WouldBlock`](super::SendError::WouldBlock) (while it
+    /// was full, or still connecting), and completions since brought room
+    /// back for every kind refused: a request of those kinds staged now is
+    /// taken. Called once after any number of refusals, at the end of the
+    /// pass whose completions brought the room (after that pass's other
+    /// callbacks: a handler that answers in `on_message` while it has a
+    /// backlog queues the answer behind it); a refusal after the call
+    /// waits anew. Not called for a connection that failed. Called on the
+    /// handler of the session `conn` belongs to: a relay that stages on
+    /// another session's connection shares one handler between the two
+    /// (`Rc<RefCell<H>>`, below).
     fn on_writable(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {}
     /// A WRITE_WITH_IMM of `len` bytes landed in one of our exported regions.
     fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {}
@@ -133,9 +138,9 @@ pub trait Handler {
     /// A pass found no completions (busy poll) or a wait timed out, and
     /// this handler's last `on_idle` returned [`Idle::Again`] (or it has
     /// not been called yet): what it returns now says whether it is
-    /// called on such passes again. The default returns [`Idle::Done`],
-    /// so a handler that does not implement it costs an empty pass
-    /// nothing. A reactor of direct connections only lends its CQs here:
+    /// called on such passes again. Not a timer: under steady traffic no
+    /// pass is empty. The default returns [`Idle::Done`], so a handler
+    /// that does not implement it costs an empty pass nothing. A reactor of direct connections only lends its CQs here:
     /// the handler of a direct connection may spin on them
     /// ([`Ctx::spin`]).
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
@@ -152,7 +157,9 @@ pub enum Idle {
     /// fed by another thread, spinning on a direct connection).
     Again,
     /// Do not call this session's (or datagram endpoint's) `on_idle`
-    /// again.
+    /// again, ever: a handler that may have work no completion brings
+    /// later (from a [`Waker`](super::Waker), or the runtime's
+    /// `RuntimeHandle::wake_all`) returns `Again`.
     Done,
 }
 

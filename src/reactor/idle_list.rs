@@ -26,13 +26,15 @@ impl<K: Copy + PartialEq> IdleList<K> {
         Ok(Self { keys })
     }
 
-    /// Lists `key` (a newcomer: its handler's `on_idle` runs at least once).
-    pub(super) fn join(&mut self, key: K) {
+    /// Lists `key` (a newcomer: its handler's `on_idle` runs at least
+    /// once); returns its place.
+    pub(super) fn join(&mut self, key: K) -> usize {
         self.keys.push(key);
+        self.keys.len() - 1
     }
 
-    /// Takes `key` off the list, wherever it is (when its session or
-    /// endpoint goes).
+    /// Takes `key` off the list, wherever it is (when its endpoint goes):
+    /// a search, for short lists.
     pub(super) fn leave(&mut self, key: K) {
         if let Some(at) = self.keys.iter().position(|&listed| listed == key) {
             self.keys.swap_remove(at);
@@ -46,14 +48,15 @@ impl<K: Copy + PartialEq> IdleList<K> {
         self.keys.get(at).copied()
     }
 
-    /// Takes the key at `at` off the list: its handler asked not to be
-    /// called again. The last key takes its place.
-    pub(super) fn drop_at(&mut self, at: usize) {
+    /// Takes the key at `at` off the list (its handler asked not to be
+    /// called again, or it is gone). The last key takes its place, and is
+    /// returned, for an owner that keeps each key's place.
+    pub(super) fn drop_at(&mut self, at: usize) -> Option<K> {
         self.keys.swap_remove(at);
+        self.keys.get(at).copied()
     }
 
     /// Keys listed.
-    #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.keys.len()
     }

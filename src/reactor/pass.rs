@@ -72,11 +72,15 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
     /// waits: one asked for after a pass's last removals (by a handler
     /// told of a connection that pass's late flush failed) is the next
     /// pass's, and the receives it hands back must not wait for the idle
-    /// timeout. Nor while datagrams wait for their doorbell.
+    /// timeout. Nor while datagrams wait for their doorbell, or handlers
+    /// to be told that room is back.
     pub(crate) fn sleep_limit(&self) -> Duration {
         // Datagrams staged after the pass's flush (by a handler told its
         // endpoint failed, say) go out with the next pass, not after a sleep.
-        if !self.deferred.removals.is_empty() || self.datagrams.has_work(false) {
+        if !self.deferred.removals.is_empty()
+            || self.datagrams.has_work(false)
+            || self.conns.has_room_news()
+        {
             return Duration::ZERO;
         }
         let mut timeout = self.config.idle_timeout;
@@ -347,16 +351,16 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         if touched || self.idle.is_unsettled() || tidy || signal_tails || self.conns.has_touched() {
             self.flush(tidy, signal_tails);
         }
+        // Handlers told that room is back (the flush found it so) stage
+        // their backlog, which goes out now.
+        if self.conns.has_room_news() && self.tell_room() {
+            self.flush(false, false);
+        }
         // The datagram endpoints' doorbells, and once the reactor has been
         // idle a while their reposts below a batch.
         let datagram_tidy = self.idle.idle_for_reposts();
         if self.datagrams.has_work(datagram_tidy) {
             self.flush_datagrams(datagram_tidy);
-        }
-        // Handlers told that room is back (this pass's completions brought
-        // it) stage their backlog, which goes out now.
-        if self.conns.has_room_waits() && self.tell_room() {
-            self.flush(false, false);
         }
         // Here rather than in `turn`, so a loop of the user's own that calls
         // `poll_once` gets them too.

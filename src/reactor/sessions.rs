@@ -18,6 +18,8 @@ pub(crate) struct Session<H, L> {
     cq_charges: Vec<(usize, u32)>,
     /// The peer watch found the peer gone (and told the handler).
     gone: bool,
+    /// Its place on the sessions' idle list, while listed.
+    idle_place: Option<usize>,
 }
 
 /// What a removed session hands back.
@@ -102,6 +104,7 @@ impl<H, L> Sessions<H, L> {
             conns,
             cq_charges,
             gone: false,
+            idle_place: Some(self.idle.len()),
         };
         let id = self.slab.insert(session).map(SessionId)?;
         self.idle.join(id.0.index);
@@ -111,7 +114,9 @@ impl<H, L> Sessions<H, L> {
     /// Takes session `id` out; its id is never given again.
     pub(crate) fn remove(&mut self, id: SessionId) -> Option<Removed<H, L>> {
         let session = self.slab.remove(id.0)?;
-        self.idle.leave(id.0.index);
+        if let Some(place) = session.idle_place {
+            self.drop_idle(place);
+        }
         Some(Removed {
             handler: session.handler,
             link: session.link,
@@ -177,7 +182,7 @@ impl<H, L> Sessions<H, L> {
     #[inline]
     pub(crate) fn idle_at(&mut self, at: usize) -> Option<(SessionId, &mut H)> {
         let index = self.idle.get(at)?;
-        // A listed index holds a live session: a removal takes its index
+        // A listed index holds a live session: a removal takes its place
         // off the list before the entry can take a newcomer.
         let session = self.slab.get_by_index_quiet(index);
         debug_assert!(session.is_some(), "a listed session is live");
@@ -187,7 +192,22 @@ impl<H, L> Sessions<H, L> {
     /// The session at place `at` of the idle list asked not to be called
     /// again ([`Idle::Done`](super::Idle::Done)).
     pub(crate) fn idle_done(&mut self, at: usize) {
-        self.idle.drop_at(at);
+        if let Some(index) = self.idle.get(at)
+            && let Some((_, session)) = self.slab.get_by_index_quiet(index)
+        {
+            session.idle_place = None;
+        }
+        self.drop_idle(at);
+    }
+
+    /// Takes place `place` off the idle list; the session moved into it
+    /// learns its new place.
+    fn drop_idle(&mut self, place: usize) {
+        if let Some(moved) = self.idle.drop_at(place)
+            && let Some((_, session)) = self.slab.get_by_index_quiet(moved)
+        {
+            session.idle_place = Some(place);
+        }
     }
 
     /// Sessions whose handlers' `on_idle` runs on the next empty pass.
@@ -234,5 +254,45 @@ mod tests {
         assert_eq!(next.0.index, id.0.index, "the entry is reused");
         assert!(sessions.handler_mut(id).is_none(), "the old id misses it");
         assert_eq!(sessions.len(), 1);
+    }
+
+    /// The idle list: newcomers are on it, a session that is done and a
+    /// removed one leave it, and the sessions moved into their places are
+    /// still found and removed in one step.
+    #[test]
+    fn the_idle_list_keeps_every_listed_session_and_only_those() {
+        let mut sessions: Sessions<u32, ()> = Sessions::new(8, 1, 8).unwrap();
+        let ids: Vec<SessionId> = (0..5)
+            .map(|n| sessions.insert(n, (), Vec::new(), Vec::new()).unwrap())
+            .collect();
+        let listed = |sessions: &mut Sessions<u32, ()>| {
+            let mut handlers = Vec::new();
+            let mut at = 0;
+            while let Some((id, handler)) = sessions.idle_at(at) {
+                assert_eq!(sessions_handler(id), *handler);
+                handlers.push(*handler);
+                at += 1;
+            }
+            handlers.sort_unstable();
+            handlers
+        };
+        fn sessions_handler(id: SessionId) -> u32 {
+            id.0.index
+        }
+        assert_eq!(listed(&mut sessions), vec![0, 1, 2, 3, 4]);
+        // Session 0 is done: 4 moves into its place.
+        sessions.idle_done(0);
+        assert_eq!(listed(&mut sessions), vec![1, 2, 3, 4]);
+        // Removing the moved one and another takes each off in one step.
+        sessions.remove(ids[4]).unwrap();
+        sessions.remove(ids[2]).unwrap();
+        assert_eq!(listed(&mut sessions), vec![1, 3]);
+        assert_eq!(sessions.idle_len(), 2);
+        // Removing a session that is done leaves the list as it is.
+        sessions.remove(ids[0]).unwrap();
+        assert_eq!(listed(&mut sessions), vec![1, 3]);
+        let newcomer = sessions.insert(9, (), Vec::new(), Vec::new()).unwrap();
+        assert_eq!(sessions.handler_mut(newcomer), Some(&mut 9));
+        assert_eq!(sessions.idle_len(), 3);
     }
 }

@@ -295,9 +295,11 @@ impl Handler for Streamer {
         ctx.stop();
     }
 
-    fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
+    /// Credits come back with the receiver's credit updates, which no
+    /// other callback of this handler's reports: it has no `on_idle`, so a
+    /// wakeup the reactor missed would stall the stream.
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId) {
         self.pump(ctx);
-        Idle::Again
     }
 }
 

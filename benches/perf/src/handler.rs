@@ -75,6 +75,9 @@ impl Handler for PerfHandler {
     fn on_message(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, data: &[u8], imm: Option<u32>) {
         each_role!(self, h => h.on_message(ctx, conn, data, imm))
     }
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
+        each_role!(self, h => h.on_writable(ctx, conn))
+    }
     fn on_write_imm(&mut self, ctx: &mut Ctx<'_>, conn: ConnId, imm: u32, len: u32) {
         each_role!(self, h => h.on_write_imm(ctx, conn, imm, len))
     }

@@ -262,15 +262,19 @@ impl Handler for RateSender {
         ctx.stop();
     }
 
+    fn on_writable(&mut self, ctx: &mut Ctx<'_>, _conn: ConnId) {
+        self.resume(ctx);
+    }
+
     fn on_idle(&mut self, ctx: &mut Ctx<'_>) -> Idle {
-        self.when_idle(ctx);
+        self.resume(ctx);
         Idle::Again
     }
 }
 
 impl RateSender {
-    /// What a pass that finds nothing does for this role.
-    fn when_idle(&mut self, ctx: &mut Ctx<'_>) {
+    /// Stages what a refusal or a short batch left: the run's, or its end's.
+    fn resume(&mut self, ctx: &mut Ctx<'_>) {
         if self.end.begun() {
             self.end.retry(ctx, self.conn);
         } else {

@@ -252,7 +252,7 @@ impl Conn {
         // One compare on the busy path, where the state is what it
         // almost always is.
         if self.state != ConnState::Established {
-            return Err(self.state.refusal());
+            return Err(self.refuse_unestablished(Needs::new(consumes_recv, needs_slot)));
         }
         // One SQ entry and one credit stay reserved for credit updates, so a
         // busy sender can always tell its peer that it may send again.
@@ -260,10 +260,7 @@ impl Conn {
             || (consumes_recv && self.credits.available() < 2)
             || (needs_slot && !self.sq.has_free_slot())
         {
-            return Err(self.refuse_for_room(Needs {
-                credit: consumes_recv,
-                slot: needs_slot,
-            }));
+            return Err(self.refuse_for_room(Needs::new(consumes_recv, needs_slot)));
         }
         Ok(())
     }
@@ -275,26 +272,36 @@ impl Conn {
         SendError::WouldBlock
     }
 
-    /// Whether the connection began waiting for room since the flush last
-    /// looked: the flush then lists it with the table, whose walk at the
-    /// end of each pass tells the handler once room is back.
+    /// Refuses a request on a connection that is not established: one
+    /// still connecting waits for room as a full one does (`on_writable`
+    /// follows `on_established`, once the first credits are in).
+    #[cold]
+    #[inline(never)]
+    fn refuse_unestablished(&mut self, needs: Needs) -> SendError {
+        if self.state == ConnState::Connecting {
+            self.room.refused(needs);
+        }
+        self.state.refusal()
+    }
+
+    /// Whether the handler waits to be told that room is back.
     #[inline(always)]
-    pub(crate) fn list_for_room(&mut self) -> bool {
-        self.room.list()
+    pub(crate) fn waits_for_room(&self) -> bool {
+        self.room.needs().is_some()
     }
 
     /// Whether a connection waiting for room has it back: every kind of
-    /// request refused since it began waiting would be taken now. It then
-    /// waits no more.
-    pub(crate) fn room_came_back(&mut self) -> bool {
-        let Some(needs) = self.room.needs() else {
-            return false;
-        };
-        let back = self.admit(needs.credit, needs.slot).is_ok();
-        if back {
-            self.room = RoomWait::default();
+    /// request refused since it began waiting would be taken now.
+    pub(crate) fn has_room_back(&mut self) -> bool {
+        match self.room.needs() {
+            Some(needs) => self.admit(needs.credit(), needs.slot()).is_ok(),
+            None => false,
         }
-        back
+    }
+
+    /// The handler is told that room is back: the wait is over.
+    pub(crate) fn end_room_wait(&mut self) {
+        self.room.end();
     }
 
     /// Stages a SEND whose payload `fill` writes into a free send slot of

@@ -1,18 +1,29 @@
 //! A connection's wait for room: requests refused with `WouldBlock` for
-//! want of a send-queue entry, a credit or a send slot, remembered so the
-//! handler is told once room for every kind refused is back
-//! (`Handler::on_writable`), and whether the connection is on its table's
-//! list of those waiting.
+//! want of a send-queue entry, a credit or a send slot (or because the
+//! connection was not established yet), remembered so the handler is told
+//! once room for every kind refused is back (`Handler::on_writable`).
 
 /// What a request needs to be taken besides a send-queue entry: a credit
 /// (it consumes a peer receive), a send slot (it copies its payload).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Needs {
-    pub(crate) credit: bool,
-    pub(crate) slot: bool,
+    credit: bool,
+    slot: bool,
 }
 
 impl Needs {
+    pub(crate) fn new(credit: bool, slot: bool) -> Self {
+        Self { credit, slot }
+    }
+
+    pub(crate) fn credit(self) -> bool {
+        self.credit
+    }
+
+    pub(crate) fn slot(self) -> bool {
+        self.slot
+    }
+
     /// What both need.
     fn and(self, other: Self) -> Self {
         Self {
@@ -22,14 +33,11 @@ impl Needs {
     }
 }
 
-/// Whether a connection's handler waits to be told room is back, for what,
-/// and whether its table lists it.
+/// Whether a connection's handler waits to be told room is back, and for
+/// what: what the requests refused since the wait began need together.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct RoomWait {
-    /// What the requests refused since the wait began need together.
     needs: Option<Needs>,
-    /// The table lists the connection as waiting.
-    listed: bool,
 }
 
 impl RoomWait {
@@ -39,17 +47,14 @@ impl RoomWait {
     }
 
     /// What room the wait is for, if the handler waits.
+    #[inline(always)]
     pub(super) fn needs(&self) -> Option<Needs> {
         self.needs
     }
 
-    /// True once per wait: the handler waits and the table does not list
-    /// the connection yet (the caller lists it).
-    #[inline(always)]
-    pub(super) fn list(&mut self) -> bool {
-        let newly = self.needs.is_some() && !self.listed;
-        self.listed |= newly;
-        newly
+    /// The handler is told: the wait is over.
+    pub(super) fn end(&mut self) {
+        self.needs = None;
     }
 }
 
@@ -57,39 +62,23 @@ impl RoomWait {
 mod tests {
     use super::*;
 
-    const SEND: Needs = Needs {
-        credit: true,
-        slot: true,
-    };
-    const READ: Needs = Needs {
-        credit: false,
-        slot: false,
-    };
-
     #[test]
-    fn a_wait_is_listed_once_and_needs_what_every_refusal_needed() {
+    fn a_wait_needs_what_every_refusal_needed_until_it_ends() {
         let mut wait = RoomWait::default();
-        assert!(!wait.list(), "nothing refused: nothing to list");
-        assert_eq!(wait.needs(), None);
-        wait.refused(READ);
-        assert_eq!(wait.needs(), Some(READ));
-        assert!(wait.list(), "listed once");
-        assert!(!wait.list());
-        wait.refused(Needs {
-            credit: true,
-            slot: false,
-        });
-        wait.refused(READ);
+        assert_eq!(wait.needs(), None, "nothing refused: no wait");
+        let read = Needs::new(false, false);
+        wait.refused(read);
+        assert_eq!(wait.needs(), Some(read));
+        wait.refused(Needs::new(true, false));
+        wait.refused(read);
         assert_eq!(
             wait.needs(),
-            Some(Needs {
-                credit: true,
-                slot: false
-            }),
+            Some(Needs::new(true, false)),
             "a later refusal adds its needs, and nothing takes them away"
         );
-        wait.refused(SEND);
-        assert_eq!(wait.needs(), Some(SEND));
-        assert!(!wait.list(), "still listed");
+        wait.refused(Needs::new(false, true));
+        assert_eq!(wait.needs(), Some(Needs::new(true, true)));
+        wait.end();
+        assert_eq!(wait.needs(), None);
     }
 }

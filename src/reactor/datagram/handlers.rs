@@ -56,13 +56,11 @@ impl<H> DatagramHandlers<H> {
     /// The handler at place `at` of the idle list (see
     /// [`Sessions::idle_at`](crate::reactor::sessions::Sessions::idle_at)).
     pub(crate) fn idle_at(&mut self, at: usize) -> Option<&mut H> {
-        loop {
-            let place = self.idle.get(at)?;
-            if self.get(place).is_some() {
-                return self.get_mut(place);
-            }
-            self.idle.drop_at(at);
-        }
+        let place = self.idle.get(at)?;
+        // A listed place holds a handler: `take` takes it off the list.
+        let handler = self.places.get_mut(place).and_then(Option::as_mut);
+        debug_assert!(handler.is_some(), "a listed place holds a handler");
+        handler
     }
 
     /// The handler at place `at` of the idle list asked not to be called

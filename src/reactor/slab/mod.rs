@@ -50,7 +50,7 @@ pub(crate) struct Slab<T> {
     owner: u64,
     /// Whether mutable access lists the entry as touched.
     tracking: bool,
-    /// By list ([`TOUCHED`], [`PARKED`]): the entries listed and not yet
+    /// By list ([`TOUCHED`], [`PARKED`], [`ROOM`]): the entries listed and not yet
     /// walked, each once. Capacities follow the entries (reserved when an
     /// entry is added), so listing never allocates.
     lists: [Vec<u32>; LISTS],
@@ -61,11 +61,14 @@ pub(crate) struct Slab<T> {
     walked: [usize; LISTS],
 }
 
-const LISTS: usize = 2;
+const LISTS: usize = 3;
 /// Entries mutably accessed (see [`Slab::tracking`]).
 pub(crate) const TOUCHED: usize = 0;
 /// Entries their owner parked for later ([`Slab::park`]).
 pub(crate) const PARKED: usize = 1;
+/// Entries whose owner has news for later in the pass ([`Slab::list_room`]):
+/// connections whose handlers wait to be told that room is back, and have it.
+pub(crate) const ROOM: usize = 2;
 
 impl<T> Slab<T> {
     /// An empty slab whose keys name `owner`, which must be unique among
@@ -83,7 +86,7 @@ impl<T> Slab<T> {
             reserved: 0,
             owner,
             tracking: false,
-            lists: [Vec::new(), Vec::new()],
+            lists: [Vec::new(), Vec::new(), Vec::new()],
             walked: [0; LISTS],
         }
     }
@@ -145,6 +148,20 @@ impl<T> Slab<T> {
         if self.tracking {
             self.mark(PARKED, index);
         }
+    }
+
+    /// Lists entry `index` in the [`ROOM`] list (once).
+    #[cold]
+    pub(crate) fn list_room(&mut self, index: u32) {
+        if self.tracking {
+            self.mark(ROOM, index);
+        }
+    }
+
+    /// True if some entry is on `list` and not yet walked.
+    #[inline(always)]
+    pub(crate) fn has_listed(&self, list: usize) -> bool {
+        !self.lists[list].is_empty()
     }
 
     #[inline]

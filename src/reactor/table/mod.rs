@@ -16,7 +16,6 @@
 //! The layout itself is a leaf: connections encode their tags with it and
 //! the SRQ pool its slots' ids; only this table decodes them.
 
-mod room;
 pub(crate) mod wr_id;
 
 #[cfg(test)]
@@ -24,11 +23,10 @@ mod tests;
 
 use std::collections::TryReserveError;
 
+use super::ConnId;
 use super::conn::Conn;
-use super::slab::{Key, Slab};
+use super::slab::{Key, ROOM, Slab};
 use super::srq_pool::SrqPool;
-use super::{ConnId, SessionId};
-use room::{RoomWaits, Wait};
 use wr_id::{MAX_CONNS, WrKind};
 
 /// The connections of one reactor.
@@ -38,9 +36,6 @@ pub(crate) struct ConnTable {
     /// (see [`settle`](Self::settle)): flushed right after them, without
     /// a walk of the touched list.
     due: Option<u32>,
-    /// Connections refused for want of room, whose handlers wait to be
-    /// told it is back.
-    room_waits: RoomWaits,
 }
 
 /// What a vetted completion is to its connection.
@@ -103,11 +98,7 @@ impl ConnTable {
             .quarantining()
             .tracking()
             .reserving(reserve)?;
-        Ok(Self {
-            slab,
-            due: None,
-            room_waits: RoomWaits::with_capacity(reserve)?,
-        })
+        Ok(Self { slab, due: None })
     }
 
     /// Whose completion `wr_id` of QP `qpn` is: its connection, or why it
@@ -278,43 +269,16 @@ impl ConnTable {
         self.slab.remove(id.key())
     }
 
-    /// Connection `key` began waiting for room
-    /// ([`Conn::list_for_room`]): listed, for [`next_with_room`](Self::next_with_room).
-    #[cold]
-    pub(crate) fn list_room_wait(&mut self, key: Key) {
-        self.room_waits.push(key);
+    /// Connection `index` waited for room and has it back: listed, for
+    /// the walk that tells the handlers ([`ROOM`]).
+    pub(crate) fn list_room(&mut self, index: u32) {
+        self.slab.list_room(index);
     }
 
-    /// Whether a connection waits for room.
+    /// Whether a connection is listed as having room back.
     #[inline(always)]
-    pub(crate) fn has_room_waits(&self) -> bool {
-        !self.room_waits.is_empty()
-    }
-
-    /// Starts a walk of the connections waiting for room; returns the
-    /// walk's budget for [`next_with_room`](Self::next_with_room).
-    pub(crate) fn begin_room_walk(&mut self) -> usize {
-        self.room_waits.begin_walk()
-    }
-
-    /// The walk's next connection that waited for room and has it back,
-    /// taken off the list, with its session; `None` once the budget is
-    /// spent or the walk is over. A connection that is gone or closed
-    /// leaves the list untold.
-    pub(crate) fn next_with_room(&mut self, budget: &mut usize) -> Option<(SessionId, ConnId)> {
-        let slab = &mut self.slab;
-        self.room_waits.next_ready(budget, |key| {
-            let Some(conn) = slab.get_mut_quiet(key) else {
-                return Wait::Gone;
-            };
-            if conn.state().is_closed() {
-                Wait::Gone
-            } else if conn.room_came_back() {
-                Wait::Ready((conn.session(), conn.id()))
-            } else {
-                Wait::Waiting
-            }
-        })
+    pub(crate) fn has_room_news(&self) -> bool {
+        self.slab.has_listed(ROOM)
     }
 
     /// The reactor whose connections these are (the owner every key

@@ -50,8 +50,10 @@ struct Seen {
     /// Each `on_writable`'s connection, and whether the SEND of
     /// `send_when_writable` it made then (if any) was taken.
     writable: Vec<(ConnId, bool)>,
-    /// What `on_writable` sends, if anything.
+    /// What `on_writable` sends, if anything: once, or with
+    /// `send_until_refused` until a SEND is refused.
     send_when_writable: Option<Vec<u8>>,
+    send_until_refused: bool,
     /// `on_idle` calls.
     idle_calls: u32,
     /// What `on_idle` returns once it has been called this often
@@ -97,7 +99,11 @@ impl Handler for Probe {
     fn on_writable(&mut self, ctx: &mut Ctx<'_>, conn: ConnId) {
         let mut seen = self.0.borrow_mut();
         let taken = match &seen.send_when_writable {
-            Some(data) => ctx.send(conn, data, None).is_ok(),
+            Some(data) => {
+                let taken = ctx.send(conn, data, None).is_ok();
+                while seen.send_until_refused && ctx.send(conn, data, None).is_ok() {}
+                taken
+            }
             None => false,
         };
         seen.writable.push((conn, taken));

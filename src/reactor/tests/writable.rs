@@ -1,10 +1,11 @@
 //! `Handler::on_writable`: a handler refused for want of room is told once
 //! room is back (credits a credit update returns, send-queue entries a
-//! retire frees), once per refusal, and a connection that closes while
-//! waiting is dropped from the waiting list untold.
+//! retire frees), once after any number of refusals, and a connection
+//! that fails while waiting is not told.
 
 use super::*;
 use crate::reactor::SendError;
+use crate::verbs::refuse_sends_after;
 
 /// Passes enough for anything the loopback device lands to be handled.
 const SETTLE: usize = 8;
@@ -21,6 +22,14 @@ fn send_until_refused(reactor: &mut Reactor<Probe, ()>, conn: ConnId, data: &[u8
         }
         assert!(taken <= 4 * RECV_DEPTH as usize, "never refused");
     }
+}
+
+/// Whether `conn`'s handler waits to be told that room is back.
+fn waits(reactor: &Reactor<Probe, ()>, conn: ConnId) -> bool {
+    reactor
+        .conns
+        .get(conn.key())
+        .is_some_and(|conn| conn.waits_for_room())
 }
 
 fn settle(reactor: &mut Reactor<Probe, ()>) {
@@ -64,7 +73,7 @@ fn a_sender_out_of_credits_is_told_once_when_the_peer_returns_them() {
     );
     let messages = &b.seen.borrow().messages;
     assert_eq!(messages.last().map(Vec::as_slice), Some(&b"backlog"[..]));
-    assert!(!reactor.conns.has_room_waits(), "none waits");
+    assert!(!waits(&reactor, a.conn), "the wait is over");
 }
 
 /// A handler whose sends are never refused is never told.
@@ -112,7 +121,7 @@ fn a_full_send_queue_tells_once_its_requests_retire() {
         a.seen.borrow().writable.is_empty(),
         "not told before a pass"
     );
-    run_until(&mut reactor, "told of room", |_| {
+    run_within(&mut reactor, SETTLE, "told of room", |_| {
         !a.seen.borrow().writable.is_empty()
     });
     settle(&mut reactor);
@@ -120,24 +129,64 @@ fn a_full_send_queue_tells_once_its_requests_retire() {
     assert!(a.seen.borrow().writable[0].1, "a SEND was taken then");
 }
 
-/// A connection removed while it waits for room leaves the waiting list
-/// at the next pass, and its handler is not told.
+/// A connection that fails while it waits for room (its flush refused
+/// by the device, which hands its requests, and so its room, back) is not
+/// told, and its handler hears of the failure once.
 #[test]
-fn a_connection_removed_while_waiting_is_not_told() {
+fn a_connection_that_fails_while_waiting_is_not_told() {
+    // SAFETY: every QP of the device is served from this thread.
+    let ctx = unsafe { Context::loopback() };
+    let pd = ctx.alloc_pd().expect("a PD");
+    let mut reactor = reactor(&pd);
+    let (a, _b) = add_pair(&mut reactor, &pd);
+    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+    let ours = pd.alloc_mr(4096, access).expect("a region");
+    let theirs = pd.alloc_mr(4096, access).expect("a region");
+    let remote = theirs.remote().unwrap().slice(0, 8).unwrap();
+    let local = ours.slice(0, 8).unwrap();
+    let a_qpn = reactor.conns.get(a.conn.key()).expect("live").qpn();
+    refuse_sends_after(a_qpn, 0);
+    let mut staged = 0;
+    while reactor
+        .with_ctx(|ctx| ctx.write(a.conn, &local, remote, None))
+        .is_ok()
+    {
+        staged += 1;
+        assert!(staged <= 1024, "never refused");
+    }
+    assert!(waits(&reactor, a.conn));
+    settle(&mut reactor);
+    assert_eq!(a.seen.borrow().errors.len(), 1, "told of the failure once");
+    assert!(a.seen.borrow().writable.is_empty(), "not told of room");
+}
+
+/// A handler that stages until refused again from `on_writable` waits
+/// anew, and is told again when the next room comes.
+#[test]
+fn a_refusal_inside_on_writable_waits_anew() {
     // SAFETY: every QP of the device is served from this thread.
     let ctx = unsafe { Context::loopback() };
     let pd = ctx.alloc_pd().expect("a PD");
     let mut reactor = reactor(&pd);
     let (a, b) = add_pair(&mut reactor, &pd);
     b.seen.borrow_mut().hold = true;
+    {
+        let mut seen = a.seen.borrow_mut();
+        seen.send_when_writable = Some(b"more".to_vec());
+        seen.send_until_refused = true;
+    }
     send_until_refused(&mut reactor, a.conn, b"first");
-    settle(&mut reactor);
-    assert!(reactor.conns.has_room_waits(), "a waits");
-    let seen = std::rc::Rc::clone(&a.seen);
-    drop(reactor.remove(a.session).expect("a's session"));
-    settle(&mut reactor);
-    assert!(!reactor.conns.has_room_waits(), "dropped from the list");
-    assert!(seen.borrow().writable.is_empty(), "untold");
+    for round in 1..=2 {
+        settle(&mut reactor);
+        let held = std::mem::take(&mut b.seen.borrow_mut().held);
+        release_all(&mut reactor, held);
+        run_until(&mut reactor, "told of room", |_| {
+            a.seen.borrow().writable.len() == round
+        });
+        settle(&mut reactor);
+        assert_eq!(a.seen.borrow().writable.len(), round, "told once a round");
+        assert!(waits(&reactor, a.conn), "refused inside on_writable: waits");
+    }
 }
 
 /// Room is what the refused requests need: READs refused for want of
@@ -173,7 +222,7 @@ fn room_is_what_the_refused_requests_need() {
         staged += 1;
         assert!(staged <= 1024, "never refused");
     }
-    run_until(&mut reactor, "told of room for READs", |_| {
+    run_within(&mut reactor, SETTLE, "told of room for READs", |_| {
         !a.seen.borrow().writable.is_empty()
     });
     assert_eq!(
