@@ -33,7 +33,8 @@ pub struct ReactorConfig {
     /// [`SLOT_RESERVE`](super::SLOT_RESERVE) bytes less).
     pub slot_size: usize,
     /// Receives kept posted per QP; with an SRQ, each connection's share of
-    /// it (the credits its peer gets).
+    /// it (the credits its peer gets). At least 3 (fewer count as 3): one
+    /// stays reserved for credit updates.
     pub recv_depth: u32,
     /// Receives in one shared receive queue for all of the reactor's QPs
     /// (0: every QP keeps its own ring of `recv_depth`). Memory then grows
@@ -229,7 +230,7 @@ impl ReactorConfig {
         let receives = if self.srq_depth > 0 {
             0
         } else {
-            self.recv_depth.max(2)
+            self.recv_depth.max(super::conn::MIN_RECV_DEPTH)
         };
         self.sq_depth.saturating_add(receives)
     }

@@ -7,6 +7,7 @@ use crate::error::Result;
 use crate::session::{CqChoice, QpSpec, ServerConfig};
 use crate::verbs::{AccessFlags, ProtectionDomain, QpConfig, QueuePair};
 
+use super::conn::MIN_RECV_DEPTH;
 use super::srq_pool::SrqPool;
 use super::{Handler, PeerLink, Reactor};
 
@@ -17,7 +18,7 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
         let cq = self.completions.next_shared();
         let qp = QpConfig {
             max_send_wr: self.config.sq_depth,
-            max_recv_wr: self.config.recv_depth,
+            max_recv_wr: self.config.recv_depth.max(MIN_RECV_DEPTH),
             max_inline_data: self.config.max_inline,
             ..QpConfig::default()
         };

@@ -134,8 +134,12 @@ pub(crate) struct Credits {
 
 impl Credits {
     /// Credits of a connection with `recv_depth` receives (its ring, or
-    /// its share of the SRQ): an update goes out once a quarter of them
-    /// went unannounced.
+    /// its share of the SRQ): an update goes out once a quarter of them,
+    /// and at least two, went unannounced. Never for one alone: a peer's
+    /// credit update consumes one of our receives, and an update of ours
+    /// for that one would consume one of the peer's, which would answer
+    /// it, for good. (With fewer than three receives it is one: then the
+    /// reserved one is all a sender has.)
     pub(crate) fn new(recv_depth: u32) -> Self {
         Self {
             peer_posted: 0,
@@ -143,7 +147,10 @@ impl Credits {
             posted: 0,
             advertised: 0,
             received: 0,
-            threshold: (recv_depth / 4).max(1),
+            threshold: (recv_depth / 4)
+                .max(2)
+                .min(recv_depth.saturating_sub(1))
+                .max(1),
             announce_staged: false,
         }
     }

@@ -75,6 +75,12 @@ pub(crate) struct Conn {
 // owns this Conn; moving the Conn to another thread moves none of that memory.
 unsafe impl Send for Conn {}
 
+/// The fewest receives a connection keeps posted (or is granted from the
+/// SRQ): one stays reserved for the peer's credit updates, and an update
+/// is owed only for two or more receives gone unannounced, so the updates
+/// that announce receives consumed by updates die out between idle peers.
+pub(crate) const MIN_RECV_DEPTH: u32 = 3;
+
 /// No QP number: beyond every `u32` a device can report.
 const NO_QPN: u64 = 1 << 32;
 
@@ -90,8 +96,8 @@ impl Conn {
     ) -> crate::Result<Self> {
         let slot_size = config.slot_size.max(IMM_TRAILER_LEN);
         let recv_depth = match shared {
-            Some(_) => config.recv_depth.max(2),
-            None => config.recv_depth.min(qp.max_recv_wr()).max(2),
+            Some(_) => config.recv_depth.max(MIN_RECV_DEPTH),
+            None => config.recv_depth.min(qp.max_recv_wr()).max(MIN_RECV_DEPTH),
         };
         let rq = RecvRing::new(
             pd,
@@ -121,7 +127,7 @@ impl Conn {
     }
 
     /// A direct connection (see `direct`): established at once, with rings
-    /// of two 4-byte slots that nothing ever posts (the rest of the
+    /// of a few 4-byte slots that nothing ever posts (the rest of the
     /// connection's machinery is idle, and stays correct, around them).
     pub(crate) fn new_direct(
         id: ConnId,
@@ -133,7 +139,7 @@ impl Conn {
     ) -> crate::Result<Self> {
         let token = ReactorConfig {
             slot_size: IMM_TRAILER_LEN,
-            recv_depth: 2,
+            recv_depth: MIN_RECV_DEPTH,
             send_slots: 2,
             signal_interval: 1,
             sq_depth: MIN_SQ_DEPTH,

@@ -409,6 +409,7 @@ mod idle;
 mod ids;
 mod now;
 mod qpn_reuse;
+mod quiet;
 mod ring;
 mod run;
 mod sparse;
