@@ -5,13 +5,6 @@
 
 use super::*;
 
-/// Empty passes: nothing is in flight on a quiet pair.
-fn empty_passes(reactor: &mut Reactor<Probe, ()>, passes: usize) {
-    for _ in 0..passes {
-        reactor.turn().expect("a pass");
-    }
-}
-
 #[test]
 fn only_handlers_that_ask_again_are_called_on_empty_passes() {
     // SAFETY: every QP of the device is served from this thread.
@@ -26,7 +19,7 @@ fn only_handlers_that_ask_again_are_called_on_empty_passes() {
     // Done at its next call.
     done.seen.borrow_mut().idle_done_after = Some(before.1 + 1);
     let empty = reactor.counters().empty_passes;
-    empty_passes(&mut reactor, 50);
+    turns(&mut reactor, 50);
     let passes = (reactor.counters().empty_passes - empty) as u32;
     assert!(passes > 0, "some passes were empty");
     assert_eq!(
@@ -48,7 +41,7 @@ fn only_handlers_that_ask_again_are_called_on_empty_passes() {
     assert_eq!(reactor.sessions.idle_len(), 2);
     newcomer.seen.borrow_mut().idle_done_after = Some(3);
     other.seen.borrow_mut().idle_done_after = Some(1);
-    empty_passes(&mut reactor, 50);
+    turns(&mut reactor, 50);
     assert_eq!(
         newcomer.seen.borrow().idle_calls,
         3,

@@ -288,6 +288,13 @@ fn run_within(
     panic!("not within {passes} passes: {what}");
 }
 
+/// Runs `passes` passes, whatever they find.
+fn turns(reactor: &mut Reactor<Probe, ()>, passes: usize) {
+    for _ in 0..passes {
+        reactor.turn().expect("a pass");
+    }
+}
+
 /// Sends `data` on `conn`, running passes while its credits are spent.
 #[track_caller]
 fn send(reactor: &mut Reactor<Probe, ()>, conn: ConnId, data: &[u8]) {

@@ -27,13 +27,9 @@ fn a_pair_goes_quiet_after_traffic_at_every_depth() {
             b.seen.borrow().messages.len() == 20
         });
         // Long enough for the idle-time reposts and tail signals.
-        for _ in 0..5000 {
-            reactor.turn().expect("a pass");
-        }
+        turns(&mut reactor, 5000);
         let before = reactor.counters();
-        for _ in 0..1000 {
-            reactor.turn().expect("a pass");
-        }
+        turns(&mut reactor, 1000);
         let after = reactor.counters();
         assert_eq!(
             (

@@ -33,9 +33,19 @@ fn waits(reactor: &Reactor<Probe, ()>, conn: ConnId) -> bool {
 }
 
 fn settle(reactor: &mut Reactor<Probe, ()>) {
-    for _ in 0..SETTLE {
-        reactor.turn().expect("a pass");
-    }
+    turns(reactor, SETTLE);
+}
+
+/// Two 4 KiB regions registered with `access`, ours and the peer's, and
+/// the peer's first 8 bytes as a remote slice: for one-sided requests.
+fn regions(
+    pd: &ProtectionDomain,
+    access: AccessFlags,
+) -> (MemoryRegion, MemoryRegion, crate::verbs::RemoteSlice) {
+    let ours = pd.alloc_mr(4096, access).expect("a region");
+    let theirs = pd.alloc_mr(4096, access).expect("a region");
+    let remote = theirs.remote().unwrap().slice(0, 8).unwrap();
+    (ours, theirs, remote)
 }
 
 /// A sender whose peer holds every message runs out of credits; it is
@@ -103,10 +113,8 @@ fn a_full_send_queue_tells_once_its_requests_retire() {
     let mut reactor = reactor(&pd);
     let (a, _b) = add_pair(&mut reactor, &pd);
     a.seen.borrow_mut().send_when_writable = Some(b"after".to_vec());
-    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
-    let ours = pd.alloc_mr(4096, access).expect("a region");
-    let theirs = pd.alloc_mr(4096, access).expect("a region");
-    let remote = theirs.remote().unwrap().slice(0, 8).unwrap();
+    let (ours, _theirs, remote) =
+        regions(&pd, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
     let local = ours.slice(0, 8).unwrap();
     let mut staged = 0;
     loop {
@@ -139,10 +147,8 @@ fn a_connection_that_fails_while_waiting_is_not_told() {
     let pd = ctx.alloc_pd().expect("a PD");
     let mut reactor = reactor(&pd);
     let (a, _b) = add_pair(&mut reactor, &pd);
-    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
-    let ours = pd.alloc_mr(4096, access).expect("a region");
-    let theirs = pd.alloc_mr(4096, access).expect("a region");
-    let remote = theirs.remote().unwrap().slice(0, 8).unwrap();
+    let (ours, _theirs, remote) =
+        regions(&pd, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
     let local = ours.slice(0, 8).unwrap();
     let a_qpn = reactor.conns.get(a.conn.key()).expect("live").qpn();
     refuse_sends_after(a_qpn, 0);
@@ -209,10 +215,7 @@ fn room_is_what_the_refused_requests_need() {
             .expect("a credit left");
     }
     settle(&mut reactor);
-    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
-    let ours = pd.alloc_mr(4096, access).expect("a region");
-    let theirs = pd.alloc_mr(4096, access).expect("a region");
-    let remote = theirs.remote().unwrap().slice(0, 8).unwrap();
+    let (ours, _theirs, remote) = regions(&pd, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ);
     let local = ours.slice(0, 8).unwrap();
     let mut staged = 0;
     while reactor
@@ -257,10 +260,7 @@ fn a_request_rung_alone_that_is_refused_is_told_too() {
     let pd = ctx.alloc_pd().expect("a PD");
     let mut reactor = reactor(&pd);
     let (a, _b) = add_pair(&mut reactor, &pd);
-    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
-    let ours = pd.alloc_mr(4096, access).expect("a region");
-    let theirs = pd.alloc_mr(4096, access).expect("a region");
-    let remote = theirs.remote().unwrap().slice(0, 8).unwrap();
+    let (ours, _theirs, remote) = regions(&pd, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ);
     let local = ours.slice(0, 8).unwrap();
     let mut rung = 0;
     loop {
