@@ -468,9 +468,10 @@ impl Ctx<'_> {
     }
 
     /// A request to ring alone on `conn` was refused: the connection is
-    /// listed for the flush all the same, which lists it as waiting for
-    /// room if that was why (staging through [`conn`](Self::conn) lists it
-    /// anyway).
+    /// listed for the flush all the same, as staging through
+    /// [`conn`](Self::conn) lists it (a connection refused for want of room
+    /// is then looked at by the flushes that follow the completions that
+    /// may bring it).
     #[cold]
     #[inline(never)]
     fn refused_alone(&mut self, conn: ConnId, refused: SendError) -> SendError {

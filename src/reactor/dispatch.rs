@@ -111,9 +111,9 @@ impl<H: Handler, L: PeerLink> Reactor<H, L> {
                     Completed::Send { seq } => {
                         let count = conn.sq().retire_count(seq);
                         if count != 0 {
-                            // A handler waiting for room may have it now:
-                            // the flush looks.
-                            if conn.waits_for_room() {
+                            // A handler waiting for room the retire may
+                            // bring has it now, maybe: the flush looks.
+                            if conn.retire_may_bring_room() {
                                 self.conns.settle(key.index);
                             }
                             self.deliver_retired(key, session, id, count);

@@ -38,11 +38,12 @@ pub trait Handler {
     /// [`SendError::WouldBlock`](super::SendError::WouldBlock) (while it
     /// was full, or still connecting), and completions since brought room
     /// back for every kind refused: a request of those kinds staged now is
-    /// taken. Called once after any number of refusals, at the end of the
-    /// pass whose completions brought the room (after that pass's other
-    /// callbacks: a handler that answers in `on_message` while it has a
-    /// backlog queues the answer behind it); a refusal after the call
-    /// waits anew. Not called for a connection that failed. Called on the
+    /// taken. Called once after any number of refusals, in the pass whose
+    /// completions brought the room, after its completion and `on_idle`
+    /// callbacks and its flush (a handler that answers in `on_message`
+    /// while it has a backlog queues the answer behind it), before its
+    /// peer-watch and removal callbacks; a refusal after the call waits
+    /// anew. Not called for a connection that failed. Called on the
     /// handler of the session `conn` belongs to: a relay that stages on
     /// another session's connection shares one handler between the two
     /// (`Rc<RefCell<H>>`, below).

@@ -183,10 +183,17 @@ impl<H, L> Sessions<H, L> {
     pub(crate) fn idle_at(&mut self, at: usize) -> Option<(SessionId, &mut H)> {
         let index = self.idle.get(at)?;
         // A listed index holds a live session: a removal takes its place
-        // off the list before the entry can take a newcomer.
-        let session = self.slab.get_by_index_quiet(index);
-        debug_assert!(session.is_some(), "a listed session is live");
-        session.map(|(key, session)| (SessionId(key), &mut session.handler))
+        // off the list before the entry can take a newcomer. Were it ever
+        // not so, the place is dropped (this walk ends there, the next
+        // goes past it).
+        match self.slab.get_by_index_quiet(index) {
+            Some((key, session)) => Some((SessionId(key), &mut session.handler)),
+            None => {
+                debug_assert!(false, "a listed session is live");
+                self.idle.drop_at(at);
+                None
+            }
+        }
     }
 
     /// The session at place `at` of the idle list asked not to be called
@@ -203,6 +210,9 @@ impl<H, L> Sessions<H, L> {
     /// Takes place `place` off the idle list; the session moved into it
     /// learns its new place.
     fn drop_idle(&mut self, place: usize) {
+        if place >= self.idle.len() {
+            return;
+        }
         if let Some(moved) = self.idle.drop_at(place)
             && let Some((_, session)) = self.slab.get_by_index_quiet(moved)
         {

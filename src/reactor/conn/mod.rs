@@ -260,15 +260,22 @@ impl Conn {
         if self.state != ConnState::Established {
             return Err(self.refuse_unestablished(Needs::new(consumes_recv, needs_slot)));
         }
-        // One SQ entry and one credit stay reserved for credit updates, so a
-        // busy sender can always tell its peer that it may send again.
-        if !self.sq.has_room()
-            || (consumes_recv && self.credits.available() < 2)
-            || (needs_slot && !self.sq.has_free_slot())
-        {
+        if !self.has_room_for(consumes_recv, needs_slot) {
             return Err(self.refuse_for_room(Needs::new(consumes_recv, needs_slot)));
         }
         Ok(())
+    }
+
+    /// Whether the send queue, the credits and the send slots have room for
+    /// a request that consumes a peer receive or not, and copies its
+    /// payload or not. One SQ entry and one credit stay reserved for credit
+    /// updates, so a busy sender can always tell its peer that it may send
+    /// again.
+    #[inline(always)]
+    fn has_room_for(&self, consumes_recv: bool, needs_slot: bool) -> bool {
+        self.sq.has_room()
+            && (!consumes_recv || self.credits.available() >= 2)
+            && (!needs_slot || self.sq.has_free_slot())
     }
 
     #[cold]
@@ -298,11 +305,25 @@ impl Conn {
 
     /// Whether a connection waiting for room has it back: every kind of
     /// request refused since it began waiting would be taken now.
-    pub(crate) fn has_room_back(&mut self) -> bool {
-        match self.room.needs() {
-            Some(needs) => self.admit(needs.credit(), needs.slot()).is_ok(),
-            None => false,
-        }
+    pub(crate) fn has_room_back(&self) -> bool {
+        self.room
+            .needs()
+            .is_some_and(|needs| self.would_admit(needs.credit(), needs.slot()))
+    }
+
+    /// Whether a retire (which frees send-queue entries and slots, never
+    /// credits) may end the connection's wait for room: it waits, and not
+    /// for a credit it lacks.
+    #[inline(always)]
+    pub(crate) fn retire_may_bring_room(&self) -> bool {
+        self.room
+            .needs()
+            .is_some_and(|needs| !needs.credit() || self.credits.available() >= 2)
+    }
+
+    /// [`admit`](Self::admit)'s verdict, without noting a refusal.
+    fn would_admit(&self, consumes_recv: bool, needs_slot: bool) -> bool {
+        self.state == ConnState::Established && self.has_room_for(consumes_recv, needs_slot)
     }
 
     /// The handler is told that room is back: the wait is over.

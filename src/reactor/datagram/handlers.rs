@@ -57,10 +57,17 @@ impl<H> DatagramHandlers<H> {
     /// [`Sessions::idle_at`](crate::reactor::sessions::Sessions::idle_at)).
     pub(crate) fn idle_at(&mut self, at: usize) -> Option<&mut H> {
         let place = self.idle.get(at)?;
-        // A listed place holds a handler: `take` takes it off the list.
-        let handler = self.places.get_mut(place).and_then(Option::as_mut);
-        debug_assert!(handler.is_some(), "a listed place holds a handler");
-        handler
+        // A listed place holds a handler: `take` takes it off the list. Were
+        // it ever not so, the place is dropped (this walk ends there, the
+        // next goes past it).
+        match self.places.get_mut(place).and_then(Option::as_mut) {
+            Some(handler) => Some(handler),
+            None => {
+                debug_assert!(false, "a listed place holds a handler");
+                self.idle.drop_at(at);
+                None
+            }
+        }
     }
 
     /// The handler at place `at` of the idle list asked not to be called
