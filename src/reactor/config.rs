@@ -167,8 +167,9 @@ const MAX_CQ_ENTRIES: u32 = 32_000;
 
 impl ReactorConfig {
     /// The one sizing rule the tools share: SENDs of up to `payload` bytes,
-    /// `depth` receives and send slots per connection (a window of `depth`
-    /// messages in flight each way), about twice that in send-queue
+    /// `depth` receives and send slots per connection (a window of up to
+    /// `depth - 1` messages in flight each way: one receive stays reserved
+    /// for credit updates), about twice that in send-queue
     /// entries (one fewer than a power of two, at least 31), and
     /// CQs that absorb `connections` such connections (spread over several
     /// CQs when one would be too large), whose records are reserved up
