@@ -27,10 +27,9 @@ impl<K: Copy + PartialEq> IdleList<K> {
     }
 
     /// Lists `key` (a newcomer: its handler's `on_idle` runs at least
-    /// once); returns its place.
-    pub(super) fn join(&mut self, key: K) -> usize {
+    /// once), last: at place [`len`](Self::len) before the call.
+    pub(super) fn join(&mut self, key: K) {
         self.keys.push(key);
-        self.keys.len() - 1
     }
 
     /// Takes `key` off the list, wherever it is (when its endpoint goes):

@@ -162,6 +162,14 @@ impl Credits {
         self.peer_posted.wrapping_sub(self.consumed) as i32
     }
 
+    /// Whether a request may consume a peer receive: one credit stays
+    /// reserved for credit updates, so a busy sender can always tell its
+    /// peer that it may send again.
+    #[inline(always)]
+    pub(crate) fn can_spend_on_request(&self) -> bool {
+        self.available() >= 2
+    }
+
     /// Applies a receive count the peer sent (30 bits of its cumulative
     /// count, from a SEND's immediate), rebuilt to the full count from the
     /// one we know ([`send_imm::advance`]). Returns whether the peer has

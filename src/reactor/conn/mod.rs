@@ -269,12 +269,11 @@ impl Conn {
     /// Whether the send queue, the credits and the send slots have room for
     /// a request that consumes a peer receive or not, and copies its
     /// payload or not. One SQ entry and one credit stay reserved for credit
-    /// updates, so a busy sender can always tell its peer that it may send
-    /// again.
+    /// updates.
     #[inline(always)]
     fn has_room_for(&self, consumes_recv: bool, needs_slot: bool) -> bool {
         self.sq.has_room()
-            && (!consumes_recv || self.credits.available() >= 2)
+            && (!consumes_recv || self.credits.can_spend_on_request())
             && (!needs_slot || self.sq.has_free_slot())
     }
 
@@ -318,7 +317,7 @@ impl Conn {
     pub(crate) fn retire_may_bring_room(&self) -> bool {
         self.room
             .needs()
-            .is_some_and(|needs| !needs.credit() || self.credits.available() >= 2)
+            .is_some_and(|needs| !needs.credit() || self.credits.can_spend_on_request())
     }
 
     /// [`admit`](Self::admit)'s verdict, without noting a refusal.
